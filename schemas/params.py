@@ -1,0 +1,70 @@
+"""Per-request generation parameters (the job's `params` object).
+
+Field names follow the OpenAI / vLLM conventions. Validation runs in
+`__post_init__`, so it applies both to JSON decoded off the wire
+(`msgspec.json.decode(..., type=SamplingParams)` raises `msgspec.ValidationError`)
+and to objects built in Python (raises `ValueError`); each message names the field.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """How to sample one request.
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1). None: up to the worker's
+            `max_output_tokens`, capped by the model context.
+        temperature: 0 means greedy (argmax); > 0 scales logits before sampling.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        min_p: drop tokens whose probability is below `min_p * p_max`; 0 disables it.
+        repetition_penalty: > 0; 1 disables it. Applied to every token of the prompt
+            and output as in CTRL (Keskar et al., 2019) / transformers: positive logits
+            are divided by it, negative ones multiplied.
+        stop: strings that end generation; the stop string is not part of the text.
+        stop_token_ids: token ids that end generation, besides the model's EOS.
+        seed: per-request seed; the same seed gives the same tokens whatever else
+            is in the batch.
+        ignore_eos: keep generating past EOS until `max_tokens`.
+        logprobs: None: no logprobs. N >= 0: the sampled token's log-probability plus
+            the N most likely alternatives, from the model's raw distribution.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"params.max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"params.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"params.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"params.top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"params.min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"params.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not s for s in self.stop):
+            raise ValueError("params.stop must not contain empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"params.stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"params.logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

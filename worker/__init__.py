@@ -1,0 +1,1 @@
+"""Inflight worker: engine, model runner and (later) the Kafka/Redis worker around them."""

@@ -1,0 +1,379 @@
+"""Engine: the public API every other part (worker, benchmarks, demo) uses.
+
+Threading: `add_request` and `abort` may be called from any thread; they validate
+and tokenize in the caller's thread and hand over through thread-safe deques.
+`step` runs on one thread (the engine thread) and is the only code that touches the
+scheduler, KV cache and model. New requests and aborts take effect at the next step
+boundary; an aborted request's KV blocks are free when that `step` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from schemas.params import SamplingParams
+from worker.config import EngineConfig, ModelConfig
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.outputs import CompletionOutput, KVStats, RequestOutput, TokenLogprobs, Usage
+from worker.engine.request import (
+    FINISH_REASONS,
+    Priority,
+    RejectReason,
+    Request,
+    RequestRejected,
+    RequestStatus,
+)
+from worker.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from worker.model.detokenizer import IncrementalDetokenizer
+    from worker.model.loader import LoadedModel
+    from worker.model.runner import ModelRunner
+
+CPU_DEFAULT_KV_TOKENS = 16384
+
+
+class Engine:
+    """Continuous-batching generation engine over a paged KV cache.
+
+    Build with `Engine.from_pretrained(path, config)`. Typical loop:
+
+        engine.add_request("a", prompt="Hello", params=SamplingParams(max_tokens=8))
+        while engine.has_unfinished():
+            for out in engine.step():
+                print(out.request_id, out.text, out.finish_reason)
+    """
+
+    def __init__(self, loaded: LoadedModel, runner: ModelRunner, config: EngineConfig, num_blocks: int) -> None:
+        from worker.model.detokenizer import IncrementalDetokenizer
+
+        self._detok_cls = IncrementalDetokenizer
+        self.config = config
+        self.tuning = config.serving_tuning
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self._decoder = getattr(loaded.tokenizer, "backend_tokenizer", None) or loaded.tokenizer
+        self.runner = runner
+        self.max_model_len = loaded.max_model_len
+        self.kv = KVCacheManager(
+            num_blocks,
+            self.tuning.kv_block_size,
+            enable_prefix_caching=self.tuning.enable_prefix_caching,
+            namespace=loaded.model_id.encode(),
+        )
+        self.scheduler = Scheduler(self.tuning, self.kv)
+        self._new: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._live_ids: set[str] = set()
+        self._live_lock = threading.Lock()
+        self._arrival = itertools.count()
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}
+
+    # ---- construction --------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, config: EngineConfig | None = None) -> Engine:
+        """Load a local Hugging Face checkpoint directory and size the KV cache.
+
+        KV capacity: `serving_tuning.max_total_tokens` if set; else on CUDA
+        `gpu_memory_utilization` of the free memory after loading; else 16384 tokens.
+        """
+        from worker.model.kernels import get_backend
+        from worker.model.loader import load_model
+        from worker.model.runner import ModelRunner
+
+        config = config or EngineConfig()
+        model_cfg = ModelConfig(**{**_struct_dict(config.model), "path": path})
+        config = EngineConfig(model=model_cfg, serving_tuning=config.serving_tuning)
+        loaded = load_model(model_cfg)
+        tuning = config.serving_tuning
+        per_token = ModelRunner.kv_bytes_per_token(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype)
+        if tuning.max_total_tokens is not None:
+            kv_tokens = tuning.max_total_tokens
+        elif loaded.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(loaded.device)
+            kv_tokens = int(free * tuning.gpu_memory_utilization) // per_token
+        else:
+            kv_tokens = CPU_DEFAULT_KV_TOKENS
+        num_blocks = kv_tokens // tuning.kv_block_size
+        runner = ModelRunner(
+            loaded.model,
+            num_blocks=num_blocks,
+            block_size=tuning.kv_block_size,
+            num_layers=loaded.num_layers,
+            num_kv_heads=loaded.num_kv_heads,
+            head_dim=loaded.head_dim,
+            device=loaded.device,
+            dtype=loaded.dtype,
+            backend=get_backend(model_cfg.attention_backend, loaded.device.type),
+        )
+        return cls(loaded, runner, config, num_blocks)
+
+    # ---- requests in (any thread) ----------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+        priority: Priority | str = Priority.NORMAL,
+        cache_salt: str = "",
+        arrival_time: float | None = None,
+    ) -> int:
+        """Validate, tokenize and queue a request; it joins the batch at the next step.
+
+        Exactly one of `prompt` (text), `prompt_token_ids`, `messages` (chat, rendered
+        with the tokenizer's chat template). `cache_salt` (e.g. the tenant) keeps its
+        prefix-cache blocks apart from other salts.
+
+        Returns:
+            the number of prompt tokens.
+
+        Raises:
+            RequestRejected: with a `RejectReason`; the request was not queued.
+        """
+        params = params or SamplingParams()
+        try:
+            prio = Priority.parse(priority)
+        except ValueError as e:
+            raise RequestRejected(request_id, RejectReason.INVALID_PARAMS, str(e)) from None
+        ids = self._tokenize(request_id, prompt, prompt_token_ids, messages)
+        max_tokens = self._check_limits(request_id, ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        req = Request(
+            request_id,
+            ids,
+            params,
+            max_tokens=max_tokens,
+            priority=prio,
+            eos_token_ids=self.loaded.eos_token_ids,
+            arrival_seq=next(self._arrival),
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt.encode(),
+            generator=generator,
+        )
+        with self._live_lock:
+            if request_id in self._live_ids:
+                raise RequestRejected(request_id, RejectReason.DUPLICATE_REQUEST_ID, "a request with this id is unfinished")
+            if self.tuning.overload_policy == "reject":
+                busy = self.scheduler.num_running + self.scheduler.num_waiting + len(self._new)
+                if busy >= self.tuning.max_running_requests:
+                    raise RequestRejected(
+                        request_id, RejectReason.OVERLOADED, f"{busy} requests in flight, no free slot"
+                    )
+            self._live_ids.add(request_id)
+            self._new.append(req)
+        return len(ids)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request. Its blocks are freed and a `cancelled` output is emitted by
+        the next `step`. Unknown or finished ids are ignored."""
+        self._aborts.append(request_id)
+
+    def _tokenize(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int] | None,
+        messages: list[dict[str, Any]] | None,
+    ) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise RequestRejected(
+                request_id, RejectReason.INVALID_PROMPT, "give exactly one of prompt, prompt_token_ids, messages"
+            )
+        if prompt is not None:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        elif messages is not None:
+            if not messages:
+                ids = []
+            else:
+                try:
+                    ids = list(
+                        self.tokenizer.apply_chat_template(
+                            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                        )
+                    )
+                except Exception as e:  # template errors are the producer's input errors
+                    raise RequestRejected(request_id, RejectReason.INVALID_PROMPT, f"chat template failed: {e}") from e
+        else:
+            ids = list(prompt_token_ids or [])
+            vocab = self.loaded.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise RequestRejected(
+                    request_id, RejectReason.INVALID_PROMPT, f"token ids out of range [0, {vocab}): {bad[:5]}"
+                )
+        if not ids:
+            raise RequestRejected(request_id, RejectReason.EMPTY_PROMPT, "the prompt has no tokens")
+        return ids
+
+    def _check_limits(self, request_id: str, ids: list[int], params: SamplingParams) -> int:
+        """Admission checks that do not depend on load. Returns the resolved max_tokens."""
+        t = self.tuning
+        n = len(ids)
+        if n > t.max_input_tokens:
+            raise RequestRejected(
+                request_id, RejectReason.PROMPT_TOO_LONG, f"prompt has {n} tokens, max_input_tokens is {t.max_input_tokens}"
+            )
+        if params.max_tokens is None:
+            max_tokens = min(t.max_output_tokens, self.max_model_len - n)
+        else:
+            max_tokens = params.max_tokens
+            if max_tokens > t.max_output_tokens:
+                raise RequestRejected(
+                    request_id,
+                    RejectReason.INVALID_PARAMS,
+                    f"params.max_tokens {max_tokens} exceeds max_output_tokens {t.max_output_tokens}",
+                )
+        if max_tokens < 1 or n + max_tokens > self.max_model_len:
+            raise RequestRejected(
+                request_id,
+                RejectReason.EXCEEDS_CONTEXT,
+                f"prompt {n} + max_tokens {max_tokens} tokens exceed the model context of {self.max_model_len}",
+            )
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if n + max_tokens > capacity:
+            raise RequestRejected(
+                request_id,
+                RejectReason.EXCEEDS_KV_CAPACITY,
+                f"prompt {n} + max_tokens {max_tokens} tokens can never fit the KV cache of {capacity} tokens",
+            )
+        return max_tokens
+
+    # ---- the step (engine thread) ----------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._new) or bool(self._aborts) or self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Apply queued requests and aborts, run one forward, return per-request deltas."""
+        outputs: list[RequestOutput] = []
+        while self._new:
+            req = self._new.popleft()
+            self.scheduler.add(req)
+            self._detoks[req.request_id] = self._detok_cls(self._decoder, req.params.stop)
+        while self._aborts:
+            req = self.scheduler.finish(self._aborts.popleft(), RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                outputs.append(self._final_output(req, [], ""))
+        if not self.scheduler.has_unfinished():
+            return outputs
+        sched = self.scheduler.schedule()
+        if sched.num_scheduled_tokens == 0:
+            return outputs
+        runner_out = self.runner.execute(sched)
+        for req in self.scheduler.update_from_output(sched, runner_out):
+            rid = req.request_id
+            token_id = req.all_token_ids[-1]
+            lp = runner_out.logprobs.get(rid)
+            if lp is not None:
+                self._logprobs.setdefault(rid, []).append(lp)
+            detok = self._detoks[rid]
+            # A token that ended the request by EOS / stop_token_ids is not part of the text.
+            delta = detok.add([token_id]) if req.status != RequestStatus.FINISHED_STOPPED else ""
+            if detok.stopped and not req.is_finished:
+                self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                outputs.append(self._final_output(req, [token_id], delta, lp))
+            else:
+                outputs.append(RequestOutput(rid, [token_id], delta, logprobs=[lp] if lp else None))
+        return outputs
+
+    def _final_output(
+        self, req: Request, new_ids: list[int], delta: str, lp: TokenLogprobs | None = None
+    ) -> RequestOutput:
+        rid = req.request_id
+        detok = self._detoks.pop(rid, None)
+        if detok is not None:
+            delta += detok.flush()
+        self._logprobs.pop(rid, None)
+        with self._live_lock:
+            self._live_ids.discard(rid)
+        return RequestOutput(
+            rid,
+            new_ids,
+            delta,
+            finished=True,
+            finish_reason=FINISH_REASONS[req.status],
+            usage=Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens),
+            logprobs=[lp] if lp else None,
+            num_preemptions=req.num_preemptions,
+        )
+
+    # ---- conveniences ----------------------------------------------------------------
+    def kv_stats(self) -> KVStats:
+        """Block counts of the KV cache (engine thread; a snapshot)."""
+        return self.kv.stats()
+
+    def generate(
+        self,
+        prompts: Iterable[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Priority | str = Priority.NORMAL,
+    ) -> list[CompletionOutput]:
+        """Run a batch of prompts (text or token id lists) to completion, in order.
+
+        Raises:
+            RequestRejected: for the first prompt that is rejected (none is run then).
+        """
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        base = f"generate-{next(self._arrival)}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, params):
+            if isinstance(p, str):
+                self.add_request(rid, p, params=sp, priority=priority)
+            else:
+                self.add_request(rid, prompt_token_ids=list(p), params=sp, priority=priority)
+        prompt_ids: dict[str, list[int]] = {r.request_id: list(r.all_token_ids) for r in self._new if r.request_id in ids}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        lps: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.request_id not in tokens:
+                    continue
+                tokens[out.request_id].extend(out.new_token_ids)
+                texts[out.request_id].append(out.text)
+                if out.logprobs:
+                    lps[out.request_id].extend(out.logprobs)
+                if out.finished:
+                    done[out.request_id] = out
+        return [
+            CompletionOutput(
+                request_id=rid,
+                prompt_token_ids=prompt_ids[rid],
+                token_ids=tokens[rid],
+                text="".join(texts[rid]),
+                finish_reason=done[rid].finish_reason or "",
+                usage=done[rid].usage or Usage(len(prompt_ids[rid]), len(tokens[rid])),
+                logprobs=lps[rid] or None,
+            )
+            for rid in ids
+        ]
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if KV bookkeeping is inconsistent (call from the engine thread)."""
+        self.kv.check_invariants()
+        if not self.scheduler.has_unfinished() and self.kv.stats().used_blocks != 0:
+            raise RuntimeError(f"no unfinished requests but {self.kv.stats().used_blocks} KV blocks in use")
+
+
+def _struct_dict(s: Any) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.structs.asdict(s)

@@ -1,0 +1,260 @@
+"""Paged KV cache bookkeeping: which block holds which tokens of which request.
+
+Block/slot arithmetic (block_size = 4 shown; default 16):
+
+    request tokens:  t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9
+    block table:     [   7       ,    2        ,   11 ]        (non-contiguous physical blocks)
+    slot of t9:      block_table[9 // 4] * 4 + 9 % 4 = 11 * 4 + 1 = 45
+
+The BlockPool owns ref counts and the prefix-cache map; the KVCacheManager owns the
+per-request block tables and is the only caller of the pool (single writer). Only
+the Scheduler calls the manager. Prefix caching follows vLLM's automatic prefix
+caching: a full block is keyed by a chained hash of (parent hash, namespace salt,
+block tokens), so equal prefixes share blocks; blocks are registered only once their
+KV is computed, and a freed registered block stays evictable ("cached") until reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from worker.engine.outputs import KVStats
+
+if TYPE_CHECKING:
+    from worker.engine.request import Request
+
+
+def hash_block(parent_hash: bytes, salt: bytes, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block: 16 bytes of BLAKE2b over parent, salt and tokens."""
+    h = hashlib.blake2b(parent_hash, digest_size=16)
+    h.update(salt)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    """Ref counts, free queue and prefix-cache map of `num_blocks` physical KV blocks.
+
+    A block is *used* (ref > 0), *cached* (ref == 0, holds a registered hash, evictable)
+    or *free* (ref == 0, no hash). Free and cached blocks sit in one LRU queue; taking
+    a cached block evicts its hash. Writer: KVCacheManager.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"BlockPool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self.num_evictable = 0  # ref == 0 blocks that hold a hash
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be taken now (free + evictable cached)."""
+        return len(self._free)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._cached.get(block_hash)
+
+    def take(self, n: int) -> list[int] | None:
+        """Take `n` blocks with ref 1, least recently freed first; None if fewer are left."""
+        if n > len(self._free):
+            return None
+        taken = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            old_hash = self.block_hash[block_id]
+            if old_hash is not None:
+                del self._cached[old_hash]
+                self.block_hash[block_id] = None
+                self.num_evictable -= 1
+            self.ref_cnt[block_id] = 1
+            taken.append(block_id)
+        return taken
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Add a reference to each (cache hit); revives evictable blocks."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] == 0:
+                del self._free[block_id]
+                if self.block_hash[block_id] is not None:
+                    self.num_evictable -= 1
+            self.ref_cnt[block_id] += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop a reference to each. Tail blocks are queued first so they are evicted first."""
+        for block_id in reversed(block_ids):
+            ref = self.ref_cnt[block_id] - 1
+            if ref < 0:
+                raise RuntimeError(f"KV block {block_id} released with ref count 0")
+            self.ref_cnt[block_id] = ref
+            if ref == 0:
+                self._free[block_id] = None
+                if self.block_hash[block_id] is not None:
+                    self.num_evictable += 1
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        """Publish a computed full block under its hash (first writer wins)."""
+        if block_hash in self._cached or self.block_hash[block_id] is not None:
+            return
+        self._cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+
+
+class KVCacheManager:
+    """Per-request block tables over one BlockPool.
+
+    Args:
+        num_blocks: physical blocks in the cache (the engine's KV capacity / block_size).
+        block_size: tokens per block.
+        enable_prefix_caching: share computed full blocks between equal prefixes.
+        namespace: salt mixed into every block hash (model id), so caches of different
+            models never match; requests add their own salt (tenant).
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, namespace: bytes = b""
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.namespace = namespace
+        self.pool = BlockPool(num_blocks)
+        self._block_tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's physical block ids in token order (do not mutate)."""
+        return self._block_tables.get(request_id, [])
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
+        hashes = req.block_hashes
+        bs = self.block_size
+        tokens = req.all_token_ids
+        salt = self.namespace + req.cache_salt
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hash_block(parent, salt, tokens[i * bs : (i + 1) * bs]))
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Blocks of the longest cached prefix of `req` (not yet referenced).
+
+        At most `(num_tokens - 1) // block_size` blocks, so at least one token is left
+        to compute and sample from (as vLLM).
+        """
+        if not self.enable_prefix_caching or req.request_id in self._block_tables:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, max_blocks)
+        hits = []
+        for block_hash in req.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        cached_blocks: list[int] | None = None,
+        reserve_tokens: int = 0,
+    ) -> bool:
+        """Make the block table of `req` cover its computed tokens + `num_new_tokens`
+        (and at least `reserve_tokens`). `cached_blocks` (from `find_cached_prefix`)
+        are prepended on a request's first allocation.
+
+        Returns False, changing nothing, if not enough blocks are free.
+        """
+        cached_blocks = cached_blocks or []
+        table = self._block_tables.get(req.request_id)
+        if table is None:
+            num_computed = len(cached_blocks) * self.block_size
+            num_have = len(cached_blocks)
+        else:
+            num_computed = req.num_computed_tokens
+            num_have = len(table)
+            cached_blocks = []
+        num_needed = self.num_blocks_for(max(num_computed + num_new_tokens, reserve_tokens)) - num_have
+        num_revived = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
+        if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
+            return False
+        if table is None:
+            table = []
+            self._block_tables[req.request_id] = table
+            self._num_registered[req.request_id] = len(cached_blocks)
+            self.pool.touch(cached_blocks)
+            table.extend(cached_blocks)
+        if num_needed > 0:
+            new_blocks = self.pool.take(num_needed)
+            assert new_blocks is not None  # checked above
+            table.extend(new_blocks)
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        start = self._num_registered.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        self._extend_hashes(req, num_full)
+        table = self._block_tables[req.request_id]
+        for i in range(start, num_full):
+            self.pool.register(table[i], req.block_hashes[i])
+        self._num_registered[req.request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request; no-op for unknown ids."""
+        table = self._block_tables.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+        if table:
+            self.pool.release(table)
+
+    def stats(self) -> KVStats:
+        pool = self.pool
+        free_or_cached = pool.num_free_blocks
+        return KVStats(
+            total_blocks=pool.num_blocks,
+            used_blocks=pool.num_blocks - free_or_cached,
+            free_blocks=free_or_cached - pool.num_evictable,
+            cached_blocks=pool.num_evictable,
+            block_size=self.block_size,
+        )
+
+    def check_invariants(self) -> None:
+        """Recount everything from the block tables; raise RuntimeError with the numbers on mismatch."""
+        pool = self.pool
+        expected = [0] * pool.num_blocks
+        for table in self._block_tables.values():
+            for block_id in table:
+                expected[block_id] += 1
+        if expected != pool.ref_cnt:
+            bad = [i for i in range(pool.num_blocks) if expected[i] != pool.ref_cnt[i]][:5]
+            raise RuntimeError(
+                f"KV ref counts disagree with block tables at blocks {bad}: "
+                f"tables say {[expected[i] for i in bad]}, pool says {[pool.ref_cnt[i] for i in bad]}"
+            )
+        num_zero = sum(1 for r in pool.ref_cnt if r == 0)
+        if num_zero != pool.num_free_blocks:
+            raise RuntimeError(f"{num_zero} blocks have ref 0 but the free queue holds {pool.num_free_blocks}")
+        num_evictable = sum(1 for b in pool._free if pool.block_hash[b] is not None)
+        if num_evictable != pool.num_evictable:
+            raise RuntimeError(f"evictable count {pool.num_evictable} != {num_evictable} counted")
+        s = self.stats()
+        if s.free_blocks + s.used_blocks + s.cached_blocks != s.total_blocks:
+            raise RuntimeError(f"free {s.free_blocks} + used {s.used_blocks} + cached {s.cached_blocks} != {s.total_blocks}")

@@ -1,0 +1,177 @@
+"""One engine request: its tokens, its progress, and its lifecycle state.
+
+Lifecycle (an ordered enum; progress inside RUNNING is `num_computed_tokens`):
+
+    WAITING ──admit──► RUNNING ──finish──► FINISHED_*
+       ▲                  │
+       └──── PREEMPTED ◄──┘   (KV freed; recomputed from prompt + output on re-admission)
+
+Only the Scheduler writes `status`, `num_computed_tokens` and the token lists.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from schemas.params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_REJECTED = 6
+    FINISHED_EXPIRED = 7
+    FINISHED_ERROR = 8
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+# The one table from terminal states to the wire's `finish_reason`.
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "cancelled",
+    RequestStatus.FINISHED_REJECTED: "rejected",
+    RequestStatus.FINISHED_EXPIRED: "expired",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Priority(enum.IntEnum):
+    """Priority class; lower value is served first. Matches the Kafka topic suffixes."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+    @classmethod
+    def parse(cls, value: Priority | str | int) -> Priority:
+        if isinstance(value, Priority):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                raise ValueError(f"priority must be one of ['high', 'normal', 'low'], got {value!r}") from None
+        return cls(value)
+
+
+class RejectReason(enum.StrEnum):
+    """Why `add_request` refused a request (the wire's `error.code` for `finished(rejected)`)."""
+
+    EMPTY_PROMPT = "empty_prompt"
+    PROMPT_TOO_LONG = "prompt_too_long"  # prompt > max_input_tokens
+    EXCEEDS_CONTEXT = "exceeds_context"  # prompt + max_tokens > model context
+    EXCEEDS_KV_CAPACITY = "exceeds_kv_capacity"  # prompt + max_tokens > whole KV cache
+    INVALID_PARAMS = "invalid_params"  # max_tokens < 1, out-of-range sampling values
+    INVALID_PROMPT = "invalid_prompt"  # none or several of prompt / messages / ids; bad token ids
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    OVERLOADED = "overloaded"  # overload_policy=reject and no room now
+
+
+class RequestRejected(Exception):
+    """Raised by `Engine.add_request` when a request can never run (or, under
+    `overload_policy: reject`, cannot run now). Nothing was queued."""
+
+    def __init__(self, request_id: str, reason: RejectReason, message: str) -> None:
+        super().__init__(f"request {request_id!r} rejected ({reason.value}): {message}")
+        self.request_id = request_id
+        self.reason = reason
+        self.message = message
+
+
+class Request:
+    """Engine-side state of one request.
+
+    `all_token_ids` is prompt + output in one list, so a recompute after preemption
+    prefills exactly the tokens the stream has already delivered.
+    """
+
+    __slots__ = (
+        "request_id",
+        "params",
+        "priority",
+        "arrival_seq",
+        "arrival_step",
+        "arrival_time",
+        "max_tokens",
+        "eos_token_ids",
+        "cache_salt",
+        "status",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "block_hashes",
+        "effective_rank",
+        "num_preemptions",
+        "generator",
+        "stop_token_set",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_tokens: int,
+        priority: Priority = Priority.NORMAL,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_seq: int = 0,
+        arrival_step: int = 0,
+        arrival_time: float = 0.0,
+        cache_salt: bytes = b"",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.priority = priority
+        self.arrival_seq = arrival_seq
+        self.arrival_step = arrival_step
+        self.arrival_time = arrival_time
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt
+        self.generator = generator
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
+        self.effective_rank = int(priority)  # rank held while running (aging applied at admission)
+        self.num_preemptions = 0
+        self.stop_token_set = frozenset(params.stop_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prio={self.priority.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,252 @@
+"""Iteration-level scheduler (ORCA, OSDI '22) with chunked prefill and preemption by
+recompute (vLLM, SOSP '23).
+
+Every step builds one packed batch under `max_batched_tokens`:
+  1. running requests, decodes first, then unfinished prefill chunks, in priority order;
+     when KV blocks run out, the lowest-priority running request is preempted (freed,
+     recomputed later from prompt + output);
+  2. waiting requests by (priority class - aging, arrival), while slots, budget and
+     blocks allow; a waiting request may preempt running requests of a strictly
+     lower rank (the case vLLM leaves open).
+A request leaves the batch the step it finishes; its slot is filled the next step.
+
+The Scheduler is the only writer of request status and progress, and the only caller
+of the KVCacheManager. The engine thread owns it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+
+from worker.config import ServingTuning
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.engine.request import Priority, Request, RequestStatus
+
+
+def _rank_key(req: Request) -> tuple[int, int]:
+    return (req.effective_rank, req.arrival_seq)
+
+
+class Scheduler:
+    def __init__(self, tuning: ServingTuning, kv: KVCacheManager) -> None:
+        self.tuning = tuning
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []  # sorted by (effective_rank, arrival_seq)
+        self._waiting: list[list[tuple[int, Request]]] = [[] for _ in Priority]  # heap per class
+        self._num_waiting = 0
+        self.step_count = 0
+        self.num_preemptions_total = 0
+
+    # ---- queries -------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- mutations from the engine ---------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
+        req.arrival_step = self.step_count
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        heapq.heappush(self._waiting[req.priority], (req.arrival_seq, req))
+        self._num_waiting += 1
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, stop string, error): free its blocks now.
+
+        Returns the request, or None if the id is unknown or already finished (no-op).
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self._remove_running(req)
+        else:  # waiting or preempted: dropped lazily from its heap
+            self._num_waiting -= 1
+        self.kv.free(request_id)
+        req.status = status
+        return req
+
+    # ---- the step ------------------------------------------------------------------
+    def effective_rank(self, req: Request) -> int:
+        """Priority class minus one per `priority_aging_steps` waited (lower is served first)."""
+        return int(req.priority) - (self.step_count - req.arrival_step) // self.tuning.priority_aging_steps
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        tuning = self.tuning
+        budget = tuning.max_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+
+        # 1. running: decodes first, then continuing prefill chunks, each in priority order.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                if self.kv.allocate(req, num_new, reserve_tokens=self._reserve_tokens(req)):
+                    scheduled[req.request_id] = num_new
+                    budget -= num_new
+                    break
+                victim = self.running[-1]
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+
+        # 2. waiting: best (rank - aging, arrival) first; head-of-line, no skipping.
+        while budget > 0:
+            req = self._peek_waiting()
+            if req is None:
+                break
+            rank = self.effective_rank(req)
+            if len(self.running) >= tuning.max_running_requests:
+                if not self._preempt_lower(rank, scheduled, preempted):
+                    break
+                budget = tuning.max_batched_tokens - sum(scheduled.values())
+                continue
+            cached_blocks = self.kv.find_cached_prefix(req)
+            num_computed = len(cached_blocks) * self.kv.block_size
+            num_new = min(req.num_tokens - num_computed, budget)
+            if not self.kv.allocate(req, num_new, cached_blocks, reserve_tokens=self._reserve_tokens(req)):
+                if not self._preempt_lower(rank, scheduled, preempted):
+                    break
+                budget = tuning.max_batched_tokens - sum(scheduled.values())
+                continue
+            self._pop_waiting(req)
+            if req.status == RequestStatus.WAITING:  # first admission (not a re-admission)
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed
+            req.effective_rank = rank
+            bisect.insort(self.running, req, key=_rank_key)
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        return self._build_output(scheduled, preempted)
+
+    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Advance progress after a forward; append sampled tokens; finish on EOS /
+        stop token / length (in that precedence). Returns requests that got a token."""
+        sampled = runner_out.sampled_token_ids
+        got_token = []
+        for s in out.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += s.num_tokens
+            self.kv.cache_full_blocks(req)
+            token_id = sampled.get(s.request_id)
+            if token_id is None:
+                continue
+            req.all_token_ids.append(token_id)
+            got_token.append(req)
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                self.finish(req.request_id, status)
+                req.status = status
+        return got_token
+
+    # ---- helpers -------------------------------------------------------------------
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        if not req.params.ignore_eos and token_id in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in req.stop_token_set:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _reserve_tokens(self, req: Request) -> int:
+        if self.tuning.kv_policy == "reserve":
+            return req.num_prompt_tokens + req.max_tokens
+        return 0
+
+    def _remove_running(self, req: Request) -> None:
+        i = bisect.bisect_left(self.running, _rank_key(req), key=_rank_key)
+        while self.running[i] is not req:
+            i += 1
+        del self.running[i]
+
+    def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
+        """Free the victim's KV and requeue it at its original place. Returns the
+        token budget it gave back if it had been scheduled this step."""
+        self._remove_running(victim)
+        self.kv.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        heapq.heappush(self._waiting[victim.priority], (victim.arrival_seq, victim))
+        self._num_waiting += 1
+        return scheduled.pop(victim.request_id, 0)
+
+    def _preempt_lower(self, rank: int, scheduled: dict[str, int], preempted: list[str]) -> bool:
+        """Preempt the lowest-priority running request if its rank is strictly worse than `rank`."""
+        if not self.running or self.running[-1].effective_rank <= rank:
+            return False
+        victim = self.running[-1]
+        self._preempt(victim, scheduled)
+        preempted.append(victim.request_id)
+        return True
+
+    def _peek_waiting(self) -> Request | None:
+        best: Request | None = None
+        best_key: tuple[int, int] | None = None
+        for heap in self._waiting:
+            while heap and heap[0][1].status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                heapq.heappop(heap)  # finished while waiting
+            if heap:
+                req = heap[0][1]
+                key = (self.effective_rank(req), req.arrival_seq)
+                if best_key is None or key < best_key:
+                    best, best_key = req, key
+        return best
+
+    def _pop_waiting(self, req: Request) -> None:
+        heap = self._waiting[req.priority]
+        popped = heapq.heappop(heap)[1]
+        assert popped is req
+        self._num_waiting -= 1
+
+    def _build_output(self, scheduled: dict[str, int], preempted: list[str]) -> SchedulerOutput:
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        total = 0
+        for request_id, num_new in scheduled.items():
+            req = self.requests[request_id]
+            start = req.num_computed_tokens
+            end = start + num_new
+            s = ScheduledRequest(
+                request_id=request_id,
+                token_ids=req.all_token_ids[start:end],
+                start_pos=start,
+                block_ids=self.kv.block_table(request_id),
+                do_sample=end == req.num_tokens,
+                params=req.params,
+                history=req.all_token_ids,
+                generator=req.generator,
+            )
+            (decodes if num_new == 1 and start > 0 else prefills).append(s)
+            total += num_new
+        return SchedulerOutput(
+            step=self.step_count,
+            scheduled=decodes + prefills,
+            num_scheduled_tokens=total,
+            num_decodes=len(decodes),
+            preempted_ids=preempted,
+        )

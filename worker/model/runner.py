@@ -1,0 +1,140 @@
+"""Model runner: turns a SchedulerOutput into one packed forward and sampled tokens.
+
+Owns the KV cache tensors (one K and one V tensor per layer, preallocated). Runs on
+the engine thread only.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.model.attention import AttentionMetadata, PrefillSpan
+from worker.model.sampler import sample
+
+
+class ModelRunner:
+    """Runs one transformers model over the paged KV cache.
+
+    Args:
+        model: a transformers CausalLM loaded with `attn_implementation="inflight_paged"`.
+        num_blocks, block_size: KV cache geometry.
+        num_layers, num_kv_heads, head_dim: from the model config.
+        backend: attention back end module (see `worker.model.kernels`).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: ModuleType,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def build_metadata(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Pack the step. Returns (input_ids `[N]`, positions `[N]`, metadata, sample row indices)."""
+        bs = self.block_size
+        dev = self.device
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        for s in sched.scheduled:
+            start, n, table = s.start_pos, s.num_tokens, s.block_ids
+            token_ids.extend(s.token_ids)
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+            if s.do_sample:
+                sample_idx.append(query_start[-1] - 1)
+
+        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
+        block_tables = torch.tensor(
+            [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled], dtype=torch.int64
+        )
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+
+        nd = sched.num_decodes
+        decode_slots = decode_mask = None
+        if nd:
+            max_ctx = int(seq_lens_t[:nd].max())
+            pos = torch.arange(max_ctx)
+            decode_slots = block_tables[:nd, pos // bs] * bs + pos % bs  # [D, max_ctx]
+            valid = pos.unsqueeze(0) < seq_lens_t[:nd].unsqueeze(1)
+            decode_slots = decode_slots.masked_fill(~valid, 0).to(dev)
+            decode_mask = valid.view(nd, 1, 1, max_ctx).to(dev)
+        prefills = []
+        for i in range(nd, len(sched.scheduled)):
+            s = sched.scheduled[i]
+            q0, q1 = query_start[i], query_start[i + 1]
+            if s.start_pos == 0:
+                prefills.append(PrefillSpan(q0, q1, None, None))
+                continue
+            ctx = seq_lens[i]
+            pos = torch.arange(ctx)
+            ctx_slots = (block_tables[i, pos // bs] * bs + pos % bs).to(dev)
+            q_pos = torch.arange(s.start_pos, ctx).unsqueeze(1)
+            prefills.append(PrefillSpan(q0, q1, ctx_slots, (pos.unsqueeze(0) <= q_pos).to(dev)))
+
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decodes=nd,
+            decode_ctx_slots=decode_slots,
+            decode_ctx_mask=decode_mask,
+            prefills=prefills,
+            block_tables=block_tables.to(device=dev, dtype=torch.int32),
+            seq_lens=seq_lens_t.to(device=dev, dtype=torch.int32),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            kv_caches=self.kv_caches,
+            backend=self.backend,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
+        return input_ids, position_ids, md, sample_idx
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward over the packed batch, then sampling for requests whose chunk ends their known tokens."""
+        input_ids, position_ids, md, sample_idx = self.build_metadata(sched)
+        # A step of only partial prefill chunks still computes one (discarded) logit row.
+        keep = torch.tensor(sample_idx or [0], device=self.device)
+        out = self.model(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=position_ids.unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=keep,
+            inflight_metadata=md,
+        )
+        if not sample_idx:
+            return ModelRunnerOutput(sampled_token_ids={})
+        logits = out.logits[0]  # [num_sampled, vocab]
+        sampling_reqs = [s for s in sched.scheduled if s.do_sample]
+        ids, logprobs = sample(logits, sampling_reqs)
+        return ModelRunnerOutput(
+            sampled_token_ids={s.request_id: t for s, t in zip(sampling_reqs, ids)},
+            logprobs={s.request_id: lp for s, lp in zip(sampling_reqs, logprobs) if lp is not None},
+        )

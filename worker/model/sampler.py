@@ -1,0 +1,114 @@
+"""Token sampling for a batch with per-request parameters, in one vectorized pass.
+
+Order: repetition penalty (CTRL / transformers semantics) → greedy argmax for
+temperature 0 → temperature → top-k → top-p → min-p → sample. Sampling uses the
+exponential race (argmax of p / E with E ~ Exp(1)), so each row's randomness comes
+only from its own generator: a seeded request draws the same tokens whatever else
+is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engine.outputs import ScheduledRequest, TokenLogprobs
+
+
+def sample(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Sample one token per row.
+
+    Args:
+        logits: `[num_reqs, vocab_size]` raw model logits (any float dtype).
+        reqs: the scheduled requests, one per row, carrying params / generator / history.
+
+    Returns:
+        (token ids, per-row TokenLogprobs or None where `params.logprobs` is None).
+        Logprobs are taken from the raw model distribution (before penalties/temperature).
+    """
+    logits = logits.float()
+    n, vocab = logits.shape
+    device = logits.device
+    params = [r.params for r in reqs]
+
+    raw_logprobs = None
+    if any(p.logprobs is not None for p in params):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+    penalties = [p.repetition_penalty for p in params]
+    if any(x != 1.0 for x in penalties):
+        logits = _apply_repetition_penalty(logits, reqs, penalties)
+
+    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    token_ids = torch.empty(n, dtype=torch.long, device=device)
+    if greedy_rows:
+        rows = torch.tensor(greedy_rows, device=device)
+        token_ids[rows] = logits[rows].argmax(dim=-1)
+    sample_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
+    if sample_rows:
+        rows = torch.tensor(sample_rows, device=device)
+        sp = [params[i] for i in sample_rows]
+        x = logits[rows] / torch.tensor([p.temperature for p in sp], device=device).unsqueeze(1)
+        x = _filter(x, sp)
+        probs = torch.softmax(x, dim=-1)
+        noise = torch.empty_like(probs)
+        seeded = [j for j, i in enumerate(sample_rows) if reqs[i].generator is not None]
+        unseeded = [j for j, i in enumerate(sample_rows) if reqs[i].generator is None]
+        for j in seeded:
+            noise[j].exponential_(generator=reqs[sample_rows[j]].generator)
+        if unseeded:
+            idx = torch.tensor(unseeded, device=device)
+            noise[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+        token_ids[rows] = (probs / noise).argmax(dim=-1)
+
+    ids = token_ids.tolist()
+    out_logprobs: list[TokenLogprobs | None] = [None] * n
+    if raw_logprobs is not None:
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            row = raw_logprobs[i]
+            top_vals, top_ids = row.topk(p.logprobs) if p.logprobs > 0 else (row[:0], row[:0].long())
+            out_logprobs[i] = TokenLogprobs(
+                token_id=ids[i],
+                logprob=float(row[ids[i]]),
+                top_token_ids=top_ids.tolist(),
+                top_logprobs=top_vals.tolist(),
+            )
+    return ids, out_logprobs
+
+
+def _apply_repetition_penalty(
+    logits: torch.Tensor, reqs: list[ScheduledRequest], penalties: list[float]
+) -> torch.Tensor:
+    """Penalize every token already in the prompt or output: logit / p if > 0 else logit * p."""
+    n, vocab = logits.shape
+    seen = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
+    for i, r in enumerate(reqs):
+        if penalties[i] != 1.0 and r.history:
+            seen[i, torch.tensor(r.history, device=logits.device)] = True
+    pen = torch.tensor(penalties, device=logits.device).unsqueeze(1).expand_as(logits)
+    penalized = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(seen, penalized, logits)
+
+
+def _filter(x: torch.Tensor, params: list) -> torch.Tensor:
+    """Apply top-k, top-p and min-p as -inf masks. x: `[rows, vocab]` temperature-scaled logits."""
+    rows, vocab = x.shape
+    device = x.device
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device).unsqueeze(0)
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device).unsqueeze(1)
+        sorted_x = sorted_x.masked_fill(rank >= k, float("-inf"))
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        sorted_x = sorted_x.masked_fill(mass_before >= torch.tensor(top_p, device=device).unsqueeze(1), float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+    if any(m > 0.0 for m in min_p):
+        probs = torch.softmax(x, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=device).unsqueeze(1)
+        x = x.masked_fill(probs < threshold, float("-inf"))
+    return x
