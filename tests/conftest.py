@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random-init checkpoints made locally with tools/make_model.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+MODEL_CACHE = Path(os.environ.get("INFLIGHT_TEST_MODELS", Path(__file__).resolve().parents[1] / ".cache" / "test-models"))
+
+# Tiny but real: GQA (4 query heads over 2 KV heads) for Llama/Qwen2, learned positions for GPT-2.
+TINY = {
+    "llama": dict(arch="llama", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, max_len=1024),
+    "qwen2": dict(arch="qwen2", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, max_len=1024),
+    "gpt2": dict(arch="gpt2", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=4, max_len=1024),
+}
+
+
+def tiny_checkpoint(arch: str) -> Path:
+    """Make (once, cached under .cache/test-models) and return a tiny checkpoint directory."""
+    from tools.make_model import make_checkpoint
+
+    spec = TINY[arch]
+    out = MODEL_CACHE / f"tiny-{arch}-v1"
+    if not (out / "model.safetensors").is_file():
+        make_checkpoint(out, corpus_chars=400_000, log=lambda *_: None, **spec)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_path() -> Path:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2"])
+def any_arch_path(request) -> Path:
+    return tiny_checkpoint(request.param)

@@ -1,0 +1,107 @@
+"""KV cache manager and block pool: pure logic, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.params import SamplingParams
+from worker.engine.kv_cache import BlockPool, KVCacheManager
+from worker.engine.request import Request
+
+
+def make_req(rid: str, tokens: list[int], salt: bytes = b"") -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4), max_tokens=4, cache_salt=salt)
+
+
+def test_pool_take_release_counts():
+    pool = BlockPool(4)
+    got = pool.take(3)
+    assert got == [0, 1, 2]
+    assert pool.num_free_blocks == 1
+    assert pool.take(2) is None  # running out is a value
+    pool.release(got)
+    assert pool.num_free_blocks == 4
+    with pytest.raises(RuntimeError, match="ref count 0"):
+        pool.release([0])
+
+
+def test_block_table_grows_by_block():
+    kv = KVCacheManager(8, 4, enable_prefix_caching=False)
+    req = make_req("a", list(range(5)))
+    assert kv.allocate(req, 5)
+    assert len(kv.block_table("a")) == 2
+    req.num_computed_tokens = 5
+    assert kv.allocate(req, 3)  # 8 tokens still fit in 2 blocks
+    assert len(kv.block_table("a")) == 2
+    req.num_computed_tokens = 8
+    assert kv.allocate(req, 1)
+    assert len(kv.block_table("a")) == 3
+    kv.free("a")
+    assert kv.stats().used_blocks == 0
+    kv.check_invariants()
+
+
+def test_allocate_failure_changes_nothing():
+    kv = KVCacheManager(2, 4)
+    req = make_req("a", list(range(9)))
+    assert not kv.allocate(req, 9)
+    assert kv.block_table("a") == []
+    assert kv.stats().free_blocks == 2
+
+
+def test_prefix_cache_shares_computed_full_blocks_only():
+    kv = KVCacheManager(16, 4)
+    a = make_req("a", list(range(10)))
+    assert kv.allocate(a, 10)
+    a.num_computed_tokens = 10
+    kv.cache_full_blocks(a)  # 2 full blocks registered, the partial third is not
+    b = make_req("b", list(range(9)) + [99])
+    hits = kv.find_cached_prefix(b)
+    assert hits == kv.block_table("a")[:2]
+    assert kv.allocate(b, 2, hits)
+    assert kv.pool.ref_cnt[hits[0]] == 2
+    kv.check_invariants()
+    kv.free("a")
+    kv.free("b")
+    s = kv.stats()
+    assert (s.used_blocks, s.cached_blocks, s.free_blocks) == (0, 2, 14)
+    # a third request revives the cached blocks
+    c = make_req("c", list(range(8)) + [5, 5])
+    hits = kv.find_cached_prefix(c)
+    assert len(hits) == 2 and kv.allocate(c, 2, hits)
+    assert kv.stats().cached_blocks == 0
+    kv.check_invariants()
+
+
+def test_prefix_cache_leaves_one_token_to_compute():
+    kv = KVCacheManager(16, 4)
+    a = make_req("a", list(range(8)))
+    assert kv.allocate(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    same = make_req("b", list(range(8)))
+    assert len(kv.find_cached_prefix(same)) == 1  # (8 - 1) // 4
+
+
+def test_salt_separates_tenants():
+    kv = KVCacheManager(16, 4)
+    a = make_req("a", list(range(8)), salt=b"tenant-1")
+    assert kv.allocate(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    assert kv.find_cached_prefix(make_req("b", list(range(9)), salt=b"tenant-2")) == []
+    assert len(kv.find_cached_prefix(make_req("c", list(range(9)), salt=b"tenant-1"))) == 2
+
+
+def test_eviction_of_cached_block_drops_its_hash():
+    kv = KVCacheManager(2, 4)
+    a = make_req("a", list(range(8)))
+    assert kv.allocate(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    kv.free("a")
+    assert kv.stats().cached_blocks == 2
+    other = make_req("o", [50] * 8)
+    assert kv.allocate(other, 8)  # evicts both
+    assert kv.find_cached_prefix(make_req("x", list(range(9)))) == []
+    kv.check_invariants()
