@@ -1,0 +1,86 @@
+"""Sampling through the real engine: seeds, sampler filters, logprobs, text and chat prompts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from schemas.params import SamplingParams
+from worker.config import EngineConfig, ModelConfig, ServingTuning
+from worker.engine import Engine
+from worker.engine.outputs import ScheduledRequest
+from worker.model.sampler import sample
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path):
+    cfg = EngineConfig(
+        model=ModelConfig(dtype="float32", device="cpu"),
+        serving_tuning=ServingTuning(max_total_tokens=4096, max_batched_tokens=128, max_running_requests=16),
+    )
+    return Engine.from_pretrained(str(llama_path), cfg)
+
+
+def test_seeded_sampling_same_alone_and_in_busy_batch(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=40, ignore_eos=True)
+    alone = engine.generate([[5, 6, 7, 8]], params)[0].token_ids
+    busy_prompts = [[5, 6, 7, 8]] + [[(11 * i + j) % 500 + 1 for j in range(3 + 7 * i)] for i in range(10)]
+    busy_params = [params] + [SamplingParams(temperature=1.0, max_tokens=10 + 5 * i) for i in range(10)]
+    busy = engine.generate(busy_prompts, busy_params)[0].token_ids
+    assert alone == busy
+    other_seed = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.9, seed=99, max_tokens=40, ignore_eos=True))
+    assert other_seed[0].token_ids != alone  # the seed matters
+
+
+def test_text_prompt_chat_messages_and_logprobs(engine):
+    out = engine.generate(["The module provides"], SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
+    assert out.prompt_token_ids == engine.tokenizer.encode("The module provides")
+    assert len(out.logprobs) == len(out.token_ids)
+    for lp, tok in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == tok
+        assert lp.top_token_ids[0] == tok  # greedy picks the most likely token
+        assert lp.logprob == pytest.approx(lp.top_logprobs[0])
+        assert lp.logprob <= 0.0
+    engine.add_request("chat", messages=[{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=3))
+    expected = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    assert outs[-1].usage.prompt_tokens == len(expected)
+
+
+def sr(params, history=(1,), generator=None):
+    return ScheduledRequest("x", [1], 0, [0], True, params, list(history), generator)
+
+
+def test_sampler_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 4)
+    g = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    draws = {
+        "top_k": [sample(logits[:1], [sr(SamplingParams(temperature=5.0, top_k=2), generator=g(s))])[0][0] for s in range(200)],
+        "top_p": [sample(logits[:1], [sr(SamplingParams(temperature=1.0, top_p=0.7), generator=g(s))])[0][0] for s in range(200)],
+        "min_p": [sample(logits[:1], [sr(SamplingParams(temperature=1.0, min_p=0.3), generator=g(s))])[0][0] for s in range(200)],
+    }
+    assert set(draws["top_k"]) == {0, 1}
+    # softmax([4,3,2,1,0]) = .636 .234 .086 ...: mass before token 1 is .636 < .7, before token 2 is .87 >= .7
+    assert set(draws["top_p"]) == {0, 1}
+    assert set(draws["min_p"]) == {0, 1}  # p1/p0 = e^-1 = .37 >= .3; p2/p0 = .135 < .3
+    # greedy ignores filters and takes argmax; repetition penalty pushes a seen token down
+    greedy = sample(logits[:1], [sr(SamplingParams(temperature=0))])[0]
+    assert greedy == [0]
+    penalized = sample(logits[:1], [sr(SamplingParams(temperature=0, repetition_penalty=2.0), history=[0])])[0]
+    assert penalized == [1]  # 4/2 = 2 < 3
+
+
+def test_sampler_distribution_matches_softmax():
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])
+    gen = torch.Generator().manual_seed(0)
+    counts = [0, 0, 0]
+    for _ in range(3000):
+        counts[sample(logits, [sr(SamplingParams(temperature=1.0), generator=gen)])[0][0]] += 1
+    freqs = [c / 3000 for c in counts]
+    assert freqs == pytest.approx([0.5, 0.3, 0.2], abs=0.04)
