@@ -179,8 +179,12 @@ class KVCacheManager:
 
         Returns False, changing nothing, if not enough blocks are free.
         """
-        cached_blocks = cached_blocks or []
         table = self._block_tables.get(req.request_id)
+        if table is not None:  # fast path: the decode of a running request usually needs no new block
+            capacity = len(table) * self.block_size
+            if req.num_computed_tokens + num_new_tokens <= capacity and reserve_tokens <= capacity:
+                return True
+        cached_blocks = cached_blocks or []
         if table is None:
             num_computed = len(cached_blocks) * self.block_size
             num_have = len(cached_blocks)
@@ -209,7 +213,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = req.num_computed_tokens // self.block_size
-        start = self._num_registered.get(req.request_id, 0)
+        start = self._num_registered[req.request_id]
         if num_full <= start:
             return
         self._extend_hashes(req, num_full)

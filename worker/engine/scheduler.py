@@ -91,12 +91,15 @@ class Scheduler:
         preempted: list[str] = []
 
         # 1. running: decodes first, then continuing prefill chunks, each in priority order.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if len(r.all_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        running = RequestStatus.RUNNING
         for req in decodes + prefills:
-            if req.status != RequestStatus.RUNNING or budget == 0:
+            if req.status != running or budget == 0:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             while True:
                 if self.kv.allocate(req, num_new, reserve_tokens=self._reserve_tokens(req)):
                     scheduled[req.request_id] = num_new
@@ -143,13 +146,16 @@ class Scheduler:
         """Advance progress after a forward; append sampled tokens; finish on EOS /
         stop token / length (in that precedence). Returns requests that got a token."""
         sampled = runner_out.sampled_token_ids
+        requests = self.requests
+        cache_full_blocks = self.kv.cache_full_blocks
+        running = RequestStatus.RUNNING
         got_token = []
         for s in out.scheduled:
-            req = self.requests.get(s.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(s.request_id)
+            if req is None or req.status != running:
                 continue
-            req.num_computed_tokens += s.num_tokens
-            self.kv.cache_full_blocks(req)
+            req.num_computed_tokens += len(s.token_ids)
+            cache_full_blocks(req)
             token_id = sampled.get(s.request_id)
             if token_id is None:
                 continue
@@ -158,7 +164,6 @@ class Scheduler:
             status = self._check_stop(req, token_id)
             if status is not None:
                 self.finish(req.request_id, status)
-                req.status = status
         return got_token
 
     # ---- helpers -------------------------------------------------------------------
@@ -167,7 +172,7 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token_id in req.stop_token_set:
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens:
+        if len(req.all_token_ids) - req.num_prompt_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -226,27 +231,22 @@ class Scheduler:
     def _build_output(self, scheduled: dict[str, int], preempted: list[str]) -> SchedulerOutput:
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
-        total = 0
+        requests = self.requests
+        block_table = self.kv.block_table
         for request_id, num_new in scheduled.items():
-            req = self.requests[request_id]
+            req = requests[request_id]
             start = req.num_computed_tokens
             end = start + num_new
+            tokens = req.all_token_ids
             s = ScheduledRequest(
-                request_id=request_id,
-                token_ids=req.all_token_ids[start:end],
-                start_pos=start,
-                block_ids=self.kv.block_table(request_id),
-                do_sample=end == req.num_tokens,
-                params=req.params,
-                history=req.all_token_ids,
-                generator=req.generator,
+                request_id, tokens[start:end], start, block_table(request_id), end == len(tokens),
+                req.params, tokens, req.generator,
             )
             (decodes if num_new == 1 and start > 0 else prefills).append(s)
-            total += num_new
         return SchedulerOutput(
             step=self.step_count,
-            scheduled=decodes + prefills,
-            num_scheduled_tokens=total,
+            scheduled=decodes + prefills if prefills else decodes,
+            num_scheduled_tokens=sum(scheduled.values()),
             num_decodes=len(decodes),
             preempted_ids=preempted,
         )

@@ -1,0 +1,289 @@
+"""Engine benchmarks, each reporting ratios measured in one run on one machine.
+
+  throughput  Inflight's engine vs transformers `generate` in static batches of the same
+              size vs transformers' own continuous batching manager, same model, same
+              requests (all submitted at t=0, EOS ignored so every system produces the
+              same useful tokens). Output tokens/s counts only requested tokens.
+  scheduler   CPU time per engine step with a no-op model runner at 64 / 256 / 1024
+              running requests (all decoding), split into schedule + bookkeeping and
+              detokenization/outputs.
+
+Writes JSON (and a PNG for throughput) under --out, prints a table.
+
+    python -m tools.bench_engine throughput --num-requests 256 --max-batch 32
+    python -m tools.bench_engine scheduler
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tools.workloads import make_workload
+
+DEFAULT_MODEL = Path(".cache/models/bench-llama")
+
+
+def _machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def ensure_model(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        from tools.make_model import make_checkpoint
+
+        make_checkpoint(path, arch="llama", vocab_size=2048, hidden=256, layers=4, heads=8, kv_heads=4, max_len=2048)
+    return path
+
+
+# ---- throughput ---------------------------------------------------------------------------
+def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar) -> float:
+    from schemas.params import SamplingParams
+    from worker.config import EngineConfig, ServingTuning
+    from worker.engine import Engine
+
+    cfg = EngineConfig(serving_tuning=ServingTuning(
+        max_running_requests=max_batch, max_total_tokens=kv_tokens, max_batched_tokens=budget,
+        max_input_tokens=4096, max_output_tokens=4096, enable_prefix_caching=False,
+    ))
+    engine = Engine.from_pretrained(str(path), cfg)
+    t0 = time.perf_counter()
+    for r in work:
+        engine.add_request(r.request_id, prompt_token_ids=r.prompt_token_ids,
+                           params=SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+    produced = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            produced += len(out.new_token_ids)
+            pbar.update(len(out.new_token_ids))
+    elapsed = time.perf_counter() - t0
+    assert produced == sum(r.max_tokens for r in work), (produced, sum(r.max_tokens for r in work))
+    return elapsed
+
+
+def _hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None  # ignore EOS, as the other systems do
+    return model
+
+
+def run_hf_static(path: Path, work, max_batch: int, pbar) -> float:
+    model = _hf_model(path)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(work), max_batch):
+            batch = work[i : i + max_batch]
+            longest = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.zeros(len(batch), longest, dtype=torch.long)
+            mask = torch.zeros(len(batch), longest, dtype=torch.long)
+            for j, r in enumerate(batch):  # left padding
+                ids[j, longest - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+                mask[j, longest - len(r.prompt_token_ids) :] = 1
+            new = max(r.max_tokens for r in batch)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+            assert out.shape[1] == longest + new
+            pbar.update(sum(r.max_tokens for r in batch))
+    return time.perf_counter() - t0
+
+
+def run_hf_continuous(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar) -> float:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = _hf_model(path)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in work), eos_token_id=None, pad_token_id=0)
+    cb = ContinuousBatchingConfig(block_size=16, num_blocks=kv_tokens // 16, max_batch_tokens=budget,
+                                  max_requests_per_batch=max_batch)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    t0 = time.perf_counter()
+    manager.start()
+    try:
+        for r in work:
+            manager.add_request(r.prompt_token_ids, request_id=r.request_id, max_new_tokens=r.max_tokens)
+        done = 0
+        produced = 0
+        while done < len(work):
+            res = manager.get_result(timeout=60)
+            if res is None:
+                raise RuntimeError("transformers continuous batching stopped producing results")
+            if res.is_finished():
+                done += 1
+                produced += len(res.generated_tokens)
+                pbar.update(len(res.generated_tokens))
+    finally:
+        manager.stop(block=True)
+    elapsed = time.perf_counter() - t0
+    assert produced == sum(r.max_tokens for r in work), (produced, sum(r.max_tokens for r in work))
+    return elapsed
+
+
+def throughput(a) -> dict:
+    path = ensure_model(Path(a.model))
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    work = make_workload(a.workload, a.num_requests, vocab_size=vocab, scale=a.scale, seed=a.seed,
+                         max_input=a.max_input, max_output=a.max_output, avoid_ids=frozenset({0, 1, 2, 3, 4}))
+    total_out = sum(r.max_tokens for r in work)
+    total_in = sum(len(r.prompt_token_ids) for r in work)
+    kv_tokens = a.max_batch * (a.max_input + a.max_output)
+    systems = {
+        "inflight": lambda p: run_inflight(path, work, a.max_batch, kv_tokens, a.budget, p),
+        "hf_static_batching": lambda p: run_hf_static(path, work, a.max_batch, p),
+        "hf_continuous_batching": lambda p: run_hf_continuous(path, work, a.max_batch, kv_tokens, a.budget, p),
+    }
+    results = {}
+    for name in a.systems:
+        with tqdm(total=total_out, desc=name, unit="tok") as pbar:
+            elapsed = systems[name](pbar)
+        results[name] = {"seconds": elapsed, "output_tokens_per_s": total_out / elapsed}
+    base = results.get("inflight")
+    ratios = {}
+    if base:
+        for name, r in results.items():
+            if name != "inflight":
+                ratios[f"inflight_vs_{name}"] = base["output_tokens_per_s"] / r["output_tokens_per_s"]
+    report = {
+        "mode": "throughput",
+        "command": a.command_line,
+        "machine": _machine(),
+        "model": str(path),
+        "workload": {"kind": a.workload, "num_requests": a.num_requests, "scale": a.scale, "seed": a.seed,
+                     "input_tokens": total_in, "output_tokens": total_out,
+                     "mean_input": total_in / len(work), "mean_output": total_out / len(work)},
+        "max_batch": a.max_batch,
+        "max_batched_tokens": a.budget,
+        "results": results,
+        "ratios": ratios,
+    }
+    _plot_throughput(report, Path(a.out) / "bench_engine_throughput.png")
+    print(f"\n{'system':<26}{'seconds':>10}{'out tok/s':>12}")
+    for name, r in results.items():
+        print(f"{name:<26}{r['seconds']:>10.1f}{r['output_tokens_per_s']:>12.1f}")
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    return report
+
+
+def _plot_throughput(report: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["results"])
+    vals = [report["results"][n]["output_tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(names, vals, color=["#2a7", "#888", "#58c"][: len(names)])
+    ax.set_ylabel("output tokens / s")
+    w = report["workload"]
+    ax.set_title(f"{w['kind']} workload, {w['num_requests']} requests, max batch {report['max_batch']}")
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+# ---- scheduler overhead -------------------------------------------------------------------
+def scheduler_overhead(a) -> dict:
+    from schemas.params import SamplingParams
+    from worker.config import EngineConfig, ServingTuning
+    from worker.model.null_runner import null_engine
+
+    rows = []
+    for n in a.running:
+        steps = a.steps
+        cfg = EngineConfig(serving_tuning=ServingTuning(
+            max_running_requests=n, max_batched_tokens=n * 16, max_total_tokens=n * (16 + steps + 64),
+            max_output_tokens=steps + 32, kv_block_size=16,
+        ))
+        eng = null_engine(cfg, vocab_size=32000, max_model_len=16 + steps + 64)
+        for i in range(n):
+            eng.add_request(f"r{i}", prompt_token_ids=[(i * 7 + j) % 31999 + 1 for j in range(16)],
+                            params=SamplingParams(max_tokens=steps + 16, ignore_eos=True))
+        eng.step()  # prefill everyone
+        assert eng.scheduler.num_running == n
+        sched_ms, update_ms, total_ms = [], [], []
+        sch = eng.scheduler
+        runner = eng.runner
+        for _ in tqdm(range(steps), desc=f"{n} running", unit="step"):
+            t0 = time.perf_counter()
+            out = sch.schedule()
+            t1 = time.perf_counter()
+            ro = runner.execute(out)
+            t2 = time.perf_counter()
+            sch.update_from_output(out, ro)
+            t3 = time.perf_counter()
+            sched_ms.append((t1 - t0) * 1e3)
+            update_ms.append((t3 - t2) * 1e3)
+            total_ms.append((t3 - t0 - (t2 - t1)) * 1e3)
+        full = []
+        for _ in range(min(steps, 20)):  # whole Engine.step incl. detokenization and outputs
+            t0 = time.perf_counter()
+            eng.step()
+            full.append((time.perf_counter() - t0) * 1e3)
+        rows.append({
+            "running_requests": n,
+            "schedule_ms": statistics.median(sched_ms),
+            "update_ms": statistics.median(update_ms),
+            "scheduler_plus_bookkeeping_ms": statistics.median(total_ms),
+            "engine_step_with_detokenize_ms": statistics.median(full),
+        })
+    print(f"\n{'running':>8}{'schedule ms':>13}{'update ms':>11}{'sched+book ms':>15}{'full step ms':>14}")
+    for r in rows:
+        print(f"{r['running_requests']:>8}{r['schedule_ms']:>13.3f}{r['update_ms']:>11.3f}"
+              f"{r['scheduler_plus_bookkeeping_ms']:>15.3f}{r['engine_step_with_detokenize_ms']:>14.3f}")
+    return {"mode": "scheduler", "command": a.command_line, "machine": _machine(), "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results", help="folder for JSON and PNG results")
+    sub = p.add_subparsers(dest="mode", required=True)
+    t = sub.add_parser("throughput")
+    t.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (made if missing)")
+    t.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca", "mixed"])
+    t.add_argument("--num-requests", type=int, default=256)
+    t.add_argument("--scale", type=float, default=4.0, help="divide the workload's mean lengths")
+    t.add_argument("--max-batch", type=int, default=32)
+    t.add_argument("--budget", type=int, default=512, help="max_batched_tokens per step")
+    t.add_argument("--max-input", type=int, default=512)
+    t.add_argument("--max-output", type=int, default=512)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--systems", nargs="+", default=["inflight", "hf_static_batching", "hf_continuous_batching"])
+    s = sub.add_parser("scheduler")
+    s.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
+    s.add_argument("--steps", type=int, default=100)
+    a = p.parse_args(argv)
+    a.command_line = "python -m tools.bench_engine " + " ".join(argv if argv is not None else sys.argv[1:])
+    torch.manual_seed(0)
+    report = throughput(a) if a.mode == "throughput" else scheduler_overhead(a)
+    out = Path(a.out) / f"bench_engine_{a.mode}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
