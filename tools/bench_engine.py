@@ -108,7 +108,7 @@ def run_hf_continuous(path: Path, work, max_batch: int, kv_tokens: int, budget: 
 
     model = _hf_model(path)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in work), eos_token_id=None, pad_token_id=0)
-    cb = ContinuousBatchingConfig(block_size=16, num_blocks=kv_tokens // 16, max_batch_tokens=budget,
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=kv_tokens // 16, max_batch_tokens=budget,
                                   max_requests_per_batch=max_batch)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     t0 = time.perf_counter()

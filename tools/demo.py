@@ -54,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     texts = {rid: "" for rid in ids}
     sys.stdout.write(f"[{streamed}] {PROMPTS[0][1]}")
     step = 0
+    streaming = True
     while engine.has_unfinished():
         step += 1
         if step == 8:
-            before = engine.kv_stats()
+            cancel_blocks = len(engine.kv.block_table(cancel))
             engine.abort(cancel)
         for out in engine.step():
             texts[out.request_id] += out.text
@@ -65,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(out.text)
                 sys.stdout.flush()
             if out.finished:
-                if out.request_id == streamed:
-                    sys.stdout.write("\n")
-                line = f"  step {step:>3}: {out.request_id} finished ({out.finish_reason}, {out.usage.completion_tokens} tokens)"
+                line = f"step {step:>3}: {out.request_id} finished ({out.finish_reason}, {out.usage.completion_tokens} tokens)"
                 if out.request_id == cancel:
-                    after = engine.kv_stats()
-                    line += (f" - KV blocks in use {before.used_blocks} -> {after.used_blocks} at the next step")
-                print(line)
+                    line += (f"; its {cancel_blocks} KV blocks were freed at this step boundary "
+                             f"(block table now {engine.kv.block_table(cancel)})")
+                print(f"\n    <{line}>")
+                streaming = streaming and out.request_id != streamed
+                if streaming:
+                    sys.stdout.write(f"[{streamed}] ...")
     print("\nfull texts:")
     for rid, (_, prompt) in zip(ids, PROMPTS):
         print(f"  [{rid}] {prompt}{texts[rid]!r}")

@@ -25,15 +25,31 @@ ATTN_IMPLEMENTATION = "inflight_paged"
 class PrefillSpan:
     """One prefill chunk in the packed batch: query rows `[q_start, q_end)`.
 
-    `ctx_slots` `[ctx_len]` are the cache slots of positions `0 … start_pos + q_len - 1`,
-    and `mask` `[q_len, ctx_len]` (True = attend) the causal mask over them; both None
-    when the chunk starts at position 0 (it then attends to its own fresh K/V).
+    `ctx_block_ids` `[ceil(ctx_len / block_size)]` are the blocks holding positions
+    `0 … ctx_len - 1` (ctx_len = start_pos + q_len), and `mask` `[q_len, ctx_len]`
+    (True = attend) the causal mask over them; both None when the chunk starts at
+    position 0 (it then attends to its own fresh K/V).
     """
 
     q_start: int
     q_end: int
-    ctx_slots: torch.Tensor | None
+    ctx_block_ids: torch.Tensor | None
     mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows `[row_start, row_end)` (one query token each) sharing one padded context.
+
+    `block_ids` `[rows, max_blocks]` are their block tables cut to the group's longest
+    context (padded with block 0); `mask` `[rows, 1, 1, max_blocks * block_size]` is True
+    for positions inside each row's context.
+    """
+
+    row_start: int
+    row_end: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -43,9 +59,7 @@ class AttentionMetadata:
     Attributes:
         slot_mapping: `[num_tokens]` int64 cache slot of each token of the step.
         num_decodes: the first `num_decodes` tokens are single-token decodes.
-        decode_ctx_slots: `[num_decodes, max_ctx]` int64 slots of each decode's context
-            (padded with slot 0).
-        decode_ctx_mask: `[num_decodes, 1, 1, max_ctx]` bool, True for real context.
+        decode_groups: the decodes, split into groups of similar context length.
         prefills: the prefill chunks after the decodes.
         block_tables: `[num_seqs, max_blocks]` int32, padded with 0 (for kernel back ends).
         seq_lens: `[num_seqs]` int32 context length after this step, per sequence.
@@ -56,8 +70,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_ctx_slots: torch.Tensor | None
-    decode_ctx_mask: torch.Tensor | None
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     block_tables: torch.Tensor
     seq_lens: torch.Tensor

@@ -10,8 +10,8 @@ from types import ModuleType
 
 import torch
 
-from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from worker.model.attention import AttentionMetadata, PrefillSpan
+from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from worker.model.sampler import sample
 
 
@@ -52,17 +52,30 @@ class ModelRunner:
     def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def build_metadata(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Pack the step. Returns (input_ids `[N]`, positions `[N]`, metadata, sample row indices)."""
+    def build_metadata(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[ScheduledRequest]]:
+        """Pack the step.
+
+        Decodes are packed longest context first and split into groups whose padded
+        context is at most twice the shortest one, so the reference back end gathers
+        little padding.
+
+        Returns:
+            (input_ids `[N]`, positions `[N]`, metadata, rows to sample, the scheduled
+            requests in packed order).
+        """
         bs = self.block_size
         dev = self.device
+        nd = sched.num_decodes
+        packed = sorted(sched.scheduled[:nd], key=lambda s: -s.start_pos) + sched.scheduled[nd:]
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_idx: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        for s in sched.scheduled:
+        for s in packed:
             start, n, table = s.start_pos, s.num_tokens, s.block_ids
             token_ids.extend(s.token_ids)
             positions.extend(range(start, start + n))
@@ -72,39 +85,41 @@ class ModelRunner:
             if s.do_sample:
                 sample_idx.append(query_start[-1] - 1)
 
-        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
+        max_blocks = max(len(s.block_ids) for s in packed)
         block_tables = torch.tensor(
-            [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled], dtype=torch.int64
+            [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in packed], dtype=torch.int64
         )
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
 
-        nd = sched.num_decodes
-        decode_slots = decode_mask = None
-        if nd:
-            max_ctx = int(seq_lens_t[:nd].max())
-            pos = torch.arange(max_ctx)
-            decode_slots = block_tables[:nd, pos // bs] * bs + pos % bs  # [D, max_ctx]
-            valid = pos.unsqueeze(0) < seq_lens_t[:nd].unsqueeze(1)
-            decode_slots = decode_slots.masked_fill(~valid, 0).to(dev)
-            decode_mask = valid.view(nd, 1, 1, max_ctx).to(dev)
+        decode_groups = []
+        first = 0
+        while first < nd:
+            nb = -(-seq_lens[first] // bs)
+            last = first + 1
+            while last < nd and (last - first < 4 or -(-seq_lens[last] // bs) * 2 > nb):
+                last += 1
+            pos = torch.arange(nb * bs)
+            mask = pos.unsqueeze(0) < seq_lens_t[first:last].unsqueeze(1)
+            decode_groups.append(
+                DecodeGroup(first, last, block_tables[first:last, :nb].to(dev), mask.view(last - first, 1, 1, -1).to(dev))
+            )
+            first = last
         prefills = []
-        for i in range(nd, len(sched.scheduled)):
-            s = sched.scheduled[i]
+        for i in range(nd, len(packed)):
+            s = packed[i]
             q0, q1 = query_start[i], query_start[i + 1]
             if s.start_pos == 0:
                 prefills.append(PrefillSpan(q0, q1, None, None))
                 continue
             ctx = seq_lens[i]
-            pos = torch.arange(ctx)
-            ctx_slots = (block_tables[i, pos // bs] * bs + pos % bs).to(dev)
-            q_pos = torch.arange(s.start_pos, ctx).unsqueeze(1)
-            prefills.append(PrefillSpan(q0, q1, ctx_slots, (pos.unsqueeze(0) <= q_pos).to(dev)))
+            ctx_blocks = block_tables[i, : -(-ctx // bs)].to(dev)
+            mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(s.start_pos, ctx).unsqueeze(1)
+            prefills.append(PrefillSpan(q0, q1, ctx_blocks, mask.to(dev)))
 
         md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decodes=nd,
-            decode_ctx_slots=decode_slots,
-            decode_ctx_mask=decode_mask,
+            decode_groups=decode_groups,
             prefills=prefills,
             block_tables=block_tables.to(device=dev, dtype=torch.int32),
             seq_lens=seq_lens_t.to(device=dev, dtype=torch.int32),
@@ -114,12 +129,12 @@ class ModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
-        return input_ids, position_ids, md, sample_idx
+        return input_ids, position_ids, md, sample_idx, packed
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the packed batch, then sampling for requests whose chunk ends their known tokens."""
-        input_ids, position_ids, md, sample_idx = self.build_metadata(sched)
+        input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
         # A step of only partial prefill chunks still computes one (discarded) logit row.
         keep = torch.tensor(sample_idx or [0], device=self.device)
         out = self.model(
@@ -132,7 +147,7 @@ class ModelRunner:
         if not sample_idx:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = out.logits[0]  # [num_sampled, vocab]
-        sampling_reqs = [s for s in sched.scheduled if s.do_sample]
+        sampling_reqs = [s for s in packed if s.do_sample]
         ids, logprobs = sample(logits, sampling_reqs)
         return ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(sampling_reqs, ids)},

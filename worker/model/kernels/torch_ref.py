@@ -57,26 +57,25 @@ def paged_attention(
         multiple of num_kv_heads.
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     gqa = query.shape[1] != num_kv_heads
     out = torch.empty_like(query)
-    nd = md.num_decodes
-    if nd:
-        q = query[:nd].unsqueeze(2)  # [D, H, 1, Dh]
-        k = k_flat[md.decode_ctx_slots].transpose(1, 2).to(query.dtype)  # [D, KVH, L, Dh]
-        v = v_flat[md.decode_ctx_slots].transpose(1, 2).to(query.dtype)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=md.decode_ctx_mask, scale=scale, enable_gqa=gqa)
-        out[:nd] = o.squeeze(2)
+    for g in md.decode_groups:
+        # Gather whole blocks (contiguous copies), then mask the padding past each context.
+        k = k_cache[g.block_ids].flatten(1, 2).transpose(1, 2).to(query.dtype)  # [rows, KVH, ctx, Dh]
+        v = v_cache[g.block_ids].flatten(1, 2).transpose(1, 2).to(query.dtype)
+        q = query[g.row_start : g.row_end].unsqueeze(2)  # [rows, H, 1, Dh]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        out[g.row_start : g.row_end] = o.squeeze(2)
     for span in md.prefills:
         q = query[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, Dh]
-        if span.ctx_slots is None:  # no earlier context: attend to this chunk only
+        if span.ctx_block_ids is None:  # no earlier context: attend to this chunk only
             k = key[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
             v = value[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            k = k_flat[span.ctx_slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            v = v_flat[span.ctx_slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
+            ctx = span.mask.shape[1]
+            k = k_cache[span.ctx_block_ids].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).to(query.dtype)
+            v = v_cache[span.ctx_block_ids].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).to(query.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, enable_gqa=gqa)
         out[span.q_start : span.q_end] = o[0].transpose(0, 1)
     return out
