@@ -148,14 +148,17 @@ class Scheduler:
         sampled = runner_out.sampled_token_ids
         requests = self.requests
         cache_full_blocks = self.kv.cache_full_blocks
+        bs = self.kv.block_size
         running = RequestStatus.RUNNING
         got_token = []
         for s in out.scheduled:
             req = requests.get(s.request_id)
             if req is None or req.status != running:
                 continue
-            req.num_computed_tokens += len(s.token_ids)
-            cache_full_blocks(req)
+            old = req.num_computed_tokens
+            req.num_computed_tokens = new = old + len(s.token_ids)
+            if new // bs != old // bs:  # a block just filled up: publish it to the prefix cache
+                cache_full_blocks(req)
             token_id = sampled.get(s.request_id)
             if token_id is None:
                 continue
