@@ -5,5 +5,33 @@ Imports neither torch nor worker code, so producers can install it alone
 """
 
 from schemas.params import SamplingParams
+from schemas.wire import (
+    SCHEMA_VERSION,
+    Cancel,
+    ChatMessage,
+    ErrorInfo,
+    Event,
+    Finished,
+    Job,
+    Restarted,
+    Started,
+    Timings,
+    Token,
+    Usage,
+)
 
-__all__ = ["SamplingParams"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "Cancel",
+    "ChatMessage",
+    "ErrorInfo",
+    "Event",
+    "Finished",
+    "Job",
+    "Restarted",
+    "SamplingParams",
+    "Started",
+    "Timings",
+    "Token",
+    "Usage",
+]

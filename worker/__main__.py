@@ -1,12 +1,24 @@
 """`inflight` command line.
 
-    inflight generate --model PATH --prompt "Hello" [--max-tokens 64] [--temperature 0] [--priority high]
+    inflight worker --config worker.yaml           run a worker (Kafka jobs in, Redis streams out)
+    inflight submit --prompt "Hi" --priority high --stream
+    inflight stream JOB_ID
+    inflight cancel JOB_ID
+    inflight topics create
+    inflight schema                                 JSON Schema of jobs, cancels and events
+    inflight generate --model PATH --prompt "Hi"   the engine alone, in this process
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
 import sys
+
+DEFAULT_KAFKA = os.environ.get("INFLIGHT_KAFKA__BOOTSTRAP_SERVERS", "127.0.0.1:19092")
+DEFAULT_REDIS = os.environ.get("INFLIGHT_REDIS__URL", "redis://127.0.0.1:6390/0")
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -35,9 +47,102 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(a: argparse.Namespace) -> int:
+    from worker.app import Worker
+    from worker.config import ConfigError, load_config
+    from worker.log import setup_logging
+
+    setup_logging(a.log_level)
+    try:
+        cfg = load_config(a.config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if not cfg.model.path:
+        print("config error: model.path is required (or INFLIGHT_MODEL__PATH)", file=sys.stderr)
+        return 2
+    asyncio.run(Worker(cfg).run())
+    return 0
+
+
+async def _print_stream(client, job_id: str, timeout: float | None) -> int:
+    from schemas.wire import Finished, Restarted, Started, Token
+
+    async for ev in client.stream(job_id, timeout_s=timeout):
+        if isinstance(ev, Started):
+            print(f"[started on {ev.worker_id}, attempt {ev.attempt}]", file=sys.stderr)
+        elif isinstance(ev, Restarted):
+            print(f"\n[restarted: {ev.reason}]", file=sys.stderr)
+        elif isinstance(ev, Token):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, Finished):
+            err = f" {ev.error.code}: {ev.error.message}" if ev.error else ""
+            usage = f", {ev.usage.completion_tokens} tokens" if ev.usage else ""
+            print(f"\n[finished: {ev.finish_reason}{usage}{err}]", file=sys.stderr)
+    return 0
+
+
+async def _client_cmd(a: argparse.Namespace) -> int:
+    from schemas.params import SamplingParams
+    from worker.client import InflightClient
+
+    async with InflightClient(a.kafka, a.redis, topic_prefix=a.prefix, key_prefix=a.prefix) as client:
+        if a.cmd == "submit":
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+            job_id = await client.submit(a.prompt, params=params, priority=a.priority, job_id=a.job_id)
+            print(job_id)
+            if a.stream:
+                return await _print_stream(client, job_id, a.timeout)
+            return 0
+        if a.cmd == "stream":
+            return await _print_stream(client, a.job_id, a.timeout)
+        if a.cmd == "cancel":
+            await client.cancel(a.job_id)
+            return 0
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="inflight", description="Inflight LLM serving worker")
     sub = p.add_subparsers(dest="cmd", required=True)
+
+    w = sub.add_parser("worker", help="run a worker")
+    w.add_argument("--config", help="YAML config file; INFLIGHT_<SECTION>__<FIELD> env vars override it")
+    w.add_argument("--log-level", default="INFO")
+
+    def client_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--kafka", default=DEFAULT_KAFKA, help="bootstrap servers")
+        sp.add_argument("--redis", default=DEFAULT_REDIS, help="Redis URL")
+        sp.add_argument("--prefix", default="inflight", help="topic and key prefix")
+        sp.add_argument("--timeout", type=float, default=None, help="seconds to wait for the end")
+
+    s = sub.add_parser("submit", help="produce a job")
+    client_args(s)
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--priority", default="normal", choices=["high", "normal", "low"])
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--job-id", default=None)
+    s.add_argument("--stream", action="store_true", help="stream the tokens to stdout")
+    st = sub.add_parser("stream", help="stream a job's events (replays what already happened)")
+    client_args(st)
+    st.add_argument("job_id")
+    c = sub.add_parser("cancel", help="cancel a job")
+    client_args(c)
+    c.add_argument("job_id")
+
+    t = sub.add_parser("topics", help="manage topics")
+    t.add_argument("action", choices=["create"])
+    t.add_argument("--bootstrap", default=DEFAULT_KAFKA)
+    t.add_argument("--prefix", default="inflight")
+    t.add_argument("--partitions", type=int, default=6)
+    t.add_argument("--replication-factor", type=int, default=1)
+    t.add_argument("--quiet", action="store_true")
+
+    sub.add_parser("schema", help="print the JSON Schema of the wire messages")
+
     g = sub.add_parser("generate", help="run prompts through the engine in this process and stream the text")
     g.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
     g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
@@ -48,9 +153,26 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--priority", default="normal", choices=["high", "normal", "low"])
     g.add_argument("--device", default="auto")
+
     a = p.parse_args(argv)
     if a.cmd == "generate":
         return _generate(a)
+    if a.cmd == "worker":
+        return _worker(a)
+    if a.cmd in ("submit", "stream", "cancel"):
+        return asyncio.run(_client_cmd(a))
+    if a.cmd == "topics":
+        from worker.topics import create_topics
+
+        created = asyncio.run(create_topics(a.bootstrap, a.prefix, a.partitions, a.replication_factor))
+        if not a.quiet or created:
+            print(f"created: {', '.join(created) or 'nothing (all exist)'}")
+        return 0
+    if a.cmd == "schema":
+        from schemas.codec import json_schemas
+
+        print(json.dumps(json_schemas(), indent=2))
+        return 0
     return 1
 
 

@@ -123,3 +123,139 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     serving_tuning: ServingTuning = msgspec.field(default_factory=ServingTuning)
+
+
+class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Kafka connection and consumer-group settings.
+
+    `sasl_password` is best given through `INFLIGHT_KAFKA__SASL_PASSWORD` or
+    `sasl_password_file`; it is never logged.
+    """
+
+    bootstrap_servers: str = "127.0.0.1:19092"
+    topic_prefix: str = "inflight"
+    group_id: str = "inflight-workers"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = msgspec.field(default=None)
+    sasl_password_file: str | None = None
+    ssl_cafile: str | None = None
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    max_poll_interval_ms: int = 300_000
+    max_partition_fetch_bytes: int = 16 * 1024 * 1024
+    commit_interval_ms: int = 500
+    cancel_lookback_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,
+                  commit_interval_ms=self.commit_interval_ms)
+        if not self.bootstrap_servers:
+            raise ConfigError("kafka.bootstrap_servers must not be empty")
+
+    def password(self) -> str | None:
+        if self.sasl_password_file:
+            with open(self.sasl_password_file, encoding="utf-8") as f:
+                return f.read().strip()
+        return self.sasl_password
+
+    def __repr__(self) -> str:  # never print secrets
+        return f"KafkaConfig(bootstrap_servers={self.bootstrap_servers!r}, group_id={self.group_id!r}, ...)"
+
+
+class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Redis connection (`redis://` or `rediss://` URL; credentials may be in the URL or
+    given through `INFLIGHT_REDIS__URL`) and event retention."""
+
+    url: str = "redis://127.0.0.1:6390/0"
+    key_prefix: str = "inflight"
+    log_ttl_s: int = 3600
+    log_maxlen: int = 10_000
+    claim_lease_ms: int = 15_000
+    tombstone_ttl_s: int = 3600
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis.url must start with redis://, rediss:// or unix://, got {self.url.split('@')[-1]!r}")
+        _positive("redis", log_ttl_s=self.log_ttl_s, log_maxlen=self.log_maxlen, claim_lease_ms=self.claim_lease_ms)
+
+    def __repr__(self) -> str:
+        return f"RedisConfig(url=<hidden>, key_prefix={self.key_prefix!r})"
+
+
+class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Worker identity and lifecycle.
+
+    Attributes:
+        worker_id: unique per process; default hostname-pid.
+        max_local_jobs: jobs held in this process (running + waiting in the engine +
+            being claimed); beyond it partitions are paused so the rest stays in Kafka
+            for other workers. Default 2 x max_running_requests.
+        drain_timeout_s: on SIGTERM, how long running jobs may finish before they are
+            handed back (offsets left uncommitted, claims released).
+    """
+
+    worker_id: str | None = None
+    max_local_jobs: int | None = None
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive("worker", max_local_jobs=self.max_local_jobs)
+
+
+class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    port: int | None = None  # None: no HTTP server
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The whole worker configuration file (YAML)."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    serving_tuning: ServingTuning = msgspec.field(default_factory=ServingTuning)
+    kafka: KafkaConfig = msgspec.field(default_factory=KafkaConfig)
+    redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
+    worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+
+    @property
+    def engine(self) -> EngineConfig:
+        return EngineConfig(model=self.model, serving_tuning=self.serving_tuning)
+
+
+ENV_PREFIX = "INFLIGHT_"
+
+
+def load_config(path: str | None = None, env: dict[str, str] | None = None) -> WorkerConfig:
+    """Read a YAML file (optional) and apply `INFLIGHT_<SECTION>__<FIELD>` environment
+    overrides (values parsed as YAML scalars), e.g. `INFLIGHT_KAFKA__BOOTSTRAP_SERVERS`.
+
+    Raises:
+        ConfigError: unreadable file, unknown section/field, wrong type, invalid value;
+            the message names the field.
+    """
+    import os
+
+    import yaml
+
+    data: dict = {}
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+    for key, raw in (env if env is not None else os.environ).items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        section, _, field = key[len(ENV_PREFIX) :].lower().partition("__")
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"config section {section!r} must be a mapping")
+        data[section][field] = yaml.safe_load(raw) if raw != "" else None
+    try:
+        return msgspec.convert(data, WorkerConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid config: {e}") from None

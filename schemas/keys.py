@@ -1,0 +1,48 @@
+"""Kafka topic names and Redis keys. Every key is built here, never inline."""
+
+from __future__ import annotations
+
+PRIORITIES = ("high", "normal", "low")
+
+
+def job_topic(prefix: str, priority: str) -> str:
+    """`inflight.jobs.high` etc.; the topic decides the priority class."""
+    return f"{prefix}.jobs.{priority}"
+
+
+def cancel_topic(prefix: str) -> str:
+    return f"{prefix}.cancel"
+
+
+def dlq_topic(prefix: str) -> str:
+    return f"{prefix}.dlq"
+
+
+def channel(job_id: str, prefix: str = "inflight") -> str:
+    """Pub/sub channel with the job's live events."""
+    return f"{prefix}:job:{job_id}"
+
+
+def log_key(job_id: str, prefix: str = "inflight") -> str:
+    """Stream with every event of the job (replay for late or reconnecting clients)."""
+    return f"{prefix}:job:{job_id}:log"
+
+
+def claim_key(job_id: str, prefix: str = "inflight") -> str:
+    """`SET NX PX` lease held by the worker running the job: value `worker_id|attempt`."""
+    return f"{prefix}:job:{job_id}:claim"
+
+
+def attempts_key(job_id: str, prefix: str = "inflight") -> str:
+    """INCR counter of run attempts."""
+    return f"{prefix}:job:{job_id}:attempts"
+
+
+def done_key(job_id: str, prefix: str = "inflight") -> str:
+    """Set (with the log's TTL) when the terminal event is written."""
+    return f"{prefix}:job:{job_id}:done"
+
+
+def cancelled_key(job_id: str, prefix: str = "inflight") -> str:
+    """Cancel tombstone (TTL): a job that arrives after its cancel is dropped."""
+    return f"{prefix}:job:{job_id}:cancelled"

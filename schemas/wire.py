@@ -1,0 +1,144 @@
+"""Messages on Kafka and Redis (DESIGN §2), as msgspec Structs.
+
+JSON on the wire; every message carries `v` (schema version). Unknown fields are
+ignored so producers can add fields first; wrong types, missing required fields and
+out-of-range values fail with a message naming the field (`msgspec.ValidationError`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from schemas.params import SamplingParams
+
+SCHEMA_VERSION = 1
+JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+FINISH_REASONS = ("stop", "length", "cancelled", "rejected", "expired", "error")
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class Job(msgspec.Struct, kw_only=True):
+    """A generation job, produced to `inflight.jobs.<priority>` keyed by `job_id`.
+
+    Exactly one of `prompt` (text), `messages` (chat, rendered with the model's chat
+    template) or `prompt_token_ids`. `deadline` and `created_at` are Unix epoch seconds;
+    a job still waiting after its deadline ends as `finished(expired)`. `metadata` is
+    echoed back on the `started` and `finished` events.
+    """
+
+    v: Literal[1] = 1
+    job_id: JobId
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    tenant: str | None = None
+    deadline: float | None = None
+    created_at: float | None = None
+    metadata: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
+        if given != 1:
+            raise ValueError("exactly one of `prompt`, `messages`, `prompt_token_ids` must be given")
+
+
+class Cancel(msgspec.Struct, kw_only=True):
+    """Cancel request, produced to `inflight.cancel` keyed by `job_id`."""
+
+    v: Literal[1] = 1
+    job_id: JobId
+    reason: str | None = None
+
+
+# Dead-letter records (`inflight.dlq`) keep the original key and value bytes untouched;
+# the context travels in Kafka headers with these names (as Kafka Connect's DLQ does).
+DLQ_HEADER_ERROR = "inflight.error"
+DLQ_HEADER_SOURCE_TOPIC = "inflight.source.topic"
+DLQ_HEADER_SOURCE_PARTITION = "inflight.source.partition"
+DLQ_HEADER_SOURCE_OFFSET = "inflight.source.offset"
+DLQ_HEADER_JOB_ID = "inflight.job_id"
+DLQ_HEADER_WORKER_ID = "inflight.worker_id"
+
+
+# ---- events on inflight:job:{id} (pub/sub) and inflight:job:{id}:log (stream) -----------
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Seconds. queue: enqueue (Kafka timestamp) → first scheduled; ttft: enqueue → first
+    token; tpot: mean time per output token after the first; e2e: enqueue → terminal."""
+
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    code: str
+    message: str
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True, array_like=False):
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class Started(msgspec.Struct, kw_only=True, tag="started", tag_field="type"):
+    v: Literal[1] = 1
+    job_id: str
+    seq: int
+    attempt: int
+    worker_id: str
+    queue_time_s: float | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class Token(msgspec.Struct, kw_only=True, tag="token", tag_field="type"):
+    v: Literal[1] = 1
+    job_id: str
+    seq: int
+    attempt: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Restarted(msgspec.Struct, kw_only=True, tag="restarted", tag_field="type"):
+    """The job is re-run from scratch; clients drop the text of earlier attempts."""
+
+    v: Literal[1] = 1
+    job_id: str
+    seq: int
+    attempt: int
+    reason: str
+
+
+class Finished(msgspec.Struct, kw_only=True, tag="finished", tag_field="type"):
+    """Terminal event: exactly one per job, always last."""
+
+    v: Literal[1] = 1
+    job_id: str
+    seq: int
+    attempt: int
+    finish_reason: Literal["stop", "length", "cancelled", "rejected", "expired", "error"]
+    text: str = ""
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    metadata: dict[str, Any] | None = None
+
+
+Event = Started | Token | Restarted | Finished

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from worker.offsets import OffsetTracker
+
+
+def test_commit_point_never_passes_an_unfinished_offset():
+    t = OffsetTracker()
+    for o in range(40, 45):
+        t.add("p0", o)
+    assert t.commit_point("p0") == 40  # nothing done: the first offset itself
+    t.mark_committed("p0", 40)
+    assert t.commit_point("p0") is None
+    t.done("p0", 41)
+    t.done("p0", 43)
+    assert t.commit_point("p0") is None  # 40 still running
+    t.done("p0", 40)
+    assert t.commit_point("p0") == 42
+    t.mark_committed("p0", 42)
+    t.done("p0", 42)
+    t.done("p0", 44)
+    assert t.commit_point("p0") == 45
+
+
+def test_out_of_order_add_is_an_error_and_drop_forgets():
+    t = OffsetTracker()
+    t.add("p", 5)
+    with pytest.raises(ValueError, match="out of order"):
+        t.add("p", 5)
+    t.drop("p")
+    t.done("p", 5)  # no-op after revoke
+    assert t.commit_point("p") is None
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=50), st.randoms())
+def test_random_completion_order(gaps, rnd: random.Random):
+    t = OffsetTracker()
+    offsets = []
+    o = 0
+    for g in gaps:
+        o += g
+        offsets.append(o)
+        t.add("p", o)
+    order = offsets[:]
+    rnd.shuffle(order)
+    finished = set()
+    committed = None
+    for x in order:
+        t.done("p", x)
+        finished.add(x)
+        point = t.commit_point("p")
+        unfinished = [y for y in offsets if y not in finished]
+        expected = unfinished[0] if unfinished else offsets[-1] + 1
+        if point is None:
+            assert expected == committed  # nothing new to commit
+        else:
+            assert point == expected
+            t.mark_committed("p", point)
+            committed = point

@@ -1,0 +1,336 @@
+"""Worker: wires intake, engine thread, publisher and cancel listener.
+
+Lifecycle (as arq): start → run → drain(deadline) → close. SIGTERM/SIGINT stop intake
+(all partitions paused, polling continues), let running jobs finish until
+`worker.drain_timeout_s`, hand the rest back (aborted without a terminal event, claims
+released, offsets left uncommitted so another worker re-runs them with `restarted`),
+commit, leave the group, close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from functools import partial
+
+import redis.asyncio as aioredis
+import structlog
+from aiokafka import TopicPartition
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from schemas import keys
+from schemas.wire import ErrorInfo, Job, Timings, TokenLogprob, Usage
+from worker.cancels import CancelListener
+from worker.config import WorkerConfig
+from worker.engine import Engine, KVStats, RejectReason, RequestOutput, RequestRejected
+from worker.engine_thread import EngineThread
+from worker.intake import Intake
+from worker.jobs import LocalJob
+from worker.offsets import OffsetTracker
+from worker.publish import RELEASE_IF_OWNER, JobStream, Publisher
+
+log = structlog.get_logger(__name__)
+
+_RENEW_IF_OWNER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end
+"""
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, engine: Engine | None = None) -> None:
+        self.cfg = cfg
+        self.worker_id = cfg.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.engine = engine
+        tuning = cfg.serving_tuning
+        self.max_local_jobs = cfg.worker.max_local_jobs or 2 * tuning.max_running_requests
+        self.jobs: dict[str, LocalJob] = {}
+        self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+        self.draining = False
+        self.kv_stats: KVStats | None = None
+        self._stop_requested = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._out_q: asyncio.Queue = asyncio.Queue()
+        self._crash: BaseException | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._prefix = cfg.redis.key_prefix
+        self.num_finished = 0
+
+    @property
+    def num_local_jobs(self) -> int:
+        return len(self.jobs)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        self.redis = aioredis.from_url(
+            cfg.redis.url,
+            health_check_interval=15,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 8),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        )
+        await self.redis.ping()
+        self.publisher = Publisher(self.redis, cfg.redis)
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(Engine.from_pretrained, cfg.model.path, cfg.engine)
+        loop = asyncio.get_running_loop()
+        self.engine_thread = EngineThread(self.engine, loop, self._on_step, self._on_crash)
+        self.engine_thread.start()
+        self.intake = Intake(self)
+        await self.intake.start()
+        self.cancels = CancelListener(self)
+        await self.cancels.start()
+        self._tasks = [
+            asyncio.create_task(self._publish_loop(), name="publisher"),
+            asyncio.create_task(self.intake.run(self._stopping), name="intake"),
+            asyncio.create_task(self.cancels.run(self._stopping), name="cancels"),
+            asyncio.create_task(self._renew_loop(), name="claims"),
+        ]
+        log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
+                 kv_blocks=self.engine.kv_stats().total_blocks)
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT (or `request_stop`), drain, close."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            waiter = asyncio.create_task(self._stop_requested.wait())
+            done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not waiter and t.exception() is not None:
+                    raise t.exception()
+            await self.drain()
+        finally:
+            await self.close()
+        if self._crash is not None:
+            raise self._crash
+
+    async def drain(self) -> None:
+        self.draining = True
+        deadline = time.monotonic() + self.cfg.worker.drain_timeout_s
+        log.info("draining", running=len(self.jobs), deadline_s=self.cfg.worker.drain_timeout_s)
+        while self.jobs and time.monotonic() < deadline and self._crash is None:
+            await asyncio.sleep(0.05)
+        handed = [lj for lj in self.jobs.values() if not lj.stream.finished]
+        for lj in handed:
+            lj.handed_back = True
+            self.engine.abort(lj.job_id)
+        self.engine_thread.wake()
+        if handed:
+            pipe = self.redis.pipeline(transaction=False)
+            for lj in handed:
+                pipe.eval(RELEASE_IF_OWNER, 1, keys.claim_key(lj.job_id, self._prefix), lj.stream.claim_token)
+            await pipe.execute()
+            log.info("handed back unfinished jobs", job_ids=[lj.job_id for lj in handed])
+        await self._out_q.join()
+
+    async def close(self) -> None:
+        self._stopping.set()
+        for t in self._tasks:
+            if t.get_name() in ("intake", "cancels", "claims"):
+                t.cancel()
+        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        await self.intake.stop()
+        await self.cancels.stop()
+        self._tasks[0].cancel()
+        await asyncio.gather(self._tasks[0], return_exceptions=True)
+        self.engine_thread.stop()
+        await self.redis.aclose()
+        log.info("worker stopped", worker_id=self.worker_id, finished=self.num_finished)
+
+    # ---- Redis helpers used by intake ----------------------------------------------------
+    async def is_done(self, job_id: str) -> bool:
+        return bool(await self.redis.exists(keys.done_key(job_id, self._prefix)))
+
+    async def try_claim(self, job_id: str) -> str | None:
+        """SET NX with a lease; returns the claim token, or None if another worker holds it."""
+        token = f"{self.worker_id}:{uuid.uuid4().hex[:12]}"
+        ok = await self.redis.set(keys.claim_key(job_id, self._prefix), token, nx=True,
+                                  px=self.cfg.redis.claim_lease_ms)
+        return token if ok else None
+
+    async def _open_stream(self, job_id: str, claim: str) -> JobStream:
+        p = self._prefix
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.incr(keys.attempts_key(job_id, p))
+        pipe.expire(keys.attempts_key(job_id, p), self.cfg.redis.log_ttl_s)
+        attempt, _ = await pipe.execute()
+        return JobStream(job_id, int(attempt), await self.publisher.last_seq(job_id) + 1, claim)
+
+    def _emit(self, events: list, claims: dict[str, str] | None = None, finished: list[LocalJob] | None = None) -> None:
+        self._out_q.put_nowait((events, claims or {}, finished or []))
+
+    # ---- job start ---------------------------------------------------------------------
+    async def start_job(self, job: Job, priority: str, tp: TopicPartition, offset: int, enqueue: float,
+                        claim: str) -> None:
+        jid = job.job_id
+        p = self._prefix
+        tombstone, = await self.redis.mget(keys.cancelled_key(jid, p))
+        if tombstone is not None:
+            await self.finish_without_running(jid, claim, "cancelled", None, None, [(tp, offset)])
+            return
+        if job.deadline is not None and job.deadline < time.time():
+            await self.finish_without_running(jid, claim, "expired", "deadline_passed",
+                                              f"deadline {job.deadline} passed before the job started", [(tp, offset)])
+            return
+        stream = await self._open_stream(jid, claim)
+        lj = LocalJob(job, priority, stream, [(tp, offset)], enqueue)
+        self.jobs[jid] = lj
+        events = []
+        if stream.attempt > 1:
+            events.append(stream.restarted("the previous attempt did not finish (worker stopped or handed the job back)"))
+        events.append(stream.started(self.worker_id, max(0.0, lj.submit_time - enqueue), job.metadata))
+        self._emit(events)
+        kwargs = {"params": job.params, "priority": priority, "cache_salt": job.tenant or "", "arrival_time": enqueue}
+        if job.prompt is not None:
+            kwargs["prompt"] = job.prompt
+        elif job.messages is not None:
+            kwargs["messages"] = [{"role": m.role, "content": m.content} for m in job.messages]
+        else:
+            kwargs["prompt_token_ids"] = job.prompt_token_ids
+        try:
+            # tokenization and chat templates run off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, partial(self.engine.add_request, jid, **kwargs))
+        except RequestRejected as e:
+            self._finish_local(lj, "rejected", error=ErrorInfo(code=e.reason.value, message=e.message))
+            return
+        lj.in_engine = True
+        if lj.cancel_requested:
+            self.engine.abort(jid)
+        self.engine_thread.wake()
+
+    async def finish_without_running(self, job_id: str, claim: str, reason: str, code: str | None,
+                                     message: str | None, offsets: list[tuple[TopicPartition, int]]) -> None:
+        """Terminal event for a claimed job that never reaches the engine (cancelled
+        before arrival, expired, rejected)."""
+        stream = await self._open_stream(job_id, claim)
+        lj = LocalJob(Job(job_id=job_id, prompt=""), "normal", stream, offsets, time.time())
+        self.jobs[job_id] = lj
+        error = ErrorInfo(code=code, message=message) if code else None
+        self._finish_local(lj, reason, error=error)
+
+    def _finish_local(self, lj: LocalJob, reason: str, error: ErrorInfo | None = None) -> None:
+        ev = lj.stream.finished_event(reason, text="".join(lj.text_parts), error=error,
+                                      usage=Usage(prompt_tokens=0, completion_tokens=0), metadata=lj.job.metadata)
+        self._emit([ev], {lj.job_id: lj.stream.claim_token}, [lj])
+
+    # ---- cancels -------------------------------------------------------------------------
+    async def cancel(self, job_id: str) -> None:
+        await self.redis.set(keys.cancelled_key(job_id, self._prefix), b"1", ex=self.cfg.redis.tombstone_ttl_s)
+        lj = self.jobs.get(job_id)
+        if lj is not None and not lj.stream.finished:
+            lj.cancel_requested = True
+            if lj.in_engine:
+                self.engine.abort(job_id)
+                self.engine_thread.wake()
+
+    # ---- engine outputs → events ---------------------------------------------------------
+    def _on_step(self, outputs: list[RequestOutput], stats: KVStats) -> None:
+        self.kv_stats = stats
+        now = time.time()
+        events, claims, finished = [], {}, []
+        for out in outputs:
+            lj = self.jobs.get(out.request_id)
+            if lj is None or lj.stream.finished:
+                continue
+            if lj.handed_back:
+                continue
+            if out.new_token_ids or out.text:
+                if lj.first_token_time is None:
+                    lj.first_token_time = now
+                lj.num_tokens += len(out.new_token_ids)
+                lj.text_parts.append(out.text)
+                lps = [TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_token_ids=x.top_token_ids,
+                                    top_logprobs=x.top_logprobs) for x in out.logprobs] if out.logprobs else None
+                events.append(lj.stream.token(out.text, out.new_token_ids, lps))
+            if out.finished:
+                e2e = now - lj.enqueue_time
+                ttft = lj.first_token_time - lj.enqueue_time if lj.first_token_time else None
+                tpot = ((now - lj.first_token_time) / (lj.num_tokens - 1)
+                        if lj.first_token_time and lj.num_tokens > 1 else None)
+                u = out.usage
+                events.append(lj.stream.finished_event(
+                    out.finish_reason or "error",
+                    text="".join(lj.text_parts),
+                    usage=Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                cached_prompt_tokens=u.cached_prompt_tokens) if u else None,
+                    timings=Timings(queue_s=max(0.0, lj.submit_time - lj.enqueue_time), ttft_s=ttft, tpot_s=tpot,
+                                    e2e_s=e2e),
+                    metadata=lj.job.metadata,
+                ))
+                claims[lj.job_id] = lj.stream.claim_token
+                finished.append(lj)
+        if events:
+            self._emit(events, claims, finished)
+
+    def _on_crash(self, exc: BaseException) -> None:
+        self._crash = exc
+        self.request_stop()
+
+    async def _publish_loop(self) -> None:
+        """Single writer of events: pipelines go out in step order."""
+        q = self._out_q
+        while True:
+            batches = [await q.get()]
+            while not q.empty():
+                batches.append(q.get_nowait())
+            events = [e for b in batches for e in b[0]]
+            claims = {k: v for b in batches for k, v in b[1].items()}
+            try:
+                await self.publisher.publish(events, claims)
+            except Exception:
+                log.exception("publishing events failed; stopping the worker (jobs will be redelivered)")
+                for _ in batches:
+                    q.task_done()
+                self._on_crash(RuntimeError("Redis unavailable"))
+                return
+            for b in batches:
+                for lj in b[2]:
+                    self._job_done(lj)
+                q.task_done()
+
+    def _job_done(self, lj: LocalJob) -> None:
+        self.jobs.pop(lj.job_id, None)
+        for tp, off in lj.offsets:
+            self.tracker.done(tp, off)
+        self.num_finished += 1
+        first_tp, first_off = lj.offsets[0]
+        log.info(
+            "job finished", job_id=lj.job_id, topic=first_tp.topic, partition=first_tp.partition, offset=first_off,
+            attempt=lj.stream.attempt, priority=lj.priority, tokens=lj.num_tokens,
+            queue_s=round(max(0.0, lj.submit_time - lj.enqueue_time), 4),
+            ttft_s=round(lj.first_token_time - lj.enqueue_time, 4) if lj.first_token_time else None,
+        )
+
+    async def _renew_loop(self) -> None:
+        lease = self.cfg.redis.claim_lease_ms
+        while True:
+            await asyncio.sleep(lease / 3000)
+            held = [lj for lj in self.jobs.values() if not lj.stream.finished and not lj.handed_back]
+            if not held:
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            for lj in held:
+                pipe.eval(_RENEW_IF_OWNER, 1, keys.claim_key(lj.job_id, self._prefix), lj.stream.claim_token, lease)
+            results = await pipe.execute()
+            for lj, ok in zip(held, results):
+                if not ok:  # lease lost (we stalled past it): another worker may run the job now
+                    log.warning("claim lost; handing the job back", job_id=lj.job_id)
+                    lj.handed_back = True
+                    self.engine.abort(lj.job_id)
+                    self.jobs.pop(lj.job_id, None)
+            self.engine_thread.wake()
+
+
+__all__ = ["RejectReason", "Worker"]

@@ -1,0 +1,179 @@
+"""Producer / consumer helpers: submit jobs, stream their events, cancel them.
+
+Imports neither torch nor engine code (`pip install "inflight-worker[client]"`).
+
+`stream()` subscribes to the job's channel first, then replays the job's log, so no
+event is missed between the two; it dedupes by `seq`, survives late subscription
+(the log keeps the whole sequence for its TTL), re-reads the log after a dropped
+connection, and passes `restarted` through (the caller drops earlier partial text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from schemas import keys
+from schemas.codec import decode_event, encode
+from schemas.params import SamplingParams
+from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, Restarted, Token
+
+
+class InflightClient:
+    """Args:
+    bootstrap_servers: Kafka bootstrap servers.
+    redis_url: Redis URL the workers publish to.
+    topic_prefix, key_prefix: must match the workers' `kafka.topic_prefix` / `redis.key_prefix`.
+    """
+
+    def __init__(self, bootstrap_servers: str, redis_url: str, *, topic_prefix: str = "inflight",
+                 key_prefix: str = "inflight", tombstone_ttl_s: int = 3600) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.topic_prefix = topic_prefix
+        self.key_prefix = key_prefix
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.redis = aioredis.from_url(redis_url, health_check_interval=15)
+        self._producer: AIOKafkaProducer | None = None
+
+    async def __aenter__(self) -> InflightClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _kafka(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all",
+                                              max_request_size=16 * 1024 * 1024)
+            await self._producer.start()
+        return self._producer
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+        await self.redis.aclose()
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        priority: str = "normal",
+        job_id: str | None = None,
+        deadline: float | None = None,
+        tenant: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> str:
+        """Produce a job to `inflight.jobs.<priority>`; returns its job_id.
+
+        Raises:
+            ValueError: invalid priority or job fields.
+        """
+        if priority not in keys.PRIORITIES:
+            raise ValueError(f"priority must be one of {list(keys.PRIORITIES)}, got {priority!r}")
+        job = Job(
+            job_id=job_id or uuid.uuid4().hex,
+            prompt=prompt,
+            messages=[ChatMessage(**m) for m in messages] if messages is not None else None,
+            prompt_token_ids=prompt_token_ids,
+            params=params or SamplingParams(),
+            deadline=deadline,
+            tenant=tenant,
+            created_at=time.time(),
+            metadata=metadata,
+        )
+        await self.submit_job(job, priority)
+        return job.job_id
+
+    async def submit_job(self, job: Job, priority: str = "normal") -> None:
+        producer = await self._kafka()
+        await producer.send_and_wait(keys.job_topic(self.topic_prefix, priority), encode(job), key=job.job_id.encode())
+
+    async def cancel(self, job_id: str, reason: str | None = None) -> None:
+        """Cancel a job wherever it is. Also sets the tombstone directly, so a job that
+        no worker has consumed yet is dropped on arrival even if no worker is running."""
+        await self.redis.set(keys.cancelled_key(job_id, self.key_prefix), b"1", ex=self.tombstone_ttl_s)
+        producer = await self._kafka()
+        await producer.send_and_wait(keys.cancel_topic(self.topic_prefix), encode(Cancel(job_id=job_id, reason=reason)),
+                                     key=job_id.encode())
+
+    async def read_log(self, job_id: str, after_seq: int = -1) -> list[Event]:
+        """Events already in the job's log with seq > after_seq, in order."""
+        entries = await self.redis.xrange(keys.log_key(job_id, self.key_prefix))
+        out = []
+        for _, fields in entries:
+            ev = decode_event(fields[b"e"])
+            if ev.seq > after_seq:
+                out.append(ev)
+        return out
+
+    async def stream(self, job_id: str, *, timeout_s: float | None = None, poll_s: float = 1.0) -> AsyncIterator[Event]:
+        """Yield the job's events in `seq` order, each once, ending with `finished`.
+
+        Raises:
+            TimeoutError: no terminal event within `timeout_s`.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last = -1
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(keys.channel(job_id, self.key_prefix))
+                for ev in await self.read_log(job_id, last):  # replay after subscribing: no gap
+                    if ev.seq > last:
+                        last = ev.seq
+                        yield ev
+                        if isinstance(ev, Finished):
+                            return
+                while True:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(f"job {job_id} did not finish within {timeout_s} s")
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
+                    if msg is None:  # quiet: check the log in case a live message was lost
+                        evs = await self.read_log(job_id, last)
+                    else:
+                        evs = [decode_event(msg["data"])]
+                        if evs[0].seq > last + 1:  # a gap: fill it from the log
+                            evs = await self.read_log(job_id, last)
+                    for ev in evs:
+                        if ev.seq > last:
+                            last = ev.seq
+                            yield ev
+                            if isinstance(ev, Finished):
+                                return
+            except (RedisConnectionError, OSError):
+                await asyncio.sleep(0.2)  # reconnect, resubscribe, replay from `last`
+            finally:
+                await pubsub.aclose()
+
+    async def result(self, job_id: str, timeout_s: float | None = None) -> Finished:
+        """Wait for the job's terminal event."""
+        async for ev in self.stream(job_id, timeout_s=timeout_s):
+            if isinstance(ev, Finished):
+                return ev
+        raise RuntimeError("unreachable")
+
+
+def text_of(events: list[Event]) -> str:
+    """Concatenate the token text of the last attempt (drops text before a `restarted`)."""
+    parts: list[str] = []
+    for ev in events:
+        if isinstance(ev, Restarted):
+            parts = []
+        elif isinstance(ev, Token):
+            parts.append(ev.text)
+    return "".join(parts)
+
+
+__all__ = ["InflightClient", "text_of", "msgspec"]

@@ -1,0 +1,84 @@
+"""Per-partition commit points: commit only below the lowest unfinished offset.
+
+Jobs finish out of order. For each partition the tracker keeps the offsets taken in
+arrival order (Kafka hands them out in increasing order) and which are done; the
+commit point is the first offset not done (or last + 1 when all are):
+
+    offsets taken:  40  41  42  43  44
+    done:            x   x       x
+    commit point:           42          (42 is still running; 43 waits behind it)
+
+Kafka's committed offset is "the next record to read", so committing 42 means a
+restarted consumer re-reads 42 and 43: at-least-once, and the claim/done keys in
+Redis keep the visible outcome exactly-once. Writer: the intake (asyncio thread).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Generic, TypeVar
+
+TP = TypeVar("TP")
+
+
+class OffsetTracker(Generic[TP]):
+    def __init__(self) -> None:
+        self._pending: dict[TP, deque[int]] = {}
+        self._done: dict[TP, set[int]] = {}
+        self._next: dict[TP, int] = {}  # commit point once all pending are done
+        self._committed: dict[TP, int] = {}
+
+    def add(self, tp: TP, offset: int) -> None:
+        """Record that `offset` was taken from `tp` and is not finished."""
+        q = self._pending.setdefault(tp, deque())
+        if q and offset <= q[-1]:
+            raise ValueError(f"offset {offset} of {tp} taken out of order (last {q[-1]})")
+        q.append(offset)
+        self._done.setdefault(tp, set())
+
+    def done(self, tp: TP, offset: int) -> None:
+        """Mark `offset` finished (its terminal event is in Redis, or it was skipped)."""
+        q = self._pending.get(tp)
+        if q is None:
+            return  # partition revoked meanwhile
+        done = self._done[tp]
+        done.add(offset)
+        while q and q[0] in done:
+            first = q.popleft()
+            done.discard(first)
+            self._next[tp] = first + 1
+
+    def commit_point(self, tp: TP) -> int | None:
+        """Offset to commit for `tp` (the lowest unfinished, or last done + 1), or None
+        if nothing new since the last `mark_committed`."""
+        q = self._pending.get(tp)
+        point = q[0] if q else self._next.get(tp)
+        if point is None or point <= self._committed.get(tp, -1):
+            return None
+        return point
+
+    def commit_points(self) -> dict[TP, int]:
+        out = {}
+        for tp in list(self._pending):
+            p = self.commit_point(tp)
+            if p is not None:
+                out[tp] = p
+        return out
+
+    def mark_committed(self, tp: TP, offset: int) -> None:
+        self._committed[tp] = offset
+
+    def num_pending(self, tp: TP | None = None) -> int:
+        if tp is not None:
+            return len(self._pending.get(tp, ()))
+        return sum(len(q) for q in self._pending.values())
+
+    def drop(self, tp: TP) -> None:
+        """Forget a revoked partition (its new owner re-reads from the committed offset)."""
+        self._pending.pop(tp, None)
+        self._done.pop(tp, None)
+        self._next.pop(tp, None)
+        self._committed.pop(tp, None)
+
+    def partitions(self) -> list[TP]:
+        return list(self._pending)
