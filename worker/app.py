@@ -98,12 +98,13 @@ class Worker:
     def request_stop(self) -> None:
         self._stop_requested.set()
 
-    async def run(self) -> None:
+    async def run(self, install_signals: bool = True) -> None:
         """Start, serve until SIGTERM/SIGINT (or `request_stop`), drain, close."""
         await self.start()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+        if install_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
         try:
             waiter = asyncio.create_task(self._stop_requested.wait())
             done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)

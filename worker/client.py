@@ -11,6 +11,7 @@ connection, and passes `restarted` through (the caller drops earlier partial tex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -40,7 +41,11 @@ class InflightClient:
         self.topic_prefix = topic_prefix
         self.key_prefix = key_prefix
         self.tombstone_ttl_s = tombstone_ttl_s
-        self.redis = aioredis.from_url(redis_url, health_check_interval=15)
+        # Blocking pool: many concurrent streams wait for a connection instead of failing.
+        pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=32, timeout=None,
+                                                        health_check_interval=15)
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self._subscriber = _SharedSubscriber(self.redis)
         self._producer: AIOKafkaProducer | None = None
 
     async def __aenter__(self) -> InflightClient:
@@ -60,6 +65,7 @@ class InflightClient:
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
+        await self._subscriber.close()
         await self.redis.aclose()
 
     async def submit(
@@ -125,37 +131,32 @@ class InflightClient:
             TimeoutError: no terminal event within `timeout_s`.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        channel = keys.channel(job_id, self.key_prefix).encode()
+        queue = await self._subscriber.add(channel)
         last = -1
-        while True:
-            pubsub = self.redis.pubsub()
-            try:
-                await pubsub.subscribe(keys.channel(job_id, self.key_prefix))
-                for ev in await self.read_log(job_id, last):  # replay after subscribing: no gap
+        try:
+            evs = await self.read_log(job_id, last)  # replay after subscribing: no gap
+            while True:
+                for ev in evs:
                     if ev.seq > last:
                         last = ev.seq
                         yield ev
                         if isinstance(ev, Finished):
                             return
-                while True:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError(f"job {job_id} did not finish within {timeout_s} s")
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
-                    if msg is None:  # quiet: check the log in case a live message was lost
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"job {job_id} did not finish within {timeout_s} s")
+                try:
+                    data = await asyncio.wait_for(queue.get(), poll_s)
+                except TimeoutError:  # quiet: check the log in case a live message was lost
+                    data = _RESYNC
+                if data is _RESYNC:
+                    evs = await self.read_log(job_id, last)
+                else:
+                    evs = [decode_event(data)]
+                    if evs[0].seq > last + 1:  # a gap: fill it from the log
                         evs = await self.read_log(job_id, last)
-                    else:
-                        evs = [decode_event(msg["data"])]
-                        if evs[0].seq > last + 1:  # a gap: fill it from the log
-                            evs = await self.read_log(job_id, last)
-                    for ev in evs:
-                        if ev.seq > last:
-                            last = ev.seq
-                            yield ev
-                            if isinstance(ev, Finished):
-                                return
-            except (RedisConnectionError, OSError):
-                await asyncio.sleep(0.2)  # reconnect, resubscribe, replay from `last`
-            finally:
-                await pubsub.aclose()
+        finally:
+            await self._subscriber.remove(channel, queue)
 
     async def result(self, job_id: str, timeout_s: float | None = None) -> Finished:
         """Wait for the job's terminal event."""
@@ -163,6 +164,79 @@ class InflightClient:
             if isinstance(ev, Finished):
                 return ev
         raise RuntimeError("unreachable")
+
+
+_RESYNC = object()
+
+
+class _SharedSubscriber:
+    """One pub/sub connection for all of a client's streams (a PubSub per stream would
+    hold a pooled connection each and exhaust the pool). Messages are dispatched to
+    per-stream queues; after a connection error it reconnects, resubscribes every
+    channel and tells each stream to re-read its log."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self.queues: dict[bytes, set[asyncio.Queue]] = {}
+        self._pubsub = None
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    async def add(self, channel: bytes) -> asyncio.Queue:
+        async with self._lock:
+            if self._pubsub is None:
+                self._pubsub = self.redis.pubsub()
+            q: asyncio.Queue = asyncio.Queue()
+            subs = self.queues.setdefault(channel, set())
+            subs.add(q)
+            if len(subs) == 1:
+                await self._pubsub.subscribe(channel)
+            if self._task is None or self._task.done():
+                self._task = asyncio.create_task(self._read())
+            return q
+
+    async def remove(self, channel: bytes, q: asyncio.Queue) -> None:
+        async with self._lock:
+            subs = self.queues.get(channel)
+            if subs is None:
+                return
+            subs.discard(q)
+            if not subs:
+                del self.queues[channel]
+                with contextlib.suppress(RedisConnectionError, OSError):
+                    await self._pubsub.unsubscribe(channel)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                if not self._pubsub.subscribed:
+                    await asyncio.sleep(0.05)
+                    continue
+                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            except (RedisConnectionError, OSError):
+                for subs in self.queues.values():
+                    for q in subs:
+                        q.put_nowait(_RESYNC)
+                await asyncio.sleep(0.2)
+                async with self._lock:
+                    with contextlib.suppress(Exception):
+                        await self._pubsub.aclose()
+                    self._pubsub = self.redis.pubsub()
+                    with contextlib.suppress(RedisConnectionError, OSError):
+                        if self.queues:
+                            await self._pubsub.subscribe(*self.queues)
+                continue
+            if msg is not None:
+                for q in self.queues.get(msg["channel"], ()):
+                    q.put_nowait(msg["data"])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._pubsub is not None:
+            await self._pubsub.aclose()
 
 
 def text_of(events: list[Event]) -> str:

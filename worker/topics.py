@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
@@ -25,10 +27,8 @@ async def create_topics(bootstrap_servers: str, prefix: str = "inflight", partit
             for n in names if n not in existing
         ]
         if new:
-            try:
+            with contextlib.suppress(TopicAlreadyExistsError):  # another process won the race
                 await admin.create_topics(new)
-            except TopicAlreadyExistsError:
-                pass
         return [t.name for t in new]
     finally:
         await admin.close()

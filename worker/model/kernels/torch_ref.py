@@ -56,7 +56,7 @@ def paged_attention(
         `[num_tokens, num_heads, head_dim]`. Grouped-query attention when num_heads is a
         multiple of num_kv_heads.
     """
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads = k_cache.shape[2]
     gqa = query.shape[1] != num_kv_heads
     out = torch.empty_like(query)
     for g in md.decode_groups:

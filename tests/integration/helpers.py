@@ -1,0 +1,102 @@
+"""Shared helpers for the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from schemas import keys
+from schemas.wire import Finished, Restarted, Started, Token
+from worker.app import Worker
+from worker.client import InflightClient
+
+
+async def start_worker(cfg, engine, timeout: float = 30.0) -> tuple[Worker, asyncio.Task]:
+    """Run a Worker in this loop; return once it owns partitions."""
+    w = Worker(cfg, engine=engine)
+    task = asyncio.create_task(w.run(install_signals=False))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if task.done():
+            task.result()
+        intake = getattr(w, "intake", None)
+        if intake is not None and intake.consumer.assignment() and hasattr(w, "cancels"):
+            return w, task
+        await asyncio.sleep(0.1)
+    raise TimeoutError("worker did not get partitions")
+
+
+async def stop_worker(w: Worker, task: asyncio.Task) -> None:
+    w.request_stop()
+    await asyncio.wait_for(task, 60)
+
+
+async def collect(client: InflightClient, job_id: str, timeout: float = 120.0) -> list:
+    return [ev async for ev in client.stream(job_id, timeout_s=timeout)]
+
+
+def assert_well_formed(events: list, job_id: str) -> Finished:
+    """seq 0..n-1 without gaps, exactly one terminal event and it is last."""
+    assert [e.seq for e in events] == list(range(len(events))), [type(e).__name__ for e in events]
+    finished = [e for e in events if isinstance(e, Finished)]
+    assert len(finished) == 1 and events[-1] is finished[0], [type(e).__name__ for e in events]
+    assert all(e.job_id == job_id for e in events)
+    return finished[0]
+
+
+def token_ids(events: list) -> list[int]:
+    """Token ids of the last attempt."""
+    ids: list[int] = []
+    for e in events:
+        if isinstance(e, Restarted):
+            ids = []
+        elif isinstance(e, Token):
+            ids.extend(e.token_ids)
+    return ids
+
+
+def kinds(events: list) -> list[str]:
+    return [type(e).__name__ for e in events]
+
+
+async def committed_reaches_end(bootstrap: str, group: str, prefix: str, timeout: float = 20.0) -> dict:
+    """Wait until the group's committed offsets equal the end offsets of every job
+    partition; return the last {tp: (committed, end)} seen."""
+    topics = [keys.job_topic(prefix, p) for p in keys.PRIORITIES]
+    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await probe.start()
+    await admin.start()
+    try:
+        tps = [TopicPartition(t, p) for t in topics for p in sorted(await _partitions(probe, t))]
+        ends = await probe.end_offsets(tps)
+        deadline = time.monotonic() + timeout
+        state = {}
+        while True:
+            got = await admin.list_consumer_group_offsets(group)
+            state = {tp: (got[tp].offset if tp in got else 0, ends[tp]) for tp in tps}
+            if all(c == e for c, e in state.values()) or time.monotonic() > deadline:
+                return state
+            await asyncio.sleep(0.3)
+    finally:
+        await probe.stop()
+        await admin.close()
+
+
+async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    for _ in range(50):
+        await consumer.topics()
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return parts
+        consumer.subscribe([topic])  # makes the client fetch this topic's metadata
+        await asyncio.sleep(0.1)
+        consumer.unsubscribe()
+    raise RuntimeError(f"no partitions for {topic}")
+
+
+__all__ = ["Started", "assert_well_formed", "collect", "committed_reaches_end", "kinds", "start_worker",
+           "stop_worker", "token_ids"]
