@@ -64,6 +64,7 @@ class _Rebalance(ConsumerRebalanceListener):
             self.intake.worker.tracker.drop(tp)
         self.intake.contested = [c for c in self.intake.contested if c.tp not in revoked]
         if revoked:
+            self.intake.num_revocations += 1
             log.info("partitions revoked", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
@@ -102,6 +103,7 @@ class Intake:
         self.paused = False
         self._last_commit = 0.0
         self.num_dead_letters = 0
+        self.num_revocations = 0
 
     async def start(self) -> None:
         await self.producer.start()

@@ -1,0 +1,231 @@
+"""Several workers, crashes, shutdown and backpressure on the real Kafka and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import yaml
+
+from schemas.params import SamplingParams
+from schemas.wire import Restarted, Started
+from tests.integration.conftest import ROOT, worker_config
+from tests.integration.helpers import (
+    assert_well_formed,
+    collect,
+    committed_reaches_end,
+    start_worker,
+    stop_worker,
+)
+from worker.client import InflightClient
+from worker.config import EngineConfig, ServingTuning
+from worker.engine import Engine
+from worker.model.null_runner import NullRunner, null_engine
+
+
+def test_backpressure_bounds_local_jobs_and_a_new_worker_takes_a_share(services, prefix, llama_path):
+    cfg = worker_config(services, prefix, tuning={"max_running_requests": 8}, worker={"max_local_jobs": 16})
+    e1 = Engine.from_pretrained(str(llama_path), cfg.engine)
+    e2 = Engine.from_pretrained(str(llama_path), cfg.engine)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def main():
+        w1, t1 = await start_worker(cfg, e1)
+        peak = {"w1": 0, "w2": 0}
+        stop = asyncio.Event()
+        workers = {"w1": w1}
+
+        async def sample():
+            while not stop.is_set():
+                for k, w in workers.items():
+                    peak[k] = max(peak[k], w.num_local_jobs)
+                await asyncio.sleep(0.005)
+
+        sampler = asyncio.create_task(sample())
+        async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            ids = [f"bp-{i}" for i in range(500)]
+            await asyncio.gather(*(client.submit(f"load {i}", params=params, job_id=j, priority=("high", "normal", "low")[i % 3])
+                                   for i, j in enumerate(ids)))
+            w2, t2 = await start_worker(cfg, e2)
+            workers["w2"] = w2
+            results = await asyncio.gather(*(collect(client, j, 300) for j in ids))
+        stop.set()
+        await sampler
+        committed = await committed_reaches_end(services[0], cfg.kafka.group_id, prefix)
+        await asyncio.gather(stop_worker(w1, t1), stop_worker(w2, t2))
+        return ids, results, peak, w1, w2, committed
+
+    ids, results, peak, w1, w2, committed = asyncio.run(main())
+    for j, evs in zip(ids, results):
+        assert assert_well_formed(evs, j).finish_reason == "length"
+    assert peak["w1"] <= 16 and peak["w2"] <= 16, peak
+    assert w1.num_finished > 0 and w2.num_finished > 0, (w1.num_finished, w2.num_finished)
+    assert w1.num_finished + w2.num_finished == 500
+    assert all(c == e for c, e in committed.values()), committed
+
+
+class SlowRunner(NullRunner):
+    """A model that takes `delay_s` per step."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(vocab_size=100, avoid=frozenset({0}))
+        self.delay_s = delay_s
+
+    def execute(self, sched):
+        time.sleep(self.delay_s)
+        return super().execute(sched)
+
+
+def test_job_longer_than_max_poll_interval_keeps_the_worker_in_the_group(services, prefix):
+    cfg = worker_config(services, prefix, kafka={"max_poll_interval_ms": 3000})
+    engine = null_engine(EngineConfig(serving_tuning=ServingTuning(max_total_tokens=4096)), vocab_size=100)
+    engine.runner = SlowRunner(0.1)
+
+    async def main():
+        w, task = await start_worker(cfg, engine)
+        async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            t0 = time.monotonic()
+            await client.submit("slow", params=SamplingParams(max_tokens=60, ignore_eos=True), job_id="slow")
+            events = await collect(client, "slow", 60)
+            took = time.monotonic() - t0
+        revocations = w.intake.num_revocations
+        await stop_worker(w, task)
+        return events, took, revocations
+
+    events, took, revocations = asyncio.run(main())
+    assert took > 5.0  # longer than max_poll_interval_ms
+    fin = assert_well_formed(events, "slow")
+    assert fin.finish_reason == "length" and fin.attempt == 1
+    assert not any(isinstance(e, Restarted) for e in events)
+    assert revocations == 0
+
+
+# ---- worker processes -----------------------------------------------------------------------
+def spawn_worker(tmp_path: Path, cfg, worker_id: str) -> tuple[subprocess.Popen, Path]:
+    data = msgspec.to_builtins(cfg)
+    data["worker"]["worker_id"] = worker_id
+    path = tmp_path / f"{worker_id}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    log = tmp_path / f"{worker_id}.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--config", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env, cwd=ROOT)
+    return proc, log
+
+
+async def wait_started(log: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited: {log.read_text()[-3000:]}")
+        if "worker started" in log.read_text():
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(log.read_text()[-3000:])
+
+
+async def wait_for_starts(client, ids, worker_id: str, n: int, timeout: float = 60.0) -> set[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        on = set()
+        for j in ids:
+            evs = await client.read_log(j)
+            if any(isinstance(e, Started) and e.worker_id == worker_id for e in evs):
+                on.add(j)
+        if len(on) >= n:
+            return on
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{worker_id} started fewer than {n} jobs")
+
+
+def test_kill_9_one_of_two_workers_loses_nothing(services, prefix, llama_path, tmp_path):
+    cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
+                        tuning={"max_running_requests": 2}, worker={"max_local_jobs": 4})
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    a, a_log = spawn_worker(tmp_path, cfg, "worker-a")
+    b, b_log = spawn_worker(tmp_path, cfg, "worker-b")
+    try:
+        async def main():
+            await asyncio.gather(wait_started(a_log, a), wait_started(b_log, b))
+            await asyncio.sleep(3)  # both in the group
+            async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+                ids = [f"k-{i}" for i in range(20)]
+                for i, j in enumerate(ids):
+                    await client.submit(f"crash test {i}", params=params, job_id=j, priority=("high", "normal", "low")[i % 3])
+                on_a = await wait_for_starts(client, ids, "worker-a", 2)
+                a.send_signal(signal.SIGKILL)
+                a.wait()
+                results = await asyncio.gather(*(collect(client, j, 180) for j in ids))
+            committed = await committed_reaches_end(services[0], cfg.kafka.group_id, prefix, timeout=30)
+            return ids, on_a, results, committed
+
+        ids, on_a, results, committed = asyncio.run(main())
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    restarted = 0
+    for j, evs in zip(ids, results):
+        fin = assert_well_formed(evs, j)
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == 200
+        if any(isinstance(e, Restarted) for e in evs):
+            restarted += 1
+            assert fin.attempt >= 2
+    # every job that was running on the killed worker was re-run, visibly
+    interrupted = [j for j, evs in zip(ids, results) if j in on_a and evs[-1].attempt > 1]
+    assert interrupted, "jobs running on the killed worker must be restarted elsewhere"
+    assert restarted >= len(interrupted)
+    assert all(c == e for c, e in committed.values()), committed
+
+
+def test_sigterm_under_load_drains_or_hands_back(services, prefix, llama_path, tmp_path):
+    cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
+                        tuning={"max_running_requests": 2}, worker={"max_local_jobs": 4, "drain_timeout_s": 1.0})
+    params = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
+    proc, log = spawn_worker(tmp_path, cfg, "worker-t")
+    try:
+        async def main():
+            await wait_started(log, proc)
+            async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+                ids = [f"s-{i}" for i in range(10)]
+                for i, j in enumerate(ids):
+                    await client.submit(f"drain {i}", params=params, job_id=j)
+                await wait_for_starts(client, ids, "worker-t", 2)
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                while proc.poll() is None and time.monotonic() - t0 < 30:
+                    await asyncio.sleep(0.1)
+                exit_s = time.monotonic() - t0
+                engine = Engine.from_pretrained(str(llama_path), cfg.engine)
+                w, task = await start_worker(cfg, engine)
+                results = await asyncio.gather(*(collect(client, j, 180) for j in ids))
+                committed = await committed_reaches_end(services[0], cfg.kafka.group_id, prefix, timeout=30)
+                await stop_worker(w, task)
+            return ids, exit_s, results, committed
+
+        ids, exit_s, results, committed = asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-2000:]
+    assert exit_s < 1.0 + 10.0  # drain deadline + closing
+    assert "handed back unfinished jobs" in log.read_text()
+    handed = 0
+    for j, evs in zip(ids, results):
+        fin = assert_well_formed(evs, j)
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == 250
+        handed += any(isinstance(e, Restarted) for e in evs)
+    assert handed >= 1
+    assert all(c == e for c, e in committed.values()), committed
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
