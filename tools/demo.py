@@ -1,16 +1,22 @@
-"""Demo of the engine on a locally made, briefly trained model.
+"""The main job end to end: Kafka in, continuous batching, Redis token streams out.
 
-Makes the model on first run (about two minutes on 2 CPU cores), then submits prompts
-of all three priorities into one continuous batch, streams one request's tokens live,
-cancels another mid-stream and shows its KV blocks freed at the next step.
+Uses the dev stack (tools/devstack.sh up, done by tools/demo.sh), makes a small Llama
+checkpoint on first run (tokenizer trained on the Python standard library's
+docstrings, model trained for 400 steps: about two minutes on 2 CPU cores, cached in
+.cache/models/demo-llama), runs a worker in this process, submits six jobs of the three
+priorities through Kafka, streams one job's tokens live from Redis pub/sub while the
+others run in the same batch, cancels another mid-stream and shows its KV blocks freed.
 
-    python -m tools.demo
+    python -m tools.demo [--kafka 127.0.0.1:19092] [--redis redis://127.0.0.1:6390/0]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+import time
+import uuid
 from pathlib import Path
 
 DEMO_MODEL = Path(".cache/models/demo-llama")
@@ -20,67 +26,101 @@ PROMPTS = [
     ("normal", "The default value is"),
     ("low", "Raise an exception if"),
     ("low", "If the file does not exist,"),
-    ("low", "Create a new"),
+    ("high", "Create a new"),
 ]
+
+
+async def run(a: argparse.Namespace) -> int:
+    from schemas.params import SamplingParams
+    from schemas.wire import Finished, Started, Token
+    from worker.app import Worker
+    from worker.client import InflightClient
+    from worker.config import load_config
+    from worker.engine import Engine
+    from worker.log import setup_logging
+
+    setup_logging("WARNING")
+    cfg = load_config(None, {
+        "INFLIGHT_MODEL__PATH": str(a.model),
+        "INFLIGHT_KAFKA__BOOTSTRAP_SERVERS": a.kafka,
+        "INFLIGHT_KAFKA__GROUP_ID": f"inflight-demo-{uuid.uuid4().hex[:6]}",
+        "INFLIGHT_REDIS__URL": a.redis,
+        "INFLIGHT_SERVING_TUNING__MAX_RUNNING_REQUESTS": "4",
+        "INFLIGHT_SERVING_TUNING__MAX_TOTAL_TOKENS": "2048",
+        "INFLIGHT_SERVING_TUNING__MAX_BATCHED_TOKENS": "64",
+    })
+    engine = Engine.from_pretrained(cfg.model.path, cfg.engine)
+    worker = Worker(cfg, engine=engine)
+    task = asyncio.create_task(worker.run(install_signals=False))
+    while not (hasattr(worker, "cancels") and worker.intake.consumer.assignment()):
+        if task.done():
+            return task.result() or 1
+        await asyncio.sleep(0.1)
+    print(f"worker {worker.worker_id} is up: {engine.kv_stats().total_blocks} KV blocks of "
+          f"{engine.kv_stats().block_size} tokens, at most 4 requests running\n")
+
+    tag = uuid.uuid4().hex[:4]
+    async with InflightClient(a.kafka, a.redis) as client:
+        ids = []
+        for i, (prio, prompt) in enumerate(PROMPTS):
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=0.7, top_p=0.9, seed=i)
+            ids.append(await client.submit(prompt, params=params, priority=prio, job_id=f"demo-{tag}-{prio}-{i}"))
+        print("submitted to Kafka:", ", ".join(ids), "\n")
+        live, victim = ids[0], ids[1]
+        texts: dict[str, str] = {}
+        lines: list[str] = []
+
+        async def follow(job_id: str) -> None:
+            n = 0
+            async for ev in client.stream(job_id, timeout_s=120):
+                if isinstance(ev, Started) and job_id == live:
+                    sys.stdout.write(f"[{job_id}] {PROMPTS[0][1]}")
+                elif isinstance(ev, Token):
+                    n += 1
+                    if job_id == live:
+                        sys.stdout.write(ev.text)
+                        sys.stdout.flush()
+                    if job_id == victim and n == 6:
+                        blocks = len(engine.kv.block_table(job_id))
+                        lines.append(f"cancelling {job_id} after {n} tokens; it holds {blocks} KV block(s)")
+                        await client.cancel(job_id)
+                elif isinstance(ev, Finished):
+                    texts[job_id] = ev.text
+                    extra = ""
+                    if job_id == victim:
+                        extra = f"; its block table is now {engine.kv.block_table(job_id)} (freed at the step boundary)"
+                    lines.append(f"{job_id}: finished ({ev.finish_reason}, {ev.usage.completion_tokens if ev.usage else 0} "
+                                 f"tokens, TTFT {ev.timings.ttft_s * 1000 if ev.timings and ev.timings.ttft_s else 0:.0f} ms){extra}")
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(follow(j) for j in ids))
+        print("\n")
+        for line in lines:
+            print("  " + line)
+        print(f"\nall {len(ids)} jobs done in {time.monotonic() - t0:.1f} s. Texts (prompt + completion):")
+        for (prio, prompt), j in zip(PROMPTS, ids):
+            print(f"  [{prio:>6}] {prompt}{texts.get(j, '')!r}")
+    worker.request_stop()
+    await task
+    s = engine.kv_stats()
+    print(f"\nKV cache now: {s.used_blocks} used, {s.cached_blocks} cached prefixes, {s.free_blocks} free of "
+          f"{s.total_blocks} blocks")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(DEMO_MODEL))
+    p.add_argument("--kafka", default="127.0.0.1:19092")
+    p.add_argument("--redis", default="redis://127.0.0.1:6390/0")
     p.add_argument("--max-tokens", type=int, default=48)
     a = p.parse_args(argv)
+    if not (Path(a.model) / "config.json").is_file():
+        from tools.make_model import make_checkpoint
 
-    from tools.make_model import make_checkpoint
-
-    model = Path(a.model)
-    if not (model / "config.json").is_file():
-        print(f"making a small Llama checkpoint in {model} (trained for 400 steps) ...")
-        make_checkpoint(model, arch="llama", train_steps=400)
-
-    from schemas.params import SamplingParams
-    from worker.config import EngineConfig, ServingTuning
-    from worker.engine import Engine
-
-    engine = Engine.from_pretrained(str(model), EngineConfig(serving_tuning=ServingTuning(
-        max_running_requests=4, max_total_tokens=2048, max_batched_tokens=64)))
-    ids = []
-    for i, (prio, prompt) in enumerate(PROMPTS):
-        rid = f"{prio}-{i}"
-        engine.add_request(rid, prompt, params=SamplingParams(max_tokens=a.max_tokens, temperature=0.7, top_p=0.9, seed=i),
-                           priority=prio)
-        ids.append(rid)
-    print(f"submitted {len(ids)} requests (max 4 running): {', '.join(ids)}\n")
-    streamed, cancel = ids[0], ids[1]
-    texts = {rid: "" for rid in ids}
-    sys.stdout.write(f"[{streamed}] {PROMPTS[0][1]}")
-    step = 0
-    streaming = True
-    while engine.has_unfinished():
-        step += 1
-        if step == 8:
-            cancel_blocks = len(engine.kv.block_table(cancel))
-            engine.abort(cancel)
-        for out in engine.step():
-            texts[out.request_id] += out.text
-            if out.request_id == streamed:
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
-            if out.finished:
-                line = f"step {step:>3}: {out.request_id} finished ({out.finish_reason}, {out.usage.completion_tokens} tokens)"
-                if out.request_id == cancel:
-                    line += (f"; its {cancel_blocks} KV blocks were freed at this step boundary "
-                             f"(block table now {engine.kv.block_table(cancel)})")
-                print(f"\n    <{line}>")
-                streaming = streaming and out.request_id != streamed
-                if streaming:
-                    sys.stdout.write(f"[{streamed}] ...")
-    print("\nfull texts:")
-    for rid, (_, prompt) in zip(ids, PROMPTS):
-        print(f"  [{rid}] {prompt}{texts[rid]!r}")
-    s = engine.kv_stats()
-    print(f"\nKV cache after all requests: used {s.used_blocks}, cached (reusable prefixes) {s.cached_blocks}, "
-          f"free {s.free_blocks} of {s.total_blocks} blocks")
-    return 0
+        print(f"making a small Llama checkpoint in {a.model} (trained for 400 steps, about 2 minutes) ...")
+        make_checkpoint(a.model, arch="llama", train_steps=400)
+    return asyncio.run(run(a))
 
 
 if __name__ == "__main__":

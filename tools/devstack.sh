@@ -32,6 +32,7 @@ wait_port() {  # name port seconds pidfile logfile
 
 redis_up() {
   if alive "$STATE/redis.pid"; then return 0; fi
+  if port_open "$REDIS_PORT"; then echo "devstack: something already answers on port $REDIS_PORT; using it as Redis" >&2; return 0; fi
   if ! command -v redis-server >/dev/null; then
     echo "devstack: installing redis-server with apt" >&2
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
@@ -53,6 +54,7 @@ kafka_libs() {
 
 kafka_up() {
   if alive "$STATE/kafka.pid"; then return 0; fi
+  if port_open "$KAFKA_PORT"; then echo "devstack: something already answers on port $KAFKA_PORT; using it as Kafka" >&2; return 0; fi
   kafka_libs
   local dir=$STATE/kafka
   mkdir -p "$dir"

@@ -7,14 +7,13 @@ Every setting is a typed `msgspec.Struct` field. Values are checked in
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
 KV_POLICIES = ("optimistic", "reserve")
 OVERLOAD_POLICIES = ("queue_or_reject", "reject")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 
 
 class ConfigError(ValueError):
@@ -63,8 +62,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_output_tokens: int = 1024
     max_batched_tokens: int = 2048
     admission_control: bool = True
-    overload_policy: Literal["queue_or_reject", "reject"] = "queue_or_reject"
-    kv_policy: Literal["optimistic", "reserve"] = "optimistic"
+    overload_policy: str = "queue_or_reject"
+    kv_policy: str = "optimistic"
     kv_block_size: int = 16
     enable_prefix_caching: bool = True
     priority_aging_steps: int = 512
@@ -107,9 +106,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     path: str = ""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: str = "auto"
     device: str = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: str = "auto"
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
@@ -135,7 +134,7 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bootstrap_servers: str = "127.0.0.1:19092"
     topic_prefix: str = "inflight"
     group_id: str = "inflight-workers"
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    security_protocol: str = "PLAINTEXT"
     sasl_mechanism: str | None = None
     sasl_username: str | None = None
     sasl_password: str | None = msgspec.field(default=None)
@@ -153,6 +152,7 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                   commit_interval_ms=self.commit_interval_ms)
         if not self.bootstrap_servers:
             raise ConfigError("kafka.bootstrap_servers must not be empty")
+        _one_of("kafka", "security_protocol", self.security_protocol, SECURITY_PROTOCOLS)
 
     def password(self) -> str | None:
         if self.sasl_password_file:
@@ -258,4 +258,7 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None) -> W
     try:
         return msgspec.convert(data, WorkerConfig)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid config: {e}") from None
+        msg = str(e)
+        if msg.startswith(("serving_tuning.", "model.", "kafka.", "redis.", "worker.", "metrics.")):
+            raise ConfigError(msg.split(" - at ")[0]) from None  # raised by our own checks
+        raise ConfigError(f"invalid config: {msg}") from None

@@ -1,0 +1,75 @@
+"""Wire contract and configuration: strict decoding with precise errors, nothing else needed."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from schemas import keys
+from schemas.codec import decode_cancel, decode_event, decode_job, encode, json_schemas, recover_job_id
+from schemas.wire import Finished, Started, Token, Usage
+from worker.config import ConfigError, load_config
+
+
+def test_job_decoding_accepts_unknown_fields_and_rejects_bad_ones():
+    job = decode_job(b'{"job_id": "a-1", "prompt": "hi", "params": {"max_tokens": 3}, "future_field": 1}')
+    assert job.job_id == "a-1" and job.params.max_tokens == 3 and job.v == 1
+    cases = {
+        b"not json": "malformed",
+        b'{"job_id": 42, "prompt": "x"}': "$.job_id",
+        b'{"prompt": "x"}': "job_id",
+        b'{"v": 2, "job_id": "a", "prompt": "x"}': "$.v",
+        b'{"job_id": "a"}': "exactly one of",
+        b'{"job_id": "a", "prompt": "x", "messages": []}': "exactly one of",
+        b'{"job_id": "a", "prompt": "x", "params": {"temperature": -1}}': "temperature",
+        b'{"job_id": "a", "prompt": "x", "params": {"top_p": 0}}': "top_p",
+        b'{"job_id": "has space", "prompt": "x"}': "$.job_id",
+    }
+    for raw, needle in cases.items():
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)) as e:
+            decode_job(raw)
+        assert needle in str(e.value), (raw, str(e.value))
+
+
+def test_recover_job_id_and_cancel():
+    assert recover_job_id(b'{"v": 9, "job_id": "x1"}') == "x1"
+    assert recover_job_id(b'{"job_id": 5}') is None
+    assert recover_job_id(b"garbage") is None
+    assert decode_cancel(b'{"job_id": "x1"}').job_id == "x1"
+
+
+def test_events_round_trip_as_a_tagged_union():
+    evs = [
+        Started(job_id="j", seq=0, attempt=1, worker_id="w"),
+        Token(job_id="j", seq=1, attempt=1, text="hé", token_ids=[1, 2]),
+        Finished(job_id="j", seq=2, attempt=1, finish_reason="stop", text="hé", usage=Usage(prompt_tokens=1, completion_tokens=2)),
+    ]
+    for ev in evs:
+        data = encode(ev)
+        assert msgspec.json.decode(data)["type"] == type(ev).__name__.lower()
+        assert decode_event(data) == ev
+    assert set(json_schemas()) >= {"job", "cancel", "event"}
+
+
+def test_keys_are_built_in_one_place():
+    assert keys.job_topic("inflight", "high") == "inflight.jobs.high"
+    assert keys.channel("j1") == "inflight:job:j1"
+    assert keys.log_key("j1") == "inflight:job:j1:log"
+    assert keys.cancelled_key("j1", "p") == "p:job:j1:cancelled"
+
+
+def test_config_env_overrides_and_errors_name_the_field(tmp_path):
+    f = tmp_path / "w.yaml"
+    f.write_text("serving_tuning:\n  max_running_requests: 8\nkafka:\n  group_id: g1\n")
+    cfg = load_config(str(f), {"INFLIGHT_KAFKA__BOOTSTRAP_SERVERS": "k:9092", "INFLIGHT_REDIS__LOG_TTL_S": "60"})
+    assert (cfg.serving_tuning.max_running_requests, cfg.kafka.group_id, cfg.kafka.bootstrap_servers,
+            cfg.redis.log_ttl_s) == (8, "g1", "k:9092", 60)
+    with pytest.raises(ConfigError, match=r"kv_policy must be one of \['optimistic', 'reserve'\], got 'greedy'"):
+        load_config(None, {"INFLIGHT_SERVING_TUNING__KV_POLICY": "greedy"})
+    with pytest.raises(ConfigError, match="unknown field `nope`"):
+        load_config(None, {"INFLIGHT_KAFKA__NOPE": "1"})
+    with pytest.raises(ConfigError, match="max_running_requests must be >= 1"):
+        load_config(None, {"INFLIGHT_SERVING_TUNING__MAX_RUNNING_REQUESTS": "0"})
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(str(tmp_path / "missing.yaml"), {})
+    assert "secret" not in repr(load_config(None, {"INFLIGHT_KAFKA__SASL_PASSWORD": "secret"}).kafka)
