@@ -105,17 +105,32 @@ class Worker:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(signal.SIGUSR1, self.dump_tasks)
         try:
             waiter = asyncio.create_task(self._stop_requested.wait())
             done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 if t is not waiter and t.exception() is not None:
+                    log.error("worker task failed; stopping", task=t.get_name(), exc_info=t.exception())
                     raise t.exception()
             await self.drain()
         finally:
             await self.close()
         if self._crash is not None:
             raise self._crash
+
+    def dump_tasks(self) -> None:
+        """SIGUSR1: log where every asyncio task is waiting, following the await chain
+        (for diagnosing a stuck worker)."""
+        for t in asyncio.all_tasks():
+            frames = []
+            coro = t.get_coro()
+            while coro is not None:
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is not None:
+                    frames.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+            log.warning("task stack", task=t.get_name(), frames=frames)
 
     async def drain(self) -> None:
         self.draining = True
@@ -137,13 +152,17 @@ class Worker:
         await self._out_q.join()
 
     async def close(self) -> None:
+        """Stop every component; each step is bounded so a broken connection cannot hang shutdown."""
         self._stopping.set()
         for t in self._tasks:
             if t.get_name() in ("intake", "cancels", "claims"):
                 t.cancel()
         await asyncio.gather(*self._tasks[1:], return_exceptions=True)
-        await self.intake.stop()
-        await self.cancels.stop()
+        for name, coro in (("intake", self.intake.stop()), ("cancels", self.cancels.stop())):
+            try:
+                await asyncio.wait_for(coro, 15)
+            except Exception as e:  # keep closing the rest
+                log.warning("component did not stop cleanly", component=name, error=repr(e))
         self._tasks[0].cancel()
         await asyncio.gather(self._tasks[0], return_exceptions=True)
         self.engine_thread.stop()

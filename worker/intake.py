@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+STALL_S = 10.0  # no record for this long, with lag and free slots: the consumer is stalled
+
 
 def kafka_security_kwargs(cfg) -> dict:
     kw: dict = {"security_protocol": cfg.security_protocol}
@@ -59,15 +61,36 @@ class _Rebalance(ConsumerRebalanceListener):
         self.intake = intake
 
     async def on_partitions_revoked(self, revoked) -> None:
+        self.intake.generation += 1  # records fetched before this point may be stale
         await self.intake.commit(only=set(revoked))
-        for tp in revoked:
-            self.intake.worker.tracker.drop(tp)
-        self.intake.contested = [c for c in self.intake.contested if c.tp not in revoked]
         if revoked:
             self.intake.num_revocations += 1
             log.info("partitions revoked", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
+        # Forget only the partitions that went elsewhere. For partitions kept, the tracker
+        # still knows which offsets run here, so their re-read (from the committed offset)
+        # neither runs a job twice nor lets a commit pass a job still running.
+        kept = set(assigned)
+        intake = self.intake
+        for tp in intake.worker.tracker.partitions():
+            if tp not in kept:
+                intake.worker.tracker.drop(tp)
+        intake.contested = [c for c in intake.contested if c.tp in kept]
+        # Position every partition ourselves (committed offset, else the beginning)
+        # instead of leaving it to the fetcher's background reset: after a member died,
+        # that reset was seen to stall, and then nothing at all was fetched from the
+        # broker (aiokafka 0.14). With explicit seeks the fetcher never enters that path.
+        consumer = intake.consumer
+        try:
+            tps = list(assigned)
+            committed = {tp: await consumer.committed(tp) for tp in tps}
+            missing = [tp for tp in tps if committed[tp] is None]
+            beginning = await consumer.beginning_offsets(missing) if missing else {}
+            for tp in tps:
+                consumer.seek(tp, committed[tp] if committed[tp] is not None else beginning[tp])
+        except (KafkaError, IllegalStateError) as e:
+            log.warning("could not position assigned partitions; leaving it to the consumer", error=repr(e))
         if assigned:
             log.info("partitions assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
 
@@ -78,20 +101,7 @@ class Intake:
         cfg = worker.cfg.kafka
         self.topics = {keys.job_topic(cfg.topic_prefix, p): p for p in keys.PRIORITIES}
         self.dlq_topic = keys.dlq_topic(cfg.topic_prefix)
-        self.consumer = AIOKafkaConsumer(
-            *self.topics,
-            bootstrap_servers=cfg.bootstrap_servers,
-            group_id=cfg.group_id,
-            client_id=worker.worker_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            session_timeout_ms=cfg.session_timeout_ms,
-            heartbeat_interval_ms=cfg.heartbeat_interval_ms,
-            max_poll_interval_ms=cfg.max_poll_interval_ms,
-            max_partition_fetch_bytes=cfg.max_partition_fetch_bytes,
-            fetch_max_bytes=max(cfg.max_partition_fetch_bytes * 2, 52428800),
-            **kafka_security_kwargs(cfg),
-        )
+        self.consumer = self._make_consumer()
         self.producer = AIOKafkaProducer(
             bootstrap_servers=cfg.bootstrap_servers,
             client_id=f"{worker.worker_id}-dlq",
@@ -104,11 +114,70 @@ class Intake:
         self._last_commit = 0.0
         self.num_dead_letters = 0
         self.num_revocations = 0
+        self.generation = 0
+        self.num_consumer_restarts = 0
+        self._last_progress = time.monotonic()
+        self._last_stall_check = 0.0
+
+    def _make_consumer(self) -> AIOKafkaConsumer:
+        cfg = self.worker.cfg.kafka
+        return AIOKafkaConsumer(
+            *self.topics,
+            bootstrap_servers=cfg.bootstrap_servers,
+            group_id=cfg.group_id,
+            client_id=self.worker.worker_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=cfg.session_timeout_ms,
+            heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+            max_poll_interval_ms=cfg.max_poll_interval_ms,
+            max_partition_fetch_bytes=cfg.max_partition_fetch_bytes,
+            fetch_max_bytes=max(cfg.max_partition_fetch_bytes * 2, 52428800),
+            **kafka_security_kwargs(cfg),
+        )
 
     async def start(self) -> None:
         await self.producer.start()
         self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
         await self.consumer.start()
+        self._last_progress = time.monotonic()
+
+    async def _check_stall(self) -> None:
+        """Watchdog: partitions have lag, this worker has free slots, yet no record came
+        for `STALL_S`. aiokafka has been seen to stop fetching after a group member died
+        (all assigned partitions silent, no error); the remedy is a fresh consumer."""
+        now = time.monotonic()
+        if now - self._last_progress < STALL_S or now - self._last_stall_check < STALL_S / 2:
+            return
+        self._last_stall_check = now
+        assigned = list(self.consumer.assignment())
+        if not assigned:
+            return
+        try:
+            ends = await asyncio.wait_for(self.consumer.end_offsets(assigned), 10)
+            committed = await asyncio.wait_for(
+                asyncio.gather(*(self.consumer.committed(tp) for tp in assigned)), 10)
+        except (TimeoutError, KafkaError, IllegalStateError) as e:
+            log.warning("stall check failed", error=repr(e))
+            ends, committed = None, None
+        if ends is not None:
+            lagging = [tp for tp, c in zip(assigned, committed)
+                       if ends[tp] > max(c or 0, self.worker.tracker.last_taken(tp) + 1)]
+            if not lagging:
+                self._last_progress = now
+                return
+        log.warning("consumer stalled: partitions have unread jobs but nothing was fetched; recreating it",
+                    stalled_s=round(now - self._last_progress, 1))
+        self.num_consumer_restarts += 1
+        old = self.consumer
+        try:
+            await asyncio.wait_for(old.stop(), 15)  # commits via the revoke callback, leaves the group
+        except Exception as e:  # a wedged consumer: abandon it
+            log.warning("stalled consumer did not stop cleanly", error=repr(e))
+        self.consumer = self._make_consumer()
+        self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
+        await self.consumer.start()
+        self._last_progress = time.monotonic()
 
     async def stop(self) -> None:
         await self.commit()
@@ -117,21 +186,40 @@ class Intake:
 
     # ---- the consume loop ------------------------------------------------------------
     async def run(self, stopping: asyncio.Event) -> None:
+        """Consume until `stopping`. Broker errors back off and retry; anything else
+        propagates (the worker stops and its jobs are redelivered)."""
         worker = self.worker
         last_contested = 0.0
         while not stopping.is_set():
-            free = 0 if worker.draining else worker.max_local_jobs - worker.num_local_jobs
-            self._set_paused(free <= 0)
-            records = await self._fetch(free)
-            for prio in keys.PRIORITIES:
-                for rec in records.get(prio, ()):
-                    await self.handle(rec, prio)
-            now = time.monotonic()
-            if self.contested and now - last_contested > 0.5:
-                last_contested = now
-                await self._retry_contested()
-            if now - self._last_commit > worker.cfg.kafka.commit_interval_ms / 1000:
-                await self.commit()
+            try:
+                free = 0 if worker.draining else worker.max_local_jobs - worker.num_local_jobs
+                # hysteresis: once paused, resume only when a quarter of the slots are free
+                resume_at = max(1, worker.max_local_jobs // 4) if self.paused else 1
+                self._set_paused(free < resume_at)
+                if self.paused:
+                    free = 0
+                records = await self._fetch(free)
+                if records or free <= 0:
+                    self._last_progress = time.monotonic()
+                else:
+                    await self._check_stall()
+                generation = self.generation
+                for prio in keys.PRIORITIES:
+                    for rec in records.get(prio, ()):
+                        if self.generation != generation:
+                            # A rebalance during this batch: every kept partition is re-read
+                            # from its committed offset, so the rest comes again.
+                            break
+                        await self.handle(rec, prio)
+                now = time.monotonic()
+                if self.contested and now - last_contested > 0.5:
+                    last_contested = now
+                    await self._retry_contested()
+                if now - self._last_commit > worker.cfg.kafka.commit_interval_ms / 1000:
+                    await self.commit()
+            except (KafkaError, IllegalStateError) as e:
+                log.warning("Kafka error in the consume loop; retrying", error=repr(e))
+                await asyncio.sleep(0.5)
 
     def _set_paused(self, pause: bool) -> None:
         assigned = self.consumer.assignment()
@@ -169,7 +257,8 @@ class Intake:
     async def handle(self, rec: ConsumerRecord, priority: str) -> None:
         worker = self.worker
         tp = TopicPartition(rec.topic, rec.partition)
-        worker.tracker.add(tp, rec.offset)
+        if tp not in self.consumer.assignment() or not worker.tracker.add(tp, rec.offset):
+            return  # not ours any more, or already taken (re-read after a rebalance)
         enqueue = rec.timestamp / 1000.0
         bound = log.bind(topic=rec.topic, partition=rec.partition, offset=rec.offset)
         try:

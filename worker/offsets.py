@@ -27,14 +27,23 @@ class OffsetTracker(Generic[TP]):
         self._done: dict[TP, set[int]] = {}
         self._next: dict[TP, int] = {}  # commit point once all pending are done
         self._committed: dict[TP, int] = {}
+        self._last: dict[TP, int] = {}  # highest offset taken
 
-    def add(self, tp: TP, offset: int) -> None:
-        """Record that `offset` was taken from `tp` and is not finished."""
-        q = self._pending.setdefault(tp, deque())
-        if q and offset <= q[-1]:
-            raise ValueError(f"offset {offset} of {tp} taken out of order (last {q[-1]})")
-        q.append(offset)
+    def add(self, tp: TP, offset: int) -> bool:
+        """Record that `offset` was taken from `tp` and is not finished.
+
+        Returns False (and changes nothing) for an offset at or below the highest one
+        already taken from `tp`: after a rebalance that keeps the partition, the consumer
+        re-reads from the committed offset, and those records are already running here
+        or finished.
+        """
+        last = self._last.get(tp)
+        if last is not None and offset <= last:
+            return False
+        self._last[tp] = offset
+        self._pending.setdefault(tp, deque()).append(offset)
         self._done.setdefault(tp, set())
+        return True
 
     def done(self, tp: TP, offset: int) -> None:
         """Mark `offset` finished (its terminal event is in Redis, or it was skipped)."""
@@ -68,6 +77,10 @@ class OffsetTracker(Generic[TP]):
     def mark_committed(self, tp: TP, offset: int) -> None:
         self._committed[tp] = offset
 
+    def last_taken(self, tp: TP) -> int:
+        """Highest offset taken from `tp`, or -1."""
+        return self._last.get(tp, -1)
+
     def num_pending(self, tp: TP | None = None) -> int:
         if tp is not None:
             return len(self._pending.get(tp, ()))
@@ -79,6 +92,7 @@ class OffsetTracker(Generic[TP]):
         self._done.pop(tp, None)
         self._next.pop(tp, None)
         self._committed.pop(tp, None)
+        self._last.pop(tp, None)
 
     def partitions(self) -> list[TP]:
         return list(self._pending)

@@ -35,7 +35,24 @@ async def stop_worker(w: Worker, task: asyncio.Task) -> None:
 
 
 async def collect(client: InflightClient, job_id: str, timeout: float = 120.0) -> list:
-    return [ev async for ev in client.stream(job_id, timeout_s=timeout)]
+    try:
+        return [ev async for ev in client.stream(job_id, timeout_s=timeout)]
+    except TimeoutError:
+        dump_tasks()
+        raise
+
+
+def dump_tasks() -> None:
+    """Print every asyncio task's await chain (to diagnose a hang)."""
+    for t in asyncio.all_tasks():
+        frames = []
+        coro = t.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                frames.append(f"{frame.f_code.co_filename.split('/')[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        print("TASK", t.get_name(), " <- ".join(frames))
 
 
 def assert_well_formed(events: list, job_id: str) -> Finished:

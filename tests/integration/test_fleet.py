@@ -115,8 +115,9 @@ def spawn_worker(tmp_path: Path, cfg, worker_id: str) -> tuple[subprocess.Popen,
     path.write_text(yaml.safe_dump(data))
     log = tmp_path / f"{worker_id}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--config", str(path)],
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env, cwd=ROOT)
+    with open(log, "w") as err:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--config", str(path)],
+                                stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
     return proc, log
 
 
