@@ -29,10 +29,11 @@ from schemas import keys
 from schemas.wire import ErrorInfo, Job, Timings, TokenLogprob, Usage
 from worker.cancels import CancelListener
 from worker.config import WorkerConfig
-from worker.engine import Engine, KVStats, RejectReason, RequestOutput, RequestRejected
+from worker.engine import Engine, KVStats, RequestOutput, RequestRejected
 from worker.engine_thread import EngineThread
 from worker.intake import Intake
-from worker.jobs import LocalJob
+from worker.jobs import ContestedJob, LocalJob
+from worker.log import task_stacks
 from worker.offsets import OffsetTracker
 from worker.publish import RELEASE_IF_OWNER, JobStream, Publisher
 
@@ -120,17 +121,9 @@ class Worker:
             raise self._crash
 
     def dump_tasks(self) -> None:
-        """SIGUSR1: log where every asyncio task is waiting, following the await chain
-        (for diagnosing a stuck worker)."""
-        for t in asyncio.all_tasks():
-            frames = []
-            coro = t.get_coro()
-            while coro is not None:
-                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-                if frame is not None:
-                    frames.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
-                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-            log.warning("task stack", task=t.get_name(), frames=frames)
+        """SIGUSR1: log where every asyncio task is waiting (for diagnosing a stuck worker)."""
+        for name, frames in task_stacks().items():
+            log.warning("task stack", task=name, frames=frames)
 
     async def drain(self) -> None:
         self.draining = True
@@ -350,7 +343,9 @@ class Worker:
                     lj.handed_back = True
                     self.engine.abort(lj.job_id)
                     self.jobs.pop(lj.job_id, None)
+                    # keep its offsets open until the job's terminal event appears, as for
+                    # any record whose job another worker holds
+                    self.intake.contested.extend(
+                        ContestedJob(lj.job, lj.priority, tp, off, lj.enqueue_time) for tp, off in lj.offsets)
             self.engine_thread.wake()
 
-
-__all__ = ["RejectReason", "Worker"]

@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -250,4 +249,4 @@ def text_of(events: list[Event]) -> str:
     return "".join(parts)
 
 
-__all__ = ["InflightClient", "text_of", "msgspec"]
+__all__ = ["InflightClient", "text_of"]

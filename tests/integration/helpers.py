@@ -9,9 +9,10 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import keys
-from schemas.wire import Finished, Restarted, Started, Token
+from schemas.wire import Finished, Restarted, Token
 from worker.app import Worker
 from worker.client import InflightClient
+from worker.log import task_stacks
 
 
 async def start_worker(cfg, engine, timeout: float = 30.0) -> tuple[Worker, asyncio.Task]:
@@ -44,15 +45,8 @@ async def collect(client: InflightClient, job_id: str, timeout: float = 120.0) -
 
 def dump_tasks() -> None:
     """Print every asyncio task's await chain (to diagnose a hang)."""
-    for t in asyncio.all_tasks():
-        frames = []
-        coro = t.get_coro()
-        while coro is not None:
-            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-            if frame is not None:
-                frames.append(f"{frame.f_code.co_filename.split('/')[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
-            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-        print("TASK", t.get_name(), " <- ".join(frames))
+    for name, frames in task_stacks().items():
+        print("TASK", name, " <- ".join(frames))
 
 
 def assert_well_formed(events: list, job_id: str) -> Finished:
@@ -113,7 +107,3 @@ async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
         await asyncio.sleep(0.1)
         consumer.unsubscribe()
     raise RuntimeError(f"no partitions for {topic}")
-
-
-__all__ = ["Started", "assert_well_formed", "collect", "committed_reaches_end", "kinds", "start_worker",
-           "stop_worker", "token_ids"]
