@@ -146,6 +146,7 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_partition_fetch_bytes: int = 16 * 1024 * 1024
     commit_interval_ms: int = 500
     cancel_lookback_s: float = 600.0
+    stall_timeout_s: float = 10.0  # lag, free slots, no record for this long: recreate the consumer
 
     def __post_init__(self) -> None:
         _positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,

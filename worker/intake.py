@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-STALL_S = 10.0  # no record for this long, with lag and free slots: the consumer is stalled
 
 
 def kafka_security_kwargs(cfg) -> dict:
@@ -144,10 +143,11 @@ class Intake:
 
     async def _check_stall(self) -> None:
         """Watchdog: partitions have lag, this worker has free slots, yet no record came
-        for `STALL_S`. aiokafka has been seen to stop fetching after a group member died
+        for `kafka.stall_timeout_s`. aiokafka has been seen to stop fetching after a group member died
         (all assigned partitions silent, no error); the remedy is a fresh consumer."""
         now = time.monotonic()
-        if now - self._last_progress < STALL_S or now - self._last_stall_check < STALL_S / 2:
+        stall_s = self.worker.cfg.kafka.stall_timeout_s
+        if now - self._last_progress < stall_s or now - self._last_stall_check < stall_s / 2:
             return
         self._last_stall_check = now
         assigned = list(self.consumer.assignment())

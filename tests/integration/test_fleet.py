@@ -230,3 +230,31 @@ def test_sigterm_under_load_drains_or_hands_back(services, prefix, llama_path, t
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_a_silently_stalled_consumer_is_recreated(services, prefix, llama_path):
+    """The intake's watchdog: the consumer returns nothing although its partitions have
+    jobs (as aiokafka was seen to do after a group member died) -> a fresh consumer."""
+    cfg = worker_config(services, prefix, kafka={"stall_timeout_s": 3.0})
+    engine = Engine.from_pretrained(str(llama_path), cfg.engine)
+
+    async def main():
+        w, task = await start_worker(cfg, engine)
+        stalled = w.intake.consumer
+
+        async def silent_getmany(*partitions, timeout_ms=0, max_records=None):
+            await asyncio.sleep(timeout_ms / 1000)
+            return {}
+
+        stalled.getmany = silent_getmany
+        async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            await client.submit("stalled", params=SamplingParams(temperature=0, max_tokens=3), job_id="stalled")
+            events = await collect(client, "stalled", 90)
+        restarts = w.intake.num_consumer_restarts
+        replaced = w.intake.consumer is not stalled
+        await stop_worker(w, task)
+        return events, restarts, replaced
+
+    events, restarts, replaced = asyncio.run(main())
+    assert assert_well_formed(events, "stalled").finish_reason in ("stop", "length")
+    assert restarts == 1 and replaced
