@@ -76,10 +76,10 @@ class _Rebalance(ConsumerRebalanceListener):
             if tp not in kept:
                 intake.worker.tracker.drop(tp)
         intake.contested = [c for c in intake.contested if c.tp in kept]
-        # Position every partition ourselves (committed offset, else the beginning)
-        # instead of leaving it to the fetcher's background reset: after a member died,
-        # that reset was seen to stall, and then nothing at all was fetched from the
-        # broker (aiokafka 0.14). With explicit seeks the fetcher never enters that path.
+        # Position every partition ourselves (committed offset, else the beginning), the
+        # same point the consumer's own reset would choose, so the re-read point is explicit.
+        # This was a first attempt at the silent fetch stall seen after a member died
+        # (aiokafka 0.14); it did not cure it alone: `Intake._check_stall` does.
         consumer = intake.consumer
         try:
             tps = list(assigned)
