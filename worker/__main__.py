@@ -68,6 +68,7 @@ def _worker(a: argparse.Namespace) -> int:
 async def _print_stream(client, job_id: str, timeout: float | None) -> int:
     from schemas.wire import Finished, Restarted, Started, Token
 
+    code = 1
     async for ev in client.stream(job_id, timeout_s=timeout):
         if isinstance(ev, Started):
             print(f"[started on {ev.worker_id}, attempt {ev.attempt}]", file=sys.stderr)
@@ -77,10 +78,11 @@ async def _print_stream(client, job_id: str, timeout: float | None) -> int:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
         elif isinstance(ev, Finished):
-            err = f" {ev.error.code}: {ev.error.message}" if ev.error else ""
+            err = f"; {ev.error.code}: {ev.error.message}" if ev.error else ""
             usage = f", {ev.usage.completion_tokens} tokens" if ev.usage else ""
             print(f"\n[finished: {ev.finish_reason}{usage}{err}]", file=sys.stderr)
-    return 0
+            code = 0 if ev.finish_reason in ("stop", "length") else 1
+    return code
 
 
 async def _client_cmd(a: argparse.Namespace) -> int:
@@ -99,6 +101,7 @@ async def _client_cmd(a: argparse.Namespace) -> int:
             return await _print_stream(client, a.job_id, a.timeout)
         if a.cmd == "cancel":
             await client.cancel(a.job_id)
+            print(f"cancel sent for {a.job_id} (no effect if it already finished)", file=sys.stderr)
             return 0
     return 1
 
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--job-id", default=None)
     s.add_argument("--stream", action="store_true", help="stream the tokens to stdout")
-    st = sub.add_parser("stream", help="stream a job's events (replays what already happened)")
+    st = sub.add_parser("stream", help="stream a job's events (replays what already happened; waits for a job "
+                        "not seen yet, up to --timeout)")
     client_args(st)
     st.add_argument("job_id")
     c = sub.add_parser("cancel", help="cancel a job")

@@ -321,7 +321,7 @@ class Worker:
         first_tp, first_off = lj.offsets[0]
         log.info(
             "job finished", job_id=lj.job_id, topic=first_tp.topic, partition=first_tp.partition, offset=first_off,
-            attempt=lj.stream.attempt, priority=lj.priority, tokens=lj.num_tokens,
+            finish_reason=lj.stream.finish_reason, attempt=lj.stream.attempt, priority=lj.priority, tokens=lj.num_tokens,
             queue_s=round(max(0.0, lj.submit_time - lj.enqueue_time), 4),
             ttft_s=round(lj.first_token_time - lj.enqueue_time, 4) if lj.first_token_time else None,
         )

@@ -29,7 +29,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 class JobStream:
     """Sequence numbering for one job attempt."""
 
-    __slots__ = ("job_id", "attempt", "next_seq", "claim_token", "finished")
+    __slots__ = ("job_id", "attempt", "next_seq", "claim_token", "finished", "finish_reason")
 
     def __init__(self, job_id: str, attempt: int, next_seq: int, claim_token: str) -> None:
         self.job_id = job_id
@@ -37,6 +37,7 @@ class JobStream:
         self.next_seq = next_seq
         self.claim_token = claim_token
         self.finished = False
+        self.finish_reason: str | None = None
 
     def _seq(self) -> int:
         s = self.next_seq
@@ -65,6 +66,7 @@ class JobStream:
         metadata: dict[str, Any] | None = None,
     ) -> Finished:
         self.finished = True
+        self.finish_reason = finish_reason
         return Finished(job_id=self.job_id, seq=self._seq(), attempt=self.attempt, finish_reason=finish_reason,
                         text=text, usage=usage, timings=timings, error=error, metadata=metadata)
 
