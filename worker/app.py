@@ -32,7 +32,7 @@ from worker.config import WorkerConfig
 from worker.engine import Engine, KVStats, RequestOutput, RequestRejected
 from worker.engine_thread import EngineThread
 from worker.intake import Intake
-from worker.jobs import ContestedJob, LocalJob
+from worker.jobs import JobRecord, LocalJob
 from worker.log import task_stacks
 from worker.offsets import OffsetTracker
 from worker.publish import RELEASE_IF_OWNER, JobStream, Publisher
@@ -189,8 +189,7 @@ class Worker:
                         claim: str) -> None:
         jid = job.job_id
         p = self._prefix
-        tombstone, = await self.redis.mget(keys.cancelled_key(jid, p))
-        if tombstone is not None:
+        if await self.redis.exists(keys.cancelled_key(jid, p)):
             await self.finish_without_running(jid, claim, "cancelled", None, None, [(tp, offset)])
             return
         if job.deadline is not None and job.deadline < time.time():
@@ -346,6 +345,6 @@ class Worker:
                     # keep its offsets open until the job's terminal event appears, as for
                     # any record whose job another worker holds
                     self.intake.contested.extend(
-                        ContestedJob(lj.job, lj.priority, tp, off, lj.enqueue_time) for tp, off in lj.offsets)
+                        JobRecord(lj.job, lj.priority, tp, off, lj.enqueue_time) for tp, off in lj.offsets)
             self.engine_thread.wake()
 

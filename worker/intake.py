@@ -32,7 +32,7 @@ from schemas.wire import (
     DLQ_HEADER_SOURCE_TOPIC,
     DLQ_HEADER_WORKER_ID,
 )
-from worker.jobs import ContestedJob
+from worker.jobs import JobRecord
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
@@ -108,7 +108,7 @@ class Intake:
             acks="all",
             **kafka_security_kwargs(cfg),
         )
-        self.contested: list[ContestedJob] = []
+        self.contested: list[JobRecord] = []
         self.paused = False
         self._last_commit = 0.0
         self.num_dead_letters = 0
@@ -266,31 +266,32 @@ class Intake:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             await self.dead_letter(rec, tp, str(e), bound)
             return
-        local = worker.jobs.get(job.job_id)
-        if local is not None:  # redelivered to us while we run it: answer both records at the end
-            local.offsets.append((tp, rec.offset))
-            return
-        if await worker.is_done(job.job_id):
-            worker.tracker.done(tp, rec.offset)
-            return
-        claim = await worker.try_claim(job.job_id)
-        if claim is None:
+        c = JobRecord(job, priority, tp, rec.offset, enqueue)
+        if not await self._take(c):
             bound.info("job claimed by another worker; waiting", job_id=job.job_id)
-            self.contested.append(ContestedJob(job, priority, tp, rec.offset, enqueue))
-            return
-        await worker.start_job(job, priority, tp, rec.offset, enqueue, claim)
+            self.contested.append(c)
+
+    async def _take(self, c: JobRecord) -> bool:
+        """Attach the record to the job running here, skip it if the job already ended, or
+        claim and start it. False if another worker holds the claim (retried later)."""
+        worker = self.worker
+        local = worker.jobs.get(c.job.job_id)
+        if local is not None:  # redelivered to us while we run it: answer both records at the end
+            local.offsets.append((c.tp, c.offset))
+            return True
+        if await worker.is_done(c.job.job_id):
+            worker.tracker.done(c.tp, c.offset)
+            return True
+        claim = await worker.try_claim(c.job.job_id)
+        if claim is None:
+            return False
+        await worker.start_job(c.job, c.priority, c.tp, c.offset, c.enqueue_time, claim)
+        return True
 
     async def _retry_contested(self) -> None:
-        worker = self.worker
         still = []
         for c in self.contested:
-            if c.job.job_id in worker.jobs:
-                worker.jobs[c.job.job_id].offsets.append((c.tp, c.offset))
-            elif await worker.is_done(c.job.job_id):
-                worker.tracker.done(c.tp, c.offset)
-            elif (claim := await worker.try_claim(c.job.job_id)) is not None:
-                await worker.start_job(c.job, c.priority, c.tp, c.offset, c.enqueue_time, claim)
-            else:
+            if not await self._take(c):
                 still.append(c)
         self.contested = still
 

@@ -36,9 +36,11 @@ class LocalJob:
 
 
 @dataclass(slots=True, eq=False)
-class ContestedJob:
-    """A record whose job is claimed by another live worker: its offset stays open until
-    that job ends (done key) or the claim expires (then this worker runs it)."""
+class JobRecord:
+    """A decoded job record: the job with its partition, offset and enqueue time (Unix
+    seconds). Kept in `Intake.contested` while another live worker holds the job's claim:
+    its offset stays open until that job ends (done key) or the claim expires (then this
+    worker runs it)."""
 
     job: Job
     priority: str

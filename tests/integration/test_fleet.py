@@ -247,6 +247,7 @@ def test_a_silently_stalled_consumer_is_recreated(services, prefix, llama_path):
             return {}
 
         stalled.getmany = silent_getmany
+        await asyncio.sleep(0.5)  # let a getmany already in flight (the real one) return first
         async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
             await client.submit("stalled", params=SamplingParams(temperature=0, max_tokens=3), job_id="stalled")
             events = await collect(client, "stalled", 90)
