@@ -10,6 +10,7 @@ commit, leave the group, close.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -28,14 +29,16 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from schemas import keys
 from schemas.wire import ErrorInfo, Job, Timings, TokenLogprob, Usage
 from worker.cancels import CancelListener
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, redacted_config
 from worker.engine import Engine, KVStats, RequestOutput, RequestRejected
 from worker.engine_thread import EngineThread
 from worker.intake import Intake
 from worker.jobs import JobRecord, LocalJob
 from worker.log import task_stacks
+from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
 from worker.publish import RELEASE_IF_OWNER, JobStream, Publisher
+from worker.server import Checks, OpsServer
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +65,12 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._prefix = cfg.redis.key_prefix
         self.num_finished = 0
+        self.metrics = Metrics(gpu=_nvml_available())
+        self.checks = Checks()
+        self.server: OpsServer | None = None
+        if cfg.metrics.port is not None:
+            self.server = OpsServer(self, cfg.metrics.host, cfg.metrics.port)
+        self.engine_thread: EngineThread | None = None
 
     @property
     def num_local_jobs(self) -> int:
@@ -70,6 +79,9 @@ class Worker:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
+        log.info("starting worker", worker_id=self.worker_id, config=redacted_config(cfg))
+        if self.server is not None:  # first, so /healthz answers while the model loads
+            await self.server.start()
         self.redis = aioredis.from_url(
             cfg.redis.url,
             health_check_interval=15,
@@ -81,7 +93,7 @@ class Worker:
         if self.engine is None:
             self.engine = await asyncio.to_thread(Engine.from_pretrained, cfg.model.path, cfg.engine)
         loop = asyncio.get_running_loop()
-        self.engine_thread = EngineThread(self.engine, loop, self._on_step, self._on_crash)
+        self.engine_thread = EngineThread(self.engine, loop, self._on_step, self._on_crash, self.metrics)
         self.engine_thread.start()
         self.intake = Intake(self)
         await self.intake.start()
@@ -92,6 +104,7 @@ class Worker:
             asyncio.create_task(self.intake.run(self._stopping), name="intake"),
             asyncio.create_task(self.cancels.run(self._stopping), name="cancels"),
             asyncio.create_task(self._renew_loop(), name="claims"),
+            asyncio.create_task(self._check_loop(), name="checks"),
         ]
         log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
                  kv_blocks=self.engine.kv_stats().total_blocks)
@@ -120,6 +133,79 @@ class Worker:
         if self._crash is not None:
             raise self._crash
 
+    # ---- health ----------------------------------------------------------------------------
+    def liveness(self) -> tuple[bool, dict]:
+        """(alive, details) for /healthz: the engine thread runs and ticked within
+        `metrics.engine_stall_s`. True while the model is still loading."""
+        et = self.engine_thread
+        if self._crash is not None:
+            return False, {"status": "crashed", "error": repr(self._crash)[:300]}
+        if et is None:
+            return True, {"status": "starting"}
+        since = time.monotonic() - et.last_step_time
+        if not et.alive:
+            return False, {"status": "engine thread stopped"}
+        if since > self.cfg.metrics.engine_stall_s:
+            return False, {"status": "engine loop stalled", "since_last_tick_s": round(since, 1)}
+        return True, {"status": "ok", "since_last_tick_s": round(since, 3), "steps": et.num_steps}
+
+    def readiness(self) -> tuple[bool, dict]:
+        """(ready, details) for /readyz: model loaded, Kafka and Redis answered the last
+        check, not draining."""
+        c = self.checks
+        checks = {
+            "model_loaded": self.engine_thread is not None,
+            "kafka": c.kafka_ok,
+            "redis": c.redis_ok,
+            "not_draining": not self.draining and not self._stop_requested.is_set(),
+        }
+        ready = all(checks.values())
+        body: dict = {"status": "ready" if ready else "unready", "checks": checks}
+        errors = {k: v for k, v in (("kafka", c.kafka_error), ("redis", c.redis_error)) if v}
+        if errors:
+            body["errors"] = errors
+        return ready, body
+
+    async def _check_loop(self) -> None:
+        """Every `metrics.check_interval_s`: Redis PING, Kafka end offsets of the assigned
+        job partitions (or cluster metadata when none are assigned); sets readiness and
+        the lag / partition / GPU gauges."""
+        mc = self.cfg.metrics
+        while True:
+            await self.run_checks(mc.check_timeout_s)
+            await asyncio.sleep(mc.check_interval_s)
+
+    async def run_checks(self, timeout: float) -> None:
+        c, m = self.checks, self.metrics
+        try:
+            await asyncio.wait_for(self.redis.ping(), timeout)
+            c.redis_ok, c.redis_error = True, None
+        except Exception as e:
+            c.redis_ok, c.redis_error = False, repr(e)[:200]
+        intake = self.intake
+        consumer = intake.consumer
+        assigned = sorted(consumer.assignment(), key=lambda tp: (tp.topic, tp.partition))
+        try:
+            if assigned:
+                ends = await asyncio.wait_for(consumer.end_offsets(assigned), timeout)
+                lags = intake.lag(ends)
+                m.consumer_lag.clear()
+                for tp, lag in lags.items():
+                    m.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
+            else:
+                await asyncio.wait_for(consumer.topics(), timeout)
+                m.consumer_lag.clear()
+            c.kafka_ok, c.kafka_error = True, None
+        except Exception as e:
+            c.kafka_ok, c.kafka_error = False, repr(e)[:200] or type(e).__name__
+        c.checked_at = time.time()
+        m.assigned_partitions.set(len(assigned))
+        m.paused_partitions.set(len(consumer.paused()))
+        m.local_jobs.set(len(self.jobs))
+        if m.gpu_utilization is not None and self.engine is not None:
+            with contextlib.suppress(Exception):  # an NVML hiccup keeps the last value
+                m.gpu_utilization.set(torch_gpu_utilization(self.engine.runner.device) / 100.0)
+
     def dump_tasks(self) -> None:
         """SIGUSR1: log where every asyncio task is waiting (for diagnosing a stuck worker)."""
         for name, frames in task_stacks().items():
@@ -135,6 +221,7 @@ class Worker:
         for lj in handed:
             lj.handed_back = True
             self.engine.abort(lj.job_id)
+            self.metrics.aborted.labels("handed_back").inc()
         self.engine_thread.wake()
         if handed:
             pipe = self.redis.pipeline(transaction=False)
@@ -148,7 +235,7 @@ class Worker:
         """Stop every component; each step is bounded so a broken connection cannot hang shutdown."""
         self._stopping.set()
         for t in self._tasks:
-            if t.get_name() in ("intake", "cancels", "claims"):
+            if t.get_name() in ("intake", "cancels", "claims", "checks"):
                 t.cancel()
         await asyncio.gather(*self._tasks[1:], return_exceptions=True)
         for name, coro in (("intake", self.intake.stop()), ("cancels", self.cancels.stop())):
@@ -160,6 +247,8 @@ class Worker:
         await asyncio.gather(self._tasks[0], return_exceptions=True)
         self.engine_thread.stop()
         await self.redis.aclose()
+        if self.server is not None:
+            await self.server.stop()
         log.info("worker stopped", worker_id=self.worker_id, finished=self.num_finished)
 
     # ---- Redis helpers used by intake ----------------------------------------------------
@@ -215,6 +304,7 @@ class Worker:
             # tokenization and chat templates run off the event loop
             await asyncio.get_running_loop().run_in_executor(None, partial(self.engine.add_request, jid, **kwargs))
         except RequestRejected as e:
+            self.metrics.rejected.labels(e.reason.value).inc()
             self._finish_local(lj, "rejected", error=ErrorInfo(code=e.reason.value, message=e.message))
             return
         lj.in_engine = True
@@ -233,6 +323,7 @@ class Worker:
         self._finish_local(lj, reason, error=error)
 
     def _finish_local(self, lj: LocalJob, reason: str, error: ErrorInfo | None = None) -> None:
+        self.metrics.finished.labels(reason).inc()
         ev = lj.stream.finished_event(reason, text="".join(lj.text_parts), error=error,
                                       usage=Usage(prompt_tokens=0, completion_tokens=0), metadata=lj.job.metadata)
         self._emit([ev], {lj.job_id: lj.stream.claim_token}, [lj])
@@ -243,6 +334,8 @@ class Worker:
         lj = self.jobs.get(job_id)
         if lj is not None and not lj.stream.finished:
             lj.cancel_requested = True
+            if lj.cancel_time is None:
+                lj.cancel_time = time.monotonic()
             if lj.in_engine:
                 self.engine.abort(job_id)
                 self.engine_thread.wake()
@@ -251,6 +344,7 @@ class Worker:
     def _on_step(self, outputs: list[RequestOutput], stats: KVStats) -> None:
         self.kv_stats = stats
         now = time.time()
+        m = self.metrics
         events, claims, finished = [], {}, []
         for out in outputs:
             lj = self.jobs.get(out.request_id)
@@ -261,30 +355,62 @@ class Worker:
             if out.new_token_ids or out.text:
                 if lj.first_token_time is None:
                     lj.first_token_time = now
+                    m.ttft.labels(lj.priority).observe(now - lj.enqueue_time)
                 lj.num_tokens += len(out.new_token_ids)
+                m.generation_tokens.inc(len(out.new_token_ids))
                 lj.text_parts.append(out.text)
                 lps = [TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_token_ids=x.top_token_ids,
                                     top_logprobs=x.top_logprobs) for x in out.logprobs] if out.logprobs else None
                 events.append(lj.stream.token(out.text, out.new_token_ids, lps))
             if out.finished:
-                e2e = now - lj.enqueue_time
-                ttft = lj.first_token_time - lj.enqueue_time if lj.first_token_time else None
-                tpot = ((now - lj.first_token_time) / (lj.num_tokens - 1)
-                        if lj.first_token_time and lj.num_tokens > 1 else None)
-                u = out.usage
-                events.append(lj.stream.finished_event(
-                    out.finish_reason or "error",
-                    text="".join(lj.text_parts),
-                    usage=Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                cached_prompt_tokens=u.cached_prompt_tokens) if u else None,
-                    timings=Timings(queue_s=max(0.0, lj.submit_time - lj.enqueue_time), ttft_s=ttft, tpot_s=tpot,
-                                    e2e_s=e2e),
-                    metadata=lj.job.metadata,
-                ))
+                events.append(self._finished_event(lj, out, now))
                 claims[lj.job_id] = lj.stream.claim_token
                 finished.append(lj)
         if events:
             self._emit(events, claims, finished)
+
+    def _finished_event(self, lj: LocalJob, out: RequestOutput, now: float):
+        """The terminal event of a job that ran in the engine; records its metrics."""
+        m = self.metrics
+        reason = out.finish_reason or "error"
+        e2e = now - lj.enqueue_time
+        ttft = lj.first_token_time - lj.enqueue_time if lj.first_token_time else None
+        tpot = ((now - lj.first_token_time) / (lj.num_tokens - 1)
+                if lj.first_token_time and lj.num_tokens > 1 else None)
+        queue = out.times.queue_s if out.times is not None else None
+        u = out.usage
+        m.finished.labels(reason).inc()
+        m.e2e.labels(lj.priority).observe(e2e)
+        if tpot is not None:
+            m.tpot.labels(lj.priority).observe(tpot)
+        if queue is not None:
+            m.queue_time.labels(lj.priority).observe(queue)
+        if u is not None:
+            m.prompt_tokens.inc(u.prompt_tokens)
+        if reason == "cancelled":
+            m.aborted.labels("cancelled").inc()
+            if lj.cancel_time is not None:
+                m.cancel_to_free.observe(time.monotonic() - lj.cancel_time)
+        error = ErrorInfo(code=out.error_code, message=out.error_message or "") if out.error_code else None
+        lj.summary = {
+            "queue_s": _r(queue), "ttft_s": _r(ttft), "tpot_s": _r(tpot), "e2e_s": _r(e2e),
+            "tokens_per_s": _r(lj.num_tokens / (now - lj.first_token_time))
+            if lj.first_token_time and now > lj.first_token_time else None,
+            "prompt_tokens": u.prompt_tokens if u else None,
+            "cached_prompt_tokens": u.cached_prompt_tokens if u else None,
+            "preemptions": out.num_preemptions,
+        }
+        if error is not None:
+            lj.summary["error_code"] = error.code
+        return lj.stream.finished_event(
+            reason,
+            text="".join(lj.text_parts),
+            error=error,
+            usage=Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                        cached_prompt_tokens=u.cached_prompt_tokens) if u else None,
+            timings=Timings(queue_s=queue, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e),
+            metadata=lj.job.metadata,
+        )
 
     def _on_crash(self, exc: BaseException) -> None:
         self._crash = exc
@@ -321,8 +447,7 @@ class Worker:
         log.info(
             "job finished", job_id=lj.job_id, topic=first_tp.topic, partition=first_tp.partition, offset=first_off,
             finish_reason=lj.stream.finish_reason, attempt=lj.stream.attempt, priority=lj.priority, tokens=lj.num_tokens,
-            queue_s=round(max(0.0, lj.submit_time - lj.enqueue_time), 4),
-            ttft_s=round(lj.first_token_time - lj.enqueue_time, 4) if lj.first_token_time else None,
+            **lj.summary,
         )
 
     async def _renew_loop(self) -> None:
@@ -341,6 +466,7 @@ class Worker:
                     log.warning("claim lost; handing the job back", job_id=lj.job_id)
                     lj.handed_back = True
                     self.engine.abort(lj.job_id)
+                    self.metrics.aborted.labels("lease_lost").inc()
                     self.jobs.pop(lj.job_id, None)
                     # keep its offsets open until the job's terminal event appears, as for
                     # any record whose job another worker holds
@@ -348,3 +474,25 @@ class Worker:
                         JobRecord(lj.job, lj.priority, tp, off, lj.enqueue_time) for tp, off in lj.offsets)
             self.engine_thread.wake()
 
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def _nvml_available() -> bool:
+    """CUDA present and NVML importable (then `gpu_utilization` is exported)."""
+    try:
+        import pynvml  # noqa: F401  (nvidia-ml-py)
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def torch_gpu_utilization(device) -> int:
+    """Percent of time the GPU was busy over the last sample period (NVML via torch)."""
+    import torch
+
+    return torch.cuda.utilization(device)

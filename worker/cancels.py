@@ -77,4 +77,5 @@ class CancelListener:
             log.warning("invalid cancel message ignored", error=str(e)[:300])
             return
         self.num_cancels += 1
+        self.worker.metrics.cancels.inc()
         await self.worker.cancel(cancel.job_id)

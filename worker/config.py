@@ -54,6 +54,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             many engine steps, so low priority never starves.
         gpu_memory_utilization: fraction of free GPU memory given to the KV cache
             when `max_total_tokens` is unset.
+        max_oom_retries: times a request whose step ran out of GPU memory is
+            recomputed before it ends with `finished(error)`, code `oom` (0: fail at once).
     """
 
     max_running_requests: int = 64
@@ -68,6 +70,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     priority_aging_steps: int = 512
     gpu_memory_utilization: float = 0.85
+    max_oom_retries: int = 1
 
     def __post_init__(self) -> None:
         _positive(
@@ -82,6 +85,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         )
         _one_of("serving_tuning", "kv_policy", self.kv_policy, KV_POLICIES)
         _one_of("serving_tuning", "overload_policy", self.overload_policy, OVERLOAD_POLICIES)
+        if self.max_oom_retries < 0:
+            raise ConfigError(f"serving_tuning.max_oom_retries must be >= 0, got {self.max_oom_retries}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"serving_tuning.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -206,7 +211,30 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    port: int | None = None  # None: no HTTP server
+    """The worker's HTTP endpoint: `/metrics` (Prometheus), `/healthz`, `/readyz`.
+
+    Attributes:
+        port: TCP port; 0 picks a free one (logged); None serves no HTTP at all.
+        host: address to bind.
+        check_interval_s: how often Kafka and Redis reachability and consumer lag are
+            checked (readiness and the lag gauges), seconds.
+        check_timeout_s: a reachability check slower than this counts as unreachable.
+        engine_stall_s: `/healthz` fails when the engine loop has not ticked for this
+            long (a step that hangs), seconds.
+    """
+
+    port: int | None = 8000
+    host: str = "0.0.0.0"
+    check_interval_s: float = 5.0
+    check_timeout_s: float = 3.0
+    engine_stall_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics.port must be in [0, 65535] or null, got {self.port}")
+        for name in ("check_interval_s", "check_timeout_s", "engine_stall_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"metrics.{name} must be > 0, got {getattr(self, name)}")
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -225,6 +253,23 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 ENV_PREFIX = "INFLIGHT_"
+
+
+def redacted_config(cfg: WorkerConfig) -> dict:
+    """The config as plain data for logs, with credentials replaced by `***`
+    (`kafka.sasl_password`, the password in `redis.url`)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    data = msgspec.to_builtins(cfg)
+    if data["kafka"].get("sasl_password"):
+        data["kafka"]["sasl_password"] = "***"
+    parts = urlsplit(cfg.redis.url)
+    if parts.password:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        data["redis"]["url"] = urlunsplit(parts._replace(netloc=netloc))
+    return data
 
 
 def load_config(path: str | None = None, env: dict[str, str] | None = None) -> WorkerConfig:

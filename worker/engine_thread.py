@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
 from worker.engine import Engine, KVStats, RequestOutput
 
+if TYPE_CHECKING:
+    from worker.metrics import Metrics
+
 log = structlog.get_logger(__name__)
+
+IDLE_METRICS_INTERVAL_S = 0.5
 
 
 class EngineThread:
@@ -27,6 +34,8 @@ class EngineThread:
         that produced outputs.
     on_crash: called on the loop with the exception if `step` raises (the worker then
         stops without committing the affected offsets; the jobs are redelivered).
+    metrics: if given, `observe_step` after every step and `observe_idle` every
+        0.5 s while idle, on this thread.
     """
 
     def __init__(
@@ -35,11 +44,13 @@ class EngineThread:
         loop: asyncio.AbstractEventLoop,
         on_step: Callable[[list[RequestOutput], KVStats], None],
         on_crash: Callable[[BaseException], None],
+        metrics: Metrics | None = None,
     ) -> None:
         self.engine = engine
         self._loop = loop
         self._on_step = on_step
         self._on_crash = on_crash
+        self._metrics = metrics
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
@@ -58,20 +69,29 @@ class EngineThread:
         self._wake.set()
         self._thread.join(timeout)
 
-    def _run(self) -> None:
-        import time
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
+    def _run(self) -> None:
         engine = self.engine
+        metrics = self._metrics
+        last_idle_report = 0.0
         try:
             while not self._stop.is_set():
                 if not engine.has_unfinished():
                     self._wake.wait(0.05)
                     self._wake.clear()
-                    self.last_step_time = time.monotonic()
+                    self.last_step_time = now = time.monotonic()
+                    if metrics is not None and now - last_idle_report >= IDLE_METRICS_INTERVAL_S:
+                        last_idle_report = now
+                        metrics.observe_idle(engine.kv_stats(), 0, 0)
                     continue
                 outputs = engine.step()
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()
+                if metrics is not None and engine.last_step_stats is not None:
+                    metrics.observe_step(engine.last_step_stats)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_step, outputs, engine.kv_stats())
         except BaseException as e:  # the engine is broken: tell the worker, which stops

@@ -62,8 +62,11 @@ class _Rebalance(ConsumerRebalanceListener):
     async def on_partitions_revoked(self, revoked) -> None:
         self.intake.generation += 1  # records fetched before this point may be stale
         await self.intake.commit(only=set(revoked))
+        for tp in revoked:
+            self.intake.committed.pop(tp, None)
         if revoked:
             self.intake.num_revocations += 1
+            self.intake.worker.metrics.rebalances.inc()
             log.info("partitions revoked", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
@@ -87,7 +90,9 @@ class _Rebalance(ConsumerRebalanceListener):
             missing = [tp for tp in tps if committed[tp] is None]
             beginning = await consumer.beginning_offsets(missing) if missing else {}
             for tp in tps:
-                consumer.seek(tp, committed[tp] if committed[tp] is not None else beginning[tp])
+                start = committed[tp] if committed[tp] is not None else beginning[tp]
+                consumer.seek(tp, start)
+                intake.committed[tp] = start
         except (KafkaError, IllegalStateError) as e:
             log.warning("could not position assigned partitions; leaving it to the consumer", error=repr(e))
         if assigned:
@@ -109,6 +114,7 @@ class Intake:
             **kafka_security_kwargs(cfg),
         )
         self.contested: list[JobRecord] = []
+        self.committed: dict[TopicPartition, int] = {}  # group's committed offset per assigned partition
         self.paused = False
         self._last_commit = 0.0
         self.num_dead_letters = 0
@@ -169,6 +175,7 @@ class Intake:
         log.warning("consumer stalled: partitions have unread jobs but nothing was fetched; recreating it",
                     stalled_s=round(now - self._last_progress, 1))
         self.num_consumer_restarts += 1
+        self.worker.metrics.consumer_restarts.inc()
         old = self.consumer
         try:
             await asyncio.wait_for(old.stop(), 15)  # commits via the revoke callback, leaves the group
@@ -310,6 +317,8 @@ class Intake:
             headers.append((DLQ_HEADER_JOB_ID, job_id.encode()))
         await self.producer.send_and_wait(self.dlq_topic, value=rec.value, key=rec.key, headers=headers)
         self.num_dead_letters += 1
+        self.worker.metrics.dlq_records.inc()
+        self.worker.metrics.rejected.labels("invalid_job").inc()
         bound.warning("invalid job record sent to the DLQ", error=error[:300], job_id=job_id,
                       size=len(rec.value or b""))
         if job_id and not await self.worker.is_done(job_id):
@@ -334,6 +343,13 @@ class Intake:
             # Typically: partitions no longer ours after a rebalance. Not retried; the new
             # owner re-reads from the last committed offset and skips finished jobs.
             log.warning("offset commit failed", error=repr(e), partitions=len(points))
+            self.worker.metrics.commit_failures.inc()
             return
         for tp, off in points.items():
             tracker.mark_committed(tp, off)
+            self.committed[tp] = off
+
+    def lag(self, end_offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Consumer lag per partition: log end offset minus the committed offset (what
+        Kafka's tools and KEDA call lag; includes jobs running here, not yet committed)."""
+        return {tp: max(0, end - self.committed.get(tp, end)) for tp, end in end_offsets.items()}

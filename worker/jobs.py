@@ -27,8 +27,10 @@ class LocalJob:
     num_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)
     cancel_requested: bool = False
+    cancel_time: float | None = None  # time.monotonic() when the cancel arrived (cancel-to-free latency)
     handed_back: bool = False
     in_engine: bool = False
+    summary: dict = field(default_factory=dict)  # timings and usage for the job's summary log line
 
     @property
     def job_id(self) -> str:

@@ -45,6 +45,7 @@ def prefix(services) -> str:
 def worker_config(services, prefix: str, **over):
     from worker.config import (
         KafkaConfig,
+        MetricsConfig,
         ModelConfig,
         RedisConfig,
         ServingTuning,
@@ -60,6 +61,8 @@ def worker_config(services, prefix: str, **over):
     redis = dict(url=services[1], key_prefix=prefix, claim_lease_ms=3000)
     redis.update(over.pop("redis", {}))
     worker = dict(drain_timeout_s=10.0)
+    metrics = dict(port=0, host="127.0.0.1", check_interval_s=0.5, check_timeout_s=2.0)
+    metrics.update(over.pop("metrics", {}))
     worker.update(over.pop("worker", {}))
     return WorkerConfig(
         model=ModelConfig(**over.pop("model", {"dtype": "float32", "device": "cpu"})),
@@ -67,4 +70,5 @@ def worker_config(services, prefix: str, **over):
         kafka=KafkaConfig(**kafka),
         redis=RedisConfig(**redis),
         worker=WorkerSettings(**worker),
+        metrics=MetricsConfig(**metrics),
     )

@@ -9,7 +9,7 @@ Map (one line per module):
 """
 
 from worker.engine.core import Engine
-from worker.engine.outputs import CompletionOutput, KVStats, RequestOutput, Usage
+from worker.engine.outputs import CompletionOutput, KVStats, RequestOutput, RequestTimes, StepStats, Usage
 from worker.engine.request import Priority, RejectReason, RequestRejected
 
 __all__ = [
@@ -20,5 +20,7 @@ __all__ = [
     "RejectReason",
     "RequestOutput",
     "RequestRejected",
+    "RequestTimes",
+    "StepStats",
     "Usage",
 ]

@@ -10,6 +10,7 @@ boundary; an aborted request's KV blocks are free when that `step` returns.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -21,7 +22,16 @@ import torch
 from schemas.params import SamplingParams
 from worker.config import EngineConfig, ModelConfig
 from worker.engine.kv_cache import KVCacheManager
-from worker.engine.outputs import CompletionOutput, KVStats, RequestOutput, TokenLogprobs, Usage
+from worker.engine.outputs import (
+    CompletionOutput,
+    KVStats,
+    RequestOutput,
+    RequestTimes,
+    SchedulerOutput,
+    StepStats,
+    TokenLogprobs,
+    Usage,
+)
 from worker.engine.request import (
     FINISH_REASONS,
     Priority,
@@ -38,6 +48,12 @@ if TYPE_CHECKING:
     from worker.model.runner import ModelRunner
 
 CPU_DEFAULT_KV_TOKENS = 16384
+OOM_BACKOFF_RECOVERY_STEPS = 64  # successful steps before the token budget doubles back
+
+log = logging.getLogger(__name__)
+
+# torch >= 2.5 exposes the CUDA OOM as torch.OutOfMemoryError (alias of torch.cuda.OutOfMemoryError)
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class Engine:
@@ -76,6 +92,10 @@ class Engine:
         self._arrival = itertools.count()
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._budget_cap: int | None = None  # lowered token budget after an OOM
+        self._steps_since_oom = 0
+        self.num_oom_steps = 0
+        self.last_step_stats: StepStats | None = None
 
     # ---- construction --------------------------------------------------------------
     @classmethod
@@ -257,7 +277,18 @@ class Engine:
         return bool(self._new) or bool(self._aborts) or self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Apply queued requests and aborts, run one forward, return per-request deltas."""
+        """Apply queued requests and aborts, run one forward, return per-request deltas.
+
+        Out of memory during the forward (`torch.OutOfMemoryError`, CUDA's OOM) does not
+        propagate: every request of the failed batch is preempted by recompute and
+        retried, at most `serving_tuning.max_oom_retries` times each, then finished with
+        `finish_reason="error"`, `error_code="oom"`; the step token budget is halved and
+        recovers by doubling after `OOM_BACKOFF_RECOVERY_STEPS` good steps. Any other
+        exception propagates (the engine is then unusable).
+
+        After every call `last_step_stats` describes the step (see `StepStats`).
+        """
+        t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         while self._new:
             req = self._new.popleft()
@@ -267,15 +298,51 @@ class Engine:
             req = self.scheduler.finish(self._aborts.popleft(), RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 outputs.append(self._final_output(req, [], ""))
-        if not self.scheduler.has_unfinished():
-            return outputs
-        sched = self.scheduler.schedule()
-        if sched.num_scheduled_tokens == 0:
-            return outputs
-        runner_out = self.runner.execute(sched)
+        sched = None
+        oom = (0, 0)
+        preempted_before = self.scheduler.num_preemptions_total
+        if self.scheduler.has_unfinished():
+            sched = self.scheduler.schedule(self._budget_cap)
+            if sched.num_scheduled_tokens > 0:
+                try:
+                    runner_out = self.runner.execute(sched)
+                except OutOfMemoryError as e:
+                    oom = self._handle_oom(sched, e, outputs)
+                else:
+                    self._after_forward(sched, runner_out, outputs)
+            else:
+                sched = None
+        num_decode = sched.num_decodes if sched is not None and oom == (0, 0) else 0
+        num_prefill = sched.num_scheduled_tokens - num_decode if sched is not None and oom == (0, 0) else 0
+        self.last_step_stats = StepStats(
+            step=self.scheduler.step_count,
+            time=time.time(),
+            duration_s=time.perf_counter() - t0,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting + len(self._new),
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+            num_preemptions=self.scheduler.num_preemptions_total - preempted_before - oom[0],
+            num_oom_retried=oom[0],
+            num_oom_failed=oom[1],
+            kv=self.kv.stats(),
+        )
+        return outputs
+
+    def _after_forward(self, sched: SchedulerOutput, runner_out, outputs: list[RequestOutput]) -> None:
+        if self._budget_cap is not None:
+            self._steps_since_oom += 1
+            if self._steps_since_oom >= OOM_BACKOFF_RECOVERY_STEPS:
+                self._steps_since_oom = 0
+                self._budget_cap *= 2
+                if self._budget_cap >= self.tuning.max_batched_tokens:
+                    self._budget_cap = None
+        now = time.time()
         for req in self.scheduler.update_from_output(sched, runner_out):
             rid = req.request_id
             token_id = req.all_token_ids[-1]
+            if req.first_token_time is None:
+                req.first_token_time = now
             lp = runner_out.logprobs.get(rid)
             if lp is not None:
                 self._logprobs.setdefault(rid, []).append(lp)
@@ -288,10 +355,40 @@ class Engine:
                 outputs.append(self._final_output(req, [token_id], delta, lp))
             else:
                 outputs.append(RequestOutput(rid, [token_id], delta, logprobs=[lp] if lp else None))
-        return outputs
+
+    def _handle_oom(self, sched: SchedulerOutput, exc: BaseException, outputs: list[RequestOutput]) -> tuple[int, int]:
+        """Preempt (retry) or fail every request of a batch whose forward ran out of
+        memory; free their blocks; halve the token budget. Returns (retried, failed)."""
+        self.num_oom_steps += 1
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._budget_cap = max(1, sched.num_scheduled_tokens // 2)
+        self._steps_since_oom = 0
+        retried = failed = 0
+        for s in sched.scheduled:
+            req = self.scheduler.requests.get(s.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_ooms += 1
+            if req.num_ooms > self.tuning.max_oom_retries:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._final_output(
+                    req, [], "", error=("oom", f"out of memory in {req.num_ooms} steps of this request: {exc}"[:500])))
+                failed += 1
+            else:
+                self.scheduler.preempt(req.request_id)
+                retried += 1
+        log.warning("out of memory in step %d (%d tokens, %d requests): %d retried, %d failed; token budget now %d",
+                    sched.step, sched.num_scheduled_tokens, len(sched.scheduled), retried, failed, self._budget_cap)
+        return retried, failed
 
     def _final_output(
-        self, req: Request, new_ids: list[int], delta: str, lp: TokenLogprobs | None = None
+        self,
+        req: Request,
+        new_ids: list[int],
+        delta: str,
+        lp: TokenLogprobs | None = None,
+        error: tuple[str, str] | None = None,
     ) -> RequestOutput:
         rid = req.request_id
         detok = self._detoks.pop(rid, None)
@@ -309,6 +406,9 @@ class Engine:
             usage=Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens),
             logprobs=[lp] if lp else None,
             num_preemptions=req.num_preemptions,
+            times=RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time, time.time()),
+            error_code=error[0] if error else None,
+            error_message=error[1] if error else None,
         )
 
     # ---- conveniences ----------------------------------------------------------------

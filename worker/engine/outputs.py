@@ -88,6 +88,47 @@ class Usage:
     cached_prompt_tokens: int = 0
 
 
+@dataclass(slots=True, frozen=True)
+class RequestTimes:
+    """Wall-clock timestamps (seconds since the epoch, `time.time()`) of one request.
+
+    `arrival_time` is what the caller passed to `add_request` (the worker passes the
+    Kafka record timestamp), so queue time = `first_scheduled_time - arrival_time`.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+
+    @property
+    def queue_s(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
+
+
+@dataclass(slots=True, frozen=True)
+class StepStats:
+    """What one `Engine.step` did (read by the metrics on the engine thread).
+
+    Token counts are tokens *computed* this step: a prefill chunk of a preempted request
+    being recomputed counts as prefill again. `num_oom_*` count requests, not steps.
+    """
+
+    step: int
+    time: float  # time.time() when the step ended, seconds
+    duration_s: float  # wall time of the whole step (schedule + forward + sampling + detokenize)
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preemptions: int
+    num_oom_retried: int
+    num_oom_failed: int
+    kv: KVStats
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request (a delta, not the whole text).
@@ -104,6 +145,9 @@ class RequestOutput:
     usage: Usage | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_preemptions: int = 0
+    times: RequestTimes | None = None  # set on the last output
+    error_code: str | None = None  # with finish_reason "error": e.g. "oom"
+    error_message: str | None = None
 
 
 @dataclass(slots=True)

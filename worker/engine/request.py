@@ -115,6 +115,9 @@ class Request:
         "block_hashes",
         "effective_rank",
         "num_preemptions",
+        "num_ooms",
+        "first_scheduled_time",
+        "first_token_time",
         "generator",
         "stop_token_set",
     )
@@ -152,6 +155,9 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.effective_rank = int(priority)  # rank held while running (aging applied at admission)
         self.num_preemptions = 0
+        self.num_ooms = 0  # steps of this request that failed with out-of-memory
+        self.first_scheduled_time: float | None = None  # wall clock (s) of first admission
+        self.first_token_time: float | None = None  # wall clock (s) the first output token was sampled
         self.stop_token_set = frozenset(params.stop_token_ids)
 
     @property

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import time
 
 from worker.config import ServingTuning
 from worker.engine.kv_cache import KVCacheManager
@@ -83,10 +84,13 @@ class Scheduler:
         """Priority class minus one per `priority_aging_steps` waited (lower is served first)."""
         return int(req.priority) - (self.step_count - req.arrival_step) // self.tuning.priority_aging_steps
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_batched_tokens: int | None = None) -> SchedulerOutput:
+        """Build the next step's batch. `max_batched_tokens` lowers the step's token
+        budget below `tuning.max_batched_tokens` (the engine's back-off after an OOM)."""
         self.step_count += 1
         tuning = self.tuning
-        budget = tuning.max_batched_tokens
+        budget = min(max_batched_tokens or tuning.max_batched_tokens, tuning.max_batched_tokens)
+        full_budget = budget
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
 
@@ -120,7 +124,7 @@ class Scheduler:
             if len(self.running) >= tuning.max_running_requests:
                 if not self._preempt_lower(rank, scheduled, preempted):
                     break
-                budget = tuning.max_batched_tokens - sum(scheduled.values())
+                budget = full_budget - sum(scheduled.values())
                 continue
             cached_blocks = self.kv.find_cached_prefix(req)
             num_computed = len(cached_blocks) * self.kv.block_size
@@ -128,11 +132,12 @@ class Scheduler:
             if not self.kv.allocate(req, num_new, cached_blocks, reserve_tokens=self._reserve_tokens(req)):
                 if not self._preempt_lower(rank, scheduled, preempted):
                     break
-                budget = tuning.max_batched_tokens - sum(scheduled.values())
+                budget = full_budget - sum(scheduled.values())
                 continue
             self._pop_waiting(req)
             if req.status == RequestStatus.WAITING:  # first admission (not a re-admission)
                 req.num_cached_tokens = num_computed
+                req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
             req.effective_rank = rank
@@ -189,6 +194,15 @@ class Scheduler:
         while self.running[i] is not req:
             i += 1
         del self.running[i]
+
+    def preempt(self, request_id: str) -> bool:
+        """Preempt a running request by recompute (used after a failed step). False if
+        it is not running."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return False
+        self._preempt(req, {})
+        return True
 
     def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
         """Free the victim's KV and requeue it at its original place. Returns the
