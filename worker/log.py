@@ -8,23 +8,36 @@ import sys
 import structlog
 
 
-def setup_logging(level: str = "INFO", json: bool | None = None) -> None:
+def setup_logging(level: str = "INFO", json: bool | None = None, stream=None) -> None:
+    """Configure structlog and the standard library's logging (used by aiokafka, the
+    engine, transformers) to write one rendering to `stream` (default stderr): JSON
+    lines, or colored console lines when `json` is False or, if None, when the stream
+    is a terminal. Library loggers below WARNING are silenced (aiokafka is chatty)."""
+    stream = stream or sys.stderr
     if json is None:
-        json = not sys.stderr.isatty()
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s")
+        json = not stream.isatty()
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso"),
+    ]
+    final = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()] if json else [
+        structlog.dev.ConsoleRenderer()]
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
+    ))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level)
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        # not cached: module-level loggers follow a later setup_logging (tests, embedding)
+        cache_logger_on_first_use=False,
     )
 
 
