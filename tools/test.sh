@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Run the whole test suite (what CI runs): creates .venv on a fresh clone, starts the
 # dev stack (Redis + Kafka on 127.0.0.1, see tools/devstack.sh) for the integration
-# tests, runs pytest. Extra arguments go to pytest. The stack keeps running afterwards;
+# tests, installs promtool (Debian's prometheus package) for the alert-rule tests when
+# missing and running as root, runs pytest. Extra arguments go to pytest. The stack keeps running afterwards;
 # stop it with tools/devstack.sh down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_venv.sh
 tools/devstack.sh up
+if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "test: installing promtool (apt package prometheus)" >&2
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
 exec .venv/bin/python -m pytest -q "$@"

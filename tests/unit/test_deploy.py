@@ -1,0 +1,186 @@
+"""deploy/: manifests parse and have what operators rely on; every metric the alert
+rules and the dashboard query is one the worker exports; promtool validates and
+unit-tests the rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schemas import keys
+from worker.config import load_config
+from worker.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+
+PROMQL_WORDS = {
+    "sum", "max", "min", "avg", "count", "by", "without", "rate", "increase", "irate", "deriv", "delta",
+    "histogram_quantile", "and", "or", "unless", "on", "ignoring", "offset", "avg_over_time", "max_over_time",
+    "min_over_time", "topk", "bottomk", "abs", "clamp_min", "clamp_max", "absent", "humanize", "vector",
+}
+LABELS = {"le", "priority", "instance", "topic", "partition", "outcome", "finish_reason", "reason", "job", "pod"}
+
+
+def metric_names_in(expr: str) -> set[str]:
+    """Metric names referenced by a PromQL expression (strings, ranges, label matchers,
+    grouping labels, functions and numbers removed)."""
+    e = re.sub(r'"[^"]*"', " ", expr)
+    e = re.sub(r"\[[^\]]*\]", " ", e)
+    e = re.sub(r"\{[^}]*\}", " ", e)
+    e = e.replace("$__rate_interval", " ")
+    words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", e))
+    return {w for w in words if w not in PROMQL_WORDS and w not in LABELS}
+
+
+def exported() -> set[str]:
+    return Metrics(gpu=True).names()
+
+
+def alert_rules() -> list[dict]:
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+def test_metric_name_extraction():
+    assert metric_names_in('histogram_quantile(0.99, sum by (le, priority) (rate(llm_ttft_seconds_bucket{a="b"}[5m]))) > 5') \
+        == {"llm_ttft_seconds_bucket"}
+    assert metric_names_in("deriv(sum(waiting_requests)[10m:1m]) > 0 and x_total") == {"waiting_requests", "x_total"}
+
+
+def test_alert_rules_cover_the_required_signals_with_exported_metrics():
+    rules = alert_rules()
+    used = set()
+    for r in rules:
+        names = metric_names_in(r["expr"])
+        assert names, r["alert"]
+        used |= names
+        assert r["labels"]["severity"] in ("info", "warning", "critical")
+        assert r["annotations"]["summary"]
+    assert used <= exported(), used - exported()
+    for required in ("kv_cache_usage_ratio", "waiting_requests", "llm_ttft_seconds_bucket", "request_oom_total",
+                     "kafka_consumer_lag", "dlq_records_total"):
+        assert required in used, required
+
+
+def test_dashboard_queries_exported_metrics_and_covers_design_metrics():
+    from tools.make_dashboard import build
+
+    committed = json.loads((DEPLOY / "grafana" / "dashboards" / "inflight.json").read_text())
+    assert committed == build(), "dashboard JSON is stale: run python -m tools.make_dashboard"
+    used = set()
+    for panel in committed["panels"]:
+        for t in panel.get("targets", []):
+            used |= metric_names_in(t["expr"])
+    assert used <= exported(), used - exported()
+    design = {"request_queue_time_seconds_bucket", "llm_ttft_seconds_bucket", "llm_tpot_seconds_bucket",
+              "llm_e2e_request_latency_seconds_bucket", "running_requests", "waiting_requests", "gpu_utilization",
+              "kv_cache_usage_ratio", "prefill_tokens_per_second", "decode_tokens_per_second", "request_abort_total",
+              "request_oom_total", "request_rejected_total", "preemptions_total", "request_finished_total",
+              "kafka_consumer_lag", "kafka_paused_partitions", "dlq_records_total", "kafka_commit_failures_total",
+              "cancel_to_free_seconds_bucket"}
+    assert design <= used, design - used
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool missing in CI: tools/test.sh installs Debian's prometheus package")
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    return path
+
+
+def test_promtool_checks_and_unit_tests_the_rules():
+    exe = promtool()
+    d = DEPLOY / "prometheus"
+    check = subprocess.run([exe, "check", "rules", "alerts.yaml"], cwd=d, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    test = subprocess.run([exe, "test", "rules", "alerts.test.yaml"], cwd=d, capture_output=True, text=True)
+    assert test.returncode == 0, test.stdout + test.stderr
+    cfg = subprocess.run([exe, "check", "config", "--syntax-only", "prometheus.yml"], cwd=d, capture_output=True,
+                         text=True)
+    assert cfg.returncode == 0, cfg.stdout + cfg.stderr
+
+
+def test_worker_configs_load(tmp_path):
+    cfg = load_config(str(DEPLOY / "config.yaml"), env={})
+    assert cfg.metrics.port == 8000 and cfg.serving_tuning.max_total_tokens is None
+    cm = yaml.safe_load((DEPLOY / "k8s" / "configmap.yaml").read_text())
+    p = tmp_path / "config.yaml"
+    p.write_text(cm["data"]["config.yaml"])
+    k8s_cfg = load_config(str(p), env={"INFLIGHT_KAFKA__SASL_PASSWORD": "x"})
+    assert k8s_cfg.kafka.sasl_password == "x"
+
+
+def test_compose_has_the_stack():
+    doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    s = doc["services"]
+    assert s["kafka"]["image"].startswith("apache/kafka:")
+    assert "broker,controller" in s["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]
+    assert s["redis"]["image"].startswith("redis:")
+    w = s["worker"]
+    assert any(v.endswith(":/models:ro") for v in w["volumes"])
+    assert w["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    drain = load_config(str(DEPLOY / "config.yaml"), env={}).worker.drain_timeout_s
+    assert int(w["stop_grace_period"].rstrip("s")) > drain
+    assert s["topics"]["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert any("alerts.yaml" in v for v in s["prometheus"]["volumes"])
+    assert any("provisioning" in v for v in s["grafana"]["volumes"])
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert prom["scrape_configs"][0]["dns_sd_configs"][0]["port"] == 8000
+
+
+def test_dockerfile_is_cuda_non_root_with_worker_entrypoint():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-runtime-", text, re.M)
+    user = re.findall(r"^USER (\S+)", text, re.M)
+    assert user and not user[-1].startswith(("root", "0"))
+    assert 'ENTRYPOINT ["inflight", "worker"]' in text
+    assert 'VOLUME ["/models"]' in text
+
+
+def k8s(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()) if d]
+
+
+def test_kubernetes_manifests():
+    kinds = {d["kind"] for f in (DEPLOY / "k8s").glob("*.yaml") for d in k8s(f.name)}
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "ConfigMap", "Secret"} <= kinds
+    cm = k8s("configmap.yaml")[0]
+    cfg = yaml.safe_load(cm["data"]["config.yaml"])
+    dep = k8s("deployment.yaml")[0]
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert pod["terminationGracePeriodSeconds"] > cfg["worker"]["drain_timeout_s"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["config"]["configMap"]["name"] == cm["metadata"]["name"]
+    secret_env = {e["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert {"INFLIGHT_KAFKA__SASL_PASSWORD", "INFLIGHT_REDIS__URL"} <= secret_env
+    assert "sasl_password" not in cfg["kafka"] and "url" not in cfg["redis"]  # no credentials in the ConfigMap
+    port = c["ports"][0]
+    assert port["containerPort"] == cfg["metrics"]["port"]
+    svc = k8s("service.yaml")[0]
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    pdb = k8s("pdb.yaml")[0]
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    so = k8s("scaledobject.yaml")[0]
+    assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+    assert so["spec"]["minReplicaCount"] == 0
+    trig = so["spec"]["triggers"]
+    assert {t["type"] for t in trig} == {"kafka"}
+    assert {t["metadata"]["topic"] for t in trig} == {keys.job_topic(cfg["kafka"]["topic_prefix"], p)
+                                                       for p in keys.PRIORITIES}
+    assert {t["metadata"]["consumerGroup"] for t in trig} == {cfg["kafka"]["group_id"]}

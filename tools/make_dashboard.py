@@ -1,0 +1,109 @@
+"""Write the Grafana dashboard of Inflight workers (deploy/grafana/dashboards/inflight.json).
+
+The dashboard is generated so its queries stay in one readable list; run this after
+changing a panel and commit the JSON (tests check every metric it queries is one the
+worker exports):
+
+    python -m tools.make_dashboard
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "dashboards" / "inflight.json"
+
+
+def q(expr: str, legend: str) -> dict:
+    return {"expr": expr, "legendFormat": legend, "datasource": {"type": "prometheus", "uid": "prometheus"}}
+
+
+def quantiles(metric: str, by: str = "") -> list[dict]:
+    grp = f"le{', ' + by if by else ''}"
+    suffix = f" {{{{{by}}}}}" if by else ""
+    return [q(f"histogram_quantile({p}, sum by ({grp}) (rate({metric}_bucket[$__rate_interval])))", f"p{int(p * 100)}{suffix}")
+            for p in (0.5, 0.95, 0.99)]
+
+
+# (row title, [(panel title, unit, targets)])
+ROWS = [
+    ("Latency", [
+        ("Time to first token (TTFT)", "s", quantiles("llm_ttft_seconds")),
+        ("Time per output token (TPOT)", "s", quantiles("llm_tpot_seconds")),
+        ("End-to-end latency", "s", quantiles("llm_e2e_request_latency_seconds")),
+        ("Queue time (enqueue to first scheduled)", "s", quantiles("request_queue_time_seconds")),
+        ("TTFT p99 by priority", "s", [q("histogram_quantile(0.99, sum by (le, priority) "
+                                          "(rate(llm_ttft_seconds_bucket[$__rate_interval])))", "{{priority}}")]),
+        ("Cancel to KV freed", "s", quantiles("cancel_to_free_seconds")),
+    ]),
+    ("Throughput and batch", [
+        ("Tokens per second", "short", [q("sum(prefill_tokens_per_second)", "prefill"),
+                                        q("sum(decode_tokens_per_second)", "decode"),
+                                        q("sum(rate(generation_tokens_total[$__rate_interval]))", "delivered")]),
+        ("Running and waiting requests", "short", [q("sum by (instance) (running_requests)", "running {{instance}}"),
+                                                   q("sum by (instance) (waiting_requests)", "waiting {{instance}}"),
+                                                   q("sum by (instance) (local_jobs)", "held {{instance}}")]),
+        ("KV cache usage", "percentunit", [q("kv_cache_usage_ratio", "{{instance}}")]),
+        ("GPU utilization", "percentunit", [q("gpu_utilization", "{{instance}}")]),
+        ("Engine step duration", "s", quantiles("engine_step_duration_seconds")),
+        ("Preemptions per second", "short", [q("sum(rate(preemptions_total[$__rate_interval]))", "preemptions")]),
+    ]),
+    ("Outcomes", [
+        ("Finished jobs by reason", "reqps", [q("sum by (finish_reason) (rate(request_finished_total[$__rate_interval]))",
+                                                "{{finish_reason}}")]),
+        ("Rejected by reason", "reqps", [q("sum by (reason) (rate(request_rejected_total[$__rate_interval]))",
+                                           "{{reason}}")]),
+        ("Aborted by reason", "reqps", [q("sum by (reason) (rate(request_abort_total[$__rate_interval]))",
+                                          "{{reason}}")]),
+        ("Out of memory", "short", [q("sum by (outcome) (increase(request_oom_total[$__rate_interval]))",
+                                      "{{outcome}}")]),
+    ]),
+    ("Kafka", [
+        ("Consumer lag by topic", "short", [q("sum by (topic) (kafka_consumer_lag)", "{{topic}}")]),
+        ("Partitions", "short", [q("sum(kafka_assigned_partitions)", "assigned"),
+                                 q("sum(kafka_paused_partitions)", "paused (backpressure)")]),
+        ("DLQ records", "short", [q("sum(increase(dlq_records_total[$__rate_interval]))", "dead letters")]),
+        ("Commit failures, rebalances, consumer restarts", "short", [
+            q("sum(increase(kafka_commit_failures_total[$__rate_interval]))", "commit failures"),
+            q("sum(increase(kafka_rebalances_total[$__rate_interval]))", "revocations"),
+            q("sum(increase(kafka_consumer_restarts_total[$__rate_interval]))", "consumer restarts"),
+            q("sum(rate(cancels_received_total[$__rate_interval]))", "cancels/s")]),
+    ]),
+]
+
+
+def build() -> dict:
+    panels, y, pid = [], 0, 1
+    for row_title, row in ROWS:
+        panels.append({"type": "row", "title": row_title, "id": pid, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
+        pid += 1
+        y += 1
+        for i, (title, unit, targets) in enumerate(row):
+            panels.append({
+                "type": "timeseries", "title": title, "id": pid,
+                "datasource": {"type": "prometheus", "uid": "prometheus"},
+                "gridPos": {"h": 8, "w": 8, "x": 8 * (i % 3), "y": y + 8 * (i // 3)},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+                "targets": [{**t, "refId": chr(ord("A") + k)} for k, t in enumerate(targets)],
+            })
+            pid += 1
+        y += 8 * ((len(row) + 2) // 3)
+    return {
+        "uid": "inflight-workers", "title": "Inflight workers", "schemaVersion": 39, "version": 1,
+        "tags": ["inflight", "llm", "kafka"], "timezone": "browser", "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"}, "panels": panels,
+        "templating": {"list": []}, "annotations": {"list": []},
+    }
+
+
+def main() -> None:
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(build(), indent=2) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
