@@ -206,6 +206,7 @@ def _plot_throughput(report: dict, png: Path) -> None:
 def scheduler_overhead(a) -> dict:
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ServingTuning
+    from worker.metrics import Metrics
     from worker.model.null_runner import null_engine
 
     rows = []
@@ -235,22 +236,29 @@ def scheduler_overhead(a) -> dict:
             sched_ms.append((t1 - t0) * 1e3)
             update_ms.append((t3 - t2) * 1e3)
             total_ms.append((t3 - t0 - (t2 - t1)) * 1e3)
-        full = []
+        full, metrics_ms = [], []
+        metrics = Metrics()
         for _ in range(min(steps, 20)):  # whole Engine.step incl. detokenization and outputs
             t0 = time.perf_counter()
             eng.step()
-            full.append((time.perf_counter() - t0) * 1e3)
+            t1 = time.perf_counter()
+            metrics.observe_step(eng.last_step_stats)  # what the worker's engine thread adds per step
+            full.append((t1 - t0) * 1e3)
+            metrics_ms.append((time.perf_counter() - t1) * 1e3)
         rows.append({
             "running_requests": n,
             "schedule_ms": statistics.median(sched_ms),
             "update_ms": statistics.median(update_ms),
             "scheduler_plus_bookkeeping_ms": statistics.median(total_ms),
             "engine_step_with_detokenize_ms": statistics.median(full),
+            "metrics_per_step_ms": statistics.median(metrics_ms),
         })
-    print(f"\n{'running':>8}{'schedule ms':>13}{'update ms':>11}{'sched+book ms':>15}{'full step ms':>14}")
+    print(f"\n{'running':>8}{'schedule ms':>13}{'update ms':>11}{'sched+book ms':>15}{'full step ms':>14}"
+          f"{'metrics ms':>12}")
     for r in rows:
         print(f"{r['running_requests']:>8}{r['schedule_ms']:>13.3f}{r['update_ms']:>11.3f}"
-              f"{r['scheduler_plus_bookkeeping_ms']:>15.3f}{r['engine_step_with_detokenize_ms']:>14.3f}")
+              f"{r['scheduler_plus_bookkeeping_ms']:>15.3f}{r['engine_step_with_detokenize_ms']:>14.3f}"
+              f"{r['metrics_per_step_ms']:>12.4f}")
     return {"mode": "scheduler", "command": a.command_line, "machine": _machine(), "rows": rows}
 
 
