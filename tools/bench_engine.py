@@ -4,6 +4,7 @@
               size vs transformers' own continuous batching manager, same model, same
               requests (all submitted at t=0, EOS ignored so every system produces the
               same useful tokens). Output tokens/s counts only requested tokens.
+              On CUDA (auto-detected) it uses bf16 and a random-init ~1B Llama.
   scheduler   CPU time per engine step with a no-op model runner at 64 / 256 / 1024
               running requests (all decoding), split into schedule + bookkeeping and
               detokenization/outputs.
@@ -26,9 +27,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tools.workloads import make_workload
+from tools.workloads import KINDS, TextTokens, make_workload
 
 DEFAULT_MODEL = Path(".cache/models/bench-llama")
+GPU_MODEL = Path(".cache/models/bench-llama-1b")
+# random-init Llama shapes: small for the CPU, ~1.1B parameters for a GPU
+MODEL_SHAPES = {
+    DEFAULT_MODEL: dict(arch="llama", vocab_size=2048, hidden=256, layers=4, heads=8, kv_heads=4, max_len=2048),
+    GPU_MODEL: dict(arch="llama", vocab_size=32000, hidden=2048, layers=20, heads=32, kv_heads=8, max_len=4096),
+}
 
 
 def _machine() -> dict:
@@ -42,24 +49,37 @@ def _machine() -> dict:
 
 
 def ensure_model(path: Path) -> Path:
+    """Make the benchmark checkpoint at `path` if missing (shapes in MODEL_SHAPES;
+    other paths must already exist)."""
     if not (path / "config.json").is_file():
         from tools.make_model import make_checkpoint
 
-        make_checkpoint(path, arch="llama", vocab_size=2048, hidden=256, layers=4, heads=8, kv_heads=4, max_len=2048)
+        shape = MODEL_SHAPES.get(Path(path), MODEL_SHAPES[DEFAULT_MODEL])
+        make_checkpoint(path, corpus_chars=600_000, **shape)
     return path
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
 # ---- throughput ---------------------------------------------------------------------------
-def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar) -> float:
+def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar, device: str = "cpu",
+                 backend: str = "auto") -> float:
     from schemas.params import SamplingParams
-    from worker.config import EngineConfig, ServingTuning
+    from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
 
-    cfg = EngineConfig(serving_tuning=ServingTuning(
+    cfg = EngineConfig(model=ModelConfig(device=device, attention_backend=backend), serving_tuning=ServingTuning(
         max_running_requests=max_batch, max_total_tokens=kv_tokens, max_batched_tokens=budget,
         max_input_tokens=4096, max_output_tokens=4096, enable_prefix_caching=False,
     ))
     engine = Engine.from_pretrained(str(path), cfg)
+    _sync(device)
     t0 = time.perf_counter()
     for r in work:
         engine.add_request(r.request_id, prompt_token_ids=r.prompt_token_ids,
@@ -69,21 +89,29 @@ def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, 
         for out in engine.step():
             produced += len(out.new_token_ids)
             pbar.update(len(out.new_token_ids))
+    _sync(device)
     elapsed = time.perf_counter() - t0
     assert produced == sum(r.max_tokens for r in work), (produced, sum(r.max_tokens for r in work))
     return elapsed
 
 
-def _hf_model(path: Path):
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _hf_model(path: Path, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(device), attn_implementation="sdpa")
+    model = model.to(device).eval()
     model.generation_config.eos_token_id = None  # ignore EOS, as the other systems do
     return model
 
 
-def run_hf_static(path: Path, work, max_batch: int, pbar) -> float:
-    model = _hf_model(path)
+def run_hf_static(path: Path, work, max_batch: int, pbar, device: str = "cpu") -> float:
+    model = _hf_model(path, device)
+    _sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(work), max_batch):
@@ -95,18 +123,20 @@ def run_hf_static(path: Path, work, max_batch: int, pbar) -> float:
                 ids[j, longest - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
                 mask[j, longest - len(r.prompt_token_ids) :] = 1
             new = max(r.max_tokens for r in batch)
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=0)
             assert out.shape[1] == longest + new
             pbar.update(sum(r.max_tokens for r in batch))
+    _sync(device)
     return time.perf_counter() - t0
 
 
-def run_hf_continuous(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar) -> float:
+def run_hf_continuous(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar,
+                      device: str = "cpu") -> float:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model = _hf_model(path)
+    model = _hf_model(path, device)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in work), eos_token_id=None, pad_token_id=0)
     cb = ContinuousBatchingConfig(page_size=16, num_blocks=kv_tokens // 16, max_batch_tokens=budget,
                                   max_requests_per_batch=max_batch)
@@ -134,25 +164,32 @@ def run_hf_continuous(path: Path, work, max_batch: int, kv_tokens: int, budget: 
 
 
 def throughput(a) -> dict:
-    path = ensure_model(Path(a.model))
-    from transformers import AutoConfig
+    device = a.device if a.device != "auto" else default_device()
+    model = Path(a.model) if a.model else (GPU_MODEL if device == "cuda" else DEFAULT_MODEL)
+    path = ensure_model(model)
+    from transformers import AutoConfig, AutoTokenizer
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
+    text = TextTokens(AutoTokenizer.from_pretrained(path)) if a.prompts == "text" else None
     work = make_workload(a.workload, a.num_requests, vocab_size=vocab, scale=a.scale, seed=a.seed,
-                         max_input=a.max_input, max_output=a.max_output, avoid_ids=frozenset({0, 1, 2, 3, 4}))
+                         max_input=a.max_input, max_output=a.max_output, avoid_ids=frozenset({0, 1, 2, 3, 4}),
+                         text=text)
     total_out = sum(r.max_tokens for r in work)
     total_in = sum(len(r.prompt_token_ids) for r in work)
     kv_tokens = a.max_batch * (a.max_input + a.max_output)
     systems = {
-        "inflight": lambda p: run_inflight(path, work, a.max_batch, kv_tokens, a.budget, p),
-        "hf_static_batching": lambda p: run_hf_static(path, work, a.max_batch, p),
-        "hf_continuous_batching": lambda p: run_hf_continuous(path, work, a.max_batch, kv_tokens, a.budget, p),
+        "inflight": lambda p: run_inflight(path, work, a.max_batch, kv_tokens, a.budget, p, device, a.backend),
+        "hf_static_batching": lambda p: run_hf_static(path, work, a.max_batch, p, device),
+        "hf_continuous_batching": lambda p: run_hf_continuous(path, work, a.max_batch, kv_tokens, a.budget, p,
+                                                              device),
     }
     results = {}
     for name in a.systems:
         with tqdm(total=total_out, desc=name, unit="tok") as pbar:
             elapsed = systems[name](pbar)
-        results[name] = {"seconds": elapsed, "output_tokens_per_s": total_out / elapsed}
+        # every system is checked to produce exactly the requested tokens (EOS ignored)
+        results[name] = {"seconds": elapsed, "output_tokens": total_out, "output_tokens_per_s": total_out / elapsed,
+                         "requests_per_s": len(work) / elapsed}
     base = results.get("inflight")
     ratios = {}
     if base:
@@ -164,9 +201,13 @@ def throughput(a) -> dict:
         "command": a.command_line,
         "machine": _machine(),
         "model": str(path),
-        "workload": {"kind": a.workload, "num_requests": a.num_requests, "scale": a.scale, "seed": a.seed,
-                     "input_tokens": total_in, "output_tokens": total_out,
+        "device": device,
+        "dtype": str(torch_dtype(device)).removeprefix("torch."),
+        "workload": {"kind": a.workload, "prompts": a.prompts, "num_requests": a.num_requests, "scale": a.scale,
+                     "seed": a.seed, "input_tokens": total_in, "output_tokens": total_out,
                      "mean_input": total_in / len(work), "mean_output": total_out / len(work)},
+        "requests": [{"id": r.request_id, "shape": r.shape, "input_tokens": len(r.prompt_token_ids),
+                      "output_tokens": r.max_tokens} for r in work],
         "max_batch": a.max_batch,
         "max_batched_tokens": a.budget,
         "results": results,
@@ -192,6 +233,7 @@ def _plot_throughput(report: dict, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(names, vals, color=["#2a7", "#888", "#58c"][: len(names)])
     ax.set_ylabel("output tokens / s")
+    ax.set_xlabel("system (same model, requests and max batch)")
     w = report["workload"]
     ax.set_title(f"{w['kind']} workload, {w['num_requests']} requests, max batch {report['max_batch']}")
     for i, v in enumerate(vals):
@@ -269,8 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results", help="folder for JSON and PNG results")
     sub = p.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("throughput")
-    t.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (made if missing)")
-    t.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca", "mixed"])
+    t.add_argument("--model", default=None,
+                   help=f"HF checkpoint dir (default {DEFAULT_MODEL} on CPU, {GPU_MODEL} on CUDA; made if missing)")
+    t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    t.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="Inflight attention back end")
+    t.add_argument("--workload", default="mixed", choices=sorted(KINDS))
+    t.add_argument("--prompts", default="text", choices=["text", "random"],
+                   help="real text through the model's tokenizer, or random token ids")
     t.add_argument("--num-requests", type=int, default=256)
     t.add_argument("--scale", type=float, default=4.0, help="divide the workload's mean lengths")
     t.add_argument("--max-batch", type=int, default=32)

@@ -1,0 +1,84 @@
+"""The benchmarks run end to end on very small workloads and write self-consistent
+result files (numbers are not asserted: speed is for the benchmarks, not tests)."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image as mpimg
+import pytest
+
+from tools import bench_e2e, bench_engine
+
+
+def ordered(p: dict | None) -> None:
+    assert p is not None
+    assert 0 <= p["p50"] <= p["p95"] <= p["p99"], p
+
+
+def opens(path) -> None:
+    img = mpimg.imread(path)
+    assert img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_engine_modes_write_consistent_results(tmp_path, llama_path):
+    assert bench_engine.main(["--out", str(tmp_path), "throughput", "--model", str(llama_path), "--num-requests", "6",
+                              "--max-batch", "4", "--budget", "64", "--max-input", "64", "--max-output", "32",
+                              "--device", "cpu"]) == 0
+    r = json.loads((tmp_path / "bench_engine_throughput.json").read_text())
+    total = sum(x["output_tokens"] for x in r["requests"])
+    assert total == r["workload"]["output_tokens"] and len(r["requests"]) == 6
+    assert sum(x["input_tokens"] for x in r["requests"]) == r["workload"]["input_tokens"]
+    assert set(r["results"]) == {"inflight", "hf_static_batching", "hf_continuous_batching"}
+    for res in r["results"].values():
+        assert res["output_tokens"] == total
+        assert res["output_tokens_per_s"] == pytest.approx(total / res["seconds"])
+    for name in ("hf_static_batching", "hf_continuous_batching"):
+        assert r["ratios"][f"inflight_vs_{name}"] == pytest.approx(
+            r["results"]["inflight"]["output_tokens_per_s"] / r["results"][name]["output_tokens_per_s"])
+    assert {x["shape"] for x in r["requests"]} <= {"sharegpt", "alpaca", "long_prompt"}
+    opens(tmp_path / "bench_engine_throughput.png")
+
+    assert bench_engine.main(["--out", str(tmp_path), "scheduler", "--running", "8", "16", "--steps", "5"]) == 0
+    s = json.loads((tmp_path / "bench_engine_scheduler.json").read_text())
+    assert [row["running_requests"] for row in s["rows"]] == [8, 16]
+    for row in s["rows"]:
+        assert 0 < row["schedule_ms"] <= row["scheduler_plus_bookkeeping_ms"]
+        assert row["metrics_per_step_ms"] > 0
+
+
+@pytest.mark.parametrize("consumer,rates", [("stream", ["3", "8"]), ("result", ["5"])])
+def test_e2e_sweep_writes_consistent_results(tmp_path, llama_path, services, consumer, rates):
+    argv = ["--out", str(tmp_path), "--kafka", services[0], "--redis", services[1], "--model", str(llama_path),
+            "--device", "cpu", "--rates", *rates, "--requests-per-rate", "6", "--baseline-requests", "6",
+            "--max-batch", "4", "--budget", "64", "--max-input", "64", "--max-output", "24", "--consumer", consumer]
+    assert bench_e2e.main(argv) == 0
+    r = json.loads((tmp_path / "bench_e2e.json").read_text())
+    assert r["mode"] == "e2e" and [row["offered_rate"] for row in r["rates"]] == [float(x) for x in rates]
+    for row in r["rates"]:
+        reqs = row["requests"]
+        assert len(reqs) == row["num_requests"] == 6
+        assert sum(row["finish_reasons"].values()) == 6
+        assert row["completed"] == sum(1 for q in reqs if q["finish_reason"] in ("stop", "length")) == 6
+        assert row["output_tokens"] == sum(q["output_tokens"] for q in reqs)
+        for q in reqs:  # EOS ignored: every request delivers exactly what it asked for
+            assert q["output_tokens"] == q["requested_tokens"]
+            assert q["submit_s"] <= q["finish_s"]
+            if consumer == "stream":
+                assert q["submit_s"] <= q["first_token_s"] <= q["finish_s"]
+        assert row["output_tokens_per_s"] == pytest.approx(row["output_tokens"] / row["duration_s"])
+        for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
+            ordered(row[key])
+        assert row["e2e_s"]["p50"] >= row["ttft_s"]["p50"] or consumer == "result"
+        tl = row["timeline"]["rows"]
+        assert tl and all(0 <= x[1] <= 1 for x in tl)
+        assert [x[0] for x in tl] == sorted(x[0] for x in tl)
+        assert row["rejections"] == 0
+    sustainable = [row for row in r["rates"] if row["sustainable"]]
+    if sustainable:
+        assert r["max_sustainable"]["output_tokens_per_s"] == max(x["output_tokens_per_s"] for x in sustainable)
+    assert r["peak"]["output_tokens_per_s"] == max(x["output_tokens_per_s"] for x in r["rates"])
+    ea = r["engine_alone"]
+    assert ea["output_tokens_per_s"] == pytest.approx(ea["output_tokens"] / ea["seconds"])
+    opens(tmp_path / "bench_e2e_latency_throughput.png")
+    opens(tmp_path / "bench_e2e_timeline.png")
