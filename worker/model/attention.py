@@ -64,6 +64,7 @@ class AttentionMetadata:
         block_tables: `[num_seqs, max_blocks]` int32, padded with 0 (for kernel back ends).
         seq_lens: `[num_seqs]` int32 context length after this step, per sequence.
         query_start_loc: `[num_seqs + 1]` int32 prefix sums of query lengths.
+        max_query_len: longest query span of a prefill chunk (1 when only decodes).
         kv_caches: per layer `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`.
         backend: module with `write_kv` and `paged_attention` (see kernels/torch_ref.py).
     """
@@ -75,6 +76,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    max_query_len: int
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: ModuleType
 

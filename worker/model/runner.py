@@ -92,7 +92,9 @@ class ModelRunner:
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
 
         decode_groups = []
-        first = 0
+        prefills = []
+        dense = getattr(self.backend, "USES_DENSE_METADATA", True)  # kernel back ends need only the tables
+        first = 0 if dense else nd
         while first < nd:
             nb = -(-seq_lens[first] // bs)
             last = first + 1
@@ -104,8 +106,7 @@ class ModelRunner:
                 DecodeGroup(first, last, block_tables[first:last, :nb].to(dev), mask.view(last - first, 1, 1, -1).to(dev))
             )
             first = last
-        prefills = []
-        for i in range(nd, len(packed)):
+        for i in range(nd, len(packed) if dense else nd):
             s = packed[i]
             q0, q1 = query_start[i], query_start[i + 1]
             if s.start_pos == 0:
@@ -124,6 +125,7 @@ class ModelRunner:
             block_tables=block_tables.to(device=dev, dtype=torch.int32),
             seq_lens=seq_lens_t.to(device=dev, dtype=torch.int32),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            max_query_len=max((b - a for a, b in zip(query_start[nd:], query_start[nd + 1:])), default=1),
             kv_caches=self.kv_caches,
             backend=self.backend,
         )

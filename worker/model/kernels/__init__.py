@@ -1,8 +1,13 @@
 """Attention back ends. Each provides `write_kv` and `paged_attention` with the contract
-documented in `torch_ref.py`; `get_backend(name, device)` picks one."""
+documented in `torch_ref.py`; `get_backend(name, device)` picks one.
+
+    torch_ref.py     plain torch (CPU default; the reference)
+    triton_attn.py   Triton kernels (CUDA default; on CPU only under TRITON_INTERPRET=1)
+"""
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 
@@ -23,7 +28,14 @@ def get_backend(name: str, device_type: str) -> ModuleType:
 
         return torch_ref
     if name == "triton":
-        raise ValueError(
-            "model.attention_backend='triton' is not available in this build yet; allowed: ['auto', 'torch']"
-        )
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "model.attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for debugging on the "
+                "CPU); use 'auto' or 'torch' here"
+            )
+        try:
+            from worker.model.kernels import triton_attn
+        except ImportError as e:
+            raise ValueError(f"model.attention_backend='triton' needs the triton package: {e}") from e
+        return triton_attn
     raise ValueError(f"model.attention_backend must be one of ['auto', 'torch', 'triton'], got {name!r}")
