@@ -43,6 +43,8 @@ from tools.bench_engine import (
     DEFAULT_MODEL,
     GPU_MODEL,
     _machine,
+    add_size_args,
+    apply_device_defaults,
     default_device,
     ensure_model,
     run_inflight,
@@ -313,7 +315,8 @@ def build_report(a, model: Path, device: str, engine_alone: dict, rows: list[dic
     sustainable = [r for r in rows if r["sustainable"]]
     best = max(sustainable, key=lambda r: r["output_tokens_per_s"], default=None)
     peak = max(rows, key=lambda r: r["output_tokens_per_s"], default=None)
-    medium = rows[len(rows) // 2] if rows else None
+    # medium load: the rate nearest half the engine-alone request rate
+    medium = min(rows, key=lambda r: abs(r["offered_rate"] - 0.5 * engine_alone["requests_per_s"]), default=None)
     goals = {}
     if peak is not None:
         goals["peak_e2e_vs_engine_alone"] = peak["output_tokens_per_s"] / engine_alone["output_tokens_per_s"]
@@ -430,22 +433,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--workload", default="mixed", choices=sorted(KINDS))
     p.add_argument("--prompts", default="text", choices=["text", "random"])
-    p.add_argument("--scale", type=float, default=4.0, help="divide the workload's mean lengths (CPU runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="requests/s to offer; default: --load-fractions of the engine-alone request rate")
     p.add_argument("--load-fractions", type=float, nargs="+", default=[0.25, 0.5, 0.8, 1.0, 1.3])
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     p.add_argument("--requests-per-rate", type=int, default=None, help="fixed count instead of --duration")
-    p.add_argument("--baseline-requests", type=int, default=96, help="requests of the engine-alone run")
+    p.add_argument("--baseline-requests", type=int, default=128, help="requests of the engine-alone run")
     p.add_argument("--consumer", default="stream", choices=["stream", "result"])
-    p.add_argument("--max-batch", type=int, default=32, help="serving_tuning.max_running_requests")
-    p.add_argument("--budget", type=int, default=512, help="serving_tuning.max_batched_tokens")
-    p.add_argument("--max-input", type=int, default=512)
-    p.add_argument("--max-output", type=int, default=512)
+    add_size_args(p)
     a = p.parse_args(argv)
     a.command_line = "python -m tools.bench_e2e " + " ".join(argv if argv is not None else sys.argv[1:])
     device = a.device if a.device != "auto" else default_device()
+    apply_device_defaults(a, device)
     model = ensure_model(Path(a.model) if a.model else (GPU_MODEL if device == "cuda" else DEFAULT_MODEL))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,21 @@ def ensure_model(path: Path) -> Path:
     return path
 
 
+# Sizes per device; a full run of each benchmark fits in ~5 minutes on the 2-core CPU box
+# (scaled-down lengths) and on one H100/H200 (real ShareGPT lengths, ~1.1B model, bf16).
+DEVICE_DEFAULTS = {
+    "cpu": dict(scale=4.0, max_batch=32, budget=512, max_input=512, max_output=512),
+    "cuda": dict(scale=1.0, max_batch=64, budget=2048, max_input=1024, max_output=512),
+}
+
+
+def apply_device_defaults(a, device: str) -> None:
+    """Fill the size arguments left unset (None) with DEVICE_DEFAULTS[device]."""
+    for k, v in DEVICE_DEFAULTS[device].items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -165,6 +180,7 @@ def run_hf_continuous(path: Path, work, max_batch: int, kv_tokens: int, budget: 
 
 def throughput(a) -> dict:
     device = a.device if a.device != "auto" else default_device()
+    apply_device_defaults(a, device)
     model = Path(a.model) if a.model else (GPU_MODEL if device == "cuda" else DEFAULT_MODEL)
     path = ensure_model(model)
     from transformers import AutoConfig, AutoTokenizer
@@ -304,6 +320,18 @@ def scheduler_overhead(a) -> dict:
     return {"mode": "scheduler", "command": a.command_line, "machine": _machine(), "rows": rows}
 
 
+def add_size_args(p: argparse.ArgumentParser) -> None:
+    cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
+    p.add_argument("--scale", type=float, default=None,
+                   help=f"divide the workload's mean lengths (default {cpu['scale']} on CPU, {gpu['scale']} on CUDA)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help=f"max running requests / static batch size (default {cpu['max_batch']} / {gpu['max_batch']})")
+    p.add_argument("--budget", type=int, default=None,
+                   help=f"max_batched_tokens per step (default {cpu['budget']} / {gpu['budget']})")
+    p.add_argument("--max-input", type=int, default=None, help="cap on prompt tokens (default 512 / 1024)")
+    p.add_argument("--max-output", type=int, default=None, help="cap on output tokens (default 512 / 512)")
+
+
 def main(argv: list[str] | None = None) -> int:
     import sys
 
@@ -319,11 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--prompts", default="text", choices=["text", "random"],
                    help="real text through the model's tokenizer, or random token ids")
     t.add_argument("--num-requests", type=int, default=256)
-    t.add_argument("--scale", type=float, default=4.0, help="divide the workload's mean lengths")
-    t.add_argument("--max-batch", type=int, default=32)
-    t.add_argument("--budget", type=int, default=512, help="max_batched_tokens per step")
-    t.add_argument("--max-input", type=int, default=512)
-    t.add_argument("--max-output", type=int, default=512)
+    add_size_args(t)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--systems", nargs="+", default=["inflight", "hf_static_batching", "hf_continuous_batching"])
     s = sub.add_parser("scheduler")

@@ -172,7 +172,10 @@ class Worker:
         the lag / partition / GPU gauges."""
         mc = self.cfg.metrics
         while True:
-            await self.run_checks(mc.check_timeout_s)
+            try:
+                await self.run_checks(mc.check_timeout_s)
+            except Exception as e:  # a check must never stop the worker (e.g. consumer being recreated)
+                log.warning("health check failed", error=repr(e))
             await asyncio.sleep(mc.check_interval_s)
 
     async def run_checks(self, timeout: float) -> None:

@@ -1,0 +1,235 @@
+"""GPU check of the Triton back end, one command, under 5 minutes on one H100/H200:
+
+  1. correctness: Triton KV write and paged attention vs the torch reference on the GPU
+     (bf16 and fp16; decodes, chunked prefills, GQA 1/4/8, head dims 64/128, block sizes
+     16/32), max abs error against an fp32 reference;
+  2. decode attention bandwidth: batch 64, context 2048, bf16, 32 query / 8 KV heads,
+     head dim 128: K/V bytes read per second, and % of the card's peak HBM bandwidth
+     (from NVML memory clock x bus width, else a table);
+  3. prefill attention TFLOP/s at a few (batch, length) sizes (causal, 4·H·D·L(L+1)/2 FLOPs);
+  4. the engine benchmark with a random-init ~1.1B-parameter Llama in bf16: Inflight with
+     Triton vs Inflight with the torch reference back end (tokens/s and ratio).
+
+Prints one JSON object (also written to results/gpu_check.json).
+
+    python -m tools.gpu_check                 # on a CUDA machine
+    TRITON_INTERPRET=1 python -m tools.gpu_check --smoke --model PATH   # CPU: tiny sizes, checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100 NVL": 3900,
+             "A100-SXM4-80GB": 2039, "A100-SXM4-40GB": 1555, "A100 80GB PCIe": 1935, "L40S": 864, "L4": 300,
+             "A10": 600}
+
+
+def peak_bandwidth_gbps() -> tuple[float | None, str]:
+    """Peak HBM bandwidth in GB/s: NVML (2 x max memory clock x bus width), else a name table."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        mhz = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)
+        bits = pynvml.nvmlDeviceGetMemoryBusWidth(h)
+        return 2 * mhz * 1e6 * bits / 8 / 1e9, "nvml"
+    except Exception:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        for key, gbps in PEAK_GBPS.items():
+            if key in name:
+                return float(gbps), "table"
+    return None, "unknown"
+
+
+def timed(fn, device: str, iters: int) -> float:
+    """Median seconds of `fn()` over `iters` runs after 3 warm-ups (CUDA events on GPU)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def build(backend, seqs: list[tuple[int, int]], block_size: int, num_kv_heads: int, head_dim: int, dtype,
+          device: str, num_blocks: int | None = None, seed: int = 0):
+    """A runner with a random cache and the metadata of a batch of (start_pos, num_new)
+    sequences over shuffled blocks (decodes must come first)."""
+    from schemas.params import SamplingParams
+    from worker.engine.outputs import ScheduledRequest, SchedulerOutput
+    from worker.model.runner import ModelRunner
+
+    seqs = [x for x in seqs if x[1] == 1 and x[0] > 0] + [x for x in seqs if not (x[1] == 1 and x[0] > 0)]
+    need = sum(-(-(s + n) // block_size) for s, n in seqs)
+    num_blocks = num_blocks or need + 8
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    sched, nd = [], 0
+    for i, (start, n) in enumerate(seqs):
+        table = [free.pop() for _ in range(-(-(start + n) // block_size))]
+        ids = [1] * (start + n)
+        sched.append(ScheduledRequest(f"s{i}", ids[start:], start, table, True, SamplingParams(), ids))
+        nd += n == 1 and start > 0
+    out = SchedulerOutput(1, sched, sum(n for _, n in seqs), nd)
+    runner = ModelRunner(None, num_blocks=num_blocks, block_size=block_size, num_layers=1, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, device=torch.device(device), dtype=dtype, backend=backend)
+    for c in runner.kv_caches[0]:
+        c.copy_(torch.randn(c.shape, device=device, dtype=torch.float32).to(dtype))
+    _, _, md, _, _ = runner.build_metadata(out)
+    return runner, md
+
+
+def correctness(device: str, smoke: bool) -> list[dict]:
+    from worker.model.kernels import torch_ref, triton_attn
+
+    rows = []
+    dtypes = [torch.float32] if device == "cpu" else [torch.bfloat16, torch.float16]
+    cases = [(64, 16, 1), (128, 32, 8)] if smoke else [(hd, bs, g) for hd in (64, 128) for bs in (16, 32)
+                                                        for g in (1, 4, 8)]
+    for dtype in dtypes:
+        for head_dim, block_size, group in cases:
+            seqs = [(0 if smoke else 700, 1), (block_size - 1, 1), (2 * block_size, 1), (0, 37),
+                    (block_size, 50 if smoke else 300), (5, 3)]
+            kvh = 2
+            ref_runner, md_ref = build(torch_ref, seqs, block_size, kvh, head_dim, torch.float32, device)
+            tri_runner, md_tri = build(triton_attn, seqs, block_size, kvh, head_dim, dtype, device)
+            for ref_c, tri_c in zip(ref_runner.kv_caches[0], tri_runner.kv_caches[0]):
+                tri_c.copy_(ref_c.to(dtype))
+                ref_c.copy_(tri_c.float())  # same cached values; only the arithmetic differs
+            n = md_ref.slot_mapping.shape[0]
+            q = torch.randn(n, kvh * group, head_dim, device=device).to(dtype)
+            k = torch.randn(n, kvh, head_dim, device=device).to(dtype)
+            v = torch.randn(n, kvh, head_dim, device=device).to(dtype)
+            torch_ref.write_kv(k.float(), v.float(), *ref_runner.kv_caches[0], md_ref.slot_mapping)
+            triton_attn.write_kv(k, v, *tri_runner.kv_caches[0], md_tri.slot_mapping)
+            write_ok = torch.equal(tri_runner.kv_caches[0][0].float(), ref_runner.kv_caches[0][0].to(dtype).float())
+            expect = torch_ref.paged_attention(q.float(), k.float(), v.float(), *ref_runner.kv_caches[0], md_ref,
+                                               head_dim**-0.5)
+            got = triton_attn.paged_attention(q, k, v, *tri_runner.kv_caches[0], md_tri, head_dim**-0.5)
+            err = (got.float() - expect).abs().max().item()
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "block_size": block_size,
+                         "gqa": group, "max_abs_err": err, "kv_write_exact": write_ok, "ok": err <= tol and write_ok})
+    return rows
+
+
+def decode_bandwidth(device: str, smoke: bool, peak: float | None) -> dict:
+    from worker.model.kernels import triton_attn
+
+    batch, ctx, heads, kvh, hd, bs = (4, 64, 8, 2, 64, 16) if smoke else (64, 2048, 32, 8, 128, 16)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    runner, md = build(triton_attn, [(ctx - 1, 1)] * batch, bs, kvh, hd, dtype, device)
+    q = torch.randn(batch, heads, hd, device=device, dtype=dtype)
+    kc, vc = runner.kv_caches[0]
+    secs = timed(lambda: triton_attn.paged_attention(q, q, q, kc, vc, md, hd**-0.5), device, 3 if smoke else 50)
+    elem = torch.empty((), dtype=dtype).element_size()
+    bytes_moved = batch * ctx * kvh * hd * 2 * elem + 2 * batch * heads * hd * elem
+    gbps = bytes_moved / secs / 1e9
+    return {"batch": batch, "context": ctx, "num_heads": heads, "num_kv_heads": kvh, "head_dim": hd,
+            "block_size": bs, "dtype": str(dtype).removeprefix("torch."), "seconds": secs, "gb_per_s": gbps,
+            "percent_of_peak": 100 * gbps / peak if peak else None}
+
+
+def prefill_tflops(device: str, smoke: bool) -> list[dict]:
+    from worker.model.kernels import triton_attn
+
+    sizes = [(1, 64)] if smoke else [(16, 512), (4, 2048), (1, 8192)]
+    heads, kvh, hd, bs = (8, 2, 64, 16) if smoke else (32, 8, 128, 16)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    rows = []
+    for batch, length in sizes:
+        runner, md = build(triton_attn, [(0, length)] * batch, bs, kvh, hd, dtype, device)
+        q = torch.randn(batch * length, heads, hd, device=device, dtype=dtype)
+        kc, vc = runner.kv_caches[0]
+        secs = timed(lambda q=q, md=md, kc=kc, vc=vc: triton_attn.paged_attention(q, q, q, kc, vc, md, hd**-0.5),
+                     device, 3 if smoke else 20)
+        flops = 4 * heads * hd * batch * length * (length + 1) / 2
+        rows.append({"batch": batch, "length": length, "seconds": secs, "tflops": flops / secs / 1e12})
+    return rows
+
+
+def engine_bench(a, device: str) -> dict:
+    from tools.bench_engine import DEFAULT_MODEL, GPU_MODEL, ensure_model, run_inflight
+    from tools.workloads import make_workload
+
+    path = ensure_model(Path(a.model) if a.model else (GPU_MODEL if device == "cuda" else DEFAULT_MODEL))
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    work = make_workload("sharegpt", a.num_requests, vocab_size=vocab, scale=a.scale, seed=0, max_input=1024,
+                         max_output=1024, avoid_ids=frozenset({0, 1, 2, 3, 4}))
+    total = sum(r.max_tokens for r in work)
+    kv = a.max_batch * 2048
+    out = {"model": str(path), "num_requests": len(work), "output_tokens": total, "max_batch": a.max_batch}
+
+    class NoBar:
+        def update(self, n):
+            pass
+
+    for backend in ("triton", "torch"):
+        secs = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend)
+        out[backend] = {"seconds": secs, "output_tokens_per_s": total / secs}
+    out["triton_vs_torch"] = out["triton"]["output_tokens_per_s"] / out["torch"]["output_tokens_per_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (checks the script, e.g. on the CPU interpreter)")
+    p.add_argument("--model", default=None, help="checkpoint for the engine benchmark (default: a ~1.1B Llama)")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--scale", type=float, default=2.0, help="divide ShareGPT mean lengths")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--out", default="results")
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("no CUDA device: run with TRITON_INTERPRET=1 and --smoke to check the script on the CPU", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    peak, peak_src = peak_bandwidth_gbps() if device == "cuda" else (None, "cpu")
+    report = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+        "torch": torch.__version__,
+        "peak_bandwidth_gb_per_s": peak, "peak_source": peak_src,
+        "correctness": correctness(device, a.smoke),
+        "decode_attention": decode_bandwidth(device, a.smoke, peak),
+        "prefill_attention": prefill_tflops(device, a.smoke),
+    }
+    if not a.skip_engine:
+        report["engine"] = engine_bench(a, device)
+    report["all_correct"] = all(r["ok"] for r in report["correctness"])
+    report["wall_seconds"] = time.time() - t0
+    text = json.dumps(report, indent=2)
+    print(text)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(text)
+    return 0 if report["all_correct"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
