@@ -85,7 +85,7 @@ def _paged_attn_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0) + seq_offset
     q_tile = tl.program_id(1)
@@ -121,7 +121,7 @@ def _paged_attn_kernel(
         kv_off = blk.to(tl.int64) * stride_cb + (kv_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = kv_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N], fp32
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N], fp32
         s = tl.where((kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
@@ -129,7 +129,7 @@ def _paged_attn_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptr = out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -150,6 +150,8 @@ def _launch(query, k_cache, v_cache, out, md: AttentionMetadata, scale: float, f
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), md.block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, D_P2=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
+        # fp32 stays exact IEEE (no TF32) so fp32 runs match the reference tightly
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
 
 
