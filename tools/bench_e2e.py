@@ -42,13 +42,12 @@ from tqdm import tqdm
 from tools.bench_engine import (
     DEFAULT_MODEL,
     GPU_MODEL,
-    _machine,
     add_size_args,
     apply_device_defaults,
     default_device,
     ensure_model,
+    report_header,
     run_inflight,
-    torch_dtype,
 )
 from tools.workloads import KINDS, TextTokens, make_workload, poisson_arrivals
 
@@ -326,12 +325,7 @@ def build_report(a, model: Path, device: str, engine_alone: dict, rows: list[dic
         goals["medium_load_rate"] = medium["offered_rate"]
         goals["medium_load_ttft_p99_over_p50"] = medium["ttft_s"]["p99"] / max(medium["ttft_s"]["p50"], 1e-9)
     return {
-        "mode": "e2e",
-        "command": a.command_line,
-        "machine": _machine(),
-        "model": str(model),
-        "device": device,
-        "dtype": str(torch_dtype(device)).removeprefix("torch."),
+        **report_header("e2e", a, model, device),
         "workload": {"kind": a.workload, "prompts": a.prompts, "scale": a.scale, "seed": a.seed,
                      "consumer": a.consumer, "duration_s": a.duration, "requests_per_rate": a.requests_per_rate},
         "serving_tuning": {"max_running_requests": a.max_batch, "max_batched_tokens": a.budget,

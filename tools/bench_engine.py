@@ -38,6 +38,12 @@ MODEL_SHAPES = {
 }
 
 
+def report_header(mode: str, a, model: Path, device: str) -> dict:
+    """The fields every result file starts with: what ran, where, on which model."""
+    return {"mode": mode, "command": a.command_line, "machine": _machine(), "model": str(model), "device": device,
+            "dtype": str(torch_dtype(device)).removeprefix("torch.")}
+
+
 def _machine() -> dict:
     return {
         "platform": platform.platform(),
@@ -213,12 +219,7 @@ def throughput(a) -> dict:
             if name != "inflight":
                 ratios[f"inflight_vs_{name}"] = base["output_tokens_per_s"] / r["output_tokens_per_s"]
     report = {
-        "mode": "throughput",
-        "command": a.command_line,
-        "machine": _machine(),
-        "model": str(path),
-        "device": device,
-        "dtype": str(torch_dtype(device)).removeprefix("torch."),
+        **report_header("throughput", a, path, device),
         "workload": {"kind": a.workload, "prompts": a.prompts, "num_requests": a.num_requests, "scale": a.scale,
                      "seed": a.seed, "input_tokens": total_in, "output_tokens": total_out,
                      "mean_input": total_in / len(work), "mean_output": total_out / len(work)},

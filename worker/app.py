@@ -37,7 +37,7 @@ from worker.jobs import JobRecord, LocalJob
 from worker.log import task_stacks
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
-from worker.publish import RELEASE_IF_OWNER, JobStream, Publisher
+from worker.publish import JobStream, Publisher
 from worker.server import Checks, OpsServer
 
 log = structlog.get_logger(__name__)
@@ -227,10 +227,7 @@ class Worker:
             self.metrics.aborted.labels("handed_back").inc()
         self.engine_thread.wake()
         if handed:
-            pipe = self.redis.pipeline(transaction=False)
-            for lj in handed:
-                pipe.eval(RELEASE_IF_OWNER, 1, keys.claim_key(lj.job_id, self._prefix), lj.stream.claim_token)
-            await pipe.execute()
+            await self.publisher.release_claims({lj.job_id: lj.stream.claim_token for lj in handed})
             log.info("handed back unfinished jobs", job_ids=[lj.job_id for lj in handed])
         await self._out_q.join()
 

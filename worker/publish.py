@@ -87,6 +87,8 @@ class Publisher:
         """Write `events` in order in one pipeline (one round trip).
 
         `claims` maps job_id -> claim token for finished jobs whose claim to release.
+        The log's TTL is set by a job's first and last events of an attempt (not by
+        every token event: one command fewer per job per step).
         """
         if not events:
             return
@@ -99,11 +101,22 @@ class Publisher:
             jid = ev.job_id
             pipe.xadd(keys.log_key(jid, p), {b"e": data}, maxlen=self.cfg.log_maxlen, approximate=True)
             pipe.publish(keys.channel(jid, p), data)
-            touched.add(jid)
+            if not isinstance(ev, Token):
+                touched.add(jid)
             if isinstance(ev, Finished):
                 pipe.set(keys.done_key(jid, p), ev.finish_reason, ex=ttl)
         for jid in touched:
             pipe.expire(keys.log_key(jid, p), ttl)
-        for jid, token in (claims or {}).items():
-            pipe.eval(RELEASE_IF_OWNER, 1, keys.claim_key(jid, p), token)
+        self._release(pipe, claims or {})
         await pipe.execute()
+
+    async def release_claims(self, claims: dict[str, str]) -> None:
+        """Release claims (job_id -> token) still held by this worker, in one round trip."""
+        if claims:
+            pipe = self.redis.pipeline(transaction=False)
+            self._release(pipe, claims)
+            await pipe.execute()
+
+    def _release(self, pipe, claims: dict[str, str]) -> None:
+        for jid, token in claims.items():
+            pipe.eval(RELEASE_IF_OWNER, 1, keys.claim_key(jid, self.cfg.key_prefix), token)
