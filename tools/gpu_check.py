@@ -5,7 +5,8 @@
      16/32), max abs error against an fp32 reference;
   2. decode attention bandwidth: batch 64, context 2048, bf16, 32 query / 8 KV heads,
      head dim 128: K/V bytes read per second, and % of the card's peak HBM bandwidth
-     (from NVML memory clock x bus width, else a table);
+     (from NVML memory clock x bus width, else a table); and batch 4 at context 16384,
+     which takes the split-K (flash-decoding) path;
   3. prefill attention TFLOP/s at a few (batch, length) sizes (causal, 4·H·D·L(L+1)/2 FLOPs);
   4. the engine benchmark with a random-init ~1.1B-parameter Llama in bf16: Inflight with
      Triton vs Inflight with the torch reference back end (tokens/s and ratio).
@@ -135,10 +136,12 @@ def correctness(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
-def decode_bandwidth(device: str, smoke: bool, peak: float | None) -> dict:
+def decode_bandwidth(device: str, smoke: bool, peak: float | None, batch: int = 64, ctx: int = 2048) -> dict:
     from worker.model.kernels import triton_attn
 
-    batch, ctx, heads, kvh, hd, bs = (4, 64, 8, 2, 64, 16) if smoke else (64, 2048, 32, 8, 128, 16)
+    heads, kvh, hd, bs = (8, 2, 64, 16) if smoke else (32, 8, 128, 16)
+    if smoke:
+        batch, ctx = min(batch, 4), min(ctx, 64) if batch > 4 else min(ctx, 1100)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     runner, md = build(triton_attn, [(ctx - 1, 1)] * batch, bs, kvh, hd, dtype, device)
     q = torch.randn(batch, heads, hd, device=device, dtype=dtype)
@@ -148,7 +151,7 @@ def decode_bandwidth(device: str, smoke: bool, peak: float | None) -> dict:
     bytes_moved = batch * ctx * kvh * hd * 2 * elem + 2 * batch * heads * hd * elem
     gbps = bytes_moved / secs / 1e9
     return {"batch": batch, "context": ctx, "num_heads": heads, "num_kv_heads": kvh, "head_dim": hd,
-            "block_size": bs, "dtype": str(dtype).removeprefix("torch."), "seconds": secs, "gb_per_s": gbps,
+            "block_size": bs, "splits": triton_attn.decode_splits(batch, kvh, ctx), "dtype": str(dtype).removeprefix("torch."), "seconds": secs, "gb_per_s": gbps,
             "percent_of_peak": 100 * gbps / peak if peak else None}
 
 
@@ -217,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_bandwidth_gb_per_s": peak, "peak_source": peak_src,
         "correctness": correctness(device, a.smoke),
         "decode_attention": decode_bandwidth(device, a.smoke, peak),
+        # small batch, long context: the split-K (flash-decoding) path
+        "decode_attention_long_context": decode_bandwidth(device, a.smoke, peak, batch=4, ctx=16384),
         "prefill_attention": prefill_tflops(device, a.smoke),
     }
     if not a.skip_engine:

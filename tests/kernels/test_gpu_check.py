@@ -28,6 +28,7 @@ def test_gpu_check_smoke(tmp_path, llama_path):
     assert report["all_correct"] and report["correctness"]
     assert all(r["kv_write_exact"] for r in report["correctness"])
     assert report["decode_attention"]["gb_per_s"] > 0
+    assert report["decode_attention_long_context"]["splits"] > 1  # the split-K path ran
     assert report["prefill_attention"][0]["tflops"] > 0
     eng = report["engine"]
     assert eng["triton"]["output_tokens_per_s"] > 0 and eng["torch"]["output_tokens_per_s"] > 0

@@ -65,6 +65,7 @@ class AttentionMetadata:
         seq_lens: `[num_seqs]` int32 context length after this step, per sequence.
         query_start_loc: `[num_seqs + 1]` int32 prefix sums of query lengths.
         max_query_len: longest query span of a prefill chunk (1 when only decodes).
+        max_seq_len: longest context after this step, over all sequences.
         kv_caches: per layer `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`.
         backend: module with `write_kv` and `paged_attention` (see kernels/torch_ref.py).
     """
@@ -77,6 +78,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     max_query_len: int
+    max_seq_len: int
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: ModuleType
 

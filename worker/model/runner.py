@@ -126,6 +126,7 @@ class ModelRunner:
             seq_lens=seq_lens_t.to(device=dev, dtype=torch.int32),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             max_query_len=max((b - a for a, b in zip(query_start[nd:], query_start[nd + 1:])), default=1),
+            max_seq_len=max(seq_lens),
             kv_caches=self.kv_caches,
             backend=self.backend,
         )

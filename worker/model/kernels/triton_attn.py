@@ -81,14 +81,21 @@ def write_kv(
 @triton.jit
 def _paged_attn_kernel(
     query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+    part_acc, part_m, part_l,
     seq_offset, scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
 ):
     seq = tl.program_id(0) + seq_offset
-    q_tile = tl.program_id(1)
+    if NUM_SPLITS == 1:
+        q_tile = tl.program_id(1)
+        split = 0
+    else:  # split-K over the context (flash-decoding): one query tile, grid dim 1 = split
+        q_tile = 0
+        split = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -113,8 +120,13 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
     last_tok = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
     kv_end = ctx_len - q_len + last_tok + 1  # keys this tile can see
+    kv_lo = 0
+    if NUM_SPLITS > 1:  # this program's share of the keys, whole BLOCK_N tiles
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * chunk
+        kv_end = tl.minimum(kv_end, kv_lo + chunk)
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_lo, kv_end, BLOCK_N):
         kv_pos = start + n
         kv_ok = kv_pos < kv_end
         blk = tl.load(block_tables + seq * stride_bt + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0)
@@ -131,28 +143,88 @@ def _paged_attn_kernel(
         v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_ptr = out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS == 1:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptr = out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:  # unnormalized partials, reduced by _reduce_splits_kernel: [token, head, split, (d)]
+        row = ((q_start + tok) * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_acc + row[:, None] * D_P2 + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_m + row, m_i, mask=row_ok)
+        tl.store(part_l + row, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_acc, part_m, part_l, out, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr,
+):
+    """Combine split-K partials of one (token, head): rescale each by exp(m_s - max m)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    sp_ok = sp < NUM_SPLITS
+    d = tl.arange(0, D_P2)
+    base = (t * NUM_HEADS + h) * NUM_SPLITS
+    m = tl.load(part_m + base + sp, mask=sp_ok, other=float("-inf"))
+    l_s = tl.load(part_l + base + sp, mask=sp_ok, other=0.0)
+    acc = tl.load(part_acc + (base + sp)[:, None] * D_P2 + d[None, :], mask=sp_ok[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # splits that saw no key weigh nothing
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    tl.store(out + t * stride_ot + h * stride_oh + d, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def _launch(query, k_cache, v_cache, out, md: AttentionMetadata, scale: float, first_seq: int, num_seqs: int,
-            max_q_len: int, block_q: int, block_n: int) -> None:
+            max_q_len: int, block_q: int, block_n: int, num_splits: int = 1) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
-    grid = (num_seqs, triton.cdiv(max_q_len, block_q), num_kv_heads)
+    d_p2 = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        rows = query.shape[0] * num_heads * num_splits
+        part_acc = torch.empty(rows, d_p2, device=query.device, dtype=torch.float32)
+        part_m = torch.empty(rows, device=query.device, dtype=torch.float32)
+        part_l = torch.empty(rows, device=query.device, dtype=torch.float32)
+        grid = (num_seqs, num_splits, num_kv_heads)
+    else:
+        part_acc = part_m = part_l = out  # unused
+        grid = (num_seqs, triton.cdiv(max_q_len, block_q), num_kv_heads)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, out, md.block_tables, md.seq_lens, md.query_start_loc,
+        part_acc, part_m, part_l,
         first_seq, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), md.block_tables.stride(0),
-        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, D_P2=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, D_P2=d_p2,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
         # fp32 stays exact IEEE (no TF32) so fp32 runs match the reference tightly
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
     )
+    if num_splits > 1:  # decodes are the first num_seqs tokens (one per sequence)
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, D_P2=d_p2,
+        )
+
+
+SPLIT_MIN_CONTEXT = 1024  # decode contexts shorter than this never split
+SPLIT_TARGET_PROGRAMS = 512  # split until decode programs (seqs x KV heads x splits) reach about this
+SPLIT_MAX = 16
+
+
+def decode_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Flash-decoding heuristic: with few (sequence, KV head) programs and long contexts,
+    split each context over several programs so the GPU is filled; 1 = no split."""
+    if max_seq_len < SPLIT_MIN_CONTEXT:
+        return 1
+    programs = max(1, num_decodes * num_kv_heads)
+    splits = min(SPLIT_MAX, SPLIT_TARGET_PROGRAMS // programs, max_seq_len // 256)
+    return max(1, splits)
 
 
 def paged_attention(
@@ -163,16 +235,22 @@ def paged_attention(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed ragged batch through the block tables (K/V of this
     step already written to the cache; `key`/`value` are not read).
+
+    Decodes with long contexts at small batch are split over several programs along the
+    context (flash-decoding, Dao et al. 2023) and combined by a second kernel;
+    `num_splits` overrides the heuristic (`decode_splits`), for tests.
 
     Args:
         query: `[num_tokens, num_heads, head_dim]`, last dimension contiguous; decodes first.
         k_cache, v_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous.
         md: uses `block_tables` `[num_seqs, max_blocks]` int32, `seq_lens` `[num_seqs]`
             int32 (context after this step), `query_start_loc` `[num_seqs + 1]` int32,
-            `num_decodes`, `max_query_len`.
+            `num_decodes`, `max_query_len`, `max_seq_len`.
         scale: softmax scale.
 
     Returns:
@@ -192,7 +270,8 @@ def paged_attention(
     num_seqs = md.seq_lens.shape[0]
     nd = md.num_decodes
     if nd:  # one query token per sequence: at least 16 rows for tl.dot, mostly the group's heads
-        _launch(query, k_cache, v_cache, out, md, scale, 0, nd, 1, max(1, 16 // group_p2), block_n)
+        splits = num_splits or decode_splits(nd, num_kv_heads, md.max_seq_len)
+        _launch(query, k_cache, v_cache, out, md, scale, 0, nd, 1, max(1, 16 // group_p2), block_n, splits)
     if num_seqs > nd:
         block_q = max(1, 64 // group_p2)
         _launch(query, k_cache, v_cache, out, md, scale, nd, num_seqs - nd, md.max_query_len, block_q, block_n)
