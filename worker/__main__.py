@@ -53,6 +53,9 @@ def _worker(a: argparse.Namespace) -> int:
     from worker.log import setup_logging
 
     setup_logging(a.log_level)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no tqdm bars among the JSON log lines
     try:
         cfg = load_config(a.config)
     except ConfigError as e:
@@ -164,11 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "worker":
         return _worker(a)
     if a.cmd in ("submit", "stream", "cancel"):
-        return asyncio.run(_client_cmd(a))
+        try:
+            return asyncio.run(_client_cmd(a))
+        except TimeoutError as e:
+            print(f"\n[timeout: {e}]", file=sys.stderr)
+            return 1
     if a.cmd == "topics":
         from worker.topics import create_topics
 
-        created = asyncio.run(create_topics(a.bootstrap, a.prefix, a.partitions, a.replication_factor))
+        try:
+            created = asyncio.run(create_topics(a.bootstrap, a.prefix, a.partitions, a.replication_factor))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         if not a.quiet or created:
             print(f"created: {', '.join(created) or 'nothing (all exist)'}")
         return 0

@@ -279,11 +279,12 @@ class Worker:
         jid = job.job_id
         p = self._prefix
         if await self.redis.exists(keys.cancelled_key(jid, p)):
-            await self.finish_without_running(jid, claim, "cancelled", None, None, [(tp, offset)])
+            await self.finish_without_running(jid, claim, "cancelled", None, None, [(tp, offset)], job.metadata)
             return
         if job.deadline is not None and job.deadline < time.time():
             await self.finish_without_running(jid, claim, "expired", "deadline_passed",
-                                              f"deadline {job.deadline} passed before the job started", [(tp, offset)])
+                                              f"deadline {job.deadline} passed before the job started", [(tp, offset)],
+                                              job.metadata)
             return
         stream = await self._open_stream(jid, claim)
         lj = LocalJob(job, priority, stream, [(tp, offset)], enqueue)
@@ -313,11 +314,12 @@ class Worker:
         self.engine_thread.wake()
 
     async def finish_without_running(self, job_id: str, claim: str, reason: str, code: str | None,
-                                     message: str | None, offsets: list[tuple[TopicPartition, int]]) -> None:
+                                     message: str | None, offsets: list[tuple[TopicPartition, int]],
+                                     metadata: dict | None = None) -> None:
         """Terminal event for a claimed job that never reaches the engine (cancelled
-        before arrival, expired, rejected)."""
+        before arrival, expired, rejected); `metadata` is echoed as on every terminal event."""
         stream = await self._open_stream(job_id, claim)
-        lj = LocalJob(Job(job_id=job_id, prompt=""), "normal", stream, offsets, time.time())
+        lj = LocalJob(Job(job_id=job_id, prompt="", metadata=metadata), "normal", stream, offsets, time.time())
         self.jobs[job_id] = lj
         error = ErrorInfo(code=code, message=message) if code else None
         self._finish_local(lj, reason, error=error)

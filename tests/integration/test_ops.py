@@ -246,3 +246,40 @@ def test_readyz_follows_kafka_redis_and_drain(services, prefix, llama_path):
     assert draining["checks"]["not_draining"] is False
     assert live_status == 200  # draining is not dead
     assert assert_well_formed(events, "drain").finish_reason == "length"
+
+
+def test_jobs_ended_before_running_echo_metadata(services, prefix, llama_path):
+    cfg = worker_config(services, prefix)
+    engine = Engine.from_pretrained(str(llama_path), cfg.engine)
+
+    async def main():
+        w, task = await start_worker(cfg, engine)
+        async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            late = await client.submit("x", job_id="late", deadline=time.time() - 60, metadata={"user": "u1"})
+            await client.cancel("early")  # the tombstone is there before the job
+            early = await client.submit("x", job_id="early", metadata={"user": "u2"})
+            results = [await collect(client, late), await collect(client, early)]
+        await stop_worker(w, task)
+        return results
+
+    late, early = asyncio.run(main())
+    fin = assert_well_formed(late, "late")
+    assert fin.finish_reason == "expired" and fin.error.code == "deadline_passed" and fin.metadata == {"user": "u1"}
+    fin = assert_well_formed(early, "early")
+    assert fin.finish_reason == "cancelled" and fin.metadata == {"user": "u2"}
+
+
+def test_cli_reports_refusals_and_timeouts_without_tracebacks(services, prefix):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "worker", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+
+    r = cli("topics", "create", "--bootstrap", services[0], "--prefix", f"{prefix}x", "--replication-factor", "3")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "refused" in r.stderr and "replication factor" in r.stderr.lower(), r.stderr
+    r = cli("stream", "never-submitted", "--timeout", "1", "--kafka", services[0], "--redis", services[1],
+            "--prefix", prefix)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "timeout" in r.stderr, r.stderr
