@@ -64,7 +64,11 @@ def _worker(a: argparse.Namespace) -> int:
     if not cfg.model.path:
         print("config error: model.path is required (or INFLIGHT_MODEL__PATH)", file=sys.stderr)
         return 2
-    asyncio.run(Worker(cfg).run())
+    try:
+        asyncio.run(Worker(cfg).run())
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

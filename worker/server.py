@@ -22,6 +22,8 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from worker.config import ConfigError
+
 if TYPE_CHECKING:
     from worker.app import Worker
 
@@ -54,9 +56,18 @@ class OpsServer:
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
 
     async def start(self) -> None:
+        """Raises:
+        ConfigError: the port cannot be bound (in use, or not permitted); names `metrics.port`."""
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            raise ConfigError(
+                f"metrics.port {self.port} on {self.host} cannot be bound ({e.strerror}); give each worker on a host "
+                "its own port, 0 for any free one, or null to serve no HTTP"
+            ) from None
         self.port = self._runner.addresses[0][1]  # the bound port (port 0 picks one)
         log.info("http endpoint listening", host=self.host, port=self.port, paths=["/metrics", "/healthz", "/readyz"])
 

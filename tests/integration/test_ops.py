@@ -283,3 +283,23 @@ def test_cli_reports_refusals_and_timeouts_without_tracebacks(services, prefix):
     r = cli("stream", "never-submitted", "--timeout", "1", "--kafka", services[0], "--redis", services[1],
             "--prefix", prefix)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "timeout" in r.stderr, r.stderr
+
+
+def test_metrics_port_in_use_is_a_config_error(services, prefix, llama_path):
+    import socket
+
+    from worker.app import Worker
+    from worker.config import ConfigError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cfg = worker_config(services, prefix, metrics=dict(port=port))
+
+        async def main():
+            w = Worker(cfg, engine=None)
+            with pytest.raises(ConfigError, match=f"metrics.port {port}"):
+                await w.server.start()
+
+        asyncio.run(main())
