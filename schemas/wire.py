@@ -97,6 +97,9 @@ class TokenLogprob(msgspec.Struct, kw_only=True, array_like=False):
 
 
 class Started(msgspec.Struct, kw_only=True, tag="started", tag_field="type"):
+    """The engine accepted the job (it precedes every `token`); jobs that never run get
+    only `finished`."""
+
     v: Literal[1] = 1
     job_id: str
     seq: int

@@ -42,6 +42,8 @@ from worker.server import Checks, OpsServer
 
 log = structlog.get_logger(__name__)
 
+_RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
+
 _RENEW_IF_OWNER = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end
 """
@@ -289,11 +291,6 @@ class Worker:
         stream = await self._open_stream(jid, claim)
         lj = LocalJob(job, priority, stream, [(tp, offset)], enqueue)
         self.jobs[jid] = lj
-        events = []
-        if stream.attempt > 1:
-            events.append(stream.restarted("the previous attempt did not finish (worker stopped or handed the job back)"))
-        events.append(stream.started(self.worker_id, max(0.0, lj.submit_time - enqueue), job.metadata))
-        self._emit(events)
         kwargs = {"params": job.params, "priority": priority, "cache_salt": job.tenant or "", "arrival_time": enqueue}
         if job.prompt is not None:
             kwargs["prompt"] = job.prompt
@@ -304,14 +301,30 @@ class Worker:
         try:
             # tokenization and chat templates run off the event loop
             await asyncio.get_running_loop().run_in_executor(None, partial(self.engine.add_request, jid, **kwargs))
-        except RequestRejected as e:
+        except RequestRejected as e:  # never started: no `started` event, only the terminal one
+            lj.started = True
+            if stream.attempt > 1:
+                self._emit([stream.restarted(_RESTART_REASON)])
             self.metrics.rejected.labels(e.reason.value).inc()
             self._finish_local(lj, "rejected", error=ErrorInfo(code=e.reason.value, message=e.message))
             return
         lj.in_engine = True
+        # `started` goes out now unless the engine's first output for the job got here first
+        # (`_on_step` emits it before that output): either way it precedes every token
+        if not lj.started:
+            self._emit(self._start_events(lj))
         if lj.cancel_requested:
             self.engine.abort(jid)
         self.engine_thread.wake()
+
+    def _start_events(self, lj: LocalJob) -> list:
+        """The job's opening events, made once: `restarted` on a later attempt, then `started`."""
+        if lj.started:
+            return []
+        lj.started = True
+        events = [lj.stream.restarted(_RESTART_REASON)] if lj.stream.attempt > 1 else []
+        events.append(lj.stream.started(self.worker_id, max(0.0, lj.submit_time - lj.enqueue_time), lj.job.metadata))
+        return events
 
     async def finish_without_running(self, job_id: str, claim: str, reason: str, code: str | None,
                                      message: str | None, offsets: list[tuple[TopicPartition, int]],
@@ -354,6 +367,8 @@ class Worker:
                 continue
             if lj.handed_back:
                 continue
+            if not lj.started:
+                events.extend(self._start_events(lj))
             if out.new_token_ids or out.text:
                 if lj.first_token_time is None:
                     lj.first_token_time = now

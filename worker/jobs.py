@@ -26,6 +26,7 @@ class LocalJob:
     first_token_time: float | None = None
     num_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)
+    started: bool = False  # the `started` event is made (or the job was rejected and never starts)
     cancel_requested: bool = False
     cancel_time: float | None = None  # time.monotonic() when the cancel arrived (cancel-to-free latency)
     handed_back: bool = False

@@ -303,3 +303,23 @@ def test_metrics_port_in_use_is_a_config_error(services, prefix, llama_path):
                 await w.server.start()
 
         asyncio.run(main())
+
+
+def test_engine_rejection_has_no_started_event(services, prefix, llama_path):
+    cfg = worker_config(services, prefix)
+    engine = Engine.from_pretrained(str(llama_path), cfg.engine)
+
+    async def main():
+        w, task = await start_worker(cfg, engine)
+        async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            bad = await collect(client, await client.submit("x", job_id="too-long", params=SamplingParams(max_tokens=999)))
+            good = await collect(client, await client.submit(
+                "y", job_id="fine", params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
+        await stop_worker(w, task)
+        return bad, good
+
+    bad, good = asyncio.run(main())
+    fin = assert_well_formed(bad, "too-long")
+    assert len(bad) == 1 and fin.finish_reason == "rejected" and fin.error.code == "invalid_params"
+    assert assert_well_formed(good, "fine").finish_reason in ("stop", "length")
+    assert type(good[0]).__name__ == "Started" and type(good[1]).__name__ == "Token"
