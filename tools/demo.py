@@ -48,6 +48,8 @@ async def run(a: argparse.Namespace) -> int:
         "INFLIGHT_SERVING_TUNING__MAX_RUNNING_REQUESTS": "4",
         "INFLIGHT_SERVING_TUNING__MAX_TOTAL_TOKENS": "2048",
         "INFLIGHT_SERVING_TUNING__MAX_BATCHED_TOKENS": "64",
+        "INFLIGHT_METRICS__PORT": "0",  # any free port: the demo never clashes with a running worker
+        "INFLIGHT_METRICS__HOST": "127.0.0.1",
     })
     engine = Engine.from_pretrained(cfg.model.path, cfg.engine)
     worker = Worker(cfg, engine=engine)
@@ -57,7 +59,8 @@ async def run(a: argparse.Namespace) -> int:
             return task.result() or 1
         await asyncio.sleep(0.1)
     print(f"worker {worker.worker_id} is up: {engine.kv_stats().total_blocks} KV blocks of "
-          f"{engine.kv_stats().block_size} tokens, at most 4 requests running\n")
+          f"{engine.kv_stats().block_size} tokens, at most 4 requests running; "
+          f"metrics on http://127.0.0.1:{worker.server.port}/metrics\n")
 
     tag = uuid.uuid4().hex[:4]
     async with InflightClient(a.kafka, a.redis) as client:
@@ -100,12 +103,36 @@ async def run(a: argparse.Namespace) -> int:
         print(f"\nall {len(ids)} jobs done in {time.monotonic() - t0:.1f} s. Texts (prompt + completion):")
         for (prio, prompt), j in zip(PROMPTS, ids):
             print(f"  [{prio:>6}] {prompt}{texts.get(j, '')!r}")
+    await asyncio.sleep(0.6)  # let the engine thread's idle refresh reach the gauges
+    print(f"\nfrom the worker's /metrics (port {worker.server.port}):")
+    print(metrics_summary(worker))
     worker.request_stop()
     await task
     s = engine.kv_stats()
     print(f"\nKV cache now: {s.used_blocks} used, {s.cached_blocks} cached prefixes, {s.free_blocks} free of "
           f"{s.total_blocks} blocks")
     return 0
+
+
+def metrics_summary(worker) -> str:
+    """A few of the worker's Prometheus series, read from its registry (what /metrics serves)."""
+    reg = worker.metrics.registry
+
+    def v(name, **labels):
+        return reg.get_sample_value(name, labels) or 0.0
+
+    reasons = ", ".join(f"{r} {v('request_finished_total', finish_reason=r):.0f}" for r in ("stop", "length", "cancelled")
+                        if v("request_finished_total", finish_reason=r))
+    ttft_n = sum(v("llm_ttft_seconds_count", priority=p) for p in ("high", "normal", "low"))
+    ttft_sum = sum(v("llm_ttft_seconds_sum", priority=p) for p in ("high", "normal", "low"))
+    return "\n".join([
+        f"  request_finished_total: {reasons}",
+        f"  llm_ttft_seconds: {ttft_n:.0f} observations, mean {1000 * ttft_sum / max(ttft_n, 1):.0f} ms",
+        f"  generation_tokens_total {v('generation_tokens_total'):.0f}, request_abort_total{{cancelled}} "
+        f"{v('request_abort_total', reason='cancelled'):.0f}, cancel_to_free_seconds "
+        f"{1000 * v('cancel_to_free_seconds_sum'):.0f} ms",
+        f"  kv_cache_usage_ratio {v('kv_cache_usage_ratio'):.2f}, running_requests {v('running_requests'):.0f}",
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
