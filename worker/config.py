@@ -7,6 +7,8 @@ Every setting is a typed `msgspec.Struct` field. Values are checked in
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 KV_POLICIES = ("optimistic", "reserve")
@@ -119,6 +121,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _one_of("model", "dtype", self.dtype, DTYPES)
         _one_of("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"model.device must be one of ['auto', 'cpu', 'cuda', 'cuda:N'], got {self.device!r}")
         _positive("model", max_model_len=self.max_model_len)
 
 
@@ -155,7 +159,15 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         _positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,
-                  commit_interval_ms=self.commit_interval_ms)
+                  commit_interval_ms=self.commit_interval_ms, heartbeat_interval_ms=self.heartbeat_interval_ms,
+                  max_partition_fetch_bytes=self.max_partition_fetch_bytes)
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ConfigError(
+                f"kafka.heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below kafka.session_timeout_ms "
+                f"({self.session_timeout_ms}); Kafka recommends at most a third of it"
+            )
+        if self.stall_timeout_s <= 0 or self.cancel_lookback_s < 0:
+            raise ConfigError("kafka.stall_timeout_s must be > 0 and kafka.cancel_lookback_s >= 0")
         if not self.bootstrap_servers:
             raise ConfigError("kafka.bootstrap_servers must not be empty")
         _one_of("kafka", "security_protocol", self.security_protocol, SECURITY_PROTOCOLS)
@@ -184,7 +196,8 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis.url must start with redis://, rediss:// or unix://, got {self.url.split('@')[-1]!r}")
-        _positive("redis", log_ttl_s=self.log_ttl_s, log_maxlen=self.log_maxlen, claim_lease_ms=self.claim_lease_ms)
+        _positive("redis", log_ttl_s=self.log_ttl_s, log_maxlen=self.log_maxlen, claim_lease_ms=self.claim_lease_ms,
+                  tombstone_ttl_s=self.tombstone_ttl_s)
 
     def __repr__(self) -> str:
         return f"RedisConfig(url=<hidden>, key_prefix={self.key_prefix!r})"
@@ -274,7 +287,9 @@ def redacted_config(cfg: WorkerConfig) -> dict:
 
 def load_config(path: str | None = None, env: dict[str, str] | None = None) -> WorkerConfig:
     """Read a YAML file (optional) and apply `INFLIGHT_<SECTION>__<FIELD>` environment
-    overrides (values parsed as YAML scalars), e.g. `INFLIGHT_KAFKA__BOOTSTRAP_SERVERS`.
+    overrides, e.g. `INFLIGHT_KAFKA__BOOTSTRAP_SERVERS`. A value for a string field is
+    taken as is (passwords may hold any character); other fields parse it as a YAML
+    scalar (`64`, `0.5`, `true`, `null`); an empty value means null.
 
     Raises:
         ConfigError: unreadable file, unknown section/field, wrong type, invalid value;
@@ -291,6 +306,10 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None) -> W
                 data = yaml.safe_load(f) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+        except yaml.YAMLError as e:  # position only: the text may hold a secret
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config file {path!r} is not valid YAML{where}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path!r} must hold a mapping of sections")
     for key, raw in (env if env is not None else os.environ).items():
@@ -300,7 +319,7 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None) -> W
         data.setdefault(section, {})
         if not isinstance(data[section], dict):
             raise ConfigError(f"config section {section!r} must be a mapping")
-        data[section][field] = yaml.safe_load(raw) if raw != "" else None
+        data[section][field] = _env_value(key, section, field, raw)
     try:
         return msgspec.convert(data, WorkerConfig)
     except msgspec.ValidationError as e:
@@ -308,3 +327,30 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None) -> W
         if msg.startswith(("serving_tuning.", "model.", "kafka.", "redis.", "worker.", "metrics.")):
             raise ConfigError(msg.split(" - at ")[0]) from None  # raised by our own checks
         raise ConfigError(f"invalid config: {msg}") from None
+
+
+def _field_type(section: str, field: str):
+    """The annotated type of `<section>.<field>` of WorkerConfig, or None if unknown."""
+    sections = {f.name: f.type for f in msgspec.structs.fields(WorkerConfig)}
+    sect = sections.get(section)
+    if sect is None:
+        return None
+    return {f.name: f.type for f in msgspec.structs.fields(sect)}.get(field)
+
+
+def _env_value(key: str, section: str, field: str, raw: str):
+    import types
+    import typing
+
+    import yaml
+
+    if raw == "":
+        return None
+    typ = _field_type(section, field)
+    if typ is str or (typing.get_origin(typ) in (typing.Union, types.UnionType)
+                      and str in typing.get_args(typ)):
+        return raw
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:  # never echo the value: it may be a secret
+        raise ConfigError(f"{section}.{field}: the value of {key} is not a valid scalar") from None

@@ -73,3 +73,31 @@ def test_config_env_overrides_and_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(str(tmp_path / "missing.yaml"), {})
     assert "secret" not in repr(load_config(None, {"INFLIGHT_KAFKA__SASL_PASSWORD": "secret"}).kafka)
+
+
+def test_env_strings_are_taken_as_is_and_never_echoed():
+    env = {"INFLIGHT_KAFKA__SASL_PASSWORD": "*s3cret: #x", "INFLIGHT_KAFKA__GROUP_ID": "2024",
+           "INFLIGHT_KAFKA__TOPIC_PREFIX": "on", "INFLIGHT_SERVING_TUNING__MAX_RUNNING_REQUESTS": "12",
+           "INFLIGHT_METRICS__PORT": "null"}
+    cfg = load_config(None, env)
+    assert cfg.kafka.sasl_password == "*s3cret: #x" and cfg.kafka.group_id == "2024"
+    assert cfg.kafka.topic_prefix == "on" and cfg.serving_tuning.max_running_requests == 12
+    assert cfg.metrics.port is None
+    with pytest.raises(ConfigError, match="serving_tuning.max_total_tokens") as e:
+        load_config(None, {"INFLIGHT_SERVING_TUNING__MAX_TOTAL_TOKENS": "*hidden-value"})
+    assert "hidden-value" not in str(e.value)
+
+
+def test_cross_field_and_range_checks(tmp_path):
+    with pytest.raises(ConfigError, match=r"heartbeat_interval_ms \(20000\) must be below kafka.session_timeout_ms"):
+        load_config(None, {"INFLIGHT_KAFKA__HEARTBEAT_INTERVAL_MS": "20000"})
+    with pytest.raises(ConfigError, match="redis.tombstone_ttl_s must be >= 1"):
+        load_config(None, {"INFLIGHT_REDIS__TOMBSTONE_TTL_S": "0"})
+    with pytest.raises(ConfigError, match=r"model.device must be one of \['auto', 'cpu', 'cuda', 'cuda:N'\]"):
+        load_config(None, {"INFLIGHT_MODEL__DEVICE": "banana"})
+    assert load_config(None, {"INFLIGHT_MODEL__DEVICE": "cuda:1"}).model.device == "cuda:1"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kafka:\n  sasl_password: *leaky\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line 2") as e:
+        load_config(str(bad), {})
+    assert "leaky" not in str(e.value)
