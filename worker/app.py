@@ -92,6 +92,7 @@ class Worker:
         )
         await self.redis.ping()
         self.publisher = Publisher(self.redis, cfg.redis)
+        await self.publisher.load_scripts()
         if self.engine is None:
             self.engine = await asyncio.to_thread(Engine.from_pretrained, cfg.model.path, cfg.engine)
         loop = asyncio.get_running_loop()
@@ -479,6 +480,8 @@ class Worker:
                 pipe.eval(_RENEW_IF_OWNER, 1, keys.claim_key(lj.job_id, self._prefix), lj.stream.claim_token, lease)
             results = await pipe.execute()
             for lj, ok in zip(held, results):
+                if lj.stream.finished or lj.handed_back:
+                    continue  # it ended (or was handed back) while the renewals were in flight
                 if not ok:  # lease lost (we stalled past it): another worker may run the job now
                     log.warning("claim lost; handing the job back", job_id=lj.job_id)
                     lj.handed_back = True

@@ -164,14 +164,15 @@ class Intake:
             committed = await asyncio.wait_for(
                 asyncio.gather(*(self.consumer.committed(tp) for tp in assigned)), 10)
         except (TimeoutError, KafkaError, IllegalStateError) as e:
-            log.warning("stall check failed", error=repr(e))
-            ends, committed = None, None
-        if ends is not None:
-            lagging = [tp for tp, c in zip(assigned, committed)
-                       if ends[tp] > max(c or 0, self.worker.tracker.last_taken(tp) + 1)]
-            if not lagging:
-                self._last_progress = now
-                return
+            # The broker does not answer: that is an outage (readiness reports it), not a
+            # stalled consumer; a fresh consumer would not fetch either. Check again later.
+            log.warning("stall check could not reach Kafka; not recreating the consumer", error=repr(e))
+            return
+        lagging = [tp for tp, c in zip(assigned, committed)
+                   if ends[tp] > max(c or 0, self.worker.tracker.last_taken(tp) + 1)]
+        if not lagging:
+            self._last_progress = now
+            return
         log.warning("consumer stalled: partitions have unread jobs but nothing was fetched; recreating it",
                     stalled_s=round(now - self._last_progress, 1))
         self.num_consumer_restarts += 1

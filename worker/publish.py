@@ -10,10 +10,12 @@ publisher task, so pipelines go out in step order).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from schemas import keys
 from schemas.codec import encode
@@ -23,6 +25,27 @@ from worker.config import RedisConfig
 # Delete a claim only if we still hold it (a lease that expired may belong to another worker now).
 RELEASE_IF_OWNER = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end
+"""
+
+
+# Append one event to the job's log and publish it, unless the log already holds this seq
+# or a later one. Publishing is then idempotent: a pipeline re-sent after a connection
+# error (redis-py retries) or an event from a worker that lost the job's lease never
+# duplicates or reorders entries. KEYS: log stream, channel; ARGV: event, seq, maxlen.
+APPEND_EVENT = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if last[1] then
+  local f = last[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == 'q' then
+      if tonumber(f[i + 1]) >= tonumber(ARGV[2]) then return 0 end
+      break
+    end
+  end
+end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[1], 'q', ARGV[2])
+redis.call('PUBLISH', KEYS[2], ARGV[1])
+return 1
 """
 
 
@@ -75,6 +98,12 @@ class Publisher:
     def __init__(self, redis: aioredis.Redis, cfg: RedisConfig) -> None:
         self.redis = redis
         self.cfg = cfg
+        self._append_sha = hashlib.sha1(APPEND_EVENT.encode()).hexdigest()
+
+    async def load_scripts(self) -> None:
+        """Load the append script into Redis' script cache (EVALSHA then sends 40 bytes,
+        not the script, per event). Publishing reloads it if Redis lost its cache."""
+        await self.redis.script_load(APPEND_EVENT)
 
     async def last_seq(self, job_id: str) -> int:
         """Highest `seq` already in the job's log, or -1."""
@@ -84,7 +113,8 @@ class Publisher:
         return int(msgspec.json.decode(entries[0][1][b"e"])["seq"])
 
     async def publish(self, events: list[msgspec.Struct], claims: dict[str, str] | None = None) -> None:
-        """Write `events` in order in one pipeline (one round trip).
+        """Write `events` in order in one pipeline (one round trip); idempotent per
+        (job, seq), see APPEND_EVENT.
 
         `claims` maps job_id -> claim token for finished jobs whose claim to release.
         The log's TTL is set by a job's first and last events of an attempt (not by
@@ -92,6 +122,13 @@ class Publisher:
         """
         if not events:
             return
+        try:
+            await self._pipeline(events, claims).execute()
+        except NoScriptError:  # Redis restarted or flushed its scripts: load and send again
+            await self.load_scripts()
+            await self._pipeline(events, claims).execute()  # every command in it is idempotent
+
+    def _pipeline(self, events: list[msgspec.Struct], claims: dict[str, str] | None):
         p = self.cfg.key_prefix
         ttl = self.cfg.log_ttl_s
         pipe = self.redis.pipeline(transaction=False)
@@ -99,8 +136,8 @@ class Publisher:
         for ev in events:
             data = encode(ev)
             jid = ev.job_id
-            pipe.xadd(keys.log_key(jid, p), {b"e": data}, maxlen=self.cfg.log_maxlen, approximate=True)
-            pipe.publish(keys.channel(jid, p), data)
+            pipe.evalsha(self._append_sha, 2, keys.log_key(jid, p), keys.channel(jid, p), data, ev.seq,
+                         self.cfg.log_maxlen)
             if not isinstance(ev, Token):
                 touched.add(jid)
             if isinstance(ev, Finished):
@@ -108,7 +145,7 @@ class Publisher:
         for jid in touched:
             pipe.expire(keys.log_key(jid, p), ttl)
         self._release(pipe, claims or {})
-        await pipe.execute()
+        return pipe
 
     async def release_claims(self, claims: dict[str, str]) -> None:
         """Release claims (job_id -> token) still held by this worker, in one round trip."""
