@@ -292,7 +292,8 @@ class Worker:
         stream = await self._open_stream(jid, claim)
         lj = LocalJob(job, priority, stream, [(tp, offset)], enqueue)
         self.jobs[jid] = lj
-        kwargs = {"params": job.params, "priority": priority, "cache_salt": job.tenant or "", "arrival_time": enqueue}
+        kwargs = {"params": job.params, "priority": priority, "cache_salt": job.tenant or "", "arrival_time": enqueue,
+                  "deadline": job.deadline}
         if job.prompt is not None:
             kwargs["prompt"] = job.prompt
         elif job.messages is not None:

@@ -123,3 +123,25 @@ def test_oom_fails_the_batch_frees_blocks_and_keeps_serving(llama_path):
     engine.add_request("after", prompt_token_ids=[1, 2, 3, 4] * 10, params=params)
     res = run_all(engine, m)
     assert res["after"][0].finish_reason == "length" and len(res["after"][1]) == 10
+
+
+def test_waiting_request_expires_at_its_deadline(llama_path):
+    import time
+
+    engine = make_engine(llama_path, max_running_requests=1)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("busy", prompt_token_ids=[5, 6, 7], params=params)
+    engine.add_request("late", prompt_token_ids=[8, 9], params=params, deadline=time.time() + 0.3)
+    engine.add_request("started", prompt_token_ids=[8, 9], params=params, deadline=time.time() + 3600)
+    outs = {}
+    t0 = time.time()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = (out, time.time() - t0)
+        time.sleep(0.01)
+    late, when = outs["late"]
+    assert late.finish_reason == "expired" and late.error_code == "deadline_passed"
+    assert late.usage.completion_tokens == 0 and 0.3 <= when < outs["busy"][1]  # while "busy" still ran
+    assert outs["busy"][0].finish_reason == "length" and outs["started"][0].finish_reason == "length"
+    assert engine.kv_stats().used_blocks == 0

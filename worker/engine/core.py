@@ -9,6 +9,7 @@ boundary; an aborted request's KV blocks are free when that `step` returns.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
@@ -92,6 +93,7 @@ class Engine:
         self._arrival = itertools.count()
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._deadlines: list[tuple[float, str]] = []  # (deadline, request id) heap, engine thread
         self._budget_cap: int | None = None  # lowered token budget after an OOM
         self._steps_since_oom = 0
         self.num_oom_steps = 0
@@ -148,12 +150,15 @@ class Engine:
         priority: Priority | str = Priority.NORMAL,
         cache_salt: str = "",
         arrival_time: float | None = None,
+        deadline: float | None = None,
     ) -> int:
         """Validate, tokenize and queue a request; it joins the batch at the next step.
 
         Exactly one of `prompt` (text), `prompt_token_ids`, `messages` (chat, rendered
         with the tokenizer's chat template). `cache_salt` (e.g. the tenant) keeps its
-        prefix-cache blocks apart from other salts.
+        prefix-cache blocks apart from other salts. `arrival_time` and `deadline` are
+        wall-clock seconds (`time.time()`); a request still waiting (never scheduled) at
+        its deadline ends with `finish_reason="expired"`, `error_code="deadline_passed"`.
 
         Returns:
             the number of prompt tokens.
@@ -183,6 +188,7 @@ class Engine:
             cache_salt=cache_salt.encode(),
             generator=generator,
         )
+        req.deadline = deadline
         with self._live_lock:
             if request_id in self._live_ids:
                 raise RequestRejected(request_id, RejectReason.DUPLICATE_REQUEST_ID, "a request with this id is unfinished")
@@ -294,6 +300,10 @@ class Engine:
             req = self._new.popleft()
             self.scheduler.add(req)
             self._detoks[req.request_id] = self._detok_cls(self._decoder, req.params.stop)
+            if req.deadline is not None:
+                heapq.heappush(self._deadlines, (req.deadline, req.request_id))
+        if self._deadlines and self._deadlines[0][0] < time.time():
+            self._expire_waiting(outputs)
         while self._aborts:
             req = self.scheduler.finish(self._aborts.popleft(), RequestStatus.FINISHED_ABORTED)
             if req is not None:
@@ -328,6 +338,19 @@ class Engine:
             kv=self.kv.stats(),
         )
         return outputs
+
+    def _expire_waiting(self, outputs: list[RequestOutput]) -> None:
+        """Requests never scheduled yet whose deadline passed end `expired` (KV untouched);
+        a deadline does not cut a request that has started."""
+        now = time.time()
+        while self._deadlines and self._deadlines[0][0] < now:
+            deadline, rid = heapq.heappop(self._deadlines)
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.status != RequestStatus.WAITING:
+                continue
+            self.scheduler.finish(rid, RequestStatus.FINISHED_EXPIRED)
+            outputs.append(self._final_output(
+                req, [], "", error=("deadline_passed", f"deadline {deadline} passed while the request waited")))
 
     def _after_forward(self, sched: SchedulerOutput, runner_out, outputs: list[RequestOutput]) -> None:
         if self._budget_cap is not None:

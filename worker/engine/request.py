@@ -118,6 +118,7 @@ class Request:
         "num_ooms",
         "first_scheduled_time",
         "first_token_time",
+        "deadline",
         "generator",
         "stop_token_set",
     )
@@ -158,6 +159,7 @@ class Request:
         self.num_ooms = 0  # steps of this request that failed with out-of-memory
         self.first_scheduled_time: float | None = None  # wall clock (s) of first admission
         self.first_token_time: float | None = None  # wall clock (s) the first output token was sampled
+        self.deadline: float | None = None  # wall clock (s): still waiting then -> expired
         self.stop_token_set = frozenset(params.stop_token_ids)
 
     @property
