@@ -64,11 +64,18 @@ def _worker(a: argparse.Namespace) -> int:
     if not cfg.model.path:
         print("config error: model.path is required (or INFLIGHT_MODEL__PATH)", file=sys.stderr)
         return 2
+    from aiokafka.errors import KafkaConnectionError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
     try:
         asyncio.run(Worker(cfg).run())
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # model path, device, checkpoint format
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except (RedisConnectionError, KafkaConnectionError) as e:
+        print(f"error: cannot reach {'Redis' if isinstance(e, RedisConnectionError) else 'Kafka'}: {e}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -171,10 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "worker":
         return _worker(a)
     if a.cmd in ("submit", "stream", "cancel"):
+        from aiokafka.errors import KafkaConnectionError
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
         try:
             return asyncio.run(_client_cmd(a))
         except TimeoutError as e:
             print(f"\n[timeout: {e}]", file=sys.stderr)
+            return 1
+        except ValueError as e:  # invalid job id, sampling parameters
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except (RedisConnectionError, KafkaConnectionError) as e:
+            print(f"error: cannot reach {'Redis' if isinstance(e, RedisConnectionError) else 'Kafka'}: {e}",
+                  file=sys.stderr)
             return 1
     if a.cmd == "topics":
         from worker.topics import create_topics

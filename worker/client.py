@@ -17,12 +17,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from schemas import keys
-from schemas.codec import decode_event, encode
+from schemas.codec import decode_event, decode_job, encode
 from schemas.params import SamplingParams
 from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, Restarted, Token
 
@@ -98,6 +99,10 @@ class InflightClient:
             created_at=time.time(),
             metadata=metadata,
         )
+        try:  # the checks a worker applies (id pattern and length, field constraints)
+            decode_job(encode(job))
+        except msgspec.ValidationError as e:
+            raise ValueError(f"invalid job: {e}") from None
         await self.submit_job(job, priority)
         return job.job_id
 

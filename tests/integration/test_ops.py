@@ -283,6 +283,9 @@ def test_cli_reports_refusals_and_timeouts_without_tracebacks(services, prefix):
     r = cli("stream", "never-submitted", "--timeout", "1", "--kafka", services[0], "--redis", services[1],
             "--prefix", prefix)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "timeout" in r.stderr, r.stderr
+    r = cli("submit", "--prompt", "x", "--job-id", "a b", "--kafka", services[0], "--redis", services[1],
+            "--prefix", prefix)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "job_id" in r.stderr, r.stderr
 
 
 def test_metrics_port_in_use_is_a_config_error(services, prefix, llama_path):

@@ -35,9 +35,15 @@ class LoadedModel:
 
 
 def resolve_device(name: str) -> torch.device:
+    """Raises:
+    ValueError: a CUDA device is asked for where there is none (or not that many)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    dev = torch.device(name)
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"model.device is {name!r} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                         "use 'auto' or 'cpu'")
+    return dev
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
