@@ -13,7 +13,9 @@ Rows of the tile are (token, head-in-group) pairs: row r is token `r // GROUP_P2
 gathered through the block table (a tile may span several KV blocks). Causality: the
 query at absolute position p (= context length - query length + its index) sees keys at
 positions <= p, so a prefill chunk attends to its cached prefix plus itself, and a decode
-to the whole context.
+to the whole context. For long decode contexts at small batch the decode launch splits
+each context over `NUM_SPLITS` programs that write unnormalized partials (acc, max, sum),
+and `_reduce_splits_kernel` combines them (flash-decoding).
 """
 
 from __future__ import annotations
