@@ -47,7 +47,7 @@ kafka_libs() {
   if [ ! -f "$LIBS/.complete" ]; then
     echo "devstack: resolving Kafka jars from Maven Central into $LIBS" >&2
     rm -rf "$LIBS"
-    mvn -q -B -f tools/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory="$LIBS" -DincludeScope=runtime
+    mvn -q -B -Dstyle.color=never -f tools/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory="$LIBS" -DincludeScope=runtime
     touch "$LIBS/.complete"
   fi
 }
