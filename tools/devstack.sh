@@ -47,7 +47,12 @@ kafka_libs() {
   if [ ! -f "$LIBS/.complete" ]; then
     echo "devstack: resolving Kafka jars from Maven Central into $LIBS" >&2
     rm -rf "$LIBS"
-    mvn -q -B -Dstyle.color=never -f tools/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory="$LIBS" -DincludeScope=runtime
+    if ! mvn -q -B -f tools/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory="$LIBS" \
+        -DincludeScope=runtime >"$STATE/mvn.log" 2>&1; then
+      cat "$STATE/mvn.log" >&2
+      echo "devstack: mvn could not resolve Kafka's jars (log above)" >&2
+      exit 1
+    fi
     touch "$LIBS/.complete"
   fi
 }
