@@ -64,19 +64,29 @@ def _worker(a: argparse.Namespace) -> int:
     if not cfg.model.path:
         print("config error: model.path is required (or INFLIGHT_MODEL__PATH)", file=sys.stderr)
         return 2
+    # model path, device or checkpoint format (FileNotFoundError / ValueError) are config errors
+    return _run(Worker(cfg).run(), bad_input="config error")
+
+
+def _run(coro, *, bad_input: str) -> int:
+    """asyncio.run, with the failures a user can fix reported in one line, no traceback:
+    bad input (ValueError, FileNotFoundError; exit 2), unreachable Redis or Kafka (1),
+    a timeout (1)."""
     from aiokafka.errors import KafkaConnectionError
     from redis.exceptions import ConnectionError as RedisConnectionError
 
     try:
-        asyncio.run(Worker(cfg).run())
-    except (ConfigError, FileNotFoundError, ValueError) as e:  # model path, device, checkpoint format
-        print(f"config error: {e}", file=sys.stderr)
+        return asyncio.run(coro) or 0
+    except TimeoutError as e:
+        print(f"\n[timeout: {e}]", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+        print(f"{bad_input}: {e}", file=sys.stderr)
         return 2
     except (RedisConnectionError, KafkaConnectionError) as e:
         print(f"error: cannot reach {'Redis' if isinstance(e, RedisConnectionError) else 'Kafka'}: {e}",
               file=sys.stderr)
         return 1
-    return 0
 
 
 async def _print_stream(client, job_id: str, timeout: float | None) -> int:
@@ -178,21 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "worker":
         return _worker(a)
     if a.cmd in ("submit", "stream", "cancel"):
-        from aiokafka.errors import KafkaConnectionError
-        from redis.exceptions import ConnectionError as RedisConnectionError
-
-        try:
-            return asyncio.run(_client_cmd(a))
-        except TimeoutError as e:
-            print(f"\n[timeout: {e}]", file=sys.stderr)
-            return 1
-        except ValueError as e:  # invalid job id, sampling parameters
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except (RedisConnectionError, KafkaConnectionError) as e:
-            print(f"error: cannot reach {'Redis' if isinstance(e, RedisConnectionError) else 'Kafka'}: {e}",
-                  file=sys.stderr)
-            return 1
+        return _run(_client_cmd(a), bad_input="error")  # bad input: job id, sampling values
     if a.cmd == "topics":
         from worker.topics import create_topics
 
