@@ -30,7 +30,7 @@ from schemas import keys
 from schemas.wire import ErrorInfo, Job, Timings, TokenLogprob, Usage
 from worker.cancels import CancelListener
 from worker.config import WorkerConfig, redacted_config
-from worker.engine import Engine, KVStats, RequestOutput, RequestRejected
+from worker.engine import Engine, RequestOutput, RequestRejected
 from worker.engine_thread import EngineThread
 from worker.intake import Intake
 from worker.jobs import JobRecord, LocalJob
@@ -59,7 +59,6 @@ class Worker:
         self.jobs: dict[str, LocalJob] = {}
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self.draining = False
-        self.kv_stats: KVStats | None = None
         self._stop_requested = asyncio.Event()
         self._stopping = asyncio.Event()
         self._out_q: asyncio.Queue = asyncio.Queue()
@@ -204,7 +203,6 @@ class Worker:
             c.kafka_ok, c.kafka_error = True, None
         except Exception as e:
             c.kafka_ok, c.kafka_error = False, repr(e)[:200] or type(e).__name__
-        c.checked_at = time.time()
         m.assigned_partitions.set(len(assigned))
         m.paused_partitions.set(len(consumer.paused()))
         m.local_jobs.set(len(self.jobs))
@@ -358,8 +356,7 @@ class Worker:
                 self.engine_thread.wake()
 
     # ---- engine outputs → events ---------------------------------------------------------
-    def _on_step(self, outputs: list[RequestOutput], stats: KVStats) -> None:
-        self.kv_stats = stats
+    def _on_step(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
         m = self.metrics
         events, claims, finished = [], {}, []

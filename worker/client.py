@@ -243,15 +243,20 @@ class _SharedSubscriber:
             await self._pubsub.aclose()
 
 
-def text_of(events: list[Event]) -> str:
-    """Concatenate the token text of the last attempt (drops text before a `restarted`)."""
-    parts: list[str] = []
+def last_attempt_tokens(events: list[Event]) -> list[Token]:
+    """The `token` events of the last attempt (a `restarted` drops those before it)."""
+    tokens: list[Token] = []
     for ev in events:
         if isinstance(ev, Restarted):
-            parts = []
+            tokens = []
         elif isinstance(ev, Token):
-            parts.append(ev.text)
-    return "".join(parts)
+            tokens.append(ev)
+    return tokens
 
 
-__all__ = ["InflightClient", "text_of"]
+def text_of(events: list[Event]) -> str:
+    """Concatenate the token text of the last attempt."""
+    return "".join(t.text for t in last_attempt_tokens(events))
+
+
+__all__ = ["InflightClient", "last_attempt_tokens", "text_of"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from worker.engine import Engine, KVStats, RequestOutput
+from worker.engine import Engine, RequestOutput
 
 if TYPE_CHECKING:
     from worker.metrics import Metrics
@@ -30,8 +30,7 @@ class EngineThread:
     """Args:
     engine: the Engine (only this thread calls `step`).
     loop: the asyncio loop that receives outputs.
-    on_step: called on the loop with (outputs, kv stats after the step) for every step
-        that produced outputs.
+    on_step: called on the loop with the outputs of every step that produced any.
     on_crash: called on the loop with the exception if `step` raises (the worker then
         stops without committing the affected offsets; the jobs are redelivered).
     metrics: if given, `observe_step` after every step and `observe_idle` every
@@ -42,7 +41,7 @@ class EngineThread:
         self,
         engine: Engine,
         loop: asyncio.AbstractEventLoop,
-        on_step: Callable[[list[RequestOutput], KVStats], None],
+        on_step: Callable[[list[RequestOutput]], None],
         on_crash: Callable[[BaseException], None],
         metrics: Metrics | None = None,
     ) -> None:
@@ -90,10 +89,10 @@ class EngineThread:
                 outputs = engine.step()
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()
-                if metrics is not None and engine.last_step_stats is not None:
+                if metrics is not None:
                     metrics.observe_step(engine.last_step_stats)
                 if outputs:
-                    self._loop.call_soon_threadsafe(self._on_step, outputs, engine.kv_stats())
+                    self._loop.call_soon_threadsafe(self._on_step, outputs)
         except BaseException as e:  # the engine is broken: tell the worker, which stops
             log.exception("engine step failed")
             self._loop.call_soon_threadsafe(self._on_crash, e)

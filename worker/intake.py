@@ -62,8 +62,6 @@ class _Rebalance(ConsumerRebalanceListener):
     async def on_partitions_revoked(self, revoked) -> None:
         self.intake.generation += 1  # records fetched before this point may be stale
         await self.intake.commit(only=set(revoked))
-        for tp in revoked:
-            self.intake.committed.pop(tp, None)
         if revoked:
             self.intake.num_revocations += 1
             self.intake.worker.metrics.rebalances.inc()
@@ -92,7 +90,7 @@ class _Rebalance(ConsumerRebalanceListener):
             for tp in tps:
                 start = committed[tp] if committed[tp] is not None else beginning[tp]
                 consumer.seek(tp, start)
-                intake.committed[tp] = start
+                intake.worker.tracker.mark_committed(tp, start)
         except (KafkaError, IllegalStateError) as e:
             log.warning("could not position assigned partitions; leaving it to the consumer", error=repr(e))
         if assigned:
@@ -114,7 +112,6 @@ class Intake:
             **kafka_security_kwargs(cfg),
         )
         self.contested: list[JobRecord] = []
-        self.committed: dict[TopicPartition, int] = {}  # group's committed offset per assigned partition
         self.paused = False
         self._last_commit = 0.0
         self.num_dead_letters = 0
@@ -348,9 +345,12 @@ class Intake:
             return
         for tp, off in points.items():
             tracker.mark_committed(tp, off)
-            self.committed[tp] = off
 
     def lag(self, end_offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """Consumer lag per partition: log end offset minus the committed offset (what
         Kafka's tools and KEDA call lag; includes jobs running here, not yet committed)."""
-        return {tp: max(0, end - self.committed.get(tp, end)) for tp, end in end_offsets.items()}
+        lags = {}
+        for tp, end in end_offsets.items():
+            committed = self.worker.tracker.committed(tp)
+            lags[tp] = 0 if committed is None else max(0, end - committed)
+        return lags

@@ -75,7 +75,12 @@ class OffsetTracker(Generic[TP]):
         return out
 
     def mark_committed(self, tp: TP, offset: int) -> None:
+        """Record the group's committed offset for `tp` (after a commit, or as found on assignment)."""
         self._committed[tp] = offset
+
+    def committed(self, tp: TP) -> int | None:
+        """The group's committed offset for `tp` as last recorded, or None."""
+        return self._committed.get(tp)
 
     def last_taken(self, tp: TP) -> int:
         """Highest offset taken from `tp`, or -1."""

@@ -38,7 +38,6 @@ class Checks:
     kafka_error: str | None = None
     redis_ok: bool = False
     redis_error: str | None = None
-    checked_at: float = 0.0  # time.time() of the last check
 
 
 class OpsServer:

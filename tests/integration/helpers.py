@@ -9,9 +9,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import keys
-from schemas.wire import Finished, Restarted, Token
+from schemas.wire import Finished
 from worker.app import Worker
-from worker.client import InflightClient
+from worker.client import InflightClient, last_attempt_tokens
 from worker.log import task_stacks
 
 
@@ -60,13 +60,7 @@ def assert_well_formed(events: list, job_id: str) -> Finished:
 
 def token_ids(events: list) -> list[int]:
     """Token ids of the last attempt."""
-    ids: list[int] = []
-    for e in events:
-        if isinstance(e, Restarted):
-            ids = []
-        elif isinstance(e, Token):
-            ids.extend(e.token_ids)
-    return ids
+    return [i for t in last_attempt_tokens(events) for i in t.token_ids]
 
 
 def kinds(events: list) -> list[str]:

@@ -96,7 +96,6 @@ class Engine:
         self._deadlines: list[tuple[float, str]] = []  # (deadline, request id) heap, engine thread
         self._budget_cap: int | None = None  # lowered token budget after an OOM
         self._steps_since_oom = 0
-        self.num_oom_steps = 0
         self.last_step_stats: StepStats | None = None
 
     # ---- construction --------------------------------------------------------------
@@ -308,8 +307,8 @@ class Engine:
             req = self.scheduler.finish(self._aborts.popleft(), RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 outputs.append(self._final_output(req, [], ""))
-        sched = None
         oom = (0, 0)
+        num_decode = num_prefill = 0  # tokens computed by a forward that succeeded
         preempted_before = self.scheduler.num_preemptions_total
         if self.scheduler.has_unfinished():
             sched = self.scheduler.schedule(self._budget_cap)
@@ -320,10 +319,8 @@ class Engine:
                     oom = self._handle_oom(sched, e, outputs)
                 else:
                     self._after_forward(sched, runner_out, outputs)
-            else:
-                sched = None
-        num_decode = sched.num_decodes if sched is not None and oom == (0, 0) else 0
-        num_prefill = sched.num_scheduled_tokens - num_decode if sched is not None and oom == (0, 0) else 0
+                    num_decode = sched.num_decodes
+                    num_prefill = sched.num_scheduled_tokens - num_decode
         self.last_step_stats = StepStats(
             step=self.scheduler.step_count,
             time=time.time(),
@@ -382,7 +379,6 @@ class Engine:
     def _handle_oom(self, sched: SchedulerOutput, exc: BaseException, outputs: list[RequestOutput]) -> tuple[int, int]:
         """Preempt (retry) or fail every request of a batch whose forward ran out of
         memory; free their blocks; halve the token budget. Returns (retried, failed)."""
-        self.num_oom_steps += 1
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
         self._budget_cap = max(1, sched.num_scheduled_tokens // 2)
