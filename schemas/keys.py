@@ -15,7 +15,20 @@ def cancel_topic(prefix: str) -> str:
 
 
 def dlq_topic(prefix: str) -> str:
+    """Dead letters: records that will never run, original bytes, reason in the headers."""
     return f"{prefix}.dlq"
+
+
+def results_topic(prefix: str) -> str:
+    """Compacted topic of terminal events keyed by job_id: the durable record of every
+    outcome, written before the job's offset is committed (Redis is the live channel)."""
+    return f"{prefix}.results"
+
+
+def all_topics(prefix: str) -> list[str]:
+    """Every topic a deployment needs, in creation order."""
+    return [job_topic(prefix, p) for p in PRIORITIES] + [cancel_topic(prefix), dlq_topic(prefix),
+                                                         results_topic(prefix)]
 
 
 def channel(job_id: str, prefix: str = "inflight") -> str:
@@ -29,7 +42,7 @@ def log_key(job_id: str, prefix: str = "inflight") -> str:
 
 
 def claim_key(job_id: str, prefix: str = "inflight") -> str:
-    """`SET NX PX` lease held by the worker running the job: value `worker_id|attempt`."""
+    """`SET NX PX` lease held by the worker running the job: value `<worker_id>:<nonce>`."""
     return f"{prefix}:job:{job_id}:claim"
 
 
@@ -46,3 +59,16 @@ def done_key(job_id: str, prefix: str = "inflight") -> str:
 def cancelled_key(job_id: str, prefix: str = "inflight") -> str:
     """Cancel tombstone (TTL): a job that arrives after its cancel is dropped."""
     return f"{prefix}:job:{job_id}:cancelled"
+
+
+def failures_key(job_id: str, prefix: str = "inflight") -> str:
+    """Attempts that started and never ended cleanly (the worker died, or the engine
+    failed on the job): incremented on claim, decremented on a clean end. At
+    `worker.max_job_failures` the job is not run again (`finished(error)`, code `poison`)."""
+    return f"{prefix}:job:{job_id}:failures"
+
+
+def epoch_key(prefix: str = "inflight") -> str:
+    """Marker written once per Redis dataset: if it vanishes (or changes), Redis lost its
+    data and the workers restore what clients rely on (see `worker/publish.py`)."""
+    return f"{prefix}:epoch"

@@ -7,6 +7,7 @@ out-of-range values fail with a message naming the field (`msgspec.ValidationErr
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -15,7 +16,31 @@ from schemas.params import SamplingParams
 
 SCHEMA_VERSION = 1
 JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
-FINISH_REASONS = ("stop", "length", "cancelled", "rejected", "expired", "error")
+
+
+class FinishReason(enum.StrEnum):
+    """Why a job ended: the terminal event's `finish_reason`, the one spelling used by
+    the engine, the worker, the metrics and clients.
+
+    `stop`: EOS, a stop token or a stop string; `length`: `max_tokens` or the context;
+    `cancelled`: a cancel message; `rejected`: the job can never run (invalid, too long,
+    over capacity); `expired`: its `deadline` passed before it started; `error`: the
+    engine failed on it (`error.code`: `oom`, `internal`, `poison`).
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+    ERROR = "error"
+
+    @property
+    def is_success(self) -> bool:
+        return self in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+FINISH_REASONS = tuple(r.value for r in FinishReason)
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -65,6 +90,9 @@ DLQ_HEADER_SOURCE_PARTITION = "inflight.source.partition"
 DLQ_HEADER_SOURCE_OFFSET = "inflight.source.offset"
 DLQ_HEADER_JOB_ID = "inflight.job_id"
 DLQ_HEADER_WORKER_ID = "inflight.worker_id"
+# Machine-readable reason (`invalid_job`, an engine reject reason such as `prompt_too_long`,
+# or `poison`): count dead letters by reason from the DLQ alone.
+DLQ_HEADER_REASON = "inflight.reason"
 
 
 # ---- events on inflight:job:{id} (pub/sub) and inflight:job:{id}:log (stream) -----------
@@ -136,7 +164,7 @@ class Finished(msgspec.Struct, kw_only=True, tag="finished", tag_field="type"):
     job_id: str
     seq: int
     attempt: int
-    finish_reason: Literal["stop", "length", "cancelled", "rejected", "expired", "error"]
+    finish_reason: FinishReason
     text: str = ""
     usage: Usage | None = None
     timings: Timings | None = None

@@ -1,10 +1,26 @@
-"""Worker: wires intake, engine thread, publisher and cancel listener.
+"""Worker: wires intake, job starter, engine thread, publisher, cancel listener and the
+HTTP endpoint, and runs their lifecycle.
 
-Lifecycle (as arq): start → run → drain(deadline) → close. SIGTERM/SIGINT stop intake
-(all partitions paused, polling continues), let running jobs finish until
-`worker.drain_timeout_s`, hand the rest back (aborted without a terminal event, claims
-released, offsets left uncommitted so another worker re-runs them with `restarted`),
-commit, leave the group, close.
+Lifecycle (as arq): start → run → drain(deadline) → close. SIGTERM/SIGINT stop intake,
+let running jobs finish until `worker.drain_timeout_s`, hand the rest back (aborted
+without a terminal event, claims released, offsets left uncommitted so another worker
+re-runs them with `restarted`), commit, leave the group, close. Every wait in drain and
+close is bounded, so a broken connection can delay shutdown but never hang it.
+
+Who owns what: the JobTable (`jobs.py`) every local job and its events; the ClaimStore
+(`claims.py`) Redis claims and marks; the Publisher (`publish.py`) the writes of events;
+the Intake (`intake.py`) the consumer and commits; the OffsetTracker the commit points
+(marked done here, once a job's outcome is recorded). A job's path, numbered:
+
+  1. Intake fetches and decodes the record, buffers it by priority (DLQ if invalid).
+  2. JobStarter claims a batch in one round trip and opens the jobs in the table.
+  3. Its input task tokenizes off the loop and adds the request to the engine.
+  4. The engine thread steps; each step's outputs reach `_on_step` on the loop, which
+     drafts events in the table.
+  5. The Publisher sends every draft of a round in one script call to Redis.
+  6. `_finalize`: DLQ record if the job never ran, the terminal event to the durable
+     results topic, then the offsets are done (committed by the intake) and the job
+     leaves the table.
 """
 
 from __future__ import annotations
@@ -15,67 +31,71 @@ import os
 import signal
 import socket
 import time
-import uuid
-from functools import partial
 
 import redis.asyncio as aioredis
 import structlog
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from schemas import keys
-from schemas.wire import ErrorInfo, Job, Timings, TokenLogprob, Usage
+from schemas.wire import FinishReason
 from worker.cancels import CancelListener
+from worker.claims import ClaimStore
 from worker.config import WorkerConfig, redacted_config
-from worker.engine import Engine, RequestOutput, RequestRejected
+from worker.dlq import DeadLetters
+from worker.engine import Engine, RequestOutput
 from worker.engine_thread import EngineThread
-from worker.intake import Intake
-from worker.jobs import JobRecord, LocalJob
+from worker.intake import Intake, JobRecord
+from worker.jobs import JobState, JobTable, LocalJob, Round
+from worker.kafka_security import kafka_security_kwargs
 from worker.log import task_stacks
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
-from worker.publish import JobStream, Publisher
-from worker.server import Checks, OpsServer
+from worker.publish import REDIS_DOWN, Publisher
+from worker.results import ResultsLog
+from worker.server import HealthChecks, OpsServer
+from worker.starter import JobStarter
 
 log = structlog.get_logger(__name__)
 
-_RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
-
-_RENEW_IF_OWNER = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end
-"""
+LOOP_LAG_WARN_FRACTION = 0.3  # of kafka.session_timeout_ms
 
 
 class Worker:
+    """One worker process: a consumer-group member around one engine.
+
+    Args:
+        cfg: the whole configuration.
+        engine: an Engine to run (tests, benchmarks); None loads `cfg.model.path`.
+    """
+
     def __init__(self, cfg: WorkerConfig, engine: Engine | None = None) -> None:
         self.cfg = cfg
         self.worker_id = cfg.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = engine
-        tuning = cfg.serving_tuning
-        self.max_local_jobs = cfg.worker.max_local_jobs or 2 * tuning.max_running_requests
-        self.jobs: dict[str, LocalJob] = {}
+        self.max_local_jobs = cfg.worker.max_local_jobs or 2 * cfg.serving_tuning.max_running_requests
+        self.table = JobTable(self.worker_id)
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+        self.metrics = Metrics(gpu=_nvml_available())
         self.draining = False
+        self.num_finished = 0
+        self.engine_thread: EngineThread | None = None
         self._stop_requested = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._out_q: asyncio.Queue = asyncio.Queue()
         self._crash: BaseException | None = None
         self._tasks: list[asyncio.Task] = []
-        self._prefix = cfg.redis.key_prefix
-        self.num_finished = 0
-        self.metrics = Metrics(gpu=_nvml_available())
-        self.checks = Checks()
-        self.server: OpsServer | None = None
-        if cfg.metrics.port is not None:
-            self.server = OpsServer(self, cfg.metrics.host, cfg.metrics.port)
-        self.engine_thread: EngineThread | None = None
+        self._finalize_q: asyncio.Queue[LocalJob] = asyncio.Queue()
+        self._redis_warned = 0.0
+        self.health = HealthChecks(self.metrics, liveness=self._liveness)
+        self.server = (OpsServer(self.metrics.registry, self.health, cfg.metrics.host, cfg.metrics.port)
+                       if cfg.metrics.port is not None else None)
 
     @property
     def num_local_jobs(self) -> int:
-        return len(self.jobs)
+        return len(self.table)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -83,30 +103,47 @@ class Worker:
         log.info("starting worker", worker_id=self.worker_id, config=redacted_config(cfg))
         if self.server is not None:  # first, so /healthz answers while the model loads
             await self.server.start()
-        self.redis = aioredis.from_url(
-            cfg.redis.url,
-            health_check_interval=15,
-            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 8),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        )
-        await self.redis.ping()
-        self.publisher = Publisher(self.redis, cfg.redis)
-        await self.publisher.load_scripts()
+        self.redis = aioredis.from_url(cfg.redis.url, health_check_interval=15,
+                                       retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+                                       retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        rc = cfg.redis
+        self.claims = ClaimStore(self.redis, rc.key_prefix, self.worker_id, lease_ms=rc.claim_lease_ms,
+                                 ttl_s=rc.log_ttl_s, tombstone_ttl_s=rc.tombstone_ttl_s)
+        await self.claims.adopt_epoch()
+        self.publisher = Publisher(self.redis, rc, self.claims, self.table, on_outage=self._on_redis_outage,
+                                   on_restore=self._on_restored)
         if self.engine is None:
             self.engine = await asyncio.to_thread(Engine.from_pretrained, cfg.model.path, cfg.engine)
+        kc = cfg.kafka
+        self.producer = AIOKafkaProducer(bootstrap_servers=kc.bootstrap_servers, client_id=f"{self.worker_id}-out",
+                                         max_request_size=kc.max_partition_fetch_bytes + 1024 * 1024, acks="all",
+                                         linger_ms=2, **kafka_security_kwargs(kc))
+        await self.producer.start()
+        self.dead_letters = DeadLetters(self.producer, kc.topic_prefix, self.worker_id)
+        self.results = ResultsLog(self.producer, kc.topic_prefix)
+        self.starter = JobStarter(self.table, self.claims, self.tracker, self.engine, self.dead_letters,
+                                  self.metrics, max_local_jobs=self.max_local_jobs,
+                                  max_job_failures=cfg.worker.max_job_failures, wake=self._wake,
+                                  restore=self.publisher.restore, is_paused=self._intake_paused,
+                                  tokenizer_threads=cfg.worker.tokenizer_threads)
         loop = asyncio.get_running_loop()
         self.engine_thread = EngineThread(self.engine, loop, self._on_step, self._on_crash, self.metrics)
         self.engine_thread.start()
-        self.intake = Intake(self)
+        self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
+                             buffer_per_priority=max(8, self.max_local_jobs // 2))
         await self.intake.start()
-        self.cancels = CancelListener(self)
+        self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for)
         await self.cancels.start()
+        self.health.attach(self.redis, self.intake, self.claims, self.publisher, self.table, self.engine,
+                           is_draining=lambda: self.draining or self._stop_requested.is_set())
         self._tasks = [
-            asyncio.create_task(self._publish_loop(), name="publisher"),
+            asyncio.create_task(self.publisher.run(self._on_published), name="publisher"),
+            asyncio.create_task(self._finalize_loop(), name="finalize"),
             asyncio.create_task(self.intake.run(self._stopping), name="intake"),
             asyncio.create_task(self.cancels.run(self._stopping), name="cancels"),
             asyncio.create_task(self._renew_loop(), name="claims"),
-            asyncio.create_task(self._check_loop(), name="checks"),
+            asyncio.create_task(self.health.run(cfg.metrics), name="checks"),
+            asyncio.create_task(self._loop_lag_monitor(), name="loop-lag"),
         ]
         log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
                  kv_blocks=self.engine.kv_stats().total_blocks)
@@ -115,7 +152,11 @@ class Worker:
         self._stop_requested.set()
 
     async def run(self, install_signals: bool = True) -> None:
-        """Start, serve until SIGTERM/SIGINT (or `request_stop`), drain, close."""
+        """Start, serve until SIGTERM/SIGINT (or `request_stop`), drain, close.
+
+        Raises:
+            the exception that stopped the worker (engine failure, RedisUnavailable).
+        """
         await self.start()
         if install_signals:
             loop = asyncio.get_running_loop()
@@ -125,18 +166,228 @@ class Worker:
         try:
             waiter = asyncio.create_task(self._stop_requested.wait())
             done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
             for t in done:
                 if t is not waiter and t.exception() is not None:
-                    log.error("worker task failed; stopping", task=t.get_name(), exc_info=t.exception())
-                    raise t.exception()
-            await self.drain()
+                    self._crash = t.exception()
+                    log.error("worker task failed; stopping (unfinished jobs will be redelivered)",
+                              task=t.get_name(), error=repr(t.exception())[:300])
+            if self._crash is None:
+                await self.drain()
         finally:
             await self.close()
         if self._crash is not None:
             raise self._crash
 
-    # ---- health ----------------------------------------------------------------------------
-    def liveness(self) -> tuple[bool, dict]:
+    def dump_tasks(self) -> None:
+        """SIGUSR1: log where every asyncio task is waiting (for diagnosing a stuck worker)."""
+        for name, frames in task_stacks().items():
+            log.warning("task stack", task=name, frames=frames)
+
+    async def drain(self) -> None:
+        """Stop taking jobs; let running ones finish until the deadline; hand back the rest."""
+        self.draining = True
+        deadline = time.monotonic() + self.cfg.worker.drain_timeout_s
+        log.info("draining", running=len(self.table), deadline_s=self.cfg.worker.drain_timeout_s)
+        while len(self.table) and time.monotonic() < deadline and self._crash is None:
+            await asyncio.sleep(0.05)
+        handed = [lj for lj in (self.table.hand_back(j.job_id) for j in self.table.running()) if lj is not None]
+        for lj in handed:
+            self.engine.abort(lj.job_id)
+            self.metrics.aborted.labels("handed_back").inc()
+        self.engine_thread.wake()
+        if handed:
+            with contextlib.suppress(*REDIS_DOWN):
+                await asyncio.wait_for(self.claims.release([(j.job_id, j.claim_token, j.attempt) for j in handed]), 5)
+            log.info("handed back unfinished jobs", job_ids=[lj.job_id for lj in handed], count=len(handed))
+        await self.publisher.flush(timeout_s=5)
+        deadline = time.monotonic() + 10
+        while any(j.state == JobState.FINISHING for j in self.table) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        """Stop every component; each step is bounded."""
+        self._stopping.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if hasattr(self, "starter"):
+            self.starter.close()
+        for name, coro in (("intake", self._stop_attr("intake")), ("cancels", self._stop_attr("cancels")),
+                           ("producer", self._stop_attr("producer"))):
+            try:
+                await asyncio.wait_for(coro, 15)
+            except Exception as e:  # keep closing the rest
+                log.warning("component did not stop cleanly", component=name, error=repr(e)[:200])
+        if self.engine_thread is not None:
+            self.engine_thread.stop()
+        if hasattr(self, "redis"):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.redis.aclose(), 5)
+        if self.server is not None:
+            await self.server.stop()
+        log.info("worker stopped", worker_id=self.worker_id, finished=self.num_finished)
+
+    async def _stop_attr(self, name: str) -> None:
+        part = getattr(self, name, None)
+        if part is not None:
+            await part.stop()
+
+    # ---- engine outputs → drafts → Redis → recorded ------------------------------------
+    def _on_step(self, outputs: list[RequestOutput]) -> None:
+        m = self.metrics
+        applied = self.table.apply_outputs(outputs)
+        for lj in applied.first_tokens:
+            m.ttft.labels(lj.priority).observe(lj.first_token_time - lj.enqueue_time)
+        if applied.num_tokens:
+            m.generation_tokens.inc(applied.num_tokens)
+        self.publisher.wake()
+
+    def _on_published(self, rnd: Round) -> None:
+        self.metrics.events_published.inc(len(rnd.events))
+        self.metrics.publish_round.observe(self.publisher.last_round_s)
+        for lj in rnd.finished:
+            self._finalize_q.put_nowait(lj)
+
+    async def _finalize_loop(self) -> None:
+        """Jobs whose terminal event is in Redis: dead letter (if it never ran), durable
+        result, then offsets done. Kafka errors are retried; offsets stay open meanwhile."""
+        q = self._finalize_q
+        while True:
+            batch = [await q.get()]
+            while not q.empty():
+                batch.append(q.get_nowait())
+            delay = 0.1
+            while True:
+                try:
+                    await self._record(batch)
+                    break
+                except KafkaError as e:
+                    log.warning("could not record outcomes in Kafka; retrying", error=repr(e)[:200],
+                                job_ids=[j.job_id for j in batch][:20], count=len(batch))
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+            for lj in batch:
+                self._job_done(lj)
+
+    async def _record(self, batch: list[LocalJob]) -> None:
+        for lj in batch:
+            if lj.dead_letter is not None and lj.raw is not None:
+                reason, message = lj.dead_letter
+                first = lj.offsets[0]
+                await self.dead_letters.send(lj.raw, lj.raw_key, topic=first.tp.topic, partition=first.tp.partition,
+                                             offset=first.offset, reason=reason, error=message, job_id=lj.job_id)
+                self.metrics.dlq_records.inc()
+                lj.raw = None
+        await self.results.record([(lj.job_id, lj.history[-1][1]) for lj in batch if lj.history])
+
+    def _job_done(self, lj: LocalJob) -> None:
+        m = self.metrics
+        reason = lj.finish_reason or FinishReason.ERROR
+        m.finished.labels(reason.value).inc()
+        if lj.opened:  # it ran in the engine: latency and token metrics
+            e2e = lj.summary.get("e2e_s")
+            if e2e is not None:
+                m.e2e.labels(lj.priority).observe(e2e)
+            if lj.summary.get("tpot_s") is not None:
+                m.tpot.labels(lj.priority).observe(lj.summary["tpot_s"])
+            if lj.summary.get("queue_s") is not None:
+                m.queue_time.labels(lj.priority).observe(lj.summary["queue_s"])
+            if lj.summary.get("prompt_tokens"):
+                m.prompt_tokens.inc(lj.summary["prompt_tokens"])
+            if reason == FinishReason.CANCELLED:
+                m.aborted.labels("cancelled").inc()
+                if lj.cancel_time_mono is not None:
+                    m.cancel_to_free.observe(time.monotonic() - lj.cancel_time_mono)
+        for off in lj.offsets:
+            self.tracker.done(off.tp, off.offset)
+        self.table.done(lj)
+        self.num_finished += 1
+        first = lj.offsets[0]
+        log.info("job finished", job_id=lj.job_id, topic=first.tp.topic, partition=first.tp.partition,
+                 offset=first.offset, finish_reason=reason.value, attempt=lj.attempt, priority=lj.priority,
+                 tokens=lj.num_tokens, **lj.summary)
+
+    def _wake(self) -> None:
+        self.publisher.wake()
+        if self.engine_thread is not None:
+            self.engine_thread.wake()
+
+    def _on_crash(self, exc: BaseException) -> None:
+        self._crash = exc
+        self.request_stop()
+
+    # ---- cancels, claims, Redis health --------------------------------------------------
+    async def cancel(self, job_id: str) -> None:
+        """A cancel message: tombstone (a job not here yet is dropped on arrival) and, if
+        the job runs here, abort it (KV freed at the next step boundary)."""
+        self.metrics.cancels.inc()
+        try:
+            await self.claims.tombstone(job_id)
+        except REDIS_DOWN as e:
+            log.warning("could not set the cancel tombstone (Redis unreachable)", job_id=job_id, error=repr(e)[:200])
+        lj = self.table.request_cancel(job_id)
+        if lj is not None and lj.state == JobState.IN_ENGINE:
+            self.engine.abort(job_id)
+            self.engine_thread.wake()
+
+    async def _renew_loop(self) -> None:
+        lease = self.cfg.redis.claim_lease_ms
+        while True:
+            await asyncio.sleep(lease / 3000)
+            held = {lj.job_id: lj.claim_token for lj in self.table.holding_claims()}
+            try:
+                lost = await self.claims.renew(held)
+            except REDIS_DOWN as e:
+                if time.monotonic() - self._redis_warned > 10:
+                    self._redis_warned = time.monotonic()
+                    log.warning("claim renewal failed (Redis unreachable); retrying", error=repr(e)[:200])
+                continue
+            for job_id in lost:
+                self._hand_back_lost(job_id)
+
+    def _hand_back_lost(self, job_id: str) -> None:
+        """Another worker holds the job's claim now (we stalled past the lease, or Redis
+        lost it): stop running it; keep its offsets open until its terminal event appears."""
+        lj = self.table.hand_back(job_id)
+        if lj is None:
+            return
+        log.warning("claim lost; handing the job back", job_id=job_id)
+        self.engine.abort(job_id)
+        self.engine_thread.wake()
+        self.metrics.aborted.labels("lease_lost").inc()
+        self.intake.contested.extend(
+            JobRecord(lj.job, lj.priority, o.tp, o.offset, lj.enqueue_time, b"", None) for o in lj.offsets)
+
+    def _on_redis_outage(self, down: bool) -> None:
+        self.metrics.redis_outage.set(1 if down else 0)
+
+    def _on_restored(self, lost: list[str]) -> None:
+        self.metrics.redis_restores.inc()
+        for job_id in lost:
+            self._hand_back_lost(job_id)
+        self.cancels.rewind()
+
+    def _intake_paused(self) -> bool:
+        return self.draining or self._stop_requested.is_set() or self.publisher.in_outage
+
+    async def _loop_lag_monitor(self, interval_s: float = 0.1) -> None:
+        """How late the event loop wakes a sleeping task: a starved loop misses Kafka
+        heartbeats. Logged when above a fraction of the session timeout."""
+        warn_s = self.cfg.kafka.session_timeout_ms / 1000 * LOOP_LAG_WARN_FRACTION
+        last_warn = 0.0
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(interval_s)
+            lag = time.monotonic() - t0 - interval_s
+            self.metrics.loop_lag.observe(max(0.0, lag))
+            if lag > warn_s and time.monotonic() - last_warn > 10:
+                last_warn = time.monotonic()
+                log.warning("event loop lagging; Kafka heartbeats may be missed", lag_s=round(lag, 3),
+                            session_timeout_s=self.cfg.kafka.session_timeout_ms / 1000)
+
+    # ---- health --------------------------------------------------------------------------
+    def _liveness(self) -> tuple[bool, dict]:
         """(alive, details) for /healthz: the engine thread runs and ticked within
         `metrics.engine_stall_s`. True while the model is still loading."""
         et = self.engine_thread
@@ -151,352 +402,6 @@ class Worker:
             return False, {"status": "engine loop stalled", "since_last_tick_s": round(since, 1)}
         return True, {"status": "ok", "since_last_tick_s": round(since, 3), "steps": et.num_steps}
 
-    def readiness(self) -> tuple[bool, dict]:
-        """(ready, details) for /readyz: model loaded, Kafka and Redis answered the last
-        check, not draining."""
-        c = self.checks
-        checks = {
-            "model_loaded": self.engine_thread is not None,
-            "kafka": c.kafka_ok,
-            "redis": c.redis_ok,
-            "not_draining": not self.draining and not self._stop_requested.is_set(),
-        }
-        ready = all(checks.values())
-        body: dict = {"status": "ready" if ready else "unready", "checks": checks}
-        errors = {k: v for k, v in (("kafka", c.kafka_error), ("redis", c.redis_error)) if v}
-        if errors:
-            body["errors"] = errors
-        return ready, body
-
-    async def _check_loop(self) -> None:
-        """Every `metrics.check_interval_s`: Redis PING, Kafka end offsets of the assigned
-        job partitions (or cluster metadata when none are assigned); sets readiness and
-        the lag / partition / GPU gauges."""
-        mc = self.cfg.metrics
-        while True:
-            try:
-                await self.run_checks(mc.check_timeout_s)
-            except Exception as e:  # a check must never stop the worker (e.g. consumer being recreated)
-                log.warning("health check failed", error=repr(e))
-            await asyncio.sleep(mc.check_interval_s)
-
-    async def run_checks(self, timeout: float) -> None:
-        c, m = self.checks, self.metrics
-        try:
-            await asyncio.wait_for(self.redis.ping(), timeout)
-            c.redis_ok, c.redis_error = True, None
-        except Exception as e:
-            c.redis_ok, c.redis_error = False, repr(e)[:200]
-        intake = self.intake
-        consumer = intake.consumer
-        assigned = sorted(consumer.assignment(), key=lambda tp: (tp.topic, tp.partition))
-        try:
-            if assigned:
-                ends = await asyncio.wait_for(consumer.end_offsets(assigned), timeout)
-                lags = intake.lag(ends)
-                m.consumer_lag.clear()
-                for tp, lag in lags.items():
-                    m.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
-            else:
-                await asyncio.wait_for(consumer.topics(), timeout)
-                m.consumer_lag.clear()
-            c.kafka_ok, c.kafka_error = True, None
-        except Exception as e:
-            c.kafka_ok, c.kafka_error = False, repr(e)[:200] or type(e).__name__
-        m.assigned_partitions.set(len(assigned))
-        m.paused_partitions.set(len(consumer.paused()))
-        m.local_jobs.set(len(self.jobs))
-        if m.gpu_utilization is not None and self.engine is not None:
-            with contextlib.suppress(Exception):  # an NVML hiccup keeps the last value
-                m.gpu_utilization.set(torch_gpu_utilization(self.engine.runner.device) / 100.0)
-
-    def dump_tasks(self) -> None:
-        """SIGUSR1: log where every asyncio task is waiting (for diagnosing a stuck worker)."""
-        for name, frames in task_stacks().items():
-            log.warning("task stack", task=name, frames=frames)
-
-    async def drain(self) -> None:
-        self.draining = True
-        deadline = time.monotonic() + self.cfg.worker.drain_timeout_s
-        log.info("draining", running=len(self.jobs), deadline_s=self.cfg.worker.drain_timeout_s)
-        while self.jobs and time.monotonic() < deadline and self._crash is None:
-            await asyncio.sleep(0.05)
-        handed = [lj for lj in self.jobs.values() if not lj.stream.finished]
-        for lj in handed:
-            lj.handed_back = True
-            self.engine.abort(lj.job_id)
-            self.metrics.aborted.labels("handed_back").inc()
-        self.engine_thread.wake()
-        if handed:
-            await self.publisher.release_claims({lj.job_id: lj.stream.claim_token for lj in handed})
-            log.info("handed back unfinished jobs", job_ids=[lj.job_id for lj in handed])
-        await self._out_q.join()
-
-    async def close(self) -> None:
-        """Stop every component; each step is bounded so a broken connection cannot hang shutdown."""
-        self._stopping.set()
-        for t in self._tasks:
-            if t.get_name() in ("intake", "cancels", "claims", "checks"):
-                t.cancel()
-        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
-        for name, coro in (("intake", self.intake.stop()), ("cancels", self.cancels.stop())):
-            try:
-                await asyncio.wait_for(coro, 15)
-            except Exception as e:  # keep closing the rest
-                log.warning("component did not stop cleanly", component=name, error=repr(e))
-        self._tasks[0].cancel()
-        await asyncio.gather(self._tasks[0], return_exceptions=True)
-        self.engine_thread.stop()
-        await self.redis.aclose()
-        if self.server is not None:
-            await self.server.stop()
-        log.info("worker stopped", worker_id=self.worker_id, finished=self.num_finished)
-
-    # ---- Redis helpers used by intake ----------------------------------------------------
-    async def is_done(self, job_id: str) -> bool:
-        return bool(await self.redis.exists(keys.done_key(job_id, self._prefix)))
-
-    async def try_claim(self, job_id: str) -> str | None:
-        """SET NX with a lease; returns the claim token, or None if another worker holds it."""
-        token = f"{self.worker_id}:{uuid.uuid4().hex[:12]}"
-        ok = await self.redis.set(keys.claim_key(job_id, self._prefix), token, nx=True,
-                                  px=self.cfg.redis.claim_lease_ms)
-        return token if ok else None
-
-    async def _open_stream(self, job_id: str, claim: str) -> JobStream:
-        p = self._prefix
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.incr(keys.attempts_key(job_id, p))
-        pipe.expire(keys.attempts_key(job_id, p), self.cfg.redis.log_ttl_s)
-        attempt, _ = await pipe.execute()
-        return JobStream(job_id, int(attempt), await self.publisher.last_seq(job_id) + 1, claim)
-
-    def _emit(self, events: list, claims: dict[str, str] | None = None, finished: list[LocalJob] | None = None) -> None:
-        self._out_q.put_nowait((events, claims or {}, finished or []))
-
-    # ---- job start ---------------------------------------------------------------------
-    async def start_job(self, job: Job, priority: str, tp: TopicPartition, offset: int, enqueue: float,
-                        claim: str) -> None:
-        jid = job.job_id
-        p = self._prefix
-        if await self.redis.exists(keys.cancelled_key(jid, p)):
-            await self.finish_without_running(jid, claim, "cancelled", None, None, [(tp, offset)], job.metadata)
-            return
-        if job.deadline is not None and job.deadline < time.time():
-            await self.finish_without_running(jid, claim, "expired", "deadline_passed",
-                                              f"deadline {job.deadline} passed before the job started", [(tp, offset)],
-                                              job.metadata)
-            return
-        stream = await self._open_stream(jid, claim)
-        lj = LocalJob(job, priority, stream, [(tp, offset)], enqueue)
-        self.jobs[jid] = lj
-        kwargs = {"params": job.params, "priority": priority, "cache_salt": job.tenant or "", "arrival_time": enqueue,
-                  "deadline": job.deadline}
-        if job.prompt is not None:
-            kwargs["prompt"] = job.prompt
-        elif job.messages is not None:
-            kwargs["messages"] = [{"role": m.role, "content": m.content} for m in job.messages]
-        else:
-            kwargs["prompt_token_ids"] = job.prompt_token_ids
-        try:
-            # tokenization and chat templates run off the event loop
-            await asyncio.get_running_loop().run_in_executor(None, partial(self.engine.add_request, jid, **kwargs))
-        except RequestRejected as e:  # never started: no `started` event, only the terminal one
-            lj.started = True
-            if stream.attempt > 1:
-                self._emit([stream.restarted(_RESTART_REASON)])
-            self.metrics.rejected.labels(e.reason.value).inc()
-            self._finish_local(lj, "rejected", error=ErrorInfo(code=e.reason.value, message=e.message))
-            return
-        lj.in_engine = True
-        # `started` goes out now unless the engine's first output for the job got here first
-        # (`_on_step` emits it before that output): either way it precedes every token
-        if not lj.started:
-            self._emit(self._start_events(lj))
-        if lj.cancel_requested:
-            self.engine.abort(jid)
-        self.engine_thread.wake()
-
-    def _start_events(self, lj: LocalJob) -> list:
-        """The job's opening events, made once: `restarted` on a later attempt, then `started`."""
-        if lj.started:
-            return []
-        lj.started = True
-        events = [lj.stream.restarted(_RESTART_REASON)] if lj.stream.attempt > 1 else []
-        events.append(lj.stream.started(self.worker_id, max(0.0, lj.submit_time - lj.enqueue_time), lj.job.metadata))
-        return events
-
-    async def finish_without_running(self, job_id: str, claim: str, reason: str, code: str | None,
-                                     message: str | None, offsets: list[tuple[TopicPartition, int]],
-                                     metadata: dict | None = None) -> None:
-        """Terminal event for a claimed job that never reaches the engine (cancelled
-        before arrival, expired, rejected); `metadata` is echoed as on every terminal event."""
-        stream = await self._open_stream(job_id, claim)
-        lj = LocalJob(Job(job_id=job_id, prompt="", metadata=metadata), "normal", stream, offsets, time.time())
-        self.jobs[job_id] = lj
-        error = ErrorInfo(code=code, message=message) if code else None
-        self._finish_local(lj, reason, error=error)
-
-    def _finish_local(self, lj: LocalJob, reason: str, error: ErrorInfo | None = None) -> None:
-        self.metrics.finished.labels(reason).inc()
-        ev = lj.stream.finished_event(reason, text="".join(lj.text_parts), error=error,
-                                      usage=Usage(prompt_tokens=0, completion_tokens=0), metadata=lj.job.metadata)
-        self._emit([ev], {lj.job_id: lj.stream.claim_token}, [lj])
-
-    # ---- cancels -------------------------------------------------------------------------
-    async def cancel(self, job_id: str) -> None:
-        await self.redis.set(keys.cancelled_key(job_id, self._prefix), b"1", ex=self.cfg.redis.tombstone_ttl_s)
-        lj = self.jobs.get(job_id)
-        if lj is not None and not lj.stream.finished:
-            lj.cancel_requested = True
-            if lj.cancel_time is None:
-                lj.cancel_time = time.monotonic()
-            if lj.in_engine:
-                self.engine.abort(job_id)
-                self.engine_thread.wake()
-
-    # ---- engine outputs → events ---------------------------------------------------------
-    def _on_step(self, outputs: list[RequestOutput]) -> None:
-        now = time.time()
-        m = self.metrics
-        events, claims, finished = [], {}, []
-        for out in outputs:
-            lj = self.jobs.get(out.request_id)
-            if lj is None or lj.stream.finished:
-                continue
-            if lj.handed_back:
-                continue
-            if not lj.started:
-                events.extend(self._start_events(lj))
-            if out.new_token_ids or out.text:
-                if lj.first_token_time is None:
-                    lj.first_token_time = now
-                    m.ttft.labels(lj.priority).observe(now - lj.enqueue_time)
-                lj.num_tokens += len(out.new_token_ids)
-                m.generation_tokens.inc(len(out.new_token_ids))
-                lj.text_parts.append(out.text)
-                lps = [TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_token_ids=x.top_token_ids,
-                                    top_logprobs=x.top_logprobs) for x in out.logprobs] if out.logprobs else None
-                events.append(lj.stream.token(out.text, out.new_token_ids, lps))
-            if out.finished:
-                events.append(self._finished_event(lj, out, now))
-                claims[lj.job_id] = lj.stream.claim_token
-                finished.append(lj)
-        if events:
-            self._emit(events, claims, finished)
-
-    def _finished_event(self, lj: LocalJob, out: RequestOutput, now: float):
-        """The terminal event of a job that ran in the engine; records its metrics."""
-        m = self.metrics
-        reason = out.finish_reason or "error"
-        e2e = now - lj.enqueue_time
-        ttft = lj.first_token_time - lj.enqueue_time if lj.first_token_time else None
-        tpot = ((now - lj.first_token_time) / (lj.num_tokens - 1)
-                if lj.first_token_time and lj.num_tokens > 1 else None)
-        queue = out.times.queue_s if out.times is not None else None
-        u = out.usage
-        m.finished.labels(reason).inc()
-        m.e2e.labels(lj.priority).observe(e2e)
-        if tpot is not None:
-            m.tpot.labels(lj.priority).observe(tpot)
-        if queue is not None:
-            m.queue_time.labels(lj.priority).observe(queue)
-        if u is not None:
-            m.prompt_tokens.inc(u.prompt_tokens)
-        if reason == "cancelled":
-            m.aborted.labels("cancelled").inc()
-            if lj.cancel_time is not None:
-                m.cancel_to_free.observe(time.monotonic() - lj.cancel_time)
-        error = ErrorInfo(code=out.error_code, message=out.error_message or "") if out.error_code else None
-        lj.summary = {
-            "queue_s": _r(queue), "ttft_s": _r(ttft), "tpot_s": _r(tpot), "e2e_s": _r(e2e),
-            "tokens_per_s": _r(lj.num_tokens / (now - lj.first_token_time))
-            if lj.first_token_time and now > lj.first_token_time else None,
-            "prompt_tokens": u.prompt_tokens if u else None,
-            "cached_prompt_tokens": u.cached_prompt_tokens if u else None,
-            "preemptions": out.num_preemptions,
-        }
-        if error is not None:
-            lj.summary["error_code"] = error.code
-        return lj.stream.finished_event(
-            reason,
-            text="".join(lj.text_parts),
-            error=error,
-            usage=Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                        cached_prompt_tokens=u.cached_prompt_tokens) if u else None,
-            timings=Timings(queue_s=queue, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e),
-            metadata=lj.job.metadata,
-        )
-
-    def _on_crash(self, exc: BaseException) -> None:
-        self._crash = exc
-        self.request_stop()
-
-    async def _publish_loop(self) -> None:
-        """Single writer of events: pipelines go out in step order."""
-        q = self._out_q
-        while True:
-            batches = [await q.get()]
-            while not q.empty():
-                batches.append(q.get_nowait())
-            events = [e for b in batches for e in b[0]]
-            claims = {k: v for b in batches for k, v in b[1].items()}
-            try:
-                await self.publisher.publish(events, claims)
-            except Exception:
-                log.exception("publishing events failed; stopping the worker (jobs will be redelivered)")
-                for _ in batches:
-                    q.task_done()
-                self._on_crash(RuntimeError("Redis unavailable"))
-                return
-            for b in batches:
-                for lj in b[2]:
-                    self._job_done(lj)
-                q.task_done()
-
-    def _job_done(self, lj: LocalJob) -> None:
-        self.jobs.pop(lj.job_id, None)
-        for tp, off in lj.offsets:
-            self.tracker.done(tp, off)
-        self.num_finished += 1
-        first_tp, first_off = lj.offsets[0]
-        log.info(
-            "job finished", job_id=lj.job_id, topic=first_tp.topic, partition=first_tp.partition, offset=first_off,
-            finish_reason=lj.stream.finish_reason, attempt=lj.stream.attempt, priority=lj.priority, tokens=lj.num_tokens,
-            **lj.summary,
-        )
-
-    async def _renew_loop(self) -> None:
-        lease = self.cfg.redis.claim_lease_ms
-        while True:
-            await asyncio.sleep(lease / 3000)
-            held = [lj for lj in self.jobs.values() if not lj.stream.finished and not lj.handed_back]
-            if not held:
-                continue
-            pipe = self.redis.pipeline(transaction=False)
-            for lj in held:
-                pipe.eval(_RENEW_IF_OWNER, 1, keys.claim_key(lj.job_id, self._prefix), lj.stream.claim_token, lease)
-            results = await pipe.execute()
-            for lj, ok in zip(held, results):
-                if lj.stream.finished or lj.handed_back:
-                    continue  # it ended (or was handed back) while the renewals were in flight
-                if not ok:  # lease lost (we stalled past it): another worker may run the job now
-                    log.warning("claim lost; handing the job back", job_id=lj.job_id)
-                    lj.handed_back = True
-                    self.engine.abort(lj.job_id)
-                    self.metrics.aborted.labels("lease_lost").inc()
-                    self.jobs.pop(lj.job_id, None)
-                    # keep its offsets open until the job's terminal event appears, as for
-                    # any record whose job another worker holds
-                    self.intake.contested.extend(
-                        JobRecord(lj.job, lj.priority, tp, off, lj.enqueue_time) for tp, off in lj.offsets)
-            self.engine_thread.wake()
-
-
-
-def _r(x: float | None, nd: int = 4) -> float | None:
-    return None if x is None else round(x, nd)
-
 
 def _nvml_available() -> bool:
     """CUDA present and NVML importable (then `gpu_utilization` is exported)."""
@@ -507,10 +412,3 @@ def _nvml_available() -> bool:
         return torch.cuda.is_available()
     except Exception:
         return False
-
-
-def torch_gpu_utilization(device) -> int:
-    """Percent of time the GPU was busy over the last sample period (NVML via torch)."""
-    import torch
-
-    return torch.cuda.utilization(device)

@@ -184,7 +184,21 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Redis connection (`redis://` or `rediss://` URL; credentials may be in the URL or
-    given through `INFLIGHT_REDIS__URL`) and event retention."""
+    given through `INFLIGHT_REDIS__URL`) and event retention.
+
+    Attributes:
+        log_ttl_s: lifetime of a job's replay log, done mark and counters after its
+            last event, seconds.
+        log_maxlen: approximate cap of entries per replay log.
+        claim_lease_ms: claim lease; renewed every third of it while the job runs.
+        tombstone_ttl_s: lifetime of a cancel tombstone, seconds.
+        outage_limit_s: how long the worker holds events while Redis is unreachable
+            (jobs keep running, intake pauses) before it gives up and exits so its
+            partitions move, seconds.
+        publish_interval_ms: least time between two publisher rounds; > 0 merges each
+            job's tokens of several steps into one event (fewer Redis writes, coarser
+            streaming, as vLLM's `stream_interval`); 0 publishes as fast as Redis takes it.
+    """
 
     url: str = "redis://127.0.0.1:6390/0"
     key_prefix: str = "inflight"
@@ -192,12 +206,18 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_maxlen: int = 10_000
     claim_lease_ms: int = 15_000
     tombstone_ttl_s: int = 3600
+    outage_limit_s: float = 60.0
+    publish_interval_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis.url must start with redis://, rediss:// or unix://, got {self.url.split('@')[-1]!r}")
         _positive("redis", log_ttl_s=self.log_ttl_s, log_maxlen=self.log_maxlen, claim_lease_ms=self.claim_lease_ms,
                   tombstone_ttl_s=self.tombstone_ttl_s)
+        if not self.outage_limit_s > 0:
+            raise ConfigError(f"redis.outage_limit_s must be > 0, got {self.outage_limit_s}")
+        if not 0 <= self.publish_interval_ms <= 10_000:
+            raise ConfigError(f"redis.publish_interval_ms must be in [0, 10000], got {self.publish_interval_ms}")
 
     def __repr__(self) -> str:
         return f"RedisConfig(url=<hidden>, key_prefix={self.key_prefix!r})"
@@ -213,14 +233,22 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             for other workers. Default 2 x max_running_requests.
         drain_timeout_s: on SIGTERM, how long running jobs may finish before they are
             handed back (offsets left uncommitted, claims released).
+        max_job_failures: a job whose earlier attempts died this many times (a worker
+            crashed running it) is not run again: `finished(error)`, code `poison`, and
+            the record goes to the DLQ.
+        tokenizer_threads: threads that tokenize prompts and render chat templates, off
+            the event loop.
     """
 
     worker_id: str | None = None
     max_local_jobs: int | None = None
     drain_timeout_s: float = 30.0
+    max_job_failures: int = 2
+    tokenizer_threads: int = 2
 
     def __post_init__(self) -> None:
-        _positive("worker", max_local_jobs=self.max_local_jobs)
+        _positive("worker", max_local_jobs=self.max_local_jobs, max_job_failures=self.max_job_failures,
+                  tokenizer_threads=self.tokenizer_threads)
 
 
 class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

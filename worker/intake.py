@@ -1,58 +1,75 @@
-"""Kafka job intake: consume the priority topics as one consumer group, decode and
-validate, claim in Redis, hand to the engine; backpressure and commits.
+"""Kafka job intake: the priority topics as one consumer group; fetch, decode, buffer by
+priority, hand jobs to the worker as slots free; rebalance, commits, lag.
 
-Backpressure: at most `max_local_jobs` jobs are held by this process; beyond that every
-job partition is paused, so unstarted jobs stay in Kafka for other workers. The consumer
-keeps calling `getmany` while paused (heartbeats and `max_poll_interval_ms` never lapse).
-Free slots are filled high → normal → low. Commits follow OffsetTracker (lowest
-unfinished offset per partition); commits for partitions no longer owned fail and are
-not retried. On revoke, finished offsets are committed and the partitions forgotten;
-jobs still running keep their claims and finish, and the new owner commits past them
-once their terminal event is in Redis.
+Priority: fetched records wait in one small buffer per priority class. When slots free,
+they are filled from the high buffer first, then normal, then low, right after a
+non-blocking fetch of whatever the consumer has prefetched, so a freed slot goes to the
+highest-priority job available anywhere in this worker's assignment. A priority's
+partitions are paused only while its own buffer is full (the consumer keeps calling
+`getmany`, so heartbeats and `max_poll_interval_ms` never lapse); high records keep
+flowing while low ones wait in Kafka. Buffered records are not claimed: after a crash
+or rebalance they are simply read again from the committed offset.
+
+Commits follow OffsetTracker (lowest unfinished offset per partition); commits for
+partitions no longer owned fail and are not retried. Partitions whose committed offset
+is below the log start (records deleted by retention) or absent are positioned at the
+log start, which is then committed, so lag and the group's own view are true.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from schemas import keys
 from schemas.codec import decode_job, recover_job_id
-from schemas.wire import (
-    DLQ_HEADER_ERROR,
-    DLQ_HEADER_JOB_ID,
-    DLQ_HEADER_SOURCE_OFFSET,
-    DLQ_HEADER_SOURCE_PARTITION,
-    DLQ_HEADER_SOURCE_TOPIC,
-    DLQ_HEADER_WORKER_ID,
-)
-from worker.jobs import JobRecord
+from schemas.wire import Job
+from worker.config import KafkaConfig
+from worker.kafka_security import kafka_security_kwargs
+from worker.offsets import OffsetTracker
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
 
-    from worker.app import Worker
+    from worker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
 
+@dataclass(slots=True, eq=False)
+class JobRecord:
+    """A decoded job record with where it came from. `enqueue_time` is the record's
+    Kafka timestamp (Unix seconds); `raw`/`key` the original bytes (for the DLQ)."""
 
-def kafka_security_kwargs(cfg) -> dict:
-    kw: dict = {"security_protocol": cfg.security_protocol}
-    if cfg.sasl_mechanism:
-        kw.update(sasl_mechanism=cfg.sasl_mechanism, sasl_plain_username=cfg.sasl_username,
-                  sasl_plain_password=cfg.password())
-    if cfg.security_protocol in ("SSL", "SASL_SSL"):
-        import ssl
+    job: Job
+    priority: str
+    tp: TopicPartition
+    offset: int
+    enqueue_time: float
+    raw: bytes
+    key: bytes | None
 
-        kw["ssl_context"] = ssl.create_default_context(cafile=cfg.ssl_cafile)
-    return kw
+
+class JobSink(Protocol):
+    """What the intake needs from the worker."""
+
+    def free_slots(self) -> int:
+        """Jobs the worker can take now (0 while draining or while Redis is down)."""
+
+    async def take(self, records: list[JobRecord]) -> list[JobRecord]:
+        """Claim and start a batch; returns the records whose job another worker holds
+        (retried later; their offsets stay open)."""
+
+    async def reject_invalid(self, rec: ConsumerRecord, tp: TopicPartition, error: str, job_id: str | None) -> None:
+        """A record that does not decode as a job: DLQ (+ `finished(rejected)`), offset done."""
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -60,74 +77,81 @@ class _Rebalance(ConsumerRebalanceListener):
         self.intake = intake
 
     async def on_partitions_revoked(self, revoked) -> None:
-        self.intake.generation += 1  # records fetched before this point may be stale
-        await self.intake.commit(only=set(revoked))
+        intake = self.intake
+        await intake.commit(only=set(revoked))
+        revoked = set(revoked)
+        for buf in intake.buffers.values():  # never taken: read again by whoever owns them next
+            kept = [r for r in buf if r.tp not in revoked]
+            buf.clear()
+            buf.extend(kept)
+        for tp in revoked:
+            intake.buffered_last.pop(tp, None)
         if revoked:
-            self.intake.num_revocations += 1
-            self.intake.worker.metrics.rebalances.inc()
+            intake.num_revocations += 1
+            if intake.metrics is not None:
+                intake.metrics.rebalances.inc()
             log.info("partitions revoked", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
         # Forget only the partitions that went elsewhere. For partitions kept, the tracker
         # still knows which offsets run here, so their re-read (from the committed offset)
         # neither runs a job twice nor lets a commit pass a job still running.
-        kept = set(assigned)
         intake = self.intake
-        for tp in intake.worker.tracker.partitions():
+        kept = set(assigned)
+        tracker = intake.tracker
+        for tp in tracker.partitions():
             if tp not in kept:
-                intake.worker.tracker.drop(tp)
+                tracker.drop(tp)
         intake.contested = [c for c in intake.contested if c.tp in kept]
-        # Position every partition ourselves (committed offset, else the beginning), the
-        # same point the consumer's own reset would choose, so the re-read point is explicit.
-        # This was a first attempt at the silent fetch stall seen after a member died
-        # (aiokafka 0.14); it did not cure it alone: `Intake._check_stall` does.
-        consumer = intake.consumer
         try:
-            tps = list(assigned)
-            committed = {tp: await consumer.committed(tp) for tp in tps}
-            missing = [tp for tp in tps if committed[tp] is None]
-            beginning = await consumer.beginning_offsets(missing) if missing else {}
-            for tp in tps:
-                start = committed[tp] if committed[tp] is not None else beginning[tp]
-                consumer.seek(tp, start)
-                intake.worker.tracker.mark_committed(tp, start)
+            await intake.position(list(assigned))
         except (KafkaError, IllegalStateError) as e:
-            log.warning("could not position assigned partitions; leaving it to the consumer", error=repr(e))
+            log.info("could not position assigned partitions; leaving it to the consumer", error=repr(e))
         if assigned:
             log.info("partitions assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
 
 
 class Intake:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        cfg = worker.cfg.kafka
+    """Args:
+    cfg: the `kafka` config section.
+    client_id: this worker's id (Kafka client id).
+    sink: the worker (free slots, take, reject invalid).
+    tracker: the per-partition commit points (shared with the worker, which marks done).
+    buffer_per_priority: fetched-but-unstarted records kept per priority class.
+    metrics: optional.
+    """
+
+    def __init__(self, cfg: KafkaConfig, client_id: str, sink: JobSink, tracker: OffsetTracker[TopicPartition], *,
+                 buffer_per_priority: int, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.client_id = client_id
+        self.sink = sink
+        self.tracker = tracker
+        self.metrics = metrics
         self.topics = {keys.job_topic(cfg.topic_prefix, p): p for p in keys.PRIORITIES}
-        self.dlq_topic = keys.dlq_topic(cfg.topic_prefix)
+        self.buffer_cap = max(1, buffer_per_priority)
+        self.buffers: dict[str, deque[JobRecord]] = {p: deque() for p in keys.PRIORITIES}
+        self.buffered_last: dict[TopicPartition, int] = {}  # highest offset in a buffer, per partition
         self.consumer = self._make_consumer()
-        self.producer = AIOKafkaProducer(
-            bootstrap_servers=cfg.bootstrap_servers,
-            client_id=f"{worker.worker_id}-dlq",
-            max_request_size=cfg.max_partition_fetch_bytes + 1024 * 1024,
-            acks="all",
-            **kafka_security_kwargs(cfg),
-        )
         self.contested: list[JobRecord] = []
-        self.paused = False
-        self._last_commit = 0.0
-        self.num_dead_letters = 0
+        self.log_start: dict[TopicPartition, int] = {}
+        self.paused_priorities: set[str] = set()
         self.num_revocations = 0
-        self.generation = 0
         self.num_consumer_restarts = 0
+        self.num_invalid = 0
+        self._last_commit = 0.0
+        self._last_contested = 0.0
         self._last_progress = time.monotonic()
         self._last_stall_check = 0.0
+        self._pending_invalid: list[tuple[ConsumerRecord, TopicPartition, str]] = []
 
     def _make_consumer(self) -> AIOKafkaConsumer:
-        cfg = self.worker.cfg.kafka
+        cfg = self.cfg
         return AIOKafkaConsumer(
             *self.topics,
             bootstrap_servers=cfg.bootstrap_servers,
             group_id=cfg.group_id,
-            client_id=self.worker.worker_id,
+            client_id=self.client_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             session_timeout_ms=cfg.session_timeout_ms,
@@ -139,17 +163,147 @@ class Intake:
         )
 
     async def start(self) -> None:
-        await self.producer.start()
         self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
         await self.consumer.start()
         self._last_progress = time.monotonic()
 
-    async def _check_stall(self) -> None:
-        """Watchdog: partitions have lag, this worker has free slots, yet no record came
-        for `kafka.stall_timeout_s`. aiokafka has been seen to stop fetching after a group member died
-        (all assigned partitions silent, no error); the remedy is a fresh consumer."""
+    async def stop(self) -> None:
+        await self.commit()
+        await self.consumer.stop()  # leaves the group: partitions go to other workers now
+
+    @property
+    def num_buffered(self) -> int:
+        return sum(len(b) for b in self.buffers.values())
+
+    # ---- positions and lag -----------------------------------------------------------
+    async def position(self, tps: list[TopicPartition]) -> None:
+        """Seek each partition to its committed offset, or to the log start when the
+        committed offset is absent or below it (records deleted by retention); in that
+        case the log start becomes the partition's commit point."""
+        if not tps:
+            return
+        consumer = self.consumer
+        committed = {tp: await consumer.committed(tp) for tp in tps}
+        starts = await consumer.beginning_offsets(tps)
+        self.log_start.update(starts)
+        for tp in tps:
+            c = committed[tp]
+            start = starts[tp]
+            if c is None or c < start:
+                consumer.seek(tp, start)
+                self.tracker.mark_committed(tp, -1 if c is None else c)
+                self.tracker.skip_to(tp, start)  # committed by the next commit()
+            else:
+                consumer.seek(tp, c)
+                self.tracker.mark_committed(tp, c)
+
+    def lag(self, end_offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Consumer lag per partition: log end offset minus the group's position, where
+        the position is the committed offset or, if that is below the log start (or
+        absent), the log start (what a consumer can still read)."""
+        lags = {}
+        for tp, end in end_offsets.items():
+            committed = self.tracker.committed(tp)
+            base = max(committed if committed is not None else -1, self.log_start.get(tp, 0))
+            lags[tp] = max(0, end - base)
+        return lags
+
+    # ---- the consume loop ------------------------------------------------------------
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Consume until `stopping`. Broker errors back off and retry; anything else
+        propagates (the worker stops and its jobs are redelivered)."""
+        while not stopping.is_set():
+            try:
+                await self._iteration()
+            except (KafkaError, IllegalStateError) as e:
+                log.warning("Kafka error in the consume loop; retrying", error=repr(e))
+                await asyncio.sleep(0.5)
+
+    async def _iteration(self) -> None:
+        self._update_pauses()
+        free = self.sink.free_slots()
+        busy = any(self.buffers.values()) or free > 0
+        got = await self.consumer.getmany(timeout_ms=10 if busy else 100)
+        self._buffer(got)
+        if got or self.num_buffered or self.sink.free_slots() <= 0:
+            self._last_progress = time.monotonic()
+        else:
+            await self._check_stall()
+        await self._fill_slots()
         now = time.monotonic()
-        stall_s = self.worker.cfg.kafka.stall_timeout_s
+        if self.contested and now - self._last_contested > 0.5:
+            self._last_contested = now
+            self.contested = await self.sink.take(self.contested)
+        if now - self._last_commit > self.cfg.commit_interval_ms / 1000:
+            await self.commit()
+
+    def _update_pauses(self) -> None:
+        """Pause a priority's partitions while its buffer is full; resume when it has room."""
+        assigned = self.consumer.assignment()
+        full = {p for p, b in self.buffers.items() if len(b) >= self.buffer_cap}
+        if full == self.paused_priorities:
+            return
+        pause = [tp for tp in assigned if self.topics.get(tp.topic) in full]
+        resume = [tp for tp in assigned if self.topics.get(tp.topic) not in full]
+        if pause:
+            self.consumer.pause(*pause)
+        if resume:
+            self.consumer.resume(*resume)
+        self.paused_priorities = full
+
+    def _buffer(self, got: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        """Decode fetched records into the priority buffers. A record is *taken* (enters
+        the OffsetTracker) only when it leaves its buffer, in offset order per partition,
+        so records dropped from a buffer by a rebalance are simply read again."""
+        assigned = self.consumer.assignment()
+        for tp, recs in got.items():
+            prio = self.topics[tp.topic]
+            for rec in recs:
+                seen = max(self.tracker.last_taken(tp), self.buffered_last.get(tp, -1))
+                if tp not in assigned or rec.offset <= seen:
+                    continue  # not ours any more, or already here (re-read after a rebalance)
+                self.buffered_last[tp] = rec.offset
+                value = rec.value or b""
+                try:
+                    job = decode_job(value)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    if self.tracker.add(tp, rec.offset):
+                        self._pending_invalid.append((rec, tp, str(e)))
+                    continue
+                self.buffers[prio].append(JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key))
+
+    async def _fill_slots(self) -> None:
+        """Invalid records go to the DLQ at once; then free slots take buffered jobs,
+        highest priority first, after a non-blocking fetch of what is prefetched."""
+        if self._pending_invalid:
+            pending, self._pending_invalid = self._pending_invalid, []
+            for rec, tp, error in pending:
+                self.num_invalid += 1
+                await self.sink.reject_invalid(rec, tp, error, recover_job_id(rec.value or b""))
+        free = self.sink.free_slots()
+        if free <= 0 or not any(self.buffers.values()):
+            return
+        self._buffer(await self.consumer.getmany(timeout_ms=0))
+        batch: list[JobRecord] = []
+        assigned = self.consumer.assignment()
+        for prio in keys.PRIORITIES:
+            buf = self.buffers[prio]
+            while buf and len(batch) < free:
+                rec = buf.popleft()
+                if rec.tp in assigned and self.tracker.add(rec.tp, rec.offset):
+                    batch.append(rec)
+        contested = await self.sink.take(batch)
+        assigned = self.consumer.assignment()  # a rebalance may have happened meanwhile
+        self.contested.extend(c for c in contested if c.tp in assigned)
+
+    async def _check_stall(self) -> None:
+        """Watchdog: partitions have unread records, this worker has free slots, yet no
+        record came for `kafka.stall_timeout_s`. aiokafka has been seen to stop fetching
+        after a group member died (all assigned partitions silent, no error); the remedy
+        is a fresh consumer. Unread is measured from the log start, so records deleted
+        by retention never look like a stall."""
+        now = time.monotonic()
+        stall_s = self.cfg.stall_timeout_s
         if now - self._last_progress < stall_s or now - self._last_stall_check < stall_s / 2:
             return
         self._last_stall_check = now
@@ -158,178 +312,41 @@ class Intake:
             return
         try:
             ends = await asyncio.wait_for(self.consumer.end_offsets(assigned), 10)
+            starts = await asyncio.wait_for(self.consumer.beginning_offsets(assigned), 10)
             committed = await asyncio.wait_for(
                 asyncio.gather(*(self.consumer.committed(tp) for tp in assigned)), 10)
         except (TimeoutError, KafkaError, IllegalStateError) as e:
             # The broker does not answer: that is an outage (readiness reports it), not a
             # stalled consumer; a fresh consumer would not fetch either. Check again later.
-            log.warning("stall check could not reach Kafka; not recreating the consumer", error=repr(e))
+            log.info("stall check could not reach Kafka; not recreating the consumer", error=repr(e))
             return
+        self.log_start.update(starts)
         lagging = [tp for tp, c in zip(assigned, committed)
-                   if ends[tp] > max(c or 0, self.worker.tracker.last_taken(tp) + 1)]
+                   if ends[tp] > max(c or 0, starts[tp], self.tracker.last_taken(tp) + 1)]
         if not lagging:
             self._last_progress = now
             return
         log.warning("consumer stalled: partitions have unread jobs but nothing was fetched; recreating it",
-                    stalled_s=round(now - self._last_progress, 1))
+                    stalled_s=round(now - self._last_progress, 1),
+                    partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in lagging))
         self.num_consumer_restarts += 1
-        self.worker.metrics.consumer_restarts.inc()
+        if self.metrics is not None:
+            self.metrics.consumer_restarts.inc()
         old = self.consumer
         try:
             await asyncio.wait_for(old.stop(), 15)  # commits via the revoke callback, leaves the group
         except Exception as e:  # a wedged consumer: abandon it
             log.warning("stalled consumer did not stop cleanly", error=repr(e))
         self.consumer = self._make_consumer()
+        self.paused_priorities = set()
         self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
         await self.consumer.start()
         self._last_progress = time.monotonic()
 
-    async def stop(self) -> None:
-        await self.commit()
-        await self.consumer.stop()  # leaves the group: partitions go to other workers now
-        await self.producer.stop()
-
-    # ---- the consume loop ------------------------------------------------------------
-    async def run(self, stopping: asyncio.Event) -> None:
-        """Consume until `stopping`. Broker errors back off and retry; anything else
-        propagates (the worker stops and its jobs are redelivered)."""
-        worker = self.worker
-        last_contested = 0.0
-        while not stopping.is_set():
-            try:
-                free = 0 if worker.draining else worker.max_local_jobs - worker.num_local_jobs
-                # hysteresis: once paused, resume only when a quarter of the slots are free
-                resume_at = max(1, worker.max_local_jobs // 4) if self.paused else 1
-                self._set_paused(free < resume_at)
-                if self.paused:
-                    free = 0
-                records = await self._fetch(free)
-                if records or free <= 0:
-                    self._last_progress = time.monotonic()
-                else:
-                    await self._check_stall()
-                generation = self.generation
-                for prio in keys.PRIORITIES:
-                    for rec in records.get(prio, ()):
-                        if self.generation != generation:
-                            # A rebalance during this batch: every kept partition is re-read
-                            # from its committed offset, so the rest comes again.
-                            break
-                        await self.handle(rec, prio)
-                now = time.monotonic()
-                if self.contested and now - last_contested > 0.5:
-                    last_contested = now
-                    await self._retry_contested()
-                if now - self._last_commit > worker.cfg.kafka.commit_interval_ms / 1000:
-                    await self.commit()
-            except (KafkaError, IllegalStateError) as e:
-                log.warning("Kafka error in the consume loop; retrying", error=repr(e))
-                await asyncio.sleep(0.5)
-
-    def _set_paused(self, pause: bool) -> None:
-        assigned = self.consumer.assignment()
-        if pause:
-            self.consumer.pause(*assigned)
-        elif self.paused or self.consumer.paused():
-            self.consumer.resume(*assigned)
-        self.paused = pause
-
-    async def _fetch(self, free: int) -> dict[str, list[ConsumerRecord]]:
-        """Up to `free` records, high-priority partitions first. Always calls getmany."""
-        if free <= 0:
-            await self.consumer.getmany(timeout_ms=100)  # paused: returns nothing, keeps us in the group
-            return {}
-        assigned = self.consumer.assignment()
-        out: dict[str, list] = {}
-        for prio in keys.PRIORITIES:
-            if free <= 0:
-                break
-            tps = [tp for tp in assigned if self.topics.get(tp.topic) == prio]
-            if not tps:
-                continue
-            got = await self.consumer.getmany(*tps, timeout_ms=0, max_records=free)
-            recs = [r for tp in sorted(got, key=lambda t: t.partition) for r in got[tp]]
-            if recs:
-                out[prio] = recs
-                free -= len(recs)
-        if not out:
-            got = await self.consumer.getmany(timeout_ms=200, max_records=free)
-            for tp, recs in got.items():
-                out.setdefault(self.topics[tp.topic], []).extend(recs)
-        return out
-
-    # ---- one record ------------------------------------------------------------------
-    async def handle(self, rec: ConsumerRecord, priority: str) -> None:
-        worker = self.worker
-        tp = TopicPartition(rec.topic, rec.partition)
-        if tp not in self.consumer.assignment() or not worker.tracker.add(tp, rec.offset):
-            return  # not ours any more, or already taken (re-read after a rebalance)
-        enqueue = rec.timestamp / 1000.0
-        bound = log.bind(topic=rec.topic, partition=rec.partition, offset=rec.offset)
-        try:
-            job = decode_job(rec.value or b"")
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            await self.dead_letter(rec, tp, str(e), bound)
-            return
-        c = JobRecord(job, priority, tp, rec.offset, enqueue)
-        if not await self._take(c):
-            bound.info("job claimed by another worker; waiting", job_id=job.job_id)
-            self.contested.append(c)
-
-    async def _take(self, c: JobRecord) -> bool:
-        """Attach the record to the job running here, skip it if the job already ended, or
-        claim and start it. False if another worker holds the claim (retried later)."""
-        worker = self.worker
-        local = worker.jobs.get(c.job.job_id)
-        if local is not None:  # redelivered to us while we run it: answer both records at the end
-            local.offsets.append((c.tp, c.offset))
-            return True
-        if await worker.is_done(c.job.job_id):
-            worker.tracker.done(c.tp, c.offset)
-            return True
-        claim = await worker.try_claim(c.job.job_id)
-        if claim is None:
-            return False
-        await worker.start_job(c.job, c.priority, c.tp, c.offset, c.enqueue_time, claim)
-        return True
-
-    async def _retry_contested(self) -> None:
-        still = []
-        for c in self.contested:
-            if not await self._take(c):
-                still.append(c)
-        self.contested = still
-
-    async def dead_letter(self, rec: ConsumerRecord, tp: TopicPartition, error: str, bound) -> None:
-        """Poison record: DLQ with the original bytes, `finished(rejected)` if a job_id is
-        recoverable, offset done. Never blocks the partition."""
-        job_id = recover_job_id(rec.value or b"")
-        headers = [
-            (DLQ_HEADER_ERROR, error.encode()[:4096]),
-            (DLQ_HEADER_SOURCE_TOPIC, rec.topic.encode()),
-            (DLQ_HEADER_SOURCE_PARTITION, str(rec.partition).encode()),
-            (DLQ_HEADER_SOURCE_OFFSET, str(rec.offset).encode()),
-            (DLQ_HEADER_WORKER_ID, self.worker.worker_id.encode()),
-        ]
-        if job_id:
-            headers.append((DLQ_HEADER_JOB_ID, job_id.encode()))
-        await self.producer.send_and_wait(self.dlq_topic, value=rec.value, key=rec.key, headers=headers)
-        self.num_dead_letters += 1
-        self.worker.metrics.dlq_records.inc()
-        self.worker.metrics.rejected.labels("invalid_job").inc()
-        bound.warning("invalid job record sent to the DLQ", error=error[:300], job_id=job_id,
-                      size=len(rec.value or b""))
-        if job_id and not await self.worker.is_done(job_id):
-            claim = await self.worker.try_claim(job_id)
-            if claim is not None:
-                await self.worker.finish_without_running(job_id, claim, "rejected", "invalid_job", error, [(tp, rec.offset)])
-                return
-        self.worker.tracker.done(tp, rec.offset)
-
     # ---- commits -----------------------------------------------------------------------
     async def commit(self, only: set[TopicPartition] | None = None) -> None:
         self._last_commit = time.monotonic()
-        tracker = self.worker.tracker
+        tracker = self.tracker
         assigned = self.consumer.assignment()
         points = {tp: off for tp, off in tracker.commit_points().items()
                   if tp in assigned and (only is None or tp in only)}
@@ -341,16 +358,8 @@ class Intake:
             # Typically: partitions no longer ours after a rebalance. Not retried; the new
             # owner re-reads from the last committed offset and skips finished jobs.
             log.warning("offset commit failed", error=repr(e), partitions=len(points))
-            self.worker.metrics.commit_failures.inc()
+            if self.metrics is not None:
+                self.metrics.commit_failures.inc()
             return
         for tp, off in points.items():
             tracker.mark_committed(tp, off)
-
-    def lag(self, end_offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
-        """Consumer lag per partition: log end offset minus the committed offset (what
-        Kafka's tools and KEDA call lag; includes jobs running here, not yet committed)."""
-        lags = {}
-        for tp, end in end_offsets.items():
-            committed = self.worker.tracker.committed(tp)
-            lags[tp] = 0 if committed is None else max(0, end - committed)
-        return lags

@@ -1,52 +1,392 @@
-"""Local state of the jobs a worker holds (claimed, running in the engine)."""
+"""The worker's job table: every job this process holds, its lifecycle, and the events
+each one owes its stream. The table is the only writer of a job's state and of its
+`seq` numbers; it does no I/O, so the whole lifecycle is tested without Kafka or Redis.
+
+Lifecycle of one local job (an ordered enum; each arrow is one JobTable method):
+
+    open ──► CLAIMED ──accepted / first output──► IN_ENGINE ──terminal output──► FINISHING
+                │                                      │                             │
+                └──finish_local (cancelled before      │                      published
+                   running, expired, rejected, poison) ─┴──────────► FINISHING ──► DONE
+                                                        hand_back ──► HANDED_BACK (no terminal event)
+
+Events are drafted per job as engine outputs arrive (`apply_outputs`) and numbered only
+when the publisher takes a round (`drain`): the opening events (`restarted` on a later
+attempt, then `started` once the engine accepted the job), at most one `token` event
+holding every token that arrived since the last round (token coalescing: a publisher
+that falls behind sends fewer, larger deltas; the concatenated text is unchanged, as
+vLLM's `stream_interval`), and the terminal `finished`. Exactly one terminal event per
+job; nothing after it, nothing for a job handed back.
+"""
 
 from __future__ import annotations
 
+import enum
 import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from aiokafka import TopicPartition
+from schemas.codec import encode
+from schemas.wire import (
+    ErrorInfo,
+    Event,
+    Finished,
+    FinishReason,
+    Job,
+    Restarted,
+    Started,
+    Timings,
+    Token,
+    TokenLogprob,
+    Usage,
+)
 
-from schemas.wire import Job
-from worker.publish import JobStream
+if TYPE_CHECKING:
+    from worker.engine import RequestOutput
+
+RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
+# Published histories of finished jobs kept to re-append if Redis restarts empty.
+RECENT_MAX_JOBS = 4096
+RECENT_MAX_AGE_S = 120.0
+
+
+class JobState(enum.IntEnum):
+    CLAIMED = 0  # claim held; attempt and first seq known; input being validated / tokenized
+    IN_ENGINE = 1  # the engine accepted the request; opening events drafted
+    FINISHING = 2  # terminal event drafted; waiting for it to be published and recorded
+    DONE = 3  # published and recorded; removed from the table
+    HANDED_BACK = 4  # aborted without a terminal event (drain deadline, lease lost)
+
+
+@dataclass(slots=True, eq=False)
+class Offset:
+    """A Kafka record a job answers: (topic, partition) and offset."""
+
+    tp: Any
+    offset: int
 
 
 @dataclass(slots=True, eq=False)
 class LocalJob:
-    """A claimed job. `offsets` are every Kafka record this job answers (a redelivery
-    that reaches the same worker while the job runs is attached here); they are marked
-    done once the terminal event is in Redis. Times are Unix seconds."""
+    """One job held by this worker. Times are Unix seconds unless named `*_mono`.
+    Written only by JobTable."""
 
     job: Job
     priority: str
-    stream: JobStream
-    offsets: list[tuple[TopicPartition, int]]
-    enqueue_time: float
-    submit_time: float = field(default_factory=time.time)
+    offsets: list[Offset]
+    enqueue_time: float  # the Kafka record timestamp
+    claim_token: str
+    attempt: int
+    next_seq: int
+    raw: bytes | None = None  # the record's original bytes until the engine accepts the job (DLQ)
+    raw_key: bytes | None = None
+    state: JobState = JobState.CLAIMED
+    claim_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     num_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)
-    started: bool = False  # the `started` event is made (or the job was rejected and never starts)
-    cancel_requested: bool = False
-    cancel_time: float | None = None  # time.monotonic() when the cancel arrived (cancel-to-free latency)
-    handed_back: bool = False
-    in_engine: bool = False
-    summary: dict = field(default_factory=dict)  # timings and usage for the job's summary log line
+    cancel_time_mono: float | None = None  # time.monotonic() of the cancel (cancel-to-free latency)
+    # drafts not yet numbered (see module docstring)
+    _opening: list[str] = field(default_factory=list)  # "restarted", "started"
+    _delta_text: list[str] = field(default_factory=list)
+    _delta_ids: list[int] = field(default_factory=list)
+    _delta_logprobs: list[TokenLogprob] | None = None
+    _terminal: Finished | None = None
+    opened: bool = False
+    finish_reason: FinishReason | None = None
+    error: ErrorInfo | None = None
+    dead_letter: tuple[str, str] | None = None  # (reason code, message): the record goes to the DLQ
+    history: list[tuple[int, bytes]] = field(default_factory=list)  # published (seq, event) of this attempt
+    summary: dict[str, Any] = field(default_factory=dict)  # timings for the job's summary log line
 
     @property
     def job_id(self) -> str:
         return self.job.job_id
 
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
-@dataclass(slots=True, eq=False)
-class JobRecord:
-    """A decoded job record: the job with its partition, offset and enqueue time (Unix
-    seconds). Kept in `Intake.contested` while another live worker holds the job's claim:
-    its offset stays open until that job ends (done key) or the claim expires (then this
-    worker runs it)."""
+    @property
+    def has_drafts(self) -> bool:
+        return bool(self._opening or self._delta_ids or self._delta_text or self._terminal is not None)
 
-    job: Job
-    priority: str
-    tp: TopicPartition
-    offset: int
-    enqueue_time: float
+
+@dataclass(slots=True)
+class Applied:
+    """What `apply_outputs` took: jobs whose first token arrived (for TTFT) and the
+    number of output tokens drafted (outputs of jobs no longer here are not counted)."""
+
+    first_tokens: list[LocalJob]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class Round:
+    """One publisher round: numbered events in publish order, and the jobs whose
+    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes."""
+
+    events: list[Event]
+    encoded: list[bytes]
+    finished: list[LocalJob]
+
+    def __bool__(self) -> bool:
+        return bool(self.events)
+
+
+class JobTable:
+    """Every job this worker holds, by job id. Args:
+    worker_id: written into `started` events.
+    clock: wall clock (seconds), replaceable in tests.
+    """
+
+    def __init__(self, worker_id: str, clock=time.time) -> None:
+        self.worker_id = worker_id
+        self._clock = clock
+        self._jobs: dict[str, LocalJob] = {}
+        self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
+        # job_id -> (done time, history, (reason, claim token, attempt)) of recently finished jobs
+        self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int]]] = OrderedDict()
+
+    # ---- queries ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def get(self, job_id: str) -> LocalJob | None:
+        return self._jobs.get(job_id)
+
+    def __iter__(self) -> Iterator[LocalJob]:
+        return iter(list(self._jobs.values()))
+
+    def holding_claims(self) -> list[LocalJob]:
+        """Jobs whose claim this worker must keep renewing."""
+        return [j for j in self._jobs.values() if j.state in (JobState.CLAIMED, JobState.IN_ENGINE,
+                                                               JobState.FINISHING)]
+
+    def running(self) -> list[LocalJob]:
+        """Jobs that have not reached their terminal event yet."""
+        return [j for j in self._jobs.values() if j.state in (JobState.CLAIMED, JobState.IN_ENGINE)]
+
+    @property
+    def has_drafts(self) -> bool:
+        return bool(self._dirty)
+
+    # ---- transitions -----------------------------------------------------------------
+    def open(self, job: Job, priority: str, offset: Offset, enqueue_time: float, claim_token: str, attempt: int,
+             next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None) -> LocalJob:
+        """A job claimed by this worker (CLAIMED). `next_seq` continues the job's log.
+
+        Raises:
+            ValueError: the job is already held here (attach the offset instead).
+        """
+        if job.job_id in self._jobs:
+            raise ValueError(f"job {job.job_id!r} is already held by this worker")
+        lj = LocalJob(job, priority, [offset], enqueue_time, claim_token, attempt, next_seq, raw, raw_key,
+                      claim_time=self._clock())
+        self._jobs[job.job_id] = lj
+        if attempt > 1:
+            self._draft(lj, opening="restarted")
+        return lj
+
+    def attach_offset(self, job_id: str, offset: Offset) -> bool:
+        """A redelivered record of a job held here: it is answered by the same terminal
+        event. False if the job is not here."""
+        lj = self._jobs.get(job_id)
+        if lj is None:
+            return False
+        lj.offsets.append(offset)
+        return True
+
+    def accepted(self, job_id: str) -> None:
+        """The engine accepted the request: IN_ENGINE, `started` drafted (once; the
+        engine's first output may have done it already)."""
+        lj = self._jobs.get(job_id)
+        if lj is not None and lj.state == JobState.CLAIMED:
+            self._enter_engine(lj)
+
+    def _enter_engine(self, lj: LocalJob) -> None:
+        lj.state = JobState.IN_ENGINE
+        lj.raw = lj.raw_key = None
+        self._draft(lj, opening="started")
+
+    def finish_local(self, job_id: str, reason: FinishReason, error: ErrorInfo | None = None,
+                     dead_letter: tuple[str, str] | None = None) -> LocalJob | None:
+        """End a job that never ran in the engine (cancelled before it started, expired,
+        rejected, poison): only its terminal event (after `restarted` on a later attempt)."""
+        lj = self._jobs.get(job_id)
+        if lj is None or lj.state != JobState.CLAIMED:
+            return None
+        lj.dead_letter = dead_letter
+        self._terminate(lj, reason, error, usage=Usage(prompt_tokens=0, completion_tokens=0), timings=None)
+        return lj
+
+    def hand_back(self, job_id: str) -> LocalJob | None:
+        """Give the job up without a terminal event (its drafts are dropped); the caller
+        aborts it in the engine and releases its claim. None if it already has its
+        terminal event (then it finishes normally) or is unknown."""
+        lj = self._jobs.get(job_id)
+        if lj is None or lj.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+            return None
+        lj.state = JobState.HANDED_BACK
+        lj._opening.clear()
+        lj._delta_text.clear()
+        lj._delta_ids.clear()
+        lj._delta_logprobs = None
+        self._dirty.pop(lj.job_id, None)
+        del self._jobs[lj.job_id]
+        return lj
+
+    def request_cancel(self, job_id: str, now_mono: float | None = None) -> LocalJob | None:
+        """A cancel arrived for a job held here: note its time (the first one counts) and
+        return the job if it has not reached its terminal event (the caller aborts it in
+        the engine when IN_ENGINE; a CLAIMED job is aborted as soon as it is accepted)."""
+        lj = self._jobs.get(job_id)
+        if lj is None or lj.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+            return None
+        if lj.cancel_time_mono is None:
+            lj.cancel_time_mono = time.monotonic() if now_mono is None else now_mono
+        return lj
+
+    def apply_outputs(self, outputs: Iterable[RequestOutput]) -> Applied:
+        """Draft the events of engine outputs (a step's, or several steps' merged).
+        Outputs of jobs not here, handed back or already finishing are ignored."""
+        now = self._clock()
+        first_tokens = []
+        num_tokens = 0
+        for out in outputs:
+            lj = self._jobs.get(out.request_id)
+            if lj is None or lj.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+                continue
+            if lj.state == JobState.CLAIMED:  # the output overtook `accepted`
+                self._enter_engine(lj)
+            if out.new_token_ids or out.text:
+                if lj.first_token_time is None:
+                    lj.first_token_time = now
+                    first_tokens.append(lj)
+                lj.num_tokens += len(out.new_token_ids)
+                num_tokens += len(out.new_token_ids)
+                lj.text_parts.append(out.text)
+                lj._delta_text.append(out.text)
+                lj._delta_ids.extend(out.new_token_ids)
+                if out.logprobs:
+                    if lj._delta_logprobs is None:
+                        lj._delta_logprobs = []
+                    lj._delta_logprobs.extend(
+                        TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_token_ids=x.top_token_ids,
+                                     top_logprobs=x.top_logprobs) for x in out.logprobs)
+                self._dirty.setdefault(lj.job_id, lj)
+            if out.finished:
+                self._finish_from_engine(lj, out, now)
+        return Applied(first_tokens, num_tokens)
+
+    def _finish_from_engine(self, lj: LocalJob, out: RequestOutput, now: float) -> None:
+        reason = FinishReason(out.finish_reason or "error")
+        e2e = now - lj.enqueue_time
+        first = lj.first_token_time
+        ttft = first - lj.enqueue_time if first is not None else None
+        tpot = (now - first) / (lj.num_tokens - 1) if first is not None and lj.num_tokens > 1 else None
+        queue = out.times.queue_s if out.times is not None else None
+        u = out.usage
+        usage = Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                      cached_prompt_tokens=u.cached_prompt_tokens) if u is not None else None
+        error = ErrorInfo(code=out.error_code, message=out.error_message or "") if out.error_code else None
+        lj.summary = {
+            "queue_s": _round(queue), "ttft_s": _round(ttft), "tpot_s": _round(tpot), "e2e_s": _round(e2e),
+            "tokens_per_s": _round(lj.num_tokens / (now - first)) if first is not None and now > first else None,
+            "prompt_tokens": u.prompt_tokens if u else None,
+            "cached_prompt_tokens": u.cached_prompt_tokens if u else None,
+            "preemptions": out.num_preemptions,
+        }
+        if error is not None:
+            lj.summary["error_code"] = error.code
+        self._terminate(lj, reason, error, usage, Timings(queue_s=queue, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e))
+
+    def _terminate(self, lj: LocalJob, reason: FinishReason, error: ErrorInfo | None, usage: Usage | None,
+                   timings: Timings | None) -> None:
+        lj.state = JobState.FINISHING
+        lj.finish_reason = reason
+        lj.error = error
+        # seq is set when the round is drained
+        lj._terminal = Finished(job_id=lj.job_id, seq=-1, attempt=lj.attempt, finish_reason=reason, text=lj.text,
+                                usage=usage, timings=timings, error=error, metadata=lj.job.metadata)
+        self._dirty.setdefault(lj.job_id, lj)
+
+    def _draft(self, lj: LocalJob, *, opening: str) -> None:
+        if opening == "started":
+            if lj.opened:
+                return
+            lj.opened = True
+        lj._opening.append(opening)
+        self._dirty.setdefault(lj.job_id, lj)
+
+    # ---- rounds ----------------------------------------------------------------------
+    def drain(self) -> Round:
+        """Number every drafted event (per job: opening, one merged token event,
+        terminal) and hand them to the publisher as one round."""
+        events: list[Event] = []
+        encoded: list[bytes] = []
+        finished: list[LocalJob] = []
+        dirty, self._dirty = self._dirty, {}
+        for lj in dirty.values():
+            for kind in lj._opening:
+                if kind == "restarted":
+                    ev: Event = Restarted(job_id=lj.job_id, seq=lj.next_seq, attempt=lj.attempt, reason=RESTART_REASON)
+                else:
+                    ev = Started(job_id=lj.job_id, seq=lj.next_seq, attempt=lj.attempt, worker_id=self.worker_id,
+                                 queue_time_s=max(0.0, lj.claim_time - lj.enqueue_time), metadata=lj.job.metadata)
+                self._add(lj, ev, events, encoded)
+            lj._opening.clear()
+            if lj._delta_ids or lj._delta_text:
+                ev = Token(job_id=lj.job_id, seq=lj.next_seq, attempt=lj.attempt, text="".join(lj._delta_text),
+                           token_ids=lj._delta_ids, logprobs=lj._delta_logprobs)
+                self._add(lj, ev, events, encoded)
+                lj._delta_text, lj._delta_ids, lj._delta_logprobs = [], [], None
+            if lj._terminal is not None:
+                term = lj._terminal
+                term.seq = lj.next_seq
+                lj._terminal = None
+                self._add(lj, term, events, encoded)
+                finished.append(lj)
+        return Round(events, encoded, finished)
+
+    @staticmethod
+    def _add(lj: LocalJob, ev: Event, events: list, encoded: list) -> None:
+        data = encode(ev)
+        events.append(ev)
+        encoded.append(data)
+        lj.history.append((ev.seq, data))
+        lj.next_seq += 1
+
+    def done(self, lj: LocalJob) -> None:
+        """The job's terminal event is published and recorded: DONE, out of the table.
+        Its published history is kept a while (`histories`)."""
+        lj.state = JobState.DONE
+        now = self._clock()
+        if lj.history and lj.finish_reason is not None:
+            self._recent[lj.job_id] = (now, lj.history, (lj.finish_reason.value, lj.claim_token, lj.attempt))
+            self._recent.move_to_end(lj.job_id)
+        lj.history = []
+        self._jobs.pop(lj.job_id, None)
+        while self._recent and (len(self._recent) > RECENT_MAX_JOBS
+                                or next(iter(self._recent.values()))[0] < now - RECENT_MAX_AGE_S):
+            self._recent.popitem(last=False)
+
+    def histories(self) -> Iterator[tuple[str, list[tuple[int, bytes]], tuple[str, str, int] | None]]:
+        """What this worker published that Redis must hold: (job_id, [(seq, event)], terminal)
+        for every held job (terminal None) and each job finished in the last
+        RECENT_MAX_AGE_S (terminal = (finish reason, claim token, attempt))."""
+        for lj in self._jobs.values():
+            if lj.history:
+                yield lj.job_id, list(lj.history), None
+        for job_id, (_, history, term) in self._recent.items():
+            if job_id not in self._jobs:
+                yield job_id, history, term
+
+
+def _round(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)

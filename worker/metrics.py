@@ -37,6 +37,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  120.0, 300.0, 600.0)
 CANCEL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 PRIORITY = ("priority",)
 
@@ -113,6 +114,17 @@ class Metrics:
         self.consumer_restarts = Counter("kafka_consumer_restarts", "Consumers recreated by the stall watchdog",
                                          registry=r)
         self.cancels = Counter("cancels_received", "Valid cancel messages read", registry=r)
+        # ---- the I/O path (asyncio loop) -------------------------------------------------
+        self.events_published = Counter("events_published", "Events sent to Redis (token events may merge "
+                                        "several steps' tokens when the publisher is behind)", registry=r)
+        self.publish_round = Histogram("publish_round_duration_seconds",
+                                       "Time to write one publisher round (all drafted events) to Redis",
+                                       buckets=STEP_BUCKETS, registry=r)
+        self.redis_outage = Gauge("redis_outage", "1 while Redis is unreachable and events are held", registry=r)
+        self.redis_restores = Counter("redis_restores", "Times Redis was found to have lost its data and the "
+                                      "held jobs' logs were restored", registry=r)
+        self.loop_lag = Histogram("event_loop_lag_seconds", "How late the asyncio loop wakes a 100 ms sleep "
+                                  "(a starved loop misses Kafka heartbeats)", buckets=LAG_BUCKETS, registry=r)
 
         self._window_s = throughput_window_s
         self._tok_window: deque[tuple[int, int, int]] = deque()  # (second, prefill, decode)

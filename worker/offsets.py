@@ -86,10 +86,15 @@ class OffsetTracker(Generic[TP]):
         """Highest offset taken from `tp`, or -1."""
         return self._last.get(tp, -1)
 
-    def num_pending(self, tp: TP | None = None) -> int:
-        if tp is not None:
-            return len(self._pending.get(tp, ()))
-        return sum(len(q) for q in self._pending.values())
+    def skip_to(self, tp: TP, offset: int) -> None:
+        """Nothing below `offset` exists any more (records deleted by retention): make
+        `offset` the commit point of `tp` unless records at or above it are pending."""
+        self._done.setdefault(tp, set())
+        q = self._pending.setdefault(tp, deque())
+        if not q and offset > self._next.get(tp, -1):
+            self._next[tp] = offset
+        if offset - 1 > self._last.get(tp, -1):
+            self._last[tp] = offset - 1
 
     def drop(self, tp: TP) -> None:
         """Forget a revoked partition (its new owner re-reads from the committed offset)."""

@@ -1,159 +1,240 @@
-"""Event publishing to Redis: one pipeline per engine step.
+"""Event publishing to Redis: one script call per round, whatever the number of events.
 
-For every event: PUBLISH to `inflight:job:{id}` (live) and XADD to
-`inflight:job:{id}:log` (replay; capped, with a TTL). The terminal `finished` event
-also sets `…:done` and releases the claim, in the same pipeline, so a redelivered
-job sees it as finished. Sequence numbers are per job and never reused: a new
-attempt continues after the last `seq` in the log. Writer: the asyncio thread (one
-publisher task, so pipelines go out in step order).
+The publisher is the one task that writes events. Each round it takes every event the
+job table has drafted since the last round (`JobTable.drain`: per job the opening events,
+one merged `token` event, the terminal one) and sends them in one EVALSHA of
+`APPEND_LUA`, which for every event:
+
+    XADD   inflight:job:{id}:log  (replay; capped, TTL refreshed when half gone)
+    PUBLISH inflight:job:{id}     (live)
+
+unless the log already holds that `seq` or a later one (idempotent: a round re-sent after
+a connection error, or an event from a worker that lost the job's lease, never
+duplicates or reorders entries), and for a terminal event also sets the done mark,
+releases the claim and clears the attempt's failure mark (`claims.FINISH_LUA`). When
+the publisher falls behind the engine (a slow Redis, a burst), rounds simply carry more
+tokens per event: fewer, larger deltas, the same text (token coalescing).
+
+Outages: a round that cannot reach Redis is retried with backoff while the engine keeps
+running its jobs (their tokens keep merging into the drafts) and intake pauses; after
+`redis.outage_limit_s` without Redis the publisher gives up (`RedisUnavailable`) and the
+worker exits promptly so its partitions move. Data loss: if Redis restarted empty (the
+epoch marker is gone, see `claims.py`), `restore` re-claims the held jobs and re-appends
+every event each of them (and each recently finished job) already published, with the
+same seqs, before anything new is written, so a log read from its first entry still
+reassembles to the final text.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any
+import asyncio
+import time
+from collections.abc import Callable
 
-import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import keys
-from schemas.codec import encode
-from schemas.wire import ErrorInfo, Finished, Restarted, Started, Timings, Token, TokenLogprob, Usage
+from schemas.wire import Finished
+from worker.claims import _LAST_SEQ, FINISH_LUA, ClaimStore, EpochChanged
 from worker.config import RedisConfig
+from worker.jobs import JobTable, Round
 
-# Delete a claim only if we still hold it (a lease that expired may belong to another worker now).
-RELEASE_IF_OWNER = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end
-"""
+log = structlog.get_logger(__name__)
 
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, TimeoutError)
 
-# Append one event to the job's log and publish it, unless the log already holds this seq
-# or a later one. Publishing is then idempotent: a pipeline re-sent after a connection
-# error (redis-py retries) or an event from a worker that lost the job's lease never
-# duplicates or reorders entries. KEYS: log stream, channel; ARGV: event, seq, maxlen.
-APPEND_EVENT = """
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-if last[1] then
-  local f = last[1][2]
-  for i = 1, #f, 2 do
-    if f[i] == 'q' then
-      if tonumber(f[i + 1]) >= tonumber(ARGV[2]) then return 0 end
-      break
-    end
+# KEYS: epoch, then per event: log, channel (+ done, claim, failures for a terminal event).
+# ARGV: epoch, maxlen, ttl, then per event: kind ('t' token, 'o' other, 'f' terminal), data, seq
+# (+ reason, claim token, attempt for 'f'). Returns the number of events appended.
+APPEND_LUA = FINISH_LUA + _LAST_SEQ + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('EPOCH changed') end
+local ttl = tonumber(ARGV[3])
+local ki, ai, appended = 2, 4, 0
+local last = {}
+while ai <= #ARGV do
+  local kind, data, seq = ARGV[ai], ARGV[ai + 1], tonumber(ARGV[ai + 2])
+  local log, chan = KEYS[ki], KEYS[ki + 1]
+  local q = last[log]
+  if q == nil then q = last_seq(log) end
+  if seq > q then
+    redis.call('XADD', log, 'MAXLEN', '~', ARGV[2], '*', 'e', data, 'q', seq)
+    redis.call('PUBLISH', chan, data)
+    if kind ~= 't' or redis.call('TTL', log) < ttl / 2 then redis.call('EXPIRE', log, ttl) end
+    appended = appended + 1
+    q = seq
+  end
+  last[log] = q
+  if kind == 'f' then
+    finish_job(KEYS[ki + 2], KEYS[ki + 3], KEYS[ki + 4], ARGV[ai + 3], ARGV[ai + 4], ARGV[ai + 5], ttl)
+    ki, ai = ki + 5, ai + 6
+  else
+    ki, ai = ki + 2, ai + 3
   end
 end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[1], 'q', ARGV[2])
-redis.call('PUBLISH', KEYS[2], ARGV[1])
-return 1
+return appended
 """
 
 
-class JobStream:
-    """Sequence numbering for one job attempt."""
-
-    __slots__ = ("job_id", "attempt", "next_seq", "claim_token", "finished", "finish_reason")
-
-    def __init__(self, job_id: str, attempt: int, next_seq: int, claim_token: str) -> None:
-        self.job_id = job_id
-        self.attempt = attempt
-        self.next_seq = next_seq
-        self.claim_token = claim_token
-        self.finished = False
-        self.finish_reason: str | None = None
-
-    def _seq(self) -> int:
-        s = self.next_seq
-        self.next_seq += 1
-        return s
-
-    def started(self, worker_id: str, queue_time_s: float | None, metadata: dict[str, Any] | None) -> Started:
-        return Started(job_id=self.job_id, seq=self._seq(), attempt=self.attempt, worker_id=worker_id,
-                       queue_time_s=queue_time_s, metadata=metadata)
-
-    def restarted(self, reason: str) -> Restarted:
-        return Restarted(job_id=self.job_id, seq=self._seq(), attempt=self.attempt, reason=reason)
-
-    def token(self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> Token:
-        return Token(job_id=self.job_id, seq=self._seq(), attempt=self.attempt, text=text, token_ids=token_ids,
-                     logprobs=logprobs)
-
-    def finished_event(
-        self,
-        finish_reason: str,
-        *,
-        text: str = "",
-        usage: Usage | None = None,
-        timings: Timings | None = None,
-        error: ErrorInfo | None = None,
-        metadata: dict[str, Any] | None = None,
-    ) -> Finished:
-        self.finished = True
-        self.finish_reason = finish_reason
-        return Finished(job_id=self.job_id, seq=self._seq(), attempt=self.attempt, finish_reason=finish_reason,
-                        text=text, usage=usage, timings=timings, error=error, metadata=metadata)
+class RedisUnavailable(RuntimeError):
+    """Redis stayed unreachable longer than `redis.outage_limit_s`: the worker stops so
+    its partitions move to other workers (its jobs are redelivered)."""
 
 
 class Publisher:
-    def __init__(self, redis: aioredis.Redis, cfg: RedisConfig) -> None:
+    """Args:
+    redis: the worker's client.
+    cfg: `redis` config (prefix, TTL, maxlen, outage limit, minimum round interval).
+    claims: the claim store (epoch, reclaim after data loss).
+    table: the job table whose drafts are published.
+    on_outage: called with True when Redis becomes unreachable and False when it is
+        back (the worker pauses intake meanwhile).
+    on_restore: called after Redis lost its data and the logs were restored, with the
+        ids of held jobs another worker claimed meanwhile (the worker hands them back and
+        re-reads recent cancels into tombstones).
+    """
+
+    def __init__(self, redis: aioredis.Redis, cfg: RedisConfig, claims: ClaimStore, table: JobTable, *,
+                 on_outage: Callable[[bool], None] = lambda down: None,
+                 on_restore: Callable[[list[str]], None] = lambda lost: None) -> None:
         self.redis = redis
         self.cfg = cfg
-        self._append_sha = hashlib.sha1(APPEND_EVENT.encode()).hexdigest()
+        self.claims = claims
+        self.table = table
+        self._append = redis.register_script(APPEND_LUA)
+        self._on_outage = on_outage
+        self._on_restore = on_restore
+        self._wake = asyncio.Event()
+        self.outage_since: float | None = None  # time.monotonic() when Redis became unreachable
+        self.num_rounds = 0
+        self.num_events = 0
+        self.num_restores = 0
+        self.last_round_s = 0.0
+        self.busy = False  # a round is being sent
 
-    async def load_scripts(self) -> None:
-        """Load the append script into Redis' script cache (EVALSHA then sends 40 bytes,
-        not the script, per event). Publishing reloads it if Redis lost its cache."""
-        await self.redis.script_load(APPEND_EVENT)
+    @property
+    def in_outage(self) -> bool:
+        return self.outage_since is not None
 
-    async def last_seq(self, job_id: str) -> int:
-        """Highest `seq` already in the job's log, or -1."""
-        entries = await self.redis.xrevrange(keys.log_key(job_id, self.cfg.key_prefix), count=1)
-        if not entries:
-            return -1
-        return int(msgspec.json.decode(entries[0][1][b"e"])["seq"])
+    def wake(self) -> None:
+        """New drafts in the job table (called after apply_outputs / finish_local)."""
+        self._wake.set()
 
-    async def publish(self, events: list[msgspec.Struct], claims: dict[str, str] | None = None) -> None:
-        """Write `events` in order in one pipeline (one round trip); idempotent per
-        (job, seq), see APPEND_EVENT.
+    async def run(self, on_published: Callable[[Round], None]) -> None:
+        """Publish rounds until cancelled; `on_published(round)` runs after each one is in
+        Redis. Raises RedisUnavailable after `redis.outage_limit_s` without Redis."""
+        min_interval = self.cfg.publish_interval_ms / 1000
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if min_interval > 0 and self.last_round_s < min_interval:
+                await asyncio.sleep(min_interval - self.last_round_s)
+            rnd = self.table.drain()
+            if not rnd:
+                continue
+            t0 = time.perf_counter()
+            self.busy = True
+            try:
+                await self.send(rnd)
+            finally:
+                self.busy = False
+            self.last_round_s = time.perf_counter() - t0
+            on_published(rnd)
 
-        `claims` maps job_id -> claim token for finished jobs whose claim to release.
-        The log's TTL is set by a job's first and last events of an attempt (not by
-        every token event: one command fewer per job per step).
-        """
-        if not events:
-            return
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until every draft is published (bounded). True if it got there."""
+        deadline = time.monotonic() + timeout_s
+        while (self.table.has_drafts or self.busy) and time.monotonic() < deadline:
+            self.wake()
+            await asyncio.sleep(0.01)
+        return not (self.table.has_drafts or self.busy)
+
+    async def send(self, rnd: Round) -> None:
+        """Append and publish one round, riding out connection errors and data loss."""
+        delay = 0.05
+        while True:
+            try:
+                await self._send_once(rnd)
+                if self.outage_since is not None:
+                    log.warning("Redis reachable again; publishing resumed",
+                                outage_s=round(time.monotonic() - self.outage_since, 1))
+                    self.outage_since = None
+                    self._on_outage(False)
+                return
+            except EpochChanged:
+                await self.restore()
+            except REDIS_DOWN as e:
+                now = time.monotonic()
+                if self.outage_since is None:
+                    self.outage_since = now
+                    log.warning("Redis unreachable; holding events, intake paused", error=repr(e)[:200],
+                                limit_s=self.cfg.outage_limit_s, jobs=len(self.table))
+                    self._on_outage(True)
+                elif now - self.outage_since > self.cfg.outage_limit_s:
+                    raise RedisUnavailable(f"Redis unreachable for more than redis.outage_limit_s = "
+                                           f"{self.cfg.outage_limit_s} s ({e!r})") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _send_once(self, rnd: Round) -> None:
+        ks, args = self._script_args(rnd)
         try:
-            await self._pipeline(events, claims).execute()
-        except NoScriptError:  # Redis restarted or flushed its scripts: load and send again
-            await self.load_scripts()
-            await self._pipeline(events, claims).execute()  # every command in it is idempotent
+            appended = await self._append(keys=ks, args=args)
+        except ResponseError as e:
+            if str(e).startswith("EPOCH"):
+                raise EpochChanged(str(e)) from None
+            raise
+        except NoScriptError:  # flushed between load and call: AsyncScript reloads on the next call
+            appended = await self._append(keys=ks, args=args)
+        self.num_rounds += 1
+        self.num_events += int(appended)
 
-    def _pipeline(self, events: list[msgspec.Struct], claims: dict[str, str] | None):
+    def _script_args(self, rnd: Round) -> tuple[list[str], list]:
         p = self.cfg.key_prefix
-        ttl = self.cfg.log_ttl_s
-        pipe = self.redis.pipeline(transaction=False)
-        touched: set[str] = set()
-        for ev in events:
-            data = encode(ev)
+        ks: list[str] = [keys.epoch_key(p)]
+        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s]
+        tokens = {lj.job_id: lj.claim_token for lj in rnd.finished}
+        for ev, data in zip(rnd.events, rnd.encoded):
             jid = ev.job_id
-            pipe.evalsha(self._append_sha, 2, keys.log_key(jid, p), keys.channel(jid, p), data, ev.seq,
-                         self.cfg.log_maxlen)
-            if not isinstance(ev, Token):
-                touched.add(jid)
+            ks += [keys.log_key(jid, p), keys.channel(jid, p)]
             if isinstance(ev, Finished):
-                pipe.set(keys.done_key(jid, p), ev.finish_reason, ex=ttl)
-        for jid in touched:
-            pipe.expire(keys.log_key(jid, p), ttl)
-        self._release(pipe, claims or {})
-        return pipe
+                ks += self.claims.finish_keys(jid)
+                args += ["f", data, ev.seq, ev.finish_reason.value, tokens.get(jid, ""), ev.attempt]
+            else:
+                args += ["t" if ev.__struct_config__.tag == "token" else "o", data, ev.seq]
+        return ks, args
 
-    async def release_claims(self, claims: dict[str, str]) -> None:
-        """Release claims (job_id -> token) still held by this worker, in one round trip."""
-        if claims:
-            pipe = self.redis.pipeline(transaction=False)
-            self._release(pipe, claims)
-            await pipe.execute()
+    async def restore(self) -> None:
+        """Redis lost its data: adopt the new epoch, claim the held jobs again (attempts
+        never go backwards), re-append every event they and the recently finished jobs
+        already published (same seqs; their done marks with the terminal ones)."""
+        self.num_restores += 1
+        await self.claims.adopt_epoch()
+        held = self.table.holding_claims()
+        lost = []
+        for lj in held:
+            if not await self.claims.reclaim(lj.job_id, lj.claim_token, lj.attempt):
+                lost.append(lj.job_id)
+        p = self.cfg.key_prefix
+        ks: list[str] = [keys.epoch_key(p)]
+        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s]
+        n = 0
+        for job_id, history, term in self.table.histories():
+            for seq, data in history:
+                ks += [keys.log_key(job_id, p), keys.channel(job_id, p)]
+                if term is not None and seq == history[-1][0]:
+                    reason, token, attempt = term
+                    ks += self.claims.finish_keys(job_id)
+                    args += ["f", data, seq, reason, token, attempt]
+                else:
+                    args += ["o", data, seq]
+                n += 1
+        if n:
+            await self._append(keys=ks, args=args)
+        log.warning("Redis lost its data (epoch changed): claims and logs restored", held_jobs=len(held),
+                    events_restored=n, lost_claims=lost)
+        self._on_restore(lost)
 
-    def _release(self, pipe, claims: dict[str, str]) -> None:
-        for jid, token in claims.items():
-            pipe.eval(RELEASE_IF_OWNER, 1, keys.claim_key(jid, self.cfg.key_prefix), token)

@@ -1,4 +1,4 @@
-"""The worker's HTTP endpoint (aiohttp, on the worker's asyncio loop).
+"""The worker's health checks and HTTP endpoint (aiohttp, on the worker's asyncio loop).
 
     GET /metrics   Prometheus text format of the worker's registry
     GET /healthz   liveness: 200 while the process serves and the engine loop ticks
@@ -11,41 +11,124 @@
 
 Readiness does not gate Kafka traffic (the worker pulls work; nothing routes to it),
 but it tells operators and rollouts (`maxUnavailable`) which workers can take jobs.
+The check loop also refreshes the lag / partition / local-job gauges and notices a
+Redis that lost its data while the worker is idle (no publish would notice it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from worker.config import ConfigError
+from worker.config import ConfigError, MetricsConfig
 
 if TYPE_CHECKING:
-    from worker.app import Worker
+    from worker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass
-class Checks:
-    """Outcome of the latest reachability checks (written by the worker's check loop)."""
+class HealthChecks:
+    """Outcome of the latest reachability checks and the health bodies built from them.
 
-    kafka_ok: bool = False
-    kafka_error: str | None = None
-    redis_ok: bool = False
-    redis_error: str | None = None
+    Args:
+        metrics: the gauges to refresh.
+        liveness: returns (alive, details) for /healthz.
+    """
+
+    def __init__(self, metrics: Metrics, liveness: Callable[[], tuple[bool, dict]]) -> None:
+        self.metrics = metrics
+        self.liveness = liveness
+        self.kafka_ok = False
+        self.kafka_error: str | None = None
+        self.redis_ok = False
+        self.redis_error: str | None = None
+        self._parts: dict[str, Any] = {}
+        self._is_draining: Callable[[], bool] = lambda: False
+
+    def attach(self, redis, intake, claims, publisher, table, engine, *, is_draining: Callable[[], bool]) -> None:
+        """The components to probe, once they exist (the HTTP server starts first)."""
+        self._parts = {"redis": redis, "intake": intake, "claims": claims, "publisher": publisher,
+                       "table": table, "engine": engine}
+        self._is_draining = is_draining
+
+    def readiness(self) -> tuple[bool, dict]:
+        """(ready, details) for /readyz: model loaded, Kafka and Redis answered the last
+        check, not draining."""
+        checks = {
+            "model_loaded": "engine" in self._parts,
+            "kafka": self.kafka_ok,
+            "redis": self.redis_ok,
+            "not_draining": not self._is_draining(),
+        }
+        ready = all(checks.values())
+        body: dict = {"status": "ready" if ready else "unready", "checks": checks}
+        errors = {k: v for k, v in (("kafka", self.kafka_error), ("redis", self.redis_error)) if v}
+        if errors:
+            body["errors"] = errors
+        return ready, body
+
+    async def run(self, cfg: MetricsConfig) -> None:
+        """Check every `check_interval_s`; a failing check never stops the worker."""
+        while True:
+            try:
+                await self.check(cfg.check_timeout_s)
+            except Exception as e:  # e.g. the consumer being recreated
+                log.warning("health check failed", error=repr(e)[:300])
+            await asyncio.sleep(cfg.check_interval_s)
+
+    async def check(self, timeout: float) -> None:
+        """Redis PING (and the dataset epoch), Kafka end offsets of the assigned job
+        partitions (or cluster metadata when none are assigned); sets readiness and the
+        lag / partition / local-job / GPU gauges."""
+        p, m = self._parts, self.metrics
+        try:
+            await asyncio.wait_for(p["redis"].ping(), timeout)
+            self.redis_ok, self.redis_error = True, None
+            if not await asyncio.wait_for(p["claims"].epoch_intact(), timeout):
+                await p["publisher"].restore()
+        except Exception as e:
+            self.redis_ok, self.redis_error = False, repr(e)[:200]
+        intake = p["intake"]
+        consumer = intake.consumer
+        assigned = sorted(consumer.assignment(), key=lambda tp: (tp.topic, tp.partition))
+        try:
+            if assigned:
+                ends = await asyncio.wait_for(consumer.end_offsets(assigned), timeout)
+                starts = await asyncio.wait_for(consumer.beginning_offsets(assigned), timeout)
+                intake.log_start.update(starts)
+                m.consumer_lag.clear()
+                for tp, lag in intake.lag(ends).items():
+                    m.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
+            else:
+                await asyncio.wait_for(consumer.topics(), timeout)
+                m.consumer_lag.clear()
+            self.kafka_ok, self.kafka_error = True, None
+        except Exception as e:
+            self.kafka_ok, self.kafka_error = False, repr(e)[:200] or type(e).__name__
+        m.assigned_partitions.set(len(assigned))
+        m.paused_partitions.set(len(consumer.paused()))
+        m.local_jobs.set(len(p["table"]))
+        if m.gpu_utilization is not None:
+            with contextlib.suppress(Exception):  # an NVML hiccup keeps the last value
+                import torch
+
+                m.gpu_utilization.set(torch.cuda.utilization(p["engine"].runner.device) / 100.0)
 
 
 class OpsServer:
-    """Serves /metrics, /healthz, /readyz for one Worker. `port` is the bound port
-    after `start` (useful with port 0)."""
+    """Serves /metrics, /healthz, /readyz. `port` is the bound port after `start` (useful
+    with port 0)."""
 
-    def __init__(self, worker: Worker, host: str, port: int) -> None:
-        self.worker = worker
+    def __init__(self, registry: CollectorRegistry, health: HealthChecks, host: str, port: int) -> None:
+        self.registry = registry
+        self.health = health
         self.host = host
         self.port = port
         app = web.Application()
@@ -74,14 +157,12 @@ class OpsServer:
         await self._runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.worker.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        ok, body = self.worker.liveness()
+        ok, body = self.health.liveness()
         return web.json_response(body, status=200 if ok else 503)
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        ok, body = self.worker.readiness()
+        ok, body = self.health.readiness()
         return web.json_response(body, status=200 if ok else 503)
-

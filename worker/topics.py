@@ -14,21 +14,24 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 async def create_topics(bootstrap_servers: str, prefix: str = "inflight", partitions: int = 6,
                         replication_factor: int = 1) -> list[str]:
-    """Create `<prefix>.jobs.{high,normal,low}`, `<prefix>.cancel`, `<prefix>.dlq`.
-    Returns the names that were created (existing ones are left as they are).
+    """Create `<prefix>.jobs.{high,normal,low}`, `<prefix>.cancel`, `<prefix>.dlq` and the
+    compacted `<prefix>.results`. Returns the names that were created (existing ones are
+    left as they are).
 
     Raises:
         RuntimeError: the broker refused a topic (e.g. replication factor above the
             number of brokers); the message names each topic and the broker's reason.
     """
-    names = [keys.job_topic(prefix, p) for p in keys.PRIORITIES] + [keys.cancel_topic(prefix), keys.dlq_topic(prefix)]
+    names = keys.all_topics(prefix)
+    results = keys.results_topic(prefix)
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
         new = [
             NewTopic(n, num_partitions=partitions, replication_factor=replication_factor,
-                     topic_configs={"max.message.bytes": str(MAX_MESSAGE_BYTES)})
+                     topic_configs={"max.message.bytes": str(MAX_MESSAGE_BYTES),
+                                    **({"cleanup.policy": "compact"} if n == results else {})})
             for n in names if n not in existing
         ]
         if new:

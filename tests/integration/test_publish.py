@@ -1,4 +1,4 @@
-"""Publishing is idempotent per (job, seq) on the real Redis: a pipeline sent twice (what
+"""Publishing is idempotent per (job, seq) on the real Redis: a round sent twice (what
 redis-py's retry does after a connection error) or an event from a worker that lost the
 job's lease neither duplicates nor reorders the replay log or the live channel."""
 
@@ -10,34 +10,50 @@ import redis.asyncio as aioredis
 
 from schemas import keys
 from schemas.codec import decode_event
+from schemas.wire import Job
+from worker.claims import ClaimStore
 from worker.config import RedisConfig
-from worker.publish import JobStream, Publisher
+from worker.engine import RequestOutput
+from worker.jobs import JobTable, Offset, Round
+from worker.publish import Publisher
 
 
 def test_resent_events_are_dropped(services, prefix):
     async def main():
         r = aioredis.from_url(services[1])
         await r.script_flush()  # the first publish must recover from NOSCRIPT
-        pub = Publisher(r, RedisConfig(url=services[1], key_prefix=prefix))
+        cfg = RedisConfig(url=services[1], key_prefix=prefix)
+        claims = ClaimStore(r, prefix, "w1", lease_ms=5000, ttl_s=60, tombstone_ttl_s=60)
+        await claims.adopt_epoch()
+        table = JobTable("w1")
+        pub = Publisher(r, cfg, claims, table)
         ps = r.pubsub()
         await ps.subscribe(keys.channel("j", prefix))
         await ps.get_message(timeout=1)  # subscribe confirmation
-        s = JobStream("j", 1, 0, "claim")
-        first = [s.started("w1", 0.0, None), s.token("a", [1]), s.token("b", [2])]
-        await pub.publish(first)
-        await pub.publish(first)  # re-sent whole
-        await pub.publish(first[1:2] + [s.token("c", [3])])  # an old event, then a new one
-        zombie = JobStream("j", 1, 1, "old-claim")  # a worker that lost the lease, behind
-        await pub.publish([zombie.token("x", [9])])
+        job = table.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, "claim", 1, 0)
+        table.accepted("j")
+        table.apply_outputs([RequestOutput("j", [1], "a")])
+        first = table.drain()  # started (seq 0), token (seq 1)
+        table.apply_outputs([RequestOutput("j", [2], "b")])
+        second = table.drain()  # token (seq 2)
+        await pub.send(first)
+        await pub.send(first)  # re-sent whole
+        await pub.send(Round(first.events[1:] + second.events, first.encoded[1:] + second.encoded, []))
+        zombie = JobTable("w0")  # a worker that lost the lease, behind: its seq 1 is stale
+        zombie.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, "old-claim", 1, 1)
+        zombie.apply_outputs([RequestOutput("j", [9], "x")])
+        await pub.send(zombie.drain())
         live = []
         while (m := await ps.get_message(timeout=0.5)) is not None:
             if m["type"] == "message":
                 live.append(decode_event(m["data"]).seq)
         log = [decode_event(f[b"e"]).seq for _, f in await r.xrange(keys.log_key("j", prefix))]
+        text = "".join(getattr(decode_event(f[b"e"]), "text", "") for _, f in await r.xrange(keys.log_key("j", prefix)))
         await ps.aclose()
         await r.aclose()
-        return log, live
+        return log, live, text, job
 
-    log, live = asyncio.run(main())
-    assert log == [0, 1, 2, 3]
-    assert live == [0, 1, 2, 3]
+    log, live, text, job = asyncio.run(main())
+    assert log == [0, 1, 2]
+    assert live == [0, 1, 2]
+    assert text == "ab" and job.next_seq == 3

@@ -183,7 +183,7 @@ def test_poison_records_go_to_dlq_and_never_block(services, prefix, engine_facto
     assert by_key[b"p-big"].value == poison[4][1]  # original bytes, untouched
     headers = dict(by_key[b"p-types"].headers)
     assert b"job_id" in headers["inflight.error"] and headers["inflight.source.topic"] == topic.encode()
-    assert w.intake.num_dead_letters == len(poison)
+    assert w.dead_letters.num_sent == len(poison)
     assert all(c == e for c, e in committed.values()), committed
 
 

@@ -1,0 +1,372 @@
+"""Pipeline ceiling: how much of the engine's throughput one worker process delivers
+when the device is fast, i.e. whether the I/O path (Kafka intake, claims, host work
+around the step, event encoding, Redis, offsets, metrics, logs) limits a GPU.
+
+The engine is the model-less `null_engine` whose runner sleeps a fixed time per step to
+stand in for the device (a sleep releases the GIL, as waiting on a CUDA sync does). For
+each row (emulated device time per step x output length, 256 running requests):
+
+  1. engine alone: the same jobs through `Engine.step()` in this process, all added at
+     t=0 (tokens/s, jobs/s, host time per step = wall time / steps - device time);
+  2. worker: the jobs are produced to fresh topics first, then one worker process is
+     started on them (`python -m tools.bench_pipeline worker ...`, a real `Worker` on the
+     dev stack's Kafka and Redis around the same null engine); the clock runs from the
+     first event any job got to the last terminal event (Redis stream entry ids, ms);
+     the worker's CPU seconds in that window are sampled with psutil.
+
+Reported per row: tokens/s, jobs/s, worker / engine-alone ratios, the worker process's
+CPU seconds per 1k tokens and per 1k jobs. `--subscribers N` adds N pattern
+subscribers that read every event live (reported, not part of the goal). Writes
+results/bench_pipeline.json and a PNG, prints a table.
+
+    tools/devstack.sh up
+    python -m tools.bench_pipeline                                    # default grid, ~5 min here
+    python -m tools.bench_pipeline --device-ms 2 --output-lens 64 4   # the goal rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+DEFAULT_KAFKA = f"127.0.0.1:{os.environ.get('INFLIGHT_DEV_KAFKA_PORT', '19092')}"
+DEFAULT_REDIS = f"redis://127.0.0.1:{os.environ.get('INFLIGHT_DEV_REDIS_PORT', '6390')}/0"
+PROMPT_LEN = 32
+BLOCK = 16
+
+
+# ---- the engine under test ----------------------------------------------------------------
+def tuning_dict(running: int, output_len: int) -> dict:
+    """serving_tuning for a row: room for every running request's prompt + output."""
+    per_req = -(-(PROMPT_LEN + output_len) // BLOCK) * BLOCK
+    return dict(max_running_requests=running, max_total_tokens=running * per_req + BLOCK * 4,
+                max_batched_tokens=max(4096, running), max_input_tokens=PROMPT_LEN,
+                max_output_tokens=max(output_len, 16), kv_block_size=BLOCK, enable_prefix_caching=False)
+
+
+def sleeping_engine(device_ms: float, tuning: dict):
+    """A null engine (no model) whose runner sleeps `device_ms` per step."""
+    from worker.config import EngineConfig, ServingTuning
+    from worker.model.null_runner import NullRunner, null_engine
+
+    class SleepRunner(NullRunner):
+        def execute(self, sched):
+            if device_ms > 0:
+                time.sleep(device_ms / 1000)
+            return super().execute(sched)
+
+    eng = null_engine(EngineConfig(serving_tuning=ServingTuning(**tuning)), vocab_size=32000,
+                      max_model_len=PROMPT_LEN + tuning["max_output_tokens"] + 16)
+    eng.runner = SleepRunner(32000, avoid=frozenset({0}))
+    return eng
+
+
+def prompt_ids(i: int) -> list[int]:
+    return [(i * 131 + j * 7) % 31000 + 100 for j in range(PROMPT_LEN)]
+
+
+def engine_alone(device_ms: float, output_len: int, num_jobs: int, running: int) -> dict:
+    from schemas.params import SamplingParams
+
+    eng = sleeping_engine(device_ms, tuning_dict(running, output_len))
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i in range(num_jobs):
+        eng.add_request(f"j{i}", prompt_token_ids=prompt_ids(i), params=params)
+    steps = tokens = jobs = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens += len(out.new_token_ids)
+            jobs += out.finished
+        steps += 1
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "tokens": tokens, "jobs": jobs, "steps": steps, "tokens_per_s": tokens / dt,
+            "jobs_per_s": jobs / dt, "host_ms_per_step": max(0.0, dt / steps * 1e3 - device_ms)}
+
+
+# ---- the worker process -----------------------------------------------------------------
+def worker_main(a) -> int:
+    """Entry of the worker subprocess: a Worker around the sleeping null engine."""
+    from worker.app import Worker
+    from worker.config import load_config
+    from worker.log import setup_logging
+
+    setup_logging("WARNING")
+    cfg = load_config(a.config)
+    engine = sleeping_engine(a.device_ms, json.loads(a.tuning))
+    asyncio.run(Worker(cfg, engine=engine).run())
+    return 0
+
+
+class CpuSampler:
+    """Samples a process's CPU seconds (user + system) every 20 ms with wall-clock times,
+    so the CPU used inside any later-chosen window can be read off."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.proc = psutil.Process(pid)
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                t = self.proc.cpu_times()
+            except Exception:  # the process ended
+                return
+            self.samples.append((time.time(), t.user + t.system))
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cpu_between(self, t0: float, t1: float) -> float:
+        before = [c for t, c in self.samples if t <= t0]
+        after = [c for t, c in self.samples if t >= t1]
+        start = before[-1] if before else self.samples[0][1]
+        end = after[0] if after else self.samples[-1][1]
+        return end - start
+
+
+async def produce(a, prefix: str, num_jobs: int, output_len: int) -> list[str]:
+    from aiokafka import AIOKafkaProducer
+
+    from schemas import keys
+    from schemas.codec import encode
+    from schemas.params import SamplingParams
+    from schemas.wire import Job
+
+    producer = AIOKafkaProducer(bootstrap_servers=a.kafka, linger_ms=5, acks=1)
+    await producer.start()
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    ids = [f"{prefix}-{i}" for i in range(num_jobs)]
+    try:
+        futs = [await producer.send(keys.job_topic(prefix, "normal"),
+                                    encode(Job(job_id=j, prompt_token_ids=prompt_ids(i), params=params)),
+                                    key=j.encode()) for i, j in enumerate(ids)]
+        await producer.flush()
+        await asyncio.gather(*futs)
+    finally:
+        await producer.stop()
+    return ids
+
+
+async def subscribe(a, prefix: str, n: int, stop: asyncio.Event, counts: list[int]) -> None:
+    import redis.asyncio as aioredis
+
+    async def one(k: int) -> None:
+        r = aioredis.from_url(a.redis)
+        ps = r.pubsub()
+        await ps.psubscribe(f"{prefix}:job:*")
+        try:
+            while not stop.is_set():
+                msg = await ps.get_message(ignore_subscribe_messages=True, timeout=0.2)
+                if msg is not None:
+                    counts[k] += 1
+        finally:
+            await ps.aclose()
+            await r.aclose()
+
+    await asyncio.gather(*(one(k) for k in range(n)))
+
+
+async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, running: int, tmp: Path) -> dict:
+    import redis.asyncio as aioredis
+    import yaml
+
+    from schemas import keys
+    from worker.topics import create_topics
+
+    prefix = f"pipe{uuid.uuid4().hex[:8]}"
+    await create_topics(a.kafka, prefix, partitions=a.partitions)
+    ids = await produce(a, prefix, num_jobs, output_len)
+    tuning = tuning_dict(running, output_len)
+    cfg = {
+        "serving_tuning": tuning,
+        "kafka": {"bootstrap_servers": a.kafka, "topic_prefix": prefix, "group_id": f"{prefix}-workers",
+                  "commit_interval_ms": 200},
+        "redis": {"url": a.redis, "key_prefix": prefix, "log_ttl_s": 600},
+        "worker": {"worker_id": f"{prefix}-w"},
+        "metrics": {"port": None},
+    }
+    cfg_path = tmp / f"{prefix}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    log_path = Path(a.out) / "bench_pipeline_worker.log"
+    counts = [0] * a.subscribers
+    stop_subs = asyncio.Event()
+    subs = asyncio.create_task(subscribe(a, prefix, a.subscribers, stop_subs, counts)) if a.subscribers else None
+    if subs is not None:
+        await asyncio.sleep(0.5)
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tools.bench_pipeline", "worker", "--config", str(cfg_path),
+                                 "--device-ms", str(device_ms), "--tuning", json.dumps(tuning)],
+                                stdout=log, stderr=subprocess.STDOUT)
+    sampler = CpuSampler(proc.pid)
+    r = aioredis.from_url(a.redis)
+    try:
+        remaining = list(ids)
+        deadline = time.monotonic() + a.timeout
+        while remaining:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the worker exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(remaining)} of {num_jobs} jobs unfinished after {a.timeout} s")
+            await asyncio.sleep(0.25)
+            pipe = r.pipeline(transaction=False)
+            for j in remaining:
+                pipe.exists(keys.done_key(j, prefix))
+            remaining = [j for j, done in zip(remaining, await pipe.execute()) if not done]
+        sampler_window_end = time.time()
+        pipe = r.pipeline(transaction=False)
+        for j in ids:
+            pipe.xrange(keys.log_key(j, prefix), count=1)
+            pipe.xrevrange(keys.log_key(j, prefix), count=1)
+        res = await pipe.execute()
+        firsts = [int(x[0][0].split(b"-")[0]) for x in res[0::2]]
+        lasts = [int(x[0][0].split(b"-")[0]) for x in res[1::2]]
+        t0, t1 = min(firsts) / 1000, max(lasts) / 1000
+        await asyncio.sleep(0.1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        sampler.stop()
+        stop_subs.set()
+        if subs is not None:
+            await subs
+        await r.aclose()
+    dt = max(t1 - t0, 1e-3)
+    tokens = num_jobs * output_len
+    cpu = sampler.cpu_between(t0, min(t1, sampler_window_end))
+    out = {"seconds": dt, "tokens": tokens, "jobs": num_jobs, "tokens_per_s": tokens / dt,
+           "jobs_per_s": num_jobs / dt, "cpu_s": cpu, "cpu_s_per_1k_tokens": cpu / tokens * 1000,
+           "cpu_s_per_1k_jobs": cpu / num_jobs * 1000}
+    if a.subscribers:
+        expected = num_jobs * (output_len + 2)  # at most: started + one event per token + finished
+        out["subscribers"] = {"count": a.subscribers, "events_received": counts, "max_expected": expected}
+    return out
+
+
+def jobs_for(output_len: int, a) -> int:
+    if a.jobs:
+        return a.jobs
+    return int(min(4096, max(2 * a.running, a.target_tokens // output_len)))
+
+
+async def run_grid(a) -> list[dict]:
+    import tempfile
+
+    from tqdm import tqdm
+
+    rows = []
+    grid = [(d, n) for d in a.device_ms for n in a.output_lens]
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(grid), desc="rows", unit="row") as bar:
+        for device_ms, output_len in grid:
+            n = jobs_for(output_len, a)
+            alone = engine_alone(device_ms, output_len, n, a.running)
+            worker = await run_worker_row(a, device_ms, output_len, n, a.running, Path(tmp))
+            rows.append({"device_ms": device_ms, "output_len": output_len, "prompt_len": PROMPT_LEN,
+                         "num_jobs": n, "running": a.running, "engine_alone": alone, "worker": worker,
+                         "ratio_tokens": worker["tokens_per_s"] / alone["tokens_per_s"],
+                         "ratio_jobs": worker["jobs_per_s"] / alone["jobs_per_s"]})
+            bar.update(1)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'dev ms':>6}{'out':>5}{'jobs':>6}{'alone tok/s':>13}{'worker tok/s':>14}{'ratio':>7}"
+          f"{'alone job/s':>13}{'worker job/s':>14}{'host ms/step':>14}{'cpu s/1k tok':>14}{'cpu s/1k job':>14}")
+    for r in rows:
+        e, w = r["engine_alone"], r["worker"]
+        print(f"{r['device_ms']:>6g}{r['output_len']:>5}{r['num_jobs']:>6}{e['tokens_per_s']:>13.0f}"
+              f"{w['tokens_per_s']:>14.0f}{r['ratio_tokens']:>7.2f}{e['jobs_per_s']:>13.0f}{w['jobs_per_s']:>14.0f}"
+              f"{e['host_ms_per_step']:>14.3f}{w['cpu_s_per_1k_tokens']:>14.4f}{w['cpu_s_per_1k_jobs']:>14.3f}")
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lens = sorted({r["output_len"] for r in rows})
+    devs = sorted({r["device_ms"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(lens))
+    for k, n in enumerate(lens):
+        ratios = [next((r["ratio_tokens"] for r in rows if r["device_ms"] == d and r["output_len"] == n), 0)
+                  for d in devs]
+        axes[0].bar([i + k * width for i in range(len(devs))], ratios, width, label=f"{n} output tokens")
+        tps = [next((r["worker"]["tokens_per_s"] for r in rows if r["device_ms"] == d and r["output_len"] == n), 0)
+               for d in devs]
+        alone = [next((r["engine_alone"]["tokens_per_s"] for r in rows
+                       if r["device_ms"] == d and r["output_len"] == n), 0) for d in devs]
+        axes[1].plot(devs, tps, "o-", label=f"worker, {n} out")
+        axes[1].plot(devs, alone, "x--", label=f"engine alone, {n} out")
+    axes[0].axhline(0.9, color="gray", ls=":", label="goal 0.9x")
+    axes[0].set_xticks([i + width * (len(lens) - 1) / 2 for i in range(len(devs))], [f"{d:g} ms" for d in devs])
+    axes[0].set_xlabel("emulated device time per step")
+    axes[0].set_ylabel("worker / engine alone (tokens/s)")
+    axes[0].legend(fontsize=8)
+    axes[1].set_xlabel("emulated device time per step (ms)")
+    axes[1].set_ylabel("output tokens/s")
+    axes[1].set_yscale("log")
+    axes[1].legend(fontsize=7)
+    fig.suptitle("Pipeline ceiling: one worker process vs the engine alone (null engine, 256 running)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w.add_argument("--config", required=True)
+    w.add_argument("--device-ms", type=float, required=True)
+    w.add_argument("--tuning", required=True)
+    p.add_argument("--kafka", default=DEFAULT_KAFKA)
+    p.add_argument("--redis", default=DEFAULT_REDIS)
+    p.add_argument("--device-ms", type=float, nargs="+", default=[0, 2, 5, 15])
+    p.add_argument("--output-lens", type=int, nargs="+", default=[4, 64, 512])
+    p.add_argument("--running", type=int, default=256)
+    p.add_argument("--jobs", type=int, default=None, help="jobs per row (default: ~128k tokens, 2x running to 4096)")
+    p.add_argument("--target-tokens", type=int, default=131072)
+    p.add_argument("--partitions", type=int, default=3)
+    p.add_argument("--subscribers", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker row")
+    p.add_argument("--out", default="results")
+    a = p.parse_args(argv)
+    if a.cmd == "worker":
+        return worker_main(a)
+    from tools.bench_engine import _machine
+
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    rows = asyncio.run(run_grid(a))
+    report = {"mode": "pipeline", "command": "python -m tools.bench_pipeline " + " ".join(argv or sys.argv[1:]),
+              "machine": _machine(), "kafka": a.kafka, "redis": a.redis, "rows": rows}
+    out = Path(a.out) / "bench_pipeline.json"
+    out.write_text(json.dumps(report, indent=2))
+    plot(rows, Path(a.out) / "bench_pipeline.png")
+    print_table(rows)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
