@@ -80,6 +80,14 @@ class RejectReason(enum.StrEnum):
     OVERLOADED = "overloaded"  # overload_policy=reject and no room now
 
 
+class ErrorCode(enum.StrEnum):
+    """The wire's `error.code` of a request the engine ended after it was queued."""
+
+    OOM = "oom"  # finished(error): out of memory in more than max_oom_retries steps
+    INTERNAL = "internal"  # finished(error): its forward (alone) or its output processing raised
+    DEADLINE_PASSED = "deadline_passed"  # finished(expired): still waiting at its deadline
+
+
 class RequestRejected(Exception):
     """Raised by `Engine.add_request` when a request can never run (or, under
     `overload_policy: reject`, cannot run now). Nothing was queued."""
