@@ -179,8 +179,15 @@ class Engine:
         wall-clock seconds (`time.time()`); a request still waiting (never scheduled) at
         its deadline ends with `finish_reason="expired"`, `error_code="deadline_passed"`.
 
+        BOS: the ids of a text prompt or of chat messages never start with more than one
+        BOS id. A text that already begins with the BOS text (`"<s>Paris…"`), tokenized by
+        a tokenizer that prepends BOS, gives two (as transformers' `encode` does): the
+        leading duplicates are dropped and one BOS is kept (logged at debug level); the
+        same holds for a chat template whose output starts with repeated BOS.
+        `prompt_token_ids` are used exactly as given.
+
         Returns:
-            the number of prompt tokens.
+            the number of prompt tokens (after the BOS rule).
 
         Raises:
             RequestRejected: with a `RejectReason`; the request was not queued.
@@ -262,6 +269,11 @@ class Engine:
                 )
         if not ids:
             raise RequestRejected(request_id, RejectReason.EMPTY_PROMPT, "the prompt has no tokens")
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if prompt_token_ids is None and bos is not None and len(ids) > 1 and ids[1] == bos and ids[0] == bos:
+            n = next((i for i, t in enumerate(ids) if t != bos), len(ids))
+            log.debug("request %s: prompt starts with %d BOS ids; keeping one", request_id, n)
+            ids = ids[n - 1 :]
         return ids
 
     def _check_limits(self, request_id: str, ids: list[int], params: SamplingParams) -> int:
