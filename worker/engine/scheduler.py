@@ -19,7 +19,8 @@ Rules under KV pressure (each one closes a loop seen in practice):
     rank, latest arrival, passing over those that hold prompt + max_tokens unless
     they rank strictly below the decode's request; the request itself if no other
     qualifies. Hence, without priority changes (classes and aging), no request is
-    preempted more than RESERVE_AFTER_PREEMPTIONS times.
+    preempted more than RESERVE_AFTER_PREEMPTIONS times for want of blocks (the
+    engine's out-of-memory retries, `preempt`, are outside this rule).
   - A waiting request may preempt running requests of a strictly worse rank (the case
     vLLM leaves open), lowest first, and only when that gives it both a slot and its
     blocks; else it preempts nothing. Requests admitted in the same step are never its
