@@ -7,7 +7,9 @@
               On CUDA (auto-detected) it uses bf16 and a random-init ~1B Llama.
   scheduler   CPU time per engine step with a no-op model runner at 64 / 256 / 1024
               running requests (all decoding), split into schedule + bookkeeping and
-              detokenization/outputs.
+              detokenization/outputs; then preemptions and prefill tokens computed vs
+              needed (recompute) on KV-pressure scenarios (issue 10's inputs and an
+              overloaded random mix, prefix caching off so recompute is not hidden).
 
 Writes JSON (and a PNG for throughput) under --out, prints a table.
 
@@ -318,7 +320,61 @@ def scheduler_overhead(a) -> dict:
         print(f"{r['running_requests']:>8}{r['schedule_ms']:>13.3f}{r['update_ms']:>11.3f}"
               f"{r['scheduler_plus_bookkeeping_ms']:>15.3f}{r['engine_step_with_detokenize_ms']:>14.3f}"
               f"{r['metrics_per_step_ms']:>12.4f}")
-    return {"mode": "scheduler", "command": a.command_line, "machine": _machine(), "rows": rows}
+    pressure = [kv_pressure(name) for name in KV_PRESSURE]
+    print(f"\n{'kv pressure':<18}{'blocks':>7}{'steps':>7}{'preemptions':>13}{'max/request':>13}"
+          f"{'prefill needed':>16}{'computed':>10}{'ratio':>7}")
+    for r in pressure:
+        print(f"{r['scenario']:<18}{r['num_blocks']:>7}{r['steps']:>7}{r['preemptions']:>13}"
+              f"{r['max_preemptions_per_request']:>13}{r['prefill_tokens_needed']:>16}"
+              f"{r['prefill_tokens_computed']:>10}{r['recompute_ratio']:>7.2f}")
+    return {"mode": "scheduler", "command": a.command_line, "machine": _machine(), "rows": rows,
+            "kv_pressure": pressure}
+
+
+def _random_overload(rng) -> list[tuple[int, str, int, int]]:
+    return [(i * 2, f"r{i}", rng.randint(1, 200), rng.randint(1, 120)) for i in range(40)]
+
+
+# scenario: (KV blocks of 16 tokens, max_batched_tokens, [(add before step, id, prompt tokens, max_tokens)])
+KV_PRESSURE = {
+    "issue10-8-blocks": (8, 32, [(0, "run", 60, 20), (2, "heavy", 70, 4)]),
+    "issue10-64-blocks": (64, 32, [(0, "run0", 220, 40), (0, "run1", 220, 40), (0, "run2", 220, 40),
+                                   (2, "big", 600, 4), (2, "small0", 40, 4), (2, "small1", 40, 4)]),
+    "random-overload": (24, 32, None),  # 40 requests (1-200 prompt, 1-120 output), one every 2 steps
+}
+
+
+def kv_pressure(name: str) -> dict:
+    """Run one KV_PRESSURE scenario over a NullRunner; count preemptions and prefill
+    tokens computed (recompute included) against the prompt tokens needed."""
+    import random
+
+    from schemas.params import SamplingParams
+    from worker.config import EngineConfig, ServingTuning
+    from worker.model.null_runner import null_engine
+
+    num_blocks, budget, work = KV_PRESSURE[name]
+    work = work or _random_overload(random.Random(0))
+    eng = null_engine(EngineConfig(serving_tuning=ServingTuning(
+        max_total_tokens=num_blocks * 16, kv_block_size=16, max_batched_tokens=budget, enable_prefix_caching=False,
+        max_output_tokens=256, priority_aging_steps=10**6)), vocab_size=32000, max_model_len=2048)
+    preemptions: dict[str, int] = {}
+    computed = steps = 0
+    while steps == 0 or eng.has_unfinished() or any(at >= steps for at, *_ in work):
+        for at, rid, prompt, max_tokens in work:
+            if at == steps:
+                eng.add_request(rid, prompt_token_ids=[7] * prompt, params=SamplingParams(max_tokens=max_tokens,
+                                                                                         ignore_eos=True))
+        for out in eng.step():
+            if out.finished:
+                preemptions[out.request_id] = out.num_preemptions
+        computed += eng.last_step_stats.num_prefill_tokens
+        steps += 1
+    needed = sum(prompt for _, _, prompt, _ in work)
+    return {"scenario": name, "num_blocks": num_blocks, "max_batched_tokens": budget, "num_requests": len(work),
+            "steps": steps, "preemptions": sum(preemptions.values()),
+            "max_preemptions_per_request": max(preemptions.values()), "prefill_tokens_needed": needed,
+            "prefill_tokens_computed": computed, "recompute_ratio": computed / needed}
 
 
 def add_size_args(p: argparse.ArgumentParser) -> None:

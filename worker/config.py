@@ -54,6 +54,10 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         enable_prefix_caching: share full KV blocks between equal prefixes.
         priority_aging_steps: a waiting request gains one priority class per this
             many engine steps, so low priority never starves.
+        max_admission_skips: how many requests of its rank may be admitted ahead of a
+            waiting request that cannot get its KV blocks (bounded skipping); after
+            that it holds a reservation and nothing ranked behind it is admitted
+            until it is. 0: strict head-of-line order.
         gpu_memory_utilization: fraction of free GPU memory given to the KV cache
             when `max_total_tokens` is unset.
         max_oom_retries: times a request whose step ran out of GPU memory is
@@ -71,6 +75,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_block_size: int = 16
     enable_prefix_caching: bool = True
     priority_aging_steps: int = 512
+    max_admission_skips: int = 8
     gpu_memory_utilization: float = 0.85
     max_oom_retries: int = 1
 
@@ -87,8 +92,9 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         )
         _one_of("serving_tuning", "kv_policy", self.kv_policy, KV_POLICIES)
         _one_of("serving_tuning", "overload_policy", self.overload_policy, OVERLOAD_POLICIES)
-        if self.max_oom_retries < 0:
-            raise ConfigError(f"serving_tuning.max_oom_retries must be >= 0, got {self.max_oom_retries}")
+        for name in ("max_oom_retries", "max_admission_skips"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"serving_tuning.{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"serving_tuning.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

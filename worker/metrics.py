@@ -1,8 +1,9 @@
 """Every Prometheus series of one worker, defined here and nowhere else (DESIGN §6).
 
 Base units (seconds, tokens, ratios 0..1); labels are low-cardinality only: `priority`
-(high/normal/low), `finish_reason`, `reason`, `outcome`, and the Kafka `topic` /
-`partition` of the job topics (bounded by the partition count). Never a job id.
+(high/normal/low), `finish_reason`, `reason`, `outcome`, `code` (an engine ErrorCode), and
+the Kafka `topic` / `partition` of the job topics (bounded by the partition count). Never
+a job id.
 
 One `Metrics` object per worker process, in its own `CollectorRegistry`, served on the
 worker's `/metrics`. Several worker processes on one host each serve their own port
@@ -96,6 +97,13 @@ class Metrics:
         self.preemptions = Counter("preemptions", "Requests preempted by recompute (KV blocks ran out)", registry=r)
         self.oom = Counter("request_oom", "Requests in a step that ran out of memory, by outcome (retried, failed)",
                            ("outcome",), registry=r)
+        self.request_errors = Counter(
+            "request_errors", "Requests the engine ended with finish_reason error, by code (internal: their "
+            "forward raised alone or their output could not be produced; oom: out of memory after "
+            "max_oom_retries)", ("code",), registry=r)
+        self.failed_forwards = Counter(
+            "engine_failed_forwards", "Forwards that raised: a whole batch, or one request retried alone "
+            "after its batch failed (out of memory included)", registry=r)
         self.step_duration = Histogram("engine_step_duration_seconds", "Wall time of one engine step",
                                        buckets=STEP_BUCKETS, registry=r)
         self.gpu_utilization = (Gauge("gpu_utilization", "GPU busy fraction from NVML (0..1)", registry=r)
@@ -141,6 +149,11 @@ class Metrics:
             self.oom.labels("retried").inc(s.num_oom_retried)
         if s.num_oom_failed:
             self.oom.labels("failed").inc(s.num_oom_failed)
+            self.request_errors.labels("oom").inc(s.num_oom_failed)
+        if s.num_internal_errors:
+            self.request_errors.labels("internal").inc(s.num_internal_errors)
+        if s.num_failed_forwards:
+            self.failed_forwards.inc(s.num_failed_forwards)
         self.step_duration.observe(s.duration_s)
         self._add_tokens(s.time, s.num_prefill_tokens, s.num_decode_tokens)
 

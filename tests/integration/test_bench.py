@@ -45,6 +45,11 @@ def test_engine_modes_write_consistent_results(tmp_path, llama_path):
     for row in s["rows"]:
         assert 0 < row["schedule_ms"] <= row["scheduler_plus_bookkeeping_ms"]
         assert row["metrics_per_step_ms"] > 0
+    assert [p["scenario"] for p in s["kv_pressure"]] == list(bench_engine.KV_PRESSURE)
+    for p in s["kv_pressure"]:
+        assert p["prefill_tokens_computed"] >= p["prefill_tokens_needed"] > 0
+        assert p["recompute_ratio"] == pytest.approx(p["prefill_tokens_computed"] / p["prefill_tokens_needed"])
+        assert 0 <= p["max_preemptions_per_request"] <= p["preemptions"]
 
 
 @pytest.mark.parametrize("consumer,rates", [("stream", ["3", "8"]), ("result", ["5"])])

@@ -49,6 +49,31 @@ def test_allocate_failure_changes_nothing():
     assert kv.stats().free_blocks == 2
 
 
+def test_blocks_to_allocate_and_freeable_count_shared_and_revived_blocks():
+    kv = KVCacheManager(16, 4)
+    a = make_req("a", list(range(10)))
+    assert kv.num_blocks_to_allocate(a, 10) == 3
+    assert kv.num_blocks_to_allocate(a, 10, reserve_tokens=14) == 4
+    assert kv.allocate(a, 10)
+    a.num_computed_tokens = 10
+    kv.cache_full_blocks(a)
+    assert kv.num_blocks_to_allocate(a, 2) == 0 and kv.num_blocks_to_allocate(a, 3) == 1
+    b = make_req("b", list(range(8)) + [7, 7])
+    hits = kv.find_cached_prefix(b)
+    assert kv.num_blocks_to_allocate(b, 2, hits) == 1  # shared blocks are not taken from the pool
+    assert kv.allocate(b, 2, hits)
+    assert kv.num_freeable_blocks("a") == 1 and kv.num_freeable_blocks("b") == 1  # 2 blocks are shared
+    kv.free("a")
+    assert kv.num_freeable_blocks("b") == 3
+    kv.free("b")
+    c = make_req("c", list(range(8)) + [1, 1])
+    hits = kv.find_cached_prefix(c)
+    assert len(hits) == 2 and kv.num_blocks_to_allocate(c, 2, hits) == 3  # 2 revived from the cache + 1 new
+    before = kv.num_free_blocks
+    assert kv.allocate(c, 2, hits) and kv.num_free_blocks == before - 3
+    kv.check_invariants()
+
+
 def test_prefix_cache_shares_computed_full_blocks_only():
     kv = KVCacheManager(16, 4)
     a = make_req("a", list(range(10)))

@@ -1,7 +1,8 @@
 """The in-process engine: request lifecycle, scheduler, KV cache manager, engine loop.
 
 Map (one line per module):
-    request.py    Request, RequestStatus (ordered lifecycle), Priority, finish-reason table, rejections
+    request.py    Request, RequestStatus (ordered lifecycle), Priority, finish-reason table, rejections,
+                  error codes
     kv_cache.py   BlockPool (free list, ref counts, prefix-cache hashes) and KVCacheManager (block tables)
     scheduler.py  Scheduler: per-step batch under a token budget; admission, priority, preemption
     outputs.py    contract objects between scheduler, model runner and engine callers
@@ -10,11 +11,12 @@ Map (one line per module):
 
 from worker.engine.core import Engine
 from worker.engine.outputs import CompletionOutput, KVStats, RequestOutput, RequestTimes, StepStats, Usage
-from worker.engine.request import Priority, RejectReason, RequestRejected
+from worker.engine.request import ErrorCode, Priority, RejectReason, RequestRejected
 
 __all__ = [
     "CompletionOutput",
     "Engine",
+    "ErrorCode",
     "KVStats",
     "Priority",
     "RejectReason",

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,8 +27,10 @@ from worker.engine.kv_cache import KVCacheManager
 from worker.engine.outputs import (
     CompletionOutput,
     KVStats,
+    ModelRunnerOutput,
     RequestOutput,
     RequestTimes,
+    ScheduledRequest,
     SchedulerOutput,
     StepStats,
     TokenLogprobs,
@@ -35,6 +38,7 @@ from worker.engine.outputs import (
 )
 from worker.engine.request import (
     FINISH_REASONS,
+    ErrorCode,
     Priority,
     RejectReason,
     Request,
@@ -55,6 +59,22 @@ log = logging.getLogger(__name__)
 
 # torch >= 2.5 exposes the CUDA OOM as torch.OutOfMemoryError (alias of torch.cuda.OutOfMemoryError)
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+@dataclass(slots=True)
+class _Failures:
+    """What failed in one step (folded into its StepStats)."""
+
+    num_failed_forwards: int = 0
+    num_oom_retried: int = 0
+    num_oom_failed: int = 0
+    num_internal_errors: int = 0
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, at most `limit` characters (no traceback)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}"[:limit] if lines else type(exc).__name__
 
 
 class Engine:
@@ -159,8 +179,15 @@ class Engine:
         wall-clock seconds (`time.time()`); a request still waiting (never scheduled) at
         its deadline ends with `finish_reason="expired"`, `error_code="deadline_passed"`.
 
+        BOS: the ids of a text prompt or of chat messages never start with more than one
+        BOS id. A text that already begins with the BOS text (`"<s>Paris…"`), tokenized by
+        a tokenizer that prepends BOS, gives two (as transformers' `encode` does): the
+        leading duplicates are dropped and one BOS is kept (logged at debug level); the
+        same holds for a chat template whose output starts with repeated BOS.
+        `prompt_token_ids` are used exactly as given.
+
         Returns:
-            the number of prompt tokens.
+            the number of prompt tokens (after the BOS rule).
 
         Raises:
             RequestRejected: with a `RejectReason`; the request was not queued.
@@ -242,6 +269,11 @@ class Engine:
                 )
         if not ids:
             raise RequestRejected(request_id, RejectReason.EMPTY_PROMPT, "the prompt has no tokens")
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if prompt_token_ids is None and bos is not None and len(ids) > 1 and ids[1] == bos and ids[0] == bos:
+            n = next((i for i, t in enumerate(ids) if t != bos), len(ids))
+            log.debug("request %s: prompt starts with %d BOS ids; keeping one", request_id, n)
+            ids = ids[n - 1 :]
         return ids
 
     def _check_limits(self, request_id: str, ids: list[int], params: SamplingParams) -> int:
@@ -284,12 +316,22 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Apply queued requests and aborts, run one forward, return per-request deltas.
 
-        Out of memory during the forward (`torch.OutOfMemoryError`, CUDA's OOM) does not
-        propagate: every request of the failed batch is preempted by recompute and
-        retried, at most `serving_tuning.max_oom_retries` times each, then finished with
-        `finish_reason="error"`, `error_code="oom"`; the step token budget is halved and
-        recovers by doubling after `OOM_BACKOFF_RECOVERY_STEPS` good steps. Any other
-        exception propagates (the engine is then unusable).
+        A forward that raises does not propagate; it ends no request that did not cause it:
+          - out of memory (`torch.OutOfMemoryError`, CUDA's OOM): every request of the
+            batch is preempted by recompute and retried, at most
+            `serving_tuning.max_oom_retries` times each, then finished with
+            `finish_reason="error"`, `error_code="oom"`; the step token budget is halved
+            and recovers by doubling after `OOM_BACKOFF_RECOVERY_STEPS` good steps;
+          - any other exception: if the batch holds several requests, each is run once
+            more alone, in this step, so one poison request cannot take its neighbours
+            with it; a request whose forward raises alone (or that was alone) ends with
+            `finish_reason="error"`, `error_code="internal"` and a one-line message
+            (type and first line; the traceback goes to the log only). An out of memory
+            in a lone retry follows the rule above for that request.
+        An exception while turning a request's token into output (detokenization) ends
+        that request the same way. Ended requests' blocks are free when `step` returns,
+        and the engine keeps serving. Exceptions elsewhere (scheduler or KV bookkeeping)
+        are broken invariants and propagate; the engine is then unusable.
 
         After every call `last_step_stats` describes the step (see `StepStats`).
         """
@@ -307,20 +349,18 @@ class Engine:
             req = self.scheduler.finish(self._aborts.popleft(), RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 outputs.append(self._final_output(req, [], ""))
-        oom = (0, 0)
-        num_decode = num_prefill = 0  # tokens computed by a forward that succeeded
+        failed = _Failures()
+        num_decode = num_prefill = 0  # tokens computed by forwards that succeeded
         preempted_before = self.scheduler.num_preemptions_total
         if self.scheduler.has_unfinished():
             sched = self.scheduler.schedule(self._budget_cap)
             if sched.num_scheduled_tokens > 0:
-                try:
-                    runner_out = self.runner.execute(sched)
-                except OutOfMemoryError as e:
-                    oom = self._handle_oom(sched, e, outputs)
-                else:
-                    self._after_forward(sched, runner_out, outputs)
-                    num_decode = sched.num_decodes
-                    num_prefill = sched.num_scheduled_tokens - num_decode
+                done = self._forward(sched, outputs, failed)
+                if done is not None:
+                    ok, runner_out = done
+                    self._after_forward(ok, runner_out, outputs, failed)
+                    num_decode = ok.num_decodes
+                    num_prefill = ok.num_scheduled_tokens - num_decode
         self.last_step_stats = StepStats(
             step=self.scheduler.step_count,
             time=time.time(),
@@ -329,12 +369,67 @@ class Engine:
             num_waiting=self.scheduler.num_waiting + len(self._new),
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
-            num_preemptions=self.scheduler.num_preemptions_total - preempted_before - oom[0],
-            num_oom_retried=oom[0],
-            num_oom_failed=oom[1],
+            num_preemptions=self.scheduler.num_preemptions_total - preempted_before - failed.num_oom_retried,
+            num_oom_retried=failed.num_oom_retried,
+            num_oom_failed=failed.num_oom_failed,
             kv=self.kv.stats(),
+            num_internal_errors=failed.num_internal_errors,
+            num_failed_forwards=failed.num_failed_forwards,
         )
         return outputs
+
+    def _forward(
+        self, sched: SchedulerOutput, outputs: list[RequestOutput], failed: _Failures
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
+        """Run the step's forward under the failure rules of `step`. Returns the part of
+        the batch whose forward succeeded and its runner output, or None if none did."""
+        try:
+            return sched, self.runner.execute(sched)
+        except OutOfMemoryError as e:
+            failed.num_failed_forwards += 1
+            self._handle_oom(sched.scheduled, sched.num_scheduled_tokens, e, outputs, failed)
+            return None
+        except Exception as e:
+            failed.num_failed_forwards += 1
+            if len(sched.scheduled) == 1:
+                self._fail_internal(sched.scheduled[0], e, outputs, failed)
+                return None
+            log.warning("forward of step %d (%d requests, %d tokens) failed; running each request alone",
+                        sched.step, len(sched.scheduled), sched.num_scheduled_tokens, exc_info=True)
+        ok: list[ScheduledRequest] = []
+        merged = ModelRunnerOutput(sampled_token_ids={})
+        num_decodes = 0
+        for i, s in enumerate(sched.scheduled):
+            is_decode = i < sched.num_decodes
+            alone = SchedulerOutput(step=sched.step, scheduled=[s], num_scheduled_tokens=s.num_tokens,
+                                    num_decodes=int(is_decode))
+            try:
+                out = self.runner.execute(alone)
+            except OutOfMemoryError as e:
+                failed.num_failed_forwards += 1
+                self._handle_oom([s], s.num_tokens, e, outputs, failed)
+            except Exception as e:
+                failed.num_failed_forwards += 1
+                self._fail_internal(s, e, outputs, failed)
+            else:
+                ok.append(s)
+                num_decodes += is_decode
+                merged.sampled_token_ids.update(out.sampled_token_ids)
+                merged.logprobs.update(out.logprobs)
+        if not ok:
+            return None
+        num_tokens = sum(s.num_tokens for s in ok)
+        return SchedulerOutput(sched.step, ok, num_tokens, num_decodes, sched.preempted_ids), merged
+
+    def _fail_internal(
+        self, s: ScheduledRequest, exc: Exception, outputs: list[RequestOutput], failed: _Failures
+    ) -> None:
+        """End a request whose forward raised (alone): finished(error, internal); blocks freed."""
+        log.error("request %s failed in its forward", s.request_id, exc_info=exc)
+        req = self.scheduler.finish(s.request_id, RequestStatus.FINISHED_ERROR)
+        if req is not None:
+            outputs.append(self._final_output(req, [], "", error=(ErrorCode.INTERNAL, _one_line(exc))))
+            failed.num_internal_errors += 1
 
     def _expire_waiting(self, outputs: list[RequestOutput]) -> None:
         """Requests never scheduled yet whose deadline passed end `expired` (KV untouched);
@@ -346,10 +441,13 @@ class Engine:
             if req is None or req.status != RequestStatus.WAITING:
                 continue
             self.scheduler.finish(rid, RequestStatus.FINISHED_EXPIRED)
-            outputs.append(self._final_output(
-                req, [], "", error=("deadline_passed", f"deadline {deadline} passed while the request waited")))
+            message = f"deadline {deadline} passed while the request waited"
+            outputs.append(self._final_output(req, [], "", error=(ErrorCode.DEADLINE_PASSED, message)))
 
-    def _after_forward(self, sched: SchedulerOutput, runner_out, outputs: list[RequestOutput]) -> None:
+    def _after_forward(
+        self, sched: SchedulerOutput, runner_out: ModelRunnerOutput, outputs: list[RequestOutput],
+        failed: _Failures,
+    ) -> None:
         if self._budget_cap is not None:
             self._steps_since_oom += 1
             if self._steps_since_oom >= OOM_BACKOFF_RECOVERY_STEPS:
@@ -364,42 +462,55 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = now
             lp = runner_out.logprobs.get(rid)
-            if lp is not None:
-                self._logprobs.setdefault(rid, []).append(lp)
-            detok = self._detoks[rid]
-            # A token that ended the request by EOS / stop_token_ids is not part of the text.
-            delta = detok.add([token_id]) if req.status != RequestStatus.FINISHED_STOPPED else ""
-            if detok.stopped and not req.is_finished:
-                self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED)
-            if req.is_finished:
-                outputs.append(self._final_output(req, [token_id], delta, lp))
-            else:
-                outputs.append(RequestOutput(rid, [token_id], delta, logprobs=[lp] if lp else None))
+            try:
+                if lp is not None:
+                    self._logprobs.setdefault(rid, []).append(lp)
+                detok = self._detoks[rid]
+                # A token that ended the request by EOS / stop_token_ids is not part of the text.
+                delta = detok.add([token_id]) if req.status != RequestStatus.FINISHED_STOPPED else ""
+                if detok.stopped and not req.is_finished:
+                    self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED)
+                if req.is_finished:
+                    outputs.append(self._final_output(req, [token_id], delta, lp))
+                else:
+                    outputs.append(RequestOutput(rid, [token_id], delta, logprobs=[lp] if lp else None))
+            except Exception as e:  # this request's output cannot be produced: end it, keep the others
+                log.error("request %s failed turning token %d into output", rid, token_id, exc_info=True)
+                self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)  # no-op if the token had ended it
+                self._detoks.pop(rid, None)  # its held-back text cannot be decoded: no flush
+                err = (ErrorCode.INTERNAL, _one_line(e))
+                outputs.append(self._final_output(req, [token_id], "", lp, err, RequestStatus.FINISHED_ERROR))
+                failed.num_internal_errors += 1
 
-    def _handle_oom(self, sched: SchedulerOutput, exc: BaseException, outputs: list[RequestOutput]) -> tuple[int, int]:
-        """Preempt (retry) or fail every request of a batch whose forward ran out of
-        memory; free their blocks; halve the token budget. Returns (retried, failed)."""
+    def _handle_oom(
+        self, scheduled: list[ScheduledRequest], num_tokens: int, exc: BaseException,
+        outputs: list[RequestOutput], failed: _Failures,
+    ) -> None:
+        """Preempt (retry) or fail each request of a forward of `num_tokens` tokens that
+        ran out of memory; free their blocks; halve the token budget."""
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
-        self._budget_cap = max(1, sched.num_scheduled_tokens // 2)
+        self._budget_cap = max(1, num_tokens // 2)
         self._steps_since_oom = 0
-        retried = failed = 0
-        for s in sched.scheduled:
+        retried = num_failed = 0
+        for s in scheduled:
             req = self.scheduler.requests.get(s.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_ooms += 1
             if req.num_ooms > self.tuning.max_oom_retries:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._final_output(
-                    req, [], "", error=("oom", f"out of memory in {req.num_ooms} steps of this request: {exc}"[:500])))
-                failed += 1
+                message = f"out of memory in {req.num_ooms} steps of this request: {_one_line(exc)}"
+                outputs.append(self._final_output(req, [], "", error=(ErrorCode.OOM, message)))
+                num_failed += 1
             else:
                 self.scheduler.preempt(req.request_id)
                 retried += 1
+        failed.num_oom_retried += retried
+        failed.num_oom_failed += num_failed
         log.warning("out of memory in step %d (%d tokens, %d requests): %d retried, %d failed; token budget now %d",
-                    sched.step, sched.num_scheduled_tokens, len(sched.scheduled), retried, failed, self._budget_cap)
-        return retried, failed
+                    self.scheduler.step_count, num_tokens, len(scheduled), retried, num_failed,
+                    self._budget_cap)
 
     def _final_output(
         self,
@@ -408,7 +519,10 @@ class Engine:
         delta: str,
         lp: TokenLogprobs | None = None,
         error: tuple[str, str] | None = None,
+        status: RequestStatus | None = None,
     ) -> RequestOutput:
+        """The request's last output. `status` overrides the terminal status the
+        scheduler gave it (a request whose last token could not be turned into output)."""
         rid = req.request_id
         detok = self._detoks.pop(rid, None)
         if detok is not None:
@@ -421,12 +535,12 @@ class Engine:
             new_ids,
             delta,
             finished=True,
-            finish_reason=FINISH_REASONS[req.status],
+            finish_reason=FINISH_REASONS[req.status if status is None else status],
             usage=Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens),
             logprobs=[lp] if lp else None,
             num_preemptions=req.num_preemptions,
             times=RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time, time.time()),
-            error_code=error[0] if error else None,
+            error_code=str(error[0]) if error else None,
             error_message=error[1] if error else None,
         )
 

@@ -166,6 +166,37 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free + evictable cached)."""
+        return self.pool.num_free_blocks
+
+    def _num_tokens_to_cover(self, req: Request, num_new: int, num_cached_blocks: int, reserve_tokens: int) -> int:
+        if req.request_id in self._block_tables:
+            return max(req.num_computed_tokens + num_new, reserve_tokens)
+        return max(num_cached_blocks * self.block_size + num_new, reserve_tokens)
+
+    def num_blocks_to_allocate(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        cached_blocks: list[int] | None = None,
+        reserve_tokens: int = 0,
+    ) -> int:
+        """Pool blocks that `allocate` with the same arguments would take: new blocks
+        plus evictable cached blocks it revives (0 if the table already covers it)."""
+        table = self._block_tables.get(req.request_id)
+        cached_blocks = [] if table is not None else cached_blocks or []
+        num_have = len(table) if table is not None else len(cached_blocks)
+        num_tokens = self._num_tokens_to_cover(req, num_new_tokens, len(cached_blocks), reserve_tokens)
+        num_revived = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
+        return max(self.num_blocks_for(num_tokens) - num_have, 0) + num_revived
+
+    def num_freeable_blocks(self, request_id: str) -> int:
+        """Blocks that freeing the request would give back to the pool (those only it references)."""
+        ref_cnt = self.pool.ref_cnt
+        return sum(1 for b in self._block_tables.get(request_id, ()) if ref_cnt[b] == 1)
+
     def allocate(
         self,
         req: Request,
@@ -184,26 +215,20 @@ class KVCacheManager:
             capacity = len(table) * self.block_size
             if req.num_computed_tokens + num_new_tokens <= capacity and reserve_tokens <= capacity:
                 return True
-        cached_blocks = cached_blocks or []
-        if table is None:
-            num_computed = len(cached_blocks) * self.block_size
-            num_have = len(cached_blocks)
-        else:
-            num_computed = req.num_computed_tokens
-            num_have = len(table)
-            cached_blocks = []
-        num_needed = self.num_blocks_for(max(num_computed + num_new_tokens, reserve_tokens)) - num_have
-        num_revived = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
-        if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
+        num_needed = self.num_blocks_to_allocate(req, num_new_tokens, cached_blocks, reserve_tokens)
+        if num_needed > self.pool.num_free_blocks:
             return False
+        cached_blocks = cached_blocks or []
+        num_tokens = self._num_tokens_to_cover(req, num_new_tokens, len(cached_blocks), reserve_tokens)
         if table is None:
             table = []
             self._block_tables[req.request_id] = table
             self._num_registered[req.request_id] = len(cached_blocks)
             self.pool.touch(cached_blocks)
             table.extend(cached_blocks)
-        if num_needed > 0:
-            new_blocks = self.pool.take(num_needed)
+        num_new_blocks = self.num_blocks_for(num_tokens) - len(table)
+        if num_new_blocks > 0:
+            new_blocks = self.pool.take(num_new_blocks)
             assert new_blocks is not None  # checked above
             table.extend(new_blocks)
         return True

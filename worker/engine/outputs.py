@@ -113,7 +113,9 @@ class StepStats:
     """What one `Engine.step` did (read by the metrics on the engine thread).
 
     Token counts are tokens *computed* this step: a prefill chunk of a preempted request
-    being recomputed counts as prefill again. `num_oom_*` count requests, not steps.
+    being recomputed counts as prefill again. `num_oom_*` and `num_internal_errors`
+    count requests; `num_failed_forwards` counts forwards that raised (the batch, then
+    each request retried alone that raised again), out of memory included.
     """
 
     step: int
@@ -127,6 +129,8 @@ class StepStats:
     num_oom_retried: int
     num_oom_failed: int
     kv: KVStats
+    num_internal_errors: int = 0  # requests ended with finish_reason error, code internal
+    num_failed_forwards: int = 0
 
 
 @dataclass(slots=True)
@@ -146,7 +150,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_preemptions: int = 0
     times: RequestTimes | None = None  # set on the last output
-    error_code: str | None = None  # with finish_reason "error": e.g. "oom"
+    error_code: str | None = None  # an ErrorCode: with finish_reason "error" ("oom", "internal") or "expired"
     error_message: str | None = None
 
 

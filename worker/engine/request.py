@@ -6,7 +6,8 @@ Lifecycle (an ordered enum; progress inside RUNNING is `num_computed_tokens`):
        ▲                  │
        └──── PREEMPTED ◄──┘   (KV freed; recomputed from prompt + output on re-admission)
 
-Only the Scheduler writes `status`, `num_computed_tokens` and the token lists.
+Only the Scheduler writes `status`, `num_computed_tokens`, the token lists and the
+counters of its rules (`num_preemptions`, `num_skips`, `effective_rank`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ class RejectReason(enum.StrEnum):
     OVERLOADED = "overloaded"  # overload_policy=reject and no room now
 
 
+class ErrorCode(enum.StrEnum):
+    """The wire's `error.code` of a request the engine ended after it was queued."""
+
+    OOM = "oom"  # finished(error): out of memory in more than max_oom_retries steps
+    INTERNAL = "internal"  # finished(error): its forward (alone) or its output processing raised
+    DEADLINE_PASSED = "deadline_passed"  # finished(expired): still waiting at its deadline
+
+
 class RequestRejected(Exception):
     """Raised by `Engine.add_request` when a request can never run (or, under
     `overload_policy: reject`, cannot run now). Nothing was queued."""
@@ -115,6 +124,7 @@ class Request:
         "block_hashes",
         "effective_rank",
         "num_preemptions",
+        "num_skips",
         "num_ooms",
         "first_scheduled_time",
         "first_token_time",
@@ -156,6 +166,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.effective_rank = int(priority)  # rank held while running (aging applied at admission)
         self.num_preemptions = 0
+        self.num_skips = 0  # admissions ranked behind it while it could not start, this wait
         self.num_ooms = 0  # steps of this request that failed with out-of-memory
         self.first_scheduled_time: float | None = None  # wall clock (s) of first admission
         self.first_token_time: float | None = None  # wall clock (s) the first output token was sampled

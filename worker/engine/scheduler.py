@@ -2,13 +2,36 @@
 recompute (vLLM, SOSP '23).
 
 Every step builds one packed batch under `max_batched_tokens`:
-  1. running requests, decodes first, then unfinished prefill chunks, in priority order;
-     when KV blocks run out, the lowest-priority running request is preempted (freed,
-     recomputed later from prompt + output);
-  2. waiting requests by (priority class - aging, arrival), while slots, budget and
-     blocks allow; a waiting request may preempt running requests of a strictly
-     lower rank (the case vLLM leaves open).
+  1. running requests, decodes first, then unfinished prefill chunks, in rank order;
+  2. waiting requests in rank order — (priority class - aging, arrival) — while slots,
+     budget and blocks allow. None in a step that preempted in 1 (as vLLM V1), so a
+     victim is never re-admitted in the step it lost its blocks.
 A request leaves the batch the step it finishes; its slot is filled the next step.
+
+Rules under KV pressure (each one closes a loop seen in practice):
+  - Admission allocates blocks for the whole remaining prefill (prompt + output so
+    far), not for the first chunk only (vLLM #21793): a long prompt is not started on
+    a chunk that fits only to lose its blocks before its prefill ends. So only a
+    decode ever asks for a new block. Under `kv_policy: reserve`, and for a request
+    preempted RESERVE_AFTER_PREEMPTIONS times already, it allocates prompt +
+    max_tokens: such a request never asks for a block again.
+  - Victim, when a decode finds no free block: the running request of the lowest
+    rank, latest arrival, passing over those that hold prompt + max_tokens unless
+    they rank strictly below the decode's request; the request itself if no other
+    qualifies. Hence, without priority changes (classes and aging), no request is
+    preempted more than RESERVE_AFTER_PREEMPTIONS times for want of blocks (the
+    engine's out-of-memory retries, `preempt`, are outside this rule).
+  - A waiting request may preempt running requests of a strictly worse rank (the case
+    vLLM leaves open), lowest first, and only when that gives it both a slot and its
+    blocks; else it preempts nothing. Requests admitted in the same step are never its
+    victims: admission goes in rank order, so they rank no worse than it.
+  - Bounded skipping: a waiting request that cannot get a slot or its blocks is
+    passed by later requests of the *same* rank that can, at most
+    `max_admission_skips` admissions in all; then it holds a reservation and nothing
+    ranked behind it is admitted until it is. Nothing of a worse rank passes it: it
+    would preempt such a request as soon as preempting could make it fit, wasting the
+    work. With N = max_admission_skips, a blocked request starts once the requests
+    running when its N-th pass happened have freed enough blocks.
 
 The Scheduler is the only writer of request status and progress, and the only caller
 of the KVCacheManager. The engine thread owns it.
@@ -24,6 +47,11 @@ from worker.config import ServingTuning
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.engine.request import Priority, Request, RequestStatus
+
+# Preemptions after which a request is re-admitted holding blocks for prompt + max_tokens.
+RESERVE_AFTER_PREEMPTIONS = 2
+# Blocked waiting requests one step passes over before it stops admitting (bounds its cost).
+MAX_SKIPPED_PER_STEP = 64
 
 
 def _rank_key(req: Request) -> tuple[int, int]:
@@ -60,8 +88,7 @@ class Scheduler:
         req.arrival_step = self.step_count
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        heapq.heappush(self._waiting[req.priority], (req.arrival_seq, req))
-        self._num_waiting += 1
+        self._push_waiting(req)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string, error): free its blocks now.
@@ -79,22 +106,31 @@ class Scheduler:
         req.status = status
         return req
 
+    def preempt(self, request_id: str) -> bool:
+        """Preempt a running request by recompute (used after a failed step). False if
+        it is not running."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return False
+        self._preempt(req, {})
+        return True
+
     # ---- the step ------------------------------------------------------------------
     def effective_rank(self, req: Request) -> int:
         """Priority class minus one per `priority_aging_steps` waited (lower is served first)."""
         return int(req.priority) - (self.step_count - req.arrival_step) // self.tuning.priority_aging_steps
 
     def schedule(self, max_batched_tokens: int | None = None) -> SchedulerOutput:
-        """Build the next step's batch. `max_batched_tokens` lowers the step's token
-        budget below `tuning.max_batched_tokens` (the engine's back-off after an OOM)."""
+        """Build the next step's batch (rules in the module docstring). `max_batched_tokens`
+        lowers the step's token budget below `tuning.max_batched_tokens` (the engine's
+        back-off after an OOM)."""
         self.step_count += 1
         tuning = self.tuning
         budget = min(max_batched_tokens or tuning.max_batched_tokens, tuning.max_batched_tokens)
-        full_budget = budget
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
 
-        # 1. running: decodes first, then continuing prefill chunks, each in priority order.
+        # 1. running: decodes first, then continuing prefill chunks, each in rank order.
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
@@ -109,42 +145,56 @@ class Scheduler:
                     scheduled[req.request_id] = num_new
                     budget -= num_new
                     break
-                victim = self.running[-1]
+                victim = self._victim_for(req)
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
+        if preempted:
+            return self._build_output(scheduled, preempted)
 
-        # 2. waiting: best (rank - aging, arrival) first; head-of-line, no skipping.
+        # 2. waiting, in rank order, with bounded skipping of requests that do not fit.
+        skipped: list[Request] = []
+        skipped_rank: int | None = None
         while budget > 0:
             req = self._peek_waiting()
             if req is None:
                 break
             rank = self.effective_rank(req)
-            if len(self.running) >= tuning.max_running_requests:
-                if not self._preempt_lower(rank, scheduled, preempted):
-                    break
-                budget = full_budget - sum(scheduled.values())
-                continue
+            if skipped_rank is not None and rank > skipped_rank:
+                break  # nothing passes a blocked request of a better rank
+            if len(self.running) >= tuning.max_running_requests and self.running[-1].effective_rank <= rank:
+                break  # no slot and none to take: nothing ranked behind can start either
+            self._pop_waiting(req)  # before any victim is requeued (aging can rank a victim ahead of it)
             cached_blocks = self.kv.find_cached_prefix(req)
             num_computed = len(cached_blocks) * self.kv.block_size
-            num_new = min(req.num_tokens - num_computed, budget)
-            if not self.kv.allocate(req, num_new, cached_blocks, reserve_tokens=self._reserve_tokens(req)):
-                if not self._preempt_lower(rank, scheduled, preempted):
-                    break
-                budget = full_budget - sum(scheduled.values())
+            num_prefill = req.num_tokens - num_computed
+            reserve = self._reserve_tokens(req)
+            num_blocks = self.kv.num_blocks_to_allocate(req, num_prefill, cached_blocks, reserve)
+            given_back = self._make_room(rank, num_blocks, scheduled, preempted)
+            if given_back is None or not self.kv.allocate(req, num_prefill, cached_blocks, reserve_tokens=reserve):
+                skipped.append(req)
+                if req.num_skips >= tuning.max_admission_skips or len(skipped) > MAX_SKIPPED_PER_STEP:
+                    break  # it holds a reservation: nothing ranked behind it is admitted
+                skipped_rank = rank
                 continue
-            self._pop_waiting(req)
+            budget += given_back
             if req.status == RequestStatus.WAITING:  # first admission (not a re-admission)
                 req.num_cached_tokens = num_computed
                 req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
             req.effective_rank = rank
+            req.num_skips = 0
             bisect.insort(self.running, req, key=_rank_key)
-            scheduled[req.request_id] = num_new
-            budget -= num_new
-
+            scheduled[req.request_id] = min(num_prefill, budget)
+            budget -= scheduled[req.request_id]
+            for s in skipped:
+                s.num_skips += 1
+            if any(s.num_skips >= tuning.max_admission_skips for s in skipped):
+                break
+        for req in skipped:
+            self._push_waiting(req)
         return self._build_output(scheduled, preempted)
 
     def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
@@ -185,7 +235,10 @@ class Scheduler:
         return None
 
     def _reserve_tokens(self, req: Request) -> int:
-        if self.tuning.kv_policy == "reserve":
+        """Tokens the request's blocks must cover from admission on: prompt + max_tokens
+        under `kv_policy: reserve` or once it has been preempted RESERVE_AFTER_PREEMPTIONS
+        times; else 0 (optimistic)."""
+        if self.tuning.kv_policy == "reserve" or req.num_preemptions >= RESERVE_AFTER_PREEMPTIONS:
             return req.num_prompt_tokens + req.max_tokens
         return 0
 
@@ -194,15 +247,6 @@ class Scheduler:
         while self.running[i] is not req:
             i += 1
         del self.running[i]
-
-    def preempt(self, request_id: str) -> bool:
-        """Preempt a running request by recompute (used after a failed step). False if
-        it is not running."""
-        req = self.requests.get(request_id)
-        if req is None or req.status != RequestStatus.RUNNING:
-            return False
-        self._preempt(req, {})
-        return True
 
     def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
         """Free the victim's KV and requeue it at its original place. Returns the
@@ -213,18 +257,41 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
-        heapq.heappush(self._waiting[victim.priority], (victim.arrival_seq, victim))
-        self._num_waiting += 1
+        self._push_waiting(victim)
         return scheduled.pop(victim.request_id, 0)
 
-    def _preempt_lower(self, rank: int, scheduled: dict[str, int], preempted: list[str]) -> bool:
-        """Preempt the lowest-priority running request if its rank is strictly worse than `rank`."""
-        if not self.running or self.running[-1].effective_rank <= rank:
-            return False
-        victim = self.running[-1]
-        self._preempt(victim, scheduled)
-        preempted.append(victim.request_id)
-        return True
+    def _victim_for(self, req: Request) -> Request:
+        """The request to preempt when running `req` needs a block: lowest rank, latest
+        arrival, passing over requests that hold prompt + max_tokens unless they rank
+        strictly below `req`; `req` itself if none qualifies."""
+        for victim in reversed(self.running):
+            if victim is req or victim.effective_rank > req.effective_rank or not self._reserve_tokens(victim):
+                return victim
+        raise RuntimeError(f"request {req.request_id!r} needs a KV block but is not running")
+
+    def _make_room(self, rank: int, num_blocks: int, scheduled: dict[str, int], preempted: list[str]) -> int | None:
+        """Give a waiting request of `rank` a slot and `num_blocks` free blocks by
+        preempting running requests of a strictly worse rank, lowest first. Preempts
+        nothing and returns None if that cannot be done; else the token budget the
+        victims gave back."""
+        num_free = self.kv.num_free_blocks
+        num_slots = self.tuning.max_running_requests - len(self.running)
+        victims: list[Request] = []
+        for victim in reversed(self.running):
+            if num_free >= num_blocks and num_slots > 0:
+                break
+            if victim.effective_rank <= rank:
+                return None
+            num_free += self.kv.num_freeable_blocks(victim.request_id)
+            num_slots += 1
+            victims.append(victim)
+        if num_free < num_blocks or num_slots <= 0:
+            return None
+        given_back = 0
+        for victim in victims:
+            given_back += self._preempt(victim, scheduled)
+            preempted.append(victim.request_id)
+        return given_back
 
     def _peek_waiting(self) -> Request | None:
         best: Request | None = None
@@ -244,6 +311,10 @@ class Scheduler:
         popped = heapq.heappop(heap)[1]
         assert popped is req
         self._num_waiting -= 1
+
+    def _push_waiting(self, req: Request) -> None:
+        heapq.heappush(self._waiting[req.priority], (req.arrival_seq, req))
+        self._num_waiting += 1
 
     def _build_output(self, scheduled: dict[str, int], preempted: list[str]) -> SchedulerOutput:
         decodes: list[ScheduledRequest] = []

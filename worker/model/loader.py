@@ -12,6 +12,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    PretrainedConfig,
     PreTrainedTokenizerBase,
 )
 
@@ -52,6 +53,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def eos_token_ids(path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every id that ends generation: the union of `eos_token_id` in generation_config.json
+    (if present), in the model config (config.json) and in its text config (composite
+    models such as Llava keep it there), and the tokenizer's EOS. Each source may give
+    an int, a list of ints, or nothing. transformers' `generate` uses the generation
+    config, which defaults to the model config's ids when the file is missing; the
+    union also covers checkpoints whose sources disagree."""
+
+    def ids(value: int | list[int] | None) -> set[int]:
+        if value is None:
+            return set()
+        return {int(value)} if isinstance(value, int) else {int(v) for v in value}
+
+    eos: set[int] = set()
+    if (path / "generation_config.json").is_file():
+        eos |= ids(GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
+    eos |= ids(getattr(hf_config, "eos_token_id", None))
+    if hasattr(hf_config, "get_text_config"):
+        eos |= ids(getattr(hf_config.get_text_config(), "eos_token_id", None))
+    eos |= ids(tokenizer.eos_token_id)
+    return frozenset(eos)
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load model + tokenizer from `cfg.path` (offline; nothing is downloaded).
 
@@ -82,20 +106,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads
     num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or num_heads
 
-    eos: set[int] = set()
-    try:
-        gen = GenerationConfig.from_pretrained(path, local_files_only=True)
-        ids = gen.eos_token_id
-        eos.update(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    except OSError:
-        pass
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        eos_token_ids=frozenset(eos),
+        eos_token_ids=eos_token_ids(path, hf_config, tokenizer),
         max_model_len=int(max_len),
         num_layers=text_cfg.num_hidden_layers,
         num_kv_heads=num_kv_heads,

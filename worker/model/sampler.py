@@ -1,7 +1,8 @@
 """Token sampling for a batch with per-request parameters, in one vectorized pass.
 
 Order: repetition penalty (CTRL / transformers semantics) → greedy argmax for
-temperature 0 → temperature → top-k → top-p → min-p → sample. Sampling uses the
+temperature 0 → temperature → top-k → top-p → min-p → sample. The filters keep or drop
+tied logits together (rules in `_filter`), matching transformers' warpers. Sampling uses the
 exponential race (argmax of p / E with E ~ Exp(1)), so each row's randomness comes
 only from its own generator: a seeded request draws the same tokens whatever else
 is in the batch.
@@ -92,21 +93,39 @@ def _apply_repetition_penalty(
 
 
 def _filter(x: torch.Tensor, params: list) -> torch.Tensor:
-    """Apply top-k, top-p and min-p as -inf masks. x: `[rows, vocab]` temperature-scaled logits."""
+    """Apply top-k, then top-p, then min-p (transformers' warper order) as -inf masks.
+
+    x: `[rows, vocab]` temperature-scaled logits; one row per request, mixed params.
+
+    Ties: each filter is a threshold on the logit, so tokens of equal logit are kept or
+    dropped together and the result never depends on how a sort orders them:
+      - top-k keeps every token whose logit is >= the k-th largest (as transformers'
+        TopKLogitsWarper; more than k tokens when the k-th value is tied);
+      - top-p keeps a token iff the probability mass of tokens *strictly* more likely
+        than it is < top_p (same as transformers' TopPLogitsWarper, which keeps a token
+        iff the mass above it in its sort order is < top_p, whenever no tie group
+        straddles the cut; when one does, transformers keeps a sort-order-dependent
+        part of that group and we keep all of it);
+      - min-p keeps tokens with p >= min_p * p_max (as transformers' MinPLogitsWarper).
+    """
     rows, vocab = x.shape
     device = x.device
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=device).unsqueeze(0)
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device).unsqueeze(1)
-        sorted_x = sorted_x.masked_fill(rank >= k, float("-inf"))
-        probs = torch.softmax(sorted_x, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        sorted_x = sorted_x.masked_fill(mass_before >= torch.tensor(top_p, device=device).unsqueeze(1), float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+        sorted_x = x.sort(dim=-1, descending=True).values
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device).unsqueeze(1)
+        kth = sorted_x.gather(1, k - 1)  # [rows, 1]
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+        if any(p < 1.0 for p in top_p):
+            probs = torch.softmax(sorted_x, dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens sorted before each one
+            p = torch.tensor(top_p, device=device).unsqueeze(1)
+            num_keep = (mass_before < p).sum(dim=-1, keepdim=True).clamp(min=1)  # mass_before is sorted
+            num_keep = torch.where(p >= 1.0, vocab, num_keep)
+            x = x.masked_fill(x < sorted_x.gather(1, num_keep - 1), float("-inf"))
     if any(m > 0.0 for m in min_p):
         probs = torch.softmax(x, dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=device).unsqueeze(1)
