@@ -145,6 +145,9 @@ def test_dockerfile_is_cuda_non_root_with_worker_entrypoint():
     assert user and not user[-1].startswith(("root", "0"))
     assert 'ENTRYPOINT ["inflight", "worker"]' in text
     assert 'VOLUME ["/models"]' in text
+    # the image installs the worker extra at requirements.lock's versions
+    assert re.search(r"^COPY .*\brequirements\.lock\b", text, re.M)
+    assert re.search(r"PIP_CONSTRAINT=/src/requirements\.lock pip install [^\n]*\.\[worker\]", text)
 
 
 def k8s(name: str) -> list[dict]:
