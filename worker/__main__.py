@@ -52,15 +52,15 @@ def _worker(a: argparse.Namespace) -> int:
     from worker.config import ConfigError, load_config
     from worker.log import setup_logging
 
-    setup_logging(a.log_level)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no tqdm bars among the JSON log lines
     try:
         cfg = load_config(a.config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    setup_logging(a.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no tqdm bars among the JSON log lines
     if not cfg.model.path:
         print("config error: model.path is required (or INFLIGHT_MODEL__PATH)", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ from schemas.wire import (
     DLQ_HEADER_SOURCE_TOPIC,
     DLQ_HEADER_WORKER_ID,
 )
+from worker import transient_log
 from worker.jobs import JobRecord
 
 if TYPE_CHECKING:
@@ -92,7 +93,9 @@ class _Rebalance(ConsumerRebalanceListener):
                 consumer.seek(tp, start)
                 intake.worker.tracker.mark_committed(tp, start)
         except (KafkaError, IllegalStateError) as e:
-            log.warning("could not position assigned partitions; leaving it to the consumer", error=repr(e))
+            level, fields = transient_log.observe_error(e)
+            log.log(level, "could not position assigned partitions; leaving it to the consumer", error=repr(e),
+                    **fields)
         if assigned:
             log.info("partitions assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
 
@@ -163,7 +166,9 @@ class Intake:
         except (TimeoutError, KafkaError, IllegalStateError) as e:
             # The broker does not answer: that is an outage (readiness reports it), not a
             # stalled consumer; a fresh consumer would not fetch either. Check again later.
-            log.warning("stall check could not reach Kafka; not recreating the consumer", error=repr(e))
+            # Quiet while it may be a broker restart (kafka.transient_grace_s).
+            level, fields = transient_log.observe("broker_unreachable")
+            log.log(level, "stall check could not reach Kafka; not recreating the consumer", error=repr(e), **fields)
             return
         lagging = [tp for tp, c in zip(assigned, committed)
                    if ends[tp] > max(c or 0, self.worker.tracker.last_taken(tp) + 1)]
@@ -223,7 +228,8 @@ class Intake:
                 if now - self._last_commit > worker.cfg.kafka.commit_interval_ms / 1000:
                     await self.commit()
             except (KafkaError, IllegalStateError) as e:
-                log.warning("Kafka error in the consume loop; retrying", error=repr(e))
+                level, fields = transient_log.observe_error(e)
+                log.log(level, "Kafka error in the consume loop; retrying", error=repr(e), **fields)
                 await asyncio.sleep(0.5)
 
     def _set_paused(self, pause: bool) -> None:
