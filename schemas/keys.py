@@ -18,6 +18,11 @@ def dlq_topic(prefix: str) -> str:
     return f"{prefix}.dlq"
 
 
+def all_topics(prefix: str) -> list[str]:
+    """Every topic a deployment needs: the job topics (high, normal, low), cancel, DLQ."""
+    return [job_topic(prefix, p) for p in PRIORITIES] + [cancel_topic(prefix), dlq_topic(prefix)]
+
+
 def channel(job_id: str, prefix: str = "inflight") -> str:
     """Pub/sub channel with the job's live events."""
     return f"{prefix}:job:{job_id}"
@@ -46,3 +51,8 @@ def done_key(job_id: str, prefix: str = "inflight") -> str:
 def cancelled_key(job_id: str, prefix: str = "inflight") -> str:
     """Cancel tombstone (TTL): a job that arrives after its cancel is dropped."""
     return f"{prefix}:job:{job_id}:cancelled"
+
+
+def preflight_key(token: str, prefix: str = "inflight") -> str:
+    """Probe key `inflight check` writes (with a TTL) and deletes to prove Redis is writable."""
+    return f"{prefix}:preflight:{token}"

@@ -21,7 +21,7 @@ async def create_topics(bootstrap_servers: str, prefix: str = "inflight", partit
         RuntimeError: the broker refused a topic (e.g. replication factor above the
             number of brokers); the message names each topic and the broker's reason.
     """
-    names = [keys.job_topic(prefix, p) for p in keys.PRIORITIES] + [keys.cancel_topic(prefix), keys.dlq_topic(prefix)]
+    names = keys.all_topics(prefix)
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
     await admin.start()
     try:

@@ -175,6 +175,15 @@ def test_kubernetes_manifests():
     assert "sasl_password" not in cfg["kafka"] and "url" not in cfg["redis"]  # no credentials in the ConfigMap
     port = c["ports"][0]
     assert port["containerPort"] == cfg["metrics"]["port"]
+    # the preflight initContainer: `inflight check` on the worker's own config, secrets,
+    # mounts and GPU, so what it checks is what the worker will meet
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["inflight", "check"] and init["args"] == c["args"]
+    assert init["image"] == c["image"]
+    assert {e["name"]: e["valueFrom"] for e in init["env"]} == \
+        {e["name"]: e["valueFrom"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert init["volumeMounts"] == c["volumeMounts"]
+    assert init["resources"] == c["resources"] and init["securityContext"] == c["securityContext"]
     svc = k8s("service.yaml")[0]
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     pdb = k8s("pdb.yaml")[0]
