@@ -30,6 +30,7 @@ class Pin:
 
 
 def normalize(name: str) -> str:
+    """PEP 503 name: `PyYAML` and `pyyaml`, `typing_extensions` and `typing-extensions` agree."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 

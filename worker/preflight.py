@@ -103,6 +103,7 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
             t0 = time.perf_counter()
             await asyncio.wait_for(admin.start(), timeout_s)
             cluster = await asyncio.wait_for(admin.describe_cluster(), timeout_s)
+            answer_ms = 1000 * (time.perf_counter() - t0)
             topics = await _visible_topics(admin, keys.all_topics(kc.topic_prefix), timeout_s)
         except (KafkaError, OSError, TimeoutError) as e:
             if isinstance(e, TimeoutError):
@@ -114,7 +115,7 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
             return [Check("kafka", "fail", setting, f"{kc.bootstrap_servers}: {why}"), *skipped]
         brokers = len(cluster["brokers"])
         checks = [Check("kafka", "pass", setting, f"{kc.bootstrap_servers}: {brokers} broker(s), cluster "
-                        f"{cluster.get('cluster_id')}, answered in {1000 * (time.perf_counter() - t0):.0f} ms")]
+                        f"{cluster.get('cluster_id')}, answered in {answer_ms:.0f} ms")]
         partitions = _topics_check(kc.topic_prefix, kc.bootstrap_servers, topics, checks)
         checks.append(await _group_check(admin, kc.group_id, partitions, timeout_s))
         return checks
