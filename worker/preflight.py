@@ -32,6 +32,7 @@ from worker.config import WorkerConfig, redacted_config
 
 Status = Literal["pass", "fail", "skip", "info"]
 TOPIC_SETTLE_S = 3.0
+REPORT_ONLY = frozenset({"redis persistence"})  # lines that report (`info`, or `skip`), never fail
 
 
 class Check(msgspec.Struct, frozen=True):
@@ -66,7 +67,7 @@ def render(checks: list[Check]) -> str:
     w_set = max(len(c.setting) for c in checks)
     lines = [f"{c.status.upper():<4}  {c.name:<{w_name}}  {c.setting:<{w_set}}  {c.detail}" for c in checks]
     failed = [c.name for c in checks if c.status == "fail"]
-    num_checks = sum(c.status != "info" for c in checks)  # info lines report, they do not check
+    num_checks = sum(c.name not in REPORT_ONLY for c in checks)
     lines.append(f"{len(failed)} of {num_checks} checks failed: {', '.join(failed)}" if failed
                  else f"all {num_checks} checks passed")
     return "\n".join(lines)

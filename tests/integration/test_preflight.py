@@ -98,6 +98,7 @@ def test_redis_down(good):
     checks = run_preflight(cfg, timeout_s=5)
     fail = only_failure(checks, "redis", "redis.url")
     assert "connecting" in fail.detail and "pw-not-shown" not in render(checks)
+    assert render(checks).endswith("1 of 7 checks failed: redis")  # the persistence report is not a check
     assert by_name(checks)["redis persistence"].status == "skip"
 
 
