@@ -72,3 +72,8 @@ def epoch_key(prefix: str = "inflight") -> str:
     """Marker written once per Redis dataset: if it vanishes (or changes), Redis lost its
     data and the workers restore what clients rely on (see `worker/publish.py`)."""
     return f"{prefix}:epoch"
+
+
+def preflight_key(token: str, prefix: str = "inflight") -> str:
+    """Probe key `inflight check` writes (with a TTL) and deletes to prove Redis is writable."""
+    return f"{prefix}:preflight:{token}"

@@ -9,13 +9,20 @@
 #   tools/devstack.sh status
 #
 # Ports: INFLIGHT_DEV_KAFKA_PORT (19092), INFLIGHT_DEV_REDIS_PORT (6390).
+# State (pid files, logs, Kafka's data): INFLIGHT_DEV_STATE, default .cache/devstack for
+# the default ports and .cache/devstack-<kafka port>-<redis port> for others, so a second
+# stack on other ports never mistakes the first one's processes for its own (nor stops them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-STATE=$ROOT/.cache/devstack
 KAFKA_PORT=${INFLIGHT_DEV_KAFKA_PORT:-19092}
 CONTROLLER_PORT=$((KAFKA_PORT + 1))
 REDIS_PORT=${INFLIGHT_DEV_REDIS_PORT:-6390}
+if [ "$KAFKA_PORT:$REDIS_PORT" = "19092:6390" ]; then
+  STATE=${INFLIGHT_DEV_STATE:-$ROOT/.cache/devstack}
+else
+  STATE=${INFLIGHT_DEV_STATE:-$ROOT/.cache/devstack-$KAFKA_PORT-$REDIS_PORT}
+fi
 LIBS=$ROOT/.cache/kafka/libs
 mkdir -p "$STATE"
 

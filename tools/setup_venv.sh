@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with its dev extras, unless that is already done.
-# Sourced by tools/test.sh and tools/demo.sh.
+# Make .venv hold exactly requirements.lock plus this project (editable). Sourced by
+# tools/test.sh (so CI) and tools/demo.sh; tools/devstack.sh runs it too.
+#
+# Every run compares the installed versions with the lock (tools/lockcheck.py, well
+# under a second, installs nothing); on any difference (a fresh clone, a refreshed lock,
+# a package added or changed by hand) it syncs .venv to the lock with uv (tools/uv.sh
+# installs uv from PyPI on first use): missing packages installed, wrong versions
+# replaced, packages the lock does not list removed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import worker, torch, transformers, hypothesis, tqdm, matplotlib, psutil, aiohttp, pynvml, prometheus_client, structlog, aiokafka" 2>/dev/null; then
-  .venv/bin/pip install --quiet --upgrade pip
-  .venv/bin/pip install --quiet -e ".[dev]"
+if ! .venv/bin/python tools/lockcheck.py --quiet requirements.lock; then
+  echo "setup_venv: installing requirements.lock into .venv" >&2
+  tools/uv.sh pip sync --quiet --python .venv/bin/python requirements.lock
+  tools/uv.sh pip install --quiet --python .venv/bin/python --no-deps --build-constraints requirements.lock -e .
+  .venv/bin/python tools/lockcheck.py requirements.lock
 fi

@@ -1,6 +1,7 @@
 """`inflight` command line.
 
     inflight worker --config worker.yaml           run a worker (Kafka jobs in, Redis streams out)
+    inflight check --config worker.yaml            preflight: Kafka, topics, group, Redis, model, KV, port
     inflight submit --prompt "Hi" --priority high --stream
     inflight stream JOB_ID
     inflight cancel JOB_ID
@@ -52,20 +53,49 @@ def _worker(a: argparse.Namespace) -> int:
     from worker.config import ConfigError, load_config
     from worker.log import setup_logging
 
-    setup_logging(a.log_level)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no tqdm bars among the JSON log lines
     try:
         cfg = load_config(a.config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    setup_logging(a.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no tqdm bars among the JSON log lines
     if not cfg.model.path:
         print("config error: model.path is required (or INFLIGHT_MODEL__PATH)", file=sys.stderr)
         return 2
     # model path, device or checkpoint format (FileNotFoundError / ValueError) are config errors
     return _run(Worker(cfg).run(), bad_input="config error")
+
+
+def _check(a: argparse.Namespace) -> int:
+    """Preflight (worker.preflight): one line per check on stdout, exit 0 only if none failed."""
+    import logging
+
+    from worker.config import ConfigError, load_config
+    from worker.log import setup_logging
+    from worker.preflight import exit_code, render, run_preflight
+
+    try:
+        cfg = load_config(a.config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    setup_logging("ERROR")
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # each failure is reported in its check's line
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    checks = run_preflight(cfg, timeout_s=a.timeout)
+    if a.json:
+        import msgspec
+
+        print(msgspec.json.encode(checks).decode())
+    else:
+        print(render(checks))
+    return exit_code(checks)
 
 
 def _run(coro, *, bad_input: str) -> int:
@@ -138,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--config", help="YAML config file; INFLIGHT_<SECTION>__<FIELD> env vars override it")
     w.add_argument("--log-level", default="INFO")
 
+    ck = sub.add_parser("check", help="preflight a worker config: one line per check with the setting to fix; "
+                        "exit 0 only if every check passes")
+    ck.add_argument("--config", help="YAML config file; INFLIGHT_<SECTION>__<FIELD> env vars override it")
+    ck.add_argument("--timeout", type=float, default=10.0, help="seconds for each Kafka / Redis step")
+    ck.add_argument("--json", action="store_true", help="print the checks as a JSON array")
+
     def client_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--kafka", default=DEFAULT_KAFKA, help="bootstrap servers")
         sp.add_argument("--redis", default=DEFAULT_REDIS, help="Redis URL")
@@ -187,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(a)
     if a.cmd == "worker":
         return _worker(a)
+    if a.cmd == "check":
+        return _check(a)
     if a.cmd in ("submit", "stream", "cancel"):
         return _run(_client_cmd(a), bad_input="error")  # bad input: job id, sampling values
     if a.cmd == "topics":

@@ -162,6 +162,9 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     commit_interval_ms: int = 500
     cancel_lookback_s: float = 600.0
     stall_timeout_s: float = 10.0  # lag, free slots, no record for this long: recreate the consumer
+    # Expected transient conditions (coordinator loading, rebalance, broker restart) log at
+    # info until one has lasted this long (seconds), then once at warning (worker.transient_log).
+    transient_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,
@@ -174,6 +177,8 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.stall_timeout_s <= 0 or self.cancel_lookback_s < 0:
             raise ConfigError("kafka.stall_timeout_s must be > 0 and kafka.cancel_lookback_s >= 0")
+        if self.transient_grace_s <= 0:
+            raise ConfigError(f"kafka.transient_grace_s must be > 0, got {self.transient_grace_s}")
         if not self.bootstrap_servers:
             raise ConfigError("kafka.bootstrap_servers must not be empty")
         _one_of("kafka", "security_protocol", self.security_protocol, SECURITY_PROTOCOLS)

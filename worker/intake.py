@@ -32,6 +32,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from schemas import keys
 from schemas.codec import decode_job, recover_job_id
 from schemas.wire import Job
+from worker import transient_log
 from worker.config import KafkaConfig
 from worker.kafka_security import kafka_security_kwargs
 from worker.offsets import OffsetTracker
@@ -106,7 +107,9 @@ class _Rebalance(ConsumerRebalanceListener):
         try:
             await intake.position(list(assigned))
         except (KafkaError, IllegalStateError) as e:
-            log.info("could not position assigned partitions; leaving it to the consumer", error=repr(e))
+            level, fields = transient_log.observe_error(e)
+            log.log(level, "could not position assigned partitions; leaving it to the consumer", error=repr(e),
+                    **fields)
         if assigned:
             log.info("partitions assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
 
@@ -216,7 +219,8 @@ class Intake:
             try:
                 await self._iteration()
             except (KafkaError, IllegalStateError) as e:
-                log.warning("Kafka error in the consume loop; retrying", error=repr(e))
+                level, fields = transient_log.observe_error(e)
+                log.log(level, "Kafka error in the consume loop; retrying", error=repr(e), **fields)
                 await asyncio.sleep(0.5)
 
     async def _iteration(self) -> None:
@@ -318,7 +322,9 @@ class Intake:
         except (TimeoutError, KafkaError, IllegalStateError) as e:
             # The broker does not answer: that is an outage (readiness reports it), not a
             # stalled consumer; a fresh consumer would not fetch either. Check again later.
-            log.info("stall check could not reach Kafka; not recreating the consumer", error=repr(e))
+            # Quiet while it may be a broker restart (kafka.transient_grace_s).
+            level, fields = transient_log.observe("broker_unreachable")
+            log.log(level, "stall check could not reach Kafka; not recreating the consumer", error=repr(e), **fields)
             return
         self.log_start.update(starts)
         lagging = [tp for tp, c in zip(assigned, committed)

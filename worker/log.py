@@ -7,12 +7,18 @@ import sys
 
 import structlog
 
+from worker.transient_log import TRANSIENT_GRACE_S, TransientEpisodes, TransientLogFilter, set_active
 
-def setup_logging(level: str = "INFO", json: bool | None = None, stream=None) -> None:
+
+def setup_logging(level: str = "INFO", json: bool | None = None, stream=None,
+                  transient_grace_s: float = TRANSIENT_GRACE_S) -> None:
     """Configure structlog and the standard library's logging (used by aiokafka, the
     engine, transformers) to write one rendering to `stream` (default stderr): JSON
     lines, or colored console lines when `json` is False or, if None, when the stream
-    is a terminal. Library loggers below WARNING are silenced (aiokafka is chatty)."""
+    is a terminal. aiokafka below WARNING is silenced (it is chatty); its expected
+    transient warnings and errors (coordinator loading, rebalances, a broker restarting)
+    are logged at info until one lasts `transient_grace_s` seconds, then once at warning
+    (`worker.transient_log`; the worker passes `kafka.transient_grace_s`)."""
     stream = stream or sys.stderr
     if json is None:
         json = not stream.isatty()
@@ -25,9 +31,14 @@ def setup_logging(level: str = "INFO", json: bool | None = None, stream=None) ->
         structlog.dev.ConsoleRenderer()]
     handler = logging.StreamHandler(stream)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name,
+                           structlog.stdlib.ExtraAdder(allow=["transient", "persisted_s"])],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
     ))
+    min_level = level if isinstance(level, int) else logging.getLevelName(level.upper())
+    episodes = TransientEpisodes(transient_grace_s)
+    set_active(episodes)
+    handler.addFilter(TransientLogFilter(episodes, min_level=min_level))
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level)

@@ -145,6 +145,9 @@ def test_dockerfile_is_cuda_non_root_with_worker_entrypoint():
     assert user and not user[-1].startswith(("root", "0"))
     assert 'ENTRYPOINT ["inflight", "worker"]' in text
     assert 'VOLUME ["/models"]' in text
+    # the image installs the worker extra at requirements.lock's versions
+    assert re.search(r"^COPY .*\brequirements\.lock\b", text, re.M)
+    assert re.search(r"PIP_CONSTRAINT=/src/requirements\.lock pip install [^\n]*\.\[worker\]", text)
 
 
 def k8s(name: str) -> list[dict]:
@@ -172,6 +175,15 @@ def test_kubernetes_manifests():
     assert "sasl_password" not in cfg["kafka"] and "url" not in cfg["redis"]  # no credentials in the ConfigMap
     port = c["ports"][0]
     assert port["containerPort"] == cfg["metrics"]["port"]
+    # the preflight initContainer: `inflight check` on the worker's own config, secrets,
+    # mounts and GPU, so what it checks is what the worker will meet
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["inflight", "check"] and init["args"] == c["args"]
+    assert init["image"] == c["image"]
+    assert {e["name"]: e["valueFrom"] for e in init["env"]} == \
+        {e["name"]: e["valueFrom"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert init["volumeMounts"] == c["volumeMounts"]
+    assert init["resources"] == c["resources"] and init["securityContext"] == c["securityContext"]
     svc = k8s("service.yaml")[0]
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     pdb = k8s("pdb.yaml")[0]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from schemas.params import SamplingParams
-from worker.config import EngineConfig, ModelConfig
+from worker.config import EngineConfig, ModelConfig, ServingTuning
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.outputs import (
     CompletionOutput,
@@ -75,6 +75,26 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message`, at most `limit` characters (no traceback)."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}"[:limit] if lines else type(exc).__name__
+
+
+def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning) -> int:
+    """KV blocks the engine allocates for `loaded` (call after the model is on its device).
+
+    Capacity in tokens: `tuning.max_total_tokens` if set; else on CUDA
+    `gpu_memory_utilization` x the device's free memory / `kv_bytes_per_token`; else
+    `CPU_DEFAULT_KV_TOKENS`. Rounded down to whole blocks of `kv_block_size` tokens.
+    """
+    from worker.model.runner import ModelRunner
+
+    per_token = ModelRunner.kv_bytes_per_token(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype)
+    if tuning.max_total_tokens is not None:
+        kv_tokens = tuning.max_total_tokens
+    elif loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        kv_tokens = int(free * tuning.gpu_memory_utilization) // per_token
+    else:
+        kv_tokens = CPU_DEFAULT_KV_TOKENS
+    return kv_tokens // tuning.kv_block_size
 
 
 class Engine:
@@ -135,15 +155,7 @@ class Engine:
         config = EngineConfig(model=model_cfg, serving_tuning=config.serving_tuning)
         loaded = load_model(model_cfg)
         tuning = config.serving_tuning
-        per_token = ModelRunner.kv_bytes_per_token(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype)
-        if tuning.max_total_tokens is not None:
-            kv_tokens = tuning.max_total_tokens
-        elif loaded.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(loaded.device)
-            kv_tokens = int(free * tuning.gpu_memory_utilization) // per_token
-        else:
-            kv_tokens = CPU_DEFAULT_KV_TOKENS
-        num_blocks = kv_tokens // tuning.kv_block_size
+        num_blocks = kv_cache_blocks(loaded, tuning)
         runner = ModelRunner(
             loaded.model,
             num_blocks=num_blocks,
