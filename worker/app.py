@@ -43,7 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.wire import FinishReason
 from worker.cancels import CancelListener
-from worker.claims import ClaimStore
+from worker.claims import REDIS_DOWN, ClaimStore
 from worker.config import WorkerConfig, redacted_config
 from worker.dlq import DeadLetters
 from worker.engine import Engine, RequestOutput
@@ -54,7 +54,7 @@ from worker.kafka_security import kafka_security_kwargs
 from worker.log import task_stacks
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
-from worker.publish import REDIS_DOWN, Publisher
+from worker.publish import Publisher
 from worker.results import ResultsLog
 from worker.server import HealthChecks, OpsServer
 from worker.starter import JobStarter

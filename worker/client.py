@@ -248,7 +248,9 @@ class InflightClient:
                                                               group_id=None, enable_auto_commit=False)
                     await self._results_consumer.start()
                 wanted = sorted(set().union(*(ids for ids, _ in batch)))
-                found = await read_results(self._results_consumer, self.topic_prefix, wanted, timeout_s)
+                producer = await self._kafka()
+                found = await read_results(self._results_consumer, producer.partitions_for, self.topic_prefix, wanted,
+                                           timeout_s)
                 for ids, f in batch:
                     f.set_result({j: found[j] for j in ids if j in found})
         return await fut

@@ -48,15 +48,17 @@ log = structlog.get_logger(__name__)
 @dataclass(slots=True, eq=False)
 class JobRecord:
     """A decoded job record with where it came from. `enqueue_time` is the record's
-    Kafka timestamp (Unix seconds); `raw`/`key` the original bytes (for the DLQ)."""
+    Kafka timestamp (Unix seconds); `raw`/`key` the original bytes (for the DLQ).
+    A record that is not a valid job has `job` None and the decode `error`."""
 
-    job: Job
+    job: Job | None
     priority: str
     tp: TopicPartition
     offset: int
     enqueue_time: float
     raw: bytes
     key: bytes | None
+    error: str | None = None
 
 
 class JobSink(Protocol):
@@ -69,7 +71,7 @@ class JobSink(Protocol):
         """Claim and start a batch; returns the records whose job another worker holds
         (retried later; their offsets stay open)."""
 
-    async def reject_invalid(self, rec: ConsumerRecord, tp: TopicPartition, error: str, job_id: str | None) -> None:
+    async def reject_invalid(self, rec: JobRecord, job_id: str | None) -> None:
         """A record that does not decode as a job: DLQ (+ `finished(rejected)`), offset done."""
 
 
@@ -146,7 +148,6 @@ class Intake:
         self._last_contested = 0.0
         self._last_progress = time.monotonic()
         self._last_stall_check = 0.0
-        self._pending_invalid: list[tuple[ConsumerRecord, TopicPartition, str]] = []
 
     def _make_consumer(self) -> AIOKafkaConsumer:
         cfg = self.cfg
@@ -269,33 +270,36 @@ class Intake:
                 self.buffered_last[tp] = rec.offset
                 value = rec.value or b""
                 try:
-                    job = decode_job(value)
+                    job, error = decode_job(value), None
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    if self.tracker.add(tp, rec.offset):
-                        self._pending_invalid.append((rec, tp, str(e)))
-                    continue
-                self.buffers[prio].append(JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key))
+                    job, error = None, str(e)
+                self.buffers[prio].append(
+                    JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key, error))
 
     async def _fill_slots(self) -> None:
-        """Invalid records go to the DLQ at once; then free slots take buffered jobs,
-        highest priority first, after a non-blocking fetch of what is prefetched."""
-        if self._pending_invalid:
-            pending, self._pending_invalid = self._pending_invalid, []
-            for rec, tp, error in pending:
-                self.num_invalid += 1
-                await self.sink.reject_invalid(rec, tp, error, recover_job_id(rec.value or b""))
-        free = self.sink.free_slots()
-        if free <= 0 or not any(self.buffers.values()):
+        """Free slots take buffered jobs, highest priority first, after a non-blocking
+        fetch of what is prefetched. Invalid records need no slot: they go to the DLQ
+        when they reach the head of their buffer (records leave in offset order)."""
+        if not any(self.buffers.values()):
             return
-        self._buffer(await self.consumer.getmany(timeout_ms=0))
+        free = self.sink.free_slots()
+        if free > 0:
+            self._buffer(await self.consumer.getmany(timeout_ms=0))
         batch: list[JobRecord] = []
+        invalid: list[JobRecord] = []
         assigned = self.consumer.assignment()
         for prio in keys.PRIORITIES:
             buf = self.buffers[prio]
-            while buf and len(batch) < free:
+            while buf and (buf[0].job is None or len(batch) < free):
                 rec = buf.popleft()
-                if rec.tp in assigned and self.tracker.add(rec.tp, rec.offset):
-                    batch.append(rec)
+                if rec.tp not in assigned or not self.tracker.add(rec.tp, rec.offset):
+                    continue
+                (batch if rec.job is not None else invalid).append(rec)
+        for rec in invalid:
+            self.num_invalid += 1
+            await self.sink.reject_invalid(rec, recover_job_id(rec.raw))
+        if not batch:
+            return
         contested = await self.sink.take(batch)
         assigned = self.consumer.assignment()  # a rebalance may have happened meanwhile
         self.contested.extend(c for c in contested if c.tp in assigned)

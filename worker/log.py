@@ -9,6 +9,10 @@ import structlog
 
 from worker.transient_log import TRANSIENT_GRACE_S, TransientEpisodes, TransientLogFilter, set_active
 
+# Fields a standard-library log call passes in `extra` to name the jobs it is about (the
+# engine thread logs through `logging`): they become fields of the JSON line.
+JOB_FIELDS = ["job_id", "job_ids", "num_jobs"]
+
 
 def setup_logging(level: str = "INFO", json: bool | None = None, stream=None,
                   transient_grace_s: float = TRANSIENT_GRACE_S) -> None:
@@ -32,7 +36,7 @@ def setup_logging(level: str = "INFO", json: bool | None = None, stream=None,
     handler = logging.StreamHandler(stream)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name,
-                           structlog.stdlib.ExtraAdder(allow=["transient", "persisted_s"])],
+                           structlog.stdlib.ExtraAdder(allow=JOB_FIELDS + ["transient", "persisted_s"])],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
     ))
     min_level = level if isinstance(level, int) else logging.getLevelName(level.upper())

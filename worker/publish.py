@@ -33,19 +33,15 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import keys
 from schemas.wire import Finished
-from worker.claims import _LAST_SEQ, FINISH_LUA, ClaimStore, EpochChanged
+from worker.claims import _LAST_SEQ, FINISH_LUA, REDIS_DOWN, ClaimStore, EpochChanged
 from worker.config import RedisConfig
 from worker.jobs import JobTable, Round
 
 log = structlog.get_logger(__name__)
-
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, TimeoutError)
 
 # KEYS: epoch, then per event: log, channel (+ done, claim, failures for a terminal event).
 # ARGV: epoch, maxlen, ttl, then per event: kind ('t' token, 'o' other, 'f' terminal), data, seq

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
@@ -42,12 +43,14 @@ class ResultsLog:
             await asyncio.gather(*futs)
 
 
-async def read_results(consumer: AIOKafkaConsumer, topic_prefix: str, job_ids: list[str],
-                       timeout_s: float = 30.0) -> dict[str, Finished]:
+async def read_results(consumer: AIOKafkaConsumer, partitions_for: Callable[[str], Awaitable[set[int]]],
+                       topic_prefix: str, job_ids: list[str], timeout_s: float = 30.0) -> dict[str, Finished]:
     """The latest recorded terminal event of each job in `job_ids` that has one.
 
     Args:
         consumer: a started consumer without a group (`group_id=None`) on the cluster.
+        partitions_for: the partition ids of a topic, fetching its metadata
+            (`AIOKafkaProducer.partitions_for`).
         topic_prefix: the workers' `kafka.topic_prefix`.
         job_ids: jobs to look up.
         timeout_s: give up reading after this long (returns what was found).
@@ -56,10 +59,7 @@ async def read_results(consumer: AIOKafkaConsumer, topic_prefix: str, job_ids: l
     the worker's producer uses) from its beginning to its end offset at call time.
     """
     topic = keys.results_topic(topic_prefix)
-    parts = consumer.partitions_for_topic(topic)
-    if not parts:
-        await consumer.topics()  # refresh metadata
-        parts = consumer.partitions_for_topic(topic) or set()
+    parts = await partitions_for(topic)
     if not parts:
         return {}
     all_parts = sorted(parts)

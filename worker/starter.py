@@ -25,15 +25,12 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from schemas.wire import ErrorInfo, FinishReason, Job
-from worker.claims import Claimed, ClaimStore, Contested, Done, EpochChanged
+from worker.claims import REDIS_DOWN, Claimed, ClaimStore, Contested, Done, EpochChanged
 from worker.engine import RequestRejected
 from worker.intake import JobRecord
 from worker.jobs import JobTable, LocalJob, Offset
 
 if TYPE_CHECKING:
-    from aiokafka import TopicPartition
-    from aiokafka.structs import ConsumerRecord
-
     from worker.dlq import DeadLetters
     from worker.engine import Engine
     from worker.metrics import Metrics
@@ -124,7 +121,7 @@ class JobStarter:
         except EpochChanged:
             await self._restore()
             results = await self.claims.take([r.job.job_id for r in fresh])
-        except (ConnectionError, OSError, TimeoutError) as e:
+        except REDIS_DOWN as e:
             log.info("claims unavailable; will retry the batch", error=repr(e)[:200], records=len(fresh))
             return fresh
         contested = []
@@ -194,22 +191,23 @@ class JobStarter:
         self._wake()
 
     # ---- records that are not jobs ---------------------------------------------------------
-    async def reject_invalid(self, rec: ConsumerRecord, tp: TopicPartition, error: str, job_id: str | None) -> None:
+    async def reject_invalid(self, rec: JobRecord, job_id: str | None) -> None:
         """DLQ with the original bytes; `finished(rejected)`, code `invalid_job`, when a job id
         is readable and nobody has answered it yet; the offset is done once that is out."""
-        await self.dead_letters.send(rec.value, rec.key, topic=rec.topic, partition=rec.partition, offset=rec.offset,
+        tp, error = rec.tp, rec.error or "invalid job"
+        await self.dead_letters.send(rec.raw, rec.key, topic=tp.topic, partition=tp.partition, offset=rec.offset,
                                      reason="invalid_job", error=error, job_id=job_id)
         self.metrics.dlq_records.inc()
         self.metrics.rejected.labels("invalid_job").inc()
-        log.warning("invalid job record sent to the DLQ", error=error[:300], job_id=job_id, topic=rec.topic,
-                    partition=rec.partition, offset=rec.offset, size=len(rec.value or b""))
+        log.warning("invalid job record sent to the DLQ", error=error[:300], job_id=job_id, topic=tp.topic,
+                    partition=tp.partition, offset=rec.offset, size=len(rec.raw))
         if job_id and job_id not in self.table:
             try:
                 res = (await self.claims.take([job_id]))[0]
-            except (EpochChanged, ConnectionError, OSError, TimeoutError):
+            except (EpochChanged, *REDIS_DOWN):
                 res = None
             if isinstance(res, Claimed):
-                self.table.open(Job(job_id=job_id, prompt=""), "normal", Offset(tp, rec.offset), rec.timestamp / 1000,
+                self.table.open(Job(job_id=job_id, prompt=""), rec.priority, Offset(tp, rec.offset), rec.enqueue_time,
                                 res.token, res.attempt, res.next_seq)
                 self.table.finish_local(job_id, FinishReason.REJECTED, ErrorInfo(code="invalid_job", message=error))
                 self._wake()

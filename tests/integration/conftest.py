@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -72,3 +73,55 @@ def worker_config(services, prefix: str, **over):
         worker=WorkerSettings(**worker),
         metrics=MetricsConfig(**metrics),
     )
+
+
+class OwnRedis:
+    """A redis-server this test starts and stops itself (by its own PID / SHUTDOWN), for
+    outages and restarts that must not touch the dev stack other tests share."""
+
+    def __init__(self, workdir: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.dir), "--save", "",
+             "--appendonly", "no", "--logfile", str(self.dir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            if _port_open(f"127.0.0.1:{self.port}"):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self, keep_data: bool) -> None:
+        """SHUTDOWN SAVE (restarts with its data) or NOSAVE (restarts empty)."""
+        if not keep_data:
+            (self.dir / "dump.rdb").unlink(missing_ok=True)
+        subprocess.run(["redis-cli", "-p", str(self.port), "SHUTDOWN", "SAVE" if keep_data else "NOSAVE"],
+                       capture_output=True, timeout=30)
+        if self.proc is not None:
+            self.proc.wait(30)
+            self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture
+def own_redis(services, tmp_path):
+    r = OwnRedis(tmp_path / "own-redis")
+    r.start()
+    yield r
+    r.kill()

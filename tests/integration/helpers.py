@@ -101,3 +101,33 @@ async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
         await asyncio.sleep(0.1)
         consumer.unsubscribe()
     raise RuntimeError(f"no partitions for {topic}")
+
+
+def slow_null_engine(delay_s: float, **tuning):
+    """A model-less engine whose steps take `delay_s` (jobs long enough to span an outage)."""
+    from worker.config import EngineConfig, ServingTuning
+    from worker.model.null_runner import NullRunner, null_engine
+
+    class SlowRunner(NullRunner):
+        def execute(self, sched):
+            time.sleep(delay_s)
+            return super().execute(sched)
+
+    t = dict(max_total_tokens=16384, max_running_requests=8, max_output_tokens=2048)
+    t.update(tuning)
+    eng = null_engine(EngineConfig(serving_tuning=ServingTuning(**t)), vocab_size=100, max_model_len=4096)
+    eng.runner = SlowRunner(100, avoid=frozenset({0}))
+    return eng
+
+
+async def read_whole_log(redis_url: str, prefix: str, job_id: str) -> list:
+    """Every event of the job's log, from its first entry, decoded."""
+    import redis.asyncio as aioredis
+
+    from schemas.codec import decode_event
+
+    r = aioredis.from_url(redis_url)
+    try:
+        return [decode_event(f[b"e"]) for _, f in await r.xrange(keys.log_key(job_id, prefix))]
+    finally:
+        await r.aclose()

@@ -57,6 +57,12 @@ OOM_BACKOFF_RECOVERY_STEPS = 64  # successful steps before the token budget doub
 
 log = logging.getLogger(__name__)
 
+
+def job_fields(job_ids: list[str], limit: int = 20) -> dict:
+    """`extra` of a log line about several requests: their ids (the first `limit`) and
+    how many (rendered as `job_ids` / `num_jobs` fields by `worker.log`)."""
+    return {"job_ids": list(job_ids[:limit]), "num_jobs": len(job_ids)}
+
 # torch >= 2.5 exposes the CUDA OOM as torch.OutOfMemoryError (alias of torch.cuda.OutOfMemoryError)
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -284,7 +290,8 @@ class Engine:
         bos = getattr(self.tokenizer, "bos_token_id", None)
         if prompt_token_ids is None and bos is not None and len(ids) > 1 and ids[1] == bos and ids[0] == bos:
             n = next((i for i, t in enumerate(ids) if t != bos), len(ids))
-            log.debug("request %s: prompt starts with %d BOS ids; keeping one", request_id, n)
+            log.debug("request %s: prompt starts with %d BOS ids; keeping one", request_id, n,
+                      extra={"job_id": request_id})
             ids = ids[n - 1 :]
         return ids
 
@@ -407,7 +414,8 @@ class Engine:
                 self._fail_internal(sched.scheduled[0], e, outputs, failed)
                 return None
             log.warning("forward of step %d (%d requests, %d tokens) failed; running each request alone",
-                        sched.step, len(sched.scheduled), sched.num_scheduled_tokens, exc_info=True)
+                        sched.step, len(sched.scheduled), sched.num_scheduled_tokens, exc_info=True,
+                        extra=job_fields([x.request_id for x in sched.scheduled]))
         ok: list[ScheduledRequest] = []
         merged = ModelRunnerOutput(sampled_token_ids={})
         num_decodes = 0
@@ -437,7 +445,7 @@ class Engine:
         self, s: ScheduledRequest, exc: Exception, outputs: list[RequestOutput], failed: _Failures
     ) -> None:
         """End a request whose forward raised (alone): finished(error, internal); blocks freed."""
-        log.error("request %s failed in its forward", s.request_id, exc_info=exc)
+        log.error("request %s failed in its forward", s.request_id, exc_info=exc, extra={"job_id": s.request_id})
         req = self.scheduler.finish(s.request_id, RequestStatus.FINISHED_ERROR)
         if req is not None:
             outputs.append(self._final_output(req, [], "", error=(ErrorCode.INTERNAL, _one_line(exc))))
@@ -487,7 +495,8 @@ class Engine:
                 else:
                     outputs.append(RequestOutput(rid, [token_id], delta, logprobs=[lp] if lp else None))
             except Exception as e:  # this request's output cannot be produced: end it, keep the others
-                log.error("request %s failed turning token %d into output", rid, token_id, exc_info=True)
+                log.error("request %s failed turning token %d into output", rid, token_id, exc_info=True,
+                          extra={"job_id": rid})
                 self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)  # no-op if the token had ended it
                 self._detoks.pop(rid, None)  # its held-back text cannot be decoded: no flush
                 err = (ErrorCode.INTERNAL, _one_line(e))
@@ -522,7 +531,7 @@ class Engine:
         failed.num_oom_failed += num_failed
         log.warning("out of memory in step %d (%d tokens, %d requests): %d retried, %d failed; token budget now %d",
                     self.scheduler.step_count, num_tokens, len(scheduled), retried, num_failed,
-                    self._budget_cap)
+                    self._budget_cap, extra=job_fields([x.request_id for x in scheduled]))
 
     def _final_output(
         self,

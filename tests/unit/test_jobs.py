@@ -1,0 +1,160 @@
+"""The worker's job table without Kafka or Redis: hand-made engine outputs in, numbered
+wire events out (seq numbering, `started` before the first token, token coalescing,
+exactly one terminal event, nothing after a cancel or a hand-back)."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.wire import ErrorInfo, Finished, FinishReason, Job, Restarted, Started, Token
+from worker.engine import RequestOutput, Usage
+from worker.jobs import JobState, JobTable, Offset
+
+
+def out(rid: str, ids: list[int], text: str, reason: str | None = None) -> RequestOutput:
+    if reason is None:
+        return RequestOutput(rid, ids, text)
+    return RequestOutput(rid, ids, text, finished=True, finish_reason=reason, usage=Usage(3, 2))
+
+
+def open_job(table: JobTable, job_id: str = "j", attempt: int = 1, next_seq: int = 0):
+    return table.open(Job(job_id=job_id, prompt="hi", metadata={"m": 1}), "high", Offset("tp", 7), 100.0,
+                      "token", attempt, next_seq)
+
+
+def kinds(events) -> list[str]:
+    return [type(e).__name__ for e in events]
+
+
+def test_started_precedes_tokens_and_seq_continues_the_log():
+    t = JobTable("w1", clock=lambda: 101.0)
+    lj = open_job(t, next_seq=5)
+    t.accepted("j")
+    t.apply_outputs([out("j", [1], "a")])
+    r = t.drain()
+    assert kinds(r.events) == ["Started", "Token"]
+    assert [e.seq for e in r.events] == [5, 6]
+    assert isinstance(r.events[0], Started) and r.events[0].worker_id == "w1" and r.events[0].metadata == {"m": 1}
+    assert r.events[0].queue_time_s == pytest.approx(1.0)
+    t.apply_outputs([out("j", [2], "b", "length")])
+    r = t.drain()
+    assert kinds(r.events) == ["Token", "Finished"] and [e.seq for e in r.events] == [7, 8]
+    fin = r.events[-1]
+    assert fin.text == "ab" and fin.finish_reason == FinishReason.LENGTH and r.finished == [lj]
+    assert lj.state == JobState.FINISHING
+    t.done(lj)
+    assert len(t) == 0 and lj.state == JobState.DONE
+
+
+def test_output_overtaking_accepted_still_opens_with_started_once():
+    t = JobTable("w1")
+    open_job(t)
+    t.apply_outputs([out("j", [1], "a")])  # the engine's first output arrived before `accepted`
+    t.accepted("j")
+    assert kinds(t.drain().events) == ["Started", "Token"]
+
+
+def test_a_publisher_behind_gets_one_merged_token_event_with_the_same_text():
+    t = JobTable("w1")
+    open_job(t)
+    t.accepted("j")
+    for i, ch in enumerate("hello"):
+        t.apply_outputs([out("j", [i], ch)])
+    r = t.drain()
+    assert kinds(r.events) == ["Started", "Token"]
+    tok = r.events[1]
+    assert isinstance(tok, Token) and tok.text == "hello" and tok.token_ids == [0, 1, 2, 3, 4]
+
+
+def test_exactly_one_terminal_event_and_nothing_after_it():
+    t = JobTable("w1")
+    open_job(t)
+    t.accepted("j")
+    t.apply_outputs([out("j", [1], "a", "stop")])
+    t.apply_outputs([out("j", [2], "b"), out("j", [], "", "cancelled")])  # late outputs are ignored
+    assert t.finish_local("j", FinishReason.CANCELLED) is None
+    events = t.drain().events
+    assert kinds(events) == ["Started", "Token", "Finished"]
+    assert not t.drain()
+
+
+def test_hand_back_drops_drafts_and_emits_nothing():
+    t = JobTable("w1")
+    lj = open_job(t)
+    t.accepted("j")
+    t.apply_outputs([out("j", [1], "a")])
+    assert t.hand_back("j") is lj and lj.state == JobState.HANDED_BACK
+    t.apply_outputs([out("j", [2], "b", "length")])
+    assert not t.drain() and "j" not in t
+
+
+def test_a_later_attempt_opens_with_restarted():
+    t = JobTable("w1")
+    open_job(t, attempt=2, next_seq=9)
+    t.accepted("j")
+    r = t.drain()
+    assert kinds(r.events) == ["Restarted", "Started"] and [e.seq for e in r.events] == [9, 10]
+    assert all(e.attempt == 2 for e in r.events) and isinstance(r.events[0], Restarted)
+
+
+def test_jobs_that_never_run_get_only_their_terminal_event():
+    t = JobTable("w1")
+    open_job(t, "c")
+    open_job(t, "r", attempt=3, next_seq=4)
+    t.finish_local("c", FinishReason.CANCELLED)
+    t.finish_local("r", FinishReason.REJECTED, ErrorInfo(code="prompt_too_long", message="x"),
+                   dead_letter=("prompt_too_long", "x"))
+    events = t.drain().events
+    c = [e for e in events if e.job_id == "c"]
+    r = [e for e in events if e.job_id == "r"]
+    assert kinds(c) == ["Finished"] and kinds(r) == ["Restarted", "Finished"]
+    assert c[0].finish_reason == "cancelled" and c[0].seq == 0
+    assert r[1].error.code == "prompt_too_long" and r[1].seq == 5
+    assert t.get("r").dead_letter == ("prompt_too_long", "x")
+    t.accepted("c")  # the engine's answer for a job already ended is ignored
+    assert not t.drain()
+
+
+def test_cancel_is_noted_once_and_only_for_running_jobs():
+    t = JobTable("w1")
+    lj = open_job(t)
+    assert t.request_cancel("j", now_mono=5.0) is lj and lj.cancel_time_mono == 5.0
+    assert t.request_cancel("j", now_mono=9.0) is lj and lj.cancel_time_mono == 5.0
+    t.finish_local("j", FinishReason.CANCELLED)
+    assert t.request_cancel("j") is None and t.request_cancel("unknown") is None
+
+
+def test_histories_hold_what_redis_must_hold_after_data_loss():
+    t = JobTable("w1")
+    done = open_job(t, "done")
+    open_job(t, "running")
+    for jid in ("done", "running"):
+        t.accepted(jid)
+        t.apply_outputs([out(jid, [1], "x")])
+    t.apply_outputs([out("done", [], "", "stop")])
+    t.drain()
+    t.done(done)
+    hist = {jid: (h, term) for jid, h, term in t.histories()}
+    assert [s for s, _ in hist["running"][0]] == [0, 1] and hist["running"][1] is None
+    assert [s for s, _ in hist["done"][0]] == [0, 1, 2] and hist["done"][1] == ("stop", "token", 1)
+
+
+def test_first_tokens_and_token_counts_are_reported_for_metrics():
+    t = JobTable("w1", clock=lambda: 103.0)
+    open_job(t, "a")
+    open_job(t, "b")
+    applied = t.apply_outputs([out("a", [1, 2], "xy"), out("b", [], ""), out("gone", [3], "z")])
+    assert [j.job_id for j in applied.first_tokens] == ["a"] and applied.num_tokens == 2
+    assert t.get("a").first_token_time == 103.0 and t.get("b").first_token_time is None
+
+
+def test_terminal_event_carries_usage_timings_and_error():
+    t = JobTable("w1", clock=lambda: 110.0)
+    open_job(t)
+    t.accepted("j")
+    o = RequestOutput("j", [], "", finished=True, finish_reason="error", usage=Usage(3, 0), error_code="internal",
+                      error_message="RuntimeError: boom")
+    t.apply_outputs([o])
+    fin = t.drain().events[-1]
+    assert isinstance(fin, Finished) and fin.finish_reason == FinishReason.ERROR
+    assert fin.error.code == "internal" and fin.usage.prompt_tokens == 3 and fin.timings.e2e_s == pytest.approx(10.0)
