@@ -7,9 +7,10 @@ Per job (keys from `schemas.keys`):
 
     claim      SET NX PX lease, value = this worker's claim token; renewed while it runs
     attempts   INCR on every claim: the `attempt` of the events
-    failures   set of attempts that started and did not end cleanly: added on claim,
-               removed on a clean end (terminal event or hand-back); a worker that died
-               leaves its attempt in it. At `max_job_failures` the job is poison.
+    failures   set of attempts that entered the engine and did not end cleanly: added
+               just before the engine gets the job, removed on a clean end (terminal
+               event or hand-back); a worker that died running it leaves its attempt in
+               it. A job with failures runs alone; at `max_job_failures` it is poison.
     done       the finish reason, set with the terminal event (TTL = the log's)
     cancelled  tombstone (TTL): a job that arrives after its cancel is dropped
 
@@ -67,8 +68,6 @@ for j = 0, n - 1 do
     local attempt = redis.call('INCR', KEYS[k + 3])
     redis.call('EXPIRE', KEYS[k + 3], ARGV[3])
     local failures = redis.call('SCARD', KEYS[k + 5])
-    redis.call('SADD', KEYS[k + 5], attempt)
-    redis.call('EXPIRE', KEYS[k + 5], ARGV[3])
     out[j + 1] = {'claimed', attempt, last_seq(KEYS[k + 4]) + 1, failures, redis.call('EXISTS', KEYS[k + 6])}
   end
 end
@@ -233,6 +232,18 @@ class ClaimStore:
             else:
                 out.append(Claimed(token, int(r[1]), int(r[2]), int(r[3]), bool(r[4])))
         return out
+
+    async def mark_running(self, jobs: list[tuple[str, int]]) -> None:
+        """Before the engine gets these (job_id, attempt)s: mark each attempt as not yet
+        ended cleanly (one round trip). A worker that dies running them leaves the marks."""
+        if not jobs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, attempt in jobs:
+            key = keys.failures_key(job_id, self.prefix)
+            pipe.sadd(key, attempt)
+            pipe.expire(key, self.ttl_s)
+        await pipe.execute()
 
     async def is_done(self, job_id: str) -> bool:
         return bool(await self.redis.exists(keys.done_key(job_id, self.prefix)))

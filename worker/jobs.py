@@ -82,6 +82,7 @@ class LocalJob:
     next_seq: int
     raw: bytes | None = None  # the record's original bytes until the engine accepts the job (DLQ)
     raw_key: bytes | None = None
+    isolated: bool = False  # an earlier attempt died with its worker: run it alone
     state: JobState = JobState.CLAIMED
     claim_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
@@ -178,7 +179,8 @@ class JobTable:
 
     # ---- transitions -----------------------------------------------------------------
     def open(self, job: Job, priority: str, offset: Offset, enqueue_time: float, claim_token: str, attempt: int,
-             next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None) -> LocalJob:
+             next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
+             isolated: bool = False) -> LocalJob:
         """A job claimed by this worker (CLAIMED). `next_seq` continues the job's log.
 
         Raises:
@@ -187,7 +189,7 @@ class JobTable:
         if job.job_id in self._jobs:
             raise ValueError(f"job {job.job_id!r} is already held by this worker")
         lj = LocalJob(job, priority, [offset], enqueue_time, claim_token, attempt, next_seq, raw, raw_key,
-                      claim_time=self._clock())
+                      isolated, claim_time=self._clock())
         self._jobs[job.job_id] = lj
         if attempt > 1:
             self._draft(lj, opening="restarted")

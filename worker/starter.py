@@ -9,6 +9,14 @@ For each claimed job, in this order (the first that applies wins):
   engine rejects it     -> `finished(rejected)` with the engine's reason, and the DLQ
   else                  -> in the engine (`started`, tokens, `finished`)
 
+Poison jobs (a forward that kills the process, as a crashing kernel would): the failure
+mark of an attempt is set just before the engine gets the job and cleared when it ends
+cleanly, so a worker that dies leaves a mark on every job it was running — the culprit
+and its innocent neighbours alike. A job with a mark therefore runs *alone*: it waits
+until this worker's engine is empty, and no other job enters the engine until it ends.
+If it kills that worker too, the death is its own; at `worker.max_job_failures` marks
+(default 2: one crash among neighbours, one alone) it is not run again.
+
 Tokenization and chat templates run in a small thread pool as separate tasks, so a slow
 input never holds up intake of the jobs behind it, and a prompt whose UTF-8 size alone
 proves it cannot fit `max_input_tokens` is refused before any tokenizer work
@@ -28,7 +36,7 @@ from schemas.wire import ErrorInfo, FinishReason, Job
 from worker.claims import REDIS_DOWN, Claimed, ClaimStore, Contested, Done, EpochChanged
 from worker.engine import RequestRejected
 from worker.intake import JobRecord
-from worker.jobs import JobTable, LocalJob, Offset
+from worker.jobs import JobState, JobTable, LocalJob, Offset
 
 if TYPE_CHECKING:
     from worker.dlq import DeadLetters
@@ -97,6 +105,9 @@ class JobStarter:
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="inflight-input")
         self._tasks: set[asyncio.Task] = set()
         self._byte_limit = prompt_byte_limit(engine.tokenizer, engine.tuning.max_input_tokens)
+        self._submitting = 0  # input tasks past the gate, not yet answered by the engine
+        self._alone: str | None = None  # the job running alone, if any
+        self._alone_waiting = 0  # jobs waiting to run alone (they hold the gate shut for others)
 
     def free_slots(self) -> int:
         if self._is_paused():
@@ -125,6 +136,7 @@ class JobStarter:
             log.info("claims unavailable; will retry the batch", error=repr(e)[:200], records=len(fresh))
             return fresh
         contested = []
+        to_run: list[LocalJob] = []
         for rec, res in zip(fresh, results):
             if isinstance(res, Done):
                 self.tracker.done(rec.tp, rec.offset)
@@ -135,14 +147,31 @@ class JobStarter:
             elif self.table.get(rec.job.job_id) is not None:  # duplicate within the batch
                 self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset))
             else:
-                self._open(rec, res)
+                lj = self._open(rec, res)
+                if lj is not None:
+                    to_run.append(lj)
+        try:
+            await self.claims.mark_running([(lj.job_id, lj.attempt) for lj in to_run if not lj.isolated])
+        except REDIS_DOWN as e:  # the engine must not get a job whose crash would go unnoticed
+            log.info("could not mark jobs running; handing them back for a retry", error=repr(e)[:200])
+            for lj in to_run:
+                if self.table.hand_back(lj.job_id) is not None:
+                    contested.extend(JobRecord(lj.job, lj.priority, o.tp, o.offset, lj.enqueue_time, lj.raw or b"",
+                                               lj.raw_key) for o in lj.offsets)
+            to_run = []
+        for lj in to_run:
+            task = asyncio.create_task(self._submit(lj), name=f"input:{lj.job_id}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         self._wake()
         return contested
 
-    def _open(self, rec: JobRecord, c: Claimed) -> None:
+    def _open(self, rec: JobRecord, c: Claimed) -> LocalJob | None:
+        """Open a claimed job; end it at once where a rule says so. Returns it if it
+        goes on to the engine."""
         job = rec.job
         lj = self.table.open(job, rec.priority, Offset(rec.tp, rec.offset), rec.enqueue_time, c.token, c.attempt,
-                             c.next_seq, raw=rec.raw, raw_key=rec.key)
+                             c.next_seq, raw=rec.raw, raw_key=rec.key, isolated=c.failures > 0)
         if c.cancelled:
             self.table.finish_local(job.job_id, FinishReason.CANCELLED)
         elif job.deadline is not None and job.deadline < time.time():
@@ -159,11 +188,60 @@ class JobStarter:
                 f"prompt is {input_bytes(job)} bytes; more than {self._byte_limit} bytes can never tokenize "
                 f"to max_input_tokens = {self.engine.tuning.max_input_tokens}")))
         else:
-            task = asyncio.create_task(self._submit(lj), name=f"input:{job.job_id}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            if lj.isolated:
+                log.info("an earlier attempt died with its worker; the job runs alone", job_id=job.job_id,
+                         attempt=c.attempt, failures=c.failures)
+            return lj
+        return None
+
+    def _engine_busy(self) -> bool:
+        return self._submitting > 0 or any(j.state == JobState.IN_ENGINE for j in self.table)
+
+    def _alone_active(self) -> bool:
+        """A job runs alone now (clears the mark once it has left the engine)."""
+        if self._alone is None:
+            return False
+        alone = self.table.get(self._alone)
+        if alone is None or alone.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+            self._alone = None
+            return False
+        return True
+
+    async def _gate(self, lj: LocalJob) -> bool:
+        """Wait for this job's turn in the engine (see the module docstring). False if the
+        job ended meanwhile (cancel, drain)."""
+        if lj.isolated:
+            self._alone_waiting += 1
+            try:
+                while self._alone_active() or self._engine_busy():
+                    if lj.state != JobState.CLAIMED:
+                        return False
+                    await asyncio.sleep(0.02)
+                self._alone = lj.job_id
+            finally:
+                self._alone_waiting -= 1
+            try:
+                await self.claims.mark_running([(lj.job_id, lj.attempt)])
+            except REDIS_DOWN:
+                self._alone = None
+                return False
+            return lj.state == JobState.CLAIMED
+        while self._alone_active() or self._alone_waiting:
+            if lj.state != JobState.CLAIMED:
+                return False
+            await asyncio.sleep(0.02)
+        return lj.state == JobState.CLAIMED
 
     async def _submit(self, lj: LocalJob) -> None:
+        if (lj.isolated or self._alone_waiting or self._alone_active()) and not await self._gate(lj):
+            return
+        self._submitting += 1
+        try:
+            await self._add(lj)
+        finally:
+            self._submitting -= 1
+
+    async def _add(self, lj: LocalJob) -> None:
         job = lj.job
         kwargs: dict[str, Any] = {"params": job.params, "priority": lj.priority, "cache_salt": job.tenant or "",
                                   "arrival_time": lj.enqueue_time, "deadline": job.deadline}
