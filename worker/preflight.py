@@ -288,7 +288,7 @@ def kv_check(cfg: WorkerConfig, loaded) -> Check:
     the memory budget of `loaded.device` now."""
     import torch
 
-    from worker.engine.core import kv_cache_blocks
+    from worker.engine.engine import kv_cache_blocks
     from worker.model.runner import ModelRunner
 
     tuning = cfg.serving_tuning

@@ -25,7 +25,7 @@ def scripted(by_prompt: dict[int, list[int]]):
     """Output i of the request whose prompt starts with p is by_prompt[p][i]."""
 
     def next_token(s):
-        return by_prompt[s.history[0]][len(s.history) - 3]
+        return by_prompt[s.all_token_ids[0]][len(s.all_token_ids) - 3]
 
     return next_token
 
@@ -69,7 +69,7 @@ def test_output_that_cannot_be_decoded_ends_only_its_request(bad_at):
 
 def test_runner_that_raises_on_one_request_fails_it_alone():
     def next_token(s):
-        if s.history[0] == BAD:
+        if s.all_token_ids[0] == BAD:
             raise IndexError("index 70000 is out of bounds for dimension 0 with size 100")
         return default_next_token(s, 100, frozenset({0}))
 

@@ -14,7 +14,7 @@ from worker.jobs import JobState, JobTable, Offset
 def out(rid: str, ids: list[int], text: str, reason: str | None = None) -> RequestOutput:
     if reason is None:
         return RequestOutput(rid, ids, text)
-    return RequestOutput(rid, ids, text, finished=True, finish_reason=reason, usage=Usage(3, 2))
+    return RequestOutput(rid, ids, text, finished=True, finish_reason=reason, usage=Usage(prompt_tokens=3, completion_tokens=2))
 
 
 def open_job(table: JobTable, job_id: str = "j", attempt: int = 1, next_seq: int = 0):
@@ -152,7 +152,7 @@ def test_terminal_event_carries_usage_timings_and_error():
     t = JobTable("w1", clock=lambda: 110.0)
     open_job(t)
     t.accepted("j")
-    o = RequestOutput("j", [], "", finished=True, finish_reason="error", usage=Usage(3, 0), error_code="internal",
+    o = RequestOutput("j", [], "", finished=True, finish_reason="error", usage=Usage(prompt_tokens=3, completion_tokens=0), error_code="internal",
                       error_message="RuntimeError: boom")
     t.apply_outputs([o])
     fin = t.drain().events[-1]

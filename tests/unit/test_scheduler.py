@@ -187,7 +187,7 @@ def test_exact_max_tokens(max_tokens):
 
 def scripted(tokens):
     def next_token(s):
-        return tokens[len(s.history) - 1 - 2]  # prompt has 3 tokens; output index = len(history) - 3
+        return tokens[len(s.all_token_ids) - 1 - 2]  # prompt has 3 tokens; output index = len - 3
 
     return next_token
 

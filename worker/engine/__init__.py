@@ -1,23 +1,45 @@
-"""The in-process engine: request lifecycle, scheduler, KV cache manager, engine loop.
+"""The engine: request lifecycle, scheduler, KV cache manager, and the engine core's
+step loop, with input and output processing around it (vLLM V1's seams).
 
 Map (one line per module):
     request.py    Request, RequestStatus (ordered lifecycle), Priority, finish-reason table, rejections,
                   error codes
     kv_cache.py   BlockPool (free list, ref counts, prefix-cache hashes) and KVCacheManager (block tables)
     scheduler.py  Scheduler: per-step batch under a token budget; admission, priority, preemption
-    outputs.py    contract objects between scheduler, model runner and engine callers
-    core.py       Engine: public API (add_request / abort / step / generate)
+    outputs.py    contract objects between scheduler, model runner, engine core and callers
+    input.py      InputProcessor: tokenize + validate -> EngineCoreRequest (caller's thread)
+    core.py       EngineCore: the step loop (forward failures, deadlines) -> token ids only
+    output.py     OutputProcessor: token ids -> text deltas, stop strings, final outputs
+    engine.py     Engine: the three together, the public API (add_request / abort / step / generate)
 """
 
-from worker.engine.core import Engine
-from worker.engine.outputs import CompletionOutput, KVStats, RequestOutput, RequestTimes, StepStats, Usage
+from schemas.wire import Usage
+from worker.engine.core import EngineCore
+from worker.engine.engine import Engine
+from worker.engine.input import InputProcessor, ModelFacts
+from worker.engine.output import OutputProcessor
+from worker.engine.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    KVStats,
+    RequestOutput,
+    RequestTimes,
+    StepStats,
+)
 from worker.engine.request import ErrorCode, Priority, RejectReason, RequestRejected
 
 __all__ = [
     "CompletionOutput",
     "Engine",
+    "EngineCore",
+    "EngineCoreOutput",
+    "EngineCoreRequest",
     "ErrorCode",
+    "InputProcessor",
     "KVStats",
+    "ModelFacts",
+    "OutputProcessor",
     "Priority",
     "RejectReason",
     "RequestOutput",

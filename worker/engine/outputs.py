@@ -1,21 +1,28 @@
-"""Plain contract objects passed between the scheduler, the model runner and engine callers.
+"""Plain contract objects between the layers of the engine; none hold behaviour, tests
+build them by hand.
 
-None of them hold behaviour; tests build them by hand.
+Inside the engine core (one thread): `ScheduledRequest` / `SchedulerOutput` (scheduler →
+model runner), `ModelRunnerOutput` (runner → scheduler). Across the engine core's
+boundary, which may be a process boundary (msgspec Structs, encoded with msgpack):
+`EngineCoreRequest` in, `EngineCoreOutput` + `StepStats` out. After output processing
+(detokenization, stop strings): `RequestOutput` deltas and `CompletionOutput` results.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+
+from schemas.params import SamplingParams
+from schemas.wire import FinishReason, Usage
 
 if TYPE_CHECKING:
     import torch
 
-    from schemas.params import SamplingParams
 
-
-@dataclass(slots=True, frozen=True)
-class KVStats:
+class KVStats(msgspec.Struct, frozen=True):
     """KV block counts. Invariant: free + used + cached == total."""
 
     total_blocks: int
@@ -30,23 +37,25 @@ class KVStats:
         return self.used_blocks / self.total_blocks
 
 
+# ---- inside the engine core ---------------------------------------------------------------
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step.
 
     `token_ids` are computed at positions `start_pos … start_pos + len(token_ids) - 1`
-    and their KV written through `block_ids`. When `do_sample`, the step samples the
-    next token from the last position. `history` is the request's prompt + output
-    (read-only; used by the repetition penalty).
+    and their KV written through `block_ids`. When `samples_token` (the chunk reaches
+    the end of the request's known tokens), the step samples the next token from the
+    last position. `all_token_ids` is the request's prompt + output so far (read-only;
+    the repetition penalty uses it).
     """
 
     request_id: str
     token_ids: list[int]
     start_pos: int
     block_ids: list[int]
-    do_sample: bool
+    samples_token: bool
     params: SamplingParams
-    history: list[int]
+    all_token_ids: list[int]
     generator: torch.Generator | None = None
 
     @property
@@ -62,11 +71,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     num_decodes: int  # the first `num_decodes` entries have exactly one token and start_pos > 0
-    preempted_ids: list[str] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
+class TokenLogprobs(msgspec.Struct, array_like=True):
     """Log-probability of the sampled token and the top alternatives (raw model distribution)."""
 
     token_id: int
@@ -81,15 +88,32 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
-@dataclass(slots=True, frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0
+class Runner(Protocol):
+    """What the engine core needs of a model runner (`ModelRunner`, `NullRunner`)."""
+
+    device: torch.device
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward over the packed batch; a token for every request whose chunk
+        samples one. May raise (out of memory, a kernel failure): see `EngineCore.step`."""
+        ...
 
 
-@dataclass(slots=True, frozen=True)
-class RequestTimes:
+# ---- across the engine core's boundary ------------------------------------------------------
+class EngineCoreRequest(msgspec.Struct, array_like=True):
+    """A validated, tokenized request (made by `InputProcessor`). Times are Unix seconds."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: never None here
+    priority: int  # Priority value
+    arrival_time: float
+    deadline: float | None = None
+    cache_salt: str = ""
+
+
+class RequestTimes(msgspec.Struct, frozen=True, array_like=True):
     """Wall-clock timestamps (seconds since the epoch, `time.time()`) of one request.
 
     `arrival_time` is what the caller passed to `add_request` (the worker passes the
@@ -108,19 +132,39 @@ class RequestTimes:
         return max(0.0, self.first_scheduled_time - self.arrival_time)
 
 
-@dataclass(slots=True, frozen=True)
-class StepStats:
-    """What one `Engine.step` did (read by the metrics on the engine thread).
+class EngineCoreOutput(msgspec.Struct, array_like=True):
+    """What the engine core produced for one request: new token ids (one per step; the
+    outputs of consecutive steps may be merged) and, on its last output, why it ended.
+
+    A `stop` finish decided by the core (EOS or a stop token id) means the last id ended
+    the request and is not part of the text.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # aligned with new_token_ids, when asked for
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    times: RequestTimes | None = None  # on the last output
+    error_code: str | None = None  # an ErrorCode value
+    error_message: str | None = None
+
+
+class StepStats(msgspec.Struct, frozen=True):
+    """What one engine-core step did (read by the metrics).
 
     Token counts are tokens *computed* this step: a prefill chunk of a preempted request
     being recomputed counts as prefill again. `num_oom_*` and `num_internal_errors`
     count requests; `num_failed_forwards` counts forwards that raised (the batch, then
     each request retried alone that raised again), out of memory included.
+    `duration_s` is the step's wall time; `forward_s` the part inside the model runner
+    (the device's share); the difference is the engine's host time.
     """
 
     step: int
     time: float  # time.time() when the step ended, seconds
-    duration_s: float  # wall time of the whole step (schedule + forward + sampling + detokenize)
+    duration_s: float
     num_running: int
     num_waiting: int
     num_prefill_tokens: int
@@ -131,21 +175,22 @@ class StepStats:
     kv: KVStats
     num_internal_errors: int = 0  # requests ended with finish_reason error, code internal
     num_failed_forwards: int = 0
+    forward_s: float = 0.0
 
 
+# ---- after output processing ------------------------------------------------------------------
 @dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request (a delta, not the whole text).
 
-    `finish_reason` is set on the request's last output only, one of
-    stop | length | cancelled | rejected | expired | error.
+    `finish_reason` is set on the request's last output only.
     """
 
     request_id: str
     new_token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_preemptions: int = 0
@@ -162,6 +207,6 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
     logprobs: list[TokenLogprobs] | None = None

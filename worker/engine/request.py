@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from schemas.wire import FinishReason
+
 if TYPE_CHECKING:
     import torch
 
@@ -38,13 +40,13 @@ class RequestStatus(enum.IntEnum):
 
 
 # The one table from terminal states to the wire's `finish_reason`.
-FINISH_REASONS: dict[RequestStatus, str] = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "cancelled",
-    RequestStatus.FINISHED_REJECTED: "rejected",
-    RequestStatus.FINISHED_EXPIRED: "expired",
-    RequestStatus.FINISHED_ERROR: "error",
+FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.CANCELLED,
+    RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
+    RequestStatus.FINISHED_EXPIRED: FinishReason.EXPIRED,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

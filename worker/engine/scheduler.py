@@ -151,7 +151,7 @@ class Scheduler:
                 if victim is req:
                     break
         if preempted:
-            return self._build_output(scheduled, preempted)
+            return self._build_output(scheduled)
 
         # 2. waiting, in rank order, with bounded skipping of requests that do not fit.
         skipped: list[Request] = []
@@ -195,7 +195,7 @@ class Scheduler:
                 break
         for req in skipped:
             self._push_waiting(req)
-        return self._build_output(scheduled, preempted)
+        return self._build_output(scheduled)
 
     def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
         """Advance progress after a forward; append sampled tokens; finish on EOS /
@@ -316,7 +316,7 @@ class Scheduler:
         heapq.heappush(self._waiting[req.priority], (req.arrival_seq, req))
         self._num_waiting += 1
 
-    def _build_output(self, scheduled: dict[str, int], preempted: list[str]) -> SchedulerOutput:
+    def _build_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         requests = self.requests
@@ -336,5 +336,4 @@ class Scheduler:
             scheduled=decodes + prefills if prefills else decodes,
             num_scheduled_tokens=sum(scheduled.values()),
             num_decodes=len(decodes),
-            preempted_ids=preempted,
         )

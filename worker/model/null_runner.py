@@ -15,8 +15,9 @@ from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, Scheduler
 
 
 def default_next_token(s: ScheduledRequest, vocab_size: int, avoid: frozenset[int]) -> int:
-    """A deterministic function of the request's history (never a token in `avoid`)."""
-    h = (len(s.history) * 1_000_003 + s.history[-1] * 7919 + s.history[0]) % vocab_size
+    """A deterministic function of the request's tokens so far (never a token in `avoid`)."""
+    ids = s.all_token_ids
+    h = (len(ids) * 1_000_003 + ids[-1] * 7919 + ids[0]) % vocab_size
     while h in avoid:
         h = (h + 1) % vocab_size
     return h
@@ -27,7 +28,7 @@ class NullRunner:
 
     Args:
         vocab_size: token ids are drawn from `[0, vocab_size)`.
-        next_token: optional `f(scheduled_request) -> token_id`; default: a hash of the history.
+        next_token: optional `f(scheduled_request) -> token_id`; default: a hash of its tokens so far.
         avoid: token ids the default never produces (e.g. EOS, so lengths are exact).
     """
 
@@ -40,13 +41,10 @@ class NullRunner:
         self.device = torch.device("cpu")
         self.vocab_size = vocab_size
         self._next = next_token or (lambda s: default_next_token(s, vocab_size, avoid))
-        self.history: list[SchedulerOutput] = []
-        self.record = False
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        if self.record:
-            self.history.append(sched)
-        return ModelRunnerOutput(sampled_token_ids={s.request_id: self._next(s) for s in sched.scheduled if s.do_sample})
+        return ModelRunnerOutput(
+            sampled_token_ids={s.request_id: self._next(s) for s in sched.scheduled if s.samples_token})
 
 
 class LetterTokenizer:
@@ -73,7 +71,7 @@ def null_engine(
     """An Engine over a NullRunner (no model, no torch compute): same scheduler, KV
     manager, detokenizer and outputs as a real engine."""
     from worker.config import EngineConfig
-    from worker.engine.core import CPU_DEFAULT_KV_TOKENS, Engine
+    from worker.engine.engine import CPU_DEFAULT_KV_TOKENS, Engine
     from worker.model.loader import LoadedModel
 
     config = config or EngineConfig()

@@ -82,7 +82,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
-            if s.do_sample:
+            if s.samples_token:
                 sample_idx.append(query_start[-1] - 1)
 
         max_blocks = max(len(s.block_ids) for s in packed)
@@ -150,7 +150,7 @@ class ModelRunner:
         if not sample_idx:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = out.logits[0]  # [num_sampled, vocab]
-        sampling_reqs = [s for s in packed if s.do_sample]
+        sampling_reqs = [s for s in packed if s.samples_token]
         ids, logprobs = sample(logits, sampling_reqs)
         return ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(sampling_reqs, ids)},

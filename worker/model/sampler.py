@@ -20,7 +20,7 @@ def sample(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> tuple[list[int
 
     Args:
         logits: `[num_reqs, vocab_size]` raw model logits (any float dtype).
-        reqs: the scheduled requests, one per row, carrying params / generator / history.
+        reqs: the scheduled requests, one per row, carrying params / generator / all_token_ids.
 
     Returns:
         (token ids, per-row TokenLogprobs or None where `params.logprobs` is None).
@@ -85,8 +85,8 @@ def _apply_repetition_penalty(
     n, vocab = logits.shape
     seen = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
     for i, r in enumerate(reqs):
-        if penalties[i] != 1.0 and r.history:
-            seen[i, torch.tensor(r.history, device=logits.device)] = True
+        if penalties[i] != 1.0 and r.all_token_ids:
+            seen[i, torch.tensor(r.all_token_ids, device=logits.device)] = True
     pen = torch.tensor(penalties, device=logits.device).unsqueeze(1).expand_as(logits)
     penalized = torch.where(logits > 0, logits / pen, logits * pen)
     return torch.where(seen, penalized, logits)

@@ -1,0 +1,294 @@
+"""Engine: the public API every other part (benchmarks, demo, tests, the worker's thread
+mode) uses — input processing, the engine core and output processing in one object.
+
+    add_request ──► InputProcessor (caller's thread) ──► EngineCore.add
+    step        ──► EngineCore.step ──► OutputProcessor ──► RequestOutput deltas
+
+Threading: `add_request` and `abort` may be called from any thread; `step` runs on one
+thread (the engine thread). New requests and aborts take effect at the next step
+boundary; an aborted request's KV blocks are free when that `step` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from schemas.params import SamplingParams
+from schemas.wire import Usage
+from worker.config import EngineConfig, ModelConfig, ServingTuning
+from worker.engine.core import EngineCore
+from worker.engine.input import InputProcessor, ModelFacts
+from worker.engine.output import OutputProcessor
+from worker.engine.outputs import (
+    CompletionOutput,
+    EngineCoreRequest,
+    KVStats,
+    RequestOutput,
+    StepStats,
+    TokenLogprobs,
+)
+from worker.engine.request import Priority, RejectReason, RequestRejected
+
+if TYPE_CHECKING:
+    from worker.engine.outputs import Runner
+    from worker.model.loader import LoadedModel
+
+CPU_DEFAULT_KV_TOKENS = 16384
+
+
+def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning) -> int:
+    """KV blocks the engine allocates for `loaded` (call after the model is on its device).
+
+    Capacity in tokens: `tuning.max_total_tokens` if set; else on CUDA
+    `gpu_memory_utilization` x the device's free memory / `kv_bytes_per_token`; else
+    `CPU_DEFAULT_KV_TOKENS`. Rounded down to whole blocks of `kv_block_size` tokens.
+    """
+    from worker.model.runner import ModelRunner
+
+    per_token = ModelRunner.kv_bytes_per_token(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype)
+    if tuning.max_total_tokens is not None:
+        kv_tokens = tuning.max_total_tokens
+    elif loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        kv_tokens = int(free * tuning.gpu_memory_utilization) // per_token
+    else:
+        kv_tokens = CPU_DEFAULT_KV_TOKENS
+    return kv_tokens // tuning.kv_block_size
+
+
+class Engine:
+    """Continuous-batching generation engine over a paged KV cache.
+
+    Build with `Engine.from_pretrained(path, config)`. Typical loop:
+
+        engine.add_request("a", prompt="Hello", params=SamplingParams(max_tokens=8))
+        while engine.has_unfinished():
+            for out in engine.step():
+                print(out.request_id, out.text, out.finish_reason)
+    """
+
+    def __init__(self, loaded: LoadedModel, runner: Runner, config: EngineConfig, num_blocks: int) -> None:
+        self.config = config
+        self.tuning = config.serving_tuning
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.facts = ModelFacts(vocab_size=loaded.vocab_size, max_model_len=loaded.max_model_len,
+                                kv_capacity_tokens=num_blocks * self.tuning.kv_block_size,
+                                eos_token_ids=loaded.eos_token_ids, model_id=loaded.model_id)
+        self.core = EngineCore(runner, self.tuning, num_blocks, loaded.eos_token_ids, loaded.model_id)
+        self.input = InputProcessor(loaded.tokenizer, self.facts, self.tuning)
+        self.output = OutputProcessor(loaded.tokenizer)
+        self._live_ids: set[str] = set()
+        self._live_lock = threading.Lock()
+        self._generate_ids = itertools.count()
+
+    # ---- the parts, for tests and tools ------------------------------------------------
+    @property
+    def runner(self) -> Runner:
+        return self.core.runner
+
+    @runner.setter
+    def runner(self, runner: Runner) -> None:
+        self.core.runner = runner
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def kv(self):
+        return self.core.kv
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        return self.core.last_step_stats
+
+    # ---- construction --------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, config: EngineConfig | None = None) -> Engine:
+        """Load a local Hugging Face checkpoint directory and size the KV cache
+        (`kv_cache_blocks`).
+
+        Raises:
+            FileNotFoundError, ValueError: see `worker.model.loader.load_model`.
+        """
+        from worker.model.kernels import get_backend
+        from worker.model.loader import load_model
+        from worker.model.runner import ModelRunner
+
+        config = config or EngineConfig()
+        model_cfg = ModelConfig(**{**msgspec.structs.asdict(config.model), "path": path})
+        config = EngineConfig(model=model_cfg, serving_tuning=config.serving_tuning)
+        loaded = load_model(model_cfg)
+        tuning = config.serving_tuning
+        num_blocks = kv_cache_blocks(loaded, tuning)
+        runner = ModelRunner(
+            loaded.model,
+            num_blocks=num_blocks,
+            block_size=tuning.kv_block_size,
+            num_layers=loaded.num_layers,
+            num_kv_heads=loaded.num_kv_heads,
+            head_dim=loaded.head_dim,
+            device=loaded.device,
+            dtype=loaded.dtype,
+            backend=get_backend(model_cfg.attention_backend, loaded.device.type),
+        )
+        return cls(loaded, runner, config, num_blocks)
+
+    # ---- requests in (any thread) ----------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+        priority: Priority | str = Priority.NORMAL,
+        cache_salt: str = "",
+        arrival_time: float | None = None,
+        deadline: float | None = None,
+    ) -> int:
+        """Validate, tokenize and queue a request; it joins the batch at the next step.
+
+        Exactly one of `prompt` (text), `prompt_token_ids`, `messages` (chat, rendered
+        with the tokenizer's chat template). `cache_salt` (e.g. the tenant) keeps its
+        prefix-cache blocks apart from other salts. `arrival_time` and `deadline` are
+        wall-clock seconds (`time.time()`); a request still waiting (never scheduled) at
+        its deadline ends with `finish_reason="expired"`, `error_code="deadline_passed"`.
+
+        BOS: the ids of a text prompt or of chat messages never start with more than one
+        BOS id. A text that already begins with the BOS text (`"<s>Paris…"`), tokenized by
+        a tokenizer that prepends BOS, gives two (as transformers' `encode` does): the
+        leading duplicates are dropped and one BOS is kept (logged at debug level); the
+        same holds for a chat template whose output starts with repeated BOS.
+        `prompt_token_ids` are used exactly as given.
+
+        Returns:
+            the number of prompt tokens (after the BOS rule).
+
+        Raises:
+            RequestRejected: with a `RejectReason`; the request was not queued.
+        """
+        req = self.input.process(request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+                                 params=params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time,
+                                 deadline=deadline)
+        self.submit(req)
+        return len(req.prompt_token_ids)
+
+    def submit(self, req: EngineCoreRequest) -> None:
+        """Queue a request already made by `self.input.process` (thread-safe).
+
+        Raises:
+            RequestRejected: `duplicate_request_id` (an unfinished request has this id) or
+                `overloaded` (`overload_policy: reject` and no free slot).
+        """
+        with self._live_lock:
+            if req.request_id in self._live_ids:
+                raise RequestRejected(req.request_id, RejectReason.DUPLICATE_REQUEST_ID,
+                                      "a request with this id is unfinished")
+            if self.tuning.overload_policy == "reject":
+                busy = self.scheduler.num_running + self.scheduler.num_waiting + self.core.num_queued
+                if busy >= self.tuning.max_running_requests:
+                    raise RequestRejected(req.request_id, RejectReason.OVERLOADED,
+                                          f"{busy} requests in flight, no free slot")
+            self._live_ids.add(req.request_id)
+            self.output.add(req.request_id, req.params.stop, len(req.prompt_token_ids), req.arrival_time)
+            self.core.add(req)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request. Its blocks are freed and a `cancelled` output is emitted by
+        the next `step`. Unknown or finished ids are ignored."""
+        self.core.abort(request_id)
+
+    # ---- the step (engine thread) ----------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine-core step (see `EngineCore.step` for the failure rules), then its
+        output processing: text deltas, stop strings, final outputs. A request a stop
+        string ended is finished in the core before this returns (its blocks free).
+        After every call `last_step_stats` describes the step."""
+        processed = self.output.process(self.core.step())
+        for request_id, status in processed.finish:
+            self.core.finish(request_id, status)
+        if processed.num_internal_errors:
+            stats = self.core.last_step_stats
+            self.core.last_step_stats = msgspec.structs.replace(
+                stats, num_internal_errors=stats.num_internal_errors + processed.num_internal_errors)
+        finished = [o.request_id for o in processed.outputs if o.finished]
+        if finished:
+            with self._live_lock:
+                self._live_ids.difference_update(finished)
+        return processed.outputs
+
+    # ---- conveniences ----------------------------------------------------------------
+    def kv_stats(self) -> KVStats:
+        """Block counts of the KV cache (engine thread; a snapshot)."""
+        return self.core.kv_stats()
+
+    def generate(
+        self,
+        prompts: Iterable[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Priority | str = Priority.NORMAL,
+    ) -> list[CompletionOutput]:
+        """Run a batch of prompts (text or token id lists) to completion, in order.
+
+        Raises:
+            RequestRejected: for the first prompt that is rejected (none is run then).
+        """
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        base = f"generate-{next(self._generate_ids)}"
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            rid = f"{base}-{i}"
+            if isinstance(p, str):
+                reqs.append(self.input.process(rid, p, params=sp, priority=priority))
+            else:
+                reqs.append(self.input.process(rid, prompt_token_ids=list(p), params=sp, priority=priority))
+        for r in reqs:
+            self.submit(r)
+        ids = [r.request_id for r in reqs]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        lps: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.request_id not in tokens:
+                    continue
+                tokens[out.request_id].extend(out.new_token_ids)
+                texts[out.request_id].append(out.text)
+                if out.logprobs:
+                    lps[out.request_id].extend(out.logprobs)
+                if out.finished:
+                    done[out.request_id] = out
+        return [
+            CompletionOutput(
+                request_id=r.request_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                token_ids=tokens[r.request_id],
+                text="".join(texts[r.request_id]),
+                finish_reason=done[r.request_id].finish_reason,
+                usage=done[r.request_id].usage or Usage(prompt_tokens=len(r.prompt_token_ids),
+                                                        completion_tokens=len(tokens[r.request_id])),
+                logprobs=lps[r.request_id] or None,
+            )
+            for r in reqs
+        ]
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if KV bookkeeping is inconsistent (call from the engine thread)."""
+        self.core.check_invariants()

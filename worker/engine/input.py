@@ -1,0 +1,158 @@
+"""Input processing: prompt (text, chat messages or token ids) + parameters → a validated
+`EngineCoreRequest`, or `RequestRejected` with a reason. Runs in the caller's thread
+(the worker runs it in a small thread pool); stateless apart from the tokenizer, so any
+number of threads may call it. The admission checks that do not depend on load live
+here (vLLM V1's `Processor`); the engine core never sees a request that cannot run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.params import SamplingParams
+from worker.config import ServingTuning
+from worker.engine.outputs import EngineCoreRequest
+from worker.engine.request import Priority, RejectReason, RequestRejected
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class ModelFacts:
+    """What input processing needs to know of the model and the engine core.
+
+    `kv_capacity_tokens` is the whole KV cache (blocks × block size); `model_id`
+    namespaces prefix-cache hashes; `eos_token_ids` every id that ends generation.
+    """
+
+    vocab_size: int
+    max_model_len: int
+    kv_capacity_tokens: int
+    eos_token_ids: frozenset[int]
+    model_id: str
+
+
+class InputProcessor:
+    """Args:
+    tokenizer: a transformers tokenizer (or anything with `encode`,
+        `apply_chat_template` and `bos_token_id`).
+    facts: the model and engine facts the checks use.
+    tuning: `serving_tuning` (max_input_tokens, max_output_tokens).
+    """
+
+    def __init__(self, tokenizer: Any, facts: ModelFacts, tuning: ServingTuning) -> None:
+        self.tokenizer = tokenizer
+        self.facts = facts
+        self.tuning = tuning
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+        priority: Priority | str = Priority.NORMAL,
+        cache_salt: str = "",
+        arrival_time: float | None = None,
+        deadline: float | None = None,
+    ) -> EngineCoreRequest:
+        """Tokenize and validate one request (see `Engine.add_request` for the rules).
+
+        Raises:
+            RequestRejected: with a `RejectReason`; nothing was queued anywhere.
+        """
+        params = params or SamplingParams()
+        try:
+            prio = Priority.parse(priority)
+        except ValueError as e:
+            raise RequestRejected(request_id, RejectReason.INVALID_PARAMS, str(e)) from None
+        ids = self.tokenize(request_id, prompt, prompt_token_ids, messages)
+        max_tokens = self.check_limits(request_id, ids, params)
+        return EngineCoreRequest(request_id, ids, params, max_tokens, int(prio),
+                                 time.time() if arrival_time is None else arrival_time, deadline, cache_salt)
+
+    def tokenize(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int] | None,
+        messages: list[dict[str, Any]] | None,
+    ) -> list[int]:
+        """Prompt ids: exactly one of the three inputs; token ids in the vocabulary; not
+        empty; at most one leading BOS for text and chat (see `Engine.add_request`)."""
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise RequestRejected(
+                request_id, RejectReason.INVALID_PROMPT, "give exactly one of prompt, prompt_token_ids, messages"
+            )
+        if prompt is not None:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        elif messages is not None:
+            if not messages:
+                ids = []
+            else:
+                try:
+                    ids = list(
+                        self.tokenizer.apply_chat_template(
+                            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                        )
+                    )
+                except Exception as e:  # template errors are the producer's input errors
+                    raise RequestRejected(request_id, RejectReason.INVALID_PROMPT, f"chat template failed: {e}") from e
+        else:
+            ids = list(prompt_token_ids or [])
+            vocab = self.facts.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise RequestRejected(
+                    request_id, RejectReason.INVALID_PROMPT, f"token ids out of range [0, {vocab}): {bad[:5]}"
+                )
+        if not ids:
+            raise RequestRejected(request_id, RejectReason.EMPTY_PROMPT, "the prompt has no tokens")
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if prompt_token_ids is None and bos is not None and len(ids) > 1 and ids[1] == bos and ids[0] == bos:
+            n = next((i for i, t in enumerate(ids) if t != bos), len(ids))
+            log.debug("request %s: prompt starts with %d BOS ids; keeping one", request_id, n,
+                      extra={"job_id": request_id})
+            ids = ids[n - 1 :]
+        return ids
+
+    def check_limits(self, request_id: str, ids: list[int], params: SamplingParams) -> int:
+        """Admission checks that do not depend on load. Returns the resolved max_tokens."""
+        t = self.tuning
+        n = len(ids)
+        max_len = self.facts.max_model_len
+        if n > t.max_input_tokens:
+            raise RequestRejected(
+                request_id, RejectReason.PROMPT_TOO_LONG, f"prompt has {n} tokens, max_input_tokens is {t.max_input_tokens}"
+            )
+        if params.max_tokens is None:
+            max_tokens = min(t.max_output_tokens, max_len - n)
+        else:
+            max_tokens = params.max_tokens
+            if max_tokens > t.max_output_tokens:
+                raise RequestRejected(
+                    request_id,
+                    RejectReason.INVALID_PARAMS,
+                    f"params.max_tokens {max_tokens} exceeds max_output_tokens {t.max_output_tokens}",
+                )
+        if max_tokens < 1 or n + max_tokens > max_len:
+            raise RequestRejected(
+                request_id,
+                RejectReason.EXCEEDS_CONTEXT,
+                f"prompt {n} + max_tokens {max_tokens} tokens exceed the model context of {max_len}",
+            )
+        capacity = self.facts.kv_capacity_tokens
+        if n + max_tokens > capacity:
+            raise RequestRejected(
+                request_id,
+                RejectReason.EXCEEDS_KV_CAPACITY,
+                f"prompt {n} + max_tokens {max_tokens} tokens can never fit the KV cache of {capacity} tokens",
+            )
+        return max_tokens

@@ -1,0 +1,126 @@
+"""Output processing: the engine core's token ids → text deltas, stop strings, usage and
+final outputs (vLLM V1's `OutputProcessor`). It needs only the tokenizer, so it runs
+wherever the caller is: on the engine thread inside `Engine.step`, or in the worker's
+front-end process when the engine core runs in its own process.
+
+Per request it keeps an `IncrementalDetokenizer`. A stop string found in the text ends
+the request here: its final output carries `stop`, and the caller tells the core to
+finish it (`ProcessedOutputs.finish`), so its KV blocks are freed at the next step
+boundary; any token the core produced for it meanwhile is dropped. The same holds for a
+request whose token cannot be turned into text (`error`, code `internal`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.wire import FinishReason, Usage
+from worker.engine.outputs import EngineCoreOutput, RequestOutput, RequestTimes, TokenLogprobs
+from worker.engine.request import ErrorCode, RequestStatus
+from worker.model.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, at most `limit` characters (no traceback)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}"[:limit] if lines else type(exc).__name__
+
+
+@dataclass(slots=True)
+class _RequestState:
+    detok: IncrementalDetokenizer
+    num_prompt_tokens: int
+    arrival_time: float
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    """`outputs`: deltas for the caller. `finish`: (request id, terminal status) of requests
+    this processor ended (stop string, output error) that the engine core must finish."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    finish: list[tuple[str, RequestStatus]] = field(default_factory=list)
+    num_internal_errors: int = 0  # requests ended here with finish_reason error, code internal
+
+
+class OutputProcessor:
+    """Args:
+    tokenizer: a transformers tokenizer (its fast backend decodes) or anything with
+        `decode(ids, skip_special_tokens=...)`.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decoder = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
+        self._requests: dict[str, _RequestState] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, request_id: str, stop: list[str], num_prompt_tokens: int, arrival_time: float) -> None:
+        """Register a request before the core can produce anything for it."""
+        self._requests[request_id] = _RequestState(IncrementalDetokenizer(self._decoder, stop), num_prompt_tokens,
+                                                   arrival_time)
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request without an output (handed back; its core outputs are ignored)."""
+        self._requests.pop(request_id, None)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Turn core outputs (one step's, or several steps' in order) into deltas."""
+        result = ProcessedOutputs()
+        for out in core_outputs:
+            st = self._requests.get(out.request_id)
+            if st is None:  # ended here already (stop string), or not ours
+                continue
+            try:
+                self._one(out, st, result)
+            except Exception as e:  # this request's output cannot be produced: end it, keep the others
+                log.error("request %s failed turning tokens into output", out.request_id, exc_info=True,
+                          extra={"job_id": out.request_id})
+                self._requests.pop(out.request_id, None)
+                result.outputs.append(self._final(out.request_id, st, out.new_token_ids, "", out.logprobs,
+                                                  FinishReason.ERROR, out, (ErrorCode.INTERNAL, _one_line(e))))
+                result.num_internal_errors += 1
+                if out.finish_reason is None:
+                    result.finish.append((out.request_id, RequestStatus.FINISHED_ERROR))
+        return result
+
+    def _one(self, out: EngineCoreOutput, st: _RequestState, result: ProcessedOutputs) -> None:
+        rid = out.request_id
+        ids = out.new_token_ids
+        st.num_output_tokens += len(ids)
+        # A token that ended the request by EOS / stop_token_ids is not part of the text.
+        text_ids = ids[:-1] if out.finish_reason == FinishReason.STOP and ids else ids
+        delta = st.detok.add(text_ids) if text_ids else ""
+        if st.detok.stopped and out.finish_reason is None:  # a stop string ended it here
+            self._requests.pop(rid, None)
+            result.outputs.append(self._final(rid, st, ids, delta, out.logprobs, FinishReason.STOP, out))
+            result.finish.append((rid, RequestStatus.FINISHED_STOPPED))
+        elif out.finish_reason is not None:
+            self._requests.pop(rid, None)
+            result.outputs.append(self._final(rid, st, ids, delta, out.logprobs, out.finish_reason, out,
+                                              (out.error_code, out.error_message or "") if out.error_code else None))
+        else:
+            result.outputs.append(RequestOutput(rid, ids, delta, logprobs=out.logprobs))
+
+    def _final(self, rid: str, st: _RequestState, ids: list[int], delta: str, logprobs: list[TokenLogprobs] | None,
+               reason: FinishReason, out: EngineCoreOutput, error: tuple[str, str] | None = None) -> RequestOutput:
+        if error is None or error[0] != ErrorCode.INTERNAL:
+            delta += st.detok.flush()
+        times = out.times or RequestTimes(st.arrival_time, None, None, time.time())
+        return RequestOutput(
+            rid, ids, delta, finished=True, finish_reason=reason,
+            usage=Usage(prompt_tokens=st.num_prompt_tokens, completion_tokens=st.num_output_tokens,
+                        cached_prompt_tokens=out.num_cached_tokens),
+            logprobs=logprobs, num_preemptions=out.num_preemptions, times=times,
+            error_code=str(error[0]) if error else None, error_message=error[1] if error else None,
+        )
