@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_KAFKA = f"127.0.0.1:{os.environ.get('INFLIGHT_DEV_KAFKA_PORT', '19092')}"
@@ -69,6 +70,22 @@ def sleeping_engine(device_ms: float, tuning: dict):
     return eng
 
 
+@dataclass(frozen=True)
+class SleepingEngineSpec:
+    """`EngineSpec` of the sleeping null engine, for the worker's engine process."""
+
+    device_ms: float
+    tuning: dict
+
+    def build_engine(self):
+        return sleeping_engine(self.device_ms, self.tuning)
+
+    def build_tokenizer(self):
+        from worker.model.null_runner import LetterTokenizer
+
+        return LetterTokenizer()
+
+
 def prompt_ids(i: int) -> list[int]:
     return [(i * 131 + j * 7) % 31000 + 100 for j in range(PROMPT_LEN)]
 
@@ -94,21 +111,23 @@ def engine_alone(device_ms: float, output_len: int, num_jobs: int, running: int)
 
 # ---- the worker process -----------------------------------------------------------------
 def worker_main(a) -> int:
-    """Entry of the worker subprocess: a Worker around the sleeping null engine."""
+    """Entry of the worker subprocess: a Worker around the sleeping null engine (in its
+    own engine process unless `worker.engine_process` is false in the config)."""
     from worker.app import Worker
     from worker.config import load_config
     from worker.log import setup_logging
 
     setup_logging("WARNING")
     cfg = load_config(a.config)
-    engine = sleeping_engine(a.device_ms, json.loads(a.tuning))
-    asyncio.run(Worker(cfg, engine=engine).run())
+    spec = SleepingEngineSpec(a.device_ms, json.loads(a.tuning))
+    asyncio.run(Worker(cfg, engine_spec=spec).run())
     return 0
 
 
 class CpuSampler:
-    """Samples a process's CPU seconds (user + system) every 20 ms with wall-clock times,
-    so the CPU used inside any later-chosen window can be read off."""
+    """Samples the CPU seconds (user + system) of a process and its children (the engine
+    process) every 20 ms with wall-clock times, so the CPU used inside any later-chosen
+    window can be read off."""
 
     def __init__(self, pid: int) -> None:
         import psutil
@@ -122,10 +141,16 @@ class CpuSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                t = self.proc.cpu_times()
-            except Exception:  # the process ended
-                return
-            self.samples.append((time.time(), t.user + t.system))
+                procs = [self.proc, *self.proc.children(recursive=True)]
+                total = 0.0
+                for p in procs:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+            except Exception:  # a process ended
+                if not self.proc.is_running():
+                    return
+                continue
+            self.samples.append((time.time(), total))
             time.sleep(0.02)
 
     def stop(self) -> None:
@@ -198,7 +223,7 @@ async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, ru
         "kafka": {"bootstrap_servers": a.kafka, "topic_prefix": prefix, "group_id": f"{prefix}-workers",
                   "commit_interval_ms": 200},
         "redis": {"url": a.redis, "key_prefix": prefix, "log_ttl_s": 600},
-        "worker": {"worker_id": f"{prefix}-w"},
+        "worker": {"worker_id": f"{prefix}-w", "engine_process": a.engine_process, "log_level": "WARNING"},
         "metrics": {"port": None},
     }
     cfg_path = tmp / f"{prefix}.yaml"
@@ -349,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-tokens", type=int, default=131072)
     p.add_argument("--partitions", type=int, default=3)
     p.add_argument("--subscribers", type=int, default=0)
+    p.add_argument("--engine-thread", dest="engine_process", action="store_false",
+                   help="step the engine in a thread of the worker process instead of its own process")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker row")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Worker: wires intake, job starter, engine thread, publisher, cancel listener and the
+"""Worker: wires intake, job starter, engine client, publisher, cancel listener and the
 HTTP endpoint, and runs their lifecycle.
 
 Lifecycle (as arq): start → run → drain(deadline) → close. SIGTERM/SIGINT stop intake,
@@ -14,9 +14,12 @@ the Intake (`intake.py`) the consumer and commits; the OffsetTracker the commit 
 
   1. Intake fetches and decodes the record, buffers it by priority (DLQ if invalid).
   2. JobStarter claims a batch in one round trip and opens the jobs in the table.
-  3. Its input task tokenizes off the loop and adds the request to the engine.
-  4. The engine thread steps; each step's outputs reach `_on_step` on the loop, which
-     drafts events in the table.
+  3. Its input task tokenizes off the loop (InputProcessor) and submits the request to
+     the engine client.
+  4. The engine core steps — in its own process by default (`worker.engine_process`),
+     else in a thread here; output processing (detokenization, stop strings) runs off
+     the loop, and each step's deltas reach `_on_step` on the loop, which drafts events
+     in the table.
   5. The Publisher sends every draft of a round in one script call to Redis.
   6. `_finalize`: DLQ record if the job never ran, the terminal event to the durable
      results topic, then the offsets are done (committed by the intake) and the job
@@ -47,7 +50,8 @@ from worker.claims import REDIS_DOWN, ClaimStore
 from worker.config import WorkerConfig, redacted_config
 from worker.dlq import DeadLetters
 from worker.engine import Engine, RequestOutput
-from worker.engine_thread import EngineThread
+from worker.engine_client import ProcessEngineClient, ThreadEngineClient, make_engine_client
+from worker.engine_proc import EngineSpec, PretrainedEngine
 from worker.intake import Intake, JobRecord
 from worker.jobs import JobState, JobTable, LocalJob, Round
 from worker.kafka_security import kafka_security_kwargs
@@ -69,20 +73,24 @@ class Worker:
 
     Args:
         cfg: the whole configuration.
-        engine: an Engine to run (tests, benchmarks); None loads `cfg.model.path`.
+        engine: an Engine to step in a thread of this process (tests, embedding).
+        engine_spec: how to build the engine otherwise (default: the checkpoint at
+            `cfg.model.path`); it runs in its own process unless `worker.engine_process`
+            is false.
     """
 
-    def __init__(self, cfg: WorkerConfig, engine: Engine | None = None) -> None:
+    def __init__(self, cfg: WorkerConfig, engine: Engine | None = None, engine_spec: EngineSpec | None = None) -> None:
         self.cfg = cfg
         self.worker_id = cfg.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.engine = engine
+        self._engine = engine
+        self._engine_spec = engine_spec or PretrainedEngine(cfg.model.path, cfg.engine)
         self.max_local_jobs = cfg.worker.max_local_jobs or 2 * cfg.serving_tuning.max_running_requests
         self.table = JobTable(self.worker_id)
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self.metrics = Metrics(gpu=_nvml_available())
         self.draining = False
         self.num_finished = 0
-        self.engine_thread: EngineThread | None = None
+        self.engine: ThreadEngineClient | ProcessEngineClient | None = None
         self._stop_requested = asyncio.Event()
         self._stopping = asyncio.Event()
         self._crash: BaseException | None = None
@@ -112,8 +120,10 @@ class Worker:
         await self.claims.adopt_epoch()
         self.publisher = Publisher(self.redis, rc, self.claims, self.table, on_outage=self._on_redis_outage,
                                    on_restore=self._on_restored)
-        if self.engine is None:
-            self.engine = await asyncio.to_thread(Engine.from_pretrained, cfg.model.path, cfg.engine)
+        loop = asyncio.get_running_loop()
+        self.engine = await make_engine_client(self._engine, self._engine_spec, cfg.serving_tuning, self.metrics,
+                                               cfg.worker.engine_process, log_level=cfg.worker.log_level)
+        await self.engine.start(loop, self._on_step, self._on_crash)
         kc = cfg.kafka
         self.producer = AIOKafkaProducer(bootstrap_servers=kc.bootstrap_servers, client_id=f"{self.worker_id}-out",
                                          max_request_size=kc.max_partition_fetch_bytes + 1024 * 1024, acks="all",
@@ -126,9 +136,6 @@ class Worker:
                                   max_job_failures=cfg.worker.max_job_failures, wake=self._wake,
                                   restore=self.publisher.restore, is_paused=self._intake_paused,
                                   tokenizer_threads=cfg.worker.tokenizer_threads)
-        loop = asyncio.get_running_loop()
-        self.engine_thread = EngineThread(self.engine, loop, self._on_step, self._on_crash, self.metrics)
-        self.engine_thread.start()
         self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
                              buffer_per_priority=max(8, self.max_local_jobs // 2))
         await self.intake.start()
@@ -146,7 +153,7 @@ class Worker:
             asyncio.create_task(self._loop_lag_monitor(), name="loop-lag"),
         ]
         log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
-                 kv_blocks=self.engine.kv_stats().total_blocks)
+                 kv_blocks=self.engine.num_blocks, engine_process=isinstance(self.engine, ProcessEngineClient))
 
     def request_stop(self) -> None:
         self._stop_requested.set()
@@ -195,7 +202,6 @@ class Worker:
         for lj in handed:
             self.engine.abort(lj.job_id)
             self.metrics.aborted.labels("handed_back").inc()
-        self.engine_thread.wake()
         if handed:
             with contextlib.suppress(*REDIS_DOWN):
                 await asyncio.wait_for(self.claims.release([(j.job_id, j.claim_token, j.attempt) for j in handed]), 5)
@@ -219,8 +225,8 @@ class Worker:
                 await asyncio.wait_for(coro, 15)
             except Exception as e:  # keep closing the rest
                 log.warning("component did not stop cleanly", component=name, error=repr(e)[:200])
-        if self.engine_thread is not None:
-            self.engine_thread.stop()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
         if hasattr(self, "redis"):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.redis.aclose(), 5)
@@ -310,8 +316,8 @@ class Worker:
 
     def _wake(self) -> None:
         self.publisher.wake()
-        if self.engine_thread is not None:
-            self.engine_thread.wake()
+        if self.engine is not None:
+            self.engine.wake()
 
     def _on_crash(self, exc: BaseException) -> None:
         self._crash = exc
@@ -329,7 +335,6 @@ class Worker:
         lj = self.table.request_cancel(job_id)
         if lj is not None and lj.state == JobState.IN_ENGINE:
             self.engine.abort(job_id)
-            self.engine_thread.wake()
 
     async def _renew_loop(self) -> None:
         lease = self.cfg.redis.claim_lease_ms
@@ -354,7 +359,6 @@ class Worker:
             return
         log.warning("claim lost; handing the job back", job_id=job_id)
         self.engine.abort(job_id)
-        self.engine_thread.wake()
         self.metrics.aborted.labels("lease_lost").inc()
         self.intake.contested.extend(
             JobRecord(lj.job, lj.priority, o.tp, o.offset, lj.enqueue_time, b"", None) for o in lj.offsets)
@@ -388,19 +392,19 @@ class Worker:
 
     # ---- health --------------------------------------------------------------------------
     def _liveness(self) -> tuple[bool, dict]:
-        """(alive, details) for /healthz: the engine thread runs and ticked within
+        """(alive, details) for /healthz: the engine core runs and ticked within
         `metrics.engine_stall_s`. True while the model is still loading."""
-        et = self.engine_thread
+        client = self.engine
         if self._crash is not None:
             return False, {"status": "crashed", "error": repr(self._crash)[:300]}
-        if et is None:
+        if client is None or not hasattr(client, "input"):
             return True, {"status": "starting"}
-        since = time.monotonic() - et.last_step_time
-        if not et.alive:
-            return False, {"status": "engine thread stopped"}
+        since = time.monotonic() - client.last_tick
+        if not client.alive:
+            return False, {"status": "engine stopped"}
         if since > self.cfg.metrics.engine_stall_s:
             return False, {"status": "engine loop stalled", "since_last_tick_s": round(since, 1)}
-        return True, {"status": "ok", "since_last_tick_s": round(since, 3), "steps": et.num_steps}
+        return True, {"status": "ok", "since_last_tick_s": round(since, 3), "steps": client.num_steps}
 
 
 def _nvml_available() -> bool:

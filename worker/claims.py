@@ -7,10 +7,11 @@ Per job (keys from `schemas.keys`):
 
     claim      SET NX PX lease, value = this worker's claim token; renewed while it runs
     attempts   INCR on every claim: the `attempt` of the events
-    failures   set of attempts that entered the engine and did not end cleanly: added
-               just before the engine gets the job, removed on a clean end (terminal
-               event or hand-back); a worker that died running it leaves its attempt in
-               it. A job with failures runs alone; at `max_job_failures` it is poison.
+    failures   set of attempts that went to the engine and did not end cleanly: added on
+               claim (a suspect job, one with failures, only when it enters the engine
+               alone), removed on a clean end (terminal event or hand-back); a worker
+               that died running it leaves its attempt in it. A job with failures runs
+               alone; at `max_job_failures` it is poison.
     done       the finish reason, set with the terminal event (TTL = the log's)
     cancelled  tombstone (TTL): a job that arrives after its cancel is dropped
 
@@ -68,6 +69,10 @@ for j = 0, n - 1 do
     local attempt = redis.call('INCR', KEYS[k + 3])
     redis.call('EXPIRE', KEYS[k + 3], ARGV[3])
     local failures = redis.call('SCARD', KEYS[k + 5])
+    if failures == 0 then
+      redis.call('SADD', KEYS[k + 5], attempt)
+      redis.call('EXPIRE', KEYS[k + 5], ARGV[3])
+    end
     out[j + 1] = {'claimed', attempt, last_seq(KEYS[k + 4]) + 1, failures, redis.call('EXISTS', KEYS[k + 6])}
   end
 end
@@ -177,6 +182,8 @@ class ClaimStore:
         self.ttl_s = ttl_s
         self.tombstone_ttl_s = tombstone_ttl_s
         self.epoch: str = ""
+        self._nonce = uuid.uuid4().hex[:8]
+        self._num_tokens = 0
         self._scripts = {name: redis.register_script(src) for name, src in (
             ("take", TAKE_LUA), ("renew", RENEW_LUA), ("release", RELEASE_LUA), ("reclaim", RECLAIM_LUA))}
 
@@ -203,7 +210,10 @@ class ClaimStore:
 
     # ---- claims ------------------------------------------------------------------------
     def new_token(self) -> str:
-        return f"{self.worker_id}:{uuid.uuid4().hex[:12]}"
+        """A claim token no other claim shares: this worker's id, a random nonce drawn
+        once per process, a counter."""
+        self._num_tokens += 1
+        return f"{self.worker_id}:{self._nonce}:{self._num_tokens}"
 
     async def take(self, job_ids: list[str]) -> list[TakeResult]:
         """Claim a batch of jobs in one round trip (see the module docstring).

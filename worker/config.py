@@ -249,6 +249,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             the record goes to the DLQ.
         tokenizer_threads: threads that tokenize prompts and render chat templates, off
             the event loop.
+        engine_process: run the engine core (model, KV cache, scheduler) in its own
+            process, so the worker's I/O never shares a GIL with the step loop (as vLLM
+            V1); false steps it in a thread of the worker process.
+        log_level: log level of the engine core process.
     """
 
     worker_id: str | None = None
@@ -256,6 +260,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     drain_timeout_s: float = 30.0
     max_job_failures: int = 2
     tokenizer_threads: int = 2
+    engine_process: bool = True
+    log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         _positive("worker", max_local_jobs=self.max_local_jobs, max_job_failures=self.max_job_failures,

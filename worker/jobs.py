@@ -25,7 +25,7 @@ import enum
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from schemas.codec import encode
@@ -68,39 +68,46 @@ class Offset:
     offset: int
 
 
-@dataclass(slots=True, eq=False)
 class LocalJob:
     """One job held by this worker. Times are Unix seconds unless named `*_mono`.
-    Written only by JobTable."""
+    Written only by JobTable. (A plain slotted class: one is made per job on the hot path.)"""
 
-    job: Job
-    priority: str
-    offsets: list[Offset]
-    enqueue_time: float  # the Kafka record timestamp
-    claim_token: str
-    attempt: int
-    next_seq: int
-    raw: bytes | None = None  # the record's original bytes until the engine accepts the job (DLQ)
-    raw_key: bytes | None = None
-    isolated: bool = False  # an earlier attempt died with its worker: run it alone
-    state: JobState = JobState.CLAIMED
-    claim_time: float = field(default_factory=time.time)
-    first_token_time: float | None = None
-    num_tokens: int = 0
-    text_parts: list[str] = field(default_factory=list)
-    cancel_time_mono: float | None = None  # time.monotonic() of the cancel (cancel-to-free latency)
-    # drafts not yet numbered (see module docstring)
-    _opening: list[str] = field(default_factory=list)  # "restarted", "started"
-    _delta_text: list[str] = field(default_factory=list)
-    _delta_ids: list[int] = field(default_factory=list)
-    _delta_logprobs: list[TokenLogprob] | None = None
-    _terminal: Finished | None = None
-    opened: bool = False
-    finish_reason: FinishReason | None = None
-    error: ErrorInfo | None = None
-    dead_letter: tuple[str, str] | None = None  # (reason code, message): the record goes to the DLQ
-    history: list[tuple[int, bytes]] = field(default_factory=list)  # published (seq, event) of this attempt
-    summary: dict[str, Any] = field(default_factory=dict)  # timings for the job's summary log line
+    __slots__ = ("job", "priority", "offsets", "enqueue_time", "claim_token", "attempt", "next_seq", "raw", "raw_key",
+                 "isolated", "state", "claim_time", "first_token_time", "num_tokens", "text_parts",
+                 "cancel_time_mono", "_opening", "_delta_text", "_delta_ids", "_delta_logprobs", "_terminal",
+                 "opened", "finish_reason", "error", "dead_letter", "history", "summary")
+
+    def __init__(self, job: Job, priority: str, offsets: list[Offset], enqueue_time: float, claim_token: str,
+                 attempt: int, next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
+                 isolated: bool = False, claim_time: float = 0.0) -> None:
+        self.job = job
+        self.priority = priority
+        self.offsets = offsets
+        self.enqueue_time = enqueue_time  # the Kafka record timestamp
+        self.claim_token = claim_token
+        self.attempt = attempt
+        self.next_seq = next_seq
+        self.raw = raw  # the record's original bytes until the engine accepts the job (DLQ)
+        self.raw_key = raw_key
+        self.isolated = isolated  # an earlier attempt died with its worker: run it alone
+        self.state = JobState.CLAIMED
+        self.claim_time = claim_time
+        self.first_token_time: float | None = None
+        self.num_tokens = 0
+        self.text_parts: list[str] = []
+        self.cancel_time_mono: float | None = None  # time.monotonic() of the cancel (cancel-to-free latency)
+        # drafts not yet numbered (see module docstring)
+        self._opening: list[str] = []  # "restarted", "started"
+        self._delta_text: list[str] = []
+        self._delta_ids: list[int] = []
+        self._delta_logprobs: list[TokenLogprob] | None = None
+        self._terminal: Finished | None = None
+        self.opened = False
+        self.finish_reason: FinishReason | None = None
+        self.error: ErrorInfo | None = None
+        self.dead_letter: tuple[str, str] | None = None  # (reason code, message): the record goes to the DLQ
+        self.history: list[tuple[int, bytes]] = []  # published (seq, event) of this attempt
+        self.summary: dict[str, Any] = {}  # timings for the job's summary log line
 
     @property
     def job_id(self) -> str:

@@ -119,7 +119,7 @@ class HealthChecks:
             with contextlib.suppress(Exception):  # an NVML hiccup keeps the last value
                 import torch
 
-                m.gpu_utilization.set(torch.cuda.utilization(p["engine"].runner.device) / 100.0)
+                m.gpu_utilization.set(torch.cuda.utilization(p["engine"].device) / 100.0)
 
 
 class OpsServer:

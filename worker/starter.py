@@ -10,17 +10,18 @@ For each claimed job, in this order (the first that applies wins):
   else                  -> in the engine (`started`, tokens, `finished`)
 
 Poison jobs (a forward that kills the process, as a crashing kernel would): the failure
-mark of an attempt is set just before the engine gets the job and cleared when it ends
-cleanly, so a worker that dies leaves a mark on every job it was running — the culprit
-and its innocent neighbours alike. A job with a mark therefore runs *alone*: it waits
+mark of an attempt is set when it is claimed (a suspect's, only when it enters the
+engine alone) and cleared when it ends cleanly, so a worker that dies leaves a mark on
+every job it held — the culprit and its innocent neighbours alike. A job with a mark therefore runs *alone*: it waits
 until this worker's engine is empty, and no other job enters the engine until it ends.
 If it kills that worker too, the death is its own; at `worker.max_job_failures` marks
 (default 2: one crash among neighbours, one alone) it is not run again.
 
-Tokenization and chat templates run in a small thread pool as separate tasks, so a slow
-input never holds up intake of the jobs behind it, and a prompt whose UTF-8 size alone
-proves it cannot fit `max_input_tokens` is refused before any tokenizer work
-(`prompt_byte_limit`).
+Small inputs (token ids, prompts up to `INLINE_INPUT_BYTES`) are processed on the event
+loop, cheaper than a thread hop; larger ones are tokenized (chat templates rendered) in
+a small thread pool as separate tasks, so a slow input never holds up intake of the
+jobs behind it; a prompt whose UTF-8 size alone proves it cannot fit `max_input_tokens`
+is refused before any tokenizer work (`prompt_byte_limit`).
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ from worker.jobs import JobState, JobTable, LocalJob, Offset
 
 if TYPE_CHECKING:
     from worker.dlq import DeadLetters
-    from worker.engine import Engine
+    from worker.engine_client import ProcessEngineClient, ThreadEngineClient
     from worker.metrics import Metrics
     from worker.offsets import OffsetTracker
 
 log = structlog.get_logger(__name__)
 
 UTF8_MAX_BYTES_PER_CHAR = 4
+INLINE_INPUT_BYTES = 2048  # inputs up to this size are processed on the event loop, larger ones in the pool
 
 
 def max_token_bytes(tokenizer: Any) -> int:
@@ -77,7 +79,7 @@ def input_bytes(job: Job) -> int:
 class JobStarter:
     """Implements the intake's `JobSink`. Args:
     table, claims, tracker: the worker's job table, claim store, offset tracker.
-    engine: accepts requests (`add_request`, thread-safe) and aborts.
+    engine: the engine client (`input.process` in the pool, `submit` and `abort` on the loop).
     dead_letters: the DLQ writer.
     metrics: the worker's metrics.
     max_local_jobs: jobs held at once (claimed, in the engine, finishing).
@@ -88,7 +90,8 @@ class JobStarter:
     tokenizer_threads: size of the input-processing pool.
     """
 
-    def __init__(self, table: JobTable, claims: ClaimStore, tracker: OffsetTracker, engine: Engine,
+    def __init__(self, table: JobTable, claims: ClaimStore, tracker: OffsetTracker,
+                 engine: ThreadEngineClient | ProcessEngineClient,
                  dead_letters: DeadLetters, metrics: Metrics, *, max_local_jobs: int, max_job_failures: int,
                  wake, restore, is_paused, tokenizer_threads: int = 2) -> None:
         self.table = table
@@ -150,19 +153,13 @@ class JobStarter:
                 lj = self._open(rec, res)
                 if lj is not None:
                     to_run.append(lj)
-        try:
-            await self.claims.mark_running([(lj.job_id, lj.attempt) for lj in to_run if not lj.isolated])
-        except REDIS_DOWN as e:  # the engine must not get a job whose crash would go unnoticed
-            log.info("could not mark jobs running; handing them back for a retry", error=repr(e)[:200])
-            for lj in to_run:
-                if self.table.hand_back(lj.job_id) is not None:
-                    contested.extend(JobRecord(lj.job, lj.priority, o.tp, o.offset, lj.enqueue_time, lj.raw or b"",
-                                               lj.raw_key) for o in lj.offsets)
-            to_run = []
         for lj in to_run:
-            task = asyncio.create_task(self._submit(lj), name=f"input:{lj.job_id}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            if not lj.isolated and not self._gated() and input_bytes(lj.job) <= INLINE_INPUT_BYTES:
+                self._add_inline(lj)
+            else:
+                task = asyncio.create_task(self._submit(lj), name=f"input:{lj.job_id}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         self._wake()
         return contested
 
@@ -232,16 +229,36 @@ class JobStarter:
             await asyncio.sleep(0.02)
         return lj.state == JobState.CLAIMED
 
+    def _gated(self) -> bool:
+        return bool(self._alone_waiting) or self._alone_active()
+
     async def _submit(self, lj: LocalJob) -> None:
-        if (lj.isolated or self._alone_waiting or self._alone_active()) and not await self._gate(lj):
+        if (lj.isolated or self._gated()) and not await self._gate(lj):
             return
         self._submitting += 1
         try:
-            await self._add(lj)
+            loop = asyncio.get_running_loop()
+            try:
+                req = await loop.run_in_executor(self._pool, self._process_input, lj)
+            except RequestRejected as e:
+                self._reject(lj, e)
+                return
+            if lj.state == JobState.CLAIMED:  # not cancelled or handed back meanwhile
+                self._hand_to_engine(lj, req)
         finally:
             self._submitting -= 1
 
-    async def _add(self, lj: LocalJob) -> None:
+    def _add_inline(self, lj: LocalJob) -> None:
+        """Small inputs (token ids, short prompts) are processed on the loop: cheaper than
+        a round trip through the thread pool."""
+        try:
+            req = self._process_input(lj)
+        except RequestRejected as e:
+            self._reject(lj, e)
+            return
+        self._hand_to_engine(lj, req)
+
+    def _process_input(self, lj: LocalJob):
         job = lj.job
         kwargs: dict[str, Any] = {"params": job.params, "priority": lj.priority, "cache_salt": job.tenant or "",
                                   "arrival_time": lj.enqueue_time, "deadline": job.deadline}
@@ -251,15 +268,17 @@ class JobStarter:
             kwargs["messages"] = [{"role": m.role, "content": m.content} for m in job.messages]
         else:
             kwargs["prompt_token_ids"] = job.prompt_token_ids
-        loop = asyncio.get_running_loop()
+        return self.engine.input.process(job.job_id, **kwargs)
+
+    def _hand_to_engine(self, lj: LocalJob, req) -> None:
         try:
-            await loop.run_in_executor(self._pool, lambda: self.engine.add_request(job.job_id, **kwargs))
-        except RequestRejected as e:
+            self.engine.submit(req)
+        except RequestRejected as e:  # duplicate id, or overloaded (overload_policy: reject)
             self._reject(lj, e)
             return
-        self.table.accepted(job.job_id)
+        self.table.accepted(lj.job_id)
         if lj.cancel_time_mono is not None:
-            self.engine.abort(job.job_id)
+            self.engine.abort(lj.job_id)
         self._wake()
 
     def _reject(self, lj: LocalJob, e: RequestRejected) -> None:

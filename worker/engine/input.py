@@ -108,8 +108,8 @@ class InputProcessor:
         else:
             ids = list(prompt_token_ids or [])
             vocab = self.facts.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                bad = [t for t in ids if not 0 <= t < vocab]
                 raise RequestRejected(
                     request_id, RejectReason.INVALID_PROMPT, f"token ids out of range [0, {vocab}): {bad[:5]}"
                 )
