@@ -28,6 +28,14 @@ def tiny_checkpoint(arch: str) -> Path:
     return out
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests under tests/integration need the dev stack: mark them `integration`, so
+    `pytest -m "not integration"` runs everything that needs no services."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session")
 def llama_path() -> Path:
     return tiny_checkpoint("llama")

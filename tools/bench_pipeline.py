@@ -7,7 +7,9 @@ stand in for the device (a sleep releases the GIL, as waiting on a CUDA sync doe
 each row (emulated device time per step x output length, 256 running requests):
 
   1. engine alone: the same jobs through `Engine.step()` in this process, all added at
-     t=0 (tokens/s, jobs/s, host time per step = wall time / steps - device time);
+     t=0 (tokens/s, jobs/s, host time per step = wall time / steps - device time, of
+     which the engine core's own share — scheduling and bookkeeping, without input and
+     output processing — from its StepStats);
   2. worker: the jobs are produced to fresh topics first, then one worker process is
      started on them (`python -m tools.bench_pipeline worker ...`, a real `Worker` on the
      dev stack's Kafka and Redis around the same null engine); the clock runs from the
@@ -99,14 +101,18 @@ def engine_alone(device_ms: float, output_len: int, num_jobs: int, running: int)
     for i in range(num_jobs):
         eng.add_request(f"j{i}", prompt_token_ids=prompt_ids(i), params=params)
     steps = tokens = jobs = 0
+    core_host_s = 0.0
     while eng.has_unfinished():
         for out in eng.step():
             tokens += len(out.new_token_ids)
             jobs += out.finished
         steps += 1
+        st = eng.last_step_stats
+        core_host_s += st.duration_s - st.forward_s
     dt = time.perf_counter() - t0
     return {"seconds": dt, "tokens": tokens, "jobs": jobs, "steps": steps, "tokens_per_s": tokens / dt,
-            "jobs_per_s": jobs / dt, "host_ms_per_step": max(0.0, dt / steps * 1e3 - device_ms)}
+            "jobs_per_s": jobs / dt, "host_ms_per_step": max(0.0, dt / steps * 1e3 - device_ms),
+            "core_host_ms_per_step": core_host_s / steps * 1e3}
 
 
 # ---- the worker process -----------------------------------------------------------------
@@ -315,12 +321,14 @@ async def run_grid(a) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'dev ms':>6}{'out':>5}{'jobs':>6}{'alone tok/s':>13}{'worker tok/s':>14}{'ratio':>7}"
-          f"{'alone job/s':>13}{'worker job/s':>14}{'host ms/step':>14}{'cpu s/1k tok':>14}{'cpu s/1k job':>14}")
+          f"{'alone job/s':>13}{'worker job/s':>14}{'job ratio':>10}{'host ms/step':>14}{'core ms/step':>14}"
+          f"{'cpu s/1k tok':>14}{'cpu s/1k job':>14}")
     for r in rows:
         e, w = r["engine_alone"], r["worker"]
         print(f"{r['device_ms']:>6g}{r['output_len']:>5}{r['num_jobs']:>6}{e['tokens_per_s']:>13.0f}"
               f"{w['tokens_per_s']:>14.0f}{r['ratio_tokens']:>7.2f}{e['jobs_per_s']:>13.0f}{w['jobs_per_s']:>14.0f}"
-              f"{e['host_ms_per_step']:>14.3f}{w['cpu_s_per_1k_tokens']:>14.4f}{w['cpu_s_per_1k_jobs']:>14.3f}")
+              f"{r['ratio_jobs']:>10.2f}{e['host_ms_per_step']:>14.3f}{e['core_host_ms_per_step']:>14.3f}"
+              f"{w['cpu_s_per_1k_tokens']:>14.4f}{w['cpu_s_per_1k_jobs']:>14.3f}")
 
 
 def plot(rows: list[dict], png: Path) -> None:

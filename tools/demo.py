@@ -54,7 +54,7 @@ async def run(a: argparse.Namespace) -> int:
     engine = Engine.from_pretrained(cfg.model.path, cfg.engine)
     worker = Worker(cfg, engine=engine)
     task = asyncio.create_task(worker.run(install_signals=False))
-    while not (hasattr(worker, "cancels") and worker.intake.consumer.assignment()):
+    while not (worker.started.is_set() and worker.intake.consumer.assignment()):
         if task.done():
             return task.result() or 1
         await asyncio.sleep(0.1)

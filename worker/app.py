@@ -93,6 +93,7 @@ class Worker:
         self.engine: ThreadEngineClient | ProcessEngineClient | None = None
         self._stop_requested = asyncio.Event()
         self._stopping = asyncio.Event()
+        self.started = asyncio.Event()  # set once every component runs
         self._crash: BaseException | None = None
         self._tasks: list[asyncio.Task] = []
         self._finalize_q: asyncio.Queue[LocalJob] = asyncio.Queue()
@@ -119,7 +120,7 @@ class Worker:
                                  ttl_s=rc.log_ttl_s, tombstone_ttl_s=rc.tombstone_ttl_s)
         await self.claims.adopt_epoch()
         self.publisher = Publisher(self.redis, rc, self.claims, self.table, on_outage=self._on_redis_outage,
-                                   on_restore=self._on_restored)
+                                   on_restore=self._on_restored, on_backlog=self.metrics.publish_backlog.set)
         loop = asyncio.get_running_loop()
         self.engine = await make_engine_client(self._engine, self._engine_spec, cfg.serving_tuning, self.metrics,
                                                cfg.worker.engine_process, log_level=cfg.worker.log_level)
@@ -152,6 +153,7 @@ class Worker:
             asyncio.create_task(self.health.run(cfg.metrics), name="checks"),
             asyncio.create_task(self._loop_lag_monitor(), name="loop-lag"),
         ]
+        self.started.set()
         log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
                  kv_blocks=self.engine.num_blocks, engine_process=isinstance(self.engine, ProcessEngineClient))
 
@@ -198,14 +200,14 @@ class Worker:
         log.info("draining", running=len(self.table), deadline_s=self.cfg.worker.drain_timeout_s)
         while len(self.table) and time.monotonic() < deadline and self._crash is None:
             await asyncio.sleep(0.05)
-        handed = [lj for lj in (self.table.hand_back(j.job_id) for j in self.table.running()) if lj is not None]
-        for lj in handed:
-            self.engine.abort(lj.job_id)
+        handed = [held for held in (self.table.hand_back(j.job_id) for j in self.table.running()) if held is not None]
+        for held in handed:
+            self.engine.abort(held.job_id)
             self.metrics.aborted.labels("handed_back").inc()
         if handed:
             with contextlib.suppress(*REDIS_DOWN):
                 await asyncio.wait_for(self.claims.release([(j.job_id, j.claim_token, j.attempt) for j in handed]), 5)
-            log.info("handed back unfinished jobs", job_ids=[lj.job_id for lj in handed], count=len(handed))
+            log.info("handed back unfinished jobs", job_ids=[held.job_id for held in handed], count=len(handed))
         await self.publisher.flush(timeout_s=5)
         deadline = time.monotonic() + 10
         while any(j.state == JobState.FINISHING for j in self.table) and time.monotonic() < deadline:
@@ -243,8 +245,8 @@ class Worker:
     def _on_step(self, outputs: list[RequestOutput]) -> None:
         m = self.metrics
         applied = self.table.apply_outputs(outputs)
-        for lj in applied.first_tokens:
-            m.ttft.labels(lj.priority).observe(lj.first_token_time - lj.enqueue_time)
+        for held in applied.first_tokens:
+            m.ttft.labels(held.priority).observe(held.first_token_time - held.enqueue_time)
         if applied.num_tokens:
             m.generation_tokens.inc(applied.num_tokens)
         self.publisher.wake()
@@ -252,8 +254,8 @@ class Worker:
     def _on_published(self, rnd: Round) -> None:
         self.metrics.events_published.inc(len(rnd.events))
         self.metrics.publish_round.observe(self.publisher.last_round_s)
-        for lj in rnd.finished:
-            self._finalize_q.put_nowait(lj)
+        for held in rnd.finished:
+            self._finalize_q.put_nowait(held)
 
     async def _finalize_loop(self) -> None:
         """Jobs whose terminal event is in Redis: dead letter (if it never ran), durable
@@ -273,46 +275,46 @@ class Worker:
                                 job_ids=[j.job_id for j in batch][:20], count=len(batch))
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
-            for lj in batch:
-                self._job_done(lj)
+            for held in batch:
+                self._job_done(held)
 
     async def _record(self, batch: list[LocalJob]) -> None:
-        for lj in batch:
-            if lj.dead_letter is not None and lj.raw is not None:
-                reason, message = lj.dead_letter
-                first = lj.offsets[0]
-                await self.dead_letters.send(lj.raw, lj.raw_key, topic=first.tp.topic, partition=first.tp.partition,
-                                             offset=first.offset, reason=reason, error=message, job_id=lj.job_id)
+        for held in batch:
+            if held.dead_letter is not None and held.raw is not None:
+                reason, message = held.dead_letter
+                first = held.offsets[0]
+                await self.dead_letters.send(held.raw, held.raw_key, topic=first.tp.topic, partition=first.tp.partition,
+                                             offset=first.offset, reason=reason, error=message, job_id=held.job_id)
                 self.metrics.dlq_records.inc()
-                lj.raw = None
-        await self.results.record([(lj.job_id, lj.history[-1][1]) for lj in batch if lj.history])
+                held.raw = None
+        await self.results.record([(held.job_id, held.history[-1][1]) for held in batch if held.history])
 
-    def _job_done(self, lj: LocalJob) -> None:
+    def _job_done(self, held: LocalJob) -> None:
         m = self.metrics
-        reason = lj.finish_reason or FinishReason.ERROR
+        reason = held.finish_reason or FinishReason.ERROR
         m.finished.labels(reason.value).inc()
-        if lj.opened:  # it ran in the engine: latency and token metrics
-            e2e = lj.summary.get("e2e_s")
+        if held.opened:  # it ran in the engine: latency and token metrics
+            e2e = held.summary.get("e2e_s")
             if e2e is not None:
-                m.e2e.labels(lj.priority).observe(e2e)
-            if lj.summary.get("tpot_s") is not None:
-                m.tpot.labels(lj.priority).observe(lj.summary["tpot_s"])
-            if lj.summary.get("queue_s") is not None:
-                m.queue_time.labels(lj.priority).observe(lj.summary["queue_s"])
-            if lj.summary.get("prompt_tokens"):
-                m.prompt_tokens.inc(lj.summary["prompt_tokens"])
+                m.e2e.labels(held.priority).observe(e2e)
+            if held.summary.get("tpot_s") is not None:
+                m.tpot.labels(held.priority).observe(held.summary["tpot_s"])
+            if held.summary.get("queue_s") is not None:
+                m.queue_time.labels(held.priority).observe(held.summary["queue_s"])
+            if held.summary.get("prompt_tokens"):
+                m.prompt_tokens.inc(held.summary["prompt_tokens"])
             if reason == FinishReason.CANCELLED:
                 m.aborted.labels("cancelled").inc()
-                if lj.cancel_time_mono is not None:
-                    m.cancel_to_free.observe(time.monotonic() - lj.cancel_time_mono)
-        for off in lj.offsets:
+                if held.cancel_time_mono is not None:
+                    m.cancel_to_free.observe(time.monotonic() - held.cancel_time_mono)
+        for off in held.offsets:
             self.tracker.done(off.tp, off.offset)
-        self.table.done(lj)
+        self.table.done(held)
         self.num_finished += 1
-        first = lj.offsets[0]
-        log.info("job finished", job_id=lj.job_id, topic=first.tp.topic, partition=first.tp.partition,
-                 offset=first.offset, finish_reason=reason.value, attempt=lj.attempt, priority=lj.priority,
-                 tokens=lj.num_tokens, **lj.summary)
+        first = held.offsets[0]
+        log.info("job finished", job_id=held.job_id, topic=first.tp.topic, partition=first.tp.partition,
+                 offset=first.offset, finish_reason=reason.value, attempt=held.attempt, priority=held.priority,
+                 tokens=held.num_tokens, **held.summary)
 
     def _wake(self) -> None:
         self.publisher.wake()
@@ -332,15 +334,15 @@ class Worker:
             await self.claims.tombstone(job_id)
         except REDIS_DOWN as e:
             log.warning("could not set the cancel tombstone (Redis unreachable)", job_id=job_id, error=repr(e)[:200])
-        lj = self.table.request_cancel(job_id)
-        if lj is not None and lj.state == JobState.IN_ENGINE:
+        held = self.table.request_cancel(job_id)
+        if held is not None and held.state == JobState.IN_ENGINE:
             self.engine.abort(job_id)
 
     async def _renew_loop(self) -> None:
         lease = self.cfg.redis.claim_lease_ms
         while True:
             await asyncio.sleep(lease / 3000)
-            held = {lj.job_id: lj.claim_token for lj in self.table.holding_claims()}
+            held = {held.job_id: held.claim_token for held in self.table.holding_claims()}
             try:
                 lost = await self.claims.renew(held)
             except REDIS_DOWN as e:
@@ -354,14 +356,14 @@ class Worker:
     def _hand_back_lost(self, job_id: str) -> None:
         """Another worker holds the job's claim now (we stalled past the lease, or Redis
         lost it): stop running it; keep its offsets open until its terminal event appears."""
-        lj = self.table.hand_back(job_id)
-        if lj is None:
+        held = self.table.hand_back(job_id)
+        if held is None:
             return
         log.warning("claim lost; handing the job back", job_id=job_id)
         self.engine.abort(job_id)
         self.metrics.aborted.labels("lease_lost").inc()
         self.intake.contested.extend(
-            JobRecord(lj.job, lj.priority, o.tp, o.offset, lj.enqueue_time, b"", None) for o in lj.offsets)
+            JobRecord(held.job, held.priority, o.tp, o.offset, held.enqueue_time, b"", None) for o in held.offsets)
 
     def _on_redis_outage(self, down: bool) -> None:
         self.metrics.redis_outage.set(1 if down else 0)

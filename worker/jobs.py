@@ -184,6 +184,11 @@ class JobTable:
     def has_drafts(self) -> bool:
         return bool(self._dirty)
 
+    @property
+    def num_drafted(self) -> int:
+        """Jobs with events waiting for the next round."""
+        return len(self._dirty)
+
     # ---- transitions -----------------------------------------------------------------
     def open(self, job: Job, priority: str, offset: Offset, enqueue_time: float, claim_token: str, attempt: int,
              next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
@@ -195,71 +200,71 @@ class JobTable:
         """
         if job.job_id in self._jobs:
             raise ValueError(f"job {job.job_id!r} is already held by this worker")
-        lj = LocalJob(job, priority, [offset], enqueue_time, claim_token, attempt, next_seq, raw, raw_key,
+        held = LocalJob(job, priority, [offset], enqueue_time, claim_token, attempt, next_seq, raw, raw_key,
                       isolated, claim_time=self._clock())
-        self._jobs[job.job_id] = lj
+        self._jobs[job.job_id] = held
         if attempt > 1:
-            self._draft(lj, opening="restarted")
-        return lj
+            self._draft(held, opening="restarted")
+        return held
 
     def attach_offset(self, job_id: str, offset: Offset) -> bool:
         """A redelivered record of a job held here: it is answered by the same terminal
         event. False if the job is not here."""
-        lj = self._jobs.get(job_id)
-        if lj is None:
+        held = self._jobs.get(job_id)
+        if held is None:
             return False
-        lj.offsets.append(offset)
+        held.offsets.append(offset)
         return True
 
     def accepted(self, job_id: str) -> None:
         """The engine accepted the request: IN_ENGINE, `started` drafted (once; the
         engine's first output may have done it already)."""
-        lj = self._jobs.get(job_id)
-        if lj is not None and lj.state == JobState.CLAIMED:
-            self._enter_engine(lj)
+        held = self._jobs.get(job_id)
+        if held is not None and held.state == JobState.CLAIMED:
+            self._enter_engine(held)
 
-    def _enter_engine(self, lj: LocalJob) -> None:
-        lj.state = JobState.IN_ENGINE
-        lj.raw = lj.raw_key = None
-        self._draft(lj, opening="started")
+    def _enter_engine(self, held: LocalJob) -> None:
+        held.state = JobState.IN_ENGINE
+        held.raw = held.raw_key = None
+        self._draft(held, opening="started")
 
     def finish_local(self, job_id: str, reason: FinishReason, error: ErrorInfo | None = None,
                      dead_letter: tuple[str, str] | None = None) -> LocalJob | None:
         """End a job that never ran in the engine (cancelled before it started, expired,
         rejected, poison): only its terminal event (after `restarted` on a later attempt)."""
-        lj = self._jobs.get(job_id)
-        if lj is None or lj.state != JobState.CLAIMED:
+        held = self._jobs.get(job_id)
+        if held is None or held.state != JobState.CLAIMED:
             return None
-        lj.dead_letter = dead_letter
-        self._terminate(lj, reason, error, usage=Usage(prompt_tokens=0, completion_tokens=0), timings=None)
-        return lj
+        held.dead_letter = dead_letter
+        self._terminate(held, reason, error, usage=Usage(prompt_tokens=0, completion_tokens=0), timings=None)
+        return held
 
     def hand_back(self, job_id: str) -> LocalJob | None:
         """Give the job up without a terminal event (its drafts are dropped); the caller
         aborts it in the engine and releases its claim. None if it already has its
         terminal event (then it finishes normally) or is unknown."""
-        lj = self._jobs.get(job_id)
-        if lj is None or lj.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+        held = self._jobs.get(job_id)
+        if held is None or held.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
             return None
-        lj.state = JobState.HANDED_BACK
-        lj._opening.clear()
-        lj._delta_text.clear()
-        lj._delta_ids.clear()
-        lj._delta_logprobs = None
-        self._dirty.pop(lj.job_id, None)
-        del self._jobs[lj.job_id]
-        return lj
+        held.state = JobState.HANDED_BACK
+        held._opening.clear()
+        held._delta_text.clear()
+        held._delta_ids.clear()
+        held._delta_logprobs = None
+        self._dirty.pop(held.job_id, None)
+        del self._jobs[held.job_id]
+        return held
 
     def request_cancel(self, job_id: str, now_mono: float | None = None) -> LocalJob | None:
         """A cancel arrived for a job held here: note its time (the first one counts) and
         return the job if it has not reached its terminal event (the caller aborts it in
         the engine when IN_ENGINE; a CLAIMED job is aborted as soon as it is accepted)."""
-        lj = self._jobs.get(job_id)
-        if lj is None or lj.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+        held = self._jobs.get(job_id)
+        if held is None or held.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
             return None
-        if lj.cancel_time_mono is None:
-            lj.cancel_time_mono = time.monotonic() if now_mono is None else now_mono
-        return lj
+        if held.cancel_time_mono is None:
+            held.cancel_time_mono = time.monotonic() if now_mono is None else now_mono
+        return held
 
     def apply_outputs(self, outputs: Iterable[RequestOutput]) -> Applied:
         """Draft the events of engine outputs (a step's, or several steps' merged).
@@ -268,70 +273,70 @@ class JobTable:
         first_tokens = []
         num_tokens = 0
         for out in outputs:
-            lj = self._jobs.get(out.request_id)
-            if lj is None or lj.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+            held = self._jobs.get(out.request_id)
+            if held is None or held.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
                 continue
-            if lj.state == JobState.CLAIMED:  # the output overtook `accepted`
-                self._enter_engine(lj)
+            if held.state == JobState.CLAIMED:  # the output overtook `accepted`
+                self._enter_engine(held)
             if out.new_token_ids or out.text:
-                if lj.first_token_time is None:
-                    lj.first_token_time = now
-                    first_tokens.append(lj)
-                lj.num_tokens += len(out.new_token_ids)
+                if held.first_token_time is None:
+                    held.first_token_time = now
+                    first_tokens.append(held)
+                held.num_tokens += len(out.new_token_ids)
                 num_tokens += len(out.new_token_ids)
-                lj.text_parts.append(out.text)
-                lj._delta_text.append(out.text)
-                lj._delta_ids.extend(out.new_token_ids)
+                held.text_parts.append(out.text)
+                held._delta_text.append(out.text)
+                held._delta_ids.extend(out.new_token_ids)
                 if out.logprobs:
-                    if lj._delta_logprobs is None:
-                        lj._delta_logprobs = []
-                    lj._delta_logprobs.extend(
+                    if held._delta_logprobs is None:
+                        held._delta_logprobs = []
+                    held._delta_logprobs.extend(
                         TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_token_ids=x.top_token_ids,
                                      top_logprobs=x.top_logprobs) for x in out.logprobs)
-                self._dirty.setdefault(lj.job_id, lj)
+                self._dirty.setdefault(held.job_id, held)
             if out.finished:
-                self._finish_from_engine(lj, out, now)
+                self._finish_from_engine(held, out, now)
         return Applied(first_tokens, num_tokens)
 
-    def _finish_from_engine(self, lj: LocalJob, out: RequestOutput, now: float) -> None:
+    def _finish_from_engine(self, held: LocalJob, out: RequestOutput, now: float) -> None:
         reason = FinishReason(out.finish_reason or "error")
-        e2e = now - lj.enqueue_time
-        first = lj.first_token_time
-        ttft = first - lj.enqueue_time if first is not None else None
-        tpot = (now - first) / (lj.num_tokens - 1) if first is not None and lj.num_tokens > 1 else None
+        e2e = now - held.enqueue_time
+        first = held.first_token_time
+        ttft = first - held.enqueue_time if first is not None else None
+        tpot = (now - first) / (held.num_tokens - 1) if first is not None and held.num_tokens > 1 else None
         queue = out.times.queue_s if out.times is not None else None
         u = out.usage
         usage = Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                       cached_prompt_tokens=u.cached_prompt_tokens) if u is not None else None
         error = ErrorInfo(code=out.error_code, message=out.error_message or "") if out.error_code else None
-        lj.summary = {
+        held.summary = {
             "queue_s": _round(queue), "ttft_s": _round(ttft), "tpot_s": _round(tpot), "e2e_s": _round(e2e),
-            "tokens_per_s": _round(lj.num_tokens / (now - first)) if first is not None and now > first else None,
+            "tokens_per_s": _round(held.num_tokens / (now - first)) if first is not None and now > first else None,
             "prompt_tokens": u.prompt_tokens if u else None,
             "cached_prompt_tokens": u.cached_prompt_tokens if u else None,
             "preemptions": out.num_preemptions,
         }
         if error is not None:
-            lj.summary["error_code"] = error.code
-        self._terminate(lj, reason, error, usage, Timings(queue_s=queue, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e))
+            held.summary["error_code"] = error.code
+        self._terminate(held, reason, error, usage, Timings(queue_s=queue, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e))
 
-    def _terminate(self, lj: LocalJob, reason: FinishReason, error: ErrorInfo | None, usage: Usage | None,
+    def _terminate(self, held: LocalJob, reason: FinishReason, error: ErrorInfo | None, usage: Usage | None,
                    timings: Timings | None) -> None:
-        lj.state = JobState.FINISHING
-        lj.finish_reason = reason
-        lj.error = error
+        held.state = JobState.FINISHING
+        held.finish_reason = reason
+        held.error = error
         # seq is set when the round is drained
-        lj._terminal = Finished(job_id=lj.job_id, seq=-1, attempt=lj.attempt, finish_reason=reason, text=lj.text,
-                                usage=usage, timings=timings, error=error, metadata=lj.job.metadata)
-        self._dirty.setdefault(lj.job_id, lj)
+        held._terminal = Finished(job_id=held.job_id, seq=-1, attempt=held.attempt, finish_reason=reason, text=held.text,
+                                usage=usage, timings=timings, error=error, metadata=held.job.metadata)
+        self._dirty.setdefault(held.job_id, held)
 
-    def _draft(self, lj: LocalJob, *, opening: str) -> None:
+    def _draft(self, held: LocalJob, *, opening: str) -> None:
         if opening == "started":
-            if lj.opened:
+            if held.opened:
                 return
-            lj.opened = True
-        lj._opening.append(opening)
-        self._dirty.setdefault(lj.job_id, lj)
+            held.opened = True
+        held._opening.append(opening)
+        self._dirty.setdefault(held.job_id, held)
 
     # ---- rounds ----------------------------------------------------------------------
     def drain(self) -> Round:
@@ -341,46 +346,46 @@ class JobTable:
         encoded: list[bytes] = []
         finished: list[LocalJob] = []
         dirty, self._dirty = self._dirty, {}
-        for lj in dirty.values():
-            for kind in lj._opening:
+        for held in dirty.values():
+            for kind in held._opening:
                 if kind == "restarted":
-                    ev: Event = Restarted(job_id=lj.job_id, seq=lj.next_seq, attempt=lj.attempt, reason=RESTART_REASON)
+                    ev: Event = Restarted(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, reason=RESTART_REASON)
                 else:
-                    ev = Started(job_id=lj.job_id, seq=lj.next_seq, attempt=lj.attempt, worker_id=self.worker_id,
-                                 queue_time_s=max(0.0, lj.claim_time - lj.enqueue_time), metadata=lj.job.metadata)
-                self._add(lj, ev, events, encoded)
-            lj._opening.clear()
-            if lj._delta_ids or lj._delta_text:
-                ev = Token(job_id=lj.job_id, seq=lj.next_seq, attempt=lj.attempt, text="".join(lj._delta_text),
-                           token_ids=lj._delta_ids, logprobs=lj._delta_logprobs)
-                self._add(lj, ev, events, encoded)
-                lj._delta_text, lj._delta_ids, lj._delta_logprobs = [], [], None
-            if lj._terminal is not None:
-                term = lj._terminal
-                term.seq = lj.next_seq
-                lj._terminal = None
-                self._add(lj, term, events, encoded)
-                finished.append(lj)
+                    ev = Started(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, worker_id=self.worker_id,
+                                 queue_time_s=max(0.0, held.claim_time - held.enqueue_time), metadata=held.job.metadata)
+                self._add(held, ev, events, encoded)
+            held._opening.clear()
+            if held._delta_ids or held._delta_text:
+                ev = Token(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, text="".join(held._delta_text),
+                           token_ids=held._delta_ids, logprobs=held._delta_logprobs)
+                self._add(held, ev, events, encoded)
+                held._delta_text, held._delta_ids, held._delta_logprobs = [], [], None
+            if held._terminal is not None:
+                term = held._terminal
+                term.seq = held.next_seq
+                held._terminal = None
+                self._add(held, term, events, encoded)
+                finished.append(held)
         return Round(events, encoded, finished)
 
     @staticmethod
-    def _add(lj: LocalJob, ev: Event, events: list, encoded: list) -> None:
+    def _add(held: LocalJob, ev: Event, events: list, encoded: list) -> None:
         data = encode(ev)
         events.append(ev)
         encoded.append(data)
-        lj.history.append((ev.seq, data))
-        lj.next_seq += 1
+        held.history.append((ev.seq, data))
+        held.next_seq += 1
 
-    def done(self, lj: LocalJob) -> None:
+    def done(self, held: LocalJob) -> None:
         """The job's terminal event is published and recorded: DONE, out of the table.
         Its published history is kept a while (`histories`)."""
-        lj.state = JobState.DONE
+        held.state = JobState.DONE
         now = self._clock()
-        if lj.history and lj.finish_reason is not None:
-            self._recent[lj.job_id] = (now, lj.history, (lj.finish_reason.value, lj.claim_token, lj.attempt))
-            self._recent.move_to_end(lj.job_id)
-        lj.history = []
-        self._jobs.pop(lj.job_id, None)
+        if held.history and held.finish_reason is not None:
+            self._recent[held.job_id] = (now, held.history, (held.finish_reason.value, held.claim_token, held.attempt))
+            self._recent.move_to_end(held.job_id)
+        held.history = []
+        self._jobs.pop(held.job_id, None)
         while self._recent and (len(self._recent) > RECENT_MAX_JOBS
                                 or next(iter(self._recent.values()))[0] < now - RECENT_MAX_AGE_S):
             self._recent.popitem(last=False)
@@ -389,9 +394,9 @@ class JobTable:
         """What this worker published that Redis must hold: (job_id, [(seq, event)], terminal)
         for every held job (terminal None) and each job finished in the last
         RECENT_MAX_AGE_S (terminal = (finish reason, claim token, attempt))."""
-        for lj in self._jobs.values():
-            if lj.history:
-                yield lj.job_id, list(lj.history), None
+        for held in self._jobs.values():
+            if held.history:
+                yield held.job_id, list(held.history), None
         for job_id, (_, history, term) in self._recent.items():
             if job_id not in self._jobs:
                 yield job_id, history, term

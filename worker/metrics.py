@@ -106,6 +106,9 @@ class Metrics:
             "after its batch failed (out of memory included)", registry=r)
         self.step_duration = Histogram("engine_step_duration_seconds", "Wall time of one engine step",
                                        buckets=STEP_BUCKETS, registry=r)
+        self.step_host = Histogram("engine_host_seconds", "Host time of one engine step: its wall time minus the "
+                                   "model runner's (scheduling, bookkeeping, output building)",
+                                   buckets=STEP_BUCKETS, registry=r)
         self.gpu_utilization = (Gauge("gpu_utilization", "GPU busy fraction from NVML (0..1)", registry=r)
                                 if gpu else None)
         # ---- Kafka (asyncio loop) --------------------------------------------------------
@@ -129,6 +132,9 @@ class Metrics:
                                        "Time to write one publisher round (all drafted events) to Redis",
                                        buckets=STEP_BUCKETS, registry=r)
         self.redis_outage = Gauge("redis_outage", "1 while Redis is unreachable and events are held", registry=r)
+        self.publish_backlog = Gauge("publish_backlog_jobs", "Jobs with events waiting for the next publisher "
+                                     "round (a lasting value above 0 means the I/O side is the bottleneck and "
+                                     "token events are being merged)", registry=r)
         self.redis_restores = Counter("redis_restores", "Times Redis was found to have lost its data and the "
                                       "held jobs' logs were restored", registry=r)
         self.loop_lag = Histogram("event_loop_lag_seconds", "How late the asyncio loop wakes a 100 ms sleep "
@@ -155,6 +161,7 @@ class Metrics:
         if s.num_failed_forwards:
             self.failed_forwards.inc(s.num_failed_forwards)
         self.step_duration.observe(s.duration_s)
+        self.step_host.observe(max(0.0, s.duration_s - s.forward_s))
         self._add_tokens(s.time, s.num_prefill_tokens, s.num_decode_tokens)
 
     def observe_idle(self, kv: KVStats, running: int, waiting: int, now: float | None = None) -> None:

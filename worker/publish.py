@@ -88,6 +88,7 @@ class Publisher:
     table: the job table whose drafts are published.
     on_outage: called with True when Redis becomes unreachable and False when it is
         back (the worker pauses intake meanwhile).
+    on_backlog: called before each round with the number of jobs it will carry.
     on_restore: called after Redis lost its data and the logs were restored, with the
         ids of held jobs another worker claimed meanwhile (the worker hands them back and
         re-reads recent cancels into tombstones).
@@ -95,6 +96,7 @@ class Publisher:
 
     def __init__(self, redis: aioredis.Redis, cfg: RedisConfig, claims: ClaimStore, table: JobTable, *,
                  on_outage: Callable[[bool], None] = lambda down: None,
+                 on_backlog: Callable[[int], None] = lambda num_jobs: None,
                  on_restore: Callable[[list[str]], None] = lambda lost: None) -> None:
         self.redis = redis
         self.cfg = cfg
@@ -102,6 +104,7 @@ class Publisher:
         self.table = table
         self._append = redis.register_script(APPEND_LUA)
         self._on_outage = on_outage
+        self._on_backlog = on_backlog
         self._on_restore = on_restore
         self._wake = asyncio.Event()
         self.outage_since: float | None = None  # time.monotonic() when Redis became unreachable
@@ -128,6 +131,7 @@ class Publisher:
             self._wake.clear()
             if min_interval > 0 and self.last_round_s < min_interval:
                 await asyncio.sleep(min_interval - self.last_round_s)
+            self._on_backlog(self.table.num_drafted)
             rnd = self.table.drain()
             if not rnd:
                 continue
@@ -192,7 +196,7 @@ class Publisher:
         p = self.cfg.key_prefix
         ks: list[str] = [keys.epoch_key(p)]
         args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s]
-        tokens = {lj.job_id: lj.claim_token for lj in rnd.finished}
+        tokens = {held.job_id: held.claim_token for held in rnd.finished}
         for ev, data in zip(rnd.events, rnd.encoded):
             jid = ev.job_id
             ks += [keys.log_key(jid, p), keys.channel(jid, p)]
@@ -209,11 +213,11 @@ class Publisher:
         already published (same seqs; their done marks with the terminal ones)."""
         self.num_restores += 1
         await self.claims.adopt_epoch()
-        held = self.table.holding_claims()
+        holding = self.table.holding_claims()
         lost = []
-        for lj in held:
-            if not await self.claims.reclaim(lj.job_id, lj.claim_token, lj.attempt):
-                lost.append(lj.job_id)
+        for held in holding:
+            if not await self.claims.reclaim(held.job_id, held.claim_token, held.attempt):
+                lost.append(held.job_id)
         p = self.cfg.key_prefix
         ks: list[str] = [keys.epoch_key(p)]
         args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s]
@@ -230,7 +234,7 @@ class Publisher:
                 n += 1
         if n:
             await self._append(keys=ks, args=args)
-        log.warning("Redis lost its data (epoch changed): claims and logs restored", held_jobs=len(held),
+        log.warning("Redis lost its data (epoch changed): claims and logs restored", held_jobs=len(holding),
                     events_restored=n, lost_claims=lost)
         self._on_restore(lost)
 

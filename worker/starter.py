@@ -150,14 +150,14 @@ class JobStarter:
             elif self.table.get(rec.job.job_id) is not None:  # duplicate within the batch
                 self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset))
             else:
-                lj = self._open(rec, res)
-                if lj is not None:
-                    to_run.append(lj)
-        for lj in to_run:
-            if not lj.isolated and not self._gated() and input_bytes(lj.job) <= INLINE_INPUT_BYTES:
-                self._add_inline(lj)
+                held = self._open(rec, res)
+                if held is not None:
+                    to_run.append(held)
+        for held in to_run:
+            if not held.isolated and not self._gated() and input_bytes(held.job) <= INLINE_INPUT_BYTES:
+                self._add_inline(held)
             else:
-                task = asyncio.create_task(self._submit(lj), name=f"input:{lj.job_id}")
+                task = asyncio.create_task(self._submit(held), name=f"input:{held.job_id}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         self._wake()
@@ -167,7 +167,7 @@ class JobStarter:
         """Open a claimed job; end it at once where a rule says so. Returns it if it
         goes on to the engine."""
         job = rec.job
-        lj = self.table.open(job, rec.priority, Offset(rec.tp, rec.offset), rec.enqueue_time, c.token, c.attempt,
+        held = self.table.open(job, rec.priority, Offset(rec.tp, rec.offset), rec.enqueue_time, c.token, c.attempt,
                              c.next_seq, raw=rec.raw, raw_key=rec.key, isolated=c.failures > 0)
         if c.cancelled:
             self.table.finish_local(job.job_id, FinishReason.CANCELLED)
@@ -181,14 +181,14 @@ class JobStarter:
             self.table.finish_local(job.job_id, FinishReason.ERROR, ErrorInfo(code="poison", message=msg),
                                     dead_letter=("poison", msg))
         elif input_bytes(job) > self._byte_limit:
-            self._reject(lj, RequestRejected(job.job_id, _prompt_too_long(), (
+            self._reject(held, RequestRejected(job.job_id, _prompt_too_long(), (
                 f"prompt is {input_bytes(job)} bytes; more than {self._byte_limit} bytes can never tokenize "
                 f"to max_input_tokens = {self.engine.tuning.max_input_tokens}")))
         else:
-            if lj.isolated:
+            if held.isolated:
                 log.info("an earlier attempt died with its worker; the job runs alone", job_id=job.job_id,
                          attempt=c.attempt, failures=c.failures)
-            return lj
+            return held
         return None
 
     def _engine_busy(self) -> bool:
@@ -204,64 +204,64 @@ class JobStarter:
             return False
         return True
 
-    async def _gate(self, lj: LocalJob) -> bool:
+    async def _gate(self, held: LocalJob) -> bool:
         """Wait for this job's turn in the engine (see the module docstring). False if the
         job ended meanwhile (cancel, drain)."""
-        if lj.isolated:
+        if held.isolated:
             self._alone_waiting += 1
             try:
                 while self._alone_active() or self._engine_busy():
-                    if lj.state != JobState.CLAIMED:
+                    if held.state != JobState.CLAIMED:
                         return False
                     await asyncio.sleep(0.02)
-                self._alone = lj.job_id
+                self._alone = held.job_id
             finally:
                 self._alone_waiting -= 1
             try:
-                await self.claims.mark_running([(lj.job_id, lj.attempt)])
+                await self.claims.mark_running([(held.job_id, held.attempt)])
             except REDIS_DOWN:
                 self._alone = None
                 return False
-            return lj.state == JobState.CLAIMED
+            return held.state == JobState.CLAIMED
         while self._alone_active() or self._alone_waiting:
-            if lj.state != JobState.CLAIMED:
+            if held.state != JobState.CLAIMED:
                 return False
             await asyncio.sleep(0.02)
-        return lj.state == JobState.CLAIMED
+        return held.state == JobState.CLAIMED
 
     def _gated(self) -> bool:
         return bool(self._alone_waiting) or self._alone_active()
 
-    async def _submit(self, lj: LocalJob) -> None:
-        if (lj.isolated or self._gated()) and not await self._gate(lj):
+    async def _submit(self, held: LocalJob) -> None:
+        if (held.isolated or self._gated()) and not await self._gate(held):
             return
         self._submitting += 1
         try:
             loop = asyncio.get_running_loop()
             try:
-                req = await loop.run_in_executor(self._pool, self._process_input, lj)
+                req = await loop.run_in_executor(self._pool, self._process_input, held)
             except RequestRejected as e:
-                self._reject(lj, e)
+                self._reject(held, e)
                 return
-            if lj.state == JobState.CLAIMED:  # not cancelled or handed back meanwhile
-                self._hand_to_engine(lj, req)
+            if held.state == JobState.CLAIMED:  # not cancelled or handed back meanwhile
+                self._hand_to_engine(held, req)
         finally:
             self._submitting -= 1
 
-    def _add_inline(self, lj: LocalJob) -> None:
+    def _add_inline(self, held: LocalJob) -> None:
         """Small inputs (token ids, short prompts) are processed on the loop: cheaper than
         a round trip through the thread pool."""
         try:
-            req = self._process_input(lj)
+            req = self._process_input(held)
         except RequestRejected as e:
-            self._reject(lj, e)
+            self._reject(held, e)
             return
-        self._hand_to_engine(lj, req)
+        self._hand_to_engine(held, req)
 
-    def _process_input(self, lj: LocalJob):
-        job = lj.job
-        kwargs: dict[str, Any] = {"params": job.params, "priority": lj.priority, "cache_salt": job.tenant or "",
-                                  "arrival_time": lj.enqueue_time, "deadline": job.deadline}
+    def _process_input(self, held: LocalJob):
+        job = held.job
+        kwargs: dict[str, Any] = {"params": job.params, "priority": held.priority, "cache_salt": job.tenant or "",
+                                  "arrival_time": held.enqueue_time, "deadline": job.deadline}
         if job.prompt is not None:
             kwargs["prompt"] = job.prompt
         elif job.messages is not None:
@@ -270,20 +270,20 @@ class JobStarter:
             kwargs["prompt_token_ids"] = job.prompt_token_ids
         return self.engine.input.process(job.job_id, **kwargs)
 
-    def _hand_to_engine(self, lj: LocalJob, req) -> None:
+    def _hand_to_engine(self, held: LocalJob, req) -> None:
         try:
             self.engine.submit(req)
         except RequestRejected as e:  # duplicate id, or overloaded (overload_policy: reject)
-            self._reject(lj, e)
+            self._reject(held, e)
             return
-        self.table.accepted(lj.job_id)
-        if lj.cancel_time_mono is not None:
-            self.engine.abort(lj.job_id)
+        self.table.accepted(held.job_id)
+        if held.cancel_time_mono is not None:
+            self.engine.abort(held.job_id)
         self._wake()
 
-    def _reject(self, lj: LocalJob, e: RequestRejected) -> None:
+    def _reject(self, held: LocalJob, e: RequestRejected) -> None:
         self.metrics.rejected.labels(e.reason.value).inc()
-        self.table.finish_local(lj.job_id, FinishReason.REJECTED, ErrorInfo(code=e.reason.value, message=e.message),
+        self.table.finish_local(held.job_id, FinishReason.REJECTED, ErrorInfo(code=e.reason.value, message=e.message),
                                 dead_letter=(e.reason.value, e.message))
         self._wake()
 

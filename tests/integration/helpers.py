@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -23,8 +24,7 @@ async def start_worker(cfg, engine, timeout: float = 30.0) -> tuple[Worker, asyn
     while time.monotonic() < deadline:
         if task.done():
             task.result()
-        intake = getattr(w, "intake", None)
-        if intake is not None and intake.consumer.assignment() and hasattr(w, "cancels"):
+        if w.started.is_set() and w.intake.consumer.assignment():
             return w, task
         await asyncio.sleep(0.1)
     raise TimeoutError("worker did not get partitions")
@@ -33,6 +33,18 @@ async def start_worker(cfg, engine, timeout: float = 30.0) -> tuple[Worker, asyn
 async def stop_worker(w: Worker, task: asyncio.Task) -> None:
     w.request_stop()
     await asyncio.wait_for(task, 60)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(cfg, engine=None, **kw):
+    """`async with running_worker(cfg, engine) as w:` — a started worker that is always
+    stopped (drained, closed) when the block ends, whether the test passed or not."""
+    w, task = await start_worker(cfg, engine, **kw)
+    try:
+        yield w
+    finally:
+        if not task.done():
+            await stop_worker(w, task)
 
 
 async def collect(client: InflightClient, job_id: str, timeout: float = 120.0) -> list:

@@ -28,7 +28,7 @@ def kinds(events) -> list[str]:
 
 def test_started_precedes_tokens_and_seq_continues_the_log():
     t = JobTable("w1", clock=lambda: 101.0)
-    lj = open_job(t, next_seq=5)
+    held = open_job(t, next_seq=5)
     t.accepted("j")
     t.apply_outputs([out("j", [1], "a")])
     r = t.drain()
@@ -40,10 +40,10 @@ def test_started_precedes_tokens_and_seq_continues_the_log():
     r = t.drain()
     assert kinds(r.events) == ["Token", "Finished"] and [e.seq for e in r.events] == [7, 8]
     fin = r.events[-1]
-    assert fin.text == "ab" and fin.finish_reason == FinishReason.LENGTH and r.finished == [lj]
-    assert lj.state == JobState.FINISHING
-    t.done(lj)
-    assert len(t) == 0 and lj.state == JobState.DONE
+    assert fin.text == "ab" and fin.finish_reason == FinishReason.LENGTH and r.finished == [held]
+    assert held.state == JobState.FINISHING
+    t.done(held)
+    assert len(t) == 0 and held.state == JobState.DONE
 
 
 def test_output_overtaking_accepted_still_opens_with_started_once():
@@ -80,10 +80,10 @@ def test_exactly_one_terminal_event_and_nothing_after_it():
 
 def test_hand_back_drops_drafts_and_emits_nothing():
     t = JobTable("w1")
-    lj = open_job(t)
+    held = open_job(t)
     t.accepted("j")
     t.apply_outputs([out("j", [1], "a")])
-    assert t.hand_back("j") is lj and lj.state == JobState.HANDED_BACK
+    assert t.hand_back("j") is held and held.state == JobState.HANDED_BACK
     t.apply_outputs([out("j", [2], "b", "length")])
     assert not t.drain() and "j" not in t
 
@@ -117,9 +117,9 @@ def test_jobs_that_never_run_get_only_their_terminal_event():
 
 def test_cancel_is_noted_once_and_only_for_running_jobs():
     t = JobTable("w1")
-    lj = open_job(t)
-    assert t.request_cancel("j", now_mono=5.0) is lj and lj.cancel_time_mono == 5.0
-    assert t.request_cancel("j", now_mono=9.0) is lj and lj.cancel_time_mono == 5.0
+    held = open_job(t)
+    assert t.request_cancel("j", now_mono=5.0) is held and held.cancel_time_mono == 5.0
+    assert t.request_cancel("j", now_mono=9.0) is held and held.cancel_time_mono == 5.0
     t.finish_local("j", FinishReason.CANCELLED)
     assert t.request_cancel("j") is None and t.request_cancel("unknown") is None
 
