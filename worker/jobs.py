@@ -106,6 +106,11 @@ class LocalJob:
         return self.job.job_id
 
     @property
+    def tenant(self) -> str | None:
+        """The job's tenant: its stream keys carry it (`schemas.keys`)."""
+        return self.job.tenant
+
+    @property
     def text(self) -> str:
         return "".join(self.text_parts)
 
@@ -126,11 +131,13 @@ class Applied:
 @dataclass(slots=True)
 class Round:
     """One publisher round: numbered events in publish order, and the jobs whose
-    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes."""
+    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes and
+    `tenants[i]` the tenant of its job (None: all events are of jobs without one)."""
 
     events: list[Event]
     encoded: list[bytes]
     finished: list[LocalJob]
+    tenants: list[str | None] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.events)
@@ -147,8 +154,9 @@ class JobTable:
         self._clock = clock
         self._jobs: dict[str, LocalJob] = {}
         self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
-        # job_id -> (done time, history, (reason, claim token, attempt)) of recently finished jobs
-        self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int]]] = OrderedDict()
+        # job_id -> (done time, history, (reason, claim token, attempt), tenant) of recently finished jobs
+        self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int], str | None]] = \
+            OrderedDict()
 
     # ---- queries ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -330,6 +338,7 @@ class JobTable:
         terminal) and hand them to the publisher as one round."""
         events: list[Event] = []
         encoded: list[bytes] = []
+        tenants: list[str | None] = []
         finished: list[LocalJob] = []
         dirty, self._dirty = self._dirty, {}
         for lj in dirty.values():
@@ -339,26 +348,27 @@ class JobTable:
                 else:
                     ev = Started(job_id=lj.job_id, seq=lj.next_seq, attempt=lj.attempt, worker_id=self.worker_id,
                                  queue_time_s=max(0.0, lj.claim_time - lj.enqueue_time), metadata=lj.job.metadata)
-                self._add(lj, ev, events, encoded)
+                self._add(lj, ev, events, encoded, tenants)
             lj._opening.clear()
             if lj._delta_ids or lj._delta_text:
                 ev = Token(job_id=lj.job_id, seq=lj.next_seq, attempt=lj.attempt, text="".join(lj._delta_text),
                            token_ids=lj._delta_ids, logprobs=lj._delta_logprobs)
-                self._add(lj, ev, events, encoded)
+                self._add(lj, ev, events, encoded, tenants)
                 lj._delta_text, lj._delta_ids, lj._delta_logprobs = [], [], None
             if lj._terminal is not None:
                 term = lj._terminal
                 term.seq = lj.next_seq
                 lj._terminal = None
-                self._add(lj, term, events, encoded)
+                self._add(lj, term, events, encoded, tenants)
                 finished.append(lj)
-        return Round(events, encoded, finished)
+        return Round(events, encoded, finished, tenants)
 
     @staticmethod
-    def _add(lj: LocalJob, ev: Event, events: list, encoded: list) -> None:
+    def _add(lj: LocalJob, ev: Event, events: list, encoded: list, tenants: list) -> None:
         data = encode(ev)
         events.append(ev)
         encoded.append(data)
+        tenants.append(lj.tenant)
         lj.history.append((ev.seq, data))
         lj.next_seq += 1
 
@@ -368,7 +378,8 @@ class JobTable:
         lj.state = JobState.DONE
         now = self._clock()
         if lj.history and lj.finish_reason is not None:
-            self._recent[lj.job_id] = (now, lj.history, (lj.finish_reason.value, lj.claim_token, lj.attempt))
+            self._recent[lj.job_id] = (now, lj.history, (lj.finish_reason.value, lj.claim_token, lj.attempt),
+                                       lj.tenant)
             self._recent.move_to_end(lj.job_id)
         lj.history = []
         self._jobs.pop(lj.job_id, None)
@@ -383,9 +394,17 @@ class JobTable:
         for lj in self._jobs.values():
             if lj.history:
                 yield lj.job_id, list(lj.history), None
-        for job_id, (_, history, term) in self._recent.items():
+        for job_id, (_, history, term, _tenant) in self._recent.items():
             if job_id not in self._jobs:
                 yield job_id, history, term
+
+    def tenant_of(self, job_id: str) -> str | None:
+        """The tenant of a held or recently finished job (None: none, or unknown)."""
+        lj = self._jobs.get(job_id)
+        if lj is not None:
+            return lj.tenant
+        recent = self._recent.get(job_id)
+        return recent[3] if recent is not None else None
 
 
 def _round(x: float | None, nd: int = 4) -> float | None:
