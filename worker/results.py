@@ -17,11 +17,13 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
 from schemas import keys
 from schemas.codec import decode_event
 from schemas.wire import Finished
+from worker.access import raise_if_refused
 
 
 class ResultsLog:
@@ -37,10 +39,15 @@ class ResultsLog:
         Raises:
             aiokafka.errors.KafkaError: the broker did not take one (the caller retries;
                 the offsets stay uncommitted meanwhile).
+            worker.access.Refused: the principal may not write the results topic.
         """
-        futs = [await self.producer.send(self.topic, value=data, key=job_id.encode()) for job_id, data in items]
-        if futs:
-            await asyncio.gather(*futs)
+        try:
+            futs = [await self.producer.send(self.topic, value=data, key=job_id.encode()) for job_id, data in items]
+            if futs:
+                await asyncio.gather(*futs)
+        except KafkaError as e:
+            raise_if_refused(e)
+            raise
 
 
 async def read_results(consumer: AIOKafkaConsumer, partitions_for: Callable[[str], Awaitable[set[int]]],
