@@ -21,6 +21,7 @@ result/DLQ writers (authorization errors are fatal, not retried), `/readyz`, the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import struct
 from typing import TYPE_CHECKING
@@ -146,13 +147,14 @@ def _explain_tls(e: BaseException, service: str, section: str, has_cert: bool, a
     """TLS failures, from the exception or its context (redis-py wraps them)."""
     for err in (e, e.__context__, e.__cause__):
         if isinstance(err, ssl.SSLCertVerificationError):
-            if err.verify_code == 62:  # X509_V_ERR_HOSTNAME_MISMATCH
+            why = getattr(err, "verify_message", None) or getattr(err, "reason", None) or str(err)
+            if getattr(err, "verify_code", None) == 62:  # X509_V_ERR_HOSTNAME_MISMATCH
                 return AccessError(service, EXIT_TLS, f"the server's certificate{at} does not name this host "
-                                   f"({err.verify_message})", f"the host in {section}."
+                                   f"({why})", f"the host in {section}."
                                    f"{'bootstrap_servers' if section == 'kafka' else 'url'} or "
                                    f"{section}.ssl_check_hostname")
-            return AccessError(service, EXIT_TLS, f"the server's certificate{at} is not trusted "
-                               f"({err.verify_message})", f"{section}.ssl_cafile")
+            return AccessError(service, EXIT_TLS, f"the server's certificate{at} is not trusted ({why})",
+                               f"{section}.ssl_cafile")
         if isinstance(err, ssl.SSLError):
             text = str(err)
             if any(a in text for a in ("UNKNOWN_CA", "CERTIFICATE_UNKNOWN", "BAD_CERTIFICATE",
@@ -161,14 +163,14 @@ def _explain_tls(e: BaseException, service: str, section: str, has_cert: bool, a
                     return AccessError(service, EXIT_TLS, f"the server{at} requires a client certificate",
                                        f"{section}.ssl_certfile and {section}.ssl_keyfile")
                 return AccessError(service, EXIT_TLS, f"the server{at} rejected the client certificate "
-                                   f"({err.reason or text}): not signed by a CA it trusts, or not valid",
+                                   f"({getattr(err, 'reason', None) or text}): not signed by a CA it trusts, or not valid",
                                    f"{section}.ssl_certfile")
             if any(a in text for a in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
                                        "UNEXPECTED_EOF", "record layer failure", "wrong version number")):
-                return AccessError(service, EXIT_TLS, f"the TLS handshake{at} failed ({err.reason or text}): the "
+                return AccessError(service, EXIT_TLS, f"the TLS handshake{at} failed ({getattr(err, 'reason', None) or text}): the "
                                    "port probably does not speak TLS",
                                    f"{section}.security_protocol" if section == "kafka" else "redis.url (redis://)")
-            return AccessError(service, EXIT_TLS, f"TLS failed{at} ({err.reason or text})", f"{section}.ssl_*")
+            return AccessError(service, EXIT_TLS, f"TLS failed{at} ({getattr(err, 'reason', None) or text})", f"{section}.ssl_*")
     return None
 
 
@@ -265,10 +267,8 @@ async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0) -> 
                     raise
                 await asyncio.sleep(0.2)
     finally:
-        try:
+        with contextlib.suppress(Exception):  # closing a client that never connected
             await admin.close()
-        except Exception:  # closing a client that never connected
-            pass
 
 
 # ---- Redis ----------------------------------------------------------------------------
@@ -298,7 +298,7 @@ def explain_redis(e: BaseException, cfg: RedisConfig) -> AccessError | None:
                            "redis.username and redis.password / redis.password_file (or the URL's credentials)")
     if isinstance(e, rex.NoPermissionError):
         return AccessError("Redis", EXIT_AUTHORIZATION, f"user {cfg.user()!r} {e} (a worker needs the rules of "
-                           "`inflight acl redis worker`)", f"redis.username and its ACL rules, redis.key_prefix")
+                           "`inflight acl redis worker`)", "redis.username and its ACL rules, redis.key_prefix")
     if isinstance(e, rex.ConnectionError):
         tls = _explain_tls(e, "Redis", "redis", cfg.ssl_certfile is not None, at)
         if tls is not None:

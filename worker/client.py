@@ -190,10 +190,8 @@ class InflightClient:
         user may (SET on `inflight:job:*:cancelled`), so a job that no worker has consumed
         yet is dropped on arrival even if no worker is running; without that permission
         the worker sets it when it reads the cancel message."""
-        try:
+        with contextlib.suppress(NoPermissionError):  # a reader-only user: the cancel message is enough
             await self.redis.set(keys.cancelled_key(job_id, self.key_prefix), b"1", ex=self.tombstone_ttl_s)
-        except NoPermissionError:
-            pass  # a reader-only user: the cancel message is enough
         await self._send(keys.cancel_topic(self.topic_prefix), encode(Cancel(job_id=job_id, reason=reason)),
                          job_id.encode())
 

@@ -6,6 +6,7 @@ PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512."""
 
 from __future__ import annotations
 
+import os
 import ssl
 from typing import TYPE_CHECKING
 
@@ -57,8 +58,9 @@ def tls_context(section: str, *, cafile: str | None, certfile: str | None, keyfi
         try:
             # never None: OpenSSL would prompt on the terminal for an encrypted key's password
             ctx.load_cert_chain(certfile, keyfile, password=key_password if key_password else _no_password)
-        except FileNotFoundError as e:
-            raise ConfigError(f"{section}.ssl_certfile / ssl_keyfile: {e.filename!r} does not exist") from None
+        except FileNotFoundError:
+            missing = next((p for p in (certfile, keyfile) if p and not os.path.exists(p)), certfile)
+            raise ConfigError(f"{section}.ssl_certfile / ssl_keyfile: {missing!r} does not exist") from None
         except ssl.SSLError as e:
             hint = ""
             if "BAD_DECRYPT" in str(e) or "bad decrypt" in str(e).lower():

@@ -24,7 +24,13 @@ from schemas.codec import decode_event, encode
 from schemas.params import SamplingParams
 from schemas.wire import DLQ_HEADER_JOB_ID, DLQ_HEADER_REASON, Finished, Started, Token
 from tests.integration.conftest import ROOT, secure_worker_config
-from tests.integration.helpers import assert_well_formed, collect, committed_reaches_end, start_worker, stop_worker
+from tests.integration.helpers import (
+    assert_well_formed,
+    collect,
+    committed_reaches_end,
+    start_worker,
+    stop_worker,
+)
 from worker.access import EXIT_AUTHENTICATION, EXIT_AUTHORIZATION, EXIT_TLS, AccessError
 from worker.client import InflightClient
 from worker.engine import Engine
@@ -395,3 +401,18 @@ def test_open_plaintext_stack_stays_the_default(services):
             return await client.redis.ping()
 
     assert asyncio.run(main()) is True
+
+
+def test_pipeline_benchmark_runs_on_the_secured_stack(secure_stack, tmp_path):
+    """tools/bench_pipeline with `--config` (the admin principal over mutual TLS: the
+    benchmark creates its own topics): producer, worker subprocess and Redis reads all
+    connect secured, and every job finishes."""
+    from tools import bench_pipeline
+
+    config = str(secure_stack.config_path("admin", "mtls"))
+    assert bench_pipeline.main(["--config", config, "--device-ms", "0", "--output-lens", "4", "--running", "8",
+                                "--jobs", "12", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_pipeline.json").read_text())
+    assert report["kafka"] == secure_stack.manifest["kafka"]["ssl"] and report["redis"] == secure_stack.redis_url
+    row = report["rows"][0]
+    assert row["num_jobs"] == 12 and row["worker"]["tokens"] == 12 * 4, row
