@@ -25,7 +25,6 @@ from schemas.wire import (
     DLQ_HEADER_SOURCE_TOPIC,
     DLQ_HEADER_WORKER_ID,
 )
-
 from worker.access import raise_if_refused
 
 MAX_ERROR_BYTES = 4096
