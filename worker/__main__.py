@@ -336,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(a)
     if a.cmd == "check":
         return _check(a)
+    if a.cmd in ("submit", "stream", "cancel", "topics"):
+        import logging
+
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a refusal is explained in one line instead
     if a.cmd in ("submit", "stream", "cancel"):
         from worker.config import ConfigError
 

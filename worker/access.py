@@ -297,8 +297,8 @@ def explain_redis(e: BaseException, cfg: RedisConfig) -> AccessError | None:
         return AccessError("Redis", EXIT_AUTHENTICATION, f"the server{at} refused user {cfg.user()!r}: {e}",
                            "redis.username and redis.password / redis.password_file (or the URL's credentials)")
     if isinstance(e, rex.NoPermissionError):
-        return AccessError("Redis", EXIT_AUTHORIZATION, f"user {cfg.user()!r} {e} (a worker needs the rules of "
-                           "`inflight acl redis worker`)", "redis.username and its ACL rules, redis.key_prefix")
+        return AccessError("Redis", EXIT_AUTHORIZATION, f"user {cfg.user()!r} was refused: {e} (a worker needs the "
+                           "rules of `inflight acl redis worker`)", "redis.username and its ACL rules, redis.key_prefix")
     if isinstance(e, rex.ConnectionError):
         tls = _explain_tls(e, "Redis", "redis", cfg.ssl_certfile is not None, at)
         if tls is not None:
