@@ -26,7 +26,8 @@
 #
 # State under INFLIGHT_DEV_STATE (default .cache/devstack-secure): certs/, secrets/
 # (random passwords, mode 600), configs/<principal>-<mode>.yaml (kafka + redis sections
-# for `inflight … --config`), stack.json (ports and paths, read by the tests), logs and
+# for `inflight … --config`; modes scram-sha-512, scram-sha-256, plain, mtls,
+# sasl-plaintext) and configs/inflight-reader-<tenant>.yaml (a tenant's client), stack.json (ports and paths, read by the tests), logs and
 # Kafka's data. Ports: INFLIGHT_DEV_SECURE_KAFKA_PORT (29092; +1, +2, +3 as above),
 # INFLIGHT_DEV_SECURE_REDIS_PORT (6393).
 set -euo pipefail
@@ -327,6 +328,25 @@ kafka:
   sasl_username: $p
   sasl_password_file: $SECRETS/$p.kafka-password
 $redis
+YAML
+  done
+  for t in $TENANTS; do
+    cat >"$c/inflight-reader-$t.yaml" <<YAML
+# A client of $t: submits and cancels as inflight-producer (mutual TLS), streams its jobs as
+# the Redis reader user inflight-reader-$t (only channels and logs under inflight:t:$t:job:*)
+kafka:
+  bootstrap_servers: 127.0.0.1:$SSL_PORT
+  topic_prefix: $PREFIX
+  security_protocol: SSL
+  ssl_cafile: $CERTS/ca.pem
+  ssl_certfile: $CERTS/inflight-producer.pem
+  ssl_keyfile: $CERTS/inflight-producer.key
+redis:
+  $redis_tls
+  username: inflight-reader-$t
+  password_file: $SECRETS/inflight-reader-$t.redis-password
+  ssl_certfile: $CERTS/inflight-producer.pem
+  ssl_keyfile: $CERTS/inflight-producer.key
 YAML
   done
   cat >"$STATE/stack.json" <<JSON

@@ -160,10 +160,13 @@ class SecureStack:
         return cfg.kafka, msgspec.structs.replace(cfg.redis, **redis_over) if redis_over else cfg.redis
 
     def reader(self, tenant: str | None):
-        """RedisConfig of the reader user of `tenant` (None: inflight-client, jobs without one)."""
-        user = f"inflight-reader-{tenant}" if tenant else "inflight-client"
-        return self.sections("producer", "mtls", username=user,
-                             password_file=str(self.secrets / f"{user}.redis-password"))[1]
+        """RedisConfig of the reader user of `tenant` (the stack's
+        configs/inflight-reader-<tenant>.yaml; None: inflight-client, jobs without one)."""
+        from worker.config import load_config
+
+        if tenant is None:
+            return self.sections("producer", "mtls")[1]
+        return load_config(str(self.configs / f"inflight-reader-{tenant}.yaml"), env={}).redis
 
     def secret(self, name: str) -> str:
         return (self.secrets / name).read_text().strip()

@@ -416,3 +416,63 @@ def test_pipeline_benchmark_runs_on_the_secured_stack(secure_stack, tmp_path):
     assert report["kafka"] == secure_stack.manifest["kafka"]["ssl"] and report["redis"] == secure_stack.redis_url
     row = report["rows"][0]
     assert row["num_jobs"] == 12 and row["worker"]["tokens"] == 12 * 4, row
+
+
+def test_redis_password_rotation_and_a_refusal_at_runtime(secure_stack, engine_factory):
+    """The README's Redis rotation on a user of its own (`inflight acl redis worker`
+    rules): a second password is added and works beside the first; removing the one the
+    running worker uses (and dropping its connections) makes /readyz name the cause, and
+    the next job makes the worker stop with AuthenticationError, explained as exit 3."""
+    from worker.access import diagnose
+    from worker.acl import redis_worker_rules
+
+    stack = secure_stack
+    user, old_pw, new_pw = f"rotate-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex, uuid.uuid4().hex
+    cfg = secure_worker_config(stack, "mtls", redis={"username": user, "password": old_pw, "password_file": None})
+    engine = engine_factory(cfg)
+    admin_redis = stack.sections("admin", "mtls")[1]
+    kafka, redis = stack.sections("producer", "mtls")
+
+    async def main():
+        async with redis_client(admin_redis) as admin:
+            await admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{old_pw}", *redis_worker_rules(p))
+            try:
+                w, task = await start_worker(cfg, engine, timeout=90)
+                try:
+                    await admin.execute_command("ACL", "SETUSER", user, f">{new_pw}")  # 1. add the new password
+                    rotated = msgspec.structs.replace(cfg.redis, password=new_pw)
+                    async with redis_client(rotated) as r:
+                        both = await r.ping()
+                    await asyncio.sleep(1.5)
+                    ready_during = w.health.readiness()[0]
+                    # 2. remove the old one before the worker got the new one: its connections are refused
+                    await admin.execute_command("ACL", "SETUSER", user, f"<{old_pw}")
+                    await admin.execute_command("CLIENT", "KILL", "USER", user)
+                    for _ in range(40):
+                        await asyncio.sleep(0.25)
+                        ready, body = w.health.readiness()
+                        if not ready:
+                            break
+                    async with InflightClient(kafka=kafka, redis=redis) as client:
+                        await client.submit("after rotation", job_id=f"rot-{user}")
+                    try:
+                        await asyncio.wait_for(task, 60)
+                        stopped = None
+                    except Exception as e:  # the worker's crash, as Worker.run raises it
+                        stopped = await diagnose(e, kafka=cfg.kafka, redis=cfg.redis)
+                finally:
+                    if not task.done():
+                        await stop_worker(w, task)
+                # the job is taken by the next worker run (it stays uncommitted): drop it here
+                async with InflightClient(kafka=kafka, redis=redis) as client:
+                    await client.cancel(f"rot-{user}")
+            finally:
+                await admin.execute_command("ACL", "DELUSER", user)
+        return both, ready_during, ready, body, stopped
+
+    p = stack.prefix
+    both, ready_during, ready, body, stopped = asyncio.run(main())
+    assert both is True and ready_during is True
+    assert ready is False and "Redis authentication failed" in body["errors"]["redis"], body
+    assert "redis.password" in body["errors"]["redis"] and old_pw not in json.dumps(body)
+    assert stopped is not None and stopped.exit_code == EXIT_AUTHENTICATION, stopped
