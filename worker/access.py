@@ -135,9 +135,9 @@ def explain_kafka(e: BaseException, cfg: KafkaConfig, where: str | None = None) 
     tls = _explain_tls(e, "Kafka", "kafka", cfg.ssl_certfile is not None, at)
     if tls is not None:
         return tls
-    if isinstance(e, (ConnectionRefusedError, TimeoutError)) or (
+    if where is not None and (isinstance(e, (ConnectionRefusedError, TimeoutError)) or (
             isinstance(e, OSError) and not isinstance(e, ssl.SSLError) and e.errno is not None
-            and not isinstance(e, ConnectionResetError)):
+            and not isinstance(e, ConnectionResetError))):  # only a connection attempt of ours says "unreachable"
         why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
         return AccessError("Kafka", EXIT_UNREACHABLE, f"cannot connect{at} ({why})", "kafka.bootstrap_servers")
     return None
@@ -229,12 +229,15 @@ async def _tls_probe(host: str, port: int, ctx: ssl.SSLContext, cfg: KafkaConfig
 
 
 async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0) -> None:
-    """What a worker's principal must see: its topics (Describe, via metadata) and its
-    group (FindCoordinator needs Describe on it). Read and Write themselves show only
-    when used; the intake and the writers treat their refusal as fatal.
+    """What a worker's principal must see: its topics (Describe, via metadata). The group
+    is not probed here: a FindCoordinator request would create the offsets topic on a
+    fresh broker ahead of the consumer, and the consumer's own join reports a refused
+    group at once. Read and Write show only when used; the intake and the writers treat
+    every refusal as fatal (exit 5).
 
     Raises:
-        AccessError: naming the first topic or the group the principal may not use.
+        AccessError: naming the topics the principal may not use.
+        ConfigError: topics of `kafka.topic_prefix` do not exist (names them).
     """
     from aiokafka.admin import AIOKafkaAdminClient
 
@@ -245,9 +248,12 @@ async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0) -> 
     try:
         await asyncio.wait_for(admin.start(), timeout_s)
         wanted = keys.all_topics(cfg.topic_prefix)
-        topics = await asyncio.wait_for(admin.describe_topics(wanted), timeout_s)
-        denied = sorted((t["topic"] for t in topics if t["error_code"] == kerr.TopicAuthorizationFailedError.errno),
-                        key=wanted.index)
+        denied, missing = await _unusable_topics(admin, wanted, timeout_s)
+        if missing and not denied:
+            from worker.config import ConfigError
+
+            raise ConfigError(f"kafka.topic_prefix {cfg.topic_prefix!r}: topics {', '.join(missing)} do not exist; "
+                              f"create them: inflight topics create --prefix {cfg.topic_prefix}")
         if len(denied) == 1:
             raise explain_kafka(kerr.TopicAuthorizationFailedError(denied[0]), cfg)
         if denied:
@@ -255,20 +261,28 @@ async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0) -> 
             raise AccessError("Kafka", EXIT_AUTHORIZATION, f"{cfg.principal()} may not use topics {', '.join(denied)} "
                               f"(a worker needs {needs}; `inflight acl kafka` prints the grants)",
                               f"the ACLs of {_principal_setting(cfg)}")
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while True:  # a fresh broker's coordinator is not available for its first seconds
-            try:
-                await asyncio.wait_for(admin.find_coordinator(cfg.group_id), timeout_s)
-                break
-            except kerr.KafkaError as e:
-                if isinstance(e, KAFKA_AUTHORIZATION) or "Authorization" in type(e).__name__:
-                    raise explain_kafka(kerr.GroupAuthorizationFailedError(cfg.group_id), cfg) from None
-                if not e.retriable or asyncio.get_running_loop().time() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+
     finally:
         with contextlib.suppress(Exception):  # closing a client that never connected
             await admin.close()
+
+
+async def _unusable_topics(admin, wanted: list[str], timeout_s: float) -> tuple[list[str], list[str]]:
+    """(topics of `wanted` the principal may not describe, topics that do not exist), in
+    `wanted`'s order. Listing every topic never creates one; only topics absent from that
+    list are then named, in a Metadata request that forbids auto-creation (naming a
+    missing topic could create it on a broker with `auto.create.topics.enable`)."""
+    from aiokafka.protocol.metadata import MetadataRequest
+
+    visible = {t["topic"] for t in await asyncio.wait_for(admin.describe_topics(), timeout_s) if t["error_code"] == 0}
+    absent = [t for t in wanted if t not in visible]
+    send = getattr(admin, "_send_request", None)
+    if not absent or send is None:  # (aiokafka changed: cannot tell; a refusal is reported when met)
+        return [], []
+    resp = await asyncio.wait_for(send(MetadataRequest(absent, allow_auto_topic_creation=False)), timeout_s)
+    codes = {t["topic"]: t["error_code"] for t in resp.to_object()["topics"]}
+    return ([t for t in absent if codes.get(t) == kerr.TopicAuthorizationFailedError.errno],
+            [t for t in absent if codes.get(t) == kerr.UnknownTopicOrPartitionError.errno])
 
 
 # ---- Redis ----------------------------------------------------------------------------
@@ -347,7 +361,7 @@ async def probe_redis(cfg: RedisConfig, timeout_s: float = 10.0) -> None:
 # ---- both -----------------------------------------------------------------------------
 async def verify_access(cfg: WorkerConfig, timeout_s: float = 10.0) -> None:
     """Before a worker starts (and loads its model): Redis accepts its user, Kafka its
-    credentials and certificates, and its principal sees its topics and group.
+    credentials and certificates, and its principal sees its topics.
 
     Raises:
         AccessError: the first failure, explained. An unreachable Kafka is left to the
@@ -370,6 +384,8 @@ async def diagnose(e: BaseException, *, kafka: KafkaConfig | None = None, redis:
     "Unable to bootstrap" (the cause went to its log only). None if there is none."""
     if isinstance(e, AccessError):
         return e
+    if isinstance(e, TimeoutError) and not isinstance(e, rex.RedisError):  # the caller's own deadline
+        return None
     if redis is not None and isinstance(e, (rex.RedisError, OSError)):
         err = explain_redis(e, redis)
         if err is not None:

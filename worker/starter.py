@@ -215,8 +215,8 @@ class JobStarter:
             except (EpochChanged, *REDIS_DOWN):
                 res = None
             if isinstance(res, Claimed):
-                self.table.open(Job(job_id=job_id, prompt="", tenant=tenant), rec.priority, Offset(tp, rec.offset), rec.enqueue_time,
-                                res.token, res.attempt, res.next_seq)
+                self.table.open(Job(job_id=job_id, prompt="", tenant=tenant), rec.priority, Offset(tp, rec.offset),
+                                rec.enqueue_time, res.token, res.attempt, res.next_seq)
                 self.table.finish_local(job_id, FinishReason.REJECTED, ErrorInfo(code="invalid_job", message=error))
                 self._wake()
                 return

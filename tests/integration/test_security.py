@@ -211,6 +211,8 @@ FAILURES = {
                                                   "INFLIGHT_REDIS__PASSWORD_FILE":
                                                       "{secrets}/inflight-worker.redis-password"},
                           EXIT_AUTHORIZATION, ["User:inflight-noacl", "may not use topics", "inflight acl kafka"]),
+    "kafka group not granted": ("worker-scram-sha-512", {"INFLIGHT_KAFKA__GROUP_ID": "not-granted"},
+                                EXIT_AUTHORIZATION, ["consumer group 'not-granted'", "kafka.group_id"]),
     "redis wrong password": ("worker-mtls", {"INFLIGHT_REDIS__PASSWORD_FILE": "",
                                              "INFLIGHT_REDIS__PASSWORD": "Wr0ng-Pa55word"},
                              EXIT_AUTHENTICATION, ["refused user 'inflight-worker'", "redis.password"]),
