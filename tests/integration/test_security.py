@@ -193,6 +193,17 @@ def test_topic_creation_and_preflight_on_the_secured_stack(secure_stack):
     assert [got[n].status for n in ("kafka", "topics", "consumer group", "redis")] == ["pass"] * 4, got
     assert "unknown (CONFIG GET not allowed" in got["redis persistence"].detail  # the worker user may not CONFIG
 
+    # refused: each failing check names the setting to fix, not just the address
+    cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, sasl_password="Wr0ng-Pa55word",
+                                                                     sasl_password_file=None),
+                                  redis=msgspec.structs.replace(cfg.redis, ssl_cafile=str(secure_stack.certs /
+                                                                                          "rogue-ca.pem")))
+    got = {c.name: c for c in asyncio.run(checks())}
+    assert (got["kafka"].status, got["kafka"].setting) == (
+        "fail", "kafka.sasl_username and kafka.sasl_password / kafka.sasl_password_file"), got["kafka"]
+    assert (got["redis"].status, got["redis"].setting) == ("fail", "redis.ssl_cafile"), got["redis"]
+    assert "Wr0ng-Pa55word" not in got["kafka"].detail
+
 
 FAILURES = {
     # case: (config principal-mode, env overrides, exit code, words of the one error line)

@@ -148,3 +148,34 @@ def test_refused_access_is_logged_at_once_then_at_most_once_per_interval():
         levels.append(ep.observe("access_refused")[0])
     W, D = 30, 10  # logging.WARNING, logging.DEBUG
     assert levels == [W, D, D, D, W, D, W]
+
+
+def test_publisher_builds_each_events_keys_with_its_jobs_tenant():
+    """Round.tenants from the job table reach the publish script's keys; a restore after
+    data loss finds the tenant of held and recently finished jobs (JobTable.tenant_of)."""
+    from schemas.wire import Job
+    from worker.claims import ClaimStore
+    from worker.engine import RequestOutput
+    from worker.jobs import JobTable, Offset
+    from worker.publish import Publisher
+
+    class FakeRedis:
+        def register_script(self, src):
+            return None
+
+    table = JobTable("w1")
+    for jid, tenant in (("a1", "acme"), ("n1", None)):
+        table.open(Job(job_id=jid, prompt="x", tenant=tenant), "normal", Offset("tp", 0), 0.0, "tok", 1, 0)
+        table.accepted(jid)
+        table.apply_outputs([RequestOutput(jid, [5], "y", finished=True, finish_reason="length")])
+    rnd = table.drain()
+    assert rnd.tenants == ["acme", "acme", "acme", None, None, None]
+    pub = Publisher(FakeRedis(), RedisConfig(), ClaimStore(FakeRedis(), "inflight", "w1", lease_ms=1000, ttl_s=60,
+                                                           tombstone_ttl_s=60), table)
+    ks, _ = pub._script_args(rnd)
+    assert "inflight:t:acme:job:a1:log" in ks and "inflight:t:acme:job:a1" in ks
+    assert "inflight:job:n1:log" in ks and not any(k.startswith("inflight:job:a1") and k.endswith((":log", "a1"))
+                                                   for k in ks)
+    assert "inflight:job:a1:claim" in ks  # the terminal event's worker-internal keys: per job id
+    table.done(rnd.finished[0])
+    assert table.tenant_of("a1") == "acme" and table.tenant_of("n1") is None and table.tenant_of("zz") is None
