@@ -133,13 +133,21 @@ def test_main_job_end_to_end_on_the_secured_stack(secure_stack, engine_factory, 
 
                 # the durable outcomes, read back by the producer principal (Read on results)
                 recorded = await client.lookup_results(ids + [cj])
+
+                # the CLI with a tenant client's config (producer over mTLS, tenant-a's reader user)
+                cli = await asyncio.to_thread(subprocess.run, [
+                    sys.executable, "-m", "worker", "submit", "--config",
+                    str(stack.configs / "inflight-reader-tenant-a.yaml"), "--tenant", "tenant-a", "--prompt", "From the CLI",
+                    "--max-tokens", "4", "--job-id", f"{run}-cli", "--stream", "--timeout", "60"],
+                    capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+                ready = w.health.readiness()
             committed = await committed_reaches_end(admin_kafka.bootstrap_servers, stack.group_id, stack.prefix,
                                                     security=kafka_security_kwargs(admin_kafka), timeout=30)
         finally:
             await stop_worker(w, task)
-        return ids, results, tj, tenant_events, cj, cancelled, poison, dead, recorded, committed
+        return ids, results, tj, tenant_events, cj, cancelled, poison, dead, recorded, committed, cli, ready
 
-    ids, results, tj, tenant_events, cj, cancelled, poison, dead, recorded, committed = asyncio.run(main())
+    ids, results, tj, tenant_events, cj, cancelled, poison, dead, recorded, committed, cli, ready = asyncio.run(main())
     for jid, events in zip(ids, results):
         fin = assert_well_formed(events, jid)
         assert isinstance(events[0], Started) and fin.finish_reason in ("stop", "length")
@@ -154,6 +162,8 @@ def test_main_job_end_to_end_on_the_secured_stack(secure_stack, engine_factory, 
     assert len(mine) == 1 and dict(mine[0].headers)[DLQ_HEADER_REASON] == b"invalid_job"
     assert mine[0].value == b'{"job_id": "%s-poison", "prompt": 7}' % run.encode()
     assert all(c == e for c, e in committed.values()), committed
+    assert cli.returncode == 0 and cli.stdout.splitlines()[0] == f"{run}-cli" and "[finished: length" in cli.stderr, cli
+    assert ready[0] is True, ready  # /readyz: Kafka and Redis checks pass over the secured connections
 
 
 @pytest.mark.parametrize("mode", ["plain", "scram-sha-256", "scram-sha-512", "sasl-plaintext", "mtls"])
