@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from schemas.wire import Cancel, Event, Job
+from schemas.wire import Cancel, Event, Job, check_tenant
 
 _encoder = msgspec.json.Encoder()
 _job = msgspec.json.Decoder(Job)
@@ -43,6 +43,20 @@ def recover_job_id(data: bytes) -> str | None:
         if isinstance(jid, str) and 0 < len(jid) <= 200:
             return jid
     return None
+
+
+def recover_tenant(data: bytes) -> str | None:
+    """Best effort, as `recover_job_id`: the `tenant` of an invalid record if it is a
+    valid tenant id (else None: its rejection goes to the stream of jobs without one)."""
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    tenant = obj.get("tenant") if isinstance(obj, dict) else None
+    try:
+        return check_tenant(tenant) if isinstance(tenant, str) else None
+    except ValueError:
+        return None
 
 
 def json_schemas() -> dict:

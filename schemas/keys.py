@@ -1,6 +1,24 @@
-"""Kafka topic names and Redis keys. Every key is built here, never inline."""
+"""Kafka topic names and Redis keys. Every key is built here, never inline.
+
+Redis keys of one job (prefix `inflight` = `redis.key_prefix`):
+
+    inflight:job:<id>                 channel: live events          | jobs without a tenant
+    inflight:job:<id>:log             stream: replay log            |
+    inflight:t:<tenant>:job:<id>      channel: live events          | jobs with a tenant
+    inflight:t:<tenant>:job:<id>:log  stream: replay log            |
+    inflight:job:<id>:{claim,attempts,failures,done,cancelled}      worker-internal, every job
+
+Only the two keys a stream consumer reads carry the tenant segment, so one ACL pattern
+per tenant (`tenant_pattern`: `inflight:t:<tenant>:job:*`, for keys and channels)
+covers exactly that tenant's channels and logs and nothing of the worker's bookkeeping.
+The worker-internal keys stay keyed by job id alone: job ids are unique across tenants,
+a claim must dedupe a job whatever its record says, and a cancel message (job id only)
+must find its tombstone.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 PRIORITIES = ("high", "normal", "low")
 
@@ -31,14 +49,43 @@ def all_topics(prefix: str) -> list[str]:
                                                          results_topic(prefix)]
 
 
-def channel(job_id: str, prefix: str = "inflight") -> str:
-    """Pub/sub channel with the job's live events."""
-    return f"{prefix}:job:{job_id}"
+class JobRef(NamedTuple):
+    """A job as its stream keys need it: id and tenant (None: no tenant)."""
+
+    job_id: str
+    tenant: str | None = None
 
 
-def log_key(job_id: str, prefix: str = "inflight") -> str:
+def _stream_base(job_id: str, prefix: str, tenant: str | None) -> str:
+    return f"{prefix}:t:{tenant}:job:{job_id}" if tenant else f"{prefix}:job:{job_id}"
+
+
+def channel(job_id: str, prefix: str = "inflight", tenant: str | None = None) -> str:
+    """Pub/sub channel with the job's live events (`…:t:<tenant>:job:<id>` for a tenant's
+    job). `tenant` must be a valid tenant id (`schemas.wire.check_tenant`)."""
+    return _stream_base(job_id, prefix, tenant)
+
+
+def log_key(job_id: str, prefix: str = "inflight", tenant: str | None = None) -> str:
     """Stream with every event of the job (replay for late or reconnecting clients)."""
-    return f"{prefix}:job:{job_id}:log"
+    return _stream_base(job_id, prefix, tenant) + ":log"
+
+
+def tenant_pattern(tenant: str | None, prefix: str = "inflight") -> str:
+    """Redis glob matching every channel and log key of one tenant's jobs (None: of the
+    jobs without a tenant), for ACL key (`~`) and channel (`&`) patterns and PSUBSCRIBE.
+    Tenant ids hold no `:` and no glob character, so no other tenant's keys match."""
+    return f"{prefix}:t:{tenant}:job:*" if tenant else f"{prefix}:job:*"
+
+
+def tombstone_pattern(prefix: str = "inflight") -> str:
+    """Redis glob of every cancel tombstone (ACL pattern of clients that may set them)."""
+    return f"{prefix}:job:*:cancelled"
+
+
+def key_space(prefix: str = "inflight") -> str:
+    """Redis glob of every key and channel under `prefix` (the worker's ACL pattern)."""
+    return f"{prefix}:*"
 
 
 def claim_key(job_id: str, prefix: str = "inflight") -> str:

@@ -8,6 +8,7 @@ out-of-range values fail with a message naming the field (`msgspec.ValidationErr
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -15,7 +16,30 @@ import msgspec
 from schemas.params import SamplingParams
 
 SCHEMA_VERSION = 1
-JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+JOB_ID_PATTERN = r"^[A-Za-z0-9._:@/+=-]+$"
+JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=JOB_ID_PATTERN)]
+# A tenant is spelled like a job id without `:`: it becomes one segment of Redis keys and
+# channels (`inflight:t:<tenant>:job:<id>`), and a `:` in it would let one tenant's ACL
+# pattern (`inflight:t:<tenant>:job:*`) match another tenant's keys. No glob character
+# (`*`, `?`, `[`, `\`) can occur either.
+TENANT_PATTERN = r"^[A-Za-z0-9._@/+=-]+$"
+TENANT_MAX_LENGTH = 200
+TenantId = Annotated[str, msgspec.Meta(min_length=1, max_length=TENANT_MAX_LENGTH, pattern=TENANT_PATTERN)]
+
+
+def check_tenant(tenant: str | None) -> str | None:
+    """`tenant` if it is a valid tenant id (or None).
+
+    Raises:
+        ValueError: not 1-64 characters of `A-Z a-z 0-9 . _ @ / + = -`.
+    """
+    if tenant is None:
+        return None
+    if not isinstance(tenant, str) or not 0 < len(tenant) <= TENANT_MAX_LENGTH or not re.fullmatch(
+            TENANT_PATTERN, tenant):
+        raise ValueError(f"tenant must be 1-{TENANT_MAX_LENGTH} characters of A-Z a-z 0-9 . _ @ / + = - "
+                         f"(no ':'), got {tenant!r}")
+    return tenant
 
 
 class FinishReason(enum.StrEnum):
@@ -54,7 +78,9 @@ class Job(msgspec.Struct, kw_only=True):
     Exactly one of `prompt` (text), `messages` (chat, rendered with the model's chat
     template) or `prompt_token_ids`. `deadline` and `created_at` are Unix epoch seconds;
     a job still waiting after its deadline ends as `finished(expired)`. `metadata` is
-    echoed back on the `started` and `finished` events.
+    echoed back on the `started` and `finished` events. A job with a `tenant` streams on
+    `inflight:t:<tenant>:job:<id>` (and `…:log`), so Redis ACLs can confine each tenant's
+    readers to its own jobs; without one, on `inflight:job:<id>`.
     """
 
     v: Literal[1] = 1
@@ -63,7 +89,7 @@ class Job(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    tenant: str | None = None
+    tenant: TenantId | None = None
     deadline: float | None = None
     created_at: float | None = None
     metadata: dict[str, Any] | None = None

@@ -49,10 +49,9 @@ from tools.bench_engine import (
     report_header,
     run_inflight,
 )
+from tools.connections import add_connection_args, connection_sections, worker_sections
 from tools.workloads import KINDS, TextTokens, make_workload, poisson_arrivals
 
-DEFAULT_KAFKA = f"127.0.0.1:{os.environ.get('INFLIGHT_DEV_KAFKA_PORT', '19092')}"
-DEFAULT_REDIS = f"redis://127.0.0.1:{os.environ.get('INFLIGHT_DEV_REDIS_PORT', '6390')}/0"
 PCTS = (50, 95, 99)
 
 
@@ -99,9 +98,12 @@ class WorkerProcess:
             "INFLIGHT_METRICS__HOST": "127.0.0.1",
             "INFLIGHT_METRICS__CHECK_INTERVAL_S": "1",
         })
+        argv = [sys.executable, "-m", "worker", "worker"]
+        if a.config:  # connection security of the file; the INFLIGHT_* variables above override the rest
+            argv += ["--config", a.config]
+            env.update(worker_sections(a.kafka_cfg, a.redis_cfg)[2])  # secret values given inline, if any
         self.log = open(log_path, "w")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker", "worker"], env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     async def metrics(self) -> dict[str, float]:
         """Scrape /metrics: {name{labels}: value} summed over label sets by bare name too."""
@@ -276,13 +278,14 @@ async def sweep(a, model: Path, device: str, text, engine_alone: dict) -> list[d
     from worker.topics import create_topics
 
     prefix = f"bench{uuid.uuid4().hex[:8]}"
-    await create_topics(a.kafka, prefix, partitions=3)
+    await create_topics(a.kafka, prefix, partitions=3, kafka=a.kafka_cfg)
     out_dir = Path(a.out)
     worker = WorkerProcess(a, model, device, prefix, out_dir / "bench_e2e_worker.log")
     rows = []
     try:
         await worker.wait_ready(300)
-        async with InflightClient(a.kafka, a.redis, topic_prefix=prefix, key_prefix=prefix) as client:
+        async with InflightClient(kafka=a.kafka_cfg, redis=a.redis_cfg, topic_prefix=prefix,
+                                  key_prefix=prefix) as client:
             for k, rate in enumerate(a.rates):
                 n = a.requests_per_rate or max(4, math.ceil(rate * a.duration))
                 work = make_workload(a.workload, n, vocab_size=engine_alone["vocab_size"], scale=a.scale,
@@ -419,8 +422,7 @@ def print_table(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results", help="folder for JSON, PNGs and the worker log")
-    p.add_argument("--kafka", default=DEFAULT_KAFKA)
-    p.add_argument("--redis", default=DEFAULT_REDIS)
+    add_connection_args(p)
     p.add_argument("--model", default=None,
                    help=f"HF checkpoint dir (default {DEFAULT_MODEL} on CPU, {GPU_MODEL} on CUDA; made if missing)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -437,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--consumer", default="stream", choices=["stream", "result"])
     add_size_args(p)
     a = p.parse_args(argv)
+    a.kafka_cfg, a.redis_cfg = connection_sections(a)
     a.command_line = "python -m tools.bench_e2e " + " ".join(argv if argv is not None else sys.argv[1:])
     device = a.device if a.device != "auto" else default_device()
     apply_device_defaults(a, device)

@@ -40,8 +40,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_KAFKA = f"127.0.0.1:{os.environ.get('INFLIGHT_DEV_KAFKA_PORT', '19092')}"
-DEFAULT_REDIS = f"redis://127.0.0.1:{os.environ.get('INFLIGHT_DEV_REDIS_PORT', '6390')}/0"
+from tools.connections import add_connection_args, connection_sections, worker_sections
+
 PROMPT_LEN = 32
 BLOCK = 16
 
@@ -178,8 +178,9 @@ async def produce(a, prefix: str, num_jobs: int, output_len: int) -> list[str]:
     from schemas.codec import encode
     from schemas.params import SamplingParams
     from schemas.wire import Job
+    from worker.kafka_security import kafka_security_kwargs
 
-    producer = AIOKafkaProducer(bootstrap_servers=a.kafka, linger_ms=5, acks=1)
+    producer = AIOKafkaProducer(bootstrap_servers=a.kafka, linger_ms=5, acks=1, **kafka_security_kwargs(a.kafka_cfg))
     await producer.start()
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     ids = [f"{prefix}-{i}" for i in range(num_jobs)]
@@ -195,12 +196,13 @@ async def produce(a, prefix: str, num_jobs: int, output_len: int) -> list[str]:
 
 
 async def subscribe(a, prefix: str, n: int, stop: asyncio.Event, counts: list[int]) -> None:
-    import redis.asyncio as aioredis
+    from schemas import keys
+    from worker.redis_security import redis_client
 
     async def one(k: int) -> None:
-        r = aioredis.from_url(a.redis)
+        r = redis_client(a.redis_cfg)
         ps = r.pubsub()
-        await ps.psubscribe(f"{prefix}:job:*")
+        await ps.psubscribe(keys.tenant_pattern(None, prefix))
         try:
             while not stop.is_set():
                 msg = await ps.get_message(ignore_subscribe_messages=True, timeout=0.2)
@@ -214,21 +216,23 @@ async def subscribe(a, prefix: str, n: int, stop: asyncio.Event, counts: list[in
 
 
 async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, running: int, tmp: Path) -> dict:
-    import redis.asyncio as aioredis
     import yaml
 
     from schemas import keys
+    from worker.redis_security import redis_client
     from worker.topics import create_topics
 
     prefix = f"pipe{uuid.uuid4().hex[:8]}"
-    await create_topics(a.kafka, prefix, partitions=a.partitions)
+    await create_topics(a.kafka, prefix, partitions=a.partitions, kafka=a.kafka_cfg)
     ids = await produce(a, prefix, num_jobs, output_len)
     tuning = tuning_dict(running, output_len)
+    kafka_section, redis_section, secret_env = worker_sections(a.kafka_cfg, a.redis_cfg)
+    kafka_section.update(topic_prefix=prefix, group_id=f"{prefix}-workers", commit_interval_ms=200)
+    redis_section.update(key_prefix=prefix, log_ttl_s=600)
     cfg = {
         "serving_tuning": tuning,
-        "kafka": {"bootstrap_servers": a.kafka, "topic_prefix": prefix, "group_id": f"{prefix}-workers",
-                  "commit_interval_ms": 200},
-        "redis": {"url": a.redis, "key_prefix": prefix, "log_ttl_s": 600},
+        "kafka": kafka_section,
+        "redis": redis_section,
         "worker": {"worker_id": f"{prefix}-w", "engine_process": a.engine_process, "log_level": "WARNING"},
         "metrics": {"port": None},
     }
@@ -243,9 +247,9 @@ async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, ru
     with open(log_path, "a") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tools.bench_pipeline", "worker", "--config", str(cfg_path),
                                  "--device-ms", str(device_ms), "--tuning", json.dumps(tuning)],
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **secret_env})
     sampler = CpuSampler(proc.pid)
-    r = aioredis.from_url(a.redis)
+    r = redis_client(a.redis_cfg)
     try:
         remaining = list(ids)
         deadline = time.monotonic() + a.timeout
@@ -373,8 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--config", required=True)
     w.add_argument("--device-ms", type=float, required=True)
     w.add_argument("--tuning", required=True)
-    p.add_argument("--kafka", default=DEFAULT_KAFKA)
-    p.add_argument("--redis", default=DEFAULT_REDIS)
+    add_connection_args(p)
     p.add_argument("--device-ms", type=float, nargs="+", default=[0, 2, 5, 15])
     p.add_argument("--output-lens", type=int, nargs="+", default=[4, 64, 512])
     p.add_argument("--running", type=int, default=256)
@@ -391,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(a)
     from tools.bench_engine import _machine
 
+    a.kafka_cfg, a.redis_cfg = connection_sections(a)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     rows = asyncio.run(run_grid(a))
     report = {"mode": "pipeline", "command": "python -m tools.bench_pipeline " + " ".join(argv or sys.argv[1:]),

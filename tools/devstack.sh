@@ -7,6 +7,9 @@
 #   tools/devstack.sh up       start what is not running, wait until both answer, create topics
 #   tools/devstack.sh down     stop only the processes this script started (by PID)
 #   tools/devstack.sh status
+#   tools/devstack.sh up|down|status --secure
+#                              the secured stack beside the open one (its own ports and state):
+#                              TLS, SASL/SCRAM, mutual TLS and ACLs; see tools/devstack_secure.sh
 #
 # Ports: INFLIGHT_DEV_KAFKA_PORT (19092), INFLIGHT_DEV_REDIS_PORT (6390).
 # State (pid files, logs, Kafka's data): INFLIGHT_DEV_STATE, default .cache/devstack for
@@ -15,6 +18,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+ACTION=${1:-up}
+if [ "${2:-}" = "--secure" ] || [ "${1:-}" = "--secure" ]; then
+  [ "${1:-}" = "--secure" ] && ACTION=${2:-up}
+  exec tools/devstack_secure.sh "$ACTION"
+fi
 KAFKA_PORT=${INFLIGHT_DEV_KAFKA_PORT:-19092}
 CONTROLLER_PORT=$((KAFKA_PORT + 1))
 REDIS_PORT=${INFLIGHT_DEV_REDIS_PORT:-6390}
@@ -23,19 +31,8 @@ if [ "$KAFKA_PORT:$REDIS_PORT" = "19092:6390" ]; then
 else
   STATE=${INFLIGHT_DEV_STATE:-$ROOT/.cache/devstack-$KAFKA_PORT-$REDIS_PORT}
 fi
-LIBS=$ROOT/.cache/kafka/libs
 mkdir -p "$STATE"
-
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-wait_port() {  # name port seconds pidfile logfile
-  for _ in $(seq 1 "$3"); do
-    port_open "$2" && return 0
-    if ! alive "$4"; then echo "devstack: $1 exited; last log lines:" >&2; tail -n 30 "$5" >&2 || true; return 1; fi
-    sleep 1
-  done
-  echo "devstack: $1 did not answer on port $2 within $3 s" >&2; tail -n 30 "$5" >&2 || true; return 1
-}
+source tools/devstack_lib.sh
 
 redis_up() {
   if alive "$STATE/redis.pid"; then return 0; fi
@@ -48,20 +45,6 @@ redis_up() {
     --pidfile "$STATE/redis.pid" --logfile "$STATE/redis.log" --dir "$STATE"
   for _ in $(seq 1 50); do [ -s "$STATE/redis.pid" ] && break; sleep 0.1; done
   wait_port redis "$REDIS_PORT" 20 "$STATE/redis.pid" "$STATE/redis.log"
-}
-
-kafka_libs() {
-  if [ ! -f "$LIBS/.complete" ]; then
-    echo "devstack: resolving Kafka jars from Maven Central into $LIBS" >&2
-    rm -rf "$LIBS"
-    if ! mvn -q -B -f tools/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory="$LIBS" \
-        -DincludeScope=runtime >"$STATE/mvn.log" 2>&1; then
-      cat "$STATE/mvn.log" >&2
-      echo "devstack: mvn could not resolve Kafka's jars (log above)" >&2
-      exit 1
-    fi
-    touch "$LIBS/.complete"
-  fi
 }
 
 kafka_up() {
@@ -117,18 +100,7 @@ PROPS
   wait_port kafka "$KAFKA_PORT" 90 "$STATE/kafka.pid" "$STATE/kafka.out"
 }
 
-down_one() {  # name pidfile
-  if alive "$2"; then
-    local pid; pid=$(cat "$2")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-    kill -9 "$pid" 2>/dev/null || true
-    echo "devstack: stopped $1 (pid $pid)"
-  fi
-  rm -f "$2"
-}
-
-case "${1:-up}" in
+case "$ACTION" in
   up)
     redis_up
     kafka_up
@@ -144,5 +116,5 @@ case "${1:-up}" in
     alive "$STATE/kafka.pid" && echo "kafka: running (pid $(cat "$STATE/kafka.pid"), port $KAFKA_PORT)" || echo "kafka: stopped"
     alive "$STATE/redis.pid" && echo "redis: running (pid $(cat "$STATE/redis.pid"), port $REDIS_PORT)" || echo "redis: stopped"
     ;;
-  *) echo "usage: tools/devstack.sh up|down|status" >&2; exit 2 ;;
+  *) echo "usage: tools/devstack.sh up|down|status [--secure]" >&2; exit 2 ;;
 esac

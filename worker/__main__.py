@@ -7,6 +7,7 @@
     inflight cancel JOB_ID
     inflight topics create
     inflight schema                                 JSON Schema of jobs, cancels and events
+    inflight acl kafka | acl redis worker | acl redis reader --tenant T    the ACLs a deployment needs
     inflight generate --model PATH --prompt "Hi"   the engine alone, in this process
 """
 
@@ -18,8 +19,8 @@ import json
 import os
 import sys
 
-DEFAULT_KAFKA = os.environ.get("INFLIGHT_KAFKA__BOOTSTRAP_SERVERS", "127.0.0.1:19092")
-DEFAULT_REDIS = os.environ.get("INFLIGHT_REDIS__URL", "redis://127.0.0.1:6390/0")
+DEFAULT_KAFKA = "127.0.0.1:19092"  # also INFLIGHT_KAFKA__BOOTSTRAP_SERVERS, read by the config loader
+DEFAULT_REDIS = "redis://127.0.0.1:6390/0"  # also INFLIGHT_REDIS__URL
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -66,7 +67,7 @@ def _worker(a: argparse.Namespace) -> int:
         print("config error: model.path is required (or INFLIGHT_MODEL__PATH)", file=sys.stderr)
         return 2
     # model path, device or checkpoint format (FileNotFoundError / ValueError) are config errors
-    return _run(Worker(cfg).run(), bad_input="config error")
+    return _run(Worker(cfg).run(), bad_input="config error", kafka=cfg.kafka, redis=cfg.redis, log_errors=True)
 
 
 def _check(a: argparse.Namespace) -> int:
@@ -98,32 +99,61 @@ def _check(a: argparse.Namespace) -> int:
     return exit_code(checks)
 
 
-def _run(coro, *, bad_input: str) -> int:
+def _run(coro, *, bad_input: str, kafka=None, redis=None, log_errors: bool = False) -> int:
     """asyncio.run, with the failures a user can fix reported in one line, no traceback:
-    bad input (ValueError, FileNotFoundError; exit 2), unreachable Redis or Kafka (1),
-    a timeout (1)."""
+    bad input (ValueError, FileNotFoundError; exit 2), refused credentials, certificates
+    or permissions (`worker.access`: exit 3, 4 or 5, explained with the `kafka` / `redis`
+    settings given), unreachable Redis or Kafka (1), a timeout (1). `log_errors`: report
+    through the log (the worker's JSON lines) instead of a plain line on stderr."""
     from aiokafka.errors import KafkaConnectionError
     from redis.exceptions import ConnectionError as RedisConnectionError
 
+    from worker.access import AccessError, diagnose
+    from worker.publish import RedisUnavailable
+
+    async def explained():
+        try:
+            return await coro
+        except Exception as e:  # refused credentials / certificates / ACLs become one AccessError
+            err = await diagnose(e, kafka=kafka, redis=redis)
+            if err is not None:
+                raise err from None
+            raise
+
+    def report(line: str, **fields) -> None:
+        if log_errors:
+            import structlog
+
+            structlog.get_logger("worker").error(line, **fields)
+        else:
+            print(line, file=sys.stderr)
+
     try:
-        return asyncio.run(coro) or 0
+        return asyncio.run(explained()) or 0
+    except AccessError as e:
+        report(f"error: {e}" if not log_errors else f"cannot run: {e}", cause=e.cause, setting=e.setting,
+               exit_code=e.exit_code)
+        return e.exit_code
     except TimeoutError as e:
         print(f"\n[timeout: {e}]", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
-        print(f"{bad_input}: {e}", file=sys.stderr)
+        report(f"{bad_input}: {e}", exit_code=2)
         return 2
+    except RedisUnavailable as e:
+        report(f"error: {e}", exit_code=1)
+        return 1
     except (RedisConnectionError, KafkaConnectionError) as e:
-        print(f"error: cannot reach {'Redis' if isinstance(e, RedisConnectionError) else 'Kafka'}: {e}",
-              file=sys.stderr)
+        report(f"error: cannot reach {'Redis' if isinstance(e, RedisConnectionError) else 'Kafka'}: {e}",
+               exit_code=1)
         return 1
 
 
-async def _print_stream(client, job_id: str, timeout: float | None) -> int:
+async def _print_stream(client, job_id: str, timeout: float | None, tenant: str | None = None) -> int:
     from schemas.wire import Finished, Restarted, Started, Token
 
     code = 1
-    async for ev in client.stream(job_id, timeout_s=timeout):
+    async for ev in client.stream(job_id, tenant=tenant, timeout_s=timeout):
         if isinstance(ev, Started):
             print(f"[started on {ev.worker_id}, attempt {ev.attempt}]", file=sys.stderr)
         elif isinstance(ev, Restarted):
@@ -139,25 +169,86 @@ async def _print_stream(client, job_id: str, timeout: float | None) -> int:
     return code
 
 
-async def _client_cmd(a: argparse.Namespace) -> int:
+def _client_sections(a: argparse.Namespace):
+    """(kafka, redis) connection settings of a client command: the `kafka` and `redis`
+    sections of `--config` (+ INFLIGHT_* env overrides), with `--kafka` / `--redis` /
+    `--prefix` replacing address and prefixes. Raises ConfigError."""
+    import msgspec
+
+    from worker.config import load_config
+
+    cfg = load_config(a.config)
+    kafka, redis = cfg.kafka, cfg.redis
+    if a.kafka:
+        kafka = msgspec.structs.replace(kafka, bootstrap_servers=a.kafka)
+    if a.redis:
+        redis = msgspec.structs.replace(redis, url=a.redis)
+    if a.prefix:
+        kafka = msgspec.structs.replace(kafka, topic_prefix=a.prefix)
+        redis = msgspec.structs.replace(redis, key_prefix=a.prefix)
+    return kafka, redis
+
+
+async def _client_cmd(a: argparse.Namespace, kafka, redis) -> int:
     from schemas.params import SamplingParams
     from worker.client import InflightClient
 
-    async with InflightClient(a.kafka, a.redis, topic_prefix=a.prefix, key_prefix=a.prefix) as client:
+    async with InflightClient(kafka=kafka, redis=redis) as client:
         if a.cmd == "submit":
             params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
-            job_id = await client.submit(a.prompt, params=params, priority=a.priority, job_id=a.job_id)
+            job_id = await client.submit(a.prompt, params=params, priority=a.priority, job_id=a.job_id,
+                                         tenant=a.tenant)
             print(job_id)
             if a.stream:
-                return await _print_stream(client, job_id, a.timeout)
+                return await _print_stream(client, job_id, a.timeout, a.tenant)
             return 0
         if a.cmd == "stream":
-            return await _print_stream(client, a.job_id, a.timeout)
+            return await _print_stream(client, a.job_id, a.timeout, a.tenant)
         if a.cmd == "cancel":
             await client.cancel(a.job_id)
             print(f"cancel sent for {a.job_id} (no effect if it already finished)", file=sys.stderr)
             return 0
     return 1
+
+
+def _env_sets(section: str) -> bool:
+    """Any INFLIGHT_<SECTION>__* variable set (they configure clients without a file)."""
+    return any(k.startswith(f"INFLIGHT_{section}__") for k in os.environ)
+
+
+def _load_section(path: str | None, section: str):
+    """The `kafka` or `redis` section of a config file (+ env overrides), or exit code 2
+    after printing the config error."""
+    from worker.config import ConfigError, load_config
+
+    try:
+        return getattr(load_config(path), section)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+def _acl(a: argparse.Namespace) -> int:
+    import shlex
+
+    from worker import acl
+
+    if a.system == "kafka":
+        for row in acl.kafka_acls(a.prefix, a.group, worker=a.worker_principal, producer=a.producer_principal,
+                                  producer_reads_results=not a.no_results_read):
+            print(shlex.join(row.acl_command_args()))
+        return 0
+    if a.role is None:
+        print("error: acl redis needs a role: worker or reader", file=sys.stderr)
+        return 2
+    try:
+        rules = (acl.redis_worker_rules(a.prefix) if a.role == "worker"
+                 else acl.redis_reader_rules(a.tenant, a.prefix, may_cancel=a.may_cancel))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(" ".join(rules))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,9 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--json", action="store_true", help="print the checks as a JSON array")
 
     def client_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--kafka", default=DEFAULT_KAFKA, help="bootstrap servers")
-        sp.add_argument("--redis", default=DEFAULT_REDIS, help="Redis URL")
-        sp.add_argument("--prefix", default="inflight", help="topic and key prefix")
+        sp.add_argument("--config", help="YAML file whose `kafka` and `redis` sections give addresses, prefixes and "
+                        "connection security (SASL, TLS, client certificates, Redis ACL user); INFLIGHT_KAFKA__* / "
+                        "INFLIGHT_REDIS__* env vars override it")
+        sp.add_argument("--kafka", default=None, help=f"bootstrap servers (default: the config's, else {DEFAULT_KAFKA})")
+        sp.add_argument("--redis", default=None, help=f"Redis URL (default: the config's, else {DEFAULT_REDIS})")
+        sp.add_argument("--prefix", default=None, help="topic and key prefix (default: the config's, else inflight)")
         sp.add_argument("--timeout", type=float, default=None, help="seconds to wait for the end")
 
     s = sub.add_parser("submit", help="produce a job")
@@ -188,24 +282,41 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--job-id", default=None)
+    s.add_argument("--tenant", default=None, help="the job's tenant: its stream goes to the tenant's Redis keys")
     s.add_argument("--stream", action="store_true", help="stream the tokens to stdout")
     st = sub.add_parser("stream", help="stream a job's events (replays what already happened; waits for a job "
                         "not seen yet, up to --timeout)")
     client_args(st)
     st.add_argument("job_id")
+    st.add_argument("--tenant", default=None, help="the tenant the job was submitted with")
     c = sub.add_parser("cancel", help="cancel a job")
     client_args(c)
     c.add_argument("job_id")
 
     t = sub.add_parser("topics", help="manage topics")
     t.add_argument("action", choices=["create"])
-    t.add_argument("--bootstrap", default=DEFAULT_KAFKA)
-    t.add_argument("--prefix", default="inflight")
+    t.add_argument("--bootstrap", default=None, help=f"bootstrap servers (default: the config's, else {DEFAULT_KAFKA})")
+    t.add_argument("--config", help="YAML file whose `kafka` section gives the connection security (a principal "
+                   "allowed to create topics); INFLIGHT_KAFKA__* env vars override it")
+    t.add_argument("--prefix", default=None, help="topic prefix (default: the config's, else inflight)")
     t.add_argument("--partitions", type=int, default=6)
     t.add_argument("--replication-factor", type=int, default=1)
     t.add_argument("--quiet", action="store_true")
 
     sub.add_parser("schema", help="print the JSON Schema of the wire messages")
+
+    acl = sub.add_parser("acl", help="print the ACLs a deployment needs: Kafka's AclCommand (kafka-acls.sh) "
+                         "arguments, one line per grant, or a Redis user's ACL rules")
+    acl.add_argument("system", choices=["kafka", "redis"])
+    acl.add_argument("role", nargs="?", choices=["worker", "reader"], help="redis: whose rules")
+    acl.add_argument("--prefix", default="inflight", help="topic prefix (kafka) or key prefix (redis)")
+    acl.add_argument("--group", default="inflight-workers", help="kafka: the workers' group id")
+    acl.add_argument("--worker-principal", default="User:inflight-worker")
+    acl.add_argument("--producer-principal", default="User:inflight-producer")
+    acl.add_argument("--no-results-read", action="store_true",
+                     help="kafka: do not let the producer principal read the results topic")
+    acl.add_argument("--tenant", default=None, help="redis reader: the tenant (none: jobs without a tenant)")
+    acl.add_argument("--may-cancel", action="store_true", help="redis reader: may also set cancel tombstones")
 
     g = sub.add_parser("generate", help="run prompts through the engine in this process and stream the text")
     g.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
@@ -225,19 +336,45 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(a)
     if a.cmd == "check":
         return _check(a)
+    if a.cmd in ("submit", "stream", "cancel", "topics"):
+        import logging
+
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a refusal is explained in one line instead
     if a.cmd in ("submit", "stream", "cancel"):
-        return _run(_client_cmd(a), bad_input="error")  # bad input: job id, sampling values
+        from worker.config import ConfigError
+
+        try:
+            kafka, redis = _client_sections(a)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        # bad input: job id, tenant, sampling values
+        return _run(_client_cmd(a, kafka, redis), bad_input="error", kafka=kafka, redis=redis)
     if a.cmd == "topics":
         from worker.topics import create_topics
 
+        kafka = _load_section(a.config, "kafka") if (a.config or _env_sets("KAFKA")) else None
+        if isinstance(kafka, int):
+            return kafka
+        bootstrap = a.bootstrap or (kafka.bootstrap_servers if kafka is not None else DEFAULT_KAFKA)
+        prefix = a.prefix or (kafka.topic_prefix if kafka is not None else "inflight")
+        created: list[str] = []
+
+        async def create() -> None:
+            created.extend(await create_topics(bootstrap, prefix, a.partitions, a.replication_factor, kafka=kafka))
+
         try:
-            created = asyncio.run(create_topics(a.bootstrap, a.prefix, a.partitions, a.replication_factor))
+            code = _run(create(), bad_input="config error", kafka=kafka)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        if code:
+            return code
         if not a.quiet or created:
             print(f"created: {', '.join(created) or 'nothing (all exist)'}")
         return 0
+    if a.cmd == "acl":
+        return _acl(a)
     if a.cmd == "schema":
         from schemas.codec import json_schemas
 

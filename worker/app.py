@@ -35,7 +35,6 @@ import signal
 import socket
 import time
 
-import redis.asyncio as aioredis
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
@@ -45,6 +44,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.wire import FinishReason
+from worker.access import verify_access
 from worker.cancels import CancelListener
 from worker.claims import REDIS_DOWN, ClaimStore
 from worker.config import WorkerConfig, redacted_config
@@ -59,6 +59,7 @@ from worker.log import task_stacks
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
 from worker.publish import Publisher
+from worker.redis_security import redis_client
 from worker.results import ResultsLog
 from worker.server import HealthChecks, OpsServer
 from worker.starter import JobStarter
@@ -112,9 +113,10 @@ class Worker:
         log.info("starting worker", worker_id=self.worker_id, config=redacted_config(cfg))
         if self.server is not None:  # first, so /healthz answers while the model loads
             await self.server.start()
-        self.redis = aioredis.from_url(cfg.redis.url, health_check_interval=15,
-                                       retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
-                                       retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        await verify_access(cfg)  # wrong credentials, certificates or ACLs: fail now, before the model loads
+        self.redis = redis_client(cfg.redis, health_check_interval=15,
+                                  retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+                                  retry_on_error=[RedisConnectionError, RedisTimeoutError])
         rc = cfg.redis
         self.claims = ClaimStore(self.redis, rc.key_prefix, self.worker_id, lease_ms=rc.claim_lease_ms,
                                  ttl_s=rc.log_ttl_s, tombstone_ttl_s=rc.tombstone_ttl_s)

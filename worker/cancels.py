@@ -21,6 +21,7 @@ from aiokafka.errors import KafkaError
 
 from schemas import keys
 from schemas.codec import decode_cancel
+from worker.access import is_fatal_kafka
 from worker.config import KafkaConfig
 from worker.kafka_security import kafka_security_kwargs
 
@@ -54,11 +55,14 @@ class CancelListener:
 
     async def start(self) -> None:
         """Raises:
-        RuntimeError: the cancel topic does not exist (`inflight topics create`)."""
+        RuntimeError: the cancel topic does not exist (`inflight topics create`).
+        aiokafka.errors.TopicAuthorizationFailedError: the principal may not describe it."""
         await self.consumer.start()
         try:
             parts = await asyncio.wait_for(self._partitions_for(self.topic), 15)
-        except (TimeoutError, KafkaError):
+        except (TimeoutError, KafkaError) as e:
+            if is_fatal_kafka(e):  # not visible to this principal: say so, not "does not exist"
+                raise
             parts = None
         if not parts:
             raise RuntimeError(f"cancel topic {self.topic!r} does not exist; run `inflight topics create`")

@@ -3,7 +3,7 @@ owns claim leases, done marks, attempt counters, failure marks, cancel tombstone
 dataset epoch, and every Lua script that touches them (the event-append script in
 `publish.py` ends a job with `FINISH_LUA` from here).
 
-Per job (keys from `schemas.keys`):
+Per job (keys from `schemas.keys`; job id only, whatever the tenant: see there):
 
     claim      SET NX PX lease, value = this worker's claim token; renewed while it runs
     attempts   INCR on every claim: the `attempt` of the events
@@ -215,21 +215,24 @@ class ClaimStore:
         self._num_tokens += 1
         return f"{self.worker_id}:{self._nonce}:{self._num_tokens}"
 
-    async def take(self, job_ids: list[str]) -> list[TakeResult]:
-        """Claim a batch of jobs in one round trip (see the module docstring).
+    async def take(self, jobs: list[keys.JobRef | str]) -> list[TakeResult]:
+        """Claim a batch of jobs in one round trip (see the module docstring). Each job is
+        a `JobRef` (id and tenant: the log the next seq is read from) or a bare job id
+        (no tenant).
 
         Raises:
             EpochChanged: Redis lost its data; nothing was written.
             redis.exceptions.ConnectionError / TimeoutError: Redis unreachable.
         """
-        if not job_ids:
+        if not jobs:
             return []
         p = self.prefix
         ks = [keys.epoch_key(p)]
         tokens = []
-        for jid in job_ids:
-            ks += [keys.done_key(jid, p), keys.claim_key(jid, p), keys.attempts_key(jid, p), keys.log_key(jid, p),
-                   keys.failures_key(jid, p), keys.cancelled_key(jid, p)]
+        for job in jobs:
+            jid, tenant = (job, None) if isinstance(job, str) else job
+            ks += [keys.done_key(jid, p), keys.claim_key(jid, p), keys.attempts_key(jid, p),
+                   keys.log_key(jid, p, tenant), keys.failures_key(jid, p), keys.cancelled_key(jid, p)]
             tokens.append(self.new_token())
         raw = await self._run("take", ks, [self.epoch, self.lease_ms, self.ttl_s, *tokens])
         out: list[TakeResult] = []

@@ -8,12 +8,22 @@ event is missed between the two; it dedupes by `seq`, survives late subscription
 (a Redis restart), re-reads the log from the last seq after a reconnect, and passes
 `restarted` through (the caller drops earlier partial text). `result()` falls back to
 the durable results topic when Redis has no log of the job.
+
+Connections take the same settings as a worker: pass `kafka=KafkaConfig(...)` (SASL,
+TLS, client certificate) and `redis=RedisConfig(...)` (ACL user, TLS), e.g. the sections
+of a config file (`load_config(path).kafka`). A job with a `tenant` streams on its
+tenant's keys: pass the same `tenant` to `stream` / `result` / `read_log`, so a reader
+whose Redis user may only see that tenant's keys can follow it. Wrong credentials, an
+untrusted certificate or a missing permission raise `worker.access.AccessError` at once
+(one line naming the setting), never retried as if Redis or Kafka were down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,39 +35,65 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import keys
 from schemas.codec import decode_event, decode_job, encode
 from schemas.params import SamplingParams
-from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, Restarted, Token
+from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, Restarted, Token, check_tenant
+from worker import access
+from worker.config import KafkaConfig, RedisConfig
+from worker.kafka_security import kafka_security_kwargs
+from worker.redis_security import redis_pool
+
+log = logging.getLogger(__name__)
 
 
 class InflightClient:
     """Args:
-    bootstrap_servers: Kafka bootstrap servers.
-    redis_url: Redis URL the workers publish to.
-    topic_prefix, key_prefix: must match the workers' `kafka.topic_prefix` / `redis.key_prefix`.
+    bootstrap_servers: Kafka bootstrap servers (None: `kafka.bootstrap_servers`).
+    redis_url: Redis URL the workers publish to (None: `redis.url`).
+    kafka: Kafka connection settings (security protocol, SASL, TLS and client
+        certificate; also the default bootstrap servers and topic prefix). None: PLAINTEXT.
+    redis: Redis connection settings (ACL user, TLS and client certificate; also the
+        default URL and key prefix). None: `redis_url` as it is.
+    topic_prefix, key_prefix: must match the workers' `kafka.topic_prefix` /
+        `redis.key_prefix` (default: the configs', else `inflight`).
     reconnect_s: how long Redis may stay unreachable before `stream` gives up (when no
         `timeout_s` bounds it), seconds.
     results_fallback_s: `result()` looks the job up in the durable results topic once the
         Redis log has shown nothing for this long, and every 10 s after (a Redis that
-        restarted empty lost the log of a finished job; its outcome is still there).
+        restarted empty lost the log of a finished job; its outcome is still there). A
+        principal without Read on the results topic just goes without the fallback.
+
+    Raises:
+        ConfigError: a secret, CA, certificate or key file cannot be read or loaded.
     """
 
-    def __init__(self, bootstrap_servers: str, redis_url: str, *, topic_prefix: str = "inflight",
-                 key_prefix: str = "inflight", tombstone_ttl_s: int = 3600, reconnect_s: float = 60.0,
-                 results_fallback_s: float = 5.0) -> None:
-        self.bootstrap_servers = bootstrap_servers
-        self.topic_prefix = topic_prefix
-        self.key_prefix = key_prefix
+    def __init__(self, bootstrap_servers: str | None = None, redis_url: str | None = None, *,
+                 kafka: KafkaConfig | None = None, redis: RedisConfig | None = None,
+                 topic_prefix: str | None = None, key_prefix: str | None = None, tombstone_ttl_s: int = 3600,
+                 reconnect_s: float = 60.0, results_fallback_s: float = 5.0) -> None:
+        kafka = kafka or KafkaConfig()
+        if bootstrap_servers is not None:
+            kafka = msgspec.structs.replace(kafka, bootstrap_servers=bootstrap_servers)
+        redis = redis or RedisConfig()
+        if redis_url is not None:
+            redis = msgspec.structs.replace(redis, url=redis_url)
+        self.kafka_config = kafka
+        self.redis_config = redis
+        self.bootstrap_servers = kafka.bootstrap_servers
+        self.topic_prefix = topic_prefix or kafka.topic_prefix
+        self.key_prefix = key_prefix or redis.key_prefix
         self.tombstone_ttl_s = tombstone_ttl_s
         self.reconnect_s = reconnect_s
         self.results_fallback_s = results_fallback_s
+        self._kafka_security = kafka_security_kwargs(kafka)
+        self._results_denied = False
         # Blocking pool: many concurrent streams wait for a connection instead of failing.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            redis_url, max_connections=32, timeout=None, health_check_interval=15,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), retry_on_error=list(_REDIS_DOWN))
+        pool = redis_pool(redis, max_connections=32, timeout=None, health_check_interval=15,
+                          retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), retry_on_error=list(_REDIS_DOWN))
         self.redis = aioredis.Redis(connection_pool=pool)
         self._subscriber = _SharedSubscriber(self.redis)
         self._producer: AIOKafkaProducer | None = None
@@ -73,10 +109,25 @@ class InflightClient:
 
     async def _kafka(self) -> AIOKafkaProducer:
         if self._producer is None:
-            self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all",
-                                              max_request_size=16 * 1024 * 1024)
-            await self._producer.start()
+            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all",
+                                        max_request_size=16 * 1024 * 1024, **self._kafka_security)
+            try:
+                await producer.start()
+            except Exception as e:  # explain refused credentials or certificates (aiokafka only logs why)
+                await producer.stop()
+                err = await access.diagnose(e, kafka=self.kafka_config)
+                if err is not None:
+                    raise err from None
+                raise
+            self._producer = producer
         return self._producer
+
+    async def _send(self, topic: str, value: bytes, key: bytes) -> None:
+        producer = await self._kafka()
+        try:
+            await producer.send_and_wait(topic, value, key=key)
+        except access.KAFKA_AUTHORIZATION as e:
+            raise access.explain_kafka(e, self.kafka_config) from None
 
     async def close(self) -> None:
         if self._producer is not None:
@@ -127,20 +178,35 @@ class InflightClient:
         return job.job_id
 
     async def submit_job(self, job: Job, priority: str = "normal") -> None:
-        producer = await self._kafka()
-        await producer.send_and_wait(keys.job_topic(self.topic_prefix, priority), encode(job), key=job.job_id.encode())
+        """Produce an already built job.
+
+        Raises:
+            AccessError: the principal may not write the job topic (or cannot connect).
+        """
+        await self._send(keys.job_topic(self.topic_prefix, priority), encode(job), job.job_id.encode())
 
     async def cancel(self, job_id: str, reason: str | None = None) -> None:
-        """Cancel a job wherever it is. Also sets the tombstone directly, so a job that
-        no worker has consumed yet is dropped on arrival even if no worker is running."""
-        await self.redis.set(keys.cancelled_key(job_id, self.key_prefix), b"1", ex=self.tombstone_ttl_s)
-        producer = await self._kafka()
-        await producer.send_and_wait(keys.cancel_topic(self.topic_prefix), encode(Cancel(job_id=job_id, reason=reason)),
-                                     key=job_id.encode())
+        """Cancel a job wherever it is. Also sets the tombstone directly when this Redis
+        user may (SET on `inflight:job:*:cancelled`), so a job that no worker has consumed
+        yet is dropped on arrival even if no worker is running; without that permission
+        the worker sets it when it reads the cancel message."""
+        with contextlib.suppress(NoPermissionError):  # a reader-only user: the cancel message is enough
+            await self.redis.set(keys.cancelled_key(job_id, self.key_prefix), b"1", ex=self.tombstone_ttl_s)
+        await self._send(keys.cancel_topic(self.topic_prefix), encode(Cancel(job_id=job_id, reason=reason)),
+                         job_id.encode())
 
-    async def read_log(self, job_id: str, after_seq: int = -1) -> list[Event]:
-        """Events already in the job's log with seq > after_seq, in order."""
-        entries = await self.redis.xrange(keys.log_key(job_id, self.key_prefix))
+    async def read_log(self, job_id: str, after_seq: int = -1, *, tenant: str | None = None) -> list[Event]:
+        """Events already in the job's log with seq > after_seq, in order. `tenant`: the
+        job's tenant (its log is under the tenant's keys).
+
+        Raises:
+            ValueError: invalid tenant id.
+            AccessError: this Redis user may not read that log (NOPERM), or refused.
+        """
+        try:
+            entries = await self.redis.xrange(keys.log_key(job_id, self.key_prefix, check_tenant(tenant)))
+        except NoPermissionError as e:
+            raise access.explain_redis(e, self.redis_config) from None
         out = []
         for _, fields in entries:
             ev = decode_event(fields[b"e"])
@@ -148,9 +214,10 @@ class InflightClient:
                 out.append(ev)
         return out
 
-    async def stream(self, job_id: str, *, timeout_s: float | None = None, poll_s: float = 1.0,
-                     fallback: bool = False) -> AsyncIterator[Event]:
+    async def stream(self, job_id: str, *, tenant: str | None = None, timeout_s: float | None = None,
+                     poll_s: float = 1.0, fallback: bool = False) -> AsyncIterator[Event]:
         """Yield the job's events in `seq` order, each once, ending with `finished`.
+        `tenant`: the job's tenant (submitted with one, it streams on the tenant's keys).
 
         Connection errors (a Redis restart, a failover) are retried with backoff until
         `timeout_s` (or for `reconnect_s` of continuous failure when there is no
@@ -161,10 +228,17 @@ class InflightClient:
         Raises:
             TimeoutError: no terminal event within `timeout_s`.
             redis.exceptions.ConnectionError: Redis unreachable for longer than allowed.
+            ValueError: invalid tenant id.
+            AccessError: wrong credentials, an untrusted certificate, or this Redis user
+                may not subscribe to / read the job's channel and log (NOPERM).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        channel = keys.channel(job_id, self.key_prefix).encode()
-        queue = await self._subscriber.add(channel)
+        tenant = check_tenant(tenant)
+        channel = keys.channel(job_id, self.key_prefix, tenant).encode()
+        try:
+            queue = await self._subscriber.add(channel)
+        except NoPermissionError as e:
+            raise access.explain_redis(e, self.redis_config) from None
         last = -1
         started = time.monotonic()
         next_lookup = started + self.results_fallback_s
@@ -175,10 +249,12 @@ class InflightClient:
             while True:
                 try:
                     if need_log:
-                        evs = await self.read_log(job_id, last)
+                        evs = await self.read_log(job_id, last, tenant=tenant)
                         need_log = False
                     down_since, delay = None, 0.05
-                except _REDIS_DOWN:
+                except _REDIS_DOWN as e:
+                    if access.is_fatal_redis(e):  # refused, not down: retrying cannot help
+                        raise access.explain_redis(e, self.redis_config) or e from None
                     now = time.monotonic()
                     down_since = down_since or now
                     if deadline is not None and now > deadline:
@@ -199,9 +275,16 @@ class InflightClient:
                 now = time.monotonic()
                 if deadline is not None and now > deadline:
                     raise TimeoutError(f"job {job_id} did not finish within {timeout_s} s")
-                if fallback and last < 0 and now >= next_lookup:
+                if fallback and last < 0 and now >= next_lookup and not self._results_denied:
                     next_lookup = now + 10.0
-                    found = await self.lookup_results([job_id])
+                    try:
+                        found = await self.lookup_results([job_id])
+                    except access.AccessError as e:
+                        if e.exit_code != access.EXIT_AUTHORIZATION:
+                            raise
+                        self._results_denied = True  # this principal may not read outcomes: Redis only
+                        log.warning("results fallback disabled: %s", e)
+                        found = {}
                     if job_id in found:
                         yield found[job_id]
                         return
@@ -211,6 +294,8 @@ class InflightClient:
                     data = _RESYNC
                 if data is _RESYNC:
                     need_log = True
+                elif isinstance(data, _Denied):
+                    raise access.explain_redis(data.error, self.redis_config) from None
                 else:
                     ev = decode_event(data)
                     if ev.seq > last + 1:  # a gap: fill it from the log
@@ -220,14 +305,16 @@ class InflightClient:
         finally:
             await self._subscriber.remove(channel, queue)
 
-    async def result(self, job_id: str, timeout_s: float | None = None) -> Finished:
+    async def result(self, job_id: str, timeout_s: float | None = None, *, tenant: str | None = None) -> Finished:
         """Wait for the job's terminal event; falls back to the durable results topic when
         the Redis log stays empty (see `results_fallback_s`).
 
         Raises:
             TimeoutError: no terminal event within `timeout_s`.
+            AccessError: see `stream`.
         """
-        async with contextlib.aclosing(self.stream(job_id, timeout_s=timeout_s, fallback=True)) as events:
+        async with contextlib.aclosing(self.stream(job_id, tenant=tenant, timeout_s=timeout_s,
+                                                   fallback=True)) as events:
             async for ev in events:
                 if isinstance(ev, Finished):
                     return ev
@@ -235,7 +322,11 @@ class InflightClient:
 
     async def lookup_results(self, job_ids: list[str], timeout_s: float = 30.0) -> dict[str, Finished]:
         """The recorded terminal events of `job_ids` from the durable results topic (jobs
-        not finished yet are absent). Concurrent lookups share one scan."""
+        not finished yet are absent). Concurrent lookups share one scan.
+
+        Raises:
+            AccessError: the principal may not read the results topic (or is refused).
+        """
         from worker.results import read_results
 
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -243,20 +334,36 @@ class InflightClient:
         async with self._results_lock:
             if not fut.done():
                 batch, self._lookups = self._lookups, []
-                if self._results_consumer is None:
-                    self._results_consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers,
-                                                              group_id=None, enable_auto_commit=False)
-                    await self._results_consumer.start()
-                wanted = sorted(set().union(*(ids for ids, _ in batch)))
-                producer = await self._kafka()
-                found = await read_results(self._results_consumer, producer.partitions_for, self.topic_prefix, wanted,
-                                           timeout_s)
-                for ids, f in batch:
-                    f.set_result({j: found[j] for j in ids if j in found})
+                try:
+                    if self._results_consumer is None:
+                        self._results_consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers,
+                                                                  group_id=None, enable_auto_commit=False,
+                                                                  **self._kafka_security)
+                        await self._results_consumer.start()
+                    wanted = sorted(set().union(*(ids for ids, _ in batch)))
+                    producer = await self._kafka()
+                    found = await read_results(self._results_consumer, producer.partitions_for, self.topic_prefix,
+                                               wanted, timeout_s)
+                except Exception as e:  # every waiter of this scan gets the (explained) failure
+                    err = await access.diagnose(e, kafka=self.kafka_config) or e
+                    for _, f in batch:
+                        if not f.done():
+                            f.set_exception(err)
+                else:
+                    for ids, f in batch:
+                        f.set_result({j: found[j] for j in ids if j in found})
         return await fut
 
 
 _RESYNC = object()
+
+
+class _Denied:
+    """Put in a stream's queue when the server refused its SUBSCRIBE (NOPERM)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
@@ -265,11 +372,17 @@ class _SharedSubscriber:
     hold a pooled connection each and exhaust the pool). Messages are dispatched to
     per-stream queues; after a connection error it reconnects with backoff, resubscribes
     every channel and tells each stream to re-read its log (before and after the
-    resubscription, so nothing published in between is missed)."""
+    resubscription, so nothing published in between is missed).
+
+    A SUBSCRIBE the server refuses (an ACL user confined to other channels) answers with
+    an error instead of its confirmation; replies come in order, so the refused channel
+    is the oldest one still waiting for its confirmation (`_pending`): its streams get
+    `_Denied` and the channel is dropped, the others are unaffected."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
         self.queues: dict[bytes, set[asyncio.Queue]] = {}
+        self._pending: collections.deque[bytes] = collections.deque()
         self._pubsub = None
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -284,6 +397,7 @@ class _SharedSubscriber:
             subs.add(q)
             if len(subs) == 1:
                 try:
+                    self._pending.append(channel)
                     await self._pubsub.subscribe(channel)
                 except _REDIS_DOWN:
                     q.put_nowait(_RESYNC)  # the reader reconnects and subscribes every channel
@@ -315,8 +429,11 @@ class _SharedSubscriber:
                 if not self._pubsub.subscribed:
                     await asyncio.sleep(0.05)
                     continue
-                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                msg = await self._pubsub.get_message(timeout=1.0)
                 delay = 0.05
+            except NoPermissionError as e:
+                self._deny(e)
+                continue
             except _REDIS_DOWN:
                 self._resync_all()
                 await asyncio.sleep(delay)
@@ -326,15 +443,31 @@ class _SharedSubscriber:
                         await self._pubsub.aclose()
                     self._pubsub = self.redis.pubsub()
                     try:
+                        self._pending.clear()
                         if self.queues:
+                            self._pending.extend(self.queues)
                             await self._pubsub.subscribe(*self.queues)
                         self._resync_all()
                     except _REDIS_DOWN:
                         pass  # still down: the next read fails and we come back here
                 continue
-            if msg is not None:
+            if msg is None:
+                continue
+            if msg["type"] == "subscribe":
+                with contextlib.suppress(ValueError):
+                    self._pending.remove(msg["channel"])
+            elif msg["type"] == "message":
                 for q in self.queues.get(msg["channel"], ()):
                     q.put_nowait(msg["data"])
+
+    def _deny(self, error: Exception) -> None:
+        if not self._pending:
+            return
+        channel = self._pending.popleft()
+        for q in self.queues.pop(channel, ()):
+            q.put_nowait(_Denied(error))
+        if self._pubsub is not None:
+            self._pubsub.channels.pop(channel, None)  # never resubscribed after a reconnect
 
     async def close(self) -> None:
         self._closed = True

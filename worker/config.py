@@ -16,6 +16,7 @@ OVERLOAD_POLICIES = ("queue_or_reject", "reject")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
 class ConfigError(ValueError):
@@ -31,6 +32,63 @@ def _positive(section: str, **fields: int | None) -> None:
 def _one_of(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{section}.{name} must be one of {sorted(allowed)}, got {value!r}")
+
+
+def _unused(section: str, why: str, **fields: object) -> None:
+    """Settings that would be silently ignored are errors (secrets excepted: a platform
+    may inject them into every environment)."""
+    for name, value in fields.items():
+        if value is not None:
+            raise ConfigError(f"{section}.{name} is set but unused with {why}")
+
+
+def _one_secret(section: str, name: str, value: str | None, path: str | None) -> None:
+    if value is not None and path is not None:
+        raise ConfigError(f"{section}.{name} and {section}.{name}_file are both set; set one")
+
+
+def _tls_fields(section: str, uses_tls: bool, why: str, cfg: object) -> None:
+    """Checks the ssl_* fields common to the kafka and redis sections."""
+    names = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")  # secrets may be injected everywhere: not checked
+    if not uses_tls:
+        _unused(section, why, **{n: getattr(cfg, n) for n in names})
+        return
+    _one_secret(section, "ssl_key_password", cfg.ssl_key_password, cfg.ssl_key_password_file)
+    if cfg.ssl_keyfile is not None and cfg.ssl_certfile is None:
+        raise ConfigError(f"{section}.ssl_keyfile is set without {section}.ssl_certfile (the client certificate)")
+    if (cfg.ssl_key_password is not None or cfg.ssl_key_password_file is not None) and cfg.ssl_certfile is None:
+        raise ConfigError(f"{section}.ssl_key_password is set without {section}.ssl_certfile (the client certificate)")
+
+
+def read_secret(field: str, value: str | None, path: str | None) -> str | None:
+    """A secret from its file (the first line, without the line break) or its value.
+
+    Args:
+        field: `<section>.<name>` for the error message (the file field is `<field>_file`).
+
+    Raises:
+        ConfigError: the file cannot be read; the message names `<field>_file` and the
+            path, never the content.
+    """
+    if path is None:
+        return value
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().rstrip("\r\n")
+    except OSError as e:
+        raise ConfigError(f"{field}_file: cannot read {path!r} ({e.strerror})") from None
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -142,8 +200,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Kafka connection and consumer-group settings.
 
-    `sasl_password` is best given through `INFLIGHT_KAFKA__SASL_PASSWORD` or
-    `sasl_password_file`; it is never logged.
+    Security (see the README's "Security"): `security_protocol` PLAINTEXT | SSL |
+    SASL_PLAINTEXT | SASL_SSL. SASL needs `sasl_mechanism` (PLAIN, SCRAM-SHA-256,
+    SCRAM-SHA-512), `sasl_username` and a password; TLS verifies the broker against
+    `ssl_cafile` (the system's CAs when unset) and presents a client certificate when
+    `ssl_certfile` is set (mutual TLS; `ssl_keyfile` if the key is in another file). Every
+    secret (`sasl_password`, `ssl_key_password`) comes from the environment
+    (`INFLIGHT_KAFKA__SASL_PASSWORD`) or from its `*_file` twin, and is never logged.
     """
 
     bootstrap_servers: str = "127.0.0.1:19092"
@@ -155,6 +218,11 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sasl_password: str | None = msgspec.field(default=None)
     sasl_password_file: str | None = None
     ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_key_password: str | None = None
+    ssl_key_password_file: str | None = None
+    ssl_check_hostname: bool = True
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000
@@ -182,20 +250,64 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.bootstrap_servers:
             raise ConfigError("kafka.bootstrap_servers must not be empty")
         _one_of("kafka", "security_protocol", self.security_protocol, SECURITY_PROTOCOLS)
+        uses_sasl = self.security_protocol.startswith("SASL_")
+        if uses_sasl:
+            if self.sasl_mechanism is None:
+                raise ConfigError(f"kafka.sasl_mechanism is required with security_protocol "
+                                  f"{self.security_protocol} (one of {sorted(SASL_MECHANISMS)})")
+            _one_of("kafka", "sasl_mechanism", self.sasl_mechanism, SASL_MECHANISMS)
+            if not self.sasl_username:
+                raise ConfigError(f"kafka.sasl_username is required with security_protocol {self.security_protocol}")
+            if self.sasl_password is None and self.sasl_password_file is None:
+                raise ConfigError(f"kafka.sasl_password (e.g. INFLIGHT_KAFKA__SASL_PASSWORD) or "
+                                  f"kafka.sasl_password_file is required with security_protocol {self.security_protocol}")
+        else:
+            _unused("kafka", f"security_protocol {self.security_protocol} (no SASL)", sasl_mechanism=self.sasl_mechanism,
+                    sasl_username=self.sasl_username)
+        _one_secret("kafka", "sasl_password", self.sasl_password, self.sasl_password_file)
+        _tls_fields("kafka", self.security_protocol in ("SSL", "SASL_SSL"), f"security_protocol {self.security_protocol}",
+                    self)
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
 
     def password(self) -> str | None:
-        if self.sasl_password_file:
-            with open(self.sasl_password_file, encoding="utf-8") as f:
-                return f.read().strip()
-        return self.sasl_password
+        """The SASL password: `sasl_password_file`'s first line, else `sasl_password`.
+
+        Raises:
+            ConfigError: the file cannot be read (names `kafka.sasl_password_file`).
+        """
+        return read_secret("kafka.sasl_password", self.sasl_password, self.sasl_password_file)
+
+    def key_password(self) -> str | None:
+        """The client key's password: `ssl_key_password_file`'s first line, else
+        `ssl_key_password` (None: the key is not encrypted)."""
+        return read_secret("kafka.ssl_key_password", self.ssl_key_password, self.ssl_key_password_file)
+
+    def principal(self) -> str:
+        """Who the broker will think we are, for error messages: the SASL user, the
+        client certificate, or ANONYMOUS."""
+        if self.security_protocol.startswith("SASL_"):
+            return f"User:{self.sasl_username} ({self.sasl_mechanism})"
+        if self.ssl_certfile:
+            return f"the client certificate {self.ssl_certfile!r}"
+        return "User:ANONYMOUS"
 
     def __repr__(self) -> str:  # never print secrets
-        return f"KafkaConfig(bootstrap_servers={self.bootstrap_servers!r}, group_id={self.group_id!r}, ...)"
+        return (f"KafkaConfig(bootstrap_servers={self.bootstrap_servers!r}, group_id={self.group_id!r}, "
+                f"security_protocol={self.security_protocol!r}, ...)")
 
 
 class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Redis connection (`redis://` or `rediss://` URL; credentials may be in the URL or
-    given through `INFLIGHT_REDIS__URL`) and event retention.
+    """Redis connection (`redis://`, `rediss://` for TLS, or `unix://` URL) and event
+    retention.
+
+    Security: an ACL user with `username` and `password` (or `password_file`), or
+    credentials in the URL (given through `INFLIGHT_REDIS__URL`), not both. With
+    `rediss://` the server is verified against `ssl_cafile` (the system's CAs when unset)
+    and `ssl_certfile` / `ssl_keyfile` are presented when set (for `tls-auth-clients
+    yes`). Secrets come from the environment or their `*_file` twins, never logged.
 
     Attributes:
         log_ttl_s: lifetime of a job's replay log, done mark and counters after its
@@ -213,6 +325,15 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     url: str = "redis://127.0.0.1:6390/0"
     key_prefix: str = "inflight"
+    username: str | None = None
+    password: str | None = None
+    password_file: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_key_password: str | None = None
+    ssl_key_password_file: str | None = None
+    ssl_check_hostname: bool = True
     log_ttl_s: int = 3600
     log_maxlen: int = 10_000
     claim_lease_ms: int = 15_000
@@ -229,6 +350,40 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"redis.outage_limit_s must be > 0, got {self.outage_limit_s}")
         if not 0 <= self.publish_interval_ms <= 10_000:
             raise ConfigError(f"redis.publish_interval_ms must be in [0, 10000], got {self.publish_interval_ms}")
+        _one_secret("redis", "password", self.password, self.password_file)
+        from urllib.parse import urlsplit
+
+        in_url = urlsplit(self.url)
+        if (self.password is not None or self.password_file is not None) and in_url.password:
+            raise ConfigError("redis.password / redis.password_file and a password in redis.url are both set; "
+                              "set one")
+        if self.username and in_url.username:
+            raise ConfigError("redis.username and a user name in redis.url are both set; set one")
+        _tls_fields("redis", self.uses_tls, "a redis:// or unix:// URL (TLS needs rediss://)", self)
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.url.startswith("rediss://")
+
+    def secret_password(self) -> str | None:
+        """The ACL password: `password_file`'s first line, else `password` (None: the
+        URL's, or none)."""
+        return read_secret("redis.password", self.password, self.password_file)
+
+    def key_password(self) -> str | None:
+        """The client key's password (None: the key is not encrypted)."""
+        return read_secret("redis.ssl_key_password", self.ssl_key_password, self.ssl_key_password_file)
+
+    def user(self) -> str:
+        """The ACL user connections authenticate as, for error messages."""
+        from urllib.parse import unquote, urlsplit
+
+        name = self.username or unquote(urlsplit(self.url).username or "")
+        return name or "default"
+
+    def safe_url(self) -> str:
+        """`url` with its password replaced by `***` (for logs and messages)."""
+        return redact_url(self.url)
 
     def __repr__(self) -> str:
         return f"RedisConfig(url=<hidden>, key_prefix={self.key_prefix!r})"
@@ -313,20 +468,18 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 ENV_PREFIX = "INFLIGHT_"
 
 
-def redacted_config(cfg: WorkerConfig) -> dict:
-    """The config as plain data for logs, with credentials replaced by `***`
-    (`kafka.sasl_password`, the password in `redis.url`)."""
-    from urllib.parse import urlsplit, urlunsplit
+SECRET_FIELDS = {"kafka": ("sasl_password", "ssl_key_password"), "redis": ("password", "ssl_key_password")}
 
+
+def redacted_config(cfg: WorkerConfig) -> dict:
+    """The config as plain data for logs, with every secret replaced by `***`
+    (`SECRET_FIELDS` and the password in `redis.url`; the `*_file` paths are kept)."""
     data = msgspec.to_builtins(cfg)
-    if data["kafka"].get("sasl_password"):
-        data["kafka"]["sasl_password"] = "***"
-    parts = urlsplit(cfg.redis.url)
-    if parts.password:
-        user = parts.username or ""
-        host = parts.hostname or ""
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        data["redis"]["url"] = urlunsplit(parts._replace(netloc=netloc))
+    for section, names in SECRET_FIELDS.items():
+        for name in names:
+            if data[section].get(name) is not None:
+                data[section][name] = "***"
+    data["redis"]["url"] = redact_url(cfg.redis.url)
     return data
 
 

@@ -13,6 +13,7 @@ The send completes before the record's offset may be committed (at-least-once).
 from __future__ import annotations
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from schemas import keys
 from schemas.wire import (
@@ -24,6 +25,7 @@ from schemas.wire import (
     DLQ_HEADER_SOURCE_TOPIC,
     DLQ_HEADER_WORKER_ID,
 )
+from worker.access import raise_if_refused
 
 MAX_ERROR_BYTES = 4096
 
@@ -51,6 +53,8 @@ class DeadLetters:
         Raises:
             aiokafka.errors.KafkaError: the broker did not take it (the caller keeps the
                 record's offset open, so it is retried after a restart).
+            worker.access.Refused: the principal may not write the DLQ (retrying cannot
+                help; the worker stops with the cause).
         """
         headers = [
             (DLQ_HEADER_REASON, reason.encode()),
@@ -62,5 +66,9 @@ class DeadLetters:
         ]
         if job_id:
             headers.append((DLQ_HEADER_JOB_ID, job_id.encode()))
-        await self.producer.send_and_wait(self.topic, value=value, key=key, headers=headers)
+        try:
+            await self.producer.send_and_wait(self.topic, value=value, key=key, headers=headers)
+        except KafkaError as e:
+            raise_if_refused(e)
+            raise
         self.num_sent += 1

@@ -33,6 +33,7 @@ from schemas import keys
 from schemas.codec import decode_job, recover_job_id
 from schemas.wire import Job
 from worker import transient_log
+from worker.access import is_fatal_kafka
 from worker.config import KafkaConfig
 from worker.kafka_security import kafka_security_kwargs
 from worker.offsets import OffsetTracker
@@ -214,12 +215,15 @@ class Intake:
 
     # ---- the consume loop ------------------------------------------------------------
     async def run(self, stopping: asyncio.Event) -> None:
-        """Consume until `stopping`. Broker errors back off and retry; anything else
-        propagates (the worker stops and its jobs are redelivered)."""
+        """Consume until `stopping`. Broker errors back off and retry; authorization and
+        authentication errors (`access.is_fatal_kafka`) and anything else propagate (the
+        worker stops and its jobs are redelivered)."""
         while not stopping.is_set():
             try:
                 await self._iteration()
             except (KafkaError, IllegalStateError) as e:
+                if is_fatal_kafka(e):  # a missing ACL or refused credentials: retrying cannot help
+                    raise
                 level, fields = transient_log.observe_error(e)
                 log.log(level, "Kafka error in the consume loop; retrying", error=repr(e), **fields)
                 await asyncio.sleep(0.5)

@@ -114,6 +114,11 @@ class LocalJob:
         return self.job.job_id
 
     @property
+    def tenant(self) -> str | None:
+        """The job's tenant: its stream keys carry it (`schemas.keys`)."""
+        return self.job.tenant
+
+    @property
     def text(self) -> str:
         return "".join(self.text_parts)
 
@@ -134,11 +139,13 @@ class Applied:
 @dataclass(slots=True)
 class Round:
     """One publisher round: numbered events in publish order, and the jobs whose
-    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes."""
+    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes and
+    `tenants[i]` the tenant of its job (None: all events are of jobs without one)."""
 
     events: list[Event]
     encoded: list[bytes]
     finished: list[LocalJob]
+    tenants: list[str | None] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.events)
@@ -155,8 +162,9 @@ class JobTable:
         self._clock = clock
         self._jobs: dict[str, LocalJob] = {}
         self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
-        # job_id -> (done time, history, (reason, claim token, attempt)) of recently finished jobs
-        self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int]]] = OrderedDict()
+        # job_id -> (done time, history, (reason, claim token, attempt), tenant) of recently finished jobs
+        self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int], str | None]] = \
+            OrderedDict()
 
     # ---- queries ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -344,6 +352,7 @@ class JobTable:
         terminal) and hand them to the publisher as one round."""
         events: list[Event] = []
         encoded: list[bytes] = []
+        tenants: list[str | None] = []
         finished: list[LocalJob] = []
         dirty, self._dirty = self._dirty, {}
         for held in dirty.values():
@@ -353,26 +362,27 @@ class JobTable:
                 else:
                     ev = Started(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, worker_id=self.worker_id,
                                  queue_time_s=max(0.0, held.claim_time - held.enqueue_time), metadata=held.job.metadata)
-                self._add(held, ev, events, encoded)
+                self._add(held, ev, events, encoded, tenants)
             held._opening.clear()
             if held._delta_ids or held._delta_text:
                 ev = Token(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, text="".join(held._delta_text),
                            token_ids=held._delta_ids, logprobs=held._delta_logprobs)
-                self._add(held, ev, events, encoded)
+                self._add(held, ev, events, encoded, tenants)
                 held._delta_text, held._delta_ids, held._delta_logprobs = [], [], None
             if held._terminal is not None:
                 term = held._terminal
                 term.seq = held.next_seq
                 held._terminal = None
-                self._add(held, term, events, encoded)
+                self._add(held, term, events, encoded, tenants)
                 finished.append(held)
-        return Round(events, encoded, finished)
+        return Round(events, encoded, finished, tenants)
 
     @staticmethod
-    def _add(held: LocalJob, ev: Event, events: list, encoded: list) -> None:
+    def _add(held: LocalJob, ev: Event, events: list, encoded: list, tenants: list) -> None:
         data = encode(ev)
         events.append(ev)
         encoded.append(data)
+        tenants.append(held.tenant)
         held.history.append((ev.seq, data))
         held.next_seq += 1
 
@@ -382,7 +392,8 @@ class JobTable:
         held.state = JobState.DONE
         now = self._clock()
         if held.history and held.finish_reason is not None:
-            self._recent[held.job_id] = (now, held.history, (held.finish_reason.value, held.claim_token, held.attempt))
+            self._recent[held.job_id] = (now, held.history, (held.finish_reason.value, held.claim_token, held.attempt),
+                                       held.tenant)
             self._recent.move_to_end(held.job_id)
         held.history = []
         self._jobs.pop(held.job_id, None)
@@ -397,9 +408,17 @@ class JobTable:
         for held in self._jobs.values():
             if held.history:
                 yield held.job_id, list(held.history), None
-        for job_id, (_, history, term) in self._recent.items():
+        for job_id, (_, history, term, _tenant) in self._recent.items():
             if job_id not in self._jobs:
                 yield job_id, history, term
+
+    def tenant_of(self, job_id: str) -> str | None:
+        """The tenant of a held or recently finished job (None: none, or unknown)."""
+        held = self._jobs.get(job_id)
+        if held is not None:
+            return held.tenant
+        recent = self._recent.get(job_id)
+        return recent[3] if recent is not None else None
 
 
 def _round(x: float | None, nd: int = 4) -> float | None:

@@ -1,20 +1,82 @@
 """Kafka client security settings, shared by every Kafka client the project makes
-(intake, cancel listener, producers, topic admin, InflightClient)."""
+(intake, cancel listener, the worker's producer, topic admin, preflight, InflightClient,
+benchmarks), so each one connects in every mode the config allows: PLAINTEXT, SSL
+(optionally with a client certificate: mutual TLS), SASL_PLAINTEXT and SASL_SSL with
+PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512."""
 
 from __future__ import annotations
 
+import os
 import ssl
-from typing import Any
+from typing import TYPE_CHECKING
+
+from worker.config import ConfigError
+
+if TYPE_CHECKING:
+    from worker.config import KafkaConfig
 
 
-def kafka_security_kwargs(cfg: Any) -> dict:
-    """aiokafka keyword arguments for `cfg`'s security settings (a `KafkaConfig`, or any
-    object with `security_protocol`, `sasl_mechanism`, `sasl_username`, `password()`
-    and `ssl_cafile`). PLAINTEXT gives only `security_protocol`."""
+def kafka_security_kwargs(cfg: KafkaConfig) -> dict:
+    """aiokafka keyword arguments for `cfg`'s security settings (any aiokafka client:
+    consumer, producer, admin). PLAINTEXT gives only `security_protocol`.
+
+    Secrets are read from their files here (each call), so a rotated password file is
+    picked up by the next client made.
+
+    Raises:
+        ConfigError: a secret or certificate file cannot be read, or the client
+            certificate does not load (wrong key, wrong key password); the message names
+            the setting, never a secret.
+    """
     kw: dict = {"security_protocol": cfg.security_protocol}
-    if cfg.sasl_mechanism:
+    if cfg.security_protocol.startswith("SASL_"):
         kw.update(sasl_mechanism=cfg.sasl_mechanism, sasl_plain_username=cfg.sasl_username,
                   sasl_plain_password=cfg.password())
-    if cfg.security_protocol in ("SSL", "SASL_SSL"):
-        kw["ssl_context"] = ssl.create_default_context(cafile=cfg.ssl_cafile)
+    if cfg.uses_tls:
+        kw["ssl_context"] = tls_context("kafka", cafile=cfg.ssl_cafile, certfile=cfg.ssl_certfile,
+                                        keyfile=cfg.ssl_keyfile, key_password=cfg.key_password(),
+                                        check_hostname=cfg.ssl_check_hostname)
     return kw
+
+
+def tls_context(section: str, *, cafile: str | None, certfile: str | None, keyfile: str | None,
+                key_password: str | None, check_hostname: bool = True) -> ssl.SSLContext:
+    """A client TLS context: verifies the server against `cafile` (the system's CAs when
+    None) and its host name (unless `check_hostname` is False), presents `certfile` (+
+    `keyfile`, decrypted with `key_password`) when given.
+
+    Raises:
+        ConfigError: naming `<section>.ssl_cafile`, `<section>.ssl_certfile` /
+            `ssl_keyfile` or `<section>.ssl_key_password` with the reason.
+    """
+    try:
+        ctx = ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"{section}.ssl_cafile: cannot load CA certificates from {cafile!r} ({_why(e)})") from None
+    ctx.check_hostname = check_hostname
+    if certfile:
+        try:
+            # never None: OpenSSL would prompt on the terminal for an encrypted key's password
+            ctx.load_cert_chain(certfile, keyfile, password=key_password if key_password else _no_password)
+        except FileNotFoundError:
+            missing = next((p for p in (certfile, keyfile) if p and not os.path.exists(p)), certfile)
+            raise ConfigError(f"{section}.ssl_certfile / ssl_keyfile: {missing!r} does not exist") from None
+        except ssl.SSLError as e:
+            hint = ""
+            if "BAD_DECRYPT" in str(e) or "bad decrypt" in str(e).lower():
+                hint = f"; is {section}.ssl_key_password right?"
+            elif key_password is None and "PEM" in str(e):
+                hint = f"; an encrypted key needs {section}.ssl_key_password(_file)"
+            raise ConfigError(f"{section}.ssl_certfile / ssl_keyfile: cannot load the client certificate "
+                              f"{certfile!r} ({_why(e)}){hint}") from None
+        except OSError as e:
+            raise ConfigError(f"{section}.ssl_certfile / ssl_keyfile: cannot read {certfile!r} ({_why(e)})") from None
+    return ctx
+
+
+def _no_password() -> bytes:
+    return b""
+
+
+def _why(e: BaseException) -> str:
+    return getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__

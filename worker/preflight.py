@@ -11,8 +11,11 @@ reported (`model.path`); the KV cache of `serving_tuning` fits the memory left a
 loading the model (`serving_tuning.max_total_tokens`); the metrics port can be bound
 (`metrics.port`). A check that depends on a failed one is skipped.
 
-What it cannot prove without joining the group: the Read permission a worker needs to
-join and commit (aiokafka cannot ask the broker for a group's authorized operations).
+What it cannot prove without joining the group or consuming: the Read permission a
+worker needs on the group and its topics, and Write on the DLQ and results topics (a
+worker stops with exit code 5 and the missing grant when one is refused). Refused
+credentials and certificates fail the `kafka` / `redis` check with the setting to fix
+(`worker.access`).
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.errors import KafkaConnectionError, KafkaError
 
+    from worker.access import AccessError, probe_kafka
+    from worker.config import ConfigError
     from worker.kafka_security import kafka_security_kwargs
 
     kc = cfg.kafka
@@ -91,12 +96,10 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
                Check("consumer group", "skip", "kafka.group_id", "not checked: Kafka unreachable")]
     try:
         security = kafka_security_kwargs(kc)
-    except OSError as e:
-        return [Check("kafka", "fail", "kafka.sasl_password_file",
-                      f"cannot read {kc.sasl_password_file!r}: {e.strerror}"), *skipped]
+    except ConfigError as e:  # the message starts with the setting: "kafka.ssl_certfile / …: why"
+        setting, _, why = str(e).partition(": ")
+        return [Check("kafka", "fail", setting, why or str(e)), *skipped]
     setting = "kafka.bootstrap_servers"
-    if kc.security_protocol != "PLAINTEXT":
-        setting += ", kafka.security_protocol, kafka.sasl_*, kafka.ssl_cafile"
     admin = AIOKafkaAdminClient(bootstrap_servers=kc.bootstrap_servers, client_id="inflight-check",
                                 request_timeout_ms=int(timeout_s * 1000), **security)
     try:
@@ -107,6 +110,12 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
             answer_ms = 1000 * (time.perf_counter() - t0)
             topics = await _visible_topics(admin, keys.all_topics(kc.topic_prefix), timeout_s)
         except (KafkaError, OSError, TimeoutError) as e:
+            if isinstance(e, KafkaConnectionError):  # aiokafka logged why; connect once more to name it
+                try:
+                    await probe_kafka(kc, timeout_s)
+                except AccessError as err:
+                    if err.exit_code != 1:  # refused credentials / certificate / protocol
+                        return [Check("kafka", "fail", err.setting, f"{err.cause}: {err.detail}"), *skipped]
             if isinstance(e, TimeoutError):
                 why = f"no answer within {timeout_s} s"
             elif isinstance(e, KafkaConnectionError):  # drop aiokafka's (host, port, family) tuples
@@ -203,13 +212,20 @@ async def redis_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
     """`redis`: PING, SET NX EX / GET / DEL of a probe key under `redis.key_prefix`,
     SCRIPT LOAD of the publisher's script; `redis persistence`: CONFIG GET appendonly
     and save ("unknown" where ACLs or a managed service deny CONFIG)."""
-    import redis.asyncio as aioredis
     from redis import exceptions as rex
 
+    from worker.access import explain_redis
+    from worker.config import ConfigError
     from worker.publish import APPEND_LUA
+    from worker.redis_security import redis_client
 
     url = redacted_config(cfg)["redis"]["url"]
-    client = aioredis.from_url(cfg.redis.url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        client = redis_client(cfg.redis, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    except ConfigError as e:
+        setting, _, why = str(e).partition(": ")
+        return [Check("redis", "fail", setting, why or str(e)),
+                Check("redis persistence", "skip", "redis.url", "not checked: Redis unusable")]
     try:
         try:
             t0 = time.perf_counter()
@@ -223,9 +239,11 @@ async def redis_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
                 raise rex.ResponseError(f"probe key {key} read back {read!r}")
             await client.script_load(APPEND_LUA)
         except (rex.RedisError, OSError) as e:
-            why = {rex.AuthenticationError: "authentication failed (user / password in the URL)",
-                   rex.NoPermissionError: f"this user's ACL denies a command the worker needs: {_short(e)}",
-                   rex.ReadOnlyError: "read-only (a replica?): the worker writes"}.get(type(e), _short(e))
+            err = explain_redis(e, cfg.redis)
+            if err is not None:
+                return [Check("redis", "fail", err.setting, f"{url}: {err.cause}: {err.detail}"),
+                        Check("redis persistence", "skip", "redis.url", "not checked: Redis unusable")]
+            why = {rex.ReadOnlyError: "read-only (a replica?): the worker writes"}.get(type(e), _short(e))
             return [Check("redis", "fail", "redis.url", f"{url}: {why}"),
                     Check("redis persistence", "skip", "redis.url", "not checked: Redis unusable")]
         checks = [Check("redis", "pass", "redis.url", f"{url}: PING {ping_ms:.1f} ms; probe key written with a TTL, "

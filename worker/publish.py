@@ -8,6 +8,8 @@ one merged `token` event, the terminal one) and sends them in one EVALSHA of
     XADD   inflight:job:{id}:log  (replay; capped, TTL refreshed when half gone)
     PUBLISH inflight:job:{id}     (live)
 
+(`inflight:t:{tenant}:job:{id}…` for a job with a tenant: `Round.tenants`, `schemas.keys`),
+
 unless the log already holds that `seq` or a later one (idempotent: a round re-sent after
 a connection error, or an event from a worker that lost the job's lease, never
 duplicates or reorders entries), and for a terminal event also sets the done mark,
@@ -37,6 +39,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from schemas import keys
 from schemas.wire import Finished
+from worker.access import is_fatal_redis
 from worker.claims import _LAST_SEQ, FINISH_LUA, REDIS_DOWN, ClaimStore, EpochChanged
 from worker.config import RedisConfig
 from worker.jobs import JobTable, Round
@@ -167,6 +170,8 @@ class Publisher:
             except EpochChanged:
                 await self.restore()
             except REDIS_DOWN as e:
+                if is_fatal_redis(e):  # refused (credentials rotated, certificate): not an outage
+                    raise
                 now = time.monotonic()
                 if self.outage_since is None:
                     self.outage_since = now
@@ -197,9 +202,10 @@ class Publisher:
         ks: list[str] = [keys.epoch_key(p)]
         args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s]
         tokens = {held.job_id: held.claim_token for held in rnd.finished}
-        for ev, data in zip(rnd.events, rnd.encoded):
+        tenants = rnd.tenants or [None] * len(rnd.events)
+        for ev, data, tenant in zip(rnd.events, rnd.encoded, tenants):
             jid = ev.job_id
-            ks += [keys.log_key(jid, p), keys.channel(jid, p)]
+            ks += [keys.log_key(jid, p, tenant), keys.channel(jid, p, tenant)]
             if isinstance(ev, Finished):
                 ks += self.claims.finish_keys(jid)
                 args += ["f", data, ev.seq, ev.finish_reason.value, tokens.get(jid, ""), ev.attempt]
@@ -223,8 +229,9 @@ class Publisher:
         args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s]
         n = 0
         for job_id, history, term in self.table.histories():
+            tenant = self.table.tenant_of(job_id)
             for seq, data in history:
-                ks += [keys.log_key(job_id, p), keys.channel(job_id, p)]
+                ks += [keys.log_key(job_id, p, tenant), keys.channel(job_id, p, tenant)]
                 if term is not None and seq == history[-1][0]:
                     reason, token, attempt = term
                     ks += self.claims.finish_keys(job_id)

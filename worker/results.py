@@ -17,11 +17,13 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
 from schemas import keys
 from schemas.codec import decode_event
 from schemas.wire import Finished
+from worker.access import raise_if_refused
 
 
 class ResultsLog:
@@ -42,9 +44,17 @@ class ResultsLog:
         Raises:
             aiokafka.errors.KafkaError: the broker did not take one (the caller retries;
                 the offsets stay uncommitted meanwhile).
+            worker.access.Refused: the principal may not write the results topic.
         """
         if not items:
             return
+        try:
+            await self._send(items)
+        except KafkaError as e:
+            raise_if_refused(e)
+            raise
+
+    async def _send(self, items: list[tuple[str, bytes]]) -> None:
         if not self._partitions:
             self._partitions = sorted(await self.producer.partitions_for(self.topic))
         parts = self._partitions

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,12 +27,15 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from worker import access
 from worker.config import ConfigError, MetricsConfig
 
 if TYPE_CHECKING:
     from worker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
+
+CAUSE_LOG_INTERVAL_S = 60.0
 
 
 class HealthChecks:
@@ -50,6 +54,7 @@ class HealthChecks:
         self.redis_ok = False
         self.redis_error: str | None = None
         self._parts: dict[str, Any] = {}
+        self._logged: dict[str, tuple[str, float]] = {}
         self._is_draining: Callable[[], bool] = lambda: False
 
     def attach(self, redis, intake, claims, publisher, table, engine, *, is_draining: Callable[[], bool]) -> None:
@@ -83,6 +88,31 @@ class HealthChecks:
                 log.warning("health check failed", error=repr(e)[:300])
             await asyncio.sleep(cfg.check_interval_s)
 
+    async def _kafka_cause(self, e: Exception, cfg, timeout: float) -> str:
+        """Why Kafka failed the check: explained if refused (credentials rotated away,
+        a certificate expired, an ACL removed), probing once when aiokafka hides it."""
+        err = access.explain_kafka(e, cfg)
+        if err is None:
+            try:
+                await asyncio.wait_for(access.probe_kafka(cfg, timeout), timeout)
+            except access.AccessError as found:
+                if found.exit_code != access.EXIT_UNREACHABLE:
+                    err = found
+            except Exception:  # the probe is best effort: keep the check's own error
+                pass
+        if err is None:
+            return repr(e)[:200] or type(e).__name__
+        return str(err)
+
+    def _log_cause(self, service: str, cause: str | None) -> None:
+        """Log a failing check's cause when it changes, else at most once per
+        CAUSE_LOG_INTERVAL_S (readiness shows it on every request)."""
+        now = time.monotonic()
+        last = self._logged.get(service)
+        if cause and (last is None or last[0] != cause or now - last[1] >= CAUSE_LOG_INTERVAL_S):
+            self._logged[service] = (cause, now)
+            log.warning("readiness check failed", service=service, cause=cause)
+
     async def check(self, timeout: float) -> None:
         """Redis PING (and the dataset epoch), Kafka end offsets of the assigned job
         partitions (or cluster metadata when none are assigned); sets readiness and the
@@ -94,7 +124,9 @@ class HealthChecks:
             if not await asyncio.wait_for(p["claims"].epoch_intact(), timeout):
                 await p["publisher"].restore()
         except Exception as e:
-            self.redis_ok, self.redis_error = False, repr(e)[:200]
+            err = access.explain_redis(e, p["publisher"].cfg)
+            self.redis_ok, self.redis_error = False, str(err) if err is not None else repr(e)[:200]
+            self._log_cause("redis", self.redis_error)
         intake = p["intake"]
         consumer = intake.consumer
         assigned = sorted(consumer.assignment(), key=lambda tp: (tp.topic, tp.partition))
@@ -111,7 +143,8 @@ class HealthChecks:
                 m.consumer_lag.clear()
             self.kafka_ok, self.kafka_error = True, None
         except Exception as e:
-            self.kafka_ok, self.kafka_error = False, repr(e)[:200] or type(e).__name__
+            self.kafka_ok, self.kafka_error = False, await self._kafka_cause(e, intake.cfg, timeout)
+            self._log_cause("kafka", self.kafka_error)
         m.assigned_partitions.set(len(assigned))
         m.paused_partitions.set(len(consumer.paused()))
         m.local_jobs.set(len(p["table"]))

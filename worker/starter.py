@@ -33,7 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from schemas.codec import recover_tenant
+from schemas.keys import JobRef
 from schemas.wire import ErrorInfo, FinishReason, Job
+from worker.access import is_fatal_redis
 from worker.claims import REDIS_DOWN, Claimed, ClaimStore, Contested, Done, EpochChanged
 from worker.engine import RequestRejected
 from worker.intake import JobRecord
@@ -131,11 +134,13 @@ class JobStarter:
         if not fresh:
             return []
         try:
-            results = await self.claims.take([r.job.job_id for r in fresh])
+            results = await self.claims.take([JobRef(r.job.job_id, r.job.tenant) for r in fresh])
         except EpochChanged:
             await self._restore()
-            results = await self.claims.take([r.job.job_id for r in fresh])
+            results = await self.claims.take([JobRef(r.job.job_id, r.job.tenant) for r in fresh])
         except REDIS_DOWN as e:
+            if is_fatal_redis(e):  # refused (credentials, certificate): not an outage to wait out
+                raise
             log.info("claims unavailable; will retry the batch", error=repr(e)[:200], records=len(fresh))
             return fresh
         contested = []
@@ -290,7 +295,9 @@ class JobStarter:
     # ---- records that are not jobs ---------------------------------------------------------
     async def reject_invalid(self, rec: JobRecord, job_id: str | None) -> None:
         """DLQ with the original bytes; `finished(rejected)`, code `invalid_job`, when a job id
-        is readable and nobody has answered it yet; the offset is done once that is out."""
+        is readable and nobody has answered it yet (on its tenant's stream when the record
+        holds a valid tenant, else on the stream of jobs without one); the offset is done
+        once that is out."""
         tp, error = rec.tp, rec.error or "invalid job"
         await self.dead_letters.send(rec.raw, rec.key, topic=tp.topic, partition=tp.partition, offset=rec.offset,
                                      reason="invalid_job", error=error, job_id=job_id)
@@ -299,13 +306,14 @@ class JobStarter:
         log.warning("invalid job record sent to the DLQ", error=error[:300], job_id=job_id, topic=tp.topic,
                     partition=tp.partition, offset=rec.offset, size=len(rec.raw))
         if job_id and job_id not in self.table:
+            tenant = recover_tenant(rec.raw)  # its stream is where the producer's reader waits
             try:
-                res = (await self.claims.take([job_id]))[0]
+                res = (await self.claims.take([JobRef(job_id, tenant)]))[0]
             except (EpochChanged, *REDIS_DOWN):
                 res = None
             if isinstance(res, Claimed):
-                self.table.open(Job(job_id=job_id, prompt=""), rec.priority, Offset(tp, rec.offset), rec.enqueue_time,
-                                res.token, res.attempt, res.next_seq)
+                self.table.open(Job(job_id=job_id, prompt="", tenant=tenant), rec.priority, Offset(tp, rec.offset),
+                                rec.enqueue_time, res.token, res.attempt, res.next_seq)
                 self.table.finish_local(job_id, FinishReason.REJECTED, ErrorInfo(code="invalid_job", message=error))
                 self._wake()
                 return

@@ -17,6 +17,12 @@ with `persisted_s`; an episode ends when its kind stays silent for `grace_s`. A 
 that recurs less often than every `grace_s` is never escalated here (/readyz and the
 Kafka metrics report lasting outages). Records of other loggers, of other messages and
 with tracebacks pass unchanged.
+
+One kind is not quiet: `access_refused` (refused credentials, an untrusted or rejected
+certificate, a topic "not authorized"), which aiokafka repeats on every reconnect
+attempt, is logged at warning at once and then at most once per `grace_s` while it
+repeats, so the cause is visible without flooding (a worker that meets it at start exits
+with it instead, see `worker/access.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ TRANSIENT_GRACE_S = 30.0
 # Connection first: "Group Coordinator Request failed: NodeNotReadyError" is the broker
 # being away, not its coordinator.
 TRANSIENT_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # Refused, not away: wrong credentials, an untrusted or rejected certificate. Before
+    # broker_unreachable, whose "Unable connect to" prefix these lines share.
+    ("access_refused", re.compile(
+        r"SaslAuthenticationFailed|UnsupportedSaslMechanism|CERTIFICATE_VERIFY_FAILED|ALERT_UNKNOWN_CA"
+        r"|ALERT_BAD_CERTIFICATE|ALERT_CERTIFICATE_UNKNOWN|CERTIFICATE_REQUIRED|is not authorized"
+        r"|Not authorized to")),
     ("broker_unreachable", re.compile(
         r"Unable connect to|Unable to update metadata|NodeNotReady|KafkaConnectionError|Connect call failed"
         r"|Connection at \S+ closed|RequestTimedOut")),
@@ -48,6 +60,9 @@ TRANSIENT_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
         r"|NotLeaderOrFollower|No partition metadata for topic")),
 )
 TRANSIENT_LOGGERS = ("aiokafka",)
+# Kinds whose cause an operator must see at once: warning on the first occurrence, then
+# at most one warning per grace interval while they repeat (debug in between).
+LOUD_KINDS = frozenset({"access_refused"})
 
 
 def transient_kind(message: str) -> str | None:
@@ -63,6 +78,7 @@ class _Episode:
     start: float
     last: float
     warned: bool = False
+    last_warning: float = 0.0
 
 
 class TransientEpisodes:
@@ -81,10 +97,23 @@ class TransientEpisodes:
 
     def observe(self, kind: str) -> tuple[int, dict]:
         """Record one occurrence of `kind` now. Returns (logging level, fields to log:
-        `transient` = kind, plus `persisted_s` on the warning)."""
+        `transient` = kind, plus `persisted_s` on the warning). `LOUD_KINDS` instead warn
+        at once and then at most once per `grace_s` while they repeat."""
         now = self._clock()
         with self._lock:
             ep = self._episodes.get(kind)
+            if kind in LOUD_KINDS:
+                if ep is None or now - ep.last_warning >= self.grace_s:
+                    ep = self._episodes[kind] = _Episode(start=now if ep is None else ep.start, last=now,
+                                                         warned=True, last_warning=now)
+                    level = logging.WARNING
+                else:
+                    level = logging.DEBUG
+                    ep.last = now
+                fields: dict = {"transient": kind}
+                if level == logging.WARNING and now > ep.start:
+                    fields["persisted_s"] = round(now - ep.start, 1)
+                return level, fields
             if ep is None or now - ep.last > self.grace_s:
                 ep = self._episodes[kind] = _Episode(start=now, last=now)
                 level = logging.INFO

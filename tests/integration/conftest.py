@@ -125,3 +125,80 @@ def own_redis(services, tmp_path):
     r.start()
     yield r
     r.kill()
+
+
+# ---- the secured stack (tools/devstack.sh up --secure) -----------------------------------
+SECURE_STATE = Path(os.environ.get("INFLIGHT_TEST_SECURE_STATE", ROOT / ".cache" / "devstack-secure"))
+
+
+class SecureStack:
+    """The secured dev stack as its manifest (`stack.json`) describes it: Kafka listeners
+    (`sasl_ssl`, `ssl`, `sasl_plaintext`), the TLS-only Redis, certificates, secrets and
+    one client config per principal and mode (`configs/<principal>-<mode>.yaml`)."""
+
+    def __init__(self, manifest: dict) -> None:
+        self.manifest = manifest
+        self.state = Path(manifest["state"])
+        self.certs = Path(manifest["certs"])
+        self.secrets = Path(manifest["secrets"])
+        self.configs = Path(manifest["configs"])
+        self.prefix = manifest["prefix"]
+        self.group_id = manifest["group_id"]
+        self.redis_url = manifest["redis"]
+
+    def config_path(self, principal: str, mode: str) -> Path:
+        """`mode`: scram-sha-512, scram-sha-256, plain (SASL_SSL), mtls (SSL), sasl-plaintext."""
+        return self.configs / f"inflight-{principal}-{mode}.yaml"
+
+    def sections(self, principal: str, mode: str, **redis_over):
+        """(KafkaConfig, RedisConfig) of `principal` in `mode`, Redis fields replaced by `redis_over`."""
+        import msgspec
+
+        from worker.config import load_config
+
+        cfg = load_config(str(self.config_path(principal, mode)), env={})
+        return cfg.kafka, msgspec.structs.replace(cfg.redis, **redis_over) if redis_over else cfg.redis
+
+    def reader(self, tenant: str | None):
+        """RedisConfig of the reader user of `tenant` (the stack's
+        configs/inflight-reader-<tenant>.yaml; None: inflight-client, jobs without one)."""
+        from worker.config import load_config
+
+        if tenant is None:
+            return self.sections("producer", "mtls")[1]
+        return load_config(str(self.configs / f"inflight-reader-{tenant}.yaml"), env={}).redis
+
+    def secret(self, name: str) -> str:
+        return (self.secrets / name).read_text().strip()
+
+
+@pytest.fixture(scope="session")
+def secure_stack() -> SecureStack:
+    import json
+
+    manifest_path = SECURE_STATE / "stack.json"
+    ready = manifest_path.is_file()
+    if ready:
+        m = json.loads(manifest_path.read_text())
+        ready = _port_open(m["kafka"]["sasl_ssl"]) and _port_open(m["redis"].split("//")[1].split("/")[0])
+    if not ready:
+        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "up", "--secure"], check=True, cwd=ROOT)
+    return SecureStack(json.loads(manifest_path.read_text()))
+
+
+def secure_worker_config(stack: SecureStack, mode: str, principal: str = "worker", **over):
+    """A test worker's config on the secured stack: the principal's connection sections
+    in `mode`, the stack's fixed topic prefix and group, small test tuning."""
+    import msgspec
+
+    from worker.config import MetricsConfig, ModelConfig, ServingTuning, WorkerConfig, WorkerSettings
+
+    kafka, redis = stack.sections(principal, mode)
+    kafka = msgspec.structs.replace(kafka, session_timeout_ms=6000, heartbeat_interval_ms=1000, commit_interval_ms=200,
+                                    **over.pop("kafka", {}))
+    redis = msgspec.structs.replace(redis, claim_lease_ms=3000, **over.pop("redis", {}))
+    tuning = dict(max_running_requests=8, max_total_tokens=4096, max_batched_tokens=256, max_output_tokens=256)
+    tuning.update(over.pop("tuning", {}))
+    return WorkerConfig(model=ModelConfig(dtype="float32", device="cpu"), serving_tuning=ServingTuning(**tuning),
+                        kafka=kafka, redis=redis, worker=WorkerSettings(drain_timeout_s=10.0),
+                        metrics=MetricsConfig(port=0, host="127.0.0.1", check_interval_s=0.5, check_timeout_s=2.0))

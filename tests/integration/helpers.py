@@ -79,12 +79,14 @@ def kinds(events: list) -> list[str]:
     return [type(e).__name__ for e in events]
 
 
-async def committed_reaches_end(bootstrap: str, group: str, prefix: str, timeout: float = 20.0) -> dict:
+async def committed_reaches_end(bootstrap: str, group: str, prefix: str, timeout: float = 20.0,
+                                security: dict | None = None) -> dict:
     """Wait until the group's committed offsets equal the end offsets of every job
-    partition; return the last {tp: (committed, end)} seen."""
+    partition; return the last {tp: (committed, end)} seen. `security`: aiokafka
+    security kwargs (a principal allowed to describe the group and topics)."""
     topics = [keys.job_topic(prefix, p) for p in keys.PRIORITIES]
-    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, **(security or {}))
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(security or {}))
     await probe.start()
     await admin.start()
     try:

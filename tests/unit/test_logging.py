@@ -7,7 +7,7 @@ import json
 
 import structlog
 
-from worker.config import KafkaConfig, RedisConfig, WorkerConfig, redacted_config
+from worker.config import KafkaConfig, RedisConfig, WorkerConfig, load_config, redacted_config
 from worker.log import setup_logging
 
 
@@ -32,6 +32,36 @@ def test_credentials_never_reach_the_log():
     assert line["config"]["kafka"]["sasl_password"] == "***"
     assert line["config"]["redis"]["url"] == "rediss://default:***@redis.example:6380/2"
     assert line["config"]["kafka"]["sasl_username"] == "svc"  # not a secret
+
+
+def test_every_new_secret_is_redacted_and_files_are_read_not_logged(tmp_path):
+    """Kafka key password, Redis ACL password and Redis key password (values given
+    through env, as deployments do) never reach a log line; secret files are read, their
+    paths (not their content) logged."""
+    pw_file = tmp_path / "kafka-pw"
+    pw_file.write_text("s3cret-from-file\n")
+    cfg = load_config(None, env={
+        "INFLIGHT_KAFKA__SECURITY_PROTOCOL": "SASL_SSL", "INFLIGHT_KAFKA__SASL_MECHANISM": "SCRAM-SHA-512",
+        "INFLIGHT_KAFKA__SASL_USERNAME": "svc", "INFLIGHT_KAFKA__SASL_PASSWORD_FILE": str(pw_file),
+        "INFLIGHT_KAFKA__SSL_CERTFILE": "/certs/w.pem", "INFLIGHT_KAFKA__SSL_KEY_PASSWORD": "s3cret-kafka-key",
+        "INFLIGHT_REDIS__URL": "rediss://r:6380/0", "INFLIGHT_REDIS__USERNAME": "worker",
+        "INFLIGHT_REDIS__PASSWORD": "s3cret-redis-acl", "INFLIGHT_REDIS__SSL_CERTFILE": "/certs/w.pem",
+        "INFLIGHT_REDIS__SSL_KEY_PASSWORD": "s3cret-redis-key"})
+    assert cfg.kafka.password() == "s3cret-from-file" and cfg.kafka.key_password() == "s3cret-kafka-key"
+    assert cfg.redis.secret_password() == "s3cret-redis-acl" and cfg.redis.key_password() == "s3cret-redis-key"
+    buf = io.StringIO()
+    setup_logging("INFO", json=True, stream=buf)
+    try:
+        structlog.get_logger("test").info("starting worker", config=redacted_config(cfg))
+        structlog.get_logger("test").info("repr", kafka=repr(cfg.kafka), redis=repr(cfg.redis), cfg=repr(cfg))
+    finally:
+        setup_logging("INFO")
+    out = buf.getvalue()
+    assert "s3cret" not in out
+    line = json.loads(out.splitlines()[0])
+    assert line["config"]["kafka"]["ssl_key_password"] == "***"
+    assert line["config"]["redis"]["password"] == "***" and line["config"]["redis"]["ssl_key_password"] == "***"
+    assert line["config"]["kafka"]["sasl_password_file"] == str(pw_file)
 
 
 def test_console_rendering_when_asked():
