@@ -37,13 +37,11 @@ import time
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from schemas.wire import FinishReason
 from worker.access import verify_access
 from worker.cancels import CancelListener
 from worker.claims import REDIS_DOWN, ClaimStore
@@ -52,8 +50,9 @@ from worker.dlq import DeadLetters
 from worker.engine import Engine, RequestOutput
 from worker.engine_client import ProcessEngineClient, ThreadEngineClient, make_engine_client
 from worker.engine_proc import EngineSpec, PretrainedEngine
+from worker.finalize import Finalizer
 from worker.intake import Intake, JobRecord
-from worker.jobs import JobState, JobTable, LocalJob, Round
+from worker.jobs import JobState, JobTable, Round
 from worker.kafka_security import kafka_security_kwargs
 from worker.log import task_stacks
 from worker.metrics import Metrics
@@ -90,14 +89,12 @@ class Worker:
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self.metrics = Metrics(gpu=_nvml_available())
         self.draining = False
-        self.num_finished = 0
         self.engine: ThreadEngineClient | ProcessEngineClient | None = None
         self._stop_requested = asyncio.Event()
         self._stopping = asyncio.Event()
         self.started = asyncio.Event()  # set once every component runs
         self._crash: BaseException | None = None
         self._tasks: list[asyncio.Task] = []
-        self._finalize_q: asyncio.Queue[LocalJob] = asyncio.Queue()
         self._redis_warned = 0.0
         self.health = HealthChecks(self.metrics, liveness=self._liveness)
         self.server = (OpsServer(self.metrics.registry, self.health, cfg.metrics.host, cfg.metrics.port)
@@ -134,6 +131,7 @@ class Worker:
         await self.producer.start()
         self.dead_letters = DeadLetters(self.producer, kc.topic_prefix, self.worker_id)
         self.results = ResultsLog(self.producer, kc.topic_prefix)
+        self.finalizer = Finalizer(self.table, self.tracker, self.dead_letters, self.results, self.metrics)
         self.starter = JobStarter(self.table, self.claims, self.tracker, self.engine, self.dead_letters,
                                   self.metrics, max_local_jobs=self.max_local_jobs,
                                   max_job_failures=cfg.worker.max_job_failures, wake=self._wake,
@@ -148,7 +146,7 @@ class Worker:
                            is_draining=lambda: self.draining or self._stop_requested.is_set())
         self._tasks = [
             asyncio.create_task(self.publisher.run(self._on_published), name="publisher"),
-            asyncio.create_task(self._finalize_loop(), name="finalize"),
+            asyncio.create_task(self.finalizer.run(), name="finalize"),
             asyncio.create_task(self.intake.run(self._stopping), name="intake"),
             asyncio.create_task(self.cancels.run(self._stopping), name="cancels"),
             asyncio.create_task(self._renew_loop(), name="claims"),
@@ -238,6 +236,11 @@ class Worker:
             await self.server.stop()
         log.info("worker stopped", worker_id=self.worker_id, finished=self.num_finished)
 
+    @property
+    def num_finished(self) -> int:
+        """Jobs this worker ended (terminal event published and recorded)."""
+        return self.finalizer.num_finished if hasattr(self, "finalizer") else 0
+
     async def _stop_attr(self, name: str) -> None:
         part = getattr(self, name, None)
         if part is not None:
@@ -256,67 +259,7 @@ class Worker:
     def _on_published(self, rnd: Round) -> None:
         self.metrics.events_published.inc(len(rnd.events))
         self.metrics.publish_round.observe(self.publisher.last_round_s)
-        for held in rnd.finished:
-            self._finalize_q.put_nowait(held)
-
-    async def _finalize_loop(self) -> None:
-        """Jobs whose terminal event is in Redis: dead letter (if it never ran), durable
-        result, then offsets done. Kafka errors are retried; offsets stay open meanwhile."""
-        q = self._finalize_q
-        while True:
-            batch = [await q.get()]
-            while not q.empty():
-                batch.append(q.get_nowait())
-            delay = 0.1
-            while True:
-                try:
-                    await self._record(batch)
-                    break
-                except KafkaError as e:
-                    log.warning("could not record outcomes in Kafka; retrying", error=repr(e)[:200],
-                                job_ids=[j.job_id for j in batch][:20], count=len(batch))
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-            for held in batch:
-                self._job_done(held)
-
-    async def _record(self, batch: list[LocalJob]) -> None:
-        for held in batch:
-            if held.dead_letter is not None and held.raw is not None:
-                reason, message = held.dead_letter
-                first = held.offsets[0]
-                await self.dead_letters.send(held.raw, held.raw_key, topic=first.tp.topic, partition=first.tp.partition,
-                                             offset=first.offset, reason=reason, error=message, job_id=held.job_id)
-                self.metrics.dlq_records.inc()
-                held.raw = None
-        await self.results.record([(held.job_id, held.history[-1][1]) for held in batch if held.history])
-
-    def _job_done(self, held: LocalJob) -> None:
-        m = self.metrics
-        reason = held.finish_reason or FinishReason.ERROR
-        m.finished.labels(reason.value).inc()
-        if held.opened:  # it ran in the engine: latency and token metrics
-            e2e = held.summary.get("e2e_s")
-            if e2e is not None:
-                m.e2e.labels(held.priority).observe(e2e)
-            if held.summary.get("tpot_s") is not None:
-                m.tpot.labels(held.priority).observe(held.summary["tpot_s"])
-            if held.summary.get("queue_s") is not None:
-                m.queue_time.labels(held.priority).observe(held.summary["queue_s"])
-            if held.summary.get("prompt_tokens"):
-                m.prompt_tokens.inc(held.summary["prompt_tokens"])
-            if reason == FinishReason.CANCELLED:
-                m.aborted.labels("cancelled").inc()
-                if held.cancel_time_mono is not None:
-                    m.cancel_to_free.observe(time.monotonic() - held.cancel_time_mono)
-        for off in held.offsets:
-            self.tracker.done(off.tp, off.offset)
-        self.table.done(held)
-        self.num_finished += 1
-        first = held.offsets[0]
-        log.info("job finished", job_id=held.job_id, topic=first.tp.topic, partition=first.tp.partition,
-                 offset=first.offset, finish_reason=reason.value, attempt=held.attempt, priority=held.priority,
-                 tokens=held.num_tokens, **held.summary)
+        self.finalizer.add(rnd.finished)
 
     def _wake(self) -> None:
         self.publisher.wake()

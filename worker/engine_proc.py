@@ -113,6 +113,10 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
     from worker.log import setup_logging
 
     setup_logging(log_level)
+    with contextlib.suppress(ImportError):  # no progress bars among the JSON log lines
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     log = logging.getLogger("worker.engine_proc")
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(ToCore).decode

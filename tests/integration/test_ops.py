@@ -62,11 +62,12 @@ def test_metrics_and_logs_match_a_scripted_workload(services, prefix, llama_path
     n_good, n_cancel = 10, 2
 
     async def main():
-        w, task = await start_worker(cfg, engine)
         async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            # produced before the worker starts, so they are fetched together and run at once: preemption is forced
             good = [await client.submit(f"Job {i} says", job_id=f"ok-{i}", priority=("high", "normal", "low")[i % 3],
                                         params=SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
                     for i in range(n_good)]
+            w, task = await start_worker(cfg, engine)
             # engine rejects: max_tokens over serving_tuning.max_output_tokens (256)
             too_long = [await client.submit("x", job_id=f"rej-{i}", params=SamplingParams(max_tokens=1000))
                         for i in range(2)]

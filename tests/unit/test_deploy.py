@@ -126,6 +126,9 @@ def test_compose_has_the_stack():
     assert s["kafka"]["image"].startswith("apache/kafka:")
     assert "broker,controller" in s["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]
     assert s["redis"]["image"].startswith("redis:")
+    cmd = s["redis"]["command"]  # persistence: a restart must not lose claims and logs
+    assert cmd[cmd.index("--appendonly") + 1] == "yes" and cmd[cmd.index("--appendfsync") + 1] == "everysec"
+    assert any(v.endswith(":/data") for v in s["redis"]["volumes"])
     w = s["worker"]
     assert any(v.endswith(":/models:ro") for v in w["volumes"])
     assert w["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -196,3 +199,13 @@ def test_kubernetes_manifests():
     assert {t["metadata"]["topic"] for t in trig} == {keys.job_topic(cfg["kafka"]["topic_prefix"], p)
                                                        for p in keys.PRIORITIES}
     assert {t["metadata"]["consumerGroup"] for t in trig} == {cfg["kafka"]["group_id"]}
+
+
+def test_kubernetes_redis_persists():
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "redis.yaml").read_text()) if d]
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "everysec"
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    kust = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    assert "redis.yaml" in kust["resources"]
