@@ -102,3 +102,25 @@ def test_stop_string_spanning_chunks_of_tokens(tokenizer):
         deltas, d = stream(tokenizer, ids, stop=["is a"], chunk=chunk)
         assert "".join(deltas) == "Hello world, this "
         assert d.stopped
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokens_arriving_together_give_the_same_text(tokenizer, text):
+    """Merged steps (several tokens per call, in any grouping) give exactly the text and
+    the stop behaviour of one token per call."""
+    import random
+
+    ids = tokenizer.encode(text).ids
+    one_by_one, d1 = stream(tokenizer, ids, stop=["END"])
+    rnd = random.Random(len(text))
+    for _ in range(20):
+        d = IncrementalDetokenizer(tokenizer, ["END"])
+        deltas, i = [], 0
+        while i < len(ids) and not d.stopped:
+            k = rnd.randint(1, 5)
+            deltas.append(d.add(ids[i : i + k]))
+            i += k
+        deltas.append(d.flush())
+        assert "".join(deltas) == "".join(one_by_one) == d1.text == d.text
+        assert d.stopped == d1.stopped
+        assert all("\ufffd" not in x for x in deltas) or "\ufffd" in tokenizer.decode(ids)

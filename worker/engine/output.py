@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from schemas.wire import FinishReason, Usage
 from worker.engine.outputs import EngineCoreOutput, RequestOutput, RequestTimes, TokenLogprobs
 from worker.engine.request import ErrorCode, RequestStatus
@@ -97,20 +99,35 @@ class OutputProcessor:
     def _one(self, out: EngineCoreOutput, st: _RequestState, result: ProcessedOutputs) -> None:
         rid = out.request_id
         ids = out.new_token_ids
+        logprobs = out.logprobs
         st.num_output_tokens += len(ids)
         # A token that ended the request by EOS / stop_token_ids is not part of the text.
         text_ids = ids[:-1] if out.finish_reason == FinishReason.STOP and ids else ids
-        delta = st.detok.add(text_ids) if text_ids else ""
-        if st.detok.stopped and out.finish_reason is None:  # a stop string ended it here
+        detok = st.detok
+        if len(text_ids) > 1 and detok.has_stop_strings:
+            # several steps' tokens at once: find the token that completes a stop string, so
+            # the ids and usage end there, as they would one step at a time
+            delta = ""
+            for i, token_id in enumerate(text_ids):
+                delta += detok.add([token_id])
+                if detok.stopped:
+                    st.num_output_tokens -= len(ids) - (i + 1)
+                    ids = ids[: i + 1]
+                    logprobs = logprobs[: i + 1] if logprobs else logprobs
+                    out = msgspec.structs.replace(out, finish_reason=None)
+                    break
+        else:
+            delta = detok.add(text_ids) if text_ids else ""
+        if detok.stopped and out.finish_reason is None:  # a stop string ended it here
             self._requests.pop(rid, None)
-            result.outputs.append(self._final(rid, st, ids, delta, out.logprobs, FinishReason.STOP, out))
+            result.outputs.append(self._final(rid, st, ids, delta, logprobs, FinishReason.STOP, out))
             result.finish.append((rid, RequestStatus.FINISHED_STOPPED))
         elif out.finish_reason is not None:
             self._requests.pop(rid, None)
-            result.outputs.append(self._final(rid, st, ids, delta, out.logprobs, out.finish_reason, out,
+            result.outputs.append(self._final(rid, st, ids, delta, logprobs, out.finish_reason, out,
                                               (out.error_code, out.error_message or "") if out.error_code else None))
         else:
-            result.outputs.append(RequestOutput(rid, ids, delta, logprobs=out.logprobs))
+            result.outputs.append(RequestOutput(rid, ids, delta, logprobs=logprobs))
 
     def _final(self, rid: str, st: _RequestState, ids: list[int], delta: str, logprobs: list[TokenLogprobs] | None,
                reason: FinishReason, out: EngineCoreOutput, error: tuple[str, str] | None = None) -> RequestOutput:

@@ -8,6 +8,11 @@ they may span tokens; any text that could still be the start of a stop string is
 back and released once it cannot be, or at the end. Invariant: the concatenated
 deltas equal the final text, which equals `decode(token_ids)` cut before the first stop
 string.
+
+Cost: the window's prefix text is decoded once per advance and cached, and tokens that
+arrive together (the outputs of several steps merged when the caller fell behind) are
+decoded as one window: two decodes per call instead of two per token, so a caller that
+falls behind catches up.
 """
 
 from __future__ import annotations
@@ -38,24 +43,48 @@ class IncrementalDetokenizer:
         self.stopped = False  # a stop string was found; text is final
         self._prefix_offset = 0
         self._read_offset = 0
+        self._prefix_text: str | None = ""  # decode of token_ids[prefix_offset:read_offset]; None: stale
         self._num_sent = 0
+
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_ids: list[int]) -> str:
-        """Append tokens; return the text that is now safe to emit ("" if none)."""
+        """Append tokens (one, or several that arrived together); return the text that is
+        now safe to emit ("" if none)."""
         if self.stopped:
             return ""
-        for token_id in token_ids:
-            self.token_ids.append(token_id)
-            prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-            new_text = self._decode(self.token_ids[self._prefix_offset :])
-            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-                self.text += new_text[len(prefix_text) :]
-                self._prefix_offset = self._read_offset
-                self._read_offset = len(self.token_ids)
+        if token_ids:
+            self.token_ids.extend(token_ids)
+            if not self._advance() and len(token_ids) > 1:
+                # The window ends inside a character: advance token by token, as far as
+                # whole characters go.
+                end = len(self.token_ids)
+                for stop in range(end - len(token_ids) + 1, end):
+                    self._advance(stop)
         return self._emit(final=False)
+
+    def _advance(self, end: int | None = None) -> bool:
+        """Append the text of tokens [read_offset, end) if it ends on a whole character."""
+        ids = self.token_ids
+        end = len(ids) if end is None else end
+        if end <= self._read_offset:
+            return False
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        prefix_text = self._prefix_text
+        new_text = self._decode(ids[self._prefix_offset : end])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = end
+            self._prefix_text = None
+            return True
+        return False
 
     def flush(self) -> str:
         """At the end of the request: release held-back and incomplete text."""
