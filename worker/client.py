@@ -21,7 +21,6 @@ untrusted certificate or a missing permission raise `worker.access.AccessError` 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -34,9 +33,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import keys
 from schemas.codec import decode_event, decode_job, encode
@@ -46,6 +43,7 @@ from worker import access
 from worker.config import KafkaConfig, RedisConfig
 from worker.kafka_security import kafka_security_kwargs
 from worker.redis_security import redis_pool
+from worker.subscriber import REDIS_DOWN, RESYNC, Denied, SharedSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +91,9 @@ class InflightClient:
         self._results_denied = False
         # Blocking pool: many concurrent streams wait for a connection instead of failing.
         pool = redis_pool(redis, max_connections=32, timeout=None, health_check_interval=15,
-                          retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), retry_on_error=list(_REDIS_DOWN))
+                          retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), retry_on_error=list(REDIS_DOWN))
         self.redis = aioredis.Redis(connection_pool=pool)
-        self._subscriber = _SharedSubscriber(self.redis)
+        self._subscriber = SharedSubscriber(self.redis)
         self._producer: AIOKafkaProducer | None = None
         self._results_consumer: AIOKafkaConsumer | None = None
         self._results_lock = asyncio.Lock()
@@ -252,7 +250,7 @@ class InflightClient:
                         evs = await self.read_log(job_id, last, tenant=tenant)
                         need_log = False
                     down_since, delay = None, 0.05
-                except _REDIS_DOWN as e:
+                except REDIS_DOWN as e:
                     if access.is_fatal_redis(e):  # refused, not down: retrying cannot help
                         raise access.explain_redis(e, self.redis_config) or e from None
                     now = time.monotonic()
@@ -291,10 +289,10 @@ class InflightClient:
                 try:
                     data = await asyncio.wait_for(queue.get(), poll_s)
                 except TimeoutError:  # quiet: check the log in case a live message was lost
-                    data = _RESYNC
-                if data is _RESYNC:
+                    data = RESYNC
+                if data is RESYNC:
                     need_log = True
-                elif isinstance(data, _Denied):
+                elif isinstance(data, Denied):
                     raise access.explain_redis(data.error, self.redis_config) from None
                 else:
                     ev = decode_event(data)
@@ -354,130 +352,6 @@ class InflightClient:
                         f.set_result({j: found[j] for j in ids if j in found})
         return await fut
 
-
-_RESYNC = object()
-
-
-class _Denied:
-    """Put in a stream's queue when the server refused its SUBSCRIBE (NOPERM)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
-
-
-class _SharedSubscriber:
-    """One pub/sub connection for all of a client's streams (a PubSub per stream would
-    hold a pooled connection each and exhaust the pool). Messages are dispatched to
-    per-stream queues; after a connection error it reconnects with backoff, resubscribes
-    every channel and tells each stream to re-read its log (before and after the
-    resubscription, so nothing published in between is missed).
-
-    A SUBSCRIBE the server refuses (an ACL user confined to other channels) answers with
-    an error instead of its confirmation; replies come in order, so the refused channel
-    is the oldest one still waiting for its confirmation (`_pending`): its streams get
-    `_Denied` and the channel is dropped, the others are unaffected."""
-
-    def __init__(self, redis: aioredis.Redis) -> None:
-        self.redis = redis
-        self.queues: dict[bytes, set[asyncio.Queue]] = {}
-        self._pending: collections.deque[bytes] = collections.deque()
-        self._pubsub = None
-        self._task: asyncio.Task | None = None
-        self._lock = asyncio.Lock()
-        self._closed = False
-
-    async def add(self, channel: bytes) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
-        async with self._lock:
-            if self._pubsub is None:
-                self._pubsub = self.redis.pubsub()
-            subs = self.queues.setdefault(channel, set())
-            subs.add(q)
-            if len(subs) == 1:
-                try:
-                    self._pending.append(channel)
-                    await self._pubsub.subscribe(channel)
-                except _REDIS_DOWN:
-                    q.put_nowait(_RESYNC)  # the reader reconnects and subscribes every channel
-            if self._task is None or self._task.done():
-                self._task = asyncio.create_task(self._read())
-        return q
-
-    async def remove(self, channel: bytes, q: asyncio.Queue) -> None:
-        async with self._lock:
-            subs = self.queues.get(channel)
-            if subs is None:
-                return
-            subs.discard(q)
-            if not subs:
-                del self.queues[channel]
-                if self._pubsub is not None and not self._closed:
-                    with contextlib.suppress(*_REDIS_DOWN, AttributeError):
-                        await self._pubsub.unsubscribe(channel)
-
-    def _resync_all(self) -> None:
-        for subs in self.queues.values():
-            for q in subs:
-                q.put_nowait(_RESYNC)
-
-    async def _read(self) -> None:
-        delay = 0.05
-        while not self._closed:
-            try:
-                if not self._pubsub.subscribed:
-                    await asyncio.sleep(0.05)
-                    continue
-                msg = await self._pubsub.get_message(timeout=1.0)
-                delay = 0.05
-            except NoPermissionError as e:
-                self._deny(e)
-                continue
-            except _REDIS_DOWN:
-                self._resync_all()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                async with self._lock:
-                    with contextlib.suppress(Exception):
-                        await self._pubsub.aclose()
-                    self._pubsub = self.redis.pubsub()
-                    try:
-                        self._pending.clear()
-                        if self.queues:
-                            self._pending.extend(self.queues)
-                            await self._pubsub.subscribe(*self.queues)
-                        self._resync_all()
-                    except _REDIS_DOWN:
-                        pass  # still down: the next read fails and we come back here
-                continue
-            if msg is None:
-                continue
-            if msg["type"] == "subscribe":
-                with contextlib.suppress(ValueError):
-                    self._pending.remove(msg["channel"])
-            elif msg["type"] == "message":
-                for q in self.queues.get(msg["channel"], ()):
-                    q.put_nowait(msg["data"])
-
-    def _deny(self, error: Exception) -> None:
-        if not self._pending:
-            return
-        channel = self._pending.popleft()
-        for q in self.queues.pop(channel, ()):
-            q.put_nowait(_Denied(error))
-        if self._pubsub is not None:
-            self._pubsub.channels.pop(channel, None)  # never resubscribed after a reconnect
-
-    async def close(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._pubsub is not None:
-            with contextlib.suppress(Exception):
-                await self._pubsub.aclose()
 
 
 def last_attempt_tokens(events: list[Event]) -> list[Token]:

@@ -22,9 +22,7 @@ class _HiredisPacking:
 
     def pack_command(self, *args):
         cmd = args[0]  # a command name with a space ("SCRIPT LOAD") is several arguments
-        if isinstance(cmd, str) and " " in cmd:
-            args = tuple(cmd.split()) + args[1:]
-        elif isinstance(cmd, bytes) and b" " in cmd:
+        if isinstance(cmd, str) and " " in cmd or isinstance(cmd, bytes) and b" " in cmd:
             args = tuple(cmd.split()) + args[1:]
         try:
             return [hiredis.pack_command(args)]

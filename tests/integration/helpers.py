@@ -145,3 +145,21 @@ async def read_whole_log(redis_url: str, prefix: str, job_id: str) -> list:
         return [decode_event(f[b"e"]) for _, f in await r.xrange(keys.log_key(job_id, prefix))]
     finally:
         await r.aclose()
+
+
+async def wait_group_members(bootstrap: str, group: str, n: int, timeout: float = 60.0) -> None:
+    """Poll until the consumer group is Stable with `n` members (instead of sleeping)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for desc in await admin.describe_consumer_groups([group]):
+                groups = getattr(desc, "groups", None) or []
+                for g in groups:  # (error_code, group_id, state, protocol_type, protocol, members, ...)
+                    if g[1] == group and g[2] == "Stable" and len(g[5]) == n:
+                        return
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"group {group} did not reach {n} stable members in {timeout} s")
+    finally:
+        await admin.close()

@@ -23,6 +23,7 @@ from tests.integration.helpers import (
     committed_reaches_end,
     start_worker,
     stop_worker,
+    wait_group_members,
 )
 from worker.client import InflightClient
 from worker.config import EngineConfig, ServingTuning
@@ -155,7 +156,7 @@ def test_kill_9_one_of_two_workers_loses_nothing(services, prefix, llama_path, t
     try:
         async def main():
             await asyncio.gather(wait_started(a_log, a), wait_started(b_log, b))
-            await asyncio.sleep(3)  # both in the group
+            await wait_group_members(services[0], cfg.kafka.group_id, 2)
             async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
                 ids = [f"k-{i}" for i in range(20)]
                 for i, j in enumerate(ids):

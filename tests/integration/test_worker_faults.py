@@ -31,6 +31,7 @@ from tests.integration.helpers import (
     slow_null_engine,
     start_worker,
     stop_worker,
+    wait_group_members,
 )
 from worker.client import InflightClient
 from worker.engine import Engine
@@ -295,7 +296,7 @@ def test_a_job_that_kills_its_workers_becomes_poison(services, prefix, llama_pat
             from tests.integration.test_fleet import wait_started
 
             await asyncio.gather(*(wait_started(log, p) for p, log in procs))
-            await asyncio.sleep(3)  # both in the group
+            await wait_group_members(services[0], cfg.kafka.group_id, 3)
             async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
                 ids = [await client.submit(prompt_token_ids=[5 + i, 6, 7], params=params, job_id=f"j-{i}")
                        for i in range(10)]
