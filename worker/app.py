@@ -166,7 +166,11 @@ class Worker:
         Raises:
             the exception that stopped the worker (engine failure, RedisUnavailable).
         """
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()  # whatever started (the engine process, consumers) stops too
+            raise
         if install_signals:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -17,6 +17,7 @@ Step metrics (`observe_step`) are recorded off the event loop in both.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import threading
 import time
@@ -271,13 +272,15 @@ class ProcessEngineClient:
         except (EOFError, OSError):
             if not self._closing:
                 code = self._proc.exitcode if self._proc is not None else None
-                self._loop.call_soon_threadsafe(
-                    self._on_crash, EngineCrashed(f"the engine core process exited (code {code})"))
+                self._report_crash(EngineCrashed(f"the engine core process exited (code {code})"))
         except BaseException as e:
             if not self._closing:
                 log.exception("engine output processing failed")
-                self._loop.call_soon_threadsafe(self._on_crash, e if isinstance(e, EngineCrashed)
-                                                else EngineCrashed(repr(e)[:500]))
+                self._report_crash(e if isinstance(e, EngineCrashed) else EngineCrashed(repr(e)[:500]))
+
+    def _report_crash(self, exc: BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody left to tell
+            self._loop.call_soon_threadsafe(self._on_crash, exc)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the core process to end; kill it if it does not within `timeout`."""
@@ -289,6 +292,9 @@ class ProcessEngineClient:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        reader = getattr(self, "_reader", None)
+        if reader is not None:  # it ends on the pipe's EOF now that the process is gone
+            reader.join(5)
         for conn in (self._to_core, self._from_core):
             conn.close()
 
