@@ -109,7 +109,10 @@ def test_job_longer_than_max_poll_interval_keeps_the_worker_in_the_group(service
 
 
 # ---- worker processes -----------------------------------------------------------------------
-def spawn_worker(tmp_path: Path, cfg, worker_id: str) -> tuple[subprocess.Popen, Path]:
+def spawn_worker(tmp_path: Path, cfg, worker_id: str, command: tuple[str, ...] = ("worker", "worker"),
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """`python -m <command> --config <cfg as YAML> <extra>` in its own process, stderr to a
+    log file; `command` defaults to the CLI's `inflight worker`."""
     data = msgspec.to_builtins(cfg)
     data["worker"]["worker_id"] = worker_id
     path = tmp_path / f"{worker_id}.yaml"
@@ -117,7 +120,7 @@ def spawn_worker(tmp_path: Path, cfg, worker_id: str) -> tuple[subprocess.Popen,
     log = tmp_path / f"{worker_id}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as err:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--config", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", *command, "--config", str(path), *extra],
                                 stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
     return proc, log
 

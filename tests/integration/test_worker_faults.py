@@ -8,23 +8,18 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-import msgspec
 import torch
-import yaml
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 
 from schemas import keys
 from schemas.params import SamplingParams
 from schemas.wire import DLQ_HEADER_REASON
-from tests.integration.conftest import ROOT, worker_config
+from tests.integration.conftest import worker_config
 from tests.integration.helpers import (
     assert_well_formed,
     collect,
@@ -268,20 +263,6 @@ def test_a_forward_that_always_fails_on_one_job_spares_the_rest(services, prefix
         assert fin.finish_reason == "length" and fin.usage.completion_tokens == 12
 
 
-def spawn_crashing_worker(tmp_path: Path, cfg, worker_id: str) -> tuple[subprocess.Popen, Path]:
-    data = msgspec.to_builtins(cfg)
-    data["worker"]["worker_id"] = worker_id
-    path = tmp_path / f"{worker_id}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    log = tmp_path / f"{worker_id}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.crashing_worker", "--config", str(path),
-                                 "--crash-token", str(POISON_TOKEN)], stdout=subprocess.DEVNULL, stderr=err,
-                                env=env, cwd=ROOT)
-    return proc, log
-
-
 def test_a_job_that_kills_its_workers_becomes_poison(services, prefix, llama_path, tmp_path):
     """The forward of one job kills the process (as a segfaulting kernel would). The first
     worker dies running it among other jobs; every job it held then runs alone on the
@@ -290,7 +271,10 @@ def test_a_job_that_kills_its_workers_becomes_poison(services, prefix, llama_pat
     record to the DLQ. Every other job finishes exactly once; none is poisoned."""
     cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"})
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    procs = [spawn_crashing_worker(tmp_path, cfg, f"crash-{k}") for k in "abc"]
+    from tests.integration.test_fleet import spawn_worker
+
+    procs = [spawn_worker(tmp_path, cfg, f"crash-{k}", ("tests.integration.crashing_worker",),
+                          ("--crash-token", str(POISON_TOKEN))) for k in "abc"]
     try:
         async def main():
             from tests.integration.test_fleet import wait_started

@@ -10,7 +10,7 @@ from worker.engine.request import RequestStatus
 from worker.model.null_runner import LetterTokenizer
 
 # LetterTokenizer: id i decodes to chr(97 + i % 26)
-H, E, L, O, W, R, D = 7, 4, 11, 14, 22, 17, 3
+H, E, L, O, W, R, D = 7, 4, 11, 14, 22, 17, 3  # noqa: E741
 
 
 def run(chunks: list[list[int]], stop: list[str], last_reason: FinishReason | None = FinishReason.LENGTH):
