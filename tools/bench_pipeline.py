@@ -392,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "worker":
         return worker_main(a)
+    import logging
+
     from tools.bench_engine import _machine
+
+    logging.getLogger("aiokafka").setLevel(logging.ERROR)  # produce retries while new topics elect leaders
 
     a.kafka_cfg, a.redis_cfg = connection_sections(a)
     Path(a.out).mkdir(parents=True, exist_ok=True)
