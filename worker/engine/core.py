@@ -186,6 +186,7 @@ class Engine:
         params: SamplingParams | None = None,
         priority: Priority | str = Priority.NORMAL,
         cache_salt: str = "",
+        tenant: str | None = None,
         arrival_time: float | None = None,
         deadline: float | None = None,
     ) -> int:
@@ -193,7 +194,9 @@ class Engine:
 
         Exactly one of `prompt` (text), `prompt_token_ids`, `messages` (chat, rendered
         with the tokenizer's chat template). `cache_salt` (e.g. the tenant) keeps its
-        prefix-cache blocks apart from other salts. `arrival_time` and `deadline` are
+        prefix-cache blocks apart from other salts. `tenant` is whose share and quotas
+        the request counts against (`serving_tuning.tenants`; None: the tenant `""`).
+        `arrival_time` and `deadline` are
         wall-clock seconds (`time.time()`); a request still waiting (never scheduled) at
         its deadline ends with `finish_reason="expired"`, `error_code="deadline_passed"`.
 
@@ -216,7 +219,7 @@ class Engine:
         except ValueError as e:
             raise RequestRejected(request_id, RejectReason.INVALID_PARAMS, str(e)) from None
         ids = self._tokenize(request_id, prompt, prompt_token_ids, messages)
-        max_tokens = self._check_limits(request_id, ids, params)
+        max_tokens = self._check_limits(request_id, ids, params, tenant or "")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -230,6 +233,7 @@ class Engine:
             arrival_seq=next(self._arrival),
             arrival_time=time.time() if arrival_time is None else arrival_time,
             cache_salt=cache_salt.encode(),
+            tenant=tenant or "",
             generator=generator,
         )
         req.deadline = deadline
@@ -295,7 +299,7 @@ class Engine:
             ids = ids[n - 1 :]
         return ids
 
-    def _check_limits(self, request_id: str, ids: list[int], params: SamplingParams) -> int:
+    def _check_limits(self, request_id: str, ids: list[int], params: SamplingParams, tenant: str = "") -> int:
         """Admission checks that do not depend on load. Returns the resolved max_tokens."""
         t = self.tuning
         n = len(ids)
@@ -325,6 +329,14 @@ class Engine:
                 request_id,
                 RejectReason.EXCEEDS_KV_CAPACITY,
                 f"prompt {n} + max_tokens {max_tokens} tokens can never fit the KV cache of {capacity} tokens",
+            )
+        quota = t.tenant_policy(tenant).max_kv_blocks
+        if quota is not None and n + max_tokens > quota * self.kv.block_size:
+            raise RequestRejected(
+                request_id,
+                RejectReason.EXCEEDS_KV_CAPACITY,
+                f"prompt {n} + max_tokens {max_tokens} tokens can never fit tenant {tenant!r}'s quota of "
+                f"{quota} KV blocks ({quota * self.kv.block_size} tokens)",
             )
         return max_tokens
 
