@@ -18,11 +18,17 @@ from worker.model.null_runner import null_engine
 W_PREFILL, W_DECODE = 1.0, 2.0  # the defaults of fair_prefill_weight / fair_decode_weight
 
 
-def engine(**tuning):
+def tuning(**over) -> ServingTuning:
     t = dict(kv_block_size=16, max_total_tokens=32768, max_running_requests=8, max_batched_tokens=512,
              max_output_tokens=512, enable_prefix_caching=False, priority_aging_steps=10**6)
-    t.update(tuning)
-    return null_engine(EngineConfig(serving_tuning=ServingTuning(**t)), vocab_size=1000, max_model_len=4096)
+    t.update(over)
+    return ServingTuning(**t)
+
+
+def engine(**over):
+    """A NullRunner engine; tests/engine/test_fair_share_model.py runs the same
+    scenarios on the tiny real model."""
+    return null_engine(EngineConfig(serving_tuning=tuning(**over)), vocab_size=1000, max_model_len=4096)
 
 
 def params(max_tokens: int) -> SamplingParams:
@@ -50,7 +56,7 @@ class Load:
         for _ in range(n):
             rid = f"{tenant}-{self._n}"
             self._n += 1
-            tokens = [(self._n * 31 + j) % 997 + 1 for j in range(prompt)]
+            tokens = [(self._n * 31 + j) % 499 + 1 for j in range(prompt)]  # < the tiny model's 512
             self.eng.add_request(rid, prompt_token_ids=tokens, params=params(max_tokens), tenant=tenant,
                                  priority=priority)
             self.prompt_len[rid], self.tenant_of[rid], self.added_at[rid] = prompt, tenant, self.step_no
@@ -77,7 +83,7 @@ class Load:
         return {t: v / whole for t, v in total.items()}
 
 
-def test_light_tenant_starts_within_the_bound_behind_a_backlogged_one():
+def test_light_tenant_starts_within_the_bound_behind_a_backlogged_one(make_engine=engine):
     """A: 500 requests of 32 + 256 tokens, all at step 0, so A holds all R = 8 slots and
     stays backlogged. B: 20 requests of 8 + 8 tokens, one every 20 steps from step 100.
 
@@ -99,7 +105,7 @@ def test_light_tenant_starts_within_the_bound_behind_a_backlogged_one():
         fits the step budget left: its first token is sampled in step s.
     """
     assert RESERVE_AFTER_PREEMPTIONS == 2
-    eng = engine()
+    eng = make_engine()
     load = Load(eng)
     load.add("A", 500, 32, 256)
     light = []
@@ -127,12 +133,12 @@ def test_without_fair_share_the_light_tenant_waits_for_a_slot():
 
 
 @pytest.mark.parametrize("weights", [(1, 1), (3, 1)])
-def test_backlogged_tenants_converge_to_their_weights(weights):
+def test_backlogged_tenants_converge_to_their_weights(weights, make_engine=engine):
     """A (64-token prompts, 64 out) and B (16, 16) both backlogged; over steps 200-1500
     each tenant's service (w_p x prompt + w_d x output tokens) is its weight's share
     within 10%, although their requests differ 4x in size."""
     w_a, w_b = weights
-    eng = engine(tenants={"A": TenantPolicy(weight=w_a), "B": TenantPolicy(weight=w_b)})
+    eng = make_engine(tenants={"A": TenantPolicy(weight=w_a), "B": TenantPolicy(weight=w_b)})
     load = Load(eng)
     load.add("A", 400, 64, 64)
     load.add("B", 1500, 16, 16)
@@ -146,12 +152,12 @@ def test_backlogged_tenants_converge_to_their_weights(weights):
     assert eng.scheduler.num_preemptions_total <= 40
 
 
-def test_a_tenant_idle_then_bursting_does_not_starve_the_others():
+def test_a_tenant_idle_then_bursting_does_not_starve_the_others(make_engine=engine):
     """A and B backlogged from step 0. C sends 5 small requests at step 0 and then
     nothing until step 1000, when it sends 300. Without the lift C would come back with
     a counter ~1000 steps of service below A's and B's and take every admission until
     it caught up; with it, C starts level and the three share from the first window."""
-    eng = engine()
+    eng = make_engine()
     load = Load(eng)
     load.add("A", 400, 64, 64)
     load.add("B", 1500, 16, 16)
