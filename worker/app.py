@@ -12,7 +12,8 @@ Who owns what: the JobTable (`jobs.py`) every local job and its events; the Clai
 the Intake (`intake.py`) the consumer and commits; the OffsetTracker the commit points
 (marked done here, once a job's outcome is recorded). A job's path, numbered:
 
-  1. Intake fetches and decodes the record, buffers it by priority (DLQ if invalid).
+  1. Intake fetches and decodes the record into its read-ahead (DLQ if invalid); a
+     free slot takes it by priority, then tenant share.
   2. JobStarter claims a batch in one round trip and opens the jobs in the table.
   3. Its input task tokenizes off the loop and adds the request to the engine.
   4. The engine thread steps; each step's outputs reach `_on_step` on the loop, which
@@ -55,6 +56,7 @@ from worker.log import task_stacks
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
 from worker.publish import Publisher
+from worker.read_ahead import local_shares
 from worker.results import ResultsLog
 from worker.server import HealthChecks, OpsServer
 from worker.starter import JobStarter
@@ -129,8 +131,11 @@ class Worker:
         loop = asyncio.get_running_loop()
         self.engine_thread = EngineThread(self.engine, loop, self._on_step, self._on_crash, self.metrics)
         self.engine_thread.start()
+        tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
         self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
-                             buffer_per_priority=max(8, self.max_local_jobs // 2))
+                             read_ahead_per_partition=cfg.worker.read_ahead_per_partition,
+                             read_ahead_bytes=cfg.worker.read_ahead_bytes, tenant_weight=tenant_weight,
+                             tenant_cap=tenant_cap)
         await self.intake.start()
         self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for)
         await self.cancels.start()

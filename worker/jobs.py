@@ -146,6 +146,7 @@ class JobTable:
         self.worker_id = worker_id
         self._clock = clock
         self._jobs: dict[str, LocalJob] = {}
+        self._per_tenant: dict[str, int] = {}  # jobs held per tenant ("" for none)
         self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
         # job_id -> (done time, history, (reason, claim token, attempt)) of recently finished jobs
         self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int]]] = OrderedDict()
@@ -159,6 +160,11 @@ class JobTable:
 
     def get(self, job_id: str) -> LocalJob | None:
         return self._jobs.get(job_id)
+
+    def held_by_tenant(self) -> dict[str, int]:
+        """Jobs held per tenant (`""`: jobs without one); a tenant holding none is absent.
+        Read-only view: do not mutate."""
+        return self._per_tenant
 
     def __iter__(self) -> Iterator[LocalJob]:
         return iter(list(self._jobs.values()))
@@ -189,6 +195,8 @@ class JobTable:
         lj = LocalJob(job, priority, [offset], enqueue_time, claim_token, attempt, next_seq, raw, raw_key,
                       claim_time=self._clock())
         self._jobs[job.job_id] = lj
+        tenant = job.tenant or ""
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         if attempt > 1:
             self._draft(lj, opening="restarted")
         return lj
@@ -238,7 +246,7 @@ class JobTable:
         lj._delta_ids.clear()
         lj._delta_logprobs = None
         self._dirty.pop(lj.job_id, None)
-        del self._jobs[lj.job_id]
+        self._remove(lj)
         return lj
 
     def request_cancel(self, job_id: str, now_mono: float | None = None) -> LocalJob | None:
@@ -371,10 +379,20 @@ class JobTable:
             self._recent[lj.job_id] = (now, lj.history, (lj.finish_reason.value, lj.claim_token, lj.attempt))
             self._recent.move_to_end(lj.job_id)
         lj.history = []
-        self._jobs.pop(lj.job_id, None)
+        if self._jobs.get(lj.job_id) is lj:
+            self._remove(lj)
         while self._recent and (len(self._recent) > RECENT_MAX_JOBS
                                 or next(iter(self._recent.values()))[0] < now - RECENT_MAX_AGE_S):
             self._recent.popitem(last=False)
+
+    def _remove(self, lj: LocalJob) -> None:
+        del self._jobs[lj.job_id]
+        tenant = lj.job.tenant or ""
+        n = self._per_tenant[tenant] - 1
+        if n:
+            self._per_tenant[tenant] = n
+        else:
+            del self._per_tenant[tenant]
 
     def histories(self) -> Iterator[tuple[str, list[tuple[int, bytes]], tuple[str, str, int] | None]]:
         """What this worker published that Redis must hold: (job_id, [(seq, event)], terminal)

@@ -103,6 +103,9 @@ class JobStarter:
             return 0
         return self.max_local_jobs - len(self.table)
 
+    def held_by_tenant(self) -> dict[str, int]:
+        return self.table.held_by_tenant()
+
     def close(self) -> None:
         for t in self._tasks:
             t.cancel()
@@ -166,7 +169,7 @@ class JobStarter:
     async def _submit(self, lj: LocalJob) -> None:
         job = lj.job
         kwargs: dict[str, Any] = {"params": job.params, "priority": lj.priority, "cache_salt": job.tenant or "",
-                                  "arrival_time": lj.enqueue_time, "deadline": job.deadline}
+                                  "tenant": job.tenant, "arrival_time": lj.enqueue_time, "deadline": job.deadline}
         if job.prompt is not None:
             kwargs["prompt"] = job.prompt
         elif job.messages is not None:
