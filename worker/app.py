@@ -81,7 +81,8 @@ class Worker:
         self.max_local_jobs = cfg.worker.max_local_jobs or 2 * cfg.serving_tuning.max_running_requests
         self.table = JobTable(self.worker_id)
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
-        self.metrics = Metrics(gpu=_nvml_available())
+        self.metrics = Metrics(gpu=_nvml_available(), tenant_labels=cfg.metrics.tenant_labels,
+                               tenant_rank_interval_s=cfg.metrics.tenant_rank_interval_s)
         self.draining = False
         self.num_finished = 0
         self.engine_thread: EngineThread | None = None
@@ -246,6 +247,8 @@ class Worker:
             m.ttft.labels(lj.priority).observe(lj.first_token_time - lj.enqueue_time)
         if applied.num_tokens:
             m.generation_tokens.inc(applied.num_tokens)
+            for tenant, n in applied.tokens_by_tenant.items():
+                m.observe_tenant_tokens(tenant, "generation", n)
         self.publisher.wake()
 
     def _on_published(self, rnd: Round) -> None:
@@ -298,8 +301,10 @@ class Worker:
                 m.tpot.labels(lj.priority).observe(lj.summary["tpot_s"])
             if lj.summary.get("queue_s") is not None:
                 m.queue_time.labels(lj.priority).observe(lj.summary["queue_s"])
+                m.observe_tenant_queue_time(lj.job.tenant, lj.summary["queue_s"])
             if lj.summary.get("prompt_tokens"):
                 m.prompt_tokens.inc(lj.summary["prompt_tokens"])
+                m.observe_tenant_tokens(lj.job.tenant, "prompt", lj.summary["prompt_tokens"])
             if reason == FinishReason.CANCELLED:
                 m.aborted.labels("cancelled").inc()
                 if lj.cancel_time_mono is not None:

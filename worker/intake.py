@@ -126,13 +126,13 @@ class _Rebalance(ConsumerRebalanceListener):
         intake.invalid = [r for r in intake.invalid if r.tp in kept]
         intake.contested = [c for c in intake.contested if c.tp in kept]
         intake.paused = set()  # a new assignment starts unpaused
+        intake.rebalancing = False  # what is kept may be taken while positions are fetched
         try:
             await intake.position(list(assigned))
         except (KafkaError, IllegalStateError) as e:
             level, fields = transient_log.observe_error(e)
             log.log(level, "could not position assigned partitions; leaving it to the consumer", error=repr(e),
                     **fields)
-        intake.rebalancing = False
         if assigned:
             log.info("partitions assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
 

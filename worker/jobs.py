@@ -116,11 +116,13 @@ class LocalJob:
 
 @dataclass(slots=True)
 class Applied:
-    """What `apply_outputs` took: jobs whose first token arrived (for TTFT) and the
-    number of output tokens drafted (outputs of jobs no longer here are not counted)."""
+    """What `apply_outputs` took: jobs whose first token arrived (for TTFT), the number
+    of output tokens drafted (outputs of jobs no longer here are not counted), and that
+    number per tenant (`""`: jobs without one)."""
 
     first_tokens: list[LocalJob]
     num_tokens: int
+    tokens_by_tenant: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -266,6 +268,7 @@ class JobTable:
         now = self._clock()
         first_tokens = []
         num_tokens = 0
+        by_tenant: dict[str, int] = {}
         for out in outputs:
             lj = self._jobs.get(out.request_id)
             if lj is None or lj.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
@@ -278,6 +281,8 @@ class JobTable:
                     first_tokens.append(lj)
                 lj.num_tokens += len(out.new_token_ids)
                 num_tokens += len(out.new_token_ids)
+                tenant = lj.job.tenant or ""
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + len(out.new_token_ids)
                 lj.text_parts.append(out.text)
                 lj._delta_text.append(out.text)
                 lj._delta_ids.extend(out.new_token_ids)
@@ -290,7 +295,7 @@ class JobTable:
                 self._dirty.setdefault(lj.job_id, lj)
             if out.finished:
                 self._finish_from_engine(lj, out, now)
-        return Applied(first_tokens, num_tokens)
+        return Applied(first_tokens, num_tokens, by_tenant)
 
     def _finish_from_engine(self, lj: LocalJob, out: RequestOutput, now: float) -> None:
         reason = FinishReason(out.finish_reason or "error")
