@@ -29,14 +29,20 @@ the tenant asked for. The rules built on the counters:
     by the fairness bound and never grows while the tenant is away.
   - Yield: a waiting request of tenant W may preempt a running request of the same
     class and rank from a tenant V that is not behind it (counter_V >= counter_W) and
-    holds at least YIELD_SHARE_FACTOR times W's share of the class's running slots
-    after the move, n_V / w_V >= 2 (n_W + 1) / w_W with n the running requests in the
-    class; one at a time while that holds. So a tenant with no slot takes one at once
-    from a tenant with two or more, and the finer balance is left to Pick, which needs
-    no preemption. A slot moved this way never moves straight back (W would need twice
-    V's share while holding less than half of it); victims inside V are its latest
-    arrivals, never one admitted in the same step or one holding prompt + max_tokens,
-    so the preemption bound of scheduler.py is unchanged.
+    holds more of the class's running slots per weight than W would with one more,
+    share_V = n_V / w_V > share_W' = (n_W + 1) / w_W, when either
+      (a) share_V >= YIELD_SHARE_FACTOR x share_W' (2: a tenant with no slot takes one
+          at once from a tenant with two or more), or
+      (b) W is behind by YIELD_LAG or more (counter_V - counter_W >= 64), so a small
+          batch is not left split 3:1 for a whole request lifetime once the counters
+          tell;
+    one slot at a time while that holds. Pick alone needs no preemption and does the
+    fine balance. A slot cannot move straight back: by (a), V would need twice W's
+    share while holding less than half of it; by (b), V would have to fall YIELD_LAG
+    behind W, i.e. W be served 2 x YIELD_LAG more than V first, which bounds how often
+    two tenants trade a slot. Victims
+    inside V are its latest arrivals, never one admitted in the same step or one
+    holding prompt + max_tokens, so the preemption bound of scheduler.py is unchanged.
 
 Quotas (`TenantPolicy.max_running_requests`, `max_kv_blocks`) are per tenant across
 classes: a tenant at a cap is passed over by Pick (its requests wait, others start).
@@ -61,10 +67,14 @@ if TYPE_CHECKING:
 MAX_DEPARTED_TENANTS = 4096
 # A tenant back within this many steps keeps the lag behind the others it left with.
 FAIR_MEMORY_STEPS = 256
-# Yield only from a tenant holding at least this many times the slot share (per weight)
-# the waiting tenant would hold after the move: 2 keeps yields to starved tenants (a
-# factor near 1 preempted ~5x more often in tests, for no better token shares).
+# Yield at once from a tenant holding at least this many times the slot share (per
+# weight) the waiting tenant would hold after the move (rule (a)); with a factor near 1
+# and no lag, simulations preempted ~5x more often for no better token shares.
 YIELD_SHARE_FACTOR = 2
+# ... or from a tenant holding more than that share at all once the waiting tenant is this
+# far behind it (counter units: weighted tokens / weight), so a small batch cannot stay
+# split 3:1 for a whole request lifetime while counters could already tell.
+YIELD_LAG = 64.0
 
 
 class Tenant:
@@ -201,32 +211,25 @@ class ClassQueue:
 
     # ---- yielding --------------------------------------------------------------------
     def may_yield(self, tq: TenantQueue) -> bool:
-        """Whether some other active tenant holds YIELD_SHARE_FACTOR times the slot share
-        `tq` would hold with one more and is not behind it (necessary for a Yield;
-        O(active tenants))."""
+        """Whether some other active tenant would yield a slot to `tq` by the Yield rule
+        (necessary for a Yield: victims must also qualify; O(active tenants))."""
         if not self.fair:
             return False
-        need = YIELD_SHARE_FACTOR * (len(tq.running) + 1) / tq.tenant.weight
-        counter = tq.counter
-        for v in self.active.values():
-            if v.counter >= counter and v is not tq and len(v.running) / v.tenant.weight >= need:
-                return True
-        return False
+        return any(_yields(v, len(v.running), tq) for v in self.active.values())
 
     def yield_victims(self, tq: TenantQueue, can_yield: Callable[[Request], bool]) -> Iterator[Request]:
         """Running requests of this class in the order they yield to a request of `tq`:
         repeatedly the latest arrival (among those `can_yield` accepts: the waiting
         request's rank, unreserved, not admitted this step) of the tenant furthest over
-        its share (then the most served), while the Yield condition holds after the
-        moves before it. Only the first victim's slot is needed; more free blocks."""
-        need = YIELD_SHARE_FACTOR * (len(tq.running) + 1) / tq.tenant.weight
-        left = {v: len(v.running) for v in self.active.values()
-                if v is not tq and v.counter >= tq.counter and len(v.running) / v.tenant.weight >= need}
+        its share (then the most served), while the Yield rule holds after the moves
+        before it. Only the first victim's slot is needed; more free blocks."""
+        left = {v: len(v.running) for v in self.active.values() if _yields(v, len(v.running), tq)}
         candidates: dict[TenantQueue, list[Request]] = {}
         while left:
             v = max(left, key=lambda v: (left[v] / v.tenant.weight, v.counter))
-            if left[v] / v.tenant.weight < need:
-                return
+            if not _yields(v, left[v], tq):
+                del left[v]
+                continue
             reqs = candidates.get(v)
             if reqs is None:
                 reqs = candidates[v] = sorted((r for r in v.running.values() if can_yield(r)),
@@ -236,6 +239,16 @@ class ClassQueue:
                 continue
             yield reqs.pop()
             left[v] -= 1
+
+
+def _yields(v: TenantQueue, num_running: int, tq: TenantQueue) -> bool:
+    """The Yield rule: tenant `v`, holding `num_running` slots of the class, gives one to
+    a waiting request of `tq` (see the module docstring)."""
+    if v is tq or v.counter < tq.counter:
+        return False
+    share = num_running / v.tenant.weight
+    after = (len(tq.running) + 1) / tq.tenant.weight
+    return share >= YIELD_SHARE_FACTOR * after or (share > after and v.counter - tq.counter >= YIELD_LAG)
 
 
 def _tie_first(tq: TenantQueue, other: Request) -> bool:
