@@ -2,10 +2,11 @@
 ahead, hand jobs to the worker as slots free; rebalance, commits, lag.
 
 Read-ahead and choice: fetched records wait in the ReadAhead (read_ahead.py), up to
-`worker.read_ahead_per_partition` per partition. When slots free, right after a
+`worker.read_ahead_per_partition` per partition (records a fetch brings beyond that are
+read again later: the partition is sought back to them). When slots free, right after a
 non-blocking fetch of whatever the consumer has prefetched, they are filled by priority
-(high, normal, low) and, inside a priority, by tenant share (the tenant holding the
-fewest local jobs per weight; a tenant at `max_local_jobs_per_tenant` waits), so a freed
+(high, normal, low) and, inside a priority, by tenant share (the tenant with the fewest
+jobs not yet running, read_ahead.py; a tenant at `max_local_jobs_per_tenant` waits), so a freed
 slot goes to the highest-priority job available anywhere in this worker's assignment,
 and a light tenant behind a flooding one in the same partitions is taken without
 waiting for the flood. A partition is paused only while it has its full read-ahead
@@ -86,7 +87,10 @@ class JobSink(Protocol):
         """Jobs the worker can take now (0 while draining or while Redis is down)."""
 
     def held_by_tenant(self) -> Mapping[str, int]:
-        """Jobs held now, per tenant (tenants holding none may be absent)."""
+        """Jobs not yet at their terminal event, per tenant (tenants with none may be absent)."""
+
+    def tenant_running(self, tenant: str) -> int:
+        """The tenant's requests in the engine's running batch now."""
 
     async def take(self, records: list[JobRecord]) -> list[JobRecord]:
         """Claim and start a batch; returns the records whose job another worker holds
@@ -286,21 +290,28 @@ class Intake:
     def _buffer(self, got: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Decode fetched records into the read-ahead (invalid ones aside for the DLQ).
         Each is registered in the tracker here, when read, which also refuses records
-        already read (a re-read after a rebalance that kept the partition)."""
+        already read (a re-read after a rebalance that kept the partition). Records
+        beyond the read-ahead's bound are not kept: the partition is sought back to the
+        first of them, to be read again when there is room."""
         assigned = self.consumer.assignment()
         tracker = self.tracker
+        read_ahead = self.read_ahead
         for tp, recs in got.items():
             prio = self.topics[tp.topic]
             for rec in recs:
-                if tp not in assigned or not tracker.read(tp, rec.offset):
+                if tp not in assigned or rec.offset <= tracker.last_read(tp):
                     continue  # not ours any more, or already read here
+                if not read_ahead.has_room(tp):
+                    self.consumer.seek(tp, rec.offset)
+                    break
+                tracker.read(tp, rec.offset)
                 value = rec.value or b""
                 try:
                     job, error = decode_job(value), None
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     job, error = None, str(e)
                 jr = JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key, error)
-                (self.read_ahead.add if job is not None else self.invalid.append)(jr)
+                (read_ahead.add if job is not None else self.invalid.append)(jr)
 
     async def _fill_slots(self) -> None:
         """Invalid records go to the DLQ (they need no slot); free slots take records from
@@ -318,7 +329,8 @@ class Intake:
         if free <= 0:
             return
         self._buffer(await self.consumer.getmany(timeout_ms=0))
-        batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap)
+        batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap,
+                                     self.sink.tenant_running)
         if not batch:
             return
         contested = await self.sink.take(batch)

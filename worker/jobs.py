@@ -148,7 +148,7 @@ class JobTable:
         self.worker_id = worker_id
         self._clock = clock
         self._jobs: dict[str, LocalJob] = {}
-        self._per_tenant: dict[str, int] = {}  # jobs held per tenant ("" for none)
+        self._per_tenant: dict[str, int] = {}  # CLAIMED or IN_ENGINE jobs per tenant ("" for none)
         self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
         # job_id -> (done time, history, (reason, claim token, attempt)) of recently finished jobs
         self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int]]] = OrderedDict()
@@ -164,8 +164,10 @@ class JobTable:
         return self._jobs.get(job_id)
 
     def held_by_tenant(self) -> dict[str, int]:
-        """Jobs held per tenant (`""`: jobs without one); a tenant holding none is absent.
-        Read-only view: do not mutate."""
+        """Jobs per tenant (`""`: jobs without one) that have not reached their terminal
+        event (CLAIMED or IN_ENGINE: being prepared or in the engine); a tenant with none
+        is absent. A finishing job, only waiting for its last writes, no longer counts,
+        so a tenant of short jobs is not under-represented in the engine. Read-only view."""
         return self._per_tenant
 
     def __iter__(self) -> Iterator[LocalJob]:
@@ -248,7 +250,8 @@ class JobTable:
         lj._delta_ids.clear()
         lj._delta_logprobs = None
         self._dirty.pop(lj.job_id, None)
-        self._remove(lj)
+        self._untrack(lj)
+        del self._jobs[lj.job_id]
         return lj
 
     def request_cancel(self, job_id: str, now_mono: float | None = None) -> LocalJob | None:
@@ -321,6 +324,7 @@ class JobTable:
 
     def _terminate(self, lj: LocalJob, reason: FinishReason, error: ErrorInfo | None, usage: Usage | None,
                    timings: Timings | None) -> None:
+        self._untrack(lj)
         lj.state = JobState.FINISHING
         lj.finish_reason = reason
         lj.error = error
@@ -385,13 +389,13 @@ class JobTable:
             self._recent.move_to_end(lj.job_id)
         lj.history = []
         if self._jobs.get(lj.job_id) is lj:
-            self._remove(lj)
+            del self._jobs[lj.job_id]
         while self._recent and (len(self._recent) > RECENT_MAX_JOBS
                                 or next(iter(self._recent.values()))[0] < now - RECENT_MAX_AGE_S):
             self._recent.popitem(last=False)
 
-    def _remove(self, lj: LocalJob) -> None:
-        del self._jobs[lj.job_id]
+    def _untrack(self, lj: LocalJob) -> None:
+        """The job leaves CLAIMED / IN_ENGINE: it no longer counts in `held_by_tenant`."""
         tenant = lj.job.tenant or ""
         n = self._per_tenant[tenant] - 1
         if n:

@@ -8,14 +8,23 @@ for it, instead of after the whole flood (records are taken out of offset order;
 OffsetTracker registers them when read, so the commit point never passes one).
 
 Choice when slots free: the highest priority class with a record first; inside it the
-tenant holding the fewest local jobs per weight (`serving_tuning.tenants[...].weight`),
-ties to the earliest record, and each tenant's records in the order they were read. A
-tenant at its cap of local jobs (`worker.max_local_jobs_per_tenant`) is passed over:
-its records stay here while others' are taken. This only hands the engine a mix of
-tenants; token-level fairness among what is local is the engine's (fair_share.py).
+tenant with the fewest jobs held here but not running in the engine yet (being prepared
+or waiting for a slot), per weight, then the fewest held per weight, then the tenant
+that took a slot least recently (round robin: a tie never favours the tenant whose
+records are older, which is the flood); each tenant's records in the order read. A tenant at its cap of local
+jobs (`worker.max_local_jobs_per_tenant`) is passed over: its records stay here while
+others' are taken.
 
-Bounds: at most `per_partition` records per partition (the intake pauses a partition
-that has them, the rest stays in Kafka) and `max_bytes` of record values in all.
+Why "not running yet": the engine shares tokens fairly only among tenants it holds
+waiting requests of (fair_share.py: a tenant with nothing waiting is not backlogged
+there). So the intake's job is to keep a request of every backlogged tenant ready in
+the engine; counting jobs held would not, since a tenant of short jobs has many of its
+slots in claim, tokenization or the final writes at any moment.
+
+Bounds: at most `per_partition` records per partition and about `max_bytes` of record
+values in all (one record may pass it): the intake pauses a full partition, and records
+a fetch brought beyond the bound are not kept but read again later (the intake seeks
+back to the first of them), so the rest stays in Kafka.
 Writer: the intake (asyncio thread).
 """
 
@@ -63,6 +72,8 @@ class ReadAhead:
         # priority -> tenant -> records in read order
         self._queues: dict[str, dict[str, deque[JobRecord]]] = {p: {} for p in keys.PRIORITIES}
         self._per_partition: dict[Any, int] = {}
+        self._last_pick: dict[str, int] = {}  # tenant -> pick number of its last record taken
+        self._num_picks = 0
         self.num_records = 0
         self.num_bytes = 0
 
@@ -76,13 +87,17 @@ class ReadAhead:
         self.num_records += 1
         self.num_bytes += len(rec.raw)
 
+    def has_room(self, tp: Any) -> bool:
+        """Whether one more record of `tp` may be kept."""
+        return self._per_partition.get(tp, 0) < self.per_partition and self.num_bytes < self.max_bytes
+
     def is_full(self, tp: Any) -> bool:
         """Whether `tp` should stay paused: it has `per_partition` records here, or all
         records together hold `max_bytes`."""
         return self._per_partition.get(tp, 0) >= self.per_partition or self.num_bytes >= self.max_bytes
 
     def take(self, free: int, held: Mapping[str, int], weight: Callable[[str], float],
-             cap: Callable[[str], int]) -> list[JobRecord]:
+             cap: Callable[[str], int], running: Callable[[str], int] = lambda tenant: 0) -> list[JobRecord]:
         """Up to `free` records in the order described in the module docstring.
 
         Args:
@@ -90,6 +105,7 @@ class ReadAhead:
             held: local jobs per tenant now (tenants absent hold none).
             weight: a tenant's weight (> 0).
             cap: the most local jobs a tenant may hold.
+            running: the tenant's requests in the engine's running batch.
         """
         taken: list[JobRecord] = []
         if free <= 0 or not self.num_records:
@@ -97,6 +113,7 @@ class ReadAhead:
         counts = dict(held)
         for prio in keys.PRIORITIES:
             queues = self._queues[prio]
+            busy = {tenant: running(tenant) for tenant in queues}
             while len(taken) < free and queues:
                 best = None
                 best_key = None
@@ -104,7 +121,8 @@ class ReadAhead:
                     n = counts.get(tenant, 0)
                     if n >= cap(tenant):
                         continue
-                    key = (n / weight(tenant), q[0].enqueue_time, q[0].offset)
+                    w = weight(tenant)
+                    key = (max(0, n - busy[tenant]) / w, n / w, self._last_pick.get(tenant, -1), q[0].offset)
                     if best_key is None or key < best_key:
                         best, best_key = tenant, key
                 if best is None:
@@ -113,8 +131,12 @@ class ReadAhead:
                 rec = q.popleft()
                 if not q:
                     del queues[best]
+                    if not any(best in qs for qs in self._queues.values()):
+                        self._last_pick.pop(best, None)  # bounded by the tenants with records here
                 self._forget(rec)
                 counts[best] = counts.get(best, 0) + 1
+                self._num_picks += 1
+                self._last_pick[best] = self._num_picks
                 taken.append(rec)
         return taken
 
