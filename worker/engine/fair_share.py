@@ -36,8 +36,10 @@ the tenant asked for. The rules built on the counters:
       (b) W is behind by YIELD_LAG or more (counter_V - counter_W >= 64), so a small
           batch is not left split 3:1 for a whole request lifetime once the counters
           tell;
-    one slot at a time while that holds. Pick alone needs no preemption and does the
-    fine balance. A slot cannot move straight back: by (a), V would need twice W's
+    one slot at a time while that holds, and only in a step after one in which no
+    running request ended or was preempted: while slots free up, Pick gives the next
+    one to the tenant behind within a step, with nothing to recompute. Pick alone
+    needs no preemption and does the fine balance. A slot cannot move straight back: by (a), V would need twice W's
     share while holding less than half of it; by (b), V would have to fall YIELD_LAG
     behind W, i.e. W be served 2 x YIELD_LAG more than V first, which bounds how often
     two tenants trade a slot. Victims
@@ -215,7 +217,15 @@ class ClassQueue:
         (necessary for a Yield: victims must also qualify; O(active tenants))."""
         if not self.fair:
             return False
-        return any(_yields(v, len(v.running), tq) for v in self.active.values())
+        counter = tq.counter
+        after = (len(tq.running) + 1) / tq.tenant.weight
+        at_once = YIELD_SHARE_FACTOR * after
+        for v in self.active.values():  # _yields inlined: this runs every step the batch is full
+            if v.counter >= counter and v is not tq:
+                share = len(v.running) / v.tenant.weight
+                if share >= at_once or (share > after and v.counter - counter >= YIELD_LAG):
+                    return True
+        return False
 
     def yield_victims(self, tq: TenantQueue, can_yield: Callable[[Request], bool]) -> Iterator[Request]:
         """Running requests of this class in the order they yield to a request of `tq`:

@@ -87,6 +87,8 @@ class Scheduler:
             t.max_kv_blocks is not None for t in tuning.tenants.values())
         self.step_count = 0
         self.num_preemptions_total = 0
+        self._num_freed = 0  # running requests that left the batch since the last schedule()
+        self._may_yield = False  # this step: no slot freed since the last one (fair_share Yield)
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -162,6 +164,10 @@ class Scheduler:
         lowers the step's token budget below `tuning.max_batched_tokens` (the engine's
         back-off after an OOM)."""
         self.step_count += 1
+        # A Yield only in a step after one that freed no slot: while requests end, Pick
+        # hands the next free slot to the tenant behind within a step, without recompute.
+        self._may_yield = self.fair and self._num_freed == 0
+        self._num_freed = 0
         tuning = self.tuning
         budget = min(max_batched_tokens or tuning.max_batched_tokens, tuning.max_batched_tokens)
         scheduled: dict[str, int] = {}
@@ -211,7 +217,7 @@ class Scheduler:
                 excluded.add(tenant)
                 continue
             if (len(self.running) >= tuning.max_running_requests and self.running[-1].effective_rank <= rank
-                    and not self.classes[req.priority].may_yield(req.share)):
+                    and not (self._may_yield and self.classes[req.priority].may_yield(req.share))):
                 break  # no slot and none to take: nothing ranked behind can start either
             self._pop_waiting(req)  # before any victim is requeued (aging can rank a victim ahead of it)
             cached_blocks = self.kv.find_cached_prefix(req)
@@ -324,6 +330,7 @@ class Scheduler:
         del self.running[i]
         del req.share.running[req.request_id]
         req.share.tenant.num_running -= 1
+        self._num_freed += 1
 
     def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
         """Free the victim's KV and requeue it at its original place. Returns the
@@ -384,7 +391,7 @@ class Scheduler:
             num_free += self.kv.num_freeable_blocks(victim.request_id)
             num_slots += 1
             victims.append(victim)
-        if (num_free < num_blocks or num_slots <= 0) and cq.may_yield(req.share):
+        if (num_free < num_blocks or num_slots <= 0) and self._may_yield and cq.may_yield(req.share):
             def can_yield(r: Request) -> bool:
                 return r.effective_rank == rank and r.request_id not in admitted and not self._reserve_tokens(r)
 
