@@ -136,7 +136,7 @@ class Worker:
         self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
                              read_ahead_per_partition=cfg.worker.read_ahead_per_partition,
                              read_ahead_bytes=cfg.worker.read_ahead_bytes, tenant_weight=tenant_weight,
-                             tenant_cap=tenant_cap)
+                             tenant_cap=tenant_cap, fair=cfg.serving_tuning.fair_share)
         await self.intake.start()
         self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for)
         await self.cancels.start()

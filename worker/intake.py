@@ -73,6 +73,7 @@ class JobRecord:
     raw: bytes
     key: bytes | None
     error: str | None = None
+    read_seq: int = 0  # order in which the read-ahead got it (set by ReadAhead.add)
 
     @property
     def tenant(self) -> str:
@@ -150,20 +151,23 @@ class Intake:
     read_ahead_per_partition, read_ahead_bytes: bounds of the read-ahead.
     tenant_weight: a tenant's weight (`serving_tuning.tenants`), for the choice.
     tenant_cap: the most local jobs a tenant may hold.
+    fair: choose by tenant share inside a class (`serving_tuning.fair_share`); else by
+        read order.
     metrics: optional.
     """
 
     def __init__(self, cfg: KafkaConfig, client_id: str, sink: JobSink, tracker: OffsetTracker[TopicPartition], *,
                  read_ahead_per_partition: int, read_ahead_bytes: int,
                  tenant_weight: Callable[[str], float] = lambda t: 1.0,
-                 tenant_cap: Callable[[str], int] = lambda t: 1 << 30, metrics: Metrics | None = None) -> None:
+                 tenant_cap: Callable[[str], int] = lambda t: 1 << 30, fair: bool = True,
+                 metrics: Metrics | None = None) -> None:
         self.cfg = cfg
         self.client_id = client_id
         self.sink = sink
         self.tracker = tracker
         self.metrics = metrics
         self.topics = {keys.job_topic(cfg.topic_prefix, p): p for p in keys.PRIORITIES}
-        self.read_ahead = ReadAhead(read_ahead_per_partition, read_ahead_bytes)
+        self.read_ahead = ReadAhead(read_ahead_per_partition, read_ahead_bytes, fair)
         self.tenant_weight = tenant_weight
         self.tenant_cap = tenant_cap
         self.invalid: list[JobRecord] = []  # read, not jobs: to the DLQ

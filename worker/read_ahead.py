@@ -13,7 +13,8 @@ or waiting for a slot), per weight, then the fewest held per weight, then the te
 that took a slot least recently (round robin: a tie never favours the tenant whose
 records are older, which is the flood); each tenant's records in the order read. A tenant at its cap of local
 jobs (`worker.max_local_jobs_per_tenant`) is passed over: its records stay here while
-others' are taken.
+others' are taken. With `serving_tuning.fair_share: false` the choice inside a class is
+the earliest record read (tenant-blind, as before fair share); the caps still hold.
 
 Why "not running yet": the engine shares tokens fairly only among tenants it holds
 waiting requests of (fair_share.py: a tenant with nothing waiting is not backlogged
@@ -64,11 +65,14 @@ class ReadAhead:
     """Args:
     per_partition: most records kept per partition.
     max_bytes: most bytes of record values kept in all.
+    fair: choose by tenant share inside a class (else by read order).
     """
 
-    def __init__(self, per_partition: int, max_bytes: int) -> None:
+    def __init__(self, per_partition: int, max_bytes: int, fair: bool = True) -> None:
         self.per_partition = per_partition
         self.max_bytes = max_bytes
+        self.fair = fair
+        self._num_read = 0  # records added so far: the read order
         # priority -> tenant -> records in read order
         self._queues: dict[str, dict[str, deque[JobRecord]]] = {p: {} for p in keys.PRIORITIES}
         self._per_partition: dict[Any, int] = {}
@@ -82,6 +86,8 @@ class ReadAhead:
 
     def add(self, rec: JobRecord) -> None:
         """Keep a valid job record until a slot takes it."""
+        self._num_read += 1
+        rec.read_seq = self._num_read
         self._queues[rec.priority].setdefault(rec.tenant, deque()).append(rec)
         self._per_partition[rec.tp] = self._per_partition.get(rec.tp, 0) + 1
         self.num_records += 1
@@ -121,8 +127,11 @@ class ReadAhead:
                     n = counts.get(tenant, 0)
                     if n >= cap(tenant):
                         continue
-                    w = weight(tenant)
-                    key = (max(0, n - busy[tenant]) / w, n / w, self._last_pick.get(tenant, -1), q[0].offset)
+                    if self.fair:
+                        w = weight(tenant)
+                        key = (max(0, n - busy[tenant]) / w, n / w, self._last_pick.get(tenant, -1), q[0].read_seq)
+                    else:
+                        key = (q[0].read_seq,)
                     if best_key is None or key < best_key:
                         best, best_key = tenant, key
                 if best is None:

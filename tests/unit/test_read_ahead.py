@@ -276,3 +276,12 @@ def test_eager_rebalance_keeps_read_ahead_and_loses_or_repeats_nothing():
     assert set(taken_p0) == valid_p0 and all(n == 1 for n in taken_p0.values()), taken_p0
     assert consumer._committed[p0] == len(logs[p0])
     assert intake.num_invalid >= 1
+
+
+def test_without_fair_share_the_choice_is_read_order():
+    ra = ReadAhead(per_partition=100, max_bytes=10**6, fair=False)
+    for o in range(6):
+        ra.add(rec("A", o))
+    ra.add(rec("B", 6))
+    got = ra.take(4, {"A": 3}, one(), caps(5))
+    assert [(r.tenant, r.offset) for r in got] == [("A", 0), ("A", 1), ("B", 6)]  # A capped at 5
