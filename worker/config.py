@@ -320,7 +320,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_job_failures: int = 2
     tokenizer_threads: int = 2
     max_local_jobs_per_tenant: int | None = None
-    read_ahead_per_partition: int = 64
+    read_ahead_per_partition: int = 512
     read_ahead_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
