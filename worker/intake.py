@@ -5,8 +5,8 @@ Read-ahead and choice: fetched records wait in the ReadAhead (read_ahead.py), up
 `worker.read_ahead_per_partition` per partition (records a fetch brings beyond that are
 read again later: the partition is sought back to them). When slots free, right after a
 non-blocking fetch of whatever the consumer has prefetched, they are filled by priority
-(high, normal, low) and, inside a priority, by tenant share (the tenant with the fewest
-jobs not yet running, read_ahead.py; a tenant at `max_local_jobs_per_tenant` waits), so a freed
+(high, normal, low) and, inside a priority, by tenant share (the tenant holding the
+fewest jobs per weight, read_ahead.py; a tenant at `max_local_jobs_per_tenant` waits), so a freed
 slot goes to the highest-priority job available anywhere in this worker's assignment,
 and a light tenant behind a flooding one in the same partitions is taken without
 waiting for the flood. A partition is paused only while it has its full read-ahead
@@ -90,8 +90,6 @@ class JobSink(Protocol):
     def held_by_tenant(self) -> Mapping[str, int]:
         """Jobs not yet at their terminal event, per tenant (tenants with none may be absent)."""
 
-    def tenant_running(self, tenant: str) -> int:
-        """The tenant's requests in the engine's running batch now."""
 
     async def take(self, records: list[JobRecord]) -> list[JobRecord]:
         """Claim and start a batch; returns the records whose job another worker holds
@@ -333,8 +331,7 @@ class Intake:
         if free <= 0:
             return
         self._buffer(await self.consumer.getmany(timeout_ms=0))
-        batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap,
-                                     self.sink.tenant_running)
+        batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap)
         if not batch:
             return
         contested = await self.sink.take(batch)

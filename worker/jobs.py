@@ -396,12 +396,7 @@ class JobTable:
 
     def _untrack(self, lj: LocalJob) -> None:
         """The job leaves CLAIMED / IN_ENGINE: it no longer counts in `held_by_tenant`."""
-        tenant = lj.job.tenant or ""
-        n = self._per_tenant[tenant] - 1
-        if n:
-            self._per_tenant[tenant] = n
-        else:
-            del self._per_tenant[tenant]
+        _decrement(self._per_tenant, lj.job.tenant or "")
 
     def histories(self) -> Iterator[tuple[str, list[tuple[int, bytes]], tuple[str, str, int] | None]]:
         """What this worker published that Redis must hold: (job_id, [(seq, event)], terminal)
@@ -413,6 +408,14 @@ class JobTable:
         for job_id, (_, history, term) in self._recent.items():
             if job_id not in self._jobs:
                 yield job_id, history, term
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
 
 
 def _round(x: float | None, nd: int = 4) -> float | None:

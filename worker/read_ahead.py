@@ -8,19 +8,18 @@ for it, instead of after the whole flood (records are taken out of offset order;
 OffsetTracker registers them when read, so the commit point never passes one).
 
 Choice when slots free: the highest priority class with a record first; inside it the
-tenant with the fewest jobs held here but not running in the engine yet (being prepared
-or waiting for a slot), per weight, then the fewest held per weight, then the tenant
-that took a slot least recently (round robin: a tie never favours the tenant whose
-records are older, which is the flood); each tenant's records in the order read. A tenant at its cap of local
-jobs (`worker.max_local_jobs_per_tenant`) is passed over: its records stay here while
+tenant holding the fewest jobs per weight that have not reached their terminal event
+(a job only waiting for its final writes no longer counts: a tenant of short jobs has
+many of its slots there at any moment, and would otherwise hold fewer requests in the
+engine than its share), then the tenant that took a slot least recently (round robin:
+a tie never favours the tenant whose records are older, which is the flood); each
+tenant's records in the order read. A tenant at its cap of local jobs
+(`worker.max_local_jobs_per_tenant`) is passed over: its records stay here while
 others' are taken. With `serving_tuning.fair_share: false` the choice inside a class is
 the earliest record read (tenant-blind, as before fair share); the caps still hold.
 
-Why "not running yet": the engine shares tokens fairly only among tenants it holds
-waiting requests of (fair_share.py: a tenant with nothing waiting is not backlogged
-there). So the intake's job is to keep a request of every backlogged tenant ready in
-the engine; counting jobs held would not, since a tenant of short jobs has many of its
-slots in claim, tokenization or the final writes at any moment.
+The intake only hands the engine a balanced mix of tenants, each with requests waiting
+there; the token-level share among them is the engine's (fair_share.py).
 
 Bounds: at most `per_partition` records per partition and about `max_bytes` of record
 values in all (one record may pass it): the intake pauses a full partition, and records
@@ -103,7 +102,7 @@ class ReadAhead:
         return self._per_partition.get(tp, 0) >= self.per_partition or self.num_bytes >= self.max_bytes
 
     def take(self, free: int, held: Mapping[str, int], weight: Callable[[str], float],
-             cap: Callable[[str], int], running: Callable[[str], int] = lambda tenant: 0) -> list[JobRecord]:
+             cap: Callable[[str], int]) -> list[JobRecord]:
         """Up to `free` records in the order described in the module docstring.
 
         Args:
@@ -111,7 +110,6 @@ class ReadAhead:
             held: local jobs per tenant now (tenants absent hold none).
             weight: a tenant's weight (> 0).
             cap: the most local jobs a tenant may hold.
-            running: the tenant's requests in the engine's running batch.
         """
         taken: list[JobRecord] = []
         if free <= 0 or not self.num_records:
@@ -119,7 +117,6 @@ class ReadAhead:
         counts = dict(held)
         for prio in keys.PRIORITIES:
             queues = self._queues[prio]
-            busy = {tenant: running(tenant) for tenant in queues}
             while len(taken) < free and queues:
                 best = None
                 best_key = None
@@ -129,7 +126,7 @@ class ReadAhead:
                         continue
                     if self.fair:
                         w = weight(tenant)
-                        key = (max(0, n - busy[tenant]) / w, n / w, self._last_pick.get(tenant, -1), q[0].read_seq)
+                        key = (n / w, self._last_pick.get(tenant, -1), q[0].read_seq)
                     else:
                         key = (q[0].read_seq,)
                     if best_key is None or key < best_key:

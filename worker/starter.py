@@ -106,8 +106,6 @@ class JobStarter:
     def held_by_tenant(self) -> dict[str, int]:
         return self.table.held_by_tenant()
 
-    def tenant_running(self, tenant: str) -> int:
-        return self.engine.tenant_running(tenant)
 
     def close(self) -> None:
         for t in self._tasks:

@@ -187,8 +187,6 @@ class FakeSink:
     def held_by_tenant(self):
         return Counter(r.tenant for r in self.held.values())
 
-    def tenant_running(self, tenant):
-        return 0  # no engine: nothing runs, every held job counts as not running yet
 
     async def take(self, records):
         for r in records:

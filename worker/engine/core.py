@@ -250,10 +250,6 @@ class Engine:
             self._new.append(req)
         return len(ids)
 
-    def tenant_running(self, tenant: str | None) -> int:
-        """The tenant's requests in the running batch now. Any thread; a momentary value."""
-        return self.scheduler.num_running_of(tenant or "")
-
     def abort(self, request_id: str) -> None:
         """Cancel a request. Its blocks are freed and a `cancelled` output is emitted by
         the next `step`. Unknown or finished ids are ignored."""

@@ -102,12 +102,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def num_running_of(self, tenant: str) -> int:
-        """The tenant's requests in the running batch (all classes). Safe to call from
-        another thread (one dict lookup, one int read); the value is momentary."""
-        t = self.tenants.get(tenant)
-        return 0 if t is None else t.num_running
-
     # ---- mutations from the engine ---------------------------------------------------
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
