@@ -19,7 +19,8 @@ that implies. Writes results/bench_e2e.json and two PNGs, prints a table.
 `--tenant-flood` (issue 16) runs a different experiment instead of the sweep: a light
 tenant sends short jobs as a Poisson stream at `--light-rate` for `--duration` seconds,
 first alone, then while a flooding tenant has a backlog of `--flood-jobs` long jobs on
-the same (normal) topic, submitted just before. Reported: the light tenant's TTFT
+the same (normal) topic, submitted just before (it should outlast the light stream:
+`flood_backlogged_throughout` says whether it did). Reported: the light tenant's TTFT
 (client side, submit to first token) p50 / p99 in both phases and their ratio, also in
 engine steps (a full batch's step is several times a near-empty one's on a CPU, so the
 flood lengthens every step whatever the scheduler does), and the light tenant's share
@@ -506,12 +507,15 @@ async def tenant_flood_run(a, model: Path, device: str, fair: bool, light, arriv
         worker.stop()
     tokens = {t: after.get(t, 0.0) - before.get(t, 0.0) for t in ("light", "flood")}
     total = sum(tokens.values()) or 1.0
+    flood_requested = sum(r.max_tokens for r in flood)
     ratio = flooded["light_ttft_s"]["p99"] / alone["light_ttft_s"]["p99"]
     ratio_steps = (flooded["light_ttft_s"]["p99"] / flooded["mean_step_s"]) / (
         alone["light_ttft_s"]["p99"] / alone["mean_step_s"])
     return {"fair_share": fair, "alone": alone, "flooded": flooded, "light_ttft_p99_ratio": ratio,
             "light_ttft_p99_ratio_in_steps": ratio_steps,
-            "output_tokens_while_flooded": tokens, "light_token_share": tokens["light"] / total}
+            "output_tokens_while_flooded": tokens, "light_token_share": tokens["light"] / total,
+            # the flood still had jobs left when the light stream ended: it lasted the whole phase
+            "flood_backlogged_throughout": tokens["flood"] < flood_requested}
 
 
 def tenant_flood(a, model: Path, device: str) -> dict:
@@ -543,7 +547,7 @@ def tenant_flood(a, model: Path, device: str) -> dict:
         print(f"{'on' if r['fair_share'] else 'off':<12}{al['p50']:>16.3f}{al['p99']:>11.3f}{fl['p50']:>11.3f}"
               f"{fl['p99']:>11.3f}{r['light_ttft_p99_ratio']:>11.2f}{1e3 * r['alone']['mean_step_s']:>15.1f}"
               f"{1e3 * r['flooded']['mean_step_s']:>7.1f}{r['light_ttft_p99_ratio_in_steps']:>16.2f}"
-              f"{r['light_token_share']:>14.3f}")
+              f"{r['light_token_share']:>14.3f}{'' if r['flood_backlogged_throughout'] else '  (flood ended early)'}")
     return report
 
 
@@ -578,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="light tenant's TTFT without and with a flooding tenant (see above) instead of the sweep")
     p.add_argument("--light-rate", type=float, default=2.0, help="light tenant's requests/s (--tenant-flood)")
     p.add_argument("--light-max-tokens", type=int, default=32, help="cap on the light jobs' output tokens")
-    p.add_argument("--flood-jobs", type=int, default=200, help="flooding tenant's backlog (--tenant-flood)")
+    p.add_argument("--flood-jobs", type=int, default=1000,
+                   help="flooding tenant's backlog (--tenant-flood); enough to outlast --duration")
     p.add_argument("--compare-off", action="store_true", help="also run with fair share off (--tenant-flood)")
     add_size_args(p)
     a = p.parse_args(argv)
