@@ -5,6 +5,7 @@ Map (one line per module):
                   error codes
     kv_cache.py   BlockPool (free list, ref counts, prefix-cache hashes) and KVCacheManager (block tables)
     scheduler.py  Scheduler: per-step batch under a token budget; admission, priority, preemption
+    fair_share.py per-tenant virtual token counters inside a priority class (Pick, Lift, Yield), quotas
     outputs.py    contract objects between scheduler, model runner and engine callers
     core.py       Engine: public API (add_request / abort / step / generate)
 """
