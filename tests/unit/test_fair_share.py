@@ -97,7 +97,9 @@ def test_light_tenant_starts_within_the_bound_behind_a_backlogged_one(make_engin
         negative lag) keeps counter_B <= counter_A.
       - Pick: B has the least counter (a tie goes to the tenant with fewer running).
       - Yield: no slot is free, but A holds 8 >= 2 x (0 + 1) slots and is not behind B,
-        so B preempts A's latest running request; one exists that is not reserved:
+        so B preempts A's latest running request (if an A request ended in the step
+        before, a Yield waits a step, but its slot is free and Pick gives it to B); one
+        exists that is not reserved:
         every B request costs one preemption, a request is reserved after
         RESERVE_AFTER_PREEMPTIONS = 2, and A's running set is renewed every 256 steps,
         over which at most 13 B requests arrive (16 would be needed to reserve all 8).
