@@ -16,9 +16,22 @@ Before the sweep the same engine runs the workload alone in this process (all re
 t=0) for the engine-alone tokens/s; default rates are fractions of the request rate
 that implies. Writes results/bench_e2e.json and two PNGs, prints a table.
 
+`--tenant-flood` (issue 16) runs a different experiment instead of the sweep: a light
+tenant sends short jobs as a Poisson stream at `--light-rate` for `--duration` seconds,
+first alone, then while a flooding tenant has a backlog of `--flood-jobs` long jobs on
+the same (normal) topic, submitted just before (it should outlast the light stream:
+`flood_backlogged_throughout` says whether it did). Reported: the light tenant's TTFT
+(client side, submit to first token) p50 / p99 in both phases and their ratio, also in
+engine steps (a full batch's step is several times a near-empty one's on a CPU, so the
+flood lengthens every step whatever the scheduler does), and the light tenant's share
+of output tokens while the flood was there; with `--compare-off`,
+the same again with `serving_tuning.fair_share: false` and no per-tenant cap on local
+jobs (the worker before fair share). Writes results/bench_e2e_tenants.json.
+
     tools/devstack.sh up
     python -m tools.bench_e2e                                   # default sweep, ~5 min on 2 CPU cores
     python -m tools.bench_e2e --rates 2 4 8 --duration 20 --consumer result
+    python -m tools.bench_e2e --tenant-flood --compare-off      # ~4 min on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -73,9 +86,11 @@ def _free_port() -> int:
 
 
 class WorkerProcess:
-    """`python -m worker worker` configured through INFLIGHT_* variables; logs to a file."""
+    """`python -m worker worker` configured through INFLIGHT_* variables; logs to a file.
+    `env` adds or overrides variables."""
 
-    def __init__(self, a, model: Path, device: str, prefix: str, log_path: Path) -> None:
+    def __init__(self, a, model: Path, device: str, prefix: str, log_path: Path,
+                 env_over: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         env = dict(os.environ)
         env.update({
@@ -98,12 +113,25 @@ class WorkerProcess:
             "INFLIGHT_METRICS__HOST": "127.0.0.1",
             "INFLIGHT_METRICS__CHECK_INTERVAL_S": "1",
         })
+        env.update(env_over or {})
         argv = [sys.executable, "-m", "worker", "worker"]
         if a.config:  # connection security of the file; the INFLIGHT_* variables above override the rest
             argv += ["--config", a.config]
             env.update(worker_sections(a.kafka_cfg, a.redis_cfg)[2])  # secret values given inline, if any
         self.log = open(log_path, "w")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    async def metrics_by_tenant(self) -> dict[str, float]:
+        """Output tokens served per `tenant` label (tenant_tokens_total, kind generation)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = await asyncio.to_thread(_get, f"http://127.0.0.1:{self.port}/metrics")
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "tenant_tokens_total" and s.labels.get("kind") == "generation":
+                    out[s.labels["tenant"]] = out.get(s.labels["tenant"], 0.0) + s.value
+        return out
 
     async def metrics(self) -> dict[str, float]:
         """Scrape /metrics: {name{labels}: value} summed over label sets by bare name too."""
@@ -419,6 +447,121 @@ def print_table(report: dict) -> None:
         print(f"{k}: {v:.2f}")
 
 
+# ---- tenant flood (issue 16) --------------------------------------------------------------
+async def flood_phase(a, client, worker: WorkerProcess, tag: str, light, arrivals: list[float], flood) -> dict:
+    """Submit `flood` (tenant `flood`) at once, then `light` (tenant `light`) at
+    `arrivals`; stream the light jobs (TTFT, client side); the worker's mean engine step
+    time while the light stream lasts."""
+    from schemas.params import SamplingParams
+    from schemas.wire import Token
+
+    records: list[dict] = []
+    if flood:
+        await asyncio.gather(*(client.submit(prompt_token_ids=r.prompt_token_ids, job_id=f"{tag}-f{i}", tenant="flood",
+                                             params=SamplingParams(temperature=0, max_tokens=r.max_tokens,
+                                                                   ignore_eos=True))
+                               for i, r in enumerate(flood)))
+    t0 = time.time()
+    m0 = await worker.metrics()
+
+    async def one(i: int, r, at: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + at - time.time()))
+        job_id = f"{tag}-l{i}"
+        rec = {"submit_s": time.time() - t0, "first_token_s": None, "tokens": 0}
+        records.append(rec)
+        await client.submit(prompt_token_ids=r.prompt_token_ids, job_id=job_id, tenant="light",
+                            params=SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+        async for ev in client.stream(job_id, timeout_s=a.duration * 4 + 300):
+            if isinstance(ev, Token):
+                if rec["first_token_s"] is None:
+                    rec["first_token_s"] = time.time() - t0
+                rec["tokens"] += len(ev.token_ids)
+
+    await asyncio.gather(*(one(i, r, at) for i, (r, at) in enumerate(zip(light, arrivals))))
+    m1 = await worker.metrics()
+    steps = m1.get("engine_step_duration_seconds_count", 0.0) - m0.get("engine_step_duration_seconds_count", 0.0)
+    step_s = (m1.get("engine_step_duration_seconds_sum", 0.0) - m0.get("engine_step_duration_seconds_sum", 0.0)) / max(
+        steps, 1.0)
+    ttft = [r["first_token_s"] - r["submit_s"] for r in records if r["first_token_s"] is not None]
+    return {"light_jobs": len(records), "light_ttft_s": percentiles(ttft), "light_span_s": time.time() - t0,
+            "mean_step_s": step_s}
+
+
+async def tenant_flood_run(a, model: Path, device: str, fair: bool, light, arrivals, flood) -> dict:
+    from worker.client import InflightClient
+    from worker.topics import create_topics
+
+    prefix = f"benchf{uuid.uuid4().hex[:8]}"
+    await create_topics(a.kafka, prefix, partitions=3)
+    env = {"INFLIGHT_WORKER__DRAIN_TIMEOUT_S": "1", "INFLIGHT_WORKER__MAX_LOCAL_JOBS": str(2 * a.max_batch)}
+    if not fair:
+        env.update({"INFLIGHT_SERVING_TUNING__FAIR_SHARE": "false",
+                    "INFLIGHT_WORKER__MAX_LOCAL_JOBS_PER_TENANT": str(2 * a.max_batch)})
+    worker = WorkerProcess(a, model, device, prefix, Path(a.out) / f"bench_e2e_tenants_{'on' if fair else 'off'}.log",
+                           env)
+    try:
+        await worker.wait_ready(300)
+        async with InflightClient(a.kafka, a.redis, topic_prefix=prefix, key_prefix=prefix) as client:
+            alone = await flood_phase(a, client, worker, f"{prefix}-alone", light, arrivals, [])
+            before = await worker.metrics_by_tenant()
+            flooded = await flood_phase(a, client, worker, f"{prefix}-flood", light, arrivals, flood)
+            after = await worker.metrics_by_tenant()
+    finally:
+        worker.stop()
+    tokens = {t: after.get(t, 0.0) - before.get(t, 0.0) for t in ("light", "flood")}
+    total = sum(tokens.values()) or 1.0
+    flood_requested = sum(r.max_tokens for r in flood)
+    ratio = flooded["light_ttft_s"]["p99"] / alone["light_ttft_s"]["p99"]
+    ratio_steps = (flooded["light_ttft_s"]["p99"] / flooded["mean_step_s"]) / (
+        alone["light_ttft_s"]["p99"] / alone["mean_step_s"])
+    return {"fair_share": fair, "alone": alone, "flooded": flooded, "light_ttft_p99_ratio": ratio,
+            "light_ttft_p99_ratio_in_steps": ratio_steps,
+            "output_tokens_while_flooded": tokens, "light_token_share": tokens["light"] / total,
+            # the flood still had jobs left when the light stream ended: it lasted the whole phase
+            "flood_backlogged_throughout": tokens["flood"] < flood_requested}
+
+
+def tenant_flood(a, model: Path, device: str) -> dict:
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    n_light = max(4, math.ceil(a.light_rate * a.duration))
+    light = make_workload("alpaca", n_light, vocab_size=vocab, scale=a.scale, seed=a.seed, max_input=a.max_input,
+                          max_output=a.light_max_tokens, avoid_ids=frozenset({0, 1, 2, 3, 4}))
+    flood = make_workload("sharegpt", a.flood_jobs, vocab_size=vocab, scale=a.scale, seed=a.seed + 1,
+                          max_input=a.max_input, max_output=a.max_output, avoid_ids=frozenset({0, 1, 2, 3, 4}))
+    arrivals = poisson_arrivals(a.light_rate, n_light, seed=a.seed + 2)
+    runs = [asyncio.run(tenant_flood_run(a, model, device, True, light, arrivals, flood))]
+    if a.compare_off:
+        runs.append(asyncio.run(tenant_flood_run(a, model, device, False, light, arrivals, flood)))
+    report = {**report_header("e2e_tenants", a, model, device),
+              "serving_tuning": {"max_running_requests": a.max_batch, "max_batched_tokens": a.budget,
+                                 "max_total_tokens": kv_tokens(a), "max_local_jobs": 2 * a.max_batch},
+              "light": {"rate": a.light_rate, "jobs": n_light, "mean_input": _mean_in(light),
+                        "mean_output": _mean_out(light)},
+              "flood": {"jobs": len(flood), "mean_input": _mean_in(flood), "mean_output": _mean_out(flood)},
+              "runs": runs}
+    print(f"\nlight tenant {a.light_rate} req/s ({report['light']['mean_output']:.0f} output tokens), flood "
+          f"{len(flood)} jobs ({report['flood']['mean_output']:.0f} output tokens), max batch {a.max_batch}")
+    print(f"{'fair share':<12}{'TTFT p50 alone':>16}{'p99 alone':>11}{'p50 flood':>11}{'p99 flood':>11}"
+          f"{'p99 ratio':>11}{'step ms alone':>15}{'flood':>7}{'ratio in steps':>16}{'light tokens':>14}")
+    for r in runs:
+        al, fl = r["alone"]["light_ttft_s"], r["flooded"]["light_ttft_s"]
+        print(f"{'on' if r['fair_share'] else 'off':<12}{al['p50']:>16.3f}{al['p99']:>11.3f}{fl['p50']:>11.3f}"
+              f"{fl['p99']:>11.3f}{r['light_ttft_p99_ratio']:>11.2f}{1e3 * r['alone']['mean_step_s']:>15.1f}"
+              f"{1e3 * r['flooded']['mean_step_s']:>7.1f}{r['light_ttft_p99_ratio_in_steps']:>16.2f}"
+              f"{r['light_token_share']:>14.3f}{'' if r['flood_backlogged_throughout'] else '  (flood ended early)'}")
+    return report
+
+
+def _mean_in(work) -> float:
+    return sum(len(r.prompt_token_ids) for r in work) / len(work)
+
+
+def _mean_out(work) -> float:
+    return sum(r.max_tokens for r in work) / len(work)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results", help="folder for JSON, PNGs and the worker log")
@@ -437,15 +580,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-rate", type=int, default=None, help="fixed count instead of --duration")
     p.add_argument("--baseline-requests", type=int, default=128, help="requests of the engine-alone run")
     p.add_argument("--consumer", default="stream", choices=["stream", "result"])
+    p.add_argument("--tenant-flood", action="store_true",
+                   help="light tenant's TTFT without and with a flooding tenant (see above) instead of the sweep")
+    p.add_argument("--light-rate", type=float, default=2.0, help="light tenant's requests/s (--tenant-flood)")
+    p.add_argument("--light-max-tokens", type=int, default=32, help="cap on the light jobs' output tokens")
+    p.add_argument("--flood-jobs", type=int, default=1000,
+                   help="flooding tenant's backlog (--tenant-flood); enough to outlast --duration")
+    p.add_argument("--compare-off", action="store_true", help="also run with fair share off (--tenant-flood)")
     add_size_args(p)
     a = p.parse_args(argv)
     a.kafka_cfg, a.redis_cfg = connection_sections(a)
     a.command_line = "python -m tools.bench_e2e " + " ".join(argv if argv is not None else sys.argv[1:])
     device = a.device if a.device != "auto" else default_device()
+    if a.tenant_flood and a.max_batch is None:
+        a.max_batch = 8  # a small batch: the flood holds every slot unless shared
     apply_device_defaults(a, device)
     model = ensure_model(Path(a.model) if a.model else (GPU_MODEL if device == "cuda" else DEFAULT_MODEL))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.tenant_flood:
+        report = tenant_flood(a, model, device)
+        path = out / "bench_e2e_tenants.json"
+        path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+        return 0
     text = None
     if a.prompts == "text":
         from transformers import AutoTokenizer

@@ -9,7 +9,9 @@
               running requests (all decoding), split into schedule + bookkeeping and
               detokenization/outputs; then preemptions and prefill tokens computed vs
               needed (recompute) on KV-pressure scenarios (issue 10's inputs and an
-              overloaded random mix, prefix caching off so recompute is not hidden).
+              overloaded random mix, prefix caching off so recompute is not hidden);
+              then fair share off vs on at 256 / 1024 running over --tenants tenants
+              with churn (requests end every step, a backlog refills the slots).
 
 Writes JSON (and a PNG for throughput) under --out, prints a table.
 
@@ -327,8 +329,72 @@ def scheduler_overhead(a) -> dict:
         print(f"{r['scenario']:<18}{r['num_blocks']:>7}{r['steps']:>7}{r['preemptions']:>13}"
               f"{r['max_preemptions_per_request']:>13}{r['prefill_tokens_needed']:>16}"
               f"{r['prefill_tokens_computed']:>10}{r['recompute_ratio']:>7.2f}")
+    fairness = [fair_share_overhead(n, a.tenants, a.steps) for n in a.fair_running]
+    print(f"\n{'fair share':<12}{'running':>8}{'tenants':>8}{'off ms':>9}{'on ms':>9}{'on/off':>8}"
+          f"{'admitted/step':>15}{'preemptions on':>16}")
+    for r in fairness:
+        print(f"{'':<12}{r['running_requests']:>8}{r['tenants']:>8}{r['off_ms']:>9.3f}{r['on_ms']:>9.3f}"
+              f"{r['ratio']:>8.2f}{r['admitted_per_step']:>15.1f}{r['preemptions_on']:>16}")
     return {"mode": "scheduler", "command": a.command_line, "machine": _machine(), "rows": rows,
-            "kv_pressure": pressure}
+            "kv_pressure": pressure, "fair_share": fairness}
+
+
+def fair_share_overhead(n: int, num_tenants: int, steps: int, repeats: int = 3) -> dict:
+    """Scheduler CPU per step (schedule + update_from_output, median over `steps`
+    steps, best of `repeats` runs) with `serving_tuning.fair_share` off and on: `n`
+    running requests over `num_tenants` tenants, lengths spread so some end every
+    step, and a backlog of n/4 waiting requests topped up so every freed slot is
+    refilled (admission, Pick and the Yield check run each step)."""
+    from schemas.params import SamplingParams
+    from worker.config import EngineConfig, ServingTuning
+    from worker.model.null_runner import null_engine
+
+    def run(fair: bool) -> tuple[float, float, int]:
+        cfg = EngineConfig(serving_tuning=ServingTuning(
+            max_running_requests=n, max_batched_tokens=n * 16, max_total_tokens=n * 4 * (16 + 160),
+            max_output_tokens=256, kv_block_size=16, fair_share=fair, enable_prefix_caching=False))
+        eng = null_engine(cfg, vocab_size=32000, max_model_len=1024)
+        sch = eng.scheduler
+        timed = [0.0]
+        for name in ("schedule", "update_from_output"):
+            inner = getattr(sch, name)
+
+            def wrapper(*args, _inner=inner, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return _inner(*args, **kw)
+                finally:
+                    timed[0] += time.perf_counter() - t0
+            setattr(sch, name, wrapper)
+        count = [0]
+
+        def add(k: int) -> None:
+            for _ in range(k):
+                i = count[0]
+                count[0] += 1
+                eng.add_request(f"r{i}", prompt_token_ids=[(i * 7 + j) % 31999 + 1 for j in range(16)],
+                                params=SamplingParams(max_tokens=40 + (i * 37) % 120, ignore_eos=True),
+                                tenant=f"t{i % num_tenants}")
+        add(n + n // 4)
+        for _ in range(200):  # to the steady state: lengths spread, slots full
+            eng.step()
+            add(n + n // 4 - sch.num_running - sch.num_waiting)
+        per_step = []
+        admitted = 0
+        for _ in range(steps):
+            timed[0] = 0.0
+            before = count[0]
+            eng.step()
+            per_step.append(timed[0] * 1e3)
+            add(n + n // 4 - sch.num_running - sch.num_waiting)
+            admitted += count[0] - before
+        return statistics.median(per_step), admitted / steps, sch.num_preemptions_total
+
+    off = min(run(False)[0] for _ in range(repeats))
+    on_runs = [run(True) for _ in range(repeats)]
+    on = min(r[0] for r in on_runs)
+    return {"running_requests": n, "tenants": num_tenants, "off_ms": off, "on_ms": on, "ratio": on / off,
+            "admitted_per_step": on_runs[0][1], "preemptions_on": on_runs[0][2]}
 
 
 def _random_overload(rng) -> list[tuple[int, str, int, int]]:
@@ -410,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("scheduler")
     s.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
     s.add_argument("--steps", type=int, default=100)
+    s.add_argument("--tenants", type=int, default=100, help="tenants of the fair-share rows")
+    s.add_argument("--fair-running", type=int, nargs="+", default=[256, 1024],
+                   help="running requests of the fair-share rows")
     a = p.parse_args(argv)
     a.command_line = "python -m tools.bench_engine " + " ".join(argv if argv is not None else sys.argv[1:])
     torch.manual_seed(0)

@@ -49,6 +49,16 @@ ROWS = [
         ("Engine step duration", "s", quantiles("engine_step_duration_seconds")),
         ("Preemptions per second", "short", [q("sum(rate(preemptions_total[$__rate_interval]))", "preemptions")]),
     ]),
+    ("Tenants (top N by tokens served, the rest as `other`)", [
+        ("Tokens served per tenant", "short", [q("sum by (tenant) (rate(tenant_tokens_total[$__rate_interval]))",
+                                                 "{{tenant}}")]),
+        ("Share of tokens per tenant", "percentunit", [
+            q("sum by (tenant) (rate(tenant_tokens_total[$__rate_interval])) / scalar(sum(rate("
+              "tenant_tokens_total[$__rate_interval])))", "{{tenant}}")]),
+        ("Queue time p99 per tenant", "s", [q("histogram_quantile(0.99, sum by (le, tenant) "
+                                              "(rate(tenant_queue_time_seconds_bucket[$__rate_interval])))",
+                                              "{{tenant}}")]),
+    ]),
     ("Outcomes", [
         ("Finished jobs by reason", "reqps", [q("sum by (finish_reason) (rate(request_finished_total[$__rate_interval]))",
                                                 "{{finish_reason}}")]),

@@ -12,7 +12,8 @@ Who owns what: the JobTable (`jobs.py`) every local job and its events; the Clai
 the Intake (`intake.py`) the consumer and commits; the OffsetTracker the commit points
 (marked done here, once a job's outcome is recorded). A job's path, numbered:
 
-  1. Intake fetches and decodes the record, buffers it by priority (DLQ if invalid).
+  1. Intake fetches and decodes the record into its read-ahead (DLQ if invalid); a
+     free slot takes it by priority, then tenant share.
   2. JobStarter claims a batch in one round trip and opens the jobs in the table.
   3. Its input task tokenizes off the loop (InputProcessor) and submits the request to
      the engine client.
@@ -51,13 +52,14 @@ from worker.engine import Engine, RequestOutput
 from worker.engine_client import ProcessEngineClient, ThreadEngineClient, make_engine_client
 from worker.engine_proc import EngineSpec, PretrainedEngine
 from worker.finalize import Finalizer
-from worker.intake import Intake, JobRecord
+from worker.intake import Intake
 from worker.jobs import JobState, JobTable, Round
 from worker.kafka_security import kafka_security_kwargs
 from worker.log import task_stacks
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
 from worker.publish import Publisher
+from worker.read_ahead import JobRecord, local_shares
 from worker.redis_security import redis_client
 from worker.results import ResultsLog
 from worker.server import HealthChecks, OpsServer
@@ -87,7 +89,8 @@ class Worker:
         self.max_local_jobs = cfg.worker.max_local_jobs or 2 * cfg.serving_tuning.max_running_requests
         self.table = JobTable(self.worker_id)
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
-        self.metrics = Metrics(gpu=_nvml_available())
+        self.metrics = Metrics(gpu=_nvml_available(), tenant_labels=cfg.metrics.tenant_labels,
+                               tenant_rank_interval_s=cfg.metrics.tenant_rank_interval_s)
         self.draining = False
         self.engine: ThreadEngineClient | ProcessEngineClient | None = None
         self._stop_requested = asyncio.Event()
@@ -137,8 +140,11 @@ class Worker:
                                   max_job_failures=cfg.worker.max_job_failures, wake=self._wake,
                                   restore=self.publisher.restore, is_paused=self._intake_paused,
                                   tokenizer_threads=cfg.worker.tokenizer_threads)
+        tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
         self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
-                             buffer_per_priority=max(8, self.max_local_jobs // 2))
+                             read_ahead_per_partition=cfg.worker.read_ahead_per_partition,
+                             read_ahead_bytes=cfg.worker.read_ahead_bytes, tenant_weight=tenant_weight,
+                             tenant_cap=tenant_cap, fair=cfg.serving_tuning.fair_share)
         await self.intake.start()
         self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for)
         await self.cancels.start()
@@ -258,6 +264,8 @@ class Worker:
             m.ttft.labels(held.priority).observe(held.first_token_time - held.enqueue_time)
         if applied.num_tokens:
             m.generation_tokens.inc(applied.num_tokens)
+            for tenant, n in applied.tokens_by_tenant.items():
+                m.observe_tenant_tokens(tenant, "generation", n)
         self.publisher.wake()
 
     def _on_published(self, rnd: Round) -> None:

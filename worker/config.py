@@ -91,6 +91,28 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+class TenantPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What one tenant gets inside the engine (validated by ServingTuning, which names
+    the field: `serving_tuning.tenants['acme'].weight`).
+
+    Attributes:
+        weight: its share of service relative to other tenants of the same priority
+            class (2 = twice the tokens of a weight-1 tenant while both are backlogged).
+        max_running_requests: most of its requests in the running batch at once (all
+            classes); more wait, they are not rejected. None: no cap.
+        max_kv_blocks: most KV blocks its running requests hold together (block-table
+            entries; a prefix block shared by two of its requests counts twice). A
+            request that would pass it waits; a running one that needs a block beyond
+            it preempts the tenant's own latest request (or itself). A request whose
+            prompt + max_tokens can never fit it is rejected (`exceeds_kv_capacity`).
+            None: no cap.
+    """
+
+    weight: float = 1.0
+    max_running_requests: int | None = None
+    max_kv_blocks: int | None = None
+
+
 class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Capacity limits of one engine (DESIGN §5), in the vocabulary of TGI / TensorRT-LLM.
 
@@ -120,6 +142,13 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             when `max_total_tokens` is unset.
         max_oom_retries: times a request whose step ran out of GPU memory is
             recomputed before it ends with `finished(error)`, code `oom` (0: fail at once).
+        fair_share: inside a priority class, serve tenants by least service received
+            (Virtual Token Counter, Sheng et al., OSDI 2024; rules in
+            `worker/engine/fair_share.py`); False: arrival order, as without tenants.
+        fair_prefill_weight, fair_decode_weight: service of one prompt token computed
+            and of one output token, in the counters (VTC's w_p = 1, w_q = 2).
+        tenants: per-tenant weight and quotas, by the job's `tenant`; tenants not
+            listed get `default_tenant`. Jobs without a tenant are the tenant `""`.
     """
 
     max_running_requests: int = 64
@@ -136,6 +165,15 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_admission_skips: int = 8
     gpu_memory_utilization: float = 0.85
     max_oom_retries: int = 1
+    fair_share: bool = True
+    fair_prefill_weight: float = 1.0
+    fair_decode_weight: float = 2.0
+    tenants: dict[str, TenantPolicy] = msgspec.field(default_factory=dict)
+    default_tenant: TenantPolicy = msgspec.field(default_factory=TenantPolicy)
+
+    def tenant_policy(self, tenant: str) -> TenantPolicy:
+        """The weight and quotas of `tenant` (`default_tenant` if it is not listed)."""
+        return self.tenants.get(tenant, self.default_tenant)
 
     def __post_init__(self) -> None:
         _positive(
@@ -162,6 +200,22 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"serving_tuning.max_total_tokens ({self.max_total_tokens}) must hold at least one "
                 f"KV block of kv_block_size={self.kv_block_size} tokens"
             )
+        if not self.fair_prefill_weight >= 0:
+            raise ConfigError(f"serving_tuning.fair_prefill_weight must be >= 0, got {self.fair_prefill_weight}")
+        if not self.fair_decode_weight > 0:
+            raise ConfigError(f"serving_tuning.fair_decode_weight must be > 0, got {self.fair_decode_weight}")
+        _check_tenant("serving_tuning.default_tenant", self.default_tenant)
+        for name, policy in self.tenants.items():
+            _check_tenant(f"serving_tuning.tenants[{name!r}]", policy)
+
+
+def _check_tenant(where: str, policy: TenantPolicy) -> None:
+    if not (policy.weight > 0 and policy.weight < float("inf")):
+        raise ConfigError(f"{where}.weight must be > 0 and finite, got {policy.weight}")
+    for name in ("max_running_requests", "max_kv_blocks"):
+        value = getattr(policy, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{where}.{name} must be >= 1 or null, got {value}")
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -408,6 +462,17 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             process, so the worker's I/O never shares a GIL with the step loop (as vLLM
             V1); false steps it in a thread of the worker process.
         log_level: log level of the engine core process.
+
+
+        max_local_jobs_per_tenant: most of `max_local_jobs` one tenant holds; the rest
+            stays open for other tenants, so a tenant that appears behind a flooding one
+            starts without waiting for one of the flood's jobs to end. Default
+            max_local_jobs - max_running_requests // 2 (at least 1).
+        read_ahead_per_partition: fetched records not yet taken kept per partition,
+            among which free slots are given by priority, then tenant share; a partition
+            is paused while it has this many (the rest stays in Kafka).
+        read_ahead_bytes: bound on the bytes of all those records together; reaching
+            it pauses every partition until records are taken.
     """
 
     worker_id: str | None = None
@@ -418,9 +483,19 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_process: bool = True
     log_level: str = "INFO"
 
+
+    max_local_jobs_per_tenant: int | None = None
+    read_ahead_per_partition: int = 512
+    read_ahead_bytes: int = 64 * 1024 * 1024
+
     def __post_init__(self) -> None:
         _positive("worker", max_local_jobs=self.max_local_jobs, max_job_failures=self.max_job_failures,
-                  tokenizer_threads=self.tokenizer_threads)
+                  tokenizer_threads=self.tokenizer_threads, max_local_jobs_per_tenant=self.max_local_jobs_per_tenant,
+                  read_ahead_per_partition=self.read_ahead_per_partition, read_ahead_bytes=self.read_ahead_bytes)
+        if (self.max_local_jobs is not None and self.max_local_jobs_per_tenant is not None
+                and self.max_local_jobs_per_tenant > self.max_local_jobs):
+            raise ConfigError(f"worker.max_local_jobs_per_tenant ({self.max_local_jobs_per_tenant}) must be <= "
+                              f"worker.max_local_jobs ({self.max_local_jobs})")
 
 
 class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -434,6 +509,10 @@ class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         check_timeout_s: a reachability check slower than this counts as unreachable.
         engine_stall_s: `/healthz` fails when the engine loop has not ticked for this
             long (a step that hangs), seconds.
+        tenant_labels: per-tenant series carry the `tenant` label of at most this many
+            tenants (the top ones by tokens served, re-ranked every
+            `tenant_rank_interval_s`); the rest are summed under `other` (0: all are).
+        tenant_rank_interval_s: how often the labelled tenants are re-ranked, seconds.
     """
 
     port: int | None = 8000
@@ -441,13 +520,17 @@ class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     check_interval_s: float = 5.0
     check_timeout_s: float = 3.0
     engine_stall_s: float = 120.0
+    tenant_labels: int = 10
+    tenant_rank_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ConfigError(f"metrics.port must be in [0, 65535] or null, got {self.port}")
-        for name in ("check_interval_s", "check_timeout_s", "engine_stall_s"):
+        for name in ("check_interval_s", "check_timeout_s", "engine_stall_s", "tenant_rank_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"metrics.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.tenant_labels <= 1000:
+            raise ConfigError(f"metrics.tenant_labels must be in [0, 1000], got {self.tenant_labels}")
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

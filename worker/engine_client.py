@@ -185,7 +185,8 @@ class ProcessEngineClient:
         self.device = ready.device
         facts = ModelFacts(vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
                            kv_capacity_tokens=ready.num_blocks * ready.block_size,
-                           eos_token_ids=frozenset(ready.eos_token_ids), model_id=ready.model_id)
+                           eos_token_ids=frozenset(ready.eos_token_ids), model_id=ready.model_id,
+                           block_size=ready.block_size)
         self.input = InputProcessor(tokenizer, facts, self.tuning)
         self.output = OutputProcessor(tokenizer)
         self._reader = threading.Thread(target=self._read, name="inflight-engine-reader", daemon=True)

@@ -102,8 +102,10 @@ class Finalizer:
                 tpot.observe(summary["tpot_s"])
             if summary.get("queue_s") is not None:
                 queue.observe(summary["queue_s"])
+                m.observe_tenant_queue_time(held.job.tenant, summary["queue_s"])
             if summary.get("prompt_tokens"):
                 m.prompt_tokens.inc(summary["prompt_tokens"])
+                m.observe_tenant_tokens(held.job.tenant, "prompt", summary["prompt_tokens"])
             if reason == FinishReason.CANCELLED:
                 m.aborted.labels("cancelled").inc()
                 if held.cancel_time_mono is not None:

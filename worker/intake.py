@@ -1,27 +1,39 @@
-"""Kafka job intake: the priority topics as one consumer group; fetch, decode, buffer by
-priority, hand jobs to the worker as slots free; rebalance, commits, lag.
+"""Kafka job intake: the priority topics as one consumer group; fetch, decode, read
+ahead, hand jobs to the worker as slots free; rebalance, commits, lag.
 
-Priority: fetched records wait in one small buffer per priority class. When slots free,
-they are filled from the high buffer first, then normal, then low, right after a
-non-blocking fetch of whatever the consumer has prefetched, so a freed slot goes to the
-highest-priority job available anywhere in this worker's assignment. A priority's
-partitions are paused only while its own buffer is full (the consumer keeps calling
-`getmany`, so heartbeats and `max_poll_interval_ms` never lapse); high records keep
-flowing while low ones wait in Kafka. Buffered records are not claimed: after a crash
-or rebalance they are simply read again from the committed offset.
+Read-ahead and choice: fetched records wait in the ReadAhead (read_ahead.py), up to
+`worker.read_ahead_per_partition` per partition (records a fetch brings beyond that are
+read again later: the partition is sought back to them). When slots free, right after a
+non-blocking fetch of whatever the consumer has prefetched, they are filled by priority
+(high, normal, low) and, inside a priority, by tenant share (the tenant holding the
+fewest jobs per weight, read_ahead.py; a tenant at `max_local_jobs_per_tenant` waits), so a freed
+slot goes to the highest-priority job available anywhere in this worker's assignment,
+and a light tenant behind a flooding one in the same partitions is taken without
+waiting for the flood. A partition is paused only while it has its full read-ahead
+(the consumer keeps calling `getmany`, so heartbeats and `max_poll_interval_ms` never
+lapse). Invalid records need no slot: they go to the DLQ when read.
 
-Commits follow OffsetTracker (lowest unfinished offset per partition); commits for
-partitions no longer owned fail and are not retried. Partitions whose committed offset
-is below the log start (records deleted by retention) or absent are positioned at the
-log start, which is then committed, so lag and the group's own view are true.
+Offsets: a record is registered in the OffsetTracker when it is *read*, so taking
+records out of offset order never lets the commit point (lowest unfinished offset per
+partition) pass one still waiting here: a crash re-reads it. Read-ahead records are not
+claimed. On a rebalance (aiokafka's is eager: every partition is revoked, then some are
+assigned again) the revoke commits and keeps everything; the assignment then forgets,
+in the tracker and the read-ahead, only the partitions that went elsewhere. A kept
+partition is re-read from its committed offset, and the tracker refuses every record
+it already knows (read, running or finished), so nothing runs twice and nothing read
+is lost. Nothing is taken between the revoke and the assignment.
+
+Commits for partitions no longer owned fail and are not retried. Partitions whose
+committed offset is below the log start (records deleted by retention) or absent are
+positioned at the log start, which is then committed, so lag and the group's own view
+are true.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
@@ -31,12 +43,12 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from schemas import keys
 from schemas.codec import decode_job, recover_job_id
-from schemas.wire import Job
 from worker import transient_log
 from worker.access import is_fatal_kafka
 from worker.config import KafkaConfig
 from worker.kafka_security import kafka_security_kwargs
 from worker.offsets import OffsetTracker
+from worker.read_ahead import JobRecord, ReadAhead
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
@@ -46,27 +58,15 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-@dataclass(slots=True, eq=False)
-class JobRecord:
-    """A decoded job record with where it came from. `enqueue_time` is the record's
-    Kafka timestamp (Unix seconds); `raw`/`key` the original bytes (for the DLQ).
-    A record that is not a valid job has `job` None and the decode `error`."""
-
-    job: Job | None
-    priority: str
-    tp: TopicPartition
-    offset: int
-    enqueue_time: float
-    raw: bytes
-    key: bytes | None
-    error: str | None = None
-
-
 class JobSink(Protocol):
     """What the intake needs from the worker."""
 
     def free_slots(self) -> int:
         """Jobs the worker can take now (0 while draining or while Redis is down)."""
+
+    def held_by_tenant(self) -> Mapping[str, int]:
+        """Jobs not yet at their terminal event, per tenant (tenants with none may be absent)."""
+
 
     async def take(self, records: list[JobRecord]) -> list[JobRecord]:
         """Claim and start a batch; returns the records whose job another worker holds
@@ -81,15 +81,11 @@ class _Rebalance(ConsumerRebalanceListener):
         self.intake = intake
 
     async def on_partitions_revoked(self, revoked) -> None:
+        # Keep the read-ahead and the tracker: an eager rebalance revokes everything and
+        # may assign much of it again. What went elsewhere is forgotten on assignment.
         intake = self.intake
+        intake.rebalancing = True
         await intake.commit(only=set(revoked))
-        revoked = set(revoked)
-        for buf in intake.buffers.values():  # never taken: read again by whoever owns them next
-            kept = [r for r in buf if r.tp not in revoked]
-            buf.clear()
-            buf.extend(kept)
-        for tp in revoked:
-            intake.buffered_last.pop(tp, None)
         if revoked:
             intake.num_revocations += 1
             if intake.metrics is not None:
@@ -98,15 +94,19 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned) -> None:
         # Forget only the partitions that went elsewhere. For partitions kept, the tracker
-        # still knows which offsets run here, so their re-read (from the committed offset)
-        # neither runs a job twice nor lets a commit pass a job still running.
+        # still knows every offset read here (waiting, running or finished), so their
+        # re-read (from the committed offset) neither runs a job twice nor loses one.
         intake = self.intake
         kept = set(assigned)
         tracker = intake.tracker
         for tp in tracker.partitions():
             if tp not in kept:
                 tracker.drop(tp)
+        intake.read_ahead.drop(lambda tp: tp in kept)
+        intake.invalid = [r for r in intake.invalid if r.tp in kept]
         intake.contested = [c for c in intake.contested if c.tp in kept]
+        intake.paused = set()  # a new assignment starts unpaused
+        intake.rebalancing = False  # what is kept may be taken while positions are fetched
         try:
             await intake.position(list(assigned))
         except (KafkaError, IllegalStateError) as e:
@@ -121,27 +121,36 @@ class Intake:
     """Args:
     cfg: the `kafka` config section.
     client_id: this worker's id (Kafka client id).
-    sink: the worker (free slots, take, reject invalid).
+    sink: the worker (free slots, jobs held per tenant, take, reject invalid).
     tracker: the per-partition commit points (shared with the worker, which marks done).
-    buffer_per_priority: fetched-but-unstarted records kept per priority class.
+    read_ahead_per_partition, read_ahead_bytes: bounds of the read-ahead.
+    tenant_weight: a tenant's weight (`serving_tuning.tenants`), for the choice.
+    tenant_cap: the most local jobs a tenant may hold.
+    fair: choose by tenant share inside a class (`serving_tuning.fair_share`); else by
+        read order.
     metrics: optional.
     """
 
     def __init__(self, cfg: KafkaConfig, client_id: str, sink: JobSink, tracker: OffsetTracker[TopicPartition], *,
-                 buffer_per_priority: int, metrics: Metrics | None = None) -> None:
+                 read_ahead_per_partition: int, read_ahead_bytes: int,
+                 tenant_weight: Callable[[str], float] = lambda t: 1.0,
+                 tenant_cap: Callable[[str], int] = lambda t: 1 << 30, fair: bool = True,
+                 metrics: Metrics | None = None) -> None:
         self.cfg = cfg
         self.client_id = client_id
         self.sink = sink
         self.tracker = tracker
         self.metrics = metrics
         self.topics = {keys.job_topic(cfg.topic_prefix, p): p for p in keys.PRIORITIES}
-        self.buffer_cap = max(1, buffer_per_priority)
-        self.buffers: dict[str, deque[JobRecord]] = {p: deque() for p in keys.PRIORITIES}
-        self.buffered_last: dict[TopicPartition, int] = {}  # highest offset in a buffer, per partition
+        self.read_ahead = ReadAhead(read_ahead_per_partition, read_ahead_bytes, fair)
+        self.tenant_weight = tenant_weight
+        self.tenant_cap = tenant_cap
+        self.invalid: list[JobRecord] = []  # read, not jobs: to the DLQ
         self.consumer = self._make_consumer()
         self.contested: list[JobRecord] = []
         self.log_start: dict[TopicPartition, int] = {}
-        self.paused_priorities: set[str] = set()
+        self.paused: set[TopicPartition] = set()
+        self.rebalancing = False  # between a revoke and the next assignment: take nothing
         self.num_revocations = 0
         self.num_consumer_restarts = 0
         self.num_invalid = 0
@@ -178,7 +187,7 @@ class Intake:
 
     @property
     def num_buffered(self) -> int:
-        return sum(len(b) for b in self.buffers.values())
+        return len(self.read_ahead) + len(self.invalid)
 
     # ---- positions and lag -----------------------------------------------------------
     async def position(self, tps: list[TopicPartition]) -> None:
@@ -231,7 +240,7 @@ class Intake:
     async def _iteration(self) -> None:
         self._update_pauses()
         free = self.sink.free_slots()
-        busy = any(self.buffers.values()) or free > 0
+        busy = self.num_buffered > 0 or free > 0
         got = await self.consumer.getmany(timeout_ms=10 if busy else 100)
         self._buffer(got)
         if got or self.num_buffered or self.sink.free_slots() <= 0:
@@ -247,61 +256,62 @@ class Intake:
             await self.commit()
 
     def _update_pauses(self) -> None:
-        """Pause a priority's partitions while its buffer is full; resume when it has room."""
+        """Pause a partition while its read-ahead is full; resume it when it has room."""
         assigned = self.consumer.assignment()
-        full = {p for p, b in self.buffers.items() if len(b) >= self.buffer_cap}
-        if full == self.paused_priorities:
+        full = {tp for tp in assigned if self.read_ahead.is_full(tp)}
+        if full == self.paused:
             return
-        pause = [tp for tp in assigned if self.topics.get(tp.topic) in full]
-        resume = [tp for tp in assigned if self.topics.get(tp.topic) not in full]
+        pause = full - self.paused
+        resume = (self.paused - full) & assigned
         if pause:
             self.consumer.pause(*pause)
         if resume:
             self.consumer.resume(*resume)
-        self.paused_priorities = full
+        self.paused = full
 
     def _buffer(self, got: dict[TopicPartition, list[ConsumerRecord]]) -> None:
-        """Decode fetched records into the priority buffers. A record is *taken* (enters
-        the OffsetTracker) only when it leaves its buffer, in offset order per partition,
-        so records dropped from a buffer by a rebalance are simply read again."""
+        """Decode fetched records into the read-ahead (invalid ones aside for the DLQ).
+        Each is registered in the tracker here, when read, which also refuses records
+        already read (a re-read after a rebalance that kept the partition). Records
+        beyond the read-ahead's bound are not kept: the partition is sought back to the
+        first of them, to be read again when there is room."""
         assigned = self.consumer.assignment()
+        tracker = self.tracker
+        read_ahead = self.read_ahead
         for tp, recs in got.items():
             prio = self.topics[tp.topic]
             for rec in recs:
-                seen = max(self.tracker.last_taken(tp), self.buffered_last.get(tp, -1))
-                if tp not in assigned or rec.offset <= seen:
-                    continue  # not ours any more, or already here (re-read after a rebalance)
-                self.buffered_last[tp] = rec.offset
+                if tp not in assigned or rec.offset <= tracker.last_read(tp):
+                    continue  # not ours any more, or already read here
+                if not read_ahead.has_room(tp):
+                    self.consumer.seek(tp, rec.offset)
+                    break
+                tracker.read(tp, rec.offset)
                 value = rec.value or b""
                 try:
                     job, error = decode_job(value), None
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     job, error = None, str(e)
-                self.buffers[prio].append(
-                    JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key, error))
+                jr = JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key, error)
+                (read_ahead.add if job is not None else self.invalid.append)(jr)
 
     async def _fill_slots(self) -> None:
-        """Free slots take buffered jobs, highest priority first, after a non-blocking
-        fetch of what is prefetched. Invalid records need no slot: they go to the DLQ
-        when they reach the head of their buffer (records leave in offset order)."""
-        if not any(self.buffers.values()):
+        """Invalid records go to the DLQ (they need no slot); free slots take records from
+        the read-ahead (by priority, then tenant share), after a non-blocking fetch of
+        what is prefetched. Nothing is taken while a rebalance is under way."""
+        if self.rebalancing:
             return
-        free = self.sink.free_slots()
-        if free > 0:
-            self._buffer(await self.consumer.getmany(timeout_ms=0))
-        batch: list[JobRecord] = []
-        invalid: list[JobRecord] = []
-        assigned = self.consumer.assignment()
-        for prio in keys.PRIORITIES:
-            buf = self.buffers[prio]
-            while buf and (buf[0].job is None or len(batch) < free):
-                rec = buf.popleft()
-                if rec.tp not in assigned or not self.tracker.add(rec.tp, rec.offset):
-                    continue
-                (batch if rec.job is not None else invalid).append(rec)
-        for rec in invalid:
+        while self.invalid:
+            rec = self.invalid.pop(0)
             self.num_invalid += 1
             await self.sink.reject_invalid(rec, recover_job_id(rec.raw))
+        if not self.read_ahead:
+            return
+        free = self.sink.free_slots()
+        if free <= 0:
+            return
+        self._buffer(await self.consumer.getmany(timeout_ms=0))
+        batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap)
         if not batch:
             return
         contested = await self.sink.take(batch)
@@ -336,7 +346,7 @@ class Intake:
             return
         self.log_start.update(starts)
         lagging = [tp for tp, c in zip(assigned, committed)
-                   if ends[tp] > max(c or 0, starts[tp], self.tracker.last_taken(tp) + 1)]
+                   if ends[tp] > max(c or 0, starts[tp], self.tracker.last_read(tp) + 1)]
         if not lagging:
             self._last_progress = now
             return
@@ -352,7 +362,7 @@ class Intake:
         except Exception as e:  # a wedged consumer: abandon it
             log.warning("stalled consumer did not stop cleanly", error=repr(e))
         self.consumer = self._make_consumer()
-        self.paused_priorities = set()
+        self.paused = set()
         self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
         await self.consumer.start()
         self._last_progress = time.monotonic()

@@ -25,7 +25,7 @@ import enum
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from schemas.codec import encode
@@ -129,11 +129,13 @@ class LocalJob:
 
 @dataclass(slots=True)
 class Applied:
-    """What `apply_outputs` took: jobs whose first token arrived (for TTFT) and the
-    number of output tokens drafted (outputs of jobs no longer here are not counted)."""
+    """What `apply_outputs` took: jobs whose first token arrived (for TTFT), the number
+    of output tokens drafted (outputs of jobs no longer here are not counted), and that
+    number per tenant (`""`: jobs without one)."""
 
     first_tokens: list[LocalJob]
     num_tokens: int
+    tokens_by_tenant: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -161,6 +163,7 @@ class JobTable:
         self.worker_id = worker_id
         self._clock = clock
         self._jobs: dict[str, LocalJob] = {}
+        self._per_tenant: dict[str, int] = {}  # CLAIMED or IN_ENGINE jobs per tenant ("" for none)
         self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
         # job_id -> (done time, history, (reason, claim token, attempt), tenant) of recently finished jobs
         self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int], str | None]] = \
@@ -175,6 +178,13 @@ class JobTable:
 
     def get(self, job_id: str) -> LocalJob | None:
         return self._jobs.get(job_id)
+
+    def held_by_tenant(self) -> dict[str, int]:
+        """Jobs per tenant (`""`: jobs without one) that have not reached their terminal
+        event (CLAIMED or IN_ENGINE: being prepared or in the engine); a tenant with none
+        is absent. A finishing job, only waiting for its last writes, no longer counts,
+        so a tenant of short jobs is not under-represented in the engine. Read-only view."""
+        return self._per_tenant
 
     def __iter__(self) -> Iterator[LocalJob]:
         return iter(list(self._jobs.values()))
@@ -209,8 +219,10 @@ class JobTable:
         if job.job_id in self._jobs:
             raise ValueError(f"job {job.job_id!r} is already held by this worker")
         held = LocalJob(job, priority, [offset], enqueue_time, claim_token, attempt, next_seq, raw, raw_key,
-                      isolated, claim_time=self._clock())
+                        isolated, claim_time=self._clock())
         self._jobs[job.job_id] = held
+        tenant = job.tenant or ""
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         if attempt > 1:
             self._draft(held, opening="restarted")
         return held
@@ -260,6 +272,7 @@ class JobTable:
         held._delta_ids.clear()
         held._delta_logprobs = None
         self._dirty.pop(held.job_id, None)
+        self._untrack(held)
         del self._jobs[held.job_id]
         return held
 
@@ -280,6 +293,7 @@ class JobTable:
         now = self._clock()
         first_tokens = []
         num_tokens = 0
+        by_tenant: dict[str, int] = {}
         for out in outputs:
             held = self._jobs.get(out.request_id)
             if held is None or held.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
@@ -292,6 +306,8 @@ class JobTable:
                     first_tokens.append(held)
                 held.num_tokens += len(out.new_token_ids)
                 num_tokens += len(out.new_token_ids)
+                tenant = held.job.tenant or ""
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + len(out.new_token_ids)
                 held.text_parts.append(out.text)
                 held._delta_text.append(out.text)
                 held._delta_ids.extend(out.new_token_ids)
@@ -304,7 +320,7 @@ class JobTable:
                 self._dirty.setdefault(held.job_id, held)
             if out.finished:
                 self._finish_from_engine(held, out, now)
-        return Applied(first_tokens, num_tokens)
+        return Applied(first_tokens, num_tokens, by_tenant)
 
     def _finish_from_engine(self, held: LocalJob, out: RequestOutput, now: float) -> None:
         reason = FinishReason(out.finish_reason or "error")
@@ -330,6 +346,7 @@ class JobTable:
 
     def _terminate(self, held: LocalJob, reason: FinishReason, error: ErrorInfo | None, usage: Usage | None,
                    timings: Timings | None) -> None:
+        self._untrack(held)
         held.state = JobState.FINISHING
         held.finish_reason = reason
         held.error = error
@@ -393,13 +410,18 @@ class JobTable:
         now = self._clock()
         if held.history and held.finish_reason is not None:
             self._recent[held.job_id] = (now, held.history, (held.finish_reason.value, held.claim_token, held.attempt),
-                                       held.tenant)
+                                         held.tenant)
             self._recent.move_to_end(held.job_id)
         held.history = []
-        self._jobs.pop(held.job_id, None)
+        if self._jobs.get(held.job_id) is held:
+            del self._jobs[held.job_id]
         while self._recent and (len(self._recent) > RECENT_MAX_JOBS
                                 or next(iter(self._recent.values()))[0] < now - RECENT_MAX_AGE_S):
             self._recent.popitem(last=False)
+
+    def _untrack(self, held: LocalJob) -> None:
+        """The job leaves CLAIMED / IN_ENGINE: it no longer counts in `held_by_tenant`."""
+        _decrement(self._per_tenant, held.job.tenant or "")
 
     def histories(self) -> Iterator[tuple[str, list[tuple[int, bytes]], tuple[str, str, int] | None]]:
         """What this worker published that Redis must hold: (job_id, [(seq, event)], terminal)
@@ -419,6 +441,14 @@ class JobTable:
             return held.tenant
         recent = self._recent.get(job_id)
         return recent[3] if recent is not None else None
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
 
 
 def _round(x: float | None, nd: int = 4) -> float | None:

@@ -1,9 +1,11 @@
 """Every Prometheus series of one worker, defined here and nowhere else (DESIGN §6).
 
 Base units (seconds, tokens, ratios 0..1); labels are low-cardinality only: `priority`
-(high/normal/low), `finish_reason`, `reason`, `outcome`, `code` (an engine ErrorCode), and
-the Kafka `topic` / `partition` of the job topics (bounded by the partition count). Never
-a job id.
+(high/normal/low), `finish_reason`, `reason`, `outcome`, `code` (an engine ErrorCode), the
+Kafka `topic` / `partition` of the job topics (bounded by the partition count), and
+`tenant` on the per-tenant series, bounded by TenantLabels (the top
+`metrics.tenant_labels` tenants by tokens served, the rest summed as `other`). Never a
+job id.
 
 One `Metrics` object per worker process, in its own `CollectorRegistry`, served on the
 worker's `/metrics`. Several worker processes on one host each serve their own port
@@ -17,6 +19,7 @@ everything else runs on the worker's asyncio loop. prometheus-client is thread-s
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -41,6 +44,58 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 PRIORITY = ("priority",)
+OTHER_TENANTS = "other"  # the label of every tenant outside the top N
+NO_TENANT = "none"  # the label of jobs without a tenant
+MAX_RANKED_TENANTS = 10_000  # distinct tenants counted per ranking window (later ones rank as 0)
+
+
+class TenantLabels:
+    """Bounded `tenant` label values: at most `n` tenants keep their own label, the rest
+    are `other`. Until `n` are labelled a new tenant gets its own at once; every
+    `interval_s` the labelled set becomes the top `n` by tokens served in the window
+    just ended (ties by name), and `on_evict` is called for each tenant that left it so
+    its series can be removed (its later traffic counts in `other`). So each per-tenant
+    metric has at most n + 1 tenant values at any time. Thread-safe enough for its use:
+    called from the asyncio loop only.
+    """
+
+    def __init__(self, n: int, interval_s: float, on_evict, clock=time.monotonic) -> None:
+        self.n = n
+        self.interval_s = interval_s
+        self._on_evict = on_evict
+        self._clock = clock
+        self._labelled: set[str] = set()
+        self._window: dict[str, int] = {}
+        self._window_start = clock()
+
+    def label(self, tenant: str | None) -> str:
+        """The label value for `tenant` now (re-ranks first if the window has ended)."""
+        name = tenant or NO_TENANT
+        self._maybe_rerank()
+        if name in self._labelled:
+            return name
+        if len(self._labelled) < self.n and name != OTHER_TENANTS:
+            self._labelled.add(name)
+            return name
+        return OTHER_TENANTS
+
+    def count(self, tenant: str | None, tokens: int) -> None:
+        """Add `tokens` served to `tenant`'s traffic in the current window."""
+        name = tenant or NO_TENANT
+        if name in self._window or len(self._window) < MAX_RANKED_TENANTS:
+            self._window[name] = self._window.get(name, 0) + tokens
+
+    def _maybe_rerank(self) -> None:
+        now = self._clock()
+        if now - self._window_start < self.interval_s:
+            return
+        ranked = sorted(self._window.items(), key=lambda kv: (-kv[1], kv[0]))
+        top = {name for name, tokens in ranked[: self.n] if tokens > 0 and name != OTHER_TENANTS}
+        for name in sorted(self._labelled - top):
+            self._on_evict(name)
+        self._labelled = top
+        self._window = {}
+        self._window_start = now
 
 
 class Metrics:
@@ -49,10 +104,12 @@ class Metrics:
         workers in one test process do not collide).
     throughput_window_s: window of the `*_tokens_per_second` gauges, seconds.
     gpu: also export `gpu_utilization` (set True when NVML is present on a CUDA box).
+    tenant_labels, tenant_rank_interval_s: the bound of the `tenant` label (TenantLabels).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, *, throughput_window_s: float = 10.0,
-                 gpu: bool = False) -> None:
+                 gpu: bool = False, tenant_labels: int = 10, tenant_rank_interval_s: float = 60.0,
+                 clock=time.monotonic) -> None:
         r = self.registry = registry or CollectorRegistry()
         # ---- per request (asyncio loop) --------------------------------------------------
         self.queue_time = Histogram(
@@ -85,6 +142,15 @@ class Metrics:
             buckets=CANCEL_BUCKETS, registry=r)
         self.local_jobs = Gauge("local_jobs", "Jobs held by this worker (in the engine or about to enter it)",
                                 registry=r)
+        # ---- per tenant (asyncio loop); `tenant` bounded by TenantLabels ----------------
+        self.tenant_tokens = Counter(
+            "tenant_tokens", "Tokens served per tenant: prompt tokens of jobs that ran (at their end), output "
+            "tokens as delivered; tenants outside the top N by traffic are summed as `other`",
+            ("tenant", "kind"), registry=r)
+        self.tenant_queue_time = Histogram(
+            "tenant_queue_time_seconds", "Enqueue (Kafka record timestamp) to first scheduled in the engine, per "
+            "tenant (top N by traffic, the rest as `other`)", ("tenant",), buckets=QUEUE_BUCKETS, registry=r)
+        self.tenants = TenantLabels(tenant_labels, tenant_rank_interval_s, self._evict_tenant, clock=clock)
         # ---- per step (engine thread) ----------------------------------------------------
         self.running = Gauge("running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("waiting_requests", "Requests waiting for admission (incl. preempted)", registry=r)
@@ -142,6 +208,24 @@ class Metrics:
 
         self._window_s = throughput_window_s
         self._tok_window: deque[tuple[int, int, int]] = deque()  # (second, prefill, decode)
+
+    # ---- per tenant (asyncio loop) ----------------------------------------------------------
+    def observe_tenant_tokens(self, tenant: str | None, kind: str, tokens: int) -> None:
+        """`tokens` served to `tenant`; `kind` is `prompt` or `generation`."""
+        if tokens <= 0:
+            return
+        self.tenants.count(tenant, tokens)
+        self.tenant_tokens.labels(self.tenants.label(tenant), kind).inc(tokens)
+
+    def observe_tenant_queue_time(self, tenant: str | None, seconds: float) -> None:
+        self.tenant_queue_time.labels(self.tenants.label(tenant)).observe(seconds)
+
+    def _evict_tenant(self, name: str) -> None:
+        for kind in ("prompt", "generation"):
+            with contextlib.suppress(KeyError):  # never observed with this kind
+                self.tenant_tokens.remove(name, kind)
+        with contextlib.suppress(KeyError):
+            self.tenant_queue_time.remove(name)
 
     # ---- engine thread ---------------------------------------------------------------------
     def observe_step(self, s: StepStats) -> None:

@@ -1,16 +1,23 @@
 """Per-partition commit points: commit only below the lowest unfinished offset.
 
-Jobs finish out of order. For each partition the tracker keeps the offsets taken in
-arrival order (Kafka hands them out in increasing order) and which are done; the
-commit point is the first offset not done (or last + 1 when all are):
+An offset is registered when its record is *read* (fetched), in increasing order per
+partition as Kafka hands them out; the worker then takes records out of that order
+(by priority and tenant share) and jobs finish out of order. Unfinished means read and
+not done, whether the record still waits in the read-ahead or its job runs, so the
+commit point (the first offset not done, or last + 1 when all are) never passes a
+record read ahead:
 
-    offsets taken:  40  41  42  43  44
+    offsets read:   40  41  42  43  44  45
+    taken:           x   x       x   x          (42 and 45 wait in the read-ahead)
     done:            x   x       x
-    commit point:           42          (42 is still running; 43 waits behind it)
+    commit point:           42                  (nothing at or after 42 is lost on a crash)
 
 Kafka's committed offset is "the next record to read", so committing 42 means a
-restarted consumer re-reads 42 and 43: at-least-once, and the claim/done keys in
-Redis keep the visible outcome exactly-once. Writer: the intake (asyncio thread).
+restarted consumer re-reads 42 to 45: at-least-once, and the claim/done keys in Redis
+keep the visible outcome exactly-once. The same registry de-duplicates re-reads: after
+a rebalance that keeps a partition, the consumer reads again from the committed offset,
+and every offset up to the highest read is refused (`read` returns False), whether it
+waits here, runs or is done. Writer: the intake (asyncio thread); the worker marks done.
 """
 
 from __future__ import annotations
@@ -27,15 +34,15 @@ class OffsetTracker(Generic[TP]):
         self._done: dict[TP, set[int]] = {}
         self._next: dict[TP, int] = {}  # commit point once all pending are done
         self._committed: dict[TP, int] = {}
-        self._last: dict[TP, int] = {}  # highest offset taken
+        self._last: dict[TP, int] = {}  # highest offset read
 
-    def add(self, tp: TP, offset: int) -> bool:
-        """Record that `offset` was taken from `tp` and is not finished.
+    def read(self, tp: TP, offset: int) -> bool:
+        """Register that the record at `offset` of `tp` was read and is not finished.
 
         Returns False (and changes nothing) for an offset at or below the highest one
-        already taken from `tp`: after a rebalance that keeps the partition, the consumer
-        re-reads from the committed offset, and those records are already running here
-        or finished.
+        already read from `tp`: after a rebalance that keeps the partition, the consumer
+        re-reads from the committed offset, and those records are already here (waiting
+        in the read-ahead, running, or finished).
         """
         last = self._last.get(tp)
         if last is not None and offset <= last:
@@ -46,7 +53,7 @@ class OffsetTracker(Generic[TP]):
         return True
 
     def done(self, tp: TP, offset: int) -> None:
-        """Mark `offset` finished (its terminal event is in Redis, or it was skipped)."""
+        """Mark `offset` finished (its terminal event is in Redis, or it was skipped), in any order."""
         q = self._pending.get(tp)
         if q is None:
             return  # partition revoked meanwhile
@@ -82,8 +89,8 @@ class OffsetTracker(Generic[TP]):
         """The group's committed offset for `tp` as last recorded, or None."""
         return self._committed.get(tp)
 
-    def last_taken(self, tp: TP) -> int:
-        """Highest offset taken from `tp`, or -1."""
+    def last_read(self, tp: TP) -> int:
+        """Highest offset read from `tp`, or -1."""
         return self._last.get(tp, -1)
 
     def skip_to(self, tp: TP, offset: int) -> None:

@@ -39,8 +39,8 @@ from schemas.wire import ErrorInfo, FinishReason, Job
 from worker.access import is_fatal_redis
 from worker.claims import REDIS_DOWN, Claimed, ClaimStore, Contested, Done, EpochChanged
 from worker.engine import RequestRejected
-from worker.intake import JobRecord
 from worker.jobs import JobState, JobTable, LocalJob, Offset
+from worker.read_ahead import JobRecord
 
 if TYPE_CHECKING:
     from worker.dlq import DeadLetters
@@ -119,6 +119,10 @@ class JobStarter:
         if self._is_paused():
             return 0
         return self.max_local_jobs - len(self.table)
+
+    def held_by_tenant(self) -> dict[str, int]:
+        return self.table.held_by_tenant()
+
 
     def close(self) -> None:
         for t in self._tasks:
@@ -266,7 +270,7 @@ class JobStarter:
     def _process_input(self, held: LocalJob):
         job = held.job
         kwargs: dict[str, Any] = {"params": job.params, "priority": held.priority, "cache_salt": job.tenant or "",
-                                  "arrival_time": held.enqueue_time, "deadline": job.deadline}
+                                  "tenant": job.tenant, "arrival_time": held.enqueue_time, "deadline": job.deadline}
         if job.prompt is not None:
             kwargs["prompt"] = job.prompt
         elif job.messages is not None:

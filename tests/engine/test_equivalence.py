@@ -1,8 +1,9 @@
 """Continuous batching does not change model output (DESIGN §4 correctness bar).
 
 fp32, CPU, greedy: every request inside a busy, changing batch — chunked prefill,
-preemption by recompute, prefix-cache hits — yields exactly the token ids of
-transformers' own `generate` for that request alone.
+preemption by recompute, prefix-cache hits, three tenants under fair share (weights,
+a running quota, Yields) — yields exactly the token ids of transformers' own
+`generate` for that request alone.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from schemas.params import SamplingParams
-from worker.config import EngineConfig, ModelConfig, ServingTuning
+from worker.config import EngineConfig, ModelConfig, ServingTuning, TenantPolicy
 from worker.engine import Engine
 
 
@@ -48,6 +49,7 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy):
             max_output_tokens=200,
             max_input_tokens=300,
             kv_policy=kv_policy,
+            tenants={"t0": TenantPolicy(weight=3), "t1": TenantPolicy(max_running_requests=2)},
         ),
     )
     engine = Engine.from_pretrained(str(any_arch_path), cfg)
@@ -60,13 +62,15 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy):
 
     engine.runner.execute = spy
     work = staggered_workload(seed=1234)
+    tenant = {rid: f"t{i % 3}" for i, (rid, *_) in enumerate(work)}
     tokens: dict[str, list[int]] = {rid: [] for rid, *_ in work}
     finals = {}
     step = 0
     while len(finals) < len(work):
         for rid, prompt, max_tokens, at in work:
             if at == step:
-                engine.add_request(rid, prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=max_tokens))
+                engine.add_request(rid, prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                                   tenant=tenant[rid])
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
             if out.finished:

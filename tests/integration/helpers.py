@@ -47,9 +47,9 @@ async def running_worker(cfg, engine=None, **kw):
             await stop_worker(w, task)
 
 
-async def collect(client: InflightClient, job_id: str, timeout: float = 120.0) -> list:
+async def collect(client: InflightClient, job_id: str, timeout: float = 120.0, tenant: str | None = None) -> list:
     try:
-        return [ev async for ev in client.stream(job_id, timeout_s=timeout)]
+        return [ev async for ev in client.stream(job_id, timeout_s=timeout, tenant=tenant)]
     except TimeoutError:
         dump_tasks()
         raise

@@ -119,7 +119,7 @@ def test_a_freed_slot_goes_to_high_priority_first(services, prefix):
 
         async def watch():  # when the worker first holds a high record (buffered or claimed)
             while not seen_high:
-                if w.intake.buffers["high"] or any(j.priority == "high" for j in w.table):
+                if w.intake.read_ahead.num_waiting("high") or any(j.priority == "high" for j in w.table):
                     seen_high.append(time.time())
                 await asyncio.sleep(0.002)
 

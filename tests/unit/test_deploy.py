@@ -24,9 +24,10 @@ DEPLOY = ROOT / "deploy"
 PROMQL_WORDS = {
     "sum", "max", "min", "avg", "count", "by", "without", "rate", "increase", "irate", "deriv", "delta",
     "histogram_quantile", "and", "or", "unless", "on", "ignoring", "offset", "avg_over_time", "max_over_time",
-    "min_over_time", "topk", "bottomk", "abs", "clamp_min", "clamp_max", "absent", "humanize", "vector",
+    "min_over_time", "topk", "bottomk", "abs", "clamp_min", "clamp_max", "absent", "humanize", "vector", "scalar",
 }
-LABELS = {"le", "priority", "instance", "topic", "partition", "outcome", "finish_reason", "reason", "job", "pod"}
+LABELS = {"le", "priority", "instance", "topic", "partition", "outcome", "finish_reason", "reason", "job", "pod",
+          "tenant", "kind"}
 
 
 def metric_names_in(expr: str) -> set[str]:

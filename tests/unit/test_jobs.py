@@ -158,3 +158,19 @@ def test_terminal_event_carries_usage_timings_and_error():
     fin = t.drain().events[-1]
     assert isinstance(fin, Finished) and fin.finish_reason == FinishReason.ERROR
     assert fin.error.code == "internal" and fin.usage.prompt_tokens == 3 and fin.timings.e2e_s == pytest.approx(10.0)
+
+
+def test_jobs_held_per_tenant_count_until_the_terminal_event():
+    t = JobTable("w1", clock=lambda: 101.0)
+    jobs = [t.open(Job(job_id=f"j{i}", prompt="hi", tenant=tenant), "normal", Offset("tp", i), 100.0, "tok", 1, 0)
+            for i, tenant in enumerate(["a", "a", "b", None, "b"])]
+    assert t.held_by_tenant() == {"a": 2, "b": 2, "": 1}
+    t.hand_back("j0")
+    t.accepted("j2")
+    t.apply_outputs([out("j2", [1], "x", "length")])  # terminal event drafted: FINISHING
+    t.finish_local("j4", FinishReason.CANCELLED)
+    assert t.held_by_tenant() == {"a": 1, "": 1} and len(t) == 4  # still held, no longer counted
+    t.drain()
+    t.done(jobs[2])
+    t.done(jobs[2])  # a second done of the same job changes nothing
+    assert t.held_by_tenant() == {"a": 1, "": 1} and len(t) == 3

@@ -105,3 +105,37 @@ def test_two_workers_in_one_process_do_not_share_series():
     a.finished.labels("stop").inc()
     assert a.registry.get_sample_value("request_finished_total", {"finish_reason": "stop"}) == 1
     assert b.registry.get_sample_value("request_finished_total", {"finish_reason": "stop"}) is None
+
+
+def tenant_series(m: Metrics) -> dict[str, set[str]]:
+    """{family: set of tenant label values} of the per-tenant series as scraped."""
+    out: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(generate_latest(m.registry).decode()):
+        if fam.name.endswith("_created"):
+            continue
+        for s in fam.samples:
+            if "tenant" in s.labels:
+                out.setdefault(fam.name, set()).add(s.labels["tenant"])
+    return out
+
+
+def test_tenant_labels_are_bounded_to_the_top_n_by_tokens_plus_other():
+    now = [0.0]
+    m = Metrics(tenant_labels=2, tenant_rank_interval_s=60.0, clock=lambda: now[0])
+    for tenant, tokens in (("a", 10), ("b", 20), ("c", 500), (None, 5)):
+        m.observe_tenant_tokens(tenant, "generation", tokens)
+        m.observe_tenant_queue_time(tenant, 0.1)
+    # the first two tenants seen hold the labels until the first re-rank
+    assert tenant_series(m) == {"tenant_tokens": {"a", "b", "other"}, "tenant_queue_time_seconds": {"a", "b", "other"}}
+    now[0] = 61.0
+    m.observe_tenant_tokens("c", "prompt", 1)  # re-rank: c (500) and b (20) are the top two
+    series = tenant_series(m)
+    assert series["tenant_tokens"] == {"b", "c", "other"}  # a's series removed, not left to grow
+    assert series["tenant_queue_time_seconds"] <= {"b", "c", "other"}
+    totals = {s.labels["tenant"]: s.value for fam in text_string_to_metric_families(generate_latest(m.registry).decode())
+              if fam.name == "tenant_tokens" for s in fam.samples
+              if s.name == "tenant_tokens_total" and s.labels["kind"] == "generation"}
+    assert totals == {"b": 20.0, "other": 505.0}  # c and `none` were counted in `other` before
+    for i in range(50):  # many more tenants: still at most n + 1 label values
+        m.observe_tenant_tokens(f"t{i}", "generation", 1)
+    assert len(tenant_series(m)["tenant_tokens"]) <= 3

@@ -11,7 +11,7 @@ from worker.offsets import OffsetTracker
 def test_commit_point_never_passes_an_unfinished_offset():
     t = OffsetTracker()
     for o in range(40, 45):
-        t.add("p0", o)
+        t.read("p0", o)
     assert t.commit_point("p0") == 40  # nothing done: the first offset itself
     t.mark_committed("p0", 40)
     assert t.commit_point("p0") is None
@@ -28,15 +28,15 @@ def test_commit_point_never_passes_an_unfinished_offset():
 
 def test_refetched_offsets_are_refused_and_drop_forgets():
     t = OffsetTracker()
-    assert t.add("p", 5) and t.add("p", 6)
+    assert t.read("p", 5) and t.read("p", 6)
     t.done("p", 5)
-    assert not t.add("p", 5)  # re-read after a rebalance: already finished
-    assert not t.add("p", 6)  # re-read: still running here
+    assert not t.read("p", 5)  # re-read after a rebalance: already finished
+    assert not t.read("p", 6)  # re-read: still running here
     assert t.commit_point("p") == 6
     t.drop("p")
     t.done("p", 6)  # no-op after the partition is lost
     assert t.commit_point("p") is None
-    assert t.add("p", 5)  # regained later: a fresh start
+    assert t.read("p", 5)  # regained later: a fresh start
 
 
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=50), st.randoms())
@@ -47,7 +47,7 @@ def test_random_completion_order(gaps, rnd: random.Random):
     for g in gaps:
         o += g
         offsets.append(o)
-        t.add("p", o)
+        t.read("p", o)
     order = offsets[:]
     rnd.shuffle(order)
     finished = set()

@@ -6,6 +6,7 @@ Map (one line per module):
                   error codes
     kv_cache.py   BlockPool (free list, ref counts, prefix-cache hashes) and KVCacheManager (block tables)
     scheduler.py  Scheduler: per-step batch under a token budget; admission, priority, preemption
+    fair_share.py per-tenant virtual token counters inside a priority class (Pick, Lift, Yield), quotas
     outputs.py    contract objects between scheduler, model runner, engine core and callers
     input.py      InputProcessor: tokenize + validate -> EngineCoreRequest (caller's thread)
     core.py       EngineCore: the step loop (forward failures, deadlines) -> token ids only

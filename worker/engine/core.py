@@ -192,7 +192,7 @@ class EngineCore:
             generator = torch.Generator(device=self.runner.device).manual_seed(r.params.seed)
         req = Request(r.request_id, r.prompt_token_ids, r.params, max_tokens=r.max_tokens, priority=Priority(r.priority),
                       eos_token_ids=self.eos_token_ids, arrival_seq=next(self._arrival), arrival_time=r.arrival_time,
-                      cache_salt=r.cache_salt.encode(), generator=generator)
+                      cache_salt=r.cache_salt.encode(), tenant=r.tenant, generator=generator)
         req.deadline = r.deadline
         if r.deadline is not None:
             heapq.heappush(self._deadlines, (r.deadline, r.request_id))

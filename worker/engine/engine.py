@@ -81,7 +81,8 @@ class Engine:
         self.max_model_len = loaded.max_model_len
         self.facts = ModelFacts(vocab_size=loaded.vocab_size, max_model_len=loaded.max_model_len,
                                 kv_capacity_tokens=num_blocks * self.tuning.kv_block_size,
-                                eos_token_ids=loaded.eos_token_ids, model_id=loaded.model_id)
+                                eos_token_ids=loaded.eos_token_ids, model_id=loaded.model_id,
+                                block_size=self.tuning.kv_block_size)
         self.core = EngineCore(runner, self.tuning, num_blocks, loaded.eos_token_ids, loaded.model_id)
         self.input = InputProcessor(loaded.tokenizer, self.facts, self.tuning)
         self.output = OutputProcessor(loaded.tokenizer)
@@ -153,6 +154,7 @@ class Engine:
         params: SamplingParams | None = None,
         priority: Priority | str = Priority.NORMAL,
         cache_salt: str = "",
+        tenant: str | None = None,
         arrival_time: float | None = None,
         deadline: float | None = None,
     ) -> int:
@@ -160,9 +162,11 @@ class Engine:
 
         Exactly one of `prompt` (text), `prompt_token_ids`, `messages` (chat, rendered
         with the tokenizer's chat template). `cache_salt` (e.g. the tenant) keeps its
-        prefix-cache blocks apart from other salts. `arrival_time` and `deadline` are
-        wall-clock seconds (`time.time()`); a request still waiting (never scheduled) at
-        its deadline ends with `finish_reason="expired"`, `error_code="deadline_passed"`.
+        prefix-cache blocks apart from other salts. `tenant` is whose share and quotas the
+        request counts against (`serving_tuning.tenants`; None: the tenant `""`).
+        `arrival_time` and `deadline` are wall-clock seconds (`time.time()`); a request
+        still waiting (never scheduled) at its deadline ends with `finish_reason="expired"`,
+        `error_code="deadline_passed"`.
 
         BOS: the ids of a text prompt or of chat messages never start with more than one
         BOS id. A text that already begins with the BOS text (`"<s>Paris…"`), tokenized by
@@ -178,8 +182,8 @@ class Engine:
             RequestRejected: with a `RejectReason`; the request was not queued.
         """
         req = self.input.process(request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-                                 params=params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time,
-                                 deadline=deadline)
+                                 params=params, priority=priority, cache_salt=cache_salt, tenant=tenant,
+                                 arrival_time=arrival_time, deadline=deadline)
         self.submit(req)
         return len(req.prompt_token_ids)
 

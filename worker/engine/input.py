@@ -34,6 +34,7 @@ class ModelFacts:
     kv_capacity_tokens: int
     eos_token_ids: frozenset[int]
     model_id: str
+    block_size: int = 16
 
 
 class InputProcessor:
@@ -59,6 +60,7 @@ class InputProcessor:
         params: SamplingParams | None = None,
         priority: Priority | str = Priority.NORMAL,
         cache_salt: str = "",
+        tenant: str | None = None,
         arrival_time: float | None = None,
         deadline: float | None = None,
     ) -> EngineCoreRequest:
@@ -73,9 +75,10 @@ class InputProcessor:
         except ValueError as e:
             raise RequestRejected(request_id, RejectReason.INVALID_PARAMS, str(e)) from None
         ids = self.tokenize(request_id, prompt, prompt_token_ids, messages)
-        max_tokens = self.check_limits(request_id, ids, params)
+        max_tokens = self.check_limits(request_id, ids, params, tenant or "")
         return EngineCoreRequest(request_id, ids, params, max_tokens, int(prio),
-                                 time.time() if arrival_time is None else arrival_time, deadline, cache_salt)
+                                 time.time() if arrival_time is None else arrival_time, deadline, cache_salt,
+                                 tenant or "")
 
     def tokenize(
         self,
@@ -123,8 +126,9 @@ class InputProcessor:
             ids = ids[n - 1 :]
         return ids
 
-    def check_limits(self, request_id: str, ids: list[int], params: SamplingParams) -> int:
-        """Admission checks that do not depend on load. Returns the resolved max_tokens."""
+    def check_limits(self, request_id: str, ids: list[int], params: SamplingParams, tenant: str = "") -> int:
+        """Admission checks that do not depend on load (the tenant's KV quota included).
+        Returns the resolved max_tokens."""
         t = self.tuning
         n = len(ids)
         max_len = self.facts.max_model_len
@@ -154,5 +158,14 @@ class InputProcessor:
                 request_id,
                 RejectReason.EXCEEDS_KV_CAPACITY,
                 f"prompt {n} + max_tokens {max_tokens} tokens can never fit the KV cache of {capacity} tokens",
+            )
+        quota = t.tenant_policy(tenant).max_kv_blocks
+        block = self.facts.block_size
+        if quota is not None and n + max_tokens > quota * block:
+            raise RequestRejected(
+                request_id,
+                RejectReason.EXCEEDS_KV_CAPACITY,
+                f"prompt {n} + max_tokens {max_tokens} tokens can never fit tenant {tenant!r}'s quota of "
+                f"{quota} KV blocks ({quota * block} tokens)",
             )
         return max_tokens

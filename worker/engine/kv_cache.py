@@ -126,6 +126,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self._block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
+        self._tenants: dict[str, str] = {}  # request id -> tenant, while it has a block table
+        self._num_held: dict[str, int] = {}  # tenant -> block-table entries of its requests
 
     @property
     def num_blocks(self) -> int:
@@ -192,6 +194,21 @@ class KVCacheManager:
         num_revived = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
         return max(self.num_blocks_for(num_tokens) - num_have, 0) + num_revived
 
+    def table_growth(
+        self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None, reserve_tokens: int = 0
+    ) -> int:
+        """Entries `allocate` with the same arguments would add to the request's block
+        table (cached blocks included): what it adds to its tenant's `num_blocks_held`."""
+        table = self._block_tables.get(req.request_id)
+        num_cached = 0 if table is not None else len(cached_blocks or ())
+        num_tokens = self._num_tokens_to_cover(req, num_new_tokens, num_cached, reserve_tokens)
+        return max(self.num_blocks_for(num_tokens) - (len(table) if table is not None else 0), 0)
+
+    def num_blocks_held(self, tenant: str) -> int:
+        """Block-table entries of the tenant's requests (a block shared by two of its
+        requests counts twice; prefix blocks are shared only within a tenant's salt)."""
+        return self._num_held.get(tenant, 0)
+
     def num_freeable_blocks(self, request_id: str) -> int:
         """Blocks that freeing the request would give back to the pool (those only it references)."""
         ref_cnt = self.pool.ref_cnt
@@ -220,10 +237,12 @@ class KVCacheManager:
             return False
         cached_blocks = cached_blocks or []
         num_tokens = self._num_tokens_to_cover(req, num_new_tokens, len(cached_blocks), reserve_tokens)
+        num_before = 0 if table is None else len(table)
         if table is None:
             table = []
             self._block_tables[req.request_id] = table
             self._num_registered[req.request_id] = len(cached_blocks)
+            self._tenants[req.request_id] = req.tenant
             self.pool.touch(cached_blocks)
             table.extend(cached_blocks)
         num_new_blocks = self.num_blocks_for(num_tokens) - len(table)
@@ -231,6 +250,8 @@ class KVCacheManager:
             new_blocks = self.pool.take(num_new_blocks)
             assert new_blocks is not None  # checked above
             table.extend(new_blocks)
+        if len(table) != num_before:
+            self._num_held[req.tenant] = self._num_held.get(req.tenant, 0) + len(table) - num_before
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -251,8 +272,14 @@ class KVCacheManager:
         """Release every block of the request; no-op for unknown ids."""
         table = self._block_tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        tenant = self._tenants.pop(request_id, None)
         if table:
             self.pool.release(table)
+            held = self._num_held[tenant] - len(table)
+            if held:
+                self._num_held[tenant] = held
+            else:
+                del self._num_held[tenant]
 
     def stats(self) -> KVStats:
         pool = self.pool
@@ -284,6 +311,12 @@ class KVCacheManager:
         num_evictable = sum(1 for b in pool._free if pool.block_hash[b] is not None)
         if num_evictable != pool.num_evictable:
             raise RuntimeError(f"evictable count {pool.num_evictable} != {num_evictable} counted")
+        held: dict[str, int] = {}
+        for rid, table in self._block_tables.items():
+            if table:
+                held[self._tenants[rid]] = held.get(self._tenants[rid], 0) + len(table)
+        if held != self._num_held:
+            raise RuntimeError(f"blocks held per tenant {self._num_held} != {held} counted from the tables")
         s = self.stats()
         if s.free_blocks + s.used_blocks + s.cached_blocks != s.total_blocks:
             raise RuntimeError(f"free {s.free_blocks} + used {s.used_blocks} + cached {s.cached_blocks} != {s.total_blocks}")

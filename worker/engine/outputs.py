@@ -111,6 +111,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     arrival_time: float
     deadline: float | None = None
     cache_salt: str = ""
+    tenant: str = ""  # whose fair share and quotas it counts against (`serving_tuning.tenants`)
 
 
 class RequestTimes(msgspec.Struct, frozen=True, array_like=True):

@@ -7,7 +7,7 @@ Lifecycle (an ordered enum; progress inside RUNNING is `num_computed_tokens`):
        └──── PREEMPTED ◄──┘   (KV freed; recomputed from prompt + output on re-admission)
 
 Only the Scheduler writes `status`, `num_computed_tokens`, the token lists and the
-counters of its rules (`num_preemptions`, `num_skips`, `effective_rank`).
+counters of its rules (`num_preemptions`, `num_skips`, `effective_rank`, `share`).
 """
 
 from __future__ import annotations
@@ -118,6 +118,8 @@ class Request:
         "max_tokens",
         "eos_token_ids",
         "cache_salt",
+        "tenant",
+        "share",
         "status",
         "all_token_ids",
         "num_prompt_tokens",
@@ -148,6 +150,7 @@ class Request:
         arrival_step: int = 0,
         arrival_time: float = 0.0,
         cache_salt: bytes = b"",
+        tenant: str = "",
         generator: torch.Generator | None = None,
     ) -> None:
         self.request_id = request_id
@@ -159,6 +162,8 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
+        self.tenant = tenant  # fair share and quotas ("": requests without a tenant)
+        self.share = None  # its TenantQueue while in the scheduler (fair_share.py)
         self.generator = generator
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)

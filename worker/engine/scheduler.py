@@ -3,10 +3,21 @@ recompute (vLLM, SOSP '23).
 
 Every step builds one packed batch under `max_batched_tokens`:
   1. running requests, decodes first, then unfinished prefill chunks, in rank order;
-  2. waiting requests in rank order — (priority class - aging, arrival) — while slots,
-     budget and blocks allow. None in a step that preempted in 1 (as vLLM V1), so a
-     victim is never re-admitted in the step it lost its blocks.
+  2. waiting requests, best class rank first and, inside a class, by tenant share
+     (below), while slots, budget and blocks allow. None in a step that preempted in 1
+     (as vLLM V1), so a victim is never re-admitted in the step it lost its blocks.
 A request leaves the batch the step it finishes; its slot is filled the next step.
+
+Classes, aging and tenants. A class's rank is its priority minus one per
+`priority_aging_steps` its earliest waiting request has waited; the class of best rank
+(then earliest request) admits next, and the request admitted holds that rank while it
+runs. Inside the class the request is chosen by tenant share (fair_share.py: the
+Virtual Token Counter of Sheng et al., OSDI 2024, with its lift; `fair_share: false`
+or a single tenant: the earliest request, as before). So aging orders classes and never
+tenants: a flooding tenant's old requests age their class, not themselves past other
+tenants of it; and fairness orders tenants and never classes. A tenant at one of its
+quotas (`serving_tuning.tenants`) is passed over: its requests wait, others start, and
+nothing counts as a skip.
 
 Rules under KV pressure (each one closes a loop seen in practice):
   - Admission allocates blocks for the whole remaining prefill (prompt + output so
@@ -16,17 +27,22 @@ Rules under KV pressure (each one closes a loop seen in practice):
     preempted RESERVE_AFTER_PREEMPTIONS times already, it allocates prompt +
     max_tokens: such a request never asks for a block again.
   - Victim, when a decode finds no free block: the running request of the lowest
-    rank, latest arrival, passing over those that hold prompt + max_tokens unless
-    they rank strictly below the decode's request; the request itself if no other
-    qualifies. Hence, without priority changes (classes and aging), no request is
-    preempted more than RESERVE_AFTER_PREEMPTIONS times for want of blocks (the
-    engine's out-of-memory retries, `preempt`, are outside this rule).
+    rank, then of the most-served tenant (fair share on), then latest arrival, passing
+    over those that hold prompt + max_tokens unless they rank strictly below the
+    decode's request; the request itself if no other qualifies. Hence, without
+    priority changes (classes and aging), no request is preempted more than
+    RESERVE_AFTER_PREEMPTIONS times for want of blocks, by a tenant's KV quota or by a
+    Yield (the engine's out-of-memory retries, `preempt`, are outside this rule). A
+    decode whose tenant is at its `max_kv_blocks` takes its victim the same way among
+    its tenant's requests.
   - A waiting request may preempt running requests of a strictly worse rank (the case
-    vLLM leaves open), lowest first, and only when that gives it both a slot and its
-    blocks; else it preempts nothing. Requests admitted in the same step are never its
-    victims: admission goes in rank order, so they rank no worse than it.
+    vLLM leaves open), lowest first, and then, by fair share's Yield, same-rank
+    requests of tenants over their share; only when that gives it both a slot and its
+    blocks, else it preempts nothing. Requests admitted in the same step are never its
+    victims: admission goes in rank order, so they rank no worse than it (and a Yield
+    skips them explicitly).
   - Bounded skipping: a waiting request that cannot get a slot or its blocks is
-    passed by later requests of the *same* rank that can, at most
+    passed by requests of the *same* rank picked after it that can, at most
     `max_admission_skips` admissions in all; then it holds a reservation and nothing
     ranked behind it is admitted until it is. Nothing of a worse rank passes it: it
     would preempt such a request as soon as preempting could make it fit, wasting the
@@ -40,10 +56,10 @@ of the KVCacheManager. The engine thread owns it.
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
 
 from worker.config import ServingTuning
+from worker.engine.fair_share import ClassQueue, Tenant
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.engine.request import Priority, Request, RequestStatus
@@ -64,10 +80,15 @@ class Scheduler:
         self.kv = kv
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # sorted by (effective_rank, arrival_seq)
-        self._waiting: list[list[tuple[int, Request]]] = [[] for _ in Priority]  # heap per class
-        self._num_waiting = 0
+        self.classes = [ClassQueue(p, tuning) for p in Priority]
+        self.tenants: dict[str, Tenant] = {}  # tenants with a request here
+        self.fair = tuning.fair_share
+        self._kv_quotas = tuning.default_tenant.max_kv_blocks is not None or any(
+            t.max_kv_blocks is not None for t in tuning.tenants.values())
         self.step_count = 0
         self.num_preemptions_total = 0
+        self._num_freed = 0  # running requests that left the batch since the last schedule()
+        self._may_yield = False  # this step: no slot freed since the last one (fair_share Yield)
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -76,7 +97,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return sum(c.num_waiting for c in self.classes)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -88,6 +109,11 @@ class Scheduler:
         req.arrival_step = self.step_count
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
+        tenant = self.tenants.get(req.tenant)
+        if tenant is None:
+            tenant = self.tenants[req.tenant] = Tenant(req.tenant, self.tuning.tenant_policy(req.tenant))
+        tenant.num_requests += 1
+        req.share = self.classes[req.priority].join(tenant, self.step_count)
         self._push_waiting(req)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -98,12 +124,18 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        cq = self.classes[req.priority]
         if req.status == RequestStatus.RUNNING:
             self._remove_running(req)
-        else:  # waiting or preempted: dropped lazily from its heap
-            self._num_waiting -= 1
+        else:  # waiting or preempted
+            cq.remove(req)
         self.kv.free(request_id)
         req.status = status
+        tenant = req.share.tenant
+        tenant.num_requests -= 1
+        if not tenant.num_requests:
+            del self.tenants[tenant.name]
+        cq.leave_if_idle(req.share, self.step_count)
         return req
 
     def preempt(self, request_id: str) -> bool:
@@ -117,7 +149,8 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------
     def effective_rank(self, req: Request) -> int:
-        """Priority class minus one per `priority_aging_steps` waited (lower is served first)."""
+        """Priority class minus one per `priority_aging_steps` the request has waited
+        (lower is served first); a class's rank is that of its earliest waiting request."""
         return int(req.priority) - (self.step_count - req.arrival_step) // self.tuning.priority_aging_steps
 
     def schedule(self, max_batched_tokens: int | None = None) -> SchedulerOutput:
@@ -125,6 +158,10 @@ class Scheduler:
         lowers the step's token budget below `tuning.max_batched_tokens` (the engine's
         back-off after an OOM)."""
         self.step_count += 1
+        # A Yield only in a step after one that freed no slot: while requests end, Pick
+        # hands the next free slot to the tenant behind within a step, without recompute.
+        self._may_yield = self.fair and self._num_freed == 0
+        self._num_freed = 0
         tuning = self.tuning
         budget = min(max_batched_tokens or tuning.max_batched_tokens, tuning.max_batched_tokens)
         scheduled: dict[str, int] = {}
@@ -141,11 +178,14 @@ class Scheduler:
                 continue
             num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             while True:
-                if self.kv.allocate(req, num_new, reserve_tokens=self._reserve_tokens(req)):
+                if self._kv_quotas and self._over_kv_quota(req, num_new):
+                    victim = self._victim_for(req, req.share.tenant)
+                elif self.kv.allocate(req, num_new, reserve_tokens=self._reserve_tokens(req)):
                     scheduled[req.request_id] = num_new
                     budget -= num_new
                     break
-                victim = self._victim_for(req)
+                else:
+                    victim = self._victim_for(req)
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -153,25 +193,38 @@ class Scheduler:
         if preempted:
             return self._build_output(scheduled)
 
-        # 2. waiting, in rank order, with bounded skipping of requests that do not fit.
+        # 2. waiting: best class rank, tenant share inside it, bounded skipping.
         skipped: list[Request] = []
         skipped_rank: int | None = None
+        excluded: set[Tenant] = set()  # at a quota this step: their requests wait
+        over_quota: list[Request] = []
+        admitted: set[str] = set()
         while budget > 0:
-            req = self._peek_waiting()
-            if req is None:
+            found = self._peek_waiting(excluded)
+            if found is None:
                 break
-            rank = self.effective_rank(req)
+            req, rank = found
             if skipped_rank is not None and rank > skipped_rank:
                 break  # nothing passes a blocked request of a better rank
-            if len(self.running) >= tuning.max_running_requests and self.running[-1].effective_rank <= rank:
+            tenant = req.share.tenant
+            if tenant.is_at_running_cap:
+                excluded.add(tenant)
+                continue
+            if (len(self.running) >= tuning.max_running_requests and self.running[-1].effective_rank <= rank
+                    and not (self._may_yield and self.classes[req.priority].may_yield(req.share))):
                 break  # no slot and none to take: nothing ranked behind can start either
             self._pop_waiting(req)  # before any victim is requeued (aging can rank a victim ahead of it)
             cached_blocks = self.kv.find_cached_prefix(req)
             num_computed = len(cached_blocks) * self.kv.block_size
             num_prefill = req.num_tokens - num_computed
             reserve = self._reserve_tokens(req)
+            if tenant.max_kv_blocks is not None and (self.kv.num_blocks_held(tenant.name) + self.kv.table_growth(
+                    req, num_prefill, cached_blocks, reserve) > tenant.max_kv_blocks):
+                excluded.add(tenant)
+                over_quota.append(req)
+                continue
             num_blocks = self.kv.num_blocks_to_allocate(req, num_prefill, cached_blocks, reserve)
-            given_back = self._make_room(rank, num_blocks, scheduled, preempted)
+            given_back = self._make_room(req, rank, num_blocks, scheduled, preempted, admitted)
             if given_back is None or not self.kv.allocate(req, num_prefill, cached_blocks, reserve_tokens=reserve):
                 skipped.append(req)
                 if req.num_skips >= tuning.max_admission_skips or len(skipped) > MAX_SKIPPED_PER_STEP:
@@ -182,11 +235,14 @@ class Scheduler:
             if req.status == RequestStatus.WAITING:  # first admission (not a re-admission)
                 req.num_cached_tokens = num_computed
                 req.first_scheduled_time = time.time()
+                if self.fair:  # VTC charges the prompt at admission (its computed tokens only)
+                    req.share.counter += (req.num_prompt_tokens - num_computed) * req.share.prefill_cost
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
             req.effective_rank = rank
             req.num_skips = 0
-            bisect.insort(self.running, req, key=_rank_key)
+            self._add_running(req)
+            admitted.add(req.request_id)
             scheduled[req.request_id] = min(num_prefill, budget)
             budget -= scheduled[req.request_id]
             for s in skipped:
@@ -194,6 +250,8 @@ class Scheduler:
             if any(s.num_skips >= tuning.max_admission_skips for s in skipped):
                 break
         for req in skipped:
+            self._push_waiting(req)
+        for req in over_quota:
             self._push_waiting(req)
         return self._build_output(scheduled)
 
@@ -205,6 +263,7 @@ class Scheduler:
         cache_full_blocks = self.kv.cache_full_blocks
         bs = self.kv.block_size
         running = RequestStatus.RUNNING
+        fair = self.fair
         got_token = []
         for s in out.scheduled:
             req = requests.get(s.request_id)
@@ -218,6 +277,9 @@ class Scheduler:
             if token_id is None:
                 continue
             req.all_token_ids.append(token_id)
+            if fair:
+                share = req.share
+                share.counter += share.decode_cost
             got_token.append(req)
             status = self._check_stop(req, token_id)
             if status is not None:
@@ -242,11 +304,27 @@ class Scheduler:
             return req.num_prompt_tokens + req.max_tokens
         return 0
 
+    def _over_kv_quota(self, req: Request, num_new: int) -> bool:
+        """A running request's next chunk would take its tenant past `max_kv_blocks`."""
+        tenant = req.share.tenant
+        if tenant.max_kv_blocks is None:
+            return False
+        growth = self.kv.table_growth(req, num_new, reserve_tokens=self._reserve_tokens(req))
+        return growth > 0 and self.kv.num_blocks_held(tenant.name) + growth > tenant.max_kv_blocks
+
+    def _add_running(self, req: Request) -> None:
+        bisect.insort(self.running, req, key=_rank_key)
+        req.share.running[req.request_id] = req
+        req.share.tenant.num_running += 1
+
     def _remove_running(self, req: Request) -> None:
         i = bisect.bisect_left(self.running, _rank_key(req), key=_rank_key)
         while self.running[i] is not req:
             i += 1
         del self.running[i]
+        del req.share.running[req.request_id]
+        req.share.tenant.num_running -= 1
+        self._num_freed += 1
 
     def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
         """Free the victim's KV and requeue it at its original place. Returns the
@@ -260,31 +338,63 @@ class Scheduler:
         self._push_waiting(victim)
         return scheduled.pop(victim.request_id, 0)
 
-    def _victim_for(self, req: Request) -> Request:
-        """The request to preempt when running `req` needs a block: lowest rank, latest
-        arrival, passing over requests that hold prompt + max_tokens unless they rank
-        strictly below `req`; `req` itself if none qualifies."""
-        for victim in reversed(self.running):
-            if victim is req or victim.effective_rank > req.effective_rank or not self._reserve_tokens(victim):
-                return victim
-        raise RuntimeError(f"request {req.request_id!r} needs a KV block but is not running")
+    def _victim_key(self, req: Request) -> tuple[int, float, int]:
+        return (req.effective_rank, req.share.counter if self.fair else 0.0, req.arrival_seq)
 
-    def _make_room(self, rank: int, num_blocks: int, scheduled: dict[str, int], preempted: list[str]) -> int | None:
-        """Give a waiting request of `rank` a slot and `num_blocks` free blocks by
-        preempting running requests of a strictly worse rank, lowest first. Preempts
+    def _victim_for(self, req: Request, tenant: Tenant | None = None) -> Request:
+        """The request to preempt when running `req` needs a block: lowest rank, then
+        most-served tenant (fair share), then latest arrival, passing over requests that
+        hold prompt + max_tokens unless they rank strictly below `req`; `req` itself if
+        none qualifies. `tenant`: only among that tenant's requests (its KV quota)."""
+        best, best_key = req, self._victim_key(req)
+        for victim in reversed(self.running):
+            if victim.effective_rank < best.effective_rank:
+                break  # ranks only get better from here
+            if victim is req or (tenant is not None and victim.share.tenant is not tenant):
+                continue
+            if victim.effective_rank <= req.effective_rank and self._reserve_tokens(victim):
+                continue
+            key = self._victim_key(victim)
+            if key > best_key:
+                best, best_key = victim, key
+        return best
+
+    def _make_room(self, req: Request, rank: int, num_blocks: int, scheduled: dict[str, int],
+                   preempted: list[str], admitted: set[str]) -> int | None:
+        """Give waiting `req` (of `rank`) a slot and `num_blocks` free blocks by
+        preempting running requests of a strictly worse rank, lowest first (then
+        most-served tenant, latest arrival), then by fair share's Yield. Preempts
         nothing and returns None if that cannot be done; else the token budget the
         victims gave back."""
         num_free = self.kv.num_free_blocks
         num_slots = self.tuning.max_running_requests - len(self.running)
+        if num_free >= num_blocks and num_slots > 0:
+            return 0
         victims: list[Request] = []
+        worse = []
         for victim in reversed(self.running):
+            if victim.effective_rank <= rank:
+                break
+            worse.append(victim)
+        if self.fair:
+            worse.sort(key=self._victim_key, reverse=True)
+        cq = self.classes[req.priority]
+        for victim in worse:
             if num_free >= num_blocks and num_slots > 0:
                 break
-            if victim.effective_rank <= rank:
-                return None
             num_free += self.kv.num_freeable_blocks(victim.request_id)
             num_slots += 1
             victims.append(victim)
+        if (num_free < num_blocks or num_slots <= 0) and self._may_yield and cq.may_yield(req.share):
+            def can_yield(r: Request) -> bool:
+                return r.effective_rank == rank and r.request_id not in admitted and not self._reserve_tokens(r)
+
+            for victim in cq.yield_victims(req.share, can_yield):
+                if num_free >= num_blocks and num_slots > 0:
+                    break
+                num_free += self.kv.num_freeable_blocks(victim.request_id)
+                num_slots += 1
+                victims.append(victim)
         if num_free < num_blocks or num_slots <= 0:
             return None
         given_back = 0
@@ -293,28 +403,28 @@ class Scheduler:
             preempted.append(victim.request_id)
         return given_back
 
-    def _peek_waiting(self) -> Request | None:
-        best: Request | None = None
+    def _peek_waiting(self, excluded: set[Tenant]) -> tuple[Request, int] | None:
+        """The request admission tries next and its rank: the class of best rank (then
+        earliest request), and in it the request fair share picks."""
+        best: tuple[Request, int] | None = None
         best_key: tuple[int, int] | None = None
-        for heap in self._waiting:
-            while heap and heap[0][1].status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                heapq.heappop(heap)  # finished while waiting
-            if heap:
-                req = heap[0][1]
-                key = (self.effective_rank(req), req.arrival_seq)
-                if best_key is None or key < best_key:
-                    best, best_key = req, key
+        for cq in self.classes:
+            if not cq.num_waiting:
+                continue
+            picked = cq.pick(excluded)
+            if picked is None:
+                continue
+            req, oldest = picked
+            key = (self.effective_rank(oldest), oldest.arrival_seq)
+            if best_key is None or key < best_key:
+                best, best_key = (req, key[0]), key
         return best
 
     def _pop_waiting(self, req: Request) -> None:
-        heap = self._waiting[req.priority]
-        popped = heapq.heappop(heap)[1]
-        assert popped is req
-        self._num_waiting -= 1
+        self.classes[req.priority].pop(req)
 
     def _push_waiting(self, req: Request) -> None:
-        heapq.heappush(self._waiting[req.priority], (req.arrival_seq, req))
-        self._num_waiting += 1
+        self.classes[req.priority].push(req)
 
     def _build_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
         decodes: list[ScheduledRequest] = []
