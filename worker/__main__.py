@@ -1,6 +1,7 @@
 """`inflight` command line.
 
     inflight worker --config worker.yaml           run a worker (Kafka jobs in, Redis streams out)
+    inflight gateway --config gateway.yaml         OpenAI-compatible HTTP gateway (and Batch API) in front of them
     inflight check --config worker.yaml            preflight: Kafka, topics, group, Redis, model, KV, port
     inflight submit --prompt "Hi" --priority high --stream
     inflight stream JOB_ID
@@ -68,6 +69,22 @@ def _worker(a: argparse.Namespace) -> int:
         return 2
     # model path, device or checkpoint format (FileNotFoundError / ValueError) are config errors
     return _run(Worker(cfg).run(), bad_input="config error", kafka=cfg.kafka, redis=cfg.redis, log_errors=True)
+
+
+def _gateway(a: argparse.Namespace) -> int:
+    """The HTTP gateway (worker.gateway): no model, no torch."""
+    from worker.config import ConfigError
+    from worker.gateway.app import Gateway
+    from worker.gateway.config import load_gateway_config
+    from worker.log import setup_logging
+
+    try:
+        cfg = load_gateway_config(a.config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(a.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
+    return _run(Gateway(cfg).run(), bad_input="config error", kafka=cfg.kafka, redis=cfg.redis, log_errors=True)
 
 
 def _check(a: argparse.Namespace) -> int:
@@ -259,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--config", help="YAML config file; INFLIGHT_<SECTION>__<FIELD> env vars override it")
     w.add_argument("--log-level", default="INFO")
 
+    gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (chat / completions, streaming, "
+                        "Batch API) in front of the job topics")
+    gw.add_argument("--config", help="YAML file with `gateway`, `kafka` and `redis` sections; "
+                    "INFLIGHT_<SECTION>__<FIELD> env vars override it")
+    gw.add_argument("--log-level", default="INFO")
+
     ck = sub.add_parser("check", help="preflight a worker config: one line per check with the setting to fix; "
                         "exit 0 only if every check passes")
     ck.add_argument("--config", help="YAML config file; INFLIGHT_<SECTION>__<FIELD> env vars override it")
@@ -334,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(a)
     if a.cmd == "worker":
         return _worker(a)
+    if a.cmd == "gateway":
+        return _gateway(a)
     if a.cmd == "check":
         return _check(a)
     if a.cmd in ("submit", "stream", "cancel", "topics"):
