@@ -84,7 +84,8 @@ class Gateway:
                              tokens=tokens)
         self.ctx = ctx
         self.files = files
-        store = BatchStore(self.client.redis, files, self.cfg.redis.key_prefix, self.gateway_id, g.batch_lease_ms)
+        store = BatchStore(self.client.redis, files, self.cfg.redis.key_prefix, self.gateway_id, g.batch_lease_ms,
+                           self.client.topic_prefix)
         self.batches = BatchManager(ctx, store, files)
         app = web.Application(middlewares=[self._middleware], client_max_size=g.max_body_bytes)
         gen, bat = CompletionHandlers(ctx), BatchHandlers(ctx, files, self.batches)

@@ -212,7 +212,10 @@ class BatchDriver:
                         ev = decode_event(rec.value)
                         if isinstance(ev, Finished) and job_id in self.by_job:
                             self.outcomes[job_id] = ev
-            if not catch_up or all(await c.position(tp) >= end for tp, end in ends.items()):
+            if not catch_up:
+                return
+            positions = {tp: await c.position(tp) for tp in ends}
+            if all(positions[tp] >= end for tp, end in ends.items()):
                 return
 
     async def _dispatch(self) -> None:

@@ -88,7 +88,8 @@ class BatchManager:
         batch = BatchObject(id="batch_" + secrets.token_hex(16), endpoint=endpoint, input_file_id=file_id,
                             completion_window=window, status="validating", created_at=now,
                             expires_at=now + int(seconds), metadata=metadata, model=self.ctx.cfg.model_name)
-        m = Manifest(batch=batch, tenant=grant.tenant, priority=self.ctx.cfg.batch_priority)
+        m = Manifest(batch=batch, tenant=grant.tenant, priority=self.ctx.cfg.batch_priority,
+                     topic_prefix=self.store.topic_prefix)
         await self.store.save(m)
         token = await self.store.take_lease(batch.id)
         if token is not None:

@@ -84,6 +84,8 @@ class Manifest(msgspec.Struct, kw_only=True):
         dispatched: how many valid lines (in input order) have been produced.
         invalid: the input lines that failed validation.
         final_status: the terminal status being written while `finalizing`.
+        topic_prefix: the deployment's `kafka.topic_prefix`: gateways of another
+            deployment sharing the directory leave the batch alone.
     """
 
     batch: BatchObject
@@ -93,6 +95,7 @@ class Manifest(msgspec.Struct, kw_only=True):
     dispatched: int = 0
     invalid: list[LineError] = []
     final_status: str | None = None
+    topic_prefix: str = ""
 
 
 _manifest = msgspec.json.Decoder(Manifest)
@@ -117,10 +120,12 @@ class BatchStore:
     lease_ms: `gateway.batch_lease_ms`.
     """
 
-    def __init__(self, redis, files: FileStore, key_prefix: str, owner_id: str, lease_ms: int) -> None:
+    def __init__(self, redis, files: FileStore, key_prefix: str, owner_id: str, lease_ms: int,
+                 topic_prefix: str) -> None:
         self.redis = redis
         self.files = files
         self.prefix = key_prefix
+        self.topic_prefix = topic_prefix
         self.owner_id = owner_id
         self.lease_ms = lease_ms
         self._renew = redis.register_script(_RENEW)
@@ -150,9 +155,13 @@ class BatchStore:
 
     # ---- reads -----------------------------------------------------------------------------
     async def load(self, batch_id: str) -> Manifest | None:
-        """The manifest (durable state), or None."""
-        data = await asyncio.to_thread(self.files.read_manifest, batch_id)
-        return _manifest.decode(data) if data is not None else None
+        """The manifest (durable state), or None (also for another deployment's batch)."""
+        return await asyncio.to_thread(self._load, batch_id)
+
+    def _load(self, batch_id: str) -> Manifest | None:
+        data = self.files.read_manifest(batch_id)
+        m = _manifest.decode(data) if data is not None else None
+        return m if m is not None and m.topic_prefix == self.topic_prefix else None
 
     async def get(self, batch_id: str, tenant: str | None) -> BatchObject | None:
         """The batch as `tenant` may see it (None: no such batch of that tenant): the live
@@ -185,12 +194,7 @@ class BatchStore:
         return page, len(ids) > limit
 
     def _all_manifests(self) -> list[Manifest]:
-        out = []
-        for batch_id in self.files.manifest_ids():
-            data = self.files.read_manifest(batch_id)
-            if data is not None:
-                out.append(_manifest.decode(data))
-        return out
+        return [m for m in map(self._load, self.files.manifest_ids()) if m is not None]
 
     async def active_ids(self) -> set[str]:
         """Batches not in a terminal status (from Redis; empty if it is unreachable)."""
