@@ -32,7 +32,7 @@ from worker.gateway.batch_manager import BatchManager
 from worker.gateway.batches import BatchStore
 from worker.gateway.completions import CompletionHandlers
 from worker.gateway.config import GatewayFileConfig
-from worker.gateway.context import GatewayContext, error_response, json_ok
+from worker.gateway.context import CLIENT_GONE, GatewayContext, error_response, json_ok
 from worker.gateway.errors import ApiError
 from worker.gateway.files import FileStore
 from worker.gateway.generation import CancelSender
@@ -170,7 +170,7 @@ class Gateway:
         status = 500
         try:
             resp = await handler(request)
-            status = resp.status
+            status = 499 if request.get(CLIENT_GONE) else resp.status
             return resp
         except ApiError as e:
             status = e.status

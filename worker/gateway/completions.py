@@ -20,7 +20,7 @@ from aiohttp import web
 
 from schemas.wire import Job
 from worker.gateway.auth import effective_priority
-from worker.gateway.context import GatewayContext, json_ok
+from worker.gateway.context import CLIENT_GONE, GatewayContext, json_ok
 from worker.gateway.errors import ApiError, error_for_outcome, overloaded
 from worker.gateway.generation import Generation, seeded
 from worker.gateway.protocol import GenRequest, Kind, parse_request
@@ -85,7 +85,7 @@ class CompletionHandlers:
             if req.stream:
                 return await self._stream(request, gen, renderer, t0, endpoint)
             return await self._whole(gen, renderer, req, t0, endpoint)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the connection dropped (aiohttp cancels the handler)
             m.disconnects.labels(endpoint).inc()
             raise
         except TimeoutError:
@@ -142,6 +142,9 @@ class CompletionHandlers:
             if first:
                 m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
             await resp.write_eof()
+        except ConnectionResetError:  # a write found the connection closed before aiohttp cancelled us
+            m.disconnects.labels(endpoint).inc()
+            request[CLIENT_GONE] = True  # counted as 499; the caller sends the cancel
         finally:
             m.open_streams.dec()
         return resp

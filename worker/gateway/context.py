@@ -20,6 +20,9 @@ from worker.gateway.render import TokenText
 
 _encode = msgspec.json.Encoder().encode
 
+# Set on a request whose client went away mid-response (counted with status 499).
+CLIENT_GONE = web.RequestKey("client_gone", bool)
+
 
 @dataclasses.dataclass
 class GatewayContext:
