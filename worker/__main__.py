@@ -8,7 +8,7 @@
     inflight cancel JOB_ID
     inflight topics create
     inflight schema                                 JSON Schema of jobs, cancels and events
-    inflight acl kafka | acl redis worker | acl redis reader --tenant T    the ACLs a deployment needs
+    inflight acl kafka | acl redis worker | acl redis gateway | acl redis reader --tenant T    the ACLs a deployment needs
     inflight generate --model PATH --prompt "Hi"   the engine alone, in this process
 """
 
@@ -256,11 +256,15 @@ def _acl(a: argparse.Namespace) -> int:
             print(shlex.join(row.acl_command_args()))
         return 0
     if a.role is None:
-        print("error: acl redis needs a role: worker or reader", file=sys.stderr)
+        print("error: acl redis needs a role: worker, gateway or reader", file=sys.stderr)
         return 2
     try:
-        rules = (acl.redis_worker_rules(a.prefix) if a.role == "worker"
-                 else acl.redis_reader_rules(a.tenant, a.prefix, may_cancel=a.may_cancel))
+        if a.role == "worker":
+            rules = acl.redis_worker_rules(a.prefix)
+        elif a.role == "gateway":
+            rules = acl.redis_gateway_rules(a.prefix)
+        else:
+            rules = acl.redis_reader_rules(a.tenant, a.prefix, may_cancel=a.may_cancel)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -331,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     acl = sub.add_parser("acl", help="print the ACLs a deployment needs: Kafka's AclCommand (kafka-acls.sh) "
                          "arguments, one line per grant, or a Redis user's ACL rules")
     acl.add_argument("system", choices=["kafka", "redis"])
-    acl.add_argument("role", nargs="?", choices=["worker", "reader"], help="redis: whose rules")
+    acl.add_argument("role", nargs="?", choices=["worker", "gateway", "reader"], help="redis: whose rules")
     acl.add_argument("--prefix", default="inflight", help="topic prefix (kafka) or key prefix (redis)")
     acl.add_argument("--group", default="inflight-workers", help="kafka: the workers' group id")
     acl.add_argument("--worker-principal", default="User:inflight-worker")

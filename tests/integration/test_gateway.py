@@ -270,3 +270,46 @@ async def _read_jobs(bootstrap: str, topic: str) -> list:
         return [decode_job(r.value) for rs in got.values() for r in rs]
     finally:
         await c.stop()
+
+
+def test_the_gateway_runs_as_its_own_redis_acl_user(services, prefix, tmp_path, own_redis):
+    """`inflight acl redis gateway` is all the gateway needs: streams, a cancel, a batch."""
+    import subprocess
+
+    import msgspec
+
+    from tests.integration.gateway_helpers import batch_line
+    from worker.acl import redis_gateway_rules
+
+    subprocess.run(["redis-cli", "-p", str(own_redis.port), "ACL", "SETUSER", "gw", "on", ">gw-secret-1",
+                    *redis_gateway_rules(prefix)], check=True, capture_output=True)
+    cfg = worker_config(services, prefix, redis={"url": own_redis.url})
+    gcfg = gateway_config(services, prefix, tmp_path / "files", redis_url=own_redis.url)
+    gcfg = msgspec.structs.replace(gcfg, redis=msgspec.structs.replace(gcfg.redis, username="gw",
+                                                                       password="gw-secret-1"))
+
+    async def main():
+        async with running_worker(cfg, slow_null_engine(0.01)), running_gateway(gcfg) as gw:
+            c = client(gw)
+            text = (await c.completions.create(model=MODEL, prompt="hi", max_tokens=5)).choices[0].text
+            stream = await c.completions.create(model=MODEL, prompt="hi", max_tokens=300, stream=True,
+                                                extra_body={"ignore_eos": True})
+            async for _ in stream:
+                break
+            await stream.close()
+            f = await c.files.create(file=("b.jsonl", b"\n".join(
+                batch_line(f"a-{i}", url="/v1/completions", prompt="x", max_tokens=3) for i in range(5))),
+                purpose="batch")
+            b = await c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+            deadline = time.monotonic() + 60
+            while b.status != "completed" and time.monotonic() < deadline:
+                await asyncio.sleep(0.3)
+                b = await c.batches.retrieve(b.id)
+            listed = [x.id for x in (await c.batches.list()).data]
+            await asyncio.sleep(0.5)
+            return text, b, listed, sample(gw.metrics.registry, "gateway_cancels_sent_total",
+                                           reason="client_disconnect")
+
+    text, b, listed, cancels = asyncio.run(main())
+    assert len(text) == 5 and cancels == 1
+    assert b.status == "completed" and b.request_counts.completed == 5 and listed == [b.id]
