@@ -106,14 +106,16 @@ class CompletionHandlers:
         fin = gen.finished
         if not fin.finish_reason.is_success:
             raise error_for_outcome(fin, self.ctx.cfg.retry_after_s)
-        resp = json_ok(renderer.completion(fin, logprobs), headers={"X-Request-Id": gen.job_id})
+        resp = json_ok(renderer.completion(fin, logprobs),
+                       headers={"X-Request-Id": gen.job_id, "Server-Timing": gen.server_timing()})
         self.ctx.metrics.ttfb.labels(endpoint).observe(time.monotonic() - t0)
         return resp
 
     async def _stream(self, request: web.Request, gen: Generation, renderer: Renderer, t0: float,
                       endpoint: str) -> web.StreamResponse:
         m = self.ctx.metrics
-        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gen.job_id})
+        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gen.job_id,
+                                                       "Server-Timing": gen.server_timing()})
         await resp.prepare(request)
         m.open_streams.inc()
         try:

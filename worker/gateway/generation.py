@@ -78,6 +78,8 @@ class Generation:
         self._attempt_tokens = 0
         self._pending: Event | None = None
         self.cancel_reason: str | None = None  # why a cancel is sent if the request ends first
+        self.submit_s = 0.0  # the Kafka produce, seconds
+        self.first_event_s = 0.0  # start() to the first token or the end, seconds
 
     @property
     def job_id(self) -> str:
@@ -93,10 +95,12 @@ class Generation:
             ApiError: 429 with `Retry-After` when it did not start before its deadline
                 (the cancel is sent); 503 when Kafka does not take the job.
         """
+        t0 = time.perf_counter()
         first = asyncio.ensure_future(self._next())  # subscribes while the job is produced
         try:
             self._submitted = True
             await self.client.submit_job(self.job, self.priority)
+            self.submit_s = time.perf_counter() - t0
         except (KafkaError, AccessError, OSError) as e:
             first.cancel()
             with contextlib.suppress(BaseException):
@@ -114,8 +118,14 @@ class Generation:
             raise overloaded(self.retry_after_s, "no worker started the request within its queue timeout "
                              "(gateway.queue_timeout_s); retry later") from None
         self._pending = ev
+        self.first_event_s = time.perf_counter() - t0
         if isinstance(ev, Finished):
             self.finished = ev
+
+    def server_timing(self) -> str:
+        """`Server-Timing` header value: the Kafka produce and the wait from submit to the
+        job's first token (or end), milliseconds."""
+        return f"submit;dur={self.submit_s * 1e3:.1f}, first_token;dur={self.first_event_s * 1e3:.1f}"
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """New text of the job until it ends (then `finished` is set). Call after `start`.
