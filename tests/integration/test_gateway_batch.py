@@ -289,3 +289,25 @@ async def _count(bootstrap: str, prefix: str) -> int:
     finally:
         await c.stop()
 
+
+
+def test_a_batch_past_its_completion_window_expires_with_each_custom_id_once(services, prefix, tmp_path):
+    cfg = worker_config(services, prefix, tuning={"max_running_requests": 2}, worker={"max_local_jobs": 4})
+    engine = slow_null_engine(0.02, max_running_requests=2)
+    lines = [batch_line(f"e-{i}", url="/v1/completions", prompt=f"job {i}", max_tokens=20, ignore_eos=True)
+             for i in range(40)]  # ~8 s of work for a 3 s window
+
+    async def main():
+        async with running_worker(cfg, engine), \
+                running_gateway(gateway_config(services, prefix, tmp_path / "files")) as gw:
+            c = client(gw)
+            f = await c.files.create(file=("batch.jsonl", b"\n".join(lines)), purpose="batch")
+            batch = await c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="3s")
+            done = await wait_batch(c, batch.id, timeout=60)
+            return done, await read_file(c, done.output_file_id), await read_file(c, done.error_file_id)
+
+    done, out, err = asyncio.run(main())
+    assert done.status == "expired" and done.expired_at >= done.expires_at
+    assert 0 < len(out) < 40 and len(out) + len(err) == 40
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"e-{i}" for i in range(40))
+    assert {e["error"]["code"] for e in err} == {"batch_expired"}
