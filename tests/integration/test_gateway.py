@@ -313,3 +313,44 @@ def test_the_gateway_runs_as_its_own_redis_acl_user(services, prefix, tmp_path, 
     text, b, listed, cancels = asyncio.run(main())
     assert len(text) == 5 and cancels == 1
     assert b.status == "completed" and b.request_counts.completed == 5 and listed == [b.id]
+
+
+def test_the_gateway_on_the_secured_stack(secure_stack, llama_path, tmp_path):
+    """The gateway as the producer principal over SASL_SSL / SCRAM-SHA-512 (its Kafka
+    grants: job and cancel topics, Read on results) and Redis over TLS with an ACL user;
+    the worker as `inflight-worker`: a streamed chat and a batch read back from the
+    results topic."""
+    import msgspec
+
+    from tests.integration.conftest import secure_worker_config
+    from tests.integration.gateway_helpers import batch_line
+
+    stack = secure_stack
+    cfg = secure_worker_config(stack, "scram-sha-512")
+    engine = Engine.from_pretrained(str(llama_path), cfg.engine)
+    kafka = stack.sections("producer", "scram-sha-512")[0]
+    redis = stack.sections("admin", "mtls")[1]  # the stack has no gateway user: the admin's TLS connection
+    gcfg = gateway_config(services=(kafka.bootstrap_servers, redis.url), prefix=stack.prefix,
+                          files_dir=tmp_path / "files")
+    gcfg = msgspec.structs.replace(gcfg, kafka=kafka, redis=redis)
+
+    async def main():
+        async with running_worker(cfg, engine, timeout=90), running_gateway(gcfg) as gw:
+            c = client(gw)
+            text = "".join([ch.choices[0].delta.content or "" async for ch in await c.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True) if ch.choices])
+            f = await c.files.create(file=("b.jsonl", b"\n".join(batch_line(
+                f"s-{i}", messages=[{"role": "user", "content": f"Item {i}"}], max_tokens=3) for i in range(3))),
+                purpose="batch")
+            b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
+            deadline = time.monotonic() + 90
+            while b.status not in ("completed", "failed") and time.monotonic() < deadline:
+                await asyncio.sleep(0.3)
+                b = await c.batches.retrieve(b.id)
+            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{gw.port}/readyz") as r:
+                ready = r.status
+            return text, b, ready
+
+    text, b, ready = asyncio.run(main())
+    assert text and ready == 200
+    assert b.status == "completed" and b.request_counts.completed == 3
