@@ -20,6 +20,7 @@ which a worker does not run twice.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 
 import msgspec
@@ -295,8 +296,6 @@ class BatchDriver:
                  lines=b.request_counts.total)
 
     async def _write_file(self, what: str, rows: list[dict]) -> str:
-        import hashlib
-
         file_id = "file-" + hashlib.sha256(f"{self.batch_id}:{what}".encode()).hexdigest()[:24]
         data = b"".join(msgspec.json.encode(r) + b"\n" for r in rows)
         await asyncio.to_thread(self.files.create_file, data, filename=f"{self.batch_id}_{what}.jsonl",
