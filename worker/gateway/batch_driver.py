@@ -124,6 +124,8 @@ class BatchDriver:
         await self._open_results()
         await self._collect(catch_up=True)
         cancel_deadline = (b.cancelling_at or 0) + self.ctx.cfg.batch_cancel_grace_s
+        if b.status == "cancelling":  # adopted mid-cancel: the cancels may not all have gone out
+            self._cancel_unfinished("batch_cancelled")
         while not b.is_terminal:
             self._check_lease()
             now = time.time()
@@ -147,7 +149,8 @@ class BatchDriver:
                 elif len(self.outcomes) == len(self.lines):
                     await self._finalize("completed")
             if not b.is_terminal:
-                await self._collect()
+                dispatching = b.status == "in_progress" and m.dispatched < len(self.lines)
+                await self._collect(timeout_ms=0 if dispatching else 500)
                 await self._publish_counts()
 
     async def _validate(self, invalid) -> bool:
@@ -200,12 +203,13 @@ class BatchDriver:
             consumer.seek(tp, max(start.get(tp.partition, 0), begins[tp]))
         self._prefix = f"{self.batch_id}-".encode()
 
-    async def _collect(self, catch_up: bool = False) -> None:
-        """Read outcomes (one poll; with `catch_up`, up to the topic's end now)."""
+    async def _collect(self, catch_up: bool = False, timeout_ms: int = 500) -> None:
+        """Read outcomes: one poll waiting up to `timeout_ms`, or with `catch_up` up to
+        the topic's end offsets now."""
         c = self._consumer
         ends = await c.end_offsets(list(c.assignment())) if catch_up else None
         while True:
-            got = await c.getmany(timeout_ms=200 if catch_up else 500, max_records=5000)
+            got = await c.getmany(timeout_ms=200 if catch_up else timeout_ms, max_records=5000)
             for recs in got.values():
                 for rec in recs:
                     if rec.key and rec.value and rec.key.startswith(self._prefix):
