@@ -70,7 +70,7 @@ class CompletionHandlers:
                          retry_after_s=cfg.retry_after_s, cancels=ctx.cancels)
         prefix = "chatcmpl-" if kind == Kind.CHAT else "cmpl-"
         renderer = Renderer(kind, prefix + job_id, req.model, int(time.time()), ctx.tokens, req.include_usage)
-        endpoint = request.path
+        endpoint = request.match_info.route.resource.canonical  # the metrics label (route template)
         reason = "client_disconnect"
         self._in_flight += 1
         m.in_flight.inc()
