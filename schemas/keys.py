@@ -124,3 +124,36 @@ def epoch_key(prefix: str = "inflight") -> str:
 def preflight_key(token: str, prefix: str = "inflight") -> str:
     """Probe key `inflight check` writes (with a TTL) and deletes to prove Redis is writable."""
     return f"{prefix}:preflight:{token}"
+
+
+# ---- the gateway's Batch API (worker/gateway): live state; the durable copy is the batch
+# manifest in the gateway's file store, outcomes are in the results topic ----------------
+def batch_key(batch_id: str, prefix: str = "inflight") -> str:
+    """Hash with one batch's live state: `obj` (the OpenAI batch object as served) and
+    `tenant`."""
+    return f"{prefix}:gw:batch:{batch_id}"
+
+
+def batch_owner_key(batch_id: str, prefix: str = "inflight") -> str:
+    """`SET NX PX` lease of the gateway process driving the batch (dispatch, collect,
+    finalize): value `<gateway id>:<nonce>`."""
+    return f"{prefix}:gw:batch:{batch_id}:owner"
+
+
+def batch_index_key(tenant: str | None, prefix: str = "inflight") -> str:
+    """Sorted set of a tenant's batch ids scored by creation time (`GET /v1/batches`):
+    `…:gw:batches:t:<tenant>`, or `…:gw:batches:anon` for keys without a tenant (a tenant
+    id holds no `:`, so no tenant's key equals another's or `…:active`)."""
+    return f"{prefix}:gw:batches:t:{tenant}" if tenant else f"{prefix}:gw:batches:anon"
+
+
+def active_batches_key(prefix: str = "inflight") -> str:
+    """Set of batch ids not yet in a terminal status (gateways adopt those without a live
+    owner lease)."""
+    return f"{prefix}:gw:batches:active"
+
+
+def batches_indexed_key(prefix: str = "inflight") -> str:
+    """Marker set once the batch keys were rebuilt from the manifests: if it vanishes,
+    Redis lost its data and a gateway rebuilds them (worker.gateway.batches)."""
+    return f"{prefix}:gw:batches:indexed"

@@ -1,13 +1,14 @@
 """`inflight` command line.
 
     inflight worker --config worker.yaml           run a worker (Kafka jobs in, Redis streams out)
+    inflight gateway --config gateway.yaml         OpenAI-compatible HTTP gateway (and Batch API) in front of them
     inflight check --config worker.yaml            preflight: Kafka, topics, group, Redis, model, KV, port
     inflight submit --prompt "Hi" --priority high --stream
     inflight stream JOB_ID
     inflight cancel JOB_ID
     inflight topics create
     inflight schema                                 JSON Schema of jobs, cancels and events
-    inflight acl kafka | acl redis worker | acl redis reader --tenant T    the ACLs a deployment needs
+    inflight acl kafka | acl redis worker | acl redis gateway | acl redis reader --tenant T    the ACLs a deployment needs
     inflight generate --model PATH --prompt "Hi"   the engine alone, in this process
 """
 
@@ -68,6 +69,22 @@ def _worker(a: argparse.Namespace) -> int:
         return 2
     # model path, device or checkpoint format (FileNotFoundError / ValueError) are config errors
     return _run(Worker(cfg).run(), bad_input="config error", kafka=cfg.kafka, redis=cfg.redis, log_errors=True)
+
+
+def _gateway(a: argparse.Namespace) -> int:
+    """The HTTP gateway (worker.gateway): no model, no torch."""
+    from worker.config import ConfigError
+    from worker.gateway.app import Gateway
+    from worker.gateway.config import load_gateway_config
+    from worker.log import setup_logging
+
+    try:
+        cfg = load_gateway_config(a.config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(a.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
+    return _run(Gateway(cfg).run(), bad_input="config error", kafka=cfg.kafka, redis=cfg.redis, log_errors=True)
 
 
 def _check(a: argparse.Namespace) -> int:
@@ -239,11 +256,15 @@ def _acl(a: argparse.Namespace) -> int:
             print(shlex.join(row.acl_command_args()))
         return 0
     if a.role is None:
-        print("error: acl redis needs a role: worker or reader", file=sys.stderr)
+        print("error: acl redis needs a role: worker, gateway or reader", file=sys.stderr)
         return 2
     try:
-        rules = (acl.redis_worker_rules(a.prefix) if a.role == "worker"
-                 else acl.redis_reader_rules(a.tenant, a.prefix, may_cancel=a.may_cancel))
+        if a.role == "worker":
+            rules = acl.redis_worker_rules(a.prefix)
+        elif a.role == "gateway":
+            rules = acl.redis_gateway_rules(a.prefix)
+        else:
+            rules = acl.redis_reader_rules(a.tenant, a.prefix, may_cancel=a.may_cancel)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -258,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("worker", help="run a worker")
     w.add_argument("--config", help="YAML config file; INFLIGHT_<SECTION>__<FIELD> env vars override it")
     w.add_argument("--log-level", default="INFO")
+
+    gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (chat / completions, streaming, "
+                        "Batch API) in front of the job topics")
+    gw.add_argument("--config", help="YAML file with `gateway`, `kafka` and `redis` sections; "
+                    "INFLIGHT_<SECTION>__<FIELD> env vars override it")
+    gw.add_argument("--log-level", default="INFO")
 
     ck = sub.add_parser("check", help="preflight a worker config: one line per check with the setting to fix; "
                         "exit 0 only if every check passes")
@@ -308,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     acl = sub.add_parser("acl", help="print the ACLs a deployment needs: Kafka's AclCommand (kafka-acls.sh) "
                          "arguments, one line per grant, or a Redis user's ACL rules")
     acl.add_argument("system", choices=["kafka", "redis"])
-    acl.add_argument("role", nargs="?", choices=["worker", "reader"], help="redis: whose rules")
+    acl.add_argument("role", nargs="?", choices=["worker", "gateway", "reader"], help="redis: whose rules")
     acl.add_argument("--prefix", default="inflight", help="topic prefix (kafka) or key prefix (redis)")
     acl.add_argument("--group", default="inflight-workers", help="kafka: the workers' group id")
     acl.add_argument("--worker-principal", default="User:inflight-worker")
@@ -334,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(a)
     if a.cmd == "worker":
         return _worker(a)
+    if a.cmd == "gateway":
+        return _gateway(a)
     if a.cmd == "check":
         return _check(a)
     if a.cmd in ("submit", "stream", "cancel", "topics"):

@@ -17,6 +17,8 @@ Redis (ACL users; key and channel patterns from `schemas.keys`):
     tenant reader   SUBSCRIBE / PSUBSCRIBE and XRANGE / XREVRANGE / XREAD / XLEN on its own
                     tenant's channels and logs (read-only); nothing else
     canceller       optionally added to a reader: SET on cancel tombstones only
+    gateway         reads every tenant's channels and logs, sets cancel tombstones, owns
+                    the batch keys `<key_prefix>:gw:*` (state, index, leases)
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ WORKER_COMMANDS = (
 )
 READER_COMMANDS = ("ping", "subscribe", "unsubscribe", "psubscribe", "punsubscribe",
                    "xrange", "xrevrange", "xread", "xlen")
+
+
+# Every command the gateway sends (InflightClient streams and cancels, the batch store).
+GATEWAY_COMMANDS = (
+    "ping", "subscribe", "unsubscribe", "xrange",        # streams (worker.client)
+    "set", "get", "del", "exists",                      # tombstones, leases, the index marker
+    "evalsha", "script|load", "pexpire",                 # the lease renewal script
+    "hset", "hmget", "zadd", "zrevrange", "sadd", "srem", "smembers",  # batch state and index
+)
 
 
 def redis_worker_rules(key_prefix: str = "inflight") -> list[str]:
@@ -64,6 +75,16 @@ def redis_reader_rules(tenant: str | None, key_prefix: str = "inflight", *, may_
     if may_cancel:
         rules += [f"%W~{keys.tombstone_pattern(key_prefix)}", "+set"]
     return rules
+
+
+def redis_gateway_rules(key_prefix: str = "inflight") -> list[str]:
+    """ACL rules of the gateway's Redis user: read (and subscribe to) the channels and logs
+    of every tenant's jobs and of the jobs without a tenant, set cancel tombstones, and
+    read and write its own batch keys (`<key_prefix>:gw:*`); `GATEWAY_COMMANDS` only."""
+    tenants, untenanted = f"{key_prefix}:t:*", keys.tenant_pattern(None, key_prefix)
+    return ["resetkeys", f"%R~{tenants}", f"%R~{untenanted}", f"%W~{keys.tombstone_pattern(key_prefix)}",
+            f"~{key_prefix}:gw:*", "resetchannels", f"&{tenants}", f"&{untenanted}", "-@all",
+            *(f"+{c}" for c in GATEWAY_COMMANDS)]
 
 
 @dataclass(frozen=True, slots=True)

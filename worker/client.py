@@ -183,6 +183,23 @@ class InflightClient:
         """
         await self._send(keys.job_topic(self.topic_prefix, priority), encode(job), job.job_id.encode())
 
+    async def partitions_for(self, topic: str) -> set[int]:
+        """The partition ids of `topic` (fetching its metadata; empty if it does not exist).
+
+        Raises:
+            AccessError: refused credentials or certificates.
+        """
+        return await (await self._kafka()).partitions_for(topic) or set()
+
+    async def ping_kafka(self) -> None:
+        """Fetch the cluster's metadata (a reachability check).
+
+        Raises:
+            KafkaError: the cluster did not answer; AccessError: refused.
+        """
+        producer = await self._kafka()
+        await producer.client.fetch_all_metadata()
+
     async def cancel(self, job_id: str, reason: str | None = None) -> None:
         """Cancel a job wherever it is. Also sets the tombstone directly when this Redis
         user may (SET on `inflight:job:*:cancelled`), so a job that no worker has consumed

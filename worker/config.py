@@ -566,11 +566,14 @@ def redacted_config(cfg: WorkerConfig) -> dict:
     return data
 
 
-def load_config(path: str | None = None, env: dict[str, str] | None = None) -> WorkerConfig:
+def load_config(path: str | None = None, env: dict[str, str] | None = None, *, root: type = WorkerConfig):
     """Read a YAML file (optional) and apply `INFLIGHT_<SECTION>__<FIELD>` environment
     overrides, e.g. `INFLIGHT_KAFKA__BOOTSTRAP_SERVERS`. A value for a string field is
     taken as is (passwords may hold any character); other fields parse it as a YAML
-    scalar (`64`, `0.5`, `true`, `null`); an empty value means null.
+    scalar (`64`, `0.5`, `true`, `null`, `[a, b]`); an empty value means null.
+
+    `root`: the Struct of the whole file (default `WorkerConfig`; the gateway has its
+    own, `worker.gateway.config.GatewayFileConfig`); its fields are the sections.
 
     Raises:
         ConfigError: unreadable file, unknown section/field, wrong type, invalid value;
@@ -600,26 +603,26 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None) -> W
         data.setdefault(section, {})
         if not isinstance(data[section], dict):
             raise ConfigError(f"config section {section!r} must be a mapping")
-        data[section][field] = _env_value(key, section, field, raw)
+        data[section][field] = _env_value(key, section, field, raw, root)
     try:
-        return msgspec.convert(data, WorkerConfig)
+        return msgspec.convert(data, root)
     except msgspec.ValidationError as e:
         msg = str(e)
-        if msg.startswith(("serving_tuning.", "model.", "kafka.", "redis.", "worker.", "metrics.")):
+        if msg.startswith(tuple(f"{f.name}." for f in msgspec.structs.fields(root))):
             raise ConfigError(msg.split(" - at ")[0]) from None  # raised by our own checks
         raise ConfigError(f"invalid config: {msg}") from None
 
 
-def _field_type(section: str, field: str):
-    """The annotated type of `<section>.<field>` of WorkerConfig, or None if unknown."""
-    sections = {f.name: f.type for f in msgspec.structs.fields(WorkerConfig)}
+def _field_type(section: str, field: str, root: type = WorkerConfig):
+    """The annotated type of `<section>.<field>` of `root`, or None if unknown."""
+    sections = {f.name: f.type for f in msgspec.structs.fields(root)}
     sect = sections.get(section)
     if sect is None:
         return None
     return {f.name: f.type for f in msgspec.structs.fields(sect)}.get(field)
 
 
-def _env_value(key: str, section: str, field: str, raw: str):
+def _env_value(key: str, section: str, field: str, raw: str, root: type = WorkerConfig):
     import types
     import typing
 
@@ -627,7 +630,7 @@ def _env_value(key: str, section: str, field: str, raw: str):
 
     if raw == "":
         return None
-    typ = _field_type(section, field)
+    typ = _field_type(section, field, root)
     if typ is str or (typing.get_origin(typ) in (typing.Union, types.UnionType)
                       and str in typing.get_args(typ)):
         return raw

@@ -43,6 +43,7 @@ class SharedSubscriber:
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._closed = False
+        self._has_channels = asyncio.Event()  # wakes an idle reader at once (no polling delay)
 
     async def add(self, channel: bytes) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
@@ -59,6 +60,7 @@ class SharedSubscriber:
                     q.put_nowait(RESYNC)  # the reader reconnects and subscribes every channel
             if self._task is None or self._task.done():
                 self._task = asyncio.create_task(self._read())
+            self._has_channels.set()
         return q
 
     async def remove(self, channel: bytes, q: asyncio.Queue) -> None:
@@ -83,7 +85,9 @@ class SharedSubscriber:
         while not self._closed:
             try:
                 if not self._pubsub.subscribed:
-                    await asyncio.sleep(0.05)
+                    self._has_channels.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._has_channels.wait(), 1.0)
                     continue
                 msg = await self._pubsub.get_message(timeout=1.0)
                 delay = 0.05

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 
@@ -210,3 +211,85 @@ def test_kubernetes_redis_persists():
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     kust = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
     assert "redis.yaml" in kust["resources"]
+
+
+# ---- the gateway ------------------------------------------------------------------------------
+def test_gateway_configs_load():
+    from worker.gateway.config import load_gateway_config
+
+    cfg = load_gateway_config(str(DEPLOY / "gateway.yaml"), env={})
+    g = cfg.gateway
+    assert (g.port, g.batch_priority, cfg.kafka.topic_prefix) == (8080, "low", "inflight")
+    assert g.files_dir == "/var/lib/inflight/files" and not g.api_keys  # keys come from the environment
+    worker = load_config(str(DEPLOY / "config.yaml"), env={})
+    assert (cfg.kafka.topic_prefix, cfg.redis.key_prefix) == (worker.kafka.topic_prefix, worker.redis.key_prefix)
+    cm = next(d for d in k8s("gateway.yaml") if d["kind"] == "ConfigMap")
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(cm["data"]["gateway.yaml"])
+        f.flush()
+        k8s_cfg = load_gateway_config(f.name, env={"INFLIGHT_KAFKA__SASL_PASSWORD": "x"})
+    assert k8s_cfg.gateway.api_keys_file == "/etc/inflight/keys/keys.yaml" and not k8s_cfg.gateway.api_keys
+    assert k8s_cfg.kafka.sasl_username == "inflight-producer"  # the producer principal (inflight acl kafka)
+    assert "url" not in yaml.safe_load(cm["data"]["gateway.yaml"])["redis"]  # credentials from the Secret
+
+
+def test_compose_has_the_gateway():
+    doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    gw = doc["services"]["gateway"]
+    assert gw["build"]["dockerfile"] == "deploy/Dockerfile.gateway" and "deploy" not in gw  # no GPU
+    assert "8080:8080" in gw["ports"]
+    assert any(v.endswith(":/etc/inflight/gateway.yaml:ro") for v in gw["volumes"])
+    files = next(v for v in gw["volumes"] if v.endswith(":/var/lib/inflight/files"))
+    assert files.split(":")[0] in doc["volumes"]  # a named volume every gateway replica shares
+    keys = yaml.safe_load(gw["environment"]["INFLIGHT_GATEWAY__API_KEYS"])
+    assert keys[0]["max_priority"] in ("high", "normal", "low")
+    from worker.gateway.config import load_gateway_config
+
+    cfg = load_gateway_config(str(DEPLOY / "gateway.yaml"), env=gw["environment"])
+    assert cfg.gateway.load_keys() and cfg.gateway.drain_timeout_s < int(gw["stop_grace_period"].rstrip("s"))
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in prom["scrape_configs"] if j["job_name"] == "inflight-gateway")
+    assert job["dns_sd_configs"][0] == {"names": ["gateway"], "type": "A", "port": cfg.gateway.port}
+
+
+def test_gateway_dockerfile_is_slim_non_root_with_the_gateway_extra():
+    text = (DEPLOY / "Dockerfile.gateway").read_text()
+    assert "cuda" not in text.lower() and re.search(r"^ARG PYTHON_IMAGE=python:3\.\d+-slim", text, re.M)
+    user = re.findall(r"^USER (\S+)", text, re.M)
+    assert user and not user[-1].startswith(("root", "0"))
+    assert 'ENTRYPOINT ["inflight", "gateway"]' in text and "EXPOSE 8080" in text
+    assert re.search(r"PIP_CONSTRAINT=/src/requirements\.lock pip install [^\n]*\.\[gateway\]", text)
+
+
+def test_kubernetes_gateway_manifests():
+    docs = {d["kind"]: d for d in k8s("gateway.yaml")}
+    assert {"ConfigMap", "Deployment", "Service", "PersistentVolumeClaim", "PodDisruptionBudget"} <= set(docs)
+    assert "gateway.yaml" in yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())["resources"]
+    dep, svc, pvc = docs["Deployment"], docs["Service"], docs["PersistentVolumeClaim"]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    cfg = yaml.safe_load(docs["ConfigMap"]["data"]["gateway.yaml"])
+    port = cfg["gateway"]["port"]
+    assert c["ports"][0]["containerPort"] == port and "nvidia.com/gpu" not in str(c["resources"])
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert dep["spec"]["replicas"] >= 2 and pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["terminationGracePeriodSeconds"] > cfg["gateway"]["drain_timeout_s"]
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"] == docs["PodDisruptionBudget"][
+        "spec"]["selector"]["matchLabels"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # one file store for every replica
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["files"] == cfg["gateway"]["files_dir"]
+    assert vols["files"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert cfg["gateway"]["api_keys_file"].startswith(mounts["keys"]) and "secret" in vols["keys"]
+    secret_env = {e["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert {"INFLIGHT_KAFKA__SASL_PASSWORD", "INFLIGHT_REDIS__URL"} <= secret_env
+    examples = {d["metadata"]["name"]: d for d in k8s("secret.example.yaml")}
+    refs = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs <= set(examples["inflight-credentials"]["stringData"])
+    keys = yaml.safe_load(examples[vols["keys"]["secret"]["secretName"]]["stringData"]["keys.yaml"])
+    from worker.gateway.config import ApiKey
+
+    assert [msgspec.convert(k, ApiKey).tenant for k in keys] == ["team-a", "team-b"]

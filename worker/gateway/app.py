@@ -1,0 +1,244 @@
+"""`inflight gateway`: the process. Wires the HTTP application (aiohttp) to the Kafka
+producer and Redis streams (`InflightClient`), the key ring, the file store and the
+batch manager, and runs their lifecycle: start (config, keys, file store, Kafka and Redis
+reachable) → serve → SIGTERM: stop accepting, let open requests finish (bounded by
+`gateway.drain_timeout_s`), stop batch drivers (their leases lapse to other gateways) →
+close.
+
+Routes: the OpenAI endpoints (`worker.gateway.completions`, `worker.gateway.batch_api`),
+`GET /v1/models`, and without a key `/healthz` (alive), `/readyz` (Kafka, Redis and the
+file store answered the last check) and `/metrics` (Prometheus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from schemas import keys
+from worker.client import InflightClient
+from worker.config import ConfigError
+from worker.gateway.auth import KeyRing
+from worker.gateway.batch_api import BatchHandlers
+from worker.gateway.batch_manager import BatchManager
+from worker.gateway.batches import BatchStore
+from worker.gateway.completions import CompletionHandlers
+from worker.gateway.config import GatewayFileConfig
+from worker.gateway.context import CLIENT_GONE, GatewayContext, error_response, json_ok
+from worker.gateway.errors import ApiError
+from worker.gateway.files import FileStore
+from worker.gateway.generation import CancelSender
+from worker.gateway.metrics import GatewayMetrics
+from worker.gateway.render import TokenText
+
+log = structlog.get_logger(__name__)
+
+CHECK_INTERVAL_S = 5.0
+CHECK_TIMEOUT_S = 3.0
+
+
+class Gateway:
+    """One gateway process.
+
+    Args:
+        cfg: the gateway config file (`gateway`, `kafka`, `redis` sections).
+        gateway_id: unique per process (batch leases); default hostname-pid.
+    """
+
+    def __init__(self, cfg: GatewayFileConfig, gateway_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.gateway_id = gateway_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = GatewayMetrics()
+        self.port = cfg.gateway.port
+        self._checks: dict[str, str | None] = {"kafka": "not checked yet", "redis": "not checked yet",
+                                               "files": "not checked yet"}
+        self._tasks: list[asyncio.Task] = []
+        self._stop = asyncio.Event()
+        self.started = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        """Raises:
+        ConfigError: bad keys, tokenizer or files directory; the port cannot be bound;
+            the job topics do not exist.
+        AccessError: Kafka or Redis refused the credentials (see `worker.access`)."""
+        g = self.cfg.gateway
+        keyring = KeyRing.from_config(g)
+        tokens = TokenText(g.tokenizer)
+        try:
+            files = FileStore(g.files_dir)
+        except OSError as e:
+            raise ConfigError(f"gateway.files_dir: cannot create {g.files_dir!r} ({e.strerror})") from None
+        self.client = InflightClient(kafka=self.cfg.kafka, redis=self.cfg.redis)
+        await self._check_topics()
+        ctx = GatewayContext(cfg=g, client=self.client, keys=keyring, metrics=self.metrics,
+                             cancels=CancelSender(self.client, lambda r: self.metrics.cancels.labels(r).inc()),
+                             tokens=tokens)
+        self.ctx = ctx
+        self.files = files
+        store = BatchStore(self.client.redis, files, self.cfg.redis.key_prefix, self.gateway_id, g.batch_lease_ms,
+                           self.client.topic_prefix)
+        self.batches = BatchManager(ctx, store, files)
+        app = web.Application(middlewares=[self._middleware], client_max_size=g.max_body_bytes)
+        gen, bat = CompletionHandlers(ctx), BatchHandlers(ctx, files, self.batches)
+        app.router.add_post("/v1/chat/completions", gen.chat)
+        app.router.add_post("/v1/completions", gen.completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_post("/v1/files", bat.upload)
+        app.router.add_get("/v1/files/{file_id}", bat.file)
+        app.router.add_get("/v1/files/{file_id}/content", bat.content)
+        app.router.add_post("/v1/batches", bat.create)
+        app.router.add_get("/v1/batches", bat.list)
+        app.router.add_get("/v1/batches/{batch_id}", bat.get)
+        app.router.add_post("/v1/batches/{batch_id}/cancel", bat.cancel)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics)
+        # handler_cancellation: a client that disconnects cancels its handler at once,
+        # which sends its job's cancel (worker.gateway.completions)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=g.drain_timeout_s)
+        await self._runner.setup()
+        try:
+            await web.TCPSite(self._runner, g.host, g.port, reuse_address=True).start()
+        except OSError as e:
+            await self._runner.cleanup()
+            raise ConfigError(f"gateway.port {g.port} on {g.host} cannot be bound ({e.strerror})") from None
+        self.port = self._runner.addresses[0][1]
+        self._created = int(time.time())
+        await self._check()
+        self._tasks = [asyncio.create_task(self.batches.run(), name="batches"),
+                       asyncio.create_task(self._check_loop(), name="checks")]
+        self.started.set()
+        log.info("gateway started", gateway_id=self.gateway_id, host=g.host, port=self.port, model=g.model_name,
+                 keys=len(keyring), files_dir=g.files_dir, batch_priority=g.batch_priority)
+
+    async def _check_topics(self) -> None:
+        prefix = self.client.topic_prefix
+        wanted = [keys.job_topic(prefix, p) for p in keys.PRIORITIES] + [keys.cancel_topic(prefix),
+                                                                        keys.results_topic(prefix)]
+        missing = [t for t in wanted if not await asyncio.wait_for(self.client.partitions_for(t), 15)]
+        if missing:
+            raise ConfigError(f"kafka.topic_prefix {prefix!r}: missing topics {', '.join(missing)}; create them: "
+                              f"inflight topics create --prefix {prefix}")
+
+    async def run(self, install_signals: bool = True) -> None:
+        """Start, serve until SIGTERM/SIGINT (or `request_stop`), then stop."""
+        await self.start()
+        if install_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self._stop.wait()
+        finally:
+            await self.stop()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def stop(self) -> None:
+        """Stop accepting, let open requests finish (bounded), stop drivers, close."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if hasattr(self, "batches"):
+            await self.batches.stop()
+            await self.ctx.cancels.drain()
+        if hasattr(self, "client"):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.close(), 10)
+        log.info("gateway stopped", gateway_id=self.gateway_id)
+
+    # ---- middleware: errors in OpenAI's format, request metrics -----------------------------
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        t0 = time.monotonic()
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unmatched"
+        status = 500
+        try:
+            resp = await handler(request)
+            status = 499 if request.get(CLIENT_GONE) else resp.status
+            return resp
+        except ApiError as e:
+            status = e.status
+            if status >= 500:
+                log.warning("request failed", endpoint=endpoint, status=status, error=e.message)
+            return error_response(e)
+        except web.HTTPException as e:  # aiohttp's own: no such route, method, body too large
+            status = e.status
+            return error_response(ApiError(e.status, e.reason, code=e.reason.lower().replace(" ", "_")))
+        except asyncio.CancelledError:
+            status = 499  # the client closed the connection
+            raise
+        except Exception as e:
+            log.exception("unhandled error", endpoint=endpoint, error=repr(e)[:300])
+            return error_response(ApiError(500, "internal error", code="internal"))
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.duration.labels(endpoint).observe(time.monotonic() - t0)
+
+    # ---- small routes ------------------------------------------------------------------------
+    def _model_obj(self) -> dict:
+        return {"id": self.cfg.gateway.model_name, "object": "model", "created": self._created, "owned_by": "inflight"}
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.ctx.grant(request)
+        return json_ok({"object": "list", "data": [self._model_obj()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        self.ctx.grant(request)
+        self.ctx.check_model(request.match_info["model"])
+        return json_ok(self._model_obj())
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return json_ok({"status": "ok", "gateway_id": self.gateway_id})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ready = not any(self._checks.values()) and not self._stop.is_set()
+        body = {"status": "ready" if ready else "unready", "checks": {k: v is None for k, v in self._checks.items()},
+                "batches_driven": len(self.batches.driving)}
+        errors = {k: v for k, v in self._checks.items() if v}
+        if errors:
+            body["errors"] = errors
+        return json_ok(body, status=200 if ready else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---- readiness -------------------------------------------------------------------------------
+    async def _check(self) -> None:
+        async def probe(name: str, coro) -> None:
+            try:
+                await asyncio.wait_for(coro, CHECK_TIMEOUT_S)
+                self._checks[name] = None
+            except Exception as e:
+                cause = repr(e)[:200] or type(e).__name__
+                if self._checks.get(name) != cause:
+                    log.warning("readiness check failed", service=name, cause=cause)
+                self._checks[name] = cause
+
+        await probe("redis", self.client.redis.ping())
+        await probe("kafka", self.client.ping_kafka())
+        await probe("files", asyncio.to_thread(self._files_writable))
+
+    def _files_writable(self) -> None:
+        if not os.access(self.files.root, os.W_OK):
+            raise PermissionError(f"{self.files.root} is not writable")
+
+    async def _check_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            await self._check()

@@ -1,0 +1,152 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: one request → one job on the
+priority topic its key and body allow → the job's events back as one JSON body or as
+server-sent events.
+
+A streamed response's status line waits for the job's first token (or its end), so a
+request that cannot start in time still gets a real 429 with `Retry-After` rather than
+an error inside a 200 stream; the time to first byte is the first token's. A client
+that goes away (aiohttp cancels the handler when the connection drops) gets its job
+cancelled at once, streamed or not, and is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+
+from schemas.wire import Job
+from worker.gateway.auth import effective_priority
+from worker.gateway.context import CLIENT_GONE, GatewayContext, json_ok
+from worker.gateway.errors import ApiError, error_for_outcome, overloaded
+from worker.gateway.generation import Generation, seeded
+from worker.gateway.protocol import GenRequest, Kind, parse_request
+from worker.gateway.render import DONE, Renderer, error_event
+
+log = structlog.get_logger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_job(req: GenRequest, job_id: str, tenant: str | None, deadline: float | None) -> Job:
+    """The job a validated request becomes (seeded: see `generation.seeded`)."""
+    return seeded(Job(job_id=job_id, prompt=req.prompt, messages=req.messages, prompt_token_ids=req.prompt_token_ids,
+                      params=req.params, tenant=tenant, deadline=deadline, created_at=time.time(),
+                      metadata=req.metadata))
+
+
+class CompletionHandlers:
+    """The two generation endpoints. Args: ctx: the gateway's shared context."""
+
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+        self._in_flight = 0  # generation requests in progress (the limit's count)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, Kind.CHAT)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, Kind.COMPLETION)
+
+    async def _handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        ctx, cfg, m = self.ctx, self.ctx.cfg, self.ctx.metrics
+        t0 = time.monotonic()
+        grant = ctx.grant(request)
+        if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+            raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes (gateway.max_body_bytes)",
+                           code="request_too_large")
+        req = parse_request(kind, await request.read())
+        ctx.check_model(req.model)
+        priority = effective_priority(grant, req.priority, cfg.default_priority)
+        if self._in_flight >= cfg.max_concurrent_requests:
+            raise overloaded(cfg.retry_after_s, "too many requests in flight on this gateway "
+                             "(gateway.max_concurrent_requests); retry later")
+        job_id = uuid.uuid4().hex
+        job = build_job(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s)
+        gen = Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
+                         retry_after_s=cfg.retry_after_s, cancels=ctx.cancels)
+        prefix = "chatcmpl-" if kind == Kind.CHAT else "cmpl-"
+        renderer = Renderer(kind, prefix + job_id, req.model, int(time.time()), ctx.tokens, req.include_usage)
+        endpoint = request.match_info.route.resource.canonical  # the metrics label (route template)
+        reason = "client_disconnect"
+        self._in_flight += 1
+        m.in_flight.inc()
+        try:
+            try:
+                await gen.start()
+            except ApiError as e:
+                reason = "overloaded" if e.status == 429 else "error"
+                raise
+            if gen.finished is not None and not gen.finished.finish_reason.is_success:
+                raise error_for_outcome(gen.finished, cfg.retry_after_s)  # ended before any token
+            if req.stream:
+                return await self._stream(request, gen, renderer, t0, endpoint)
+            return await self._whole(gen, renderer, req, t0, endpoint)
+        except asyncio.CancelledError:  # the connection dropped (aiohttp cancels the handler)
+            m.disconnects.labels(endpoint).inc()
+            raise
+        except TimeoutError:
+            reason = "timeout"
+            raise ApiError(504, f"the request did not finish within gateway.request_timeout_s "
+                           f"({cfg.request_timeout_s} s)", code="timeout") from None
+        finally:
+            self._in_flight -= 1
+            m.in_flight.dec()
+            await gen.close(gen.cancel_reason or reason)
+
+    async def _whole(self, gen: Generation, renderer: Renderer, req: GenRequest, t0: float,
+                     endpoint: str) -> web.Response:
+        logprobs = [] if req.logprobs is not None else None
+        async for d in gen.deltas():
+            if logprobs is not None and d.logprobs:
+                logprobs.extend(d.logprobs)
+        fin = gen.finished
+        if not fin.finish_reason.is_success:
+            raise error_for_outcome(fin, self.ctx.cfg.retry_after_s)
+        resp = json_ok(renderer.completion(fin, logprobs),
+                       headers={"X-Request-Id": gen.job_id, "Server-Timing": gen.server_timing()})
+        self.ctx.metrics.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+        return resp
+
+    async def _stream(self, request: web.Request, gen: Generation, renderer: Renderer, t0: float,
+                      endpoint: str) -> web.StreamResponse:
+        m = self.ctx.metrics
+        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gen.job_id,
+                                                       "Server-Timing": gen.server_timing()})
+        await resp.prepare(request)
+        m.open_streams.inc()
+        try:
+            head = renderer.first_chunk() or b""
+            first = True
+            try:
+                async for d in gen.deltas():
+                    m.tokens.inc(d.num_tokens)
+                    if not d.text and not d.logprobs:
+                        continue  # tokens whose text is held back (a partial character, a stop string's start)
+                    await resp.write(head + renderer.token_chunk(d.text, d.logprobs))
+                    head = b""
+                    if first:
+                        first = False
+                        m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+                fin = gen.finished
+                tail = (renderer.final_chunks(fin) if fin.finish_reason.is_success
+                        else error_event(error_for_outcome(fin, self.ctx.cfg.retry_after_s)))
+            except ApiError as e:  # e.g. a restart that diverged: said inside the stream
+                tail = error_event(e)
+            except TimeoutError:
+                gen.cancel_reason = "timeout"
+                tail = error_event(ApiError(504, "the request did not finish within gateway.request_timeout_s",
+                                            code="timeout"))
+            await resp.write(head + tail + DONE)
+            if first:
+                m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+            await resp.write_eof()
+        except ConnectionResetError:  # a write found the connection closed before aiohttp cancelled us
+            m.disconnects.labels(endpoint).inc()
+            request[CLIENT_GONE] = True  # counted as 499; the caller sends the cancel
+        finally:
+            m.open_streams.dec()
+        return resp

@@ -1,0 +1,183 @@
+"""The gateway's configuration: its own `gateway` section beside the `kafka` and `redis`
+sections a worker uses, loaded by the same loader (YAML file + `INFLIGHT_<SECTION>__<FIELD>`
+environment overrides, e.g. `INFLIGHT_GATEWAY__PORT=8080`), validated with errors that
+name the field."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from schemas import keys
+from schemas.wire import TENANT_PATTERN
+from worker.config import ConfigError, KafkaConfig, RedisConfig, load_config
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DURATION = re.compile(r"^(\d+)([smh])$")
+
+
+class ApiKey(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One API key (a Bearer token) and what it may do.
+
+    Attributes:
+        key: the token itself (prefer `key_sha256` in files, or the env / a key file).
+        key_sha256: hex SHA-256 of the token instead of the token.
+        tenant: the tenant its jobs run as (their Redis keys, prefix-cache salt, the
+            tenant's fair share); None: jobs without a tenant.
+        max_priority: the highest priority class it may ask for (`high`, `normal`, `low`).
+        name: a label for logs (never the key).
+    """
+
+    key: str | None = None
+    key_sha256: str | None = None
+    tenant: str | None = None
+    max_priority: str = "normal"
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ConfigError("gateway.api_keys: each key needs exactly one of `key` or `key_sha256`")
+        if self.key is not None and len(self.key) < 8:
+            raise ConfigError("gateway.api_keys: a key must be at least 8 characters")
+        if self.key_sha256 is not None and not _SHA256.match(self.key_sha256):
+            raise ConfigError("gateway.api_keys: key_sha256 must be 64 lowercase hex digits")
+        if self.tenant is not None and not re.fullmatch(TENANT_PATTERN, self.tenant):
+            raise ConfigError(f"gateway.api_keys: tenant {self.tenant!r} is not a valid tenant id "
+                              "(A-Z a-z 0-9 . _ @ / + = -, no ':')")
+        if self.max_priority not in keys.PRIORITIES:
+            raise ConfigError(f"gateway.api_keys: max_priority must be one of {list(keys.PRIORITIES)}, "
+                              f"got {self.max_priority!r}")
+
+    def __repr__(self) -> str:  # never print the key
+        return f"ApiKey(name={self.name!r}, tenant={self.tenant!r}, max_priority={self.max_priority!r})"
+
+
+class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The HTTP gateway (`inflight gateway`).
+
+    Attributes:
+        host, port: listen address of the API and of /metrics /healthz /readyz.
+        model_name: the model id clients name in `model` (`GET /v1/models` lists it).
+        tokenizer: a `tokenizer.json` file or a checkpoint directory holding one: logprob
+            tokens are shown as text. None: as `token_id:<id>` (vLLM's spelling).
+        api_keys: keys and their grants; `api_keys_file` adds more (a YAML list of the
+            same entries, read at start).
+        allow_anonymous: requests without an Authorization header run as no tenant with
+            `default_priority` at most (development only); unknown keys still get 401.
+        default_priority: priority of requests that name none (capped by the key's grant).
+        batch_priority: the priority class (topic) batch lines run on.
+        queue_timeout_s: how long a job may wait to start; it becomes the job's
+            `deadline`, after which the request ends with 429 and `Retry-After`.
+        request_timeout_s: longest an interactive request may take in all, seconds.
+        retry_after_s: the `Retry-After` of a 429, seconds.
+        max_concurrent_requests: interactive requests in flight in this process; more
+            get 429 at once.
+        max_body_bytes: largest request body of the generation endpoints.
+        max_file_bytes: largest upload (`POST /v1/files`).
+        max_batch_lines: most lines (requests) in one batch input file.
+        files_dir: where uploaded and result files and batch manifests live: a local
+            directory; several gateways need one shared directory (NFS, EFS, a
+            ReadWriteMany volume) mounted at the same path.
+        batch_lease_ms: lease of the gateway driving a batch (renewed every third of it);
+            another gateway adopts the batch when it lapses.
+        batch_scan_interval_s: how often a gateway looks for batches without a driver.
+        batch_cancel_grace_s: how long a cancelling batch waits for the outcomes of its
+            dispatched lines before lines still unanswered are written off as cancelled.
+        drain_timeout_s: on SIGTERM, how long open requests may finish, seconds.
+    """
+
+    host: str = "0.0.0.0"
+    port: int = 8080
+    model_name: str = "inflight"
+    tokenizer: str | None = None
+    api_keys: list[ApiKey] = []
+    api_keys_file: str | None = None
+    allow_anonymous: bool = False
+    default_priority: str = "normal"
+    batch_priority: str = "low"
+    queue_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0
+    retry_after_s: int = 2
+    max_concurrent_requests: int = 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_file_bytes: int = 200 * 1024 * 1024
+    max_batch_lines: int = 50_000
+    files_dir: str = "inflight-files"
+    batch_lease_ms: int = 15_000
+    batch_scan_interval_s: float = 5.0
+    batch_cancel_grace_s: float = 60.0
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("default_priority", "batch_priority"):
+            if getattr(self, name) not in keys.PRIORITIES:
+                raise ConfigError(f"gateway.{name} must be one of {list(keys.PRIORITIES)}, got {getattr(self, name)!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"gateway.port must be in [0, 65535], got {self.port}")
+        for name in ("queue_timeout_s", "request_timeout_s", "batch_scan_interval_s", "batch_cancel_grace_s",
+                     "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"gateway.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("retry_after_s", "max_concurrent_requests", "max_body_bytes", "max_file_bytes",
+                     "max_batch_lines", "batch_lease_ms"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"gateway.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.model_name:
+            raise ConfigError("gateway.model_name must not be empty")
+        if not self.files_dir:
+            raise ConfigError("gateway.files_dir must not be empty")
+
+    def load_keys(self) -> list[ApiKey]:
+        """`api_keys` plus the entries of `api_keys_file`.
+
+        Raises:
+            ConfigError: the file cannot be read or holds an invalid entry (names the
+                file, never a key).
+        """
+        found = list(self.api_keys)
+        if self.api_keys_file is None:
+            return found
+        import yaml
+
+        try:
+            with open(self.api_keys_file, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or []
+        except OSError as e:
+            raise ConfigError(f"gateway.api_keys_file: cannot read {self.api_keys_file!r} ({e.strerror})") from None
+        except yaml.YAMLError:
+            raise ConfigError(f"gateway.api_keys_file: {self.api_keys_file!r} is not valid YAML") from None
+        if not isinstance(data, list):
+            raise ConfigError(f"gateway.api_keys_file: {self.api_keys_file!r} must hold a list of keys")
+        try:
+            found += msgspec.convert(data, list[ApiKey])
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"gateway.api_keys_file {self.api_keys_file!r}: {str(e).split(' - at ')[0]}") from None
+        return found
+
+
+class GatewayFileConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The whole gateway config file: `gateway` plus the `kafka` and `redis` connection
+    sections (the same fields, security included, as a worker's)."""
+
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    kafka: KafkaConfig = msgspec.field(default_factory=KafkaConfig)
+    redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
+
+
+def load_gateway_config(path: str | None = None, env: dict[str, str] | None = None) -> GatewayFileConfig:
+    """Read the gateway's YAML file (optional) and its `INFLIGHT_*` overrides.
+
+    Raises:
+        ConfigError: unreadable file, unknown section or field, invalid value.
+    """
+    return load_config(path, env, root=GatewayFileConfig)
+
+
+def parse_window(window: str) -> float | None:
+    """A batch `completion_window` (`24h`, also `90m`, `600s`) in seconds, or None if it
+    is not such a duration."""
+    m = _DURATION.match(window)
+    if not m or int(m.group(1)) == 0:
+        return None
+    return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]

@@ -1,0 +1,284 @@
+"""OpenAI request bodies → one `GenRequest` (a plain contract object the rest of the
+gateway uses), validated at the edge.
+
+Every top-level field of a body is one of: supported (mapped onto the job); an
+extension OpenAI has no field for (`priority`, `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`); an OpenAI field accepted only at its no-op value
+(`n: 1`, `presence_penalty: 0`, `tools: []`, ...); or rejected with a 400 naming it:
+OpenAI fields we do not implement ("Unsupported parameter: 'tools' ...") and fields
+nobody defines ("Unrecognized request argument supplied: ..."). Nothing is silently
+ignored. `null` means absent, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import Any
+
+import msgspec
+
+from schemas.params import SamplingParams
+from schemas.wire import ChatMessage
+from worker.gateway.errors import ApiError, bad_request, unsupported
+
+
+class Kind(enum.StrEnum):
+    """Which generation endpoint a request came to."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
+ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION}
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
+           "safety_identifier", "service_tier", "metadata", "prompt_cache_key"}
+EXTENSIONS = {"priority", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids"}
+SUPPORTED = {
+    Kind.CHAT: _COMMON | EXTENSIONS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    Kind.COMPLETION: _COMMON | EXTENSIONS | {"prompt", "logprobs"},
+}
+# OpenAI fields accepted only at the value that changes nothing (else 400 naming them).
+_NOOP: dict[Kind, dict[str, tuple[Any, ...]]] = {
+    Kind.CHAT: {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+                "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+                "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "store": (False,),
+                "modalities": (["text"],)},
+    Kind.COMPLETION: {"n": (1,), "best_of": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+                      "logit_bias": ({},), "echo": (False,), "suffix": ("",)},
+}
+# OpenAI fields with no no-op value here: any non-null value is a 400.
+_UNSUPPORTED = {"audio", "prediction", "reasoning_effort", "reasoning", "verbosity", "web_search_options"}
+_SERVICE_TIERS = {"auto": None, "default": None, "flex": "low", "priority": "high"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None  # accepted: the prefix cache is automatic (per tenant)
+    priority: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class _ChatBody(_Body):
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class _CompletionBody(_Body):
+    prompt: Any
+    logprobs: int | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class GenRequest:
+    """One generation request, validated. Exactly one of `prompt`, `prompt_token_ids`,
+    `messages`. `priority`: the class asked for (None: the gateway's default);
+    `logprobs`: alternatives per token (None: no logprobs); `metadata` goes into the job."""
+
+    kind: Kind
+    model: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    priority: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def parse_request(kind: Kind, raw: bytes) -> GenRequest:
+    """Decode and validate a request body.
+
+    Raises:
+        ApiError: 400 naming the field (invalid JSON, wrong type or value, unsupported
+            or unknown field).
+    """
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise bad_request("We could not parse the JSON body of your request.", code="invalid_json") from None
+    return parse_body(kind, obj)
+
+
+def parse_body(kind: Kind, obj: Any) -> GenRequest:
+    """Validate an already decoded body (a request, or a batch line's `body`).
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    if not isinstance(obj, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    obj = {k: v for k, v in obj.items() if v is not None}
+    _check_fields(kind, obj)
+    typed = _ChatBody if kind == Kind.CHAT else _CompletionBody
+    try:
+        body = msgspec.convert({k: v for k, v in obj.items() if k in SUPPORTED[kind]}, typed)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _PATH.search(msg)
+        param = m.group(1) if m else None
+        raise bad_request(f"Invalid value for '{param or 'body'}': {_PATH.sub('', msg)}", param=param) from None
+    req = GenRequest(kind=kind, model=body.model, params=_params(kind, body))
+    if isinstance(body, _ChatBody):
+        req.messages = _messages(body.messages)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        req.logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        req.prompt, req.prompt_token_ids = _prompt(body.prompt)
+        req.logprobs = body.logprobs
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise bad_request("logprobs / top_logprobs must be in [0, 20].", param="top_logprobs" if kind == Kind.CHAT
+                          else "logprobs")
+    req.params = msgspec.structs.replace(req.params, logprobs=req.logprobs)
+    req.priority = _priority(body)
+    req.stream = body.stream
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+    req.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    meta = {"user": body.user, "safety_identifier": body.safety_identifier, "metadata": body.metadata}
+    req.metadata = {k: v for k, v in meta.items() if v is not None} or None
+    return req
+
+
+def _check_fields(kind: Kind, obj: dict[str, Any]) -> None:
+    for name, value in obj.items():
+        if name in SUPPORTED[kind]:
+            continue
+        noop = _NOOP[kind].get(name)
+        if noop is not None:
+            if any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in noop):
+                continue
+            raise unsupported(name, _why(name))
+        if name in _UNSUPPORTED or name in _NOOP[Kind.CHAT] or name in _NOOP[Kind.COMPLETION]:
+            raise unsupported(name, _why(name))
+        raise bad_request(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
+
+
+def _why(name: str) -> str:
+    return {"n": " (one choice per request: n must be 1)", "best_of": " (best_of must be 1)",
+            "tools": " (no tool calling)", "tool_choice": " (no tool calling)", "functions": " (no tool calling)",
+            "function_call": " (no tool calling)", "response_format": " (only {'type': 'text'})",
+            "logit_bias": " (no logit bias)", "echo": " (echo must be false)", "suffix": " (no suffix)",
+            "presence_penalty": " (use the repetition_penalty extension)",
+            "frequency_penalty": " (use the repetition_penalty extension)"}.get(name, "")
+
+
+def _params(kind: Kind, b: _ChatBody | _CompletionBody) -> SamplingParams:
+    max_tokens = b.max_tokens
+    if isinstance(b, _ChatBody) and b.max_completion_tokens is not None:
+        if max_tokens is not None and max_tokens != b.max_completion_tokens:
+            raise bad_request("'max_tokens' and 'max_completion_tokens' differ; give one.", param="max_tokens")
+        max_tokens = b.max_completion_tokens
+    if max_tokens is None and kind == Kind.COMPLETION:
+        max_tokens = 16  # OpenAI's default for /v1/completions
+    temperature = 1.0 if b.temperature is None else b.temperature
+    checks = [("max_tokens", max_tokens is None or max_tokens >= 1, "must be >= 1"),
+              ("temperature", 0.0 <= temperature <= 2.0, "must be in [0, 2]"),
+              ("top_p", b.top_p is None or 0.0 < b.top_p <= 1.0, "must be in (0, 1]"),
+              ("top_k", b.top_k is None or b.top_k >= -1, "must be >= -1 (-1 or 0 disable it)"),
+              ("min_p", b.min_p is None or 0.0 <= b.min_p <= 1.0, "must be in [0, 1]"),
+              ("repetition_penalty", b.repetition_penalty is None or b.repetition_penalty > 0, "must be > 0")]
+    for name, ok, rule in checks:
+        if not ok:
+            raise bad_request(f"'{name}' {rule}.", param=name)
+    stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
+    if any(not s for s in stop):
+        raise bad_request("'stop' must not contain empty strings.", param="stop")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=b.top_p or 1.0,
+                              top_k=max(0, b.top_k or 0), min_p=b.min_p or 0.0,
+                              repetition_penalty=b.repetition_penalty or 1.0, stop=stop,
+                              stop_token_ids=b.stop_token_ids or [], seed=b.seed, ignore_eos=b.ignore_eos)
+    except ValueError as e:  # the wire contract's own checks (name the field: params.<name>)
+        m = re.match(r"params\.(\w+)", str(e))
+        raise bad_request(str(e).removeprefix("params."), param=m.group(1) if m else None) from None
+
+
+def _priority(b: _Body) -> str | None:
+    if b.service_tier is not None and b.service_tier not in _SERVICE_TIERS:
+        raise bad_request(f"'service_tier' must be one of {sorted(_SERVICE_TIERS)}.", param="service_tier")
+    tier = _SERVICE_TIERS.get(b.service_tier) if b.service_tier else None
+    if tier is not None and b.priority is not None and tier != b.priority:
+        raise bad_request(f"'service_tier' {b.service_tier!r} and 'priority' {b.priority!r} disagree.",
+                          param="priority")
+    return b.priority or tier
+
+
+def _messages(raw: list[Any]) -> list[ChatMessage]:
+    if not raw:
+        raise bad_request("'messages' must hold at least one message.", param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        at = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{at}' must be an object.", param=at)
+        role = m.get("role")
+        if role in ("tool", "function"):
+            raise unsupported(f"{at}.role", f" (role {role!r}: no tool calling)")
+        if role not in _ROLES:
+            raise bad_request(f"'{at}.role' must be one of {sorted(_ROLES)}.", param=f"{at}.role")
+        for k, v in m.items():
+            if k not in ("role", "content") and v is not None and v != []:
+                raise unsupported(f"{at}.{k}")
+        out.append(ChatMessage(role=_ROLES[role], content=_content(m.get("content"), at)))
+    return out
+
+
+def _content(content: Any, at: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise unsupported(f"{at}.content[{j}].type", f" (content part {kind!r}: text parts only)")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"'{at}.content' must be a string or a list of text parts.", param=f"{at}.content")
+
+
+def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+    """`prompt` as text or token ids; one prompt per request."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a list holding one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' must not be empty.", param="prompt")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in prompt):
+        return None, prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError(400, "Several prompts in one request are not supported: send one request per prompt, "
+                       "or a batch.", param="prompt", code="unsupported_parameter")
+    raise bad_request("'prompt' must be a string, a list of token ids, or a list holding one of them.",
+                      param="prompt")

@@ -1,0 +1,156 @@
+"""OpenAI response objects built from a job's events: `chat.completion` /
+`text_completion` bodies, their streamed chunks as server-sent events (`data: {...}`,
+`data: [DONE]` last), usage, and logprobs in each endpoint's shape (chat:
+`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`; completions:
+`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`).
+
+Logprob tokens are shown as text when the gateway has the model's tokenizer
+(`gateway.tokenizer`), else as `token_id:<id>` (vLLM's `--return-tokens-as-token-ids`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+
+from schemas.wire import Finished, TokenLogprob, Usage
+from worker.gateway.errors import ApiError
+from worker.gateway.protocol import Kind
+
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying `obj` as JSON."""
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+class TokenText:
+    """Token id → text for logprobs. Args: path: a `tokenizer.json` or a directory holding
+    one (None: ids spelled `token_id:<id>`).
+
+    Raises:
+        ConfigError: the tokenizer cannot be loaded (names `gateway.tokenizer`).
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self._tok = None
+        self._cache: dict[int, str] = {}
+        if path is None:
+            return
+        from tokenizers import Tokenizer
+
+        from worker.config import ConfigError
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # the library raises its own Exception type
+            raise ConfigError(f"gateway.tokenizer: cannot load {file!r} ({e})") from None
+
+    def text(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._tok.decode([token_id], skip_special_tokens=False) if self._tok else f"token_id:{token_id}"
+            self._cache[token_id] = s
+        return s
+
+    def bytes_of(self, token_id: int) -> list[int] | None:
+        return list(self.text(token_id).encode()) if self._tok else None
+
+
+def usage_body(u: Usage | None) -> dict[str, Any] | None:
+    if u is None:
+        return None
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+class Renderer:
+    """The response objects of one request.
+
+    Args:
+        kind: chat or completion.
+        response_id: `chatcmpl-…` / `cmpl-…`.
+        model: the model name clients asked for.
+        created: Unix seconds.
+        tokens: logprob token text.
+        include_usage: streamed chunks carry `"usage": null` and a last chunk with usage.
+    """
+
+    def __init__(self, kind: Kind, response_id: str, model: str, created: int, tokens: TokenText,
+                 include_usage: bool = False) -> None:
+        self.kind = kind
+        self.tokens = tokens
+        self.include_usage = include_usage
+        self._head = {"id": response_id, "object": "chat.completion.chunk" if kind == Kind.CHAT else "text_completion",
+                      "created": created, "model": model}
+        self._text_offset = 0  # completions logprobs: characters before the next token
+
+    # ---- whole responses -----------------------------------------------------------------
+    def completion(self, fin: Finished, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        """The non-streamed body (`chat.completion` or `text_completion`)."""
+        lp = self.logprobs(logprobs) if logprobs is not None else None
+        if self.kind == Kind.CHAT:
+            choice = {"index": 0, "message": {"role": "assistant", "content": fin.text, "refusal": None},
+                      "logprobs": lp, "finish_reason": fin.finish_reason.value}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": fin.text, "logprobs": lp, "finish_reason": fin.finish_reason.value}
+            obj = "text_completion"
+        return {**self._head, "object": obj, "choices": [choice], "usage": usage_body(fin.usage)}
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        t = self.tokens
+        if self.kind == Kind.CHAT:
+            return {"content": [{"token": t.text(e.token_id), "logprob": e.logprob, "bytes": t.bytes_of(e.token_id),
+                                 "top_logprobs": [{"token": t.text(i), "logprob": lp, "bytes": t.bytes_of(i)}
+                                                  for i, lp in zip(e.top_token_ids, e.top_logprobs)]}
+                                for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self._text_offset)
+            self._text_offset += len(t.text(e.token_id))
+        return {"tokens": [t.text(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t.text(i): lp for i, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries],
+                "text_offset": offsets}
+
+    # ---- streamed chunks -------------------------------------------------------------------
+    def _chunk(self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
+        body = {**self._head, "choices": [choice] if choice is not None else []}
+        if self.include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    def first_chunk(self) -> bytes | None:
+        """Chat opens with the assistant role (as OpenAI); completions have no opener."""
+        if self.kind != Kind.CHAT:
+            return None
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+    def token_chunk(self, text: str, logprobs: list[TokenLogprob] | None) -> bytes:
+        lp = self.logprobs(logprobs) if logprobs is not None else None
+        if self.kind == Kind.CHAT:
+            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
+        return self._chunk({"index": 0, "text": text, "logprobs": lp, "finish_reason": None})
+
+    def final_chunks(self, fin: Finished) -> bytes:
+        """The chunk with the finish reason, then (with `include_usage`) the usage chunk."""
+        if self.kind == Kind.CHAT:
+            out = self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": fin.finish_reason.value})
+        else:
+            out = self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": fin.finish_reason.value})
+        if self.include_usage:
+            out += self._chunk(None, usage_body(fin.usage))
+        return out
+
+
+def error_event(err: ApiError) -> bytes:
+    """An error after the stream began (the status line is already sent): the SDKs raise
+    `APIError` with this body when they read it."""
+    return sse(err.body())
