@@ -462,8 +462,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             process, so the worker's I/O never shares a GIL with the step loop (as vLLM
             V1); false steps it in a thread of the worker process.
         log_level: log level of the engine core process.
-
-
+        high_priority_reserve: local slots that only high-priority jobs may take, so an
+            interactive job finds a slot at once while a batch of lower-priority jobs fills
+            the rest (the engine then admits it ahead of them). Default
+            (max_local_jobs - max_running_requests) // 4, at least 1; 0 disables it.
         max_local_jobs_per_tenant: most of `max_local_jobs` one tenant holds; the rest
             stays open for other tenants, so a tenant that appears behind a flooding one
             starts without waiting for one of the flood's jobs to end. Default
@@ -482,8 +484,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokenizer_threads: int = 2
     engine_process: bool = True
     log_level: str = "INFO"
-
-
+    high_priority_reserve: int | None = None
     max_local_jobs_per_tenant: int | None = None
     read_ahead_per_partition: int = 512
     read_ahead_bytes: int = 64 * 1024 * 1024
@@ -492,6 +493,12 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _positive("worker", max_local_jobs=self.max_local_jobs, max_job_failures=self.max_job_failures,
                   tokenizer_threads=self.tokenizer_threads, max_local_jobs_per_tenant=self.max_local_jobs_per_tenant,
                   read_ahead_per_partition=self.read_ahead_per_partition, read_ahead_bytes=self.read_ahead_bytes)
+        if self.high_priority_reserve is not None and self.high_priority_reserve < 0:
+            raise ConfigError(f"worker.high_priority_reserve must be >= 0, got {self.high_priority_reserve}")
+        if (self.max_local_jobs is not None and self.high_priority_reserve is not None
+                and self.high_priority_reserve >= self.max_local_jobs):
+            raise ConfigError(f"worker.high_priority_reserve ({self.high_priority_reserve}) must be below "
+                              f"worker.max_local_jobs ({self.max_local_jobs})")
         if (self.max_local_jobs is not None and self.max_local_jobs_per_tenant is not None
                 and self.max_local_jobs_per_tenant > self.max_local_jobs):
             raise ConfigError(f"worker.max_local_jobs_per_tenant ({self.max_local_jobs_per_tenant}) must be <= "

@@ -126,6 +126,7 @@ class Intake:
     read_ahead_per_partition, read_ahead_bytes: bounds of the read-ahead.
     tenant_weight: a tenant's weight (`serving_tuning.tenants`), for the choice.
     tenant_cap: the most local jobs a tenant may hold.
+    high_priority_reserve: free slots lower classes leave to high-priority jobs.
     fair: choose by tenant share inside a class (`serving_tuning.fair_share`); else by
         read order.
     metrics: optional.
@@ -135,7 +136,8 @@ class Intake:
                  read_ahead_per_partition: int, read_ahead_bytes: int,
                  tenant_weight: Callable[[str], float] = lambda t: 1.0,
                  tenant_cap: Callable[[str], int] = lambda t: 1 << 30, fair: bool = True,
-                 metrics: Metrics | None = None) -> None:
+                 high_priority_reserve: int = 0, metrics: Metrics | None = None) -> None:
+        self.high_priority_reserve = high_priority_reserve
         self.cfg = cfg
         self.client_id = client_id
         self.sink = sink
@@ -311,7 +313,8 @@ class Intake:
         if free <= 0:
             return
         self._buffer(await self.consumer.getmany(timeout_ms=0))
-        batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap)
+        batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap,
+                                     self.high_priority_reserve)
         if not batch:
             return
         contested = await self.sink.take(batch)

@@ -132,7 +132,7 @@ class ReadAhead:
         return self._per_partition.get(tp, 0) >= self.per_partition or self.num_bytes >= self.max_bytes
 
     def take(self, free: int, held: Mapping[str, int], weight: Callable[[str], float],
-             cap: Callable[[str], int]) -> list[JobRecord]:
+             cap: Callable[[str], int], reserve: int = 0) -> list[JobRecord]:
         """Up to `free` records in the order described in the module docstring.
 
         Args:
@@ -140,6 +140,8 @@ class ReadAhead:
             held: local jobs per tenant now (tenants absent hold none).
             weight: a tenant's weight (> 0).
             cap: the most local jobs a tenant may hold.
+            reserve: slots only the highest class may take (lower classes leave that
+                many of `free` empty).
         """
         taken: list[JobRecord] = []
         if free <= 0 or not self.num_records:
@@ -147,7 +149,8 @@ class ReadAhead:
         counts = dict(held)
         for prio in keys.PRIORITIES:
             queues = self._queues[prio]
-            while len(taken) < free and queues:
+            limit = free if prio == keys.PRIORITIES[0] else free - reserve
+            while len(taken) < limit and queues:
                 best = None
                 best_key = None
                 for tenant, q in queues.items():

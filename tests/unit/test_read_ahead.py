@@ -283,3 +283,20 @@ def test_without_fair_share_the_choice_is_read_order():
     ra.add(rec("B", 6))
     got = ra.take(4, {"A": 3}, one(), caps(5))
     assert [(r.tenant, r.offset) for r in got] == [("A", 0), ("A", 1), ("B", 6)]  # A capped at 5
+
+
+def test_lower_classes_leave_the_reserved_slots_to_high_priority():
+    from aiokafka import TopicPartition
+
+    from schemas.wire import Job
+    from worker.read_ahead import JobRecord, ReadAhead
+
+    ra = ReadAhead(per_partition=100, max_bytes=1 << 20)
+    tp = TopicPartition("t", 0)
+    for i in range(6):
+        ra.add(JobRecord(Job(job_id=f"low-{i}", prompt="x"), "low", tp, i, 0.0, b"x", None))
+    taken = ra.take(4, {}, lambda t: 1.0, lambda t: 100, reserve=2)
+    assert [r.job.job_id for r in taken] == ["low-0", "low-1"]  # 2 of 4 free slots stay open
+    ra.add(JobRecord(Job(job_id="high-0", prompt="x"), "high", TopicPartition("h", 0), 0, 0.0, b"x", None))
+    taken = ra.take(2, {}, lambda t: 1.0, lambda t: 100, reserve=2)
+    assert [r.job.job_id for r in taken] == ["high-0"]  # the reserve is the high class's
