@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny random-init checkpoints made locally with tools/make_model.py."""
+"""Shared fixtures: tiny random-init checkpoints made locally with tools/make_model.py.
+
+Without CUDA, Triton kernels run only in Triton's interpreter, and Triton reads
+TRITON_INTERPRET once, when it is first imported, which any test module may cause
+(transformers and torch import it): so it is set here, before collection starts.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 MODEL_CACHE = Path(os.environ.get("INFLIGHT_TEST_MODELS", Path(__file__).resolve().parents[1] / ".cache" / "test-models"))
 

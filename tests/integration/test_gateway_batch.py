@@ -181,7 +181,9 @@ def test_cancelling_a_running_batch_stops_its_remaining_jobs(services, prefix, t
     assert took < 20, f"cancelled {took:.1f} s after the request"
     assert tokens_after == tokens  # nothing of the batch runs once it is cancelled
     assert len(out) == ran < 40 and len(out) + len(err) == 120  # each custom_id once, output or error
-    assert cancelled == 120 - ran == cancels  # every other job was cancelled, none of them ran to the end
+    # every other job was cancelled, none of them ran to the end; a line that finished while the
+    # cancel was being sent may have got a (harmless) cancel too: the gateway cannot know yet
+    assert cancelled == 120 - ran <= cancels <= 120
     assert {e["error"]["code"] for e in err} == {"batch_cancelled"}
     assert done.request_counts.completed == ran and done.request_counts.failed == 120 - ran
 
