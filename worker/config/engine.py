@@ -1,0 +1,176 @@
+"""Engine settings: which checkpoint to load (`ModelConfig`) and the capacity limits
+and tenant policies of one engine (`ServingTuning`, DESIGN §5); `EngineConfig` joins the
+two and is all an engine needs (no Kafka or Redis)."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from worker.config.checks import ConfigError, _one_of, _positive
+
+KV_POLICIES = ("optimistic", "reserve")
+OVERLOAD_POLICIES = ("queue_or_reject", "reject")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class TenantPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What one tenant gets inside the engine (validated by ServingTuning, which names
+    the field: `serving_tuning.tenants['acme'].weight`).
+
+    Attributes:
+        weight: its share of service relative to other tenants of the same priority
+            class (2 = twice the tokens of a weight-1 tenant while both are backlogged).
+        max_running_requests: most of its requests in the running batch at once (all
+            classes); more wait, they are not rejected. None: no cap.
+        max_kv_blocks: most KV blocks its running requests hold together (block-table
+            entries; a prefix block shared by two of its requests counts twice). A
+            request that would pass it waits; a running one that needs a block beyond
+            it preempts the tenant's own latest request (or itself). A request whose
+            prompt + max_tokens can never fit it is rejected (`exceeds_kv_capacity`).
+            None: no cap.
+    """
+
+    weight: float = 1.0
+    max_running_requests: int | None = None
+    max_kv_blocks: int | None = None
+
+
+class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Capacity limits of one engine (DESIGN §5), in the vocabulary of TGI / TensorRT-LLM.
+
+    Attributes:
+        max_running_requests: most requests in the running batch at once.
+        max_total_tokens: KV cache capacity in tokens (rounded down to whole blocks).
+            None: derived from free GPU memory on CUDA, 16384 on CPU.
+        max_input_tokens: longest prompt accepted, in tokens.
+        max_output_tokens: most tokens one request may generate (default for
+            requests without `max_tokens`, and an upper bound for those with it).
+        max_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+        admission_control: reject at once requests that can never fit.
+        overload_policy: `queue_or_reject` queues what fits later; `reject` also
+            rejects requests that cannot start now (used by the worker).
+        kv_policy: `optimistic` admits when the prompt fits and preempts by recompute
+            when blocks run out (vLLM); `reserve` admits only when prompt + max_tokens
+            fit and never evicts (TensorRT-LLM GUARANTEED_NO_EVICT, TGI).
+        kv_block_size: tokens per KV block.
+        enable_prefix_caching: share full KV blocks between equal prefixes.
+        priority_aging_steps: a waiting request gains one priority class per this
+            many engine steps, so low priority never starves.
+        max_admission_skips: how many requests of its rank may be admitted ahead of a
+            waiting request that cannot get its KV blocks (bounded skipping); after
+            that it holds a reservation and nothing ranked behind it is admitted
+            until it is. 0: strict head-of-line order.
+        gpu_memory_utilization: fraction of free GPU memory given to the KV cache
+            when `max_total_tokens` is unset.
+        max_oom_retries: times a request whose step ran out of GPU memory is
+            recomputed before it ends with `finished(error)`, code `oom` (0: fail at once).
+        fair_share: inside a priority class, serve tenants by least service received
+            (Virtual Token Counter, Sheng et al., OSDI 2024; rules in
+            `worker/engine/fair_share.py`); False: arrival order, as without tenants.
+        fair_prefill_weight, fair_decode_weight: service of one prompt token computed
+            and of one output token, in the counters (VTC's w_p = 1, w_q = 2).
+        tenants: per-tenant weight and quotas, by the job's `tenant`; tenants not
+            listed get `default_tenant`. Jobs without a tenant are the tenant `""`.
+    """
+
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None
+    max_input_tokens: int = 8192
+    max_output_tokens: int = 1024
+    max_batched_tokens: int = 2048
+    admission_control: bool = True
+    overload_policy: str = "queue_or_reject"
+    kv_policy: str = "optimistic"
+    kv_block_size: int = 16
+    enable_prefix_caching: bool = True
+    priority_aging_steps: int = 512
+    max_admission_skips: int = 8
+    gpu_memory_utilization: float = 0.85
+    max_oom_retries: int = 1
+    fair_share: bool = True
+    fair_prefill_weight: float = 1.0
+    fair_decode_weight: float = 2.0
+    tenants: dict[str, TenantPolicy] = msgspec.field(default_factory=dict)
+    default_tenant: TenantPolicy = msgspec.field(default_factory=TenantPolicy)
+
+    def tenant_policy(self, tenant: str) -> TenantPolicy:
+        """The weight and quotas of `tenant` (`default_tenant` if it is not listed)."""
+        return self.tenants.get(tenant, self.default_tenant)
+
+    def __post_init__(self) -> None:
+        _positive(
+            "serving_tuning",
+            max_running_requests=self.max_running_requests,
+            max_total_tokens=self.max_total_tokens,
+            max_input_tokens=self.max_input_tokens,
+            max_output_tokens=self.max_output_tokens,
+            max_batched_tokens=self.max_batched_tokens,
+            kv_block_size=self.kv_block_size,
+            priority_aging_steps=self.priority_aging_steps,
+        )
+        _one_of("serving_tuning", "kv_policy", self.kv_policy, KV_POLICIES)
+        _one_of("serving_tuning", "overload_policy", self.overload_policy, OVERLOAD_POLICIES)
+        for name in ("max_oom_retries", "max_admission_skips"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"serving_tuning.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"serving_tuning.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_total_tokens is not None and self.max_total_tokens < self.kv_block_size:
+            raise ConfigError(
+                f"serving_tuning.max_total_tokens ({self.max_total_tokens}) must hold at least one "
+                f"KV block of kv_block_size={self.kv_block_size} tokens"
+            )
+        if not self.fair_prefill_weight >= 0:
+            raise ConfigError(f"serving_tuning.fair_prefill_weight must be >= 0, got {self.fair_prefill_weight}")
+        if not self.fair_decode_weight > 0:
+            raise ConfigError(f"serving_tuning.fair_decode_weight must be > 0, got {self.fair_decode_weight}")
+        _check_tenant("serving_tuning.default_tenant", self.default_tenant)
+        for name, policy in self.tenants.items():
+            _check_tenant(f"serving_tuning.tenants[{name!r}]", policy)
+
+
+def _check_tenant(where: str, policy: TenantPolicy) -> None:
+    if not (policy.weight > 0 and policy.weight < float("inf")):
+        raise ConfigError(f"{where}.weight must be > 0 and finite, got {policy.weight}")
+    for name in ("max_running_requests", "max_kv_blocks"):
+        value = getattr(policy, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{where}.{name} must be >= 1 or null, got {value}")
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Which checkpoint to load and where.
+
+    Attributes:
+        path: local Hugging Face checkpoint directory (config.json, weights, tokenizer).
+        dtype: `auto` = bfloat16 on CUDA, float32 on CPU.
+        device: `auto` = cuda if available, else cpu.
+        attention_backend: `auto` = Triton on CUDA, the torch reference on CPU.
+        max_model_len: context length; None = the model config's
+            `max_position_embeddings` (capped by a sliding window if the model has one).
+    """
+
+    path: str = ""
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _one_of("model", "dtype", self.dtype, DTYPES)
+        _one_of("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"model.device must be one of ['auto', 'cpu', 'cuda', 'cuda:N'], got {self.device!r}")
+        _positive("model", max_model_len=self.max_model_len)
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything the engine needs: the model and its capacity limits."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    serving_tuning: ServingTuning = msgspec.field(default_factory=ServingTuning)

@@ -1,0 +1,213 @@
+"""Connection settings of the two services a worker talks to: Kafka (`KafkaConfig`:
+topics, consumer group, timeouts, SASL/TLS) and Redis (`RedisConfig`: URL, stream log
+bounds, claim lease, outage limit, TLS)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from worker.config.checks import (
+    ConfigError,
+    _one_of,
+    _one_secret,
+    _positive,
+    _tls_fields,
+    _unused,
+    read_secret,
+    redact_url,
+)
+
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Kafka connection and consumer-group settings.
+
+    Security (see the README's "Security"): `security_protocol` PLAINTEXT | SSL |
+    SASL_PLAINTEXT | SASL_SSL. SASL needs `sasl_mechanism` (PLAIN, SCRAM-SHA-256,
+    SCRAM-SHA-512), `sasl_username` and a password; TLS verifies the broker against
+    `ssl_cafile` (the system's CAs when unset) and presents a client certificate when
+    `ssl_certfile` is set (mutual TLS; `ssl_keyfile` if the key is in another file). Every
+    secret (`sasl_password`, `ssl_key_password`) comes from the environment
+    (`INFLIGHT_KAFKA__SASL_PASSWORD`) or from its `*_file` twin, and is never logged.
+    """
+
+    bootstrap_servers: str = "127.0.0.1:19092"
+    topic_prefix: str = "inflight"
+    group_id: str = "inflight-workers"
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = msgspec.field(default=None)
+    sasl_password_file: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_key_password: str | None = None
+    ssl_key_password_file: str | None = None
+    ssl_check_hostname: bool = True
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    max_poll_interval_ms: int = 300_000
+    max_partition_fetch_bytes: int = 16 * 1024 * 1024
+    commit_interval_ms: int = 500
+    cancel_lookback_s: float = 600.0
+    stall_timeout_s: float = 10.0  # lag, free slots, no record for this long: recreate the consumer
+    # Expected transient conditions (coordinator loading, rebalance, broker restart) log at
+    # info until one has lasted this long (seconds), then once at warning (worker.transient_log).
+    transient_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,
+                  commit_interval_ms=self.commit_interval_ms, heartbeat_interval_ms=self.heartbeat_interval_ms,
+                  max_partition_fetch_bytes=self.max_partition_fetch_bytes)
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ConfigError(
+                f"kafka.heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below kafka.session_timeout_ms "
+                f"({self.session_timeout_ms}); Kafka recommends at most a third of it"
+            )
+        if self.stall_timeout_s <= 0 or self.cancel_lookback_s < 0:
+            raise ConfigError("kafka.stall_timeout_s must be > 0 and kafka.cancel_lookback_s >= 0")
+        if self.transient_grace_s <= 0:
+            raise ConfigError(f"kafka.transient_grace_s must be > 0, got {self.transient_grace_s}")
+        if not self.bootstrap_servers:
+            raise ConfigError("kafka.bootstrap_servers must not be empty")
+        _one_of("kafka", "security_protocol", self.security_protocol, SECURITY_PROTOCOLS)
+        uses_sasl = self.security_protocol.startswith("SASL_")
+        if uses_sasl:
+            if self.sasl_mechanism is None:
+                raise ConfigError(f"kafka.sasl_mechanism is required with security_protocol "
+                                  f"{self.security_protocol} (one of {sorted(SASL_MECHANISMS)})")
+            _one_of("kafka", "sasl_mechanism", self.sasl_mechanism, SASL_MECHANISMS)
+            if not self.sasl_username:
+                raise ConfigError(f"kafka.sasl_username is required with security_protocol {self.security_protocol}")
+            if self.sasl_password is None and self.sasl_password_file is None:
+                raise ConfigError(f"kafka.sasl_password (e.g. INFLIGHT_KAFKA__SASL_PASSWORD) or "
+                                  f"kafka.sasl_password_file is required with security_protocol {self.security_protocol}")
+        else:
+            _unused("kafka", f"security_protocol {self.security_protocol} (no SASL)", sasl_mechanism=self.sasl_mechanism,
+                    sasl_username=self.sasl_username)
+        _one_secret("kafka", "sasl_password", self.sasl_password, self.sasl_password_file)
+        _tls_fields("kafka", self.security_protocol in ("SSL", "SASL_SSL"), f"security_protocol {self.security_protocol}",
+                    self)
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
+    def password(self) -> str | None:
+        """The SASL password: `sasl_password_file`'s first line, else `sasl_password`.
+
+        Raises:
+            ConfigError: the file cannot be read (names `kafka.sasl_password_file`).
+        """
+        return read_secret("kafka.sasl_password", self.sasl_password, self.sasl_password_file)
+
+    def key_password(self) -> str | None:
+        """The client key's password: `ssl_key_password_file`'s first line, else
+        `ssl_key_password` (None: the key is not encrypted)."""
+        return read_secret("kafka.ssl_key_password", self.ssl_key_password, self.ssl_key_password_file)
+
+    def principal(self) -> str:
+        """Who the broker will think we are, for error messages: the SASL user, the
+        client certificate, or ANONYMOUS."""
+        if self.security_protocol.startswith("SASL_"):
+            return f"User:{self.sasl_username} ({self.sasl_mechanism})"
+        if self.ssl_certfile:
+            return f"the client certificate {self.ssl_certfile!r}"
+        return "User:ANONYMOUS"
+
+    def __repr__(self) -> str:  # never print secrets
+        return (f"KafkaConfig(bootstrap_servers={self.bootstrap_servers!r}, group_id={self.group_id!r}, "
+                f"security_protocol={self.security_protocol!r}, ...)")
+
+
+class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Redis connection (`redis://`, `rediss://` for TLS, or `unix://` URL) and event
+    retention.
+
+    Security: an ACL user with `username` and `password` (or `password_file`), or
+    credentials in the URL (given through `INFLIGHT_REDIS__URL`), not both. With
+    `rediss://` the server is verified against `ssl_cafile` (the system's CAs when unset)
+    and `ssl_certfile` / `ssl_keyfile` are presented when set (for `tls-auth-clients
+    yes`). Secrets come from the environment or their `*_file` twins, never logged.
+
+    Attributes:
+        log_ttl_s: lifetime of a job's replay log, done mark and counters after its
+            last event, seconds.
+        log_maxlen: approximate cap of entries per replay log.
+        claim_lease_ms: claim lease; renewed every third of it while the job runs.
+        tombstone_ttl_s: lifetime of a cancel tombstone, seconds.
+        outage_limit_s: how long the worker holds events while Redis is unreachable
+            (jobs keep running, intake pauses) before it gives up and exits so its
+            partitions move, seconds.
+        publish_interval_ms: least time between two publisher rounds; > 0 merges each
+            job's tokens of several steps into one event (fewer Redis writes, coarser
+            streaming, as vLLM's `stream_interval`); 0 publishes as fast as Redis takes it.
+    """
+
+    url: str = "redis://127.0.0.1:6390/0"
+    key_prefix: str = "inflight"
+    username: str | None = None
+    password: str | None = None
+    password_file: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_key_password: str | None = None
+    ssl_key_password_file: str | None = None
+    ssl_check_hostname: bool = True
+    log_ttl_s: int = 3600
+    log_maxlen: int = 10_000
+    claim_lease_ms: int = 15_000
+    tombstone_ttl_s: int = 3600
+    outage_limit_s: float = 60.0
+    publish_interval_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis.url must start with redis://, rediss:// or unix://, got {self.url.split('@')[-1]!r}")
+        _positive("redis", log_ttl_s=self.log_ttl_s, log_maxlen=self.log_maxlen, claim_lease_ms=self.claim_lease_ms,
+                  tombstone_ttl_s=self.tombstone_ttl_s)
+        if not self.outage_limit_s > 0:
+            raise ConfigError(f"redis.outage_limit_s must be > 0, got {self.outage_limit_s}")
+        if not 0 <= self.publish_interval_ms <= 10_000:
+            raise ConfigError(f"redis.publish_interval_ms must be in [0, 10000], got {self.publish_interval_ms}")
+        _one_secret("redis", "password", self.password, self.password_file)
+        from urllib.parse import urlsplit
+
+        in_url = urlsplit(self.url)
+        if (self.password is not None or self.password_file is not None) and in_url.password:
+            raise ConfigError("redis.password / redis.password_file and a password in redis.url are both set; "
+                              "set one")
+        if self.username and in_url.username:
+            raise ConfigError("redis.username and a user name in redis.url are both set; set one")
+        _tls_fields("redis", self.uses_tls, "a redis:// or unix:// URL (TLS needs rediss://)", self)
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.url.startswith("rediss://")
+
+    def secret_password(self) -> str | None:
+        """The ACL password: `password_file`'s first line, else `password` (None: the
+        URL's, or none)."""
+        return read_secret("redis.password", self.password, self.password_file)
+
+    def key_password(self) -> str | None:
+        """The client key's password (None: the key is not encrypted)."""
+        return read_secret("redis.ssl_key_password", self.ssl_key_password, self.ssl_key_password_file)
+
+    def user(self) -> str:
+        """The ACL user connections authenticate as, for error messages."""
+        from urllib.parse import unquote, urlsplit
+
+        name = self.username or unquote(urlsplit(self.url).username or "")
+        return name or "default"
+
+    def safe_url(self) -> str:
+        """`url` with its password replaced by `***` (for logs and messages)."""
+        return redact_url(self.url)
+
+    def __repr__(self) -> str:
+        return f"RedisConfig(url=<hidden>, key_prefix={self.key_prefix!r})"

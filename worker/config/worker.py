@@ -1,0 +1,123 @@
+"""Worker-process settings (`WorkerSettings`: local job bound, engine process, publish
+interval, poison-job limit), the metrics endpoint (`MetricsConfig`) and the whole file
+(`WorkerConfig`), whose fields are the YAML file's sections."""
+
+from __future__ import annotations
+
+import msgspec
+
+from worker.config.checks import ConfigError, _positive
+from worker.config.engine import EngineConfig, ModelConfig, ServingTuning
+from worker.config.services import KafkaConfig, RedisConfig
+
+
+class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Worker identity and lifecycle.
+
+    Attributes:
+        worker_id: unique per process; default hostname-pid.
+        max_local_jobs: jobs held in this process (running + waiting in the engine +
+            being claimed); beyond it partitions are paused so the rest stays in Kafka
+            for other workers. Default 2 x max_running_requests.
+        drain_timeout_s: on SIGTERM, how long running jobs may finish before they are
+            handed back (offsets left uncommitted, claims released).
+        max_job_failures: a job whose earlier attempts died this many times (a worker
+            crashed running it) is not run again: `finished(error)`, code `poison`, and
+            the record goes to the DLQ.
+        tokenizer_threads: threads that tokenize prompts and render chat templates, off
+            the event loop.
+        engine_process: run the engine core (model, KV cache, scheduler) in its own
+            process, so the worker's I/O never shares a GIL with the step loop (as vLLM
+            V1); false steps it in a thread of the worker process.
+        log_level: log level of the engine core process.
+        high_priority_reserve: local slots that only high-priority jobs may take, so an
+            interactive job finds a slot at once while a batch of lower-priority jobs fills
+            the rest (the engine then admits it ahead of them). Default
+            (max_local_jobs - max_running_requests) // 4, at least 1; 0 disables it.
+        max_local_jobs_per_tenant: most of `max_local_jobs` one tenant holds; the rest
+            stays open for other tenants, so a tenant that appears behind a flooding one
+            starts without waiting for one of the flood's jobs to end. Default
+            max_local_jobs - max_running_requests // 2 (at least 1).
+        read_ahead_per_partition: fetched records not yet taken kept per partition,
+            among which free slots are given by priority, then tenant share; a partition
+            is paused while it has this many (the rest stays in Kafka).
+        read_ahead_bytes: bound on the bytes of all those records together; reaching
+            it pauses every partition until records are taken.
+    """
+
+    worker_id: str | None = None
+    max_local_jobs: int | None = None
+    drain_timeout_s: float = 30.0
+    max_job_failures: int = 2
+    tokenizer_threads: int = 2
+    engine_process: bool = True
+    log_level: str = "INFO"
+    high_priority_reserve: int | None = None
+    max_local_jobs_per_tenant: int | None = None
+    read_ahead_per_partition: int = 512
+    read_ahead_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _positive("worker", max_local_jobs=self.max_local_jobs, max_job_failures=self.max_job_failures,
+                  tokenizer_threads=self.tokenizer_threads, max_local_jobs_per_tenant=self.max_local_jobs_per_tenant,
+                  read_ahead_per_partition=self.read_ahead_per_partition, read_ahead_bytes=self.read_ahead_bytes)
+        if self.high_priority_reserve is not None and self.high_priority_reserve < 0:
+            raise ConfigError(f"worker.high_priority_reserve must be >= 0, got {self.high_priority_reserve}")
+        if (self.max_local_jobs is not None and self.high_priority_reserve is not None
+                and self.high_priority_reserve >= self.max_local_jobs):
+            raise ConfigError(f"worker.high_priority_reserve ({self.high_priority_reserve}) must be below "
+                              f"worker.max_local_jobs ({self.max_local_jobs})")
+        if (self.max_local_jobs is not None and self.max_local_jobs_per_tenant is not None
+                and self.max_local_jobs_per_tenant > self.max_local_jobs):
+            raise ConfigError(f"worker.max_local_jobs_per_tenant ({self.max_local_jobs_per_tenant}) must be <= "
+                              f"worker.max_local_jobs ({self.max_local_jobs})")
+
+
+class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The worker's HTTP endpoint: `/metrics` (Prometheus), `/healthz`, `/readyz`.
+
+    Attributes:
+        port: TCP port; 0 picks a free one (logged); None serves no HTTP at all.
+        host: address to bind.
+        check_interval_s: how often Kafka and Redis reachability and consumer lag are
+            checked (readiness and the lag gauges), seconds.
+        check_timeout_s: a reachability check slower than this counts as unreachable.
+        engine_stall_s: `/healthz` fails when the engine loop has not ticked for this
+            long (a step that hangs), seconds.
+        tenant_labels: per-tenant series carry the `tenant` label of at most this many
+            tenants (the top ones by tokens served, re-ranked every
+            `tenant_rank_interval_s`); the rest are summed under `other` (0: all are).
+        tenant_rank_interval_s: how often the labelled tenants are re-ranked, seconds.
+    """
+
+    port: int | None = 8000
+    host: str = "0.0.0.0"
+    check_interval_s: float = 5.0
+    check_timeout_s: float = 3.0
+    engine_stall_s: float = 120.0
+    tenant_labels: int = 10
+    tenant_rank_interval_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics.port must be in [0, 65535] or null, got {self.port}")
+        for name in ("check_interval_s", "check_timeout_s", "engine_stall_s", "tenant_rank_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"metrics.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.tenant_labels <= 1000:
+            raise ConfigError(f"metrics.tenant_labels must be in [0, 1000], got {self.tenant_labels}")
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The whole worker configuration file (YAML)."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    serving_tuning: ServingTuning = msgspec.field(default_factory=ServingTuning)
+    kafka: KafkaConfig = msgspec.field(default_factory=KafkaConfig)
+    redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
+    worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+
+    @property
+    def engine(self) -> EngineConfig:
+        return EngineConfig(model=self.model, serving_tuning=self.serving_tuning)
