@@ -59,7 +59,7 @@ from worker.log import task_stacks
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
 from worker.publish import Publisher
-from worker.read_ahead import JobRecord, local_shares
+from worker.read_ahead import JobRecord, high_priority_reserve, local_shares
 from worker.redis_security import redis_client
 from worker.results import ResultsLog
 from worker.server import HealthChecks, OpsServer
@@ -145,7 +145,8 @@ class Worker:
                              read_ahead_per_partition=cfg.worker.read_ahead_per_partition,
                              read_ahead_bytes=cfg.worker.read_ahead_bytes, tenant_weight=tenant_weight,
                              tenant_cap=tenant_cap, fair=cfg.serving_tuning.fair_share,
-                             high_priority_reserve=self._high_priority_reserve())
+                             high_priority_reserve=high_priority_reserve(cfg.serving_tuning, cfg.worker,
+                                                                           self.max_local_jobs))
         await self.intake.start()
         self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for)
         await self.cancels.start()
@@ -331,12 +332,6 @@ class Worker:
         for job_id in lost:
             self._hand_back_lost(job_id)
         self.cancels.rewind()
-
-    def _high_priority_reserve(self) -> int:
-        ws = self.cfg.worker
-        if ws.high_priority_reserve is not None:
-            return ws.high_priority_reserve
-        return max(1, (self.max_local_jobs - self.cfg.serving_tuning.max_running_requests) // 4)
 
     def _intake_paused(self) -> bool:
         return self.draining or self._stop_requested.is_set() or self.publisher.in_outage

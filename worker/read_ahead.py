@@ -86,6 +86,25 @@ def local_shares(tuning: ServingTuning, settings: WorkerSettings,
     return weight, cap
 
 
+def high_priority_reserve(tuning: ServingTuning, settings: WorkerSettings, max_local_jobs: int) -> int:
+    """Local slots lower classes leave free for high-priority jobs.
+
+    Rule: the reserve comes only out of the slots beyond the running batch
+    (`max_local_jobs - max_running_requests`, the jobs that would wait in the engine),
+    so lower classes can always fill the whole running batch and always keep at least
+    one slot: a reserve that left them none would starve them outright (a worker with
+    `max_local_jobs` 1 would never take a normal job). Default: a quarter of those
+    slots, at least 1 when there are any; 0 when there are none. An explicit
+    `worker.high_priority_reserve` is capped the same way (config validation already
+    refuses one >= an explicit `max_local_jobs`).
+    """
+    spare = max(0, max_local_jobs - tuning.max_running_requests)
+    wanted = settings.high_priority_reserve
+    if wanted is None:
+        wanted = max(1, spare // 4) if spare else 0
+    return max(0, min(wanted, spare, max_local_jobs - 1))
+
+
 class ReadAhead:
     """Args:
     per_partition: most records kept per partition.

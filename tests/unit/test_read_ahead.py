@@ -11,6 +11,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 from aiokafka import TopicPartition
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -300,3 +301,32 @@ def test_lower_classes_leave_the_reserved_slots_to_high_priority():
     ra.add(JobRecord(Job(job_id="high-0", prompt="x"), "high", TopicPartition("h", 0), 0, 0.0, b"x", None))
     taken = ra.take(2, {}, lambda t: 1.0, lambda t: 100, reserve=2)
     assert [r.job.job_id for r in taken] == ["high-0"]  # the reserve is the high class's
+
+
+@pytest.mark.parametrize(("local", "running", "explicit", "expect"), [
+    (1, 1, None, 0),  # the gateway test's worker: a reserve would leave normal jobs no slot at all
+    (4, 4, None, 0),  # no slot beyond the running batch: nothing to reserve
+    (4, 4, 2, 0),  # an explicit reserve is capped the same way
+    (5, 4, None, 1),
+    (64, 32, None, 8),
+    (64, 32, 0, 0),
+    (64, 32, 40, 32),  # never more than the slots beyond the batch
+])
+def test_the_high_priority_reserve_never_takes_the_running_batch_from_lower_classes(local, running, explicit,
+                                                                                      expect):
+    from worker.read_ahead import high_priority_reserve
+
+    tuning = ServingTuning(max_running_requests=running, max_batched_tokens=512)
+    got = high_priority_reserve(tuning, WorkerSettings(high_priority_reserve=explicit), local)
+    assert got == expect
+    assert local - got >= min(local, running)  # lower classes can still fill the whole batch
+
+
+def test_a_worker_with_one_local_slot_takes_normal_jobs_with_the_default_reserve():
+    from worker.read_ahead import high_priority_reserve
+
+    tuning = ServingTuning(max_running_requests=1, max_batched_tokens=512)
+    reserve = high_priority_reserve(tuning, WorkerSettings(max_local_jobs=1), 1)
+    ra = ReadAhead(per_partition=100, max_bytes=1 << 20)
+    ra.add(JobRecord(Job(job_id="normal-0", prompt="x"), "normal", TopicPartition("n", 0), 0, 0.0, b"x", None))
+    assert [r.job.job_id for r in ra.take(1, {}, lambda t: 1.0, lambda t: 1, reserve=reserve)] == ["normal-0"]

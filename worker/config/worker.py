@@ -32,8 +32,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         log_level: log level of the engine core process.
         high_priority_reserve: local slots that only high-priority jobs may take, so an
             interactive job finds a slot at once while a batch of lower-priority jobs fills
-            the rest (the engine then admits it ahead of them). Default
-            (max_local_jobs - max_running_requests) // 4, at least 1; 0 disables it.
+            the rest (the engine then admits it ahead of them). Taken only from the
+            slots beyond the running batch, so lower classes can always fill the batch:
+            at most max_local_jobs - max_running_requests. Default a quarter of those
+            (at least 1 when there are any); 0 disables it.
         max_local_jobs_per_tenant: most of `max_local_jobs` one tenant holds; the rest
             stays open for other tenants, so a tenant that appears behind a flooding one
             starts without waiting for one of the flood's jobs to end. Default
