@@ -105,7 +105,8 @@ class Worker:
 
     @property
     def num_local_jobs(self) -> int:
-        return len(self.table)
+        """Jobs held before their terminal event: what `worker.max_local_jobs` bounds."""
+        return self.table.num_unfinished
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:

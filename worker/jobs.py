@@ -89,6 +89,7 @@ class JobTable:
         self._clock = clock
         self._jobs: dict[str, LocalJob] = {}
         self._per_tenant: dict[str, int] = {}  # CLAIMED or IN_ENGINE jobs per tenant ("" for none)
+        self._num_unfinished = 0  # CLAIMED or IN_ENGINE jobs
         self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
         # job_id -> (done time, history, (reason, claim token, attempt), tenant) of recently finished jobs
         self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int], str | None]] = \
@@ -110,6 +111,12 @@ class JobTable:
         is absent. A finishing job, only waiting for its last writes, no longer counts,
         so a tenant of short jobs is not under-represented in the engine. Read-only view."""
         return self._per_tenant
+
+    @property
+    def num_unfinished(self) -> int:
+        """Jobs that have not reached their terminal event (CLAIMED or IN_ENGINE): what
+        `worker.max_local_jobs` bounds. The rest of the table is FINISHING."""
+        return self._num_unfinished
 
     def __iter__(self) -> Iterator[LocalJob]:
         return iter(list(self._jobs.values()))
@@ -148,6 +155,7 @@ class JobTable:
         self._jobs[job.job_id] = held
         tenant = job.tenant or ""
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        self._num_unfinished += 1
         if attempt > 1:
             self._draft(held, opening="restarted")
         return held
@@ -345,8 +353,10 @@ class JobTable:
             self._recent.popitem(last=False)
 
     def _untrack(self, held: LocalJob) -> None:
-        """The job leaves CLAIMED / IN_ENGINE: it no longer counts in `held_by_tenant`."""
+        """The job leaves CLAIMED / IN_ENGINE: it no longer counts in `held_by_tenant`
+        nor in `num_unfinished`."""
         _decrement(self._per_tenant, held.job.tenant or "")
+        self._num_unfinished -= 1
 
     def histories(self) -> Iterator[tuple[str, list[tuple[int, bytes]], tuple[str, str, int] | None]]:
         """What this worker published that Redis must hold: (job_id, [(seq, event)], terminal)

@@ -22,9 +22,10 @@ The intake only hands the engine a balanced mix of tenants, each with requests w
 there; the token-level share among them is the engine's (fair_share.py).
 
 Bounds: at most `per_partition` records per partition and about `max_bytes` of record
-values in all (one record may pass it): the intake pauses a full partition, and records
-a fetch brought beyond the bound are not kept but read again later (the intake seeks
-back to the first of them), so the rest stays in Kafka.
+values in all (one record may pass it): the intake takes only as many records out of
+the consumer as fit (the rest wait in the consumer's fetch buffer), pauses every
+partition past the byte bound, and a record that still does not fit is not kept but
+read again later (the intake seeks back to it).
 Writer: the intake (asyncio thread).
 """
 
@@ -144,6 +145,10 @@ class ReadAhead:
     def has_room(self, tp: Any) -> bool:
         """Whether one more record of `tp` may be kept."""
         return self._per_partition.get(tp, 0) < self.per_partition and self.num_bytes < self.max_bytes
+
+    def room(self, tp: Any) -> int:
+        """How many more records of `tp` may be kept (the byte bound aside)."""
+        return max(0, self.per_partition - self._per_partition.get(tp, 0))
 
     def is_full(self, tp: Any) -> bool:
         """Whether `tp` should stay paused: it has `per_partition` records here, or all

@@ -147,7 +147,7 @@ class HealthChecks:
             self._log_cause("kafka", self.kafka_error)
         m.assigned_partitions.set(len(assigned))
         m.paused_partitions.set(len(consumer.paused()))
-        m.local_jobs.set(len(p["table"]))
+        m.local_jobs.set(p["table"].num_unfinished)
         if m.gpu_utilization is not None:
             with contextlib.suppress(Exception):  # an NVML hiccup keeps the last value
                 import torch

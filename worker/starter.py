@@ -85,7 +85,8 @@ class JobStarter:
     engine: the engine client (`input.process` in the pool, `submit` and `abort` on the loop).
     dead_letters: the DLQ writer.
     metrics: the worker's metrics.
-    max_local_jobs: jobs held at once (claimed, in the engine, finishing).
+    max_local_jobs: jobs held at once before their terminal event (claimed, in the engine);
+        as many again may be finishing.
     max_job_failures: earlier unclean attempts after which a job is poison.
     wake: called when the table has new drafts or the engine has new work.
     restore: awaited when Redis lost its data (then the batch is claimed again).
@@ -116,9 +117,16 @@ class JobStarter:
         self._alone_waiting = 0  # jobs waiting to run alone (they hold the gate shut for others)
 
     def free_slots(self) -> int:
+        """Jobs that may be taken now. A slot is a job without its terminal event yet
+        (claimed, being prepared, in the engine); a finishing job, only waiting for its
+        terminal event's write and its results record, holds none, so slots turn over at
+        the engine's pace rather than at the pace of those writes (with 4-token jobs they
+        held every second slot). Finishing jobs are bounded too, by another
+        `max_local_jobs`, so a slow results topic stops intake instead of piling up."""
         if self._is_paused():
             return 0
-        return self.max_local_jobs - len(self.table)
+        table = self.table
+        return min(self.max_local_jobs - table.num_unfinished, 2 * self.max_local_jobs - len(table))
 
     def held_by_tenant(self) -> dict[str, int]:
         return self.table.held_by_tenant()

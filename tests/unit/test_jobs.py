@@ -174,3 +174,31 @@ def test_jobs_held_per_tenant_count_until_the_terminal_event():
     t.done(jobs[2])
     t.done(jobs[2])  # a second done of the same job changes nothing
     assert t.held_by_tenant() == {"a": 1, "": 1} and len(t) == 3
+    assert t.num_unfinished == 2  # j1 and j3: the slots `max_local_jobs` bounds
+
+
+def test_finishing_jobs_hold_no_slot_but_are_bounded_by_as_many_again():
+    from types import SimpleNamespace
+
+    from worker.starter import JobStarter
+
+    t = JobTable("w1")
+    starter = SimpleNamespace(table=t, max_local_jobs=4, _is_paused=lambda: False)
+    free = lambda: JobStarter.free_slots(starter)  # noqa: E731
+    jobs = [open_job(t, f"j{i}") for i in range(4)]
+    assert free() == 0
+    for held in jobs:  # all four end: their terminal events wait for the publisher
+        t.accepted(held.job_id)
+        t.apply_outputs([out(held.job_id, [1], "x", "length")])
+    assert t.num_unfinished == 0 and len(t) == 4 and free() == 4  # the engine may take four more
+    more = [open_job(t, f"k{i}") for i in range(4)]
+    assert free() == 0
+    for held in more:
+        t.accepted(held.job_id)
+        t.apply_outputs([out(held.job_id, [1], "x", "length")])
+    assert t.num_unfinished == 0 and len(t) == 8 and free() == 0  # 2 x max_local_jobs held: intake waits
+    t.drain()
+    t.done(jobs[0])
+    assert free() == 1
+    starter._is_paused = lambda: True
+    assert free() == 0

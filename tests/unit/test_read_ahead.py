@@ -145,14 +145,24 @@ class FakeConsumer:
     def paused(self):
         return set(self._paused)
 
-    async def getmany(self, timeout_ms: int = 0, max_records: int | None = None):
+    async def getmany(self, *partitions, timeout_ms: int = 0, max_records: int | None = None):
+        """Up to 40 records per partition (a fetch may bring more than the read-ahead
+        keeps), at most `max_records` in all; what is not returned stays for later."""
         out = {}
+        left = max_records
         for tp in sorted(self._assigned - self._paused, key=lambda tp: tp.partition):
+            if partitions and tp not in partitions:
+                continue
             pos = self.position.get(tp, 0)
-            batch = self.logs[tp][pos : pos + 40]  # a fetch may bring more than the read-ahead keeps
+            n = 40 if left is None else min(40, left)
+            batch = self.logs[tp][pos : pos + n]
             if batch:
                 out[tp] = [FakeRecord(pos + i, v, None, 1000 * (pos + i)) for i, v in enumerate(batch)]
                 self.position[tp] = pos + len(batch)
+                if left is not None:
+                    left -= len(batch)
+                    if left == 0:
+                        break
         return out
 
     async def committed(self, tp):

@@ -16,9 +16,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     Attributes:
         worker_id: unique per process; default hostname-pid.
-        max_local_jobs: jobs held in this process (running + waiting in the engine +
-            being claimed); beyond it partitions are paused so the rest stays in Kafka
-            for other workers. Default 2 x max_running_requests.
+        max_local_jobs: jobs held in this process before their terminal event (running +
+            waiting in the engine + being claimed); beyond it partitions are paused so the
+            rest stays in Kafka for other workers. Jobs whose terminal event is being
+            written do not count (at most as many again). Default 2 x max_running_requests.
         drain_timeout_s: on SIGTERM, how long running jobs may finish before they are
             handed back (offsets left uncommitted, claims released).
         max_job_failures: a job whose earlier attempts died this many times (a worker
@@ -41,8 +42,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             starts without waiting for one of the flood's jobs to end. Default
             max_local_jobs - max_running_requests // 2 (at least 1).
         read_ahead_per_partition: fetched records not yet taken kept per partition,
-            among which free slots are given by priority, then tenant share; a partition
-            is paused while it has this many (the rest stays in Kafka).
+            among which free slots are given by priority, then tenant share; beyond it a
+            partition's records stay in the consumer's fetch buffer (at most one fetch
+            response, `kafka.max_partition_fetch_bytes`) or in Kafka.
         read_ahead_bytes: bound on the bytes of all those records together; reaching
             it pauses every partition until records are taken.
     """
