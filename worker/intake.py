@@ -3,10 +3,10 @@ ahead, hand jobs to the worker as slots free; rebalance, commits, lag.
 
 Read-ahead and choice: fetched records wait in the ReadAhead (read_ahead.py), up to
 `worker.read_ahead_per_partition` per partition. Only as many records as fit are taken
-out of the consumer (`max_records`, per partition when not waiting); the rest stay in
-the consumer's own fetch buffer for later, so nothing fetched is decoded and thrown away
-(only the byte bound, or several partitions' records in one waiting fetch, can still
-overflow a partition: it is sought back to the first record not kept). When slots free, right after a
+out of the consumer (`getmany` per partition with `max_records`); the rest stay in the
+consumer's own fetch buffer for later, so nothing fetched is decoded and thrown away
+(only the byte bound can still be passed: the partition is then sought back to the first
+record not kept). When slots free, right after a
 non-blocking fetch of whatever the consumer has prefetched, they are filled by priority
 (high, normal, low) and, inside a priority, by tenant share (the tenant holding the
 fewest jobs per weight, read_ahead.py; a tenant at `max_local_jobs_per_tenant` waits), so a freed
@@ -246,8 +246,14 @@ class Intake:
         self._update_pauses()
         free = self.sink.free_slots()
         busy = self.num_buffered > 0 or free > 0
-        got = await self.consumer.getmany(timeout_ms=10 if busy else 100, max_records=self._room())
+        with_room, least_room = self._with_room()
+        if with_room:  # wait for records of those partitions; no more than any of them can keep
+            got = await self.consumer.getmany(*with_room, timeout_ms=10 if busy else 100, max_records=least_room)
+        else:  # every partition is paused (see _update_pauses): a poll that returns nothing
+            got = await self.consumer.getmany(timeout_ms=10 if busy else 100)
         self._buffer(got)
+        if got:
+            await self._fetch_prefetched()
         if got or self.num_buffered or self.sink.free_slots() <= 0:
             self._last_progress = time.monotonic()
         else:
@@ -261,15 +267,19 @@ class Intake:
             await self.commit()
 
     def _update_pauses(self) -> None:
-        """Pause every partition while the read-ahead holds `read_ahead_bytes`; resume
-        them when it has room. A partition whose own read-ahead is full is not paused:
-        `max_records` already leaves its further records in the consumer's buffer, which
-        holds at most one fetch response per partition (aiokafka fetches a partition
-        again only once its buffer is taken), so they are at hand the moment there is
-        room. Pausing it made the consumer drop its prefetch and fetch again after each
-        resume: 4-token jobs at 256 running waited 200-400 ms on every refill."""
+        """Pause every partition while the read-ahead holds `read_ahead_bytes` or every
+        partition's read-ahead is full; resume them all when there is room. A partition
+        whose own read-ahead is full while others have room is not paused: it is left
+        out of the fetch (`_with_room`), its further records stay in the consumer's
+        buffer (at most one fetch response per partition: aiokafka fetches a partition
+        again only once its buffer is taken) and the consumer keeps prefetching the
+        others. Pausing each full partition on its own, with the excess sought back,
+        made the consumer fetch and decode again after each resume: 4-token jobs at 256
+        running waited 200-400 ms with nothing to run on every refill."""
         assigned = self.consumer.assignment()
-        full = set(assigned) if self.read_ahead.num_bytes >= self.read_ahead.max_bytes else set()
+        ra = self.read_ahead
+        saturated = ra.num_bytes >= ra.max_bytes or not any(ra.room(tp) for tp in assigned)
+        full = set(assigned) if saturated else set()
         if full == self.paused:
             return
         pause = full - self.paused
@@ -280,11 +290,12 @@ class Intake:
             self.consumer.resume(*resume)
         self.paused = full
 
-    def _room(self) -> int:
-        """Records the read-ahead can keep across the partitions not paused (at least 1:
-        `getmany` reads `max_records` 0 as no bound)."""
+    def _with_room(self) -> tuple[list[TopicPartition], int]:
+        """The partitions not paused whose read-ahead has room, and the least of their
+        rooms (a waiting fetch may return all its records from one partition)."""
         ra = self.read_ahead
-        return max(1, sum(ra.room(tp) for tp in self.consumer.assignment() if tp not in self.paused))
+        rooms = [(tp, n) for tp in self.consumer.assignment() if tp not in self.paused and (n := ra.room(tp)) > 0]
+        return [tp for tp, _ in rooms], min((n for _, n in rooms), default=0)
 
     async def _fetch_prefetched(self) -> None:
         """What the consumer has already fetched, without waiting: per partition at most

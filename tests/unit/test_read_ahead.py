@@ -132,6 +132,7 @@ class FakeConsumer:
         self._committed: dict[TopicPartition, int] = {}
         self._assigned: set[TopicPartition] = set()
         self._paused: set[TopicPartition] = set()
+        self.returned: Counter = Counter()  # (tp, offset) -> times handed out by getmany
 
     def assignment(self):
         return set(self._assigned)
@@ -159,6 +160,7 @@ class FakeConsumer:
             if batch:
                 out[tp] = [FakeRecord(pos + i, v, None, 1000 * (pos + i)) for i, v in enumerate(batch)]
                 self.position[tp] = pos + len(batch)
+                self.returned.update((tp, r.offset) for r in out[tp])
                 if left is not None:
                     left -= len(batch)
                     if left == 0:
@@ -219,7 +221,8 @@ def test_eager_rebalance_keeps_read_ahead_and_loses_or_repeats_nothing():
     """Two partitions, each a flood of A with B's records behind it. The worker reads
     ahead, takes B's records out of offset order, finishes jobs in random order; then
     an eager rebalance revokes both partitions and assigns p0 back. Fetches bring more
-    records than the read-ahead keeps (the rest is read again). Afterwards every record
+    records than the read-ahead keeps (the consumer hands out only what fits; a
+    kept partition is re-read after the rebalance). Afterwards every record
     of p0 has been taken exactly once, commits reach the log end, the read-ahead never
     held more than its bound, and the commit point never passed a record still waiting
     in it."""
@@ -340,3 +343,34 @@ def test_a_worker_with_one_local_slot_takes_normal_jobs_with_the_default_reserve
     ra = ReadAhead(per_partition=100, max_bytes=1 << 20)
     ra.add(JobRecord(Job(job_id="normal-0", prompt="x"), "normal", TopicPartition("n", 0), 0, 0.0, b"x", None))
     assert [r.job.job_id for r in ra.take(1, {}, lambda t: 1.0, lambda t: 1, reserve=reserve)] == ["normal-0"]
+
+
+def test_records_beyond_the_read_ahead_stay_in_the_consumer_and_are_handed_out_once():
+    """Three partitions of 60 jobs, a read-ahead of 5 per partition, 3 slots: the intake
+    takes out of the consumer only what fits, so no record is handed out twice (before,
+    a fetch's excess was sought back and fetched and decoded again on every refill), and
+    every job is taken exactly once."""
+    tps = [TopicPartition("t.jobs.normal", p) for p in range(3)]
+    logs = {tp: [encode(Job(job_id=f"{tp.partition}-{i}", prompt="p")) for i in range(60)] for tp in tps}
+    consumer = FakeConsumer(logs)
+    consumer.assign(set(tps))
+    tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+    sink = FakeSink(tracker, max_local=3)
+    rnd = random.Random(3)
+
+    async def main():
+        intake = Intake(KafkaConfig(topic_prefix="t"), "w", sink, tracker, read_ahead_per_partition=5,
+                        read_ahead_bytes=10**6)
+        await intake.consumer.stop()
+        intake.consumer = consumer
+        await _Rebalance(intake).on_partitions_assigned(set(tps))
+        for _ in range(400):
+            await intake._iteration()
+            assert all(intake.read_ahead.room(tp) >= 0 for tp in tps)
+            sink.finish(rnd.randint(0, 3), rnd)
+            if len(sink.taken) == 180:
+                break
+
+    asyncio.run(main())
+    assert sorted(r.job.job_id for r in sink.taken) == sorted(f"{p}-{i}" for p in range(3) for i in range(60))
+    assert set(consumer.returned.values()) == {1}, consumer.returned.most_common(3)
