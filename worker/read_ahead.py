@@ -150,11 +150,6 @@ class ReadAhead:
         """How many more records of `tp` may be kept (the byte bound aside)."""
         return max(0, self.per_partition - self._per_partition.get(tp, 0))
 
-    def is_full(self, tp: Any) -> bool:
-        """Whether `tp` should stay paused: it has `per_partition` records here, or all
-        records together hold `max_bytes`."""
-        return self._per_partition.get(tp, 0) >= self.per_partition or self.num_bytes >= self.max_bytes
-
     def take(self, free: int, held: Mapping[str, int], weight: Callable[[str], float],
              cap: Callable[[str], int], reserve: int = 0) -> list[JobRecord]:
         """Up to `free` records in the order described in the module docstring.

@@ -66,17 +66,17 @@ def test_weights_and_caps_shape_the_choice():
     assert counts == {"A": 5, "B": 2, "C": 1}, counts
 
 
-def test_bounds_pause_a_full_partition_and_all_past_the_byte_bound():
+def test_bounds_per_partition_and_past_the_byte_bound():
     p1 = TopicPartition("t.jobs.normal", 1)
     ra = ReadAhead(per_partition=3, max_bytes=100)
     for o in range(3):
         ra.add(rec("A", o))
     ra.add(rec("A", 0, tp=p1))
-    assert ra.is_full(NORMAL) and not ra.is_full(p1)
+    assert not ra.has_room(NORMAL) and ra.has_room(p1) and ra.room(p1) == 2
     ra.add(rec("A", 1, tp=p1, size=70))
-    assert ra.is_full(p1) and ra.is_full(TopicPartition("t.jobs.low", 0))  # 100 bytes held
+    assert not ra.has_room(p1) and not ra.has_room(TopicPartition("t.jobs.low", 0))  # 100 bytes held
     assert ra.drop(lambda tp: tp != p1) == 2 and len(ra) == 3 and ra.num_bytes == 30
-    assert ra.is_full(NORMAL) and not ra.is_full(p1)
+    assert not ra.has_room(NORMAL) and ra.has_room(p1) and ra.room(p1) == 3
 
 
 def test_local_shares_default_cap_leaves_room_for_other_tenants():
