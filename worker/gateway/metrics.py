@@ -36,15 +36,3 @@ class GatewayMetrics:
         self.batch_lines = Counter("gateway_batch_lines", "Batch lines by outcome (dispatched, completed, failed, "
                                    "invalid, cancelled, expired)", ("outcome",), registry=r)
         self.batches_active = Gauge("gateway_batches_driven", "Batches this gateway is driving now", registry=r)
-
-    def names(self) -> set[str]:
-        """Every exported sample name (`_total`, `_bucket`, … as PromQL uses them)."""
-        out = set()
-        for metric in self.registry.collect():
-            if metric.type == "counter":
-                out.add(metric.name + "_total")
-            elif metric.type == "histogram":
-                out.update(metric.name + sfx for sfx in ("_bucket", "_sum", "_count"))
-            else:
-                out.add(metric.name)
-        return out
