@@ -4,6 +4,8 @@ bounds, claim lease, outage limit, TLS)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 from worker.config.checks import (
@@ -21,7 +23,32 @@ SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
-class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class TlsSettings(msgspec.Struct, kw_only=True):
+    """The TLS client fields of the `kafka` and `redis` sections (one definition, one
+    check): the CA to verify the server against (`ssl_cafile`; the system's CAs when
+    unset), a client certificate for mutual TLS (`ssl_certfile`, `ssl_keyfile` if the key
+    is in another file) and the key's password (`ssl_key_password` or its `*_file` twin)."""
+
+    SECTION: ClassVar[str]  # the section's name in error messages
+
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_key_password: str | None = None
+    ssl_key_password_file: str | None = None
+    ssl_check_hostname: bool = True
+
+    def key_password(self) -> str | None:
+        """The client key's password: `ssl_key_password_file`'s first line, else
+        `ssl_key_password` (None: the key is not encrypted).
+
+        Raises:
+            ConfigError: the file cannot be read (names `<section>.ssl_key_password_file`).
+        """
+        return read_secret(f"{self.SECTION}.ssl_key_password", self.ssl_key_password, self.ssl_key_password_file)
+
+
+class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     """Kafka connection and consumer-group settings.
 
     Security (see the README's "Security"): `security_protocol` PLAINTEXT | SSL |
@@ -33,6 +60,8 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     (`INFLIGHT_KAFKA__SASL_PASSWORD`) or from its `*_file` twin, and is never logged.
     """
 
+    SECTION: ClassVar[str] = "kafka"
+
     bootstrap_servers: str = "127.0.0.1:19092"
     topic_prefix: str = "inflight"
     group_id: str = "inflight-workers"
@@ -41,12 +70,6 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sasl_username: str | None = None
     sasl_password: str | None = msgspec.field(default=None)
     sasl_password_file: str | None = None
-    ssl_cafile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_key_password: str | None = None
-    ssl_key_password_file: str | None = None
-    ssl_check_hostname: bool = True
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000
@@ -104,11 +127,6 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """
         return read_secret("kafka.sasl_password", self.sasl_password, self.sasl_password_file)
 
-    def key_password(self) -> str | None:
-        """The client key's password: `ssl_key_password_file`'s first line, else
-        `ssl_key_password` (None: the key is not encrypted)."""
-        return read_secret("kafka.ssl_key_password", self.ssl_key_password, self.ssl_key_password_file)
-
     def principal(self) -> str:
         """Who the broker will think we are, for error messages: the SASL user, the
         client certificate, or ANONYMOUS."""
@@ -123,7 +141,7 @@ class KafkaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"security_protocol={self.security_protocol!r}, ...)")
 
 
-class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     """Redis connection (`redis://`, `rediss://` for TLS, or `unix://` URL) and event
     retention.
 
@@ -147,17 +165,13 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             streaming, as vLLM's `stream_interval`); 0 publishes as fast as Redis takes it.
     """
 
+    SECTION: ClassVar[str] = "redis"
+
     url: str = "redis://127.0.0.1:6390/0"
     key_prefix: str = "inflight"
     username: str | None = None
     password: str | None = None
     password_file: str | None = None
-    ssl_cafile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_key_password: str | None = None
-    ssl_key_password_file: str | None = None
-    ssl_check_hostname: bool = True
     log_ttl_s: int = 3600
     log_maxlen: int = 10_000
     claim_lease_ms: int = 15_000
@@ -193,10 +207,6 @@ class RedisConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """The ACL password: `password_file`'s first line, else `password` (None: the
         URL's, or none)."""
         return read_secret("redis.password", self.password, self.password_file)
-
-    def key_password(self) -> str | None:
-        """The client key's password (None: the key is not encrypted)."""
-        return read_secret("redis.ssl_key_password", self.ssl_key_password, self.ssl_key_password_file)
 
     def user(self) -> str:
         """The ACL user connections authenticate as, for error messages."""
