@@ -53,14 +53,10 @@ def _generate(a: argparse.Namespace) -> int:
 
 def _worker(a: argparse.Namespace) -> int:
     from worker.app import Worker
-    from worker.config import ConfigError, load_config
+    from worker.config import load_config
     from worker.log import setup_logging
 
-    try:
-        cfg = load_config(a.config)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(a.config)
     setup_logging(a.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
     from transformers.utils import logging as hf_logging
 
@@ -75,16 +71,11 @@ def _worker(a: argparse.Namespace) -> int:
 
 def _gateway(a: argparse.Namespace) -> int:
     """The HTTP gateway (worker.gateway): no model, no torch."""
-    from worker.config import ConfigError
     from worker.gateway.app import Gateway
     from worker.gateway.config import load_gateway_config
     from worker.log import setup_logging
 
-    try:
-        cfg = load_gateway_config(a.config)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_gateway_config(a.config)
     setup_logging(a.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
     return run_reported(Gateway(cfg).run(), bad_input="config error", kafka=cfg.kafka, redis=cfg.redis,
                         log_errors=True)
@@ -94,15 +85,11 @@ def _check(a: argparse.Namespace) -> int:
     """Preflight (worker.preflight): one line per check on stdout, exit 0 only if none failed."""
     import logging
 
-    from worker.config import ConfigError, load_config
+    from worker.config import load_config
     from worker.log import setup_logging
     from worker.preflight import exit_code, render, run_preflight
 
-    try:
-        cfg = load_config(a.config)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(a.config)
     setup_logging("ERROR")
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # each failure is reported in its check's line
     from transformers.utils import logging as hf_logging
@@ -125,15 +112,11 @@ def _env_sets(section: str) -> bool:
 
 
 def _load_section(path: str | None, section: str):
-    """The `kafka` or `redis` section of a config file (+ env overrides), or exit code 2
-    after printing the config error."""
-    from worker.config import ConfigError, load_config
+    """The `kafka` or `redis` section of a config file (+ env overrides). Raises
+    ConfigError."""
+    from worker.config import load_config
 
-    try:
-        return getattr(load_config(path), section)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    return getattr(load_config(path), section)
 
 
 def _acl(a: argparse.Namespace) -> int:
@@ -248,6 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--device", default="auto")
 
     a = p.parse_args(argv)
+    from worker.config import ConfigError
+
+    try:
+        return _dispatch(a)
+    except ConfigError as e:  # every command: a bad config is one line naming the field, exit 2
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(a: argparse.Namespace) -> int:
     if a.cmd == "generate":
         return _generate(a)
     if a.cmd == "worker":
@@ -261,21 +254,13 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a refusal is explained in one line instead
     if a.cmd in ("submit", "stream", "cancel"):
-        from worker.config import ConfigError
-
-        try:
-            kafka, redis = client_sections(a)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+        kafka, redis = client_sections(a)
         # bad input: job id, tenant, sampling values
         return run_reported(client_command(a, kafka, redis), bad_input="error", kafka=kafka, redis=redis)
     if a.cmd == "topics":
         from worker.topics import create_topics
 
         kafka = _load_section(a.config, "kafka") if (a.config or _env_sets("KAFKA")) else None
-        if isinstance(kafka, int):
-            return kafka
         bootstrap = a.bootstrap or (kafka.bootstrap_servers if kafka is not None else DEFAULT_KAFKA)
         prefix = a.prefix or (kafka.topic_prefix if kafka is not None else "inflight")
         created: list[str] = []
