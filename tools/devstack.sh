@@ -62,30 +62,9 @@ advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
 controller.listener.names=CONTROLLER
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 inter.broker.listener.name=PLAINTEXT
-log.dirs=$dir/data
-num.partitions=6
-auto.create.topics.enable=false
-offsets.topic.replication.factor=1
-offsets.topic.num.partitions=6
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-group.consumer.session.timeout.ms=45000
-message.max.bytes=16777216
-replica.fetch.max.bytes=16777216
-log.retention.hours=24
 PROPS
-  cat > "$dir/log4j2.properties" <<PROPS
-rootLogger.level=WARN
-rootLogger.appenderRef.file.ref=file
-appender.file.type=File
-appender.file.name=file
-appender.file.fileName=$STATE/kafka.log
-appender.file.layout.type=PatternLayout
-appender.file.layout.pattern=[%d] %p %m (%c)%n
-PROPS
+  broker_common_props 6 "$dir" >>"$dir/server.properties"
+  kafka_log4j "$dir"
   local cp="$LIBS/*"
   if [ ! -f "$dir/data/meta.properties" ]; then
     local cluster

@@ -4,11 +4,12 @@ LIBS=$ROOT/.cache/kafka/libs
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-wait_port() {  # name port seconds pidfile logfile
-  for _ in $(seq 1 "$3"); do
+wait_port() {  # name port seconds pidfile logfile [polls per second, default 1]
+  local per_s=${6:-1}
+  for _ in $(seq 1 $(($3 * per_s))); do
     port_open "$2" && return 0
     if ! alive "$4"; then echo "devstack: $1 exited; last log lines:" >&2; tail -n 30 "$5" >&2 || true; return 1; fi
-    sleep 1
+    sleep "$(printf '%d.%03d' $((1 / per_s)) $((1000 / per_s % 1000)))"
   done
   echo "devstack: $1 did not answer on port $2 within $3 s" >&2; tail -n 30 "$5" >&2 || true; return 1
 }
@@ -38,3 +39,33 @@ down_one() {  # name pidfile
   rm -f "$2"
 }
 
+broker_common_props() {  # partitions dir: the storage, group and size settings both dev brokers share
+  cat <<PROPS
+log.dirs=$2/data
+num.partitions=$1
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=$1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+group.consumer.session.timeout.ms=45000
+message.max.bytes=16777216
+replica.fetch.max.bytes=16777216
+log.retention.hours=24
+PROPS
+}
+
+kafka_log4j() {  # dir: a broker's log4j2.properties, warnings and above into $STATE/kafka.log
+  cat >"$1/log4j2.properties" <<PROPS
+rootLogger.level=WARN
+rootLogger.appenderRef.file.ref=file
+appender.file.type=File
+appender.file.name=file
+appender.file.fileName=$STATE/kafka.log
+appender.file.layout.type=PatternLayout
+appender.file.layout.pattern=[%d] %p %m (%c)%n
+PROPS
+}

@@ -52,16 +52,6 @@ SECRETS=$STATE/secrets
 source tools/devstack_lib.sh
 PY=(env "PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$ROOT/.venv/bin/python")
 
-wait_open() {  # name port seconds pidfile logfile: polls every 0.2 s
-  local n=$(($3 * 5))
-  for _ in $(seq 1 "$n"); do
-    port_open "$2" && return 0
-    if ! alive "$4"; then echo "devstack: $1 exited; last log lines:" >&2; tail -n 30 "$5" >&2 || true; return 1; fi
-    sleep 0.2
-  done
-  echo "devstack: $1 did not answer on port $2 within $3 s" >&2; tail -n 30 "$5" >&2 || true; return 1
-}
-
 # ---- certificates and secrets (once per state dir) -------------------------------------
 make_cert() {  # file-stem CN signing-CA-stem extensions
   openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$CERTS/$1.key" 2>/dev/null
@@ -150,7 +140,7 @@ aclfile $dir/users.acl
 CONF
   redis-server "$dir/redis.conf"
   for _ in $(seq 1 50); do [ -s "$dir/redis.pid" ] && break; sleep 0.1; done
-  wait_open "redis (TLS)" "$RPORT" 20 "$dir/redis.pid" "$dir/redis.log"
+  wait_port "redis (TLS)" "$RPORT" 20 "$dir/redis.pid" "$dir/redis.log" 5
 }
 
 # ---- Kafka: SASL_SSL, SSL (mutual TLS), SASL_PLAINTEXT, StandardAuthorizer ACLs ----------
@@ -196,31 +186,10 @@ listener.name.sasl_plaintext.plain.sasl.jaas.config=$plain
 authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
 super.users=User:inflight-broker;User:inflight-admin
 allow.everyone.if.no.acl.found=false
-log.dirs=$dir/data
-num.partitions=3
-auto.create.topics.enable=false
-offsets.topic.replication.factor=1
-offsets.topic.num.partitions=3
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-group.consumer.session.timeout.ms=45000
-message.max.bytes=16777216
-replica.fetch.max.bytes=16777216
-log.retention.hours=24
 PROPS
+  broker_common_props 3 "$dir" >>"$dir/server.properties"
   chmod 600 "$dir/server.properties"
-  cat >"$dir/log4j2.properties" <<PROPS
-rootLogger.level=WARN
-rootLogger.appenderRef.file.ref=file
-appender.file.type=File
-appender.file.name=file
-appender.file.fileName=$STATE/kafka.log
-appender.file.layout.type=PatternLayout
-appender.file.layout.pattern=[%d] %p %m (%c)%n
-PROPS
+  kafka_log4j "$dir"
   cat >"$dir/admin-client.properties" <<PROPS
 security.protocol=SASL_SSL
 sasl.mechanism=SCRAM-SHA-512
@@ -247,8 +216,8 @@ PROPS
     -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$cp" kafka.Kafka "$dir/server.properties" \
     >"$STATE/kafka.out" 2>&1 &
   echo $! >"$dir/kafka.pid"
-  wait_open "kafka (secure)" "$KPORT" 90 "$dir/kafka.pid" "$STATE/kafka.out"
-  wait_open "kafka (mTLS)" "$SSL_PORT" 30 "$dir/kafka.pid" "$STATE/kafka.out"
+  wait_port "kafka (secure)" "$KPORT" 90 "$dir/kafka.pid" "$STATE/kafka.out" 5
+  wait_port "kafka (mTLS)" "$SSL_PORT" 30 "$dir/kafka.pid" "$STATE/kafka.out" 5
 }
 
 secure_acls() {  # Kafka's own AclCommand, one run per grant of `inflight acl kafka`, in parallel
