@@ -79,6 +79,7 @@ def build(backend, seqs: list[tuple[int, int]], block_size: int, num_kv_heads: i
     sequences over shuffled blocks (decodes must come first)."""
     from schemas.params import SamplingParams
     from worker.engine.outputs import ScheduledRequest, SchedulerOutput
+    from worker.model.capability import KVLayout
     from worker.model.runner import ModelRunner
 
     seqs = [x for x in seqs if x[1] == 1 and x[0] > 0] + [x for x in seqs if not (x[1] == 1 and x[0] > 0)]
@@ -94,8 +95,8 @@ def build(backend, seqs: list[tuple[int, int]], block_size: int, num_kv_heads: i
         sched.append(ScheduledRequest(f"s{i}", ids[start:], start, table, True, SamplingParams(), ids))
         nd += n == 1 and start > 0
     out = SchedulerOutput(1, sched, sum(n for _, n in seqs), nd)
-    runner = ModelRunner(None, num_blocks=num_blocks, block_size=block_size, num_layers=1, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, device=torch.device(device), dtype=dtype, backend=backend)
+    runner = ModelRunner(None, num_blocks=num_blocks, block_size=block_size, kv_layout=KVLayout.uniform(1, num_kv_heads, head_dim),
+                         device=torch.device(device), dtype=dtype, backend=backend)
     for c in runner.kv_caches[0]:
         c.copy_(torch.randn(c.shape, device=device, dtype=torch.float32).to(dtype))
     _, _, md, _, _ = runner.build_metadata(out)

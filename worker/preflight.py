@@ -274,7 +274,8 @@ async def _persistence(client) -> Check:
 # ---- model and KV cache -----------------------------------------------------------------
 def model_checks(cfg: WorkerConfig) -> list[Check]:
     """`model`: the worker's loader on `model.path` (weights, tokenizer, device, dtype),
-    chat template reported; `kv cache`: the engine's KV sizing for `serving_tuning`
+    chat template and the capability verdict reported (an architecture the engine cannot
+    reproduce fails here, with the loader's one-line reason); `kv cache`: the engine's KV sizing for `serving_tuning`
     against the memory left after loading (free GPU memory x gpu_memory_utilization on
     CUDA, available RAM (cgroup limit included) on CPU)."""
     if not cfg.model.path:
@@ -296,7 +297,8 @@ def model_checks(cfg: WorkerConfig) -> list[Check]:
     checks = [Check("model", "pass", "model.path",
                     f"{cfg.model.path!r}: {loaded.model_id.split(':')[0]}, {loaded.num_layers} layers, "
                     f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}, context {loaded.max_model_len}; "
-                    f"tokenizer vocab {len(tok)}; {template}; loaded in {time.perf_counter() - t0:.1f} s")]
+                    f"tokenizer vocab {len(tok)}; {template}; loaded in {time.perf_counter() - t0:.1f} s; "
+                    f"{loaded.verdict()}")]
     checks.append(kv_check(cfg, loaded))
     return checks
 
@@ -307,10 +309,9 @@ def kv_check(cfg: WorkerConfig, loaded) -> Check:
     import torch
 
     from worker.engine.engine import kv_cache_blocks
-    from worker.model.runner import ModelRunner
 
     tuning = cfg.serving_tuning
-    per_token = ModelRunner.kv_bytes_per_token(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype)
+    per_token = loaded.kv_layout.bytes_per_token(loaded.dtype)
     if loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
         budget = int(free * tuning.gpu_memory_utilization)

@@ -13,6 +13,8 @@ import torch
 from schemas.params import SamplingParams
 from worker.engine.outputs import ScheduledRequest, SchedulerOutput
 from worker.model.kernels import get_backend, torch_ref
+from worker.model.capability import KVLayout, LayerKV
+from worker.model.kernels.params import AttentionParams
 from worker.model.runner import ModelRunner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,8 +25,8 @@ PARAMS = SamplingParams()
 
 
 def runner(backend, block_size: int, head_dim: int, dtype) -> ModelRunner:
-    return ModelRunner(None, num_blocks=NUM_BLOCKS, block_size=block_size, num_layers=1, num_kv_heads=NUM_KV_HEADS,
-                       head_dim=head_dim, device=torch.device(DEVICE), dtype=dtype, backend=backend)
+    return ModelRunner(None, num_blocks=NUM_BLOCKS, block_size=block_size, kv_layout=KVLayout.uniform(1, NUM_KV_HEADS, head_dim),
+                       device=torch.device(DEVICE), dtype=dtype, backend=backend)
 
 
 def make_batch(rng: random.Random, block_size: int) -> SchedulerOutput:
@@ -149,3 +151,149 @@ def test_split_heuristic():
     assert triton_attn.decode_splits(4, 8, 8192) == 16
     assert triton_attn.decode_splits(2, 8, 1500) == 5
     assert triton_attn.decode_splits(1, 8, 512) == 1  # short context: never split
+
+
+def dense_attention(q, k_cache, v_cache, sched: SchedulerOutput, md, p: AttentionParams) -> torch.Tensor:
+    """The definition, one query at a time, from each sequence's full context: what both
+    back ends must compute (window, cap, sinks, ALiBi as `AttentionParams` documents)."""
+    bs = k_cache.shape[1]
+    num_heads, kvh = q.shape[1], k_cache.shape[2]
+    group = num_heads // kvh
+    out = torch.zeros(q.shape[0], num_heads, v_cache.shape[-1], dtype=torch.float64)
+    row = 0
+    nd = sched.num_decodes
+    packed = sorted(sched.scheduled[:nd], key=lambda s: -s.start_pos) + sched.scheduled[nd:]
+    for s in packed:
+        ctx = s.start_pos + s.num_tokens
+        slots = [s.block_ids[j // bs] * bs + j % bs for j in range(ctx)]
+        k = k_cache.reshape(-1, kvh, k_cache.shape[-1])[slots].double()  # [ctx, kvh, D]
+        v = v_cache.reshape(-1, kvh, v_cache.shape[-1])[slots].double()
+        for t in range(s.num_tokens):
+            pos = s.start_pos + t
+            for h in range(num_heads):
+                keys = [j for j in range(pos + 1) if p.sliding_window is None or j > pos - p.sliding_window]
+                logits = (k[keys, h // group] @ q[row + t, h].double()) * p.scale
+                if p.alibi_slopes is not None:
+                    logits = logits + p.alibi_slopes[h].double() * torch.tensor(keys, dtype=torch.float64)
+                if p.softcap is not None:
+                    logits = torch.tanh(logits / p.softcap) * p.softcap
+                if p.sinks is not None:
+                    logits = torch.cat([logits, p.sinks[h].double().view(1)])
+                w = torch.softmax(logits, 0)[: len(keys)]
+                out[row + t, h] = w @ v[keys, h // group]
+        row += s.num_tokens
+    return out
+
+
+def layer_params(kind: str, num_heads: int, scale: float) -> AttentionParams:
+    gen = torch.Generator().manual_seed(len(kind))
+    if kind == "window":
+        return AttentionParams(scale, sliding_window=5)
+    if kind == "window-long":
+        return AttentionParams(scale, sliding_window=20)
+    if kind == "softcap":
+        return AttentionParams(scale * 8, softcap=2.0)  # large logits, so the cap matters
+    if kind == "sinks":
+        return AttentionParams(scale, sinks=torch.randn(num_heads, generator=gen).to(DEVICE) * 2)
+    if kind == "alibi":
+        return AttentionParams(scale, alibi_slopes=(2.0 ** -torch.arange(1, num_heads + 1, dtype=torch.float32)).to(DEVICE))
+    if kind == "all":
+        return AttentionParams(scale * 4, sliding_window=9, softcap=3.0,
+                               sinks=torch.randn(num_heads, generator=gen).to(DEVICE))
+    return AttentionParams(scale)
+
+
+FEATURES = ["plain", "window", "window-long", "softcap", "sinks", "alibi", "all"]
+
+
+@pytest.mark.parametrize("kind", FEATURES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_layer_features_match_definition_in_both_back_ends(kind, group):
+    """Sliding window (keys in (p - W, p]), soft-capping, sinks and ALiBi on the same
+    randomized packed batches (decodes at block boundaries, chunks with cached context,
+    shared prefix blocks): the reference and the kernels against the per-query definition."""
+    rng = random.Random(hash((kind, group)) % 1000)
+    torch.manual_seed(rng.randrange(1 << 30))
+    block_size, head_dim = 16, 64
+    sched = make_batch(rng, block_size)
+    ref_runner = runner(torch_ref, block_size, head_dim, torch.float32)
+    tri_runner = runner(triton_attn, block_size, head_dim, torch.float32)
+    _, _, md_ref, _, _ = ref_runner.build_metadata(sched)
+    _, _, md_tri, _, _ = tri_runner.build_metadata(sched)
+    n, num_heads = sched.num_scheduled_tokens, NUM_KV_HEADS * group
+    q = torch.randn(n, num_heads, head_dim, device=DEVICE)
+    kc, vc = ref_runner.kv_caches[0]
+    kc.copy_(torch.randn_like(kc))
+    vc.copy_(torch.randn_like(vc))
+    tri_runner.kv_caches[0][0].copy_(kc)
+    tri_runner.kv_caches[0][1].copy_(vc)
+    p = layer_params(kind, num_heads, head_dim**-0.5)
+    k = torch.randn(n, NUM_KV_HEADS, head_dim, device=DEVICE)
+    v = torch.randn(n, NUM_KV_HEADS, head_dim, device=DEVICE)
+    for backend, r, md in ((torch_ref, ref_runner, md_ref), (triton_attn, tri_runner, md_tri)):
+        backend.write_kv(k, v, *r.kv_caches[0], md.slot_mapping)
+    expect = dense_attention(q.cpu(), kc.cpu(), vc.cpu(), sched, md_ref, p).float()
+    got_ref = torch_ref.paged_attention(q, k, v, kc, vc, md_ref, p)
+    got_tri = triton_attn.paged_attention(q, k, v, *tri_runner.kv_caches[0], md_tri, p)
+    torch.testing.assert_close(got_ref.cpu(), expect, atol=3e-5, rtol=3e-5)
+    torch.testing.assert_close(got_tri.cpu(), expect, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("kind", ["window-long", "sinks", "all"])
+def test_split_k_with_layer_features(kind):
+    """Flash-decoding splits of a window (and a sink counted once, in the reduce)."""
+    rng = random.Random(len(kind))
+    block_size, head_dim, group = 16, 64, 4
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    sched = []
+    for i, ctx in enumerate((300, 1, 17, 129, 64)):
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        ids = [1] * ctx
+        sched.append(ScheduledRequest(f"d{i}", ids[-1:], ctx - 1, table, True, PARAMS, ids))
+    out = SchedulerOutput(step=1, scheduled=sched, num_scheduled_tokens=len(sched), num_decodes=len(sched))
+    ref_runner = runner(torch_ref, block_size, head_dim, torch.float32)
+    tri_runner = runner(triton_attn, block_size, head_dim, torch.float32)
+    _, _, md_ref, _, _ = ref_runner.build_metadata(out)
+    _, _, md_tri, _, _ = tri_runner.build_metadata(out)
+    for ref_c, tri_c in zip(ref_runner.kv_caches[0], tri_runner.kv_caches[0]):
+        ref_c.copy_(torch.randn_like(ref_c))
+        tri_c.copy_(ref_c)
+    q = torch.randn(len(sched), NUM_KV_HEADS * group, head_dim, device=DEVICE)
+    kv = torch.randn(len(sched), NUM_KV_HEADS, head_dim, device=DEVICE)
+    p = layer_params(kind, NUM_KV_HEADS * group, 0.125)
+    expect = torch_ref.paged_attention(q, kv, kv, *ref_runner.kv_caches[0], md_ref, p)
+    got = triton_attn.paged_attention(q, kv, kv, *tri_runner.kv_caches[0], md_tri, p, num_splits=3)
+    torch.testing.assert_close(got, expect, atol=2e-5, rtol=2e-5)
+
+
+def test_latent_layout_value_inside_key():
+    """MLA's cache: one KV head of rank + rope channels, the value its first `rank`
+    channels (a view); write_kv with no value; the output has the value's width."""
+    rng = random.Random(7)
+    block_size, rank, rope = 16, 32, 8
+    sched = make_batch(rng, block_size)
+    layout = KVLayout((LayerKV(1, rank + rope, rank, value_in_key=True),))
+    r_ref = ModelRunner(None, num_blocks=NUM_BLOCKS, block_size=block_size, kv_layout=layout,
+                        device=torch.device(DEVICE), dtype=torch.float32, backend=torch_ref)
+    r_tri = ModelRunner(None, num_blocks=NUM_BLOCKS, block_size=block_size, kv_layout=layout,
+                        device=torch.device(DEVICE), dtype=torch.float32, backend=triton_attn)
+    kc, vc = r_ref.kv_caches[0]
+    assert vc.data_ptr() == kc.data_ptr() and vc.shape[-1] == rank
+    kc.copy_(torch.randn_like(kc))
+    r_tri.kv_caches[0][0].copy_(kc)
+    _, _, md_ref, _, _ = r_ref.build_metadata(sched)
+    _, _, md_tri, _, _ = r_tri.build_metadata(sched)
+    n = sched.num_scheduled_tokens
+    latent = torch.randn(n, 1, rank + rope, device=DEVICE)
+    q = torch.randn(n, 4, rank + rope, device=DEVICE)
+    torch_ref.write_kv(latent, None, kc, vc, md_ref.slot_mapping)
+    triton_attn.write_kv(latent, None, *r_tri.kv_caches[0], md_tri.slot_mapping)
+    assert torch.equal(r_tri.kv_caches[0][0], kc)
+    p = AttentionParams((rank + rope) ** -0.5)
+    expect = dense_attention(q.cpu(), kc.cpu(), vc.cpu(), sched, md_ref, p).float()
+    got_ref = torch_ref.paged_attention(q, latent, latent[..., :rank], kc, vc, md_ref, p)
+    got_tri = triton_attn.paged_attention(q, latent, latent[..., :rank], *r_tri.kv_caches[0], md_tri, p)
+    assert got_ref.shape == (n, 4, rank)
+    torch.testing.assert_close(got_ref.cpu(), expect, atol=3e-5, rtol=3e-5)
+    torch.testing.assert_close(got_tri.cpu(), expect, atol=3e-5, rtol=3e-5)

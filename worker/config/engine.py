@@ -151,8 +151,12 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         dtype: `auto` = bfloat16 on CUDA, float32 on CPU.
         device: `auto` = cuda if available, else cpu.
         attention_backend: `auto` = Triton on CUDA, the torch reference on CPU.
-        max_model_len: context length; None = the model config's
-            `max_position_embeddings` (capped by a sliding window if the model has one).
+        max_model_len: context length; None = the model config's `max_position_embeddings`
+            (a sliding window limits what a layer reads, not the context).
+        load_check: at load, run the model once through the paged runner and once
+            through transformers' eager attention and refuse it unless they agree
+            (`worker.model.load_check`; a few forwards of 11 tokens). Turning it off keeps
+            only the config and module checks.
     """
 
     path: str = ""
@@ -160,6 +164,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     attention_backend: str = "auto"
     max_model_len: int | None = None
+    load_check: bool = True
 
     def __post_init__(self) -> None:
         _one_of("model", "dtype", self.dtype, DTYPES)

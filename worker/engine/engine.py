@@ -46,12 +46,10 @@ def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning) -> int:
     """KV blocks the engine allocates for `loaded` (call after the model is on its device).
 
     Capacity in tokens: `tuning.max_total_tokens` if set; else on CUDA
-    `gpu_memory_utilization` x the device's free memory / `kv_bytes_per_token`; else
+    `gpu_memory_utilization` x the device's free memory / the layout's KV bytes per token; else
     `CPU_DEFAULT_KV_TOKENS`. Rounded down to whole blocks of `kv_block_size` tokens.
     """
-    from worker.model.runner import ModelRunner
-
-    per_token = ModelRunner.kv_bytes_per_token(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype)
+    per_token = loaded.kv_layout.bytes_per_token(loaded.dtype)
     if tuning.max_total_tokens is not None:
         kv_tokens = tuning.max_total_tokens
     elif loaded.device.type == "cuda":
@@ -118,9 +116,8 @@ class Engine:
         (`kv_cache_blocks`).
 
         Raises:
-            FileNotFoundError, ValueError: see `worker.model.loader.load_model`.
+            FileNotFoundError, UnsupportedModel, ValueError: see `worker.model.loader.load_model`.
         """
-        from worker.model.kernels import get_backend
         from worker.model.loader import load_model
         from worker.model.runner import ModelRunner
 
@@ -134,12 +131,10 @@ class Engine:
             loaded.model,
             num_blocks=num_blocks,
             block_size=tuning.kv_block_size,
-            num_layers=loaded.num_layers,
-            num_kv_heads=loaded.num_kv_heads,
-            head_dim=loaded.head_dim,
+            kv_layout=loaded.kv_layout,
             device=loaded.device,
             dtype=loaded.dtype,
-            backend=get_backend(model_cfg.attention_backend, loaded.device.type),
+            backend=loaded.backend,
         )
         return cls(loaded, runner, config, num_blocks)
 

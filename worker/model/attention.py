@@ -7,16 +7,23 @@ The model is called with the whole step as one "sequence" of `num_tokens` tokens
 (`input_ids` `[1, num_tokens]`, per-sequence `position_ids`), `use_cache=False`, and
 `inflight_metadata=AttentionMetadata(...)`, which transformers forwards to every
 attention call. Since the implementation name is not in transformers' mask registry,
-no dense mask is built.
+no dense mask is built. What a layer asks for beyond the causal softmax arrives as the
+call's keyword arguments (`sliding_window`, `softcap`, `s_aux` = sinks) and becomes
+that call's `AttentionParams`. Latent attention (MLA) arrives already compressed: see
+`worker.model.latent`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
+
+from worker.model.capability import LayerKV
+from worker.model.kernels.params import AttentionParams
 
 ATTN_IMPLEMENTATION = "inflight_paged"
 
@@ -66,8 +73,12 @@ class AttentionMetadata:
         query_start_loc: `[num_seqs + 1]` int32 prefix sums of query lengths.
         max_query_len: longest query span of a prefill chunk (1 when only decodes).
         max_seq_len: longest context after this step, over all sequences.
-        kv_caches: per layer `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        kv_caches: per layer `(k_cache, v_cache)`, `[num_blocks, block_size, num_kv_heads, head_dim]`
+            and `[..., v_head_dim]` (see kernels/torch_ref.py). None only in the load check's
+            first pass, which measures each layer's KV shape: attention then returns zeros.
         backend: module with `write_kv` and `paged_attention` (see kernels/torch_ref.py).
+        trace: when not None, each attention call records `layer_idx -> what it was asked`
+            (the load check compares it with the config; `worker.model.load_check`).
     """
 
     slot_mapping: torch.Tensor
@@ -79,8 +90,47 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] | None
     backend: ModuleType
+    trace: dict[int, LayerCall] | None = field(default=None)
+
+
+@dataclass(slots=True, frozen=True)
+class LayerCall:
+    """What one layer's attention call asked for (recorded by the load check).
+
+    `extra` holds every keyword argument this module does not interpret whose value is
+    set (not None / False): a feature of the model our attention would silently ignore.
+    """
+
+    params: AttentionParams
+    kv: LayerKV
+    is_latent: bool
+    is_causal: bool
+    extra: tuple[str, ...]
+
+
+# Keyword arguments transformers passes to every attention function that carry nothing
+# for us: positions are in the packed batch already, caching is ours, dropout is 0 at
+# inference, and the flash-attention varlen arguments describe padding we never have.
+_IGNORED_KWARGS = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_attentions", "return_dict", "past_key_values",
+    "past_key_value", "cache", "layer_idx", "dropout", "is_causal", "cu_seq_lens_q", "cu_seq_lens_k",
+    "max_length_q", "max_length_k", "position_embeddings", "logits_to_keep", "output_hidden_states",
+    "attention_mask", "token_type_ids",
+})
+
+
+def _params(module: torch.nn.Module, scaling: float | None, head_dim: int, kwargs: dict[str, Any]) -> AttentionParams:
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    return AttentionParams(
+        scale=float(scaling) if scaling is not None else head_dim ** -0.5,
+        sliding_window=int(window) if window else None,
+        softcap=float(softcap) if softcap else None,
+        sinks=kwargs.get("s_aux"),
+        alibi_slopes=getattr(module, "inflight_alibi_slopes", None),
+    )
 
 
 def paged_attention_forward(
@@ -92,16 +142,19 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     inflight_metadata: AttentionMetadata | None = None,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-function signature.
 
     Args:
         query: `[1, num_heads, num_tokens, head_dim]`; key, value: `[1, num_kv_heads, num_tokens, head_dim]`
-            (positions already applied by the model).
+            (positions already applied by the model). For a latent-attention module
+            (`worker.model.latent`), key is the latent `[1, 1, num_tokens, kv_lora_rank + rope_dim]`.
+        scaling: softmax scale (None: head_dim ** -0.5).
+        kwargs: `sliding_window`, `softcap`, `s_aux` (sinks) as the model passes them.
 
     Returns:
-        (`[1, num_tokens, num_heads, head_dim]`, None).
+        (`[1, num_tokens, num_heads, v_head_dim]`, None).
 
     Raises:
         RuntimeError: called without `inflight_metadata` (the model was run outside the engine).
@@ -111,15 +164,29 @@ def paged_attention_forward(
         raise RuntimeError(
             f"attention '{ATTN_IMPLEMENTATION}' needs inflight_metadata; run this model through the Inflight engine"
         )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attention logit softcapping is not supported by the paged attention back ends")
+    latent = getattr(module, "inflight_latent", None)
+    params = _params(module, scaling, query.shape[-1], kwargs)
+    if md.trace is not None:
+        extra = tuple(sorted(k for k, v in kwargs.items()
+                             if k not in _IGNORED_KWARGS and k not in ("sliding_window", "softcap", "s_aux")
+                             and v is not None and v is not False))
+        is_causal = kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
+        if latent is not None:
+            kv = LayerKV(1, latent.latent_dim, latent.rank, value_in_key=True)
+        else:
+            kv = LayerKV(key.shape[1], key.shape[-1], value.shape[-1])
+        md.trace[module.layer_idx] = LayerCall(params, kv, latent is not None, is_causal, extra)
+    if md.kv_caches is None:  # the load check's shape pass
+        v_dim = latent.v_dim if latent is not None else value.shape[-1]
+        return query.new_zeros(1, query.shape[2], query.shape[1], v_dim), None
     k_cache, v_cache = md.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     k = key[0].transpose(0, 1)
+    if latent is not None:
+        return latent.attend(q, k, k_cache, v_cache, md, params), None
     v = value[0].transpose(0, 1)
     md.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = md.backend.paged_attention(q, k, v, k_cache, v_cache, md, scale)
+    out = md.backend.paged_attention(q, k, v, k_cache, v_cache, md, params)
     return out.unsqueeze(0), None
 
 

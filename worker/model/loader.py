@@ -1,10 +1,13 @@
-"""Load a local Hugging Face checkpoint (any decoder-only transformers model whose
-attention goes through transformers' attention interface) with our paged attention."""
+"""Load a local Hugging Face checkpoint with our paged attention, and decide at load
+whether the engine reproduces it (`worker.model.capability`, `worker.model.load_check`):
+a model the paged runner cannot run exactly is refused here, never per request."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from transformers import (
@@ -17,22 +20,47 @@ from transformers import (
 )
 
 from worker.config import ModelConfig
+from worker.model import latent, legacy
 from worker.model.attention import ATTN_IMPLEMENTATION
+from worker.model.capability import KVLayout, UnsupportedModel, check_config, check_modules
+from worker.model.kernels import get_backend
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: torch.nn.Module
+    """A model ready for the engine.
+
+    `kv_layout` is each layer's KV shape as measured by the load check; `features` names
+    what the model needs beyond plain causal attention (for `inflight check` and logs);
+    `load_check_error` the largest relative logit difference the load check saw (None:
+    not run).
+    """
+
+    model: torch.nn.Module | None
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     max_model_len: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    kv_layout: KVLayout
     vocab_size: int
     device: torch.device
     dtype: torch.dtype
     model_id: str
+    backend: ModuleType | None = None
+    features: tuple[str, ...] = ()
+    load_check_error: float | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv_layout.num_layers
+
+    def verdict(self) -> str:
+        """One line: what the engine runs of this model, and how it was checked."""
+        kinds = ", ".join(self.features) or "full causal attention"
+        check = ("load check not run" if self.load_check_error is None
+                 else f"load check: logits within {self.load_check_error:.1g} x std of transformers' eager attention")
+        return f"supported ({kinds}); {check}"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,45 +105,103 @@ def eos_token_ids(path: Path, hf_config: PretrainedConfig, tokenizer: PreTrained
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
-    """Load model + tokenizer from `cfg.path` (offline; nothing is downloaded).
+    """Load model + tokenizer from `cfg.path` (offline; nothing is downloaded), install
+    it for the engine and run the load check.
 
     Raises:
         FileNotFoundError: `cfg.path` is not a directory with a config.json.
-        ValueError: the architecture uses features the paged attention does not support.
+        UnsupportedModel: the engine cannot reproduce this model (one line: architecture,
+            feature, config field); a subclass of ValueError.
+        ValueError: device or back end not available.
     """
     path = Path(cfg.path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path {str(path)!r} is not a Hugging Face checkpoint directory (no config.json)")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    backend = get_backend(cfg.attention_backend, device.type)
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if getattr(hf_config, "is_encoder_decoder", False):
-        raise ValueError(f"{hf_config.model_type} is an encoder-decoder model; only decoder-only models are supported")
+    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    model_type = str(getattr(text_cfg, "model_type", None) or hf_config.model_type)
+    check_config(text_cfg, model_type)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
-    )
+    model = _from_pretrained(path, dtype, model_type)
     model.to(device).eval()
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    check_modules(model, model_type)
+    features = list(legacy.install(model))
+    try:
+        latents = latent.install(model)
+    except ValueError as e:
+        raise UnsupportedModel(model_type, "latent attention with a non-linear up-projection", "kv_b_proj", str(e)) from e
+    layout, call_features = _measure(model, text_cfg, model_type, backend)
+    features += call_features
+    if latents:
+        r = next(iter(latents.values()))
+        features.append(f"latent KV cache ({r.latent_dim} values per token per layer)")
+    error = None
+    if cfg.load_check:
+        from worker.model.load_check import compare_with_reference
 
+        error = compare_with_reference(model, layout, backend, model_type, text_cfg.vocab_size)
     max_len = cfg.max_model_len or getattr(text_cfg, "max_position_embeddings", None) or 2048
-    window = getattr(text_cfg, "sliding_window", None)
-    if window and getattr(text_cfg, "use_sliding_window", True) and window < max_len:
-        max_len = window  # never exceed the window, so full attention is exact
-    num_heads = text_cfg.num_attention_heads
-    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads
-    num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or num_heads
-
-    return LoadedModel(
+    loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(path, hf_config, tokenizer),
         max_model_len=int(max_len),
-        num_layers=text_cfg.num_hidden_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        kv_layout=layout,
         vocab_size=text_cfg.vocab_size,
         device=device,
         dtype=dtype,
         model_id=f"{text_cfg.model_type}:{path.resolve()}",
+        backend=backend,
+        features=tuple(features),
+        load_check_error=error,
     )
+    log.info("model %s: %s", model_type, loaded.verdict())
+    return loaded
+
+
+def _from_pretrained(path: Path, dtype: torch.dtype, model_type: str) -> torch.nn.Module:
+    """With our attention implementation; a model that picks its attention classes from
+    the implementation's name at construction (Falcon) is built with `eager` and switched
+    by its adapter (`worker.model.legacy`).
+
+    Raises:
+        UnsupportedModel: neither works.
+    """
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                    local_files_only=True)
+    except KeyError as e:
+        if ATTN_IMPLEMENTATION not in str(e) or not legacy.has_adapter(model_type):
+            raise UnsupportedModel(model_type, "attention classes chosen by implementation name",
+                                   "config._attn_implementation", f"transformers: {type(e).__name__}: {e}") from e
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", local_files_only=True)
+    legacy.use_paged_attention(model)
+    return model
+
+
+def _measure(model: torch.nn.Module, text_cfg, model_type: str, backend: ModuleType) -> tuple[KVLayout, list[str]]:
+    """The load check's shape pass: the KV layout and the attention features in use."""
+    from worker.model.load_check import measure_layers
+
+    trace = measure_layers(model, text_cfg, model_type, backend)
+    layers = tuple(trace[i].kv if i in trace else None for i in range(max(trace) + 1))
+    windows = [call.params.sliding_window for call in trace.values()]
+    all_windowed = len(set(windows)) == 1 and windows[0] is not None
+    features = []
+    n_sliding = sum(1 for w in windows if w is not None)
+    if n_sliding:
+        sizes = sorted({w for w in windows if w is not None})
+        features.append(f"sliding window {'/'.join(map(str, sizes))} on {n_sliding} of {len(windows)} layers")
+    if any(c.params.softcap is not None for c in trace.values()):
+        features.append("attention logit soft-capping")
+    if any(c.params.sinks is not None for c in trace.values()):
+        features.append("attention sinks")
+    if any(c.params.alibi_slopes is not None for c in trace.values()):
+        features.append("ALiBi")
+    if getattr(text_cfg, "final_logit_softcapping", None):
+        features.append("final logit soft-capping (in the model)")
+    return KVLayout(layers, sliding_window=windows[0] if all_windowed else None), features

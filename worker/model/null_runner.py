@@ -72,6 +72,7 @@ def null_engine(
     manager, detokenizer and outputs as a real engine."""
     from worker.config import EngineConfig
     from worker.engine.engine import CPU_DEFAULT_KV_TOKENS, Engine
+    from worker.model.capability import KVLayout
     from worker.model.loader import LoadedModel
 
     config = config or EngineConfig()
@@ -81,9 +82,7 @@ def null_engine(
         tokenizer=tokenizer or LetterTokenizer(),
         eos_token_ids=frozenset(eos_token_ids),
         max_model_len=max_model_len,
-        num_layers=0,
-        num_kv_heads=0,
-        head_dim=0,
+        kv_layout=KVLayout(()),
         vocab_size=vocab_size,
         device=torch.device("cpu"),
         dtype=torch.float32,

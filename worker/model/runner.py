@@ -12,6 +12,7 @@ import torch
 
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from worker.model.capability import KVLayout, LayerKV
 from worker.model.sampler import sample
 
 
@@ -21,7 +22,7 @@ class ModelRunner:
     Args:
         model: a transformers CausalLM loaded with `attn_implementation="inflight_paged"`.
         num_blocks, block_size: KV cache geometry.
-        num_layers, num_kv_heads, head_dim: from the model config.
+        kv_layout: per layer the KV shape (`worker.model.capability.KVLayout`, measured at load).
         backend: attention back end module (see `worker.model.kernels`).
     """
 
@@ -31,9 +32,7 @@ class ModelRunner:
         *,
         num_blocks: int,
         block_size: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        kv_layout: KVLayout,
         device: torch.device,
         dtype: torch.dtype,
         backend: ModuleType,
@@ -42,15 +41,23 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.backend = backend
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_layout = kv_layout
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
+            None if layer is None else self.allocate_layer(layer, num_blocks, block_size, device, dtype)
+            for layer in kv_layout.layers
         ]
 
     @staticmethod
-    def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def allocate_layer(layer: LayerKV, num_blocks: int, block_size: int, device: torch.device,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's `(k_cache, v_cache)`: `[num_blocks, block_size, num_kv_heads, head_dim]`
+        and `[..., v_head_dim]`; the value is a view of the key's first channels when the
+        layout says `value_in_key` (latent attention)."""
+        k = torch.zeros((num_blocks, block_size, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device)
+        if layer.value_in_key:
+            return k, k[..., : layer.v_head_dim]
+        v = torch.zeros((num_blocks, block_size, layer.num_kv_heads, layer.v_head_dim), dtype=dtype, device=device)
+        return k, v
 
     def build_metadata(
         self, sched: SchedulerOutput
@@ -88,7 +95,7 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in packed)
         block_tables = torch.tensor(
             [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in packed], dtype=torch.int64
-        )
+        ).clamp_(min=0)  # blocks freed behind a sliding window (-1) read as block 0, masked out
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
 
         decode_groups = []

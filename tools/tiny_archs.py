@@ -1,0 +1,218 @@
+"""Tiny random-init checkpoints of many transformers decoder architectures, for the
+model-coverage tests and `python -m tools.tiny_archs` (a table: exact / refused / wrong
+for every family, the README's model table).
+
+`FAMILIES` are the 30 families the model-coverage issue names, each with the config
+overrides that make it small *and* keep the feature it is there for (alternating
+sliding windows with a 16-token window, soft-capping, sinks, latent attention, Mamba or
+linear-attention layers). `shrink_kwargs` makes any other config class small the same
+way, for the sweep over every causal-LM architecture transformers ships.
+
+    python -m tools.tiny_archs                # the 30 families: verdict per family
+    python -m tools.tiny_archs --all          # every causal-LM architecture that builds small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+WINDOW = 16  # small enough that the tests' 40–90-token requests span several windows
+SMALL = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, n_shared_experts=1,
+    n_embd=64, n_layer=2, n_head=4, n_positions=1024, n_inner=128, ffn_dim=128, word_embed_proj_dim=64,
+    bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+)
+_ALTERNATING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+
+# family -> (model_type, overrides on top of SMALL)
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "Llama": ("llama", {}),
+    "Qwen2": ("qwen2", {}),
+    "Qwen3": ("qwen3", {}),
+    "Qwen2-MoE": ("qwen2_moe", {}),
+    "Qwen3-MoE": ("qwen3_moe", {}),
+    "Mixtral": ("mixtral", {}),
+    "Gemma": ("gemma", {}),
+    "Phi-3": ("phi3", {}),
+    "Phi": ("phi", {}),
+    "GPT-NeoX": ("gpt_neox", {}),
+    "OLMo2": ("olmo2", {}),
+    "StarCoder2": ("starcoder2", {}),
+    "Granite": ("granite", {}),
+    "Cohere": ("cohere", {}),
+    "GPT-2": ("gpt2", {}),
+    "GPTBigCode": ("gpt_bigcode", {}),
+    "OPT": ("opt", {}),
+    "BLOOM": ("bloom", {}),
+    "SmolLM3": ("smollm3", {}),
+    "GLM-4": ("glm4", {}),
+    "Mistral (sliding window)": ("mistral", dict(sliding_window=WINDOW)),
+    "Gemma 2": ("gemma2", dict(_ALTERNATING, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                                query_pre_attn_scalar=16)),
+    "Gemma 3": ("gemma3_text", dict(_ALTERNATING, query_pre_attn_scalar=16)),
+    "GPT-OSS": ("gpt_oss", dict(_ALTERNATING)),
+    "EXAONE 4": ("exaone4", dict(_ALTERNATING)),
+    "OLMo 3": ("olmo3", dict(_ALTERNATING)),
+    "DeepSeek-V3": ("deepseek_v3", dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                        v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                        num_key_value_heads=4, head_dim=None)),
+    "Falcon": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "Qwen3-Next": ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
+    "Jamba": ("jamba", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                            mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2, use_mamba_kernels=False)),
+}
+# Refused on purpose (README: model table): per-request recurrent state beside the paged KV.
+REFUSED = {"Qwen3-Next": "linear_attention layers", "Jamba": "Mamba"}
+
+
+def shrink_kwargs(config_cls, overrides: dict | None = None) -> dict:
+    """SMALL's fields that `config_cls` knows, plus `overrides` (None values drop a field)."""
+    base = config_cls()
+    known = set(base.to_dict()) | set(vars(base))
+    kwargs = {k: v for k, v in SMALL.items() if k in known}
+    kwargs.update(overrides or {})
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def make_tiny(model_type: str, out: Path, tokenizer_dir: Path, overrides: dict | None = None, seed: int = 0) -> Path:
+    """Write a random-init checkpoint of `model_type` (weights ~ N(0, 0.1), so greedy
+    tokens vary) with the tokenizer files of `tokenizer_dir`. Returns `out`."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GenerationConfig
+
+    cls = CONFIG_MAPPING[model_type]
+    config = cls(**shrink_kwargs(cls, overrides))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0, do_sample=False)
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def staggered_requests(seed: int = 0, lens=((40, 0), (23, 3), (57, 7), (90, 12)), vocab: int = 500):
+    """(id, prompt ids, add at step): requests that join a running batch at different steps."""
+    rng = random.Random(seed)
+    return [(f"r{i}", [rng.randrange(1, vocab) for _ in range(n)], at) for i, (n, at) in enumerate(lens)]
+
+
+def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch", block_size: int = 16,
+               max_batched_tokens: int = 16, max_total_tokens: int = 4096, on_step=None) -> dict:
+    """Greedy, EOS ignored, chunked prefill (`max_batched_tokens`). Returns
+    request id -> (token ids, finish reason). `on_step(engine)` runs after every step."""
+    from schemas.params import SamplingParams
+    from worker.config import EngineConfig, ModelConfig, ServingTuning
+    from worker.engine import Engine
+
+    cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu", attention_backend=backend),
+                       serving_tuning=ServingTuning(max_total_tokens=max_total_tokens, kv_block_size=block_size,
+                                                    max_batched_tokens=max_batched_tokens, max_running_requests=8,
+                                                    max_output_tokens=max_tokens, max_input_tokens=512))
+    engine = Engine.from_pretrained(str(path), cfg)
+    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
+    finals: dict[str, str] = {}
+    step = 0
+    while len(finals) < len(requests):
+        for rid, prompt, at in requests:
+            if at == step:
+                engine.add_request(rid, prompt_token_ids=prompt,
+                                   params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out.finish_reason
+        if on_step is not None:
+            on_step(engine)
+        step += 1
+        if step > 5000:
+            raise RuntimeError("engine did not finish the requests in 5000 steps")
+    return {rid: (tokens[rid], finals[rid]) for rid in tokens}
+
+
+def reference(path: Path, requests, max_tokens: int) -> dict[str, list[int]]:
+    """transformers' `generate` for each request alone (greedy, exactly max_tokens: no
+    EOS id, so no logits processor touches the scores, as the engine's `ignore_eos`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = {}
+    for rid, prompt, _ in requests:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+        out[rid] = ids[0, len(prompt):].tolist()
+    return out
+
+
+def verdict(path: Path, max_tokens: int = 24, **engine_kwargs) -> dict:
+    """exact | refused (with the loader's line) | wrong (first differing position per request)."""
+    from worker.model.capability import UnsupportedModel
+
+    requests = staggered_requests()
+    try:
+        got = run_engine(path, requests, max_tokens, **engine_kwargs)
+    except UnsupportedModel as e:
+        return {"result": "refused", "why": str(e)}
+    ref = reference(path, requests, max_tokens)
+    bad = {}
+    for rid, (ids, reason) in got.items():
+        if ids != ref[rid] or reason != "length":
+            first = next((i for i, (a, b) in enumerate(zip(ids, ref[rid])) if a != b), min(len(ids), len(ref[rid])))
+            bad[rid] = {"first_diff": first, "finish_reason": reason}
+    return {"result": "wrong", "requests": bad} if bad else {"result": "exact"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--all", action="store_true", help="every causal-LM architecture of transformers, not the 30")
+    p.add_argument("--out", default=".cache/tiny-archs", help="where checkpoints are written")
+    p.add_argument("--json", help="write the verdicts here")
+    a = p.parse_args(argv)
+    from tests.conftest import tiny_checkpoint
+
+    tok = tiny_checkpoint("llama")
+    todo = ({mt: (mt, {}) for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} if a.all else FAMILIES)
+    results = {}
+    for name, (model_type, overrides) in todo.items():
+        t0 = time.time()
+        try:
+            path = make_tiny(model_type, Path(a.out) / model_type, tok, overrides)
+        except Exception as e:  # a config class that cannot be built small: reported, not judged
+            results[name] = {"result": "not built", "why": f"{type(e).__name__}: {str(e)[:160]}"}
+        else:
+            try:
+                results[name] = verdict(path)
+            except Exception as e:
+                results[name] = {"result": "failed", "why": f"{type(e).__name__}: {str(e)[:200]}"}
+        results[name]["s"] = round(time.time() - t0, 1)
+        print(f"{name:28s} {results[name]['result']:9s} {results[name].get('why', '')[:110]}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    counts: dict[str, int] = {}
+    for r in results.values():
+        counts[r["result"]] = counts.get(r["result"], 0) + 1
+    print(counts)
+    return 0 if not counts.get("wrong") and not counts.get("failed") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Load-time capability check: decide, before any request, whether the paged runner
+reproduces a model exactly, and refuse it at load otherwise (a serving system may not
+support a model; it must never answer with wrong tokens).
+
+The rules, in order; the first that fails refuses the model with one line naming the
+architecture, the feature and the config field (`UnsupportedModel`):
+
+  1. decoder-only (`config.is_encoder_decoder`), no cross-attention;
+  2. every token mixer is softmax attention: `config.layer_types` /
+     `config.layers_block_type` hold only full or sliding attention, and no module is a
+     recurrent-state mixer (Mamba / SSM, linear attention, gated delta net, short
+     convolution, RWKV, xLSTM, LRU). Those need per-request state beside the paged KV,
+     which the engine does not keep;
+  3. no chunked (local) attention (`config.attention_chunk_size`) and no sparse
+     top-k indexer (DeepSeek-V3.2's `index_topk`);
+  4. then the model is installed for the engine (latent attention: `worker.model.latent`)
+     and checked by running it (`worker.model.load_check`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+# A module whose class name matches keeps state across tokens that is not softmax attention.
+_RECURRENT_MODULE = re.compile(
+    r"Mamba|SSM|Ssm|GatedDeltaNet|DeltaNet|DeltaAttention|DeltaProduct|LinearAttention|LightningAttention|"
+    r"ShortConv|Rwkv|RWKV|xLSTM|Xlstm|mLSTM|sLSTM|RecurrentBlock|Rglru|RgLru|Hyena|Retention|GatedConv"
+)
+# Mixer kinds of `layer_types` / `layers_block_type` we run; feed-forward kinds carry no state.
+ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "attention", "global", "local_attention"})
+_FEED_FORWARD_KINDS = frozenset({"mlp", "moe", "dense", "sparse", "ffn"})
+
+
+class UnsupportedModel(ValueError):
+    """The model loaded, but the engine cannot reproduce it; raised at load, never per request.
+
+    Attributes:
+        model_type: `config.model_type`.
+        feature: what is missing, in the field's words (e.g. "linear_attention layers").
+        field: the config field (or module) that shows it.
+    """
+
+    def __init__(self, model_type: str, feature: str, field: str, detail: str = "") -> None:
+        self.model_type, self.feature, self.field = model_type, feature, field
+        tail = f": {detail}" if detail else ""
+        super().__init__(f"model {model_type!r} has {feature} ({field}); not supported{tail}")
+
+
+@dataclass(slots=True, frozen=True)
+class LayerKV:
+    """The KV cache one attention layer needs per token (measured by the load check).
+
+    `value_in_key`: the value is the key cache's first `v_head_dim` channels (latent
+    attention), so no separate value tensor is kept.
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    value_in_key: bool = False
+
+    def values_per_token(self) -> int:
+        return self.num_kv_heads * (self.head_dim + (0 if self.value_in_key else self.v_head_dim))
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """Per layer (by `layer_idx`) the KV cache shape; None for a layer without attention.
+
+    `sliding_window`: W when every attention layer is windowed (the engine then frees KV
+    blocks no layer can read any more); None when any layer attends to the whole context.
+    """
+
+    layers: tuple[LayerKV | None, ...]
+    sliding_window: int | None = None
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
+        return cls(tuple(LayerKV(num_kv_heads, head_dim, head_dim) for _ in range(num_layers)))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV cache bytes one token takes over all layers."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return size * sum(layer.values_per_token() for layer in self.layers if layer is not None)
+
+
+def layer_windows(text_cfg) -> list[int | None]:
+    """Sliding window per layer as transformers' masks apply it: `layer_types` where the
+    config has it (Gemma 2/3, GPT-OSS, Qwen2 with use_sliding_window, Cohere 2, OLMo 3 …),
+    else `sliding_window` on every layer unless `use_sliding_window` is false (Mistral,
+    Phi-3, StarCoder2)."""
+    n = int(text_cfg.num_hidden_layers)
+    window = getattr(text_cfg, "sliding_window", None)
+    types = getattr(text_cfg, "layer_types", None)
+    if types:
+        return [int(window) if t == "sliding_attention" and window else None for t in types[:n]]
+    if window and getattr(text_cfg, "use_sliding_window", True) is not False:
+        return [int(window)] * n
+    return [None] * n
+
+
+def check_config(text_cfg, model_type: str) -> None:
+    """Rules 1–3 on the config alone (before the weights load).
+
+    Raises:
+        UnsupportedModel: see the module docstring.
+    """
+    if getattr(text_cfg, "is_encoder_decoder", False):
+        raise UnsupportedModel(model_type, "an encoder-decoder architecture", "config.is_encoder_decoder")
+    if getattr(text_cfg, "add_cross_attention", False):
+        raise UnsupportedModel(model_type, "cross-attention layers", "config.add_cross_attention")
+    for field in ("layer_types", "layers_block_type"):
+        kinds = getattr(text_cfg, field, None) or []
+        for i, kind in enumerate(kinds):
+            kind_s = str(kind)
+            if kind_s not in ATTENTION_KINDS and kind_s not in _FEED_FORWARD_KINDS:
+                raise UnsupportedModel(model_type, f"{kind_s} layers", f"config.{field}[{i}]",
+                                       _why(kind_s))
+    for field in ("attn_layer_period", "attn_layer_indices", "hybrid_layer_ids"):
+        if getattr(text_cfg, field, None) is not None:
+            raise UnsupportedModel(model_type, "state-space (Mamba) layers between its attention layers",
+                                   f"config.{field}", _RECURRENT_WHY)
+    if getattr(text_cfg, "attention_chunk_size", None):
+        raise UnsupportedModel(model_type, "chunked local attention", "config.attention_chunk_size")
+    if getattr(text_cfg, "index_topk", None):
+        raise UnsupportedModel(model_type, "a sparse attention indexer (top-k tokens per query)", "config.index_topk")
+
+
+def check_modules(model: torch.nn.Module, model_type: str) -> None:
+    """Rule 2 on the modules actually instantiated (catches hybrids whose config has no
+    layer-kind field, e.g. Falcon-H1's parallel Mamba heads).
+
+    Raises:
+        UnsupportedModel: the first recurrent-state module found, by its dotted name.
+    """
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if _RECURRENT_MODULE.search(cls):
+            raise UnsupportedModel(model_type, f"recurrent-state layers ({cls})", f"module {name}", _RECURRENT_WHY)
+        if hasattr(module, "crossattention") or hasattr(module, "encoder_attn"):
+            raise UnsupportedModel(model_type, "cross-attention layers", f"module {name}")
+
+
+_RECURRENT_WHY = ("they carry per-request recurrent state, which the engine does not keep beside the paged KV "
+                 "cache (see the README's model table)")
+
+
+def _why(kind: str) -> str:
+    if kind == "chunked_attention":
+        return "chunked local attention is not implemented by the paged back ends"
+    if kind in ("linear_attention", "mamba", "mamba2", "recurrent", "conv", "hybrid", "linear", "rwkv", "ssm"):
+        return _RECURRENT_WHY
+    return "the paged runner implements only full and sliding-window softmax attention layers"

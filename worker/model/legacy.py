@@ -1,0 +1,140 @@
+"""Adapters for architectures whose attention modules compute attention themselves
+instead of calling transformers' attention interface (BLOOM, Falcon): their forward is
+replaced, per instance, by one that uses the module's own projections and positions and
+then our paged attention.
+
+These models do not pass keyword arguments down to their attention modules, so the
+step's `AttentionMetadata` reaches the adapters through `_ACTIVE`, set by a wrapper of
+the model's own `forward` for the duration of one call. Under any other attention
+implementation (the load check's eager reference) the adapters run the module's
+original forward.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from collections.abc import Callable
+from types import MethodType
+from typing import Any
+
+import torch
+
+from worker.model.attention import ATTN_IMPLEMENTATION, AttentionMetadata, paged_attention_forward
+from worker.model.capability import UnsupportedModel
+
+_ACTIVE: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar("inflight_metadata", default=None)
+
+
+def _active(module: torch.nn.Module) -> AttentionMetadata | None:
+    cfg = getattr(module, "config", None) or module.inflight_config
+    if getattr(cfg, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return None
+    return _ACTIVE.get()
+
+
+def _bloom_attention(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                     output_attentions=False, **kwargs):
+    """BloomAttention.forward over the paged cache: ALiBi (per-head slopes x key position) + q·k / sqrt(d)."""
+    md = _active(self)
+    if md is None:
+        return type(self).forward(self, hidden_states, residual, alibi, attention_mask, layer_past, use_cache,
+                                  output_attentions, **kwargs)
+    batch, num_tokens, _ = hidden_states.shape
+    q, k, v = self._reshape(self.query_key_value(hidden_states))  # each [1, heads, tokens, head_dim]
+    ctx, _ = paged_attention_forward(self, q, k, v, None, scaling=self.inv_norm_factor, inflight_metadata=md)
+    ctx = ctx.reshape(batch, num_tokens, self.num_heads * self.head_dim)
+    if self.pretraining_tp > 1 and self.slow_but_exact:
+        slices = self.hidden_size / self.pretraining_tp
+        out = torch.zeros_like(ctx)
+        for i in range(self.pretraining_tp):
+            lo, hi = int(i * slices), int((i + 1) * slices)
+            out = out + torch.nn.functional.linear(ctx[:, :, lo:hi], self.dense.weight[:, lo:hi])
+    else:
+        out = self.dense(ctx)
+    modeling = sys.modules[type(self).__module__]
+    return modeling.dropout_add(out, residual, self.hidden_dropout, self.training), None
+
+
+def _falcon_attention(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
+                      use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+    """FalconAttention.forward (rotary variants) over the paged cache: multi-query, the
+    new decoder architecture's grouped K/V (one copy per KV head, not the broadcast), or
+    full multi-head."""
+    md = _active(self)
+    if md is None:
+        return type(self).forward(self, hidden_states, alibi, attention_mask, position_ids, layer_past, use_cache,
+                                  output_attentions, position_embeddings, **kwargs)
+    q, k, v = self._split_heads(self.query_key_value(hidden_states))  # [batch, tokens, heads, head_dim]
+    if self.new_decoder_architecture:  # K/V were broadcast over each group: keep one per KV head
+        group = self.num_heads // self.num_kv_heads
+        k, v = k[:, :, ::group], v[:, :, ::group]
+    batch, num_tokens = q.shape[:2]
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    modeling = sys.modules[type(self).__module__]
+    cos, sin = position_embeddings
+    q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    ctx, _ = paged_attention_forward(self, q, k, v.contiguous(), None, scaling=self.head_dim ** -0.5,
+                                     inflight_metadata=md)
+    return self.dense(ctx.reshape(batch, num_tokens, self.num_heads * self.head_dim)), None
+
+
+def _install_bloom(model: torch.nn.Module) -> list[str]:
+    modeling = sys.modules[type(model).__module__]
+    for module in model.modules():
+        if type(module).__name__ == "BloomAttention":
+            module.forward = MethodType(_bloom_attention, module)
+            module.inflight_config = model.config
+            module.inflight_alibi_slopes = modeling._get_alibi_slopes(module.num_heads, next(module.parameters()).device)
+    return ["ALiBi (adapter: BloomAttention)"]
+
+
+def _install_falcon(model: torch.nn.Module) -> list[str]:
+    cfg = model.config
+    if cfg.alibi:
+        raise UnsupportedModel("falcon", "ALiBi Falcon attention", "config.alibi",
+                               "only the rotary Falcon variants are adapted")
+    for module in model.modules():
+        if type(module).__name__ in ("FalconAttention", "FalconFlashAttention2"):
+            module.forward = MethodType(_falcon_attention, module)
+    return ["rotary attention (adapter: FalconAttention)"]
+
+
+_ADAPTERS: dict[str, Callable[[torch.nn.Module], list[str]]] = {"bloom": _install_bloom, "falcon": _install_falcon}
+
+
+def has_adapter(model_type: str) -> bool:
+    return model_type in _ADAPTERS
+
+
+def install(model: torch.nn.Module) -> list[str]:
+    """Install the adapter of `model`'s architecture, if it has one (after the model is
+    on its device). Returns the features it adds, for the load verdict.
+
+    Raises:
+        UnsupportedModel: a variant the adapter does not cover.
+    """
+    installer = _ADAPTERS.get(str(model.config.model_type))
+    if installer is None:
+        return []
+    features = installer(model)
+    inner = model.forward
+
+    def forward(*args: Any, inflight_metadata: AttentionMetadata | None = None, **kwargs: Any):
+        token = _ACTIVE.set(inflight_metadata)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    model.forward = forward
+    return features
+
+
+def use_paged_attention(model: torch.nn.Module) -> None:
+    """A model built with `eager` because its constructor picks attention classes by
+    name: switch its configs to our implementation (the adapter does the rest)."""
+    for module in [model, *model.modules()]:
+        cfg = getattr(module, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = ATTN_IMPLEMENTATION
