@@ -53,3 +53,14 @@ def llama_path() -> Path:
 @pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2"])
 def any_arch_path(request) -> Path:
     return tiny_checkpoint(request.param)
+
+
+def arch_checkpoint(family: str) -> Path:
+    """A tiny random-init checkpoint of one of tools.tiny_archs.FAMILIES (made once, cached)."""
+    from tools.tiny_archs import FAMILIES, make_tiny
+
+    model_type, overrides = FAMILIES[family]
+    out = MODEL_CACHE / "archs-v1" / family.replace(" ", "_").replace("(", "").replace(")", "")
+    if not (out / "config.json").is_file():
+        make_tiny(model_type, out, tiny_checkpoint("llama"), overrides)
+    return out

@@ -186,7 +186,7 @@ class ProcessEngineClient:
         facts = ModelFacts(vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
                            kv_capacity_tokens=ready.num_blocks * ready.block_size,
                            eos_token_ids=frozenset(ready.eos_token_ids), model_id=ready.model_id,
-                           block_size=ready.block_size)
+                           block_size=ready.block_size, sliding_window=ready.sliding_window)
         self.input = InputProcessor(tokenizer, facts, self.tuning)
         self.output = OutputProcessor(tokenizer)
         self._reader = threading.Thread(target=self._read, name="inflight-engine-reader", daemon=True)
@@ -200,6 +200,8 @@ class ProcessEngineClient:
         except EOFError:
             raise EngineCrashed(f"the engine core process exited with code {self._proc.exitcode}") from None
         if isinstance(msg, Failed):
+            if msg.is_config_error:
+                raise ValueError(msg.error)  # the worker's config-error path: one line, exit 2
             raise EngineCrashed(f"the engine core failed to start: {msg.error}")
         return msg
 

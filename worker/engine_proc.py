@@ -61,6 +61,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     eos_token_ids: list[int]
     model_id: str
     device: str
+    sliding_window: int | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):
@@ -73,7 +74,12 @@ class Idle(msgspec.Struct, tag="idle", array_like=True):
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
+    """The core could not start or a step broke. `is_config_error`: the engine could not
+    be built from its settings (model path, device, an architecture the load check
+    refused), which the worker reports as a config error (exit 2), not a crash."""
+
     error: str
+    is_config_error: bool = False
 
 
 ToCore = AddRequests | AbortRequests | FinishRequests | Shutdown
@@ -126,7 +132,11 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
         loaded = engine.loaded
         conn_out.send_bytes(encode(Ready(loaded.vocab_size, loaded.max_model_len, core.kv.num_blocks,
                                          core.kv.block_size, sorted(loaded.eos_token_ids), loaded.model_id,
-                                         str(core.runner.device))))
+                                         str(core.runner.device), loaded.kv_layout.sliding_window)))
+    except (ValueError, FileNotFoundError) as e:  # UnsupportedModel and ConfigError are ValueErrors
+        log.error("engine core cannot start: %s", e)
+        conn_out.send_bytes(encode(Failed(str(e)[:2000], is_config_error=True)))
+        return
     except Exception as e:
         log.exception("engine core failed to start")
         conn_out.send_bytes(encode(Failed(f"{type(e).__name__}: {e}"[:2000])))

@@ -23,6 +23,7 @@ import torch
 
 from worker.config import ServingTuning
 from worker.engine.kv_cache import KVCacheManager
+from worker.engine.kv_window import SlidingWindowKVCacheManager
 from worker.engine.outputs import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -74,15 +75,22 @@ class EngineCore:
     num_blocks: KV blocks of the cache.
     eos_token_ids: ids that end generation (unless `ignore_eos`).
     model_id: namespace of prefix-cache hashes.
+    sliding_window: W when every layer of the model reads only the last W positions
+        (blocks behind it are freed: `kv_window.py`); None otherwise.
     """
 
     def __init__(self, runner: Runner, tuning: ServingTuning, num_blocks: int, eos_token_ids: frozenset[int],
-                 model_id: str) -> None:
+                 model_id: str, sliding_window: int | None = None) -> None:
         self.runner = runner
         self.tuning = tuning
         self.eos_token_ids = eos_token_ids
-        self.kv = KVCacheManager(num_blocks, tuning.kv_block_size, enable_prefix_caching=tuning.enable_prefix_caching,
-                                 namespace=model_id.encode())
+        if sliding_window is None:
+            self.kv = KVCacheManager(num_blocks, tuning.kv_block_size,
+                                     enable_prefix_caching=tuning.enable_prefix_caching, namespace=model_id.encode())
+        else:
+            self.kv = SlidingWindowKVCacheManager(
+                num_blocks, tuning.kv_block_size, sliding_window=sliding_window, max_chunk=tuning.max_batched_tokens,
+                enable_prefix_caching=tuning.enable_prefix_caching, namespace=model_id.encode())
         self.scheduler = Scheduler(tuning, self.kv)
         self._new: deque[EngineCoreRequest] = deque()
         self._aborts: deque[str] = deque()

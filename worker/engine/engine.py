@@ -77,11 +77,12 @@ class Engine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
+        window = loaded.kv_layout.sliding_window
         self.facts = ModelFacts(vocab_size=loaded.vocab_size, max_model_len=loaded.max_model_len,
                                 kv_capacity_tokens=num_blocks * self.tuning.kv_block_size,
                                 eos_token_ids=loaded.eos_token_ids, model_id=loaded.model_id,
-                                block_size=self.tuning.kv_block_size)
-        self.core = EngineCore(runner, self.tuning, num_blocks, loaded.eos_token_ids, loaded.model_id)
+                                block_size=self.tuning.kv_block_size, sliding_window=window)
+        self.core = EngineCore(runner, self.tuning, num_blocks, loaded.eos_token_ids, loaded.model_id, window)
         self.input = InputProcessor(loaded.tokenizer, self.facts, self.tuning)
         self.output = OutputProcessor(loaded.tokenizer)
         self._live_ids: set[str] = set()

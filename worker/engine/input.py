@@ -15,6 +15,7 @@ from typing import Any
 
 from schemas.params import SamplingParams
 from worker.config import ServingTuning
+from worker.engine.kv_window import peak_blocks
 from worker.engine.outputs import EngineCoreRequest
 from worker.engine.request import Priority, RejectReason, RequestRejected
 
@@ -26,7 +27,9 @@ class ModelFacts:
     """What input processing needs to know of the model and the engine core.
 
     `kv_capacity_tokens` is the whole KV cache (blocks × block size); `model_id`
-    namespaces prefix-cache hashes; `eos_token_ids` every id that ends generation.
+    namespaces prefix-cache hashes; `eos_token_ids` every id that ends generation;
+    `sliding_window` W when every layer reads only the last W positions (a request then
+    holds at most `kv_window.peak_blocks` of KV, whatever its length).
     """
 
     vocab_size: int
@@ -35,6 +38,7 @@ class ModelFacts:
     eos_token_ids: frozenset[int]
     model_id: str
     block_size: int = 16
+    sliding_window: int | None = None
 
 
 class InputProcessor:
@@ -153,11 +157,18 @@ class InputProcessor:
                 f"prompt {n} + max_tokens {max_tokens} tokens exceed the model context of {max_len}",
             )
         capacity = self.facts.kv_capacity_tokens
-        if n + max_tokens > capacity:
+        window = self.facts.sliding_window
+        if window is None:
+            held = n + max_tokens
+        else:  # the most it ever holds at once
+            held = peak_blocks(n + max_tokens, window, self.facts.block_size, t.max_batched_tokens) * self.facts.block_size
+        if held > capacity:
+            what = f"prompt {n} + max_tokens {max_tokens} tokens" + (
+                "" if window is None else f" (at most {held} at once behind its {window}-token window)")
             raise RequestRejected(
                 request_id,
                 RejectReason.EXCEEDS_KV_CAPACITY,
-                f"prompt {n} + max_tokens {max_tokens} tokens can never fit the KV cache of {capacity} tokens",
+                f"{what} can never fit the KV cache of {capacity} tokens",
             )
         quota = t.tenant_policy(tenant).max_kv_blocks
         block = self.facts.block_size

@@ -26,6 +26,8 @@ from worker.engine.outputs import KVStats
 if TYPE_CHECKING:
     from worker.engine.request import Request
 
+NULL_BLOCK = -1  # a block-table entry whose block was freed (behind a sliding window)
+
 
 def hash_block(parent_hash: bytes, salt: bytes, token_ids: list[int]) -> bytes:
     """Chained hash of one full block: 16 bytes of BLAKE2b over parent, salt and tokens."""
@@ -194,6 +196,17 @@ class KVCacheManager:
         num_revived = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
         return max(self.num_blocks_for(num_tokens) - num_have, 0) + num_revived
 
+    def num_blocks_to_admit(self, req: Request, num_prefill: int, cached_blocks: list[int],
+                            reserve_tokens: int = 0) -> int:
+        """Blocks that must be free to admit `req` with `num_prefill` tokens left to
+        compute: the whole remaining prefill (and the reservation), so a long prompt is not
+        started on a chunk that fits only to lose its blocks before its prefill ends."""
+        return self.num_blocks_to_allocate(req, num_prefill, cached_blocks, reserve_tokens)
+
+    def admission_tokens(self, num_prefill: int, budget: int) -> int:
+        """Tokens the admission's `allocate` covers: the whole remaining prefill."""
+        return num_prefill
+
     def table_growth(
         self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None, reserve_tokens: int = 0
     ) -> int:
@@ -212,7 +225,7 @@ class KVCacheManager:
     def num_freeable_blocks(self, request_id: str) -> int:
         """Blocks that freeing the request would give back to the pool (those only it references)."""
         ref_cnt = self.pool.ref_cnt
-        return sum(1 for b in self._block_tables.get(request_id, ()) if ref_cnt[b] == 1)
+        return sum(1 for b in self._block_tables.get(request_id, ()) if b != NULL_BLOCK and ref_cnt[b] == 1)
 
     def allocate(
         self,
@@ -265,7 +278,8 @@ class KVCacheManager:
         self._extend_hashes(req, num_full)
         table = self._block_tables[req.request_id]
         for i in range(start, num_full):
-            self.pool.register(table[i], req.block_hashes[i])
+            if table[i] != NULL_BLOCK:
+                self.pool.register(table[i], req.block_hashes[i])
         self._num_registered[req.request_id] = num_full
 
     def free(self, request_id: str) -> None:
@@ -273,9 +287,10 @@ class KVCacheManager:
         table = self._block_tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
         tenant = self._tenants.pop(request_id, None)
-        if table:
-            self.pool.release(table)
-            held = self._num_held[tenant] - len(table)
+        live = [b for b in table if b != NULL_BLOCK] if table else None
+        if live:
+            self.pool.release(live)
+            held = self._num_held[tenant] - len(live)
             if held:
                 self._num_held[tenant] = held
             else:
@@ -298,7 +313,8 @@ class KVCacheManager:
         expected = [0] * pool.num_blocks
         for table in self._block_tables.values():
             for block_id in table:
-                expected[block_id] += 1
+                if block_id != NULL_BLOCK:
+                    expected[block_id] += 1
         if expected != pool.ref_cnt:
             bad = [i for i in range(pool.num_blocks) if expected[i] != pool.ref_cnt[i]][:5]
             raise RuntimeError(
@@ -313,8 +329,9 @@ class KVCacheManager:
             raise RuntimeError(f"evictable count {pool.num_evictable} != {num_evictable} counted")
         held: dict[str, int] = {}
         for rid, table in self._block_tables.items():
-            if table:
-                held[self._tenants[rid]] = held.get(self._tenants[rid], 0) + len(table)
+            num_live = sum(1 for b in table if b != NULL_BLOCK)
+            if num_live:
+                held[self._tenants[rid]] = held.get(self._tenants[rid], 0) + num_live
         if held != self._num_held:
             raise RuntimeError(f"blocks held per tenant {self._num_held} != {held} counted from the tables")
         s = self.stats()

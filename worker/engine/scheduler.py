@@ -23,7 +23,8 @@ Rules under KV pressure (each one closes a loop seen in practice):
   - Admission allocates blocks for the whole remaining prefill (prompt + output so
     far), not for the first chunk only (vLLM #21793): a long prompt is not started on
     a chunk that fits only to lose its blocks before its prefill ends. So only a
-    decode ever asks for a new block. Under `kv_policy: reserve`, and for a request
+    decode ever asks for a new block. (A model windowed in every layer admits on the
+    peak its window allows and allocates chunk by chunk, freeing behind: kv_window.py.) Under `kv_policy: reserve`, and for a request
     preempted RESERVE_AFTER_PREEMPTIONS times already, it allocates prompt +
     max_tokens: such a request never asks for a block again.
   - Victim, when a decode finds no free block: the running request of the lowest
@@ -223,9 +224,10 @@ class Scheduler:
                 excluded.add(tenant)
                 over_quota.append(req)
                 continue
-            num_blocks = self.kv.num_blocks_to_allocate(req, num_prefill, cached_blocks, reserve)
+            num_blocks = self.kv.num_blocks_to_admit(req, num_prefill, cached_blocks, reserve)
             given_back = self._make_room(req, rank, num_blocks, scheduled, preempted, admitted)
-            if given_back is None or not self.kv.allocate(req, num_prefill, cached_blocks, reserve_tokens=reserve):
+            num_alloc = self.kv.admission_tokens(num_prefill, budget + (given_back or 0))
+            if given_back is None or not self.kv.allocate(req, num_alloc, cached_blocks, reserve_tokens=reserve):
                 skipped.append(req)
                 if req.num_skips >= tuning.max_admission_skips or len(skipped) > MAX_SKIPPED_PER_STEP:
                     break  # it holds a reservation: nothing ranked behind it is admitted

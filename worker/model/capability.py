@@ -121,8 +121,10 @@ def check_config(text_cfg, model_type: str) -> None:
         for i, kind in enumerate(kinds):
             kind_s = str(kind)
             if kind_s not in ATTENTION_KINDS and kind_s not in _FEED_FORWARD_KINDS:
-                raise UnsupportedModel(model_type, f"{kind_s} layers", f"config.{field}[{i}]",
-                                       _why(kind_s))
+                name = f"{kind_s} layers"
+                if kind_s == "linear_attention" and any(k.startswith("mamba") for k in text_cfg.to_dict()):
+                    name = "Mamba (state-space) layers"  # transformers files Mamba mixers as linear_attention
+                raise UnsupportedModel(model_type, name, f"config.{field}[{i}]", _why(kind_s))
     for field in ("attn_layer_period", "attn_layer_indices", "hybrid_layer_ids"):
         if getattr(text_cfg, field, None) is not None:
             raise UnsupportedModel(model_type, "state-space (Mamba) layers between its attention layers",

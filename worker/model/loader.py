@@ -190,7 +190,7 @@ def _measure(model: torch.nn.Module, text_cfg, model_type: str, backend: ModuleT
     trace = measure_layers(model, text_cfg, model_type, backend)
     layers = tuple(trace[i].kv if i in trace else None for i in range(max(trace) + 1))
     windows = [call.params.sliding_window for call in trace.values()]
-    all_windowed = len(set(windows)) == 1 and windows[0] is not None
+    all_windowed = all(w is not None for w in windows)  # then blocks behind the largest window are dead
     features = []
     n_sliding = sum(1 for w in windows if w is not None)
     if n_sliding:
@@ -204,4 +204,4 @@ def _measure(model: torch.nn.Module, text_cfg, model_type: str, backend: ModuleT
         features.append("ALiBi")
     if getattr(text_cfg, "final_logit_softcapping", None):
         features.append("final logit soft-capping (in the model)")
-    return KVLayout(layers, sliding_window=windows[0] if all_windowed else None), features
+    return KVLayout(layers, sliding_window=max(windows) if all_windowed else None), features
