@@ -31,8 +31,11 @@ SMALL = dict(
     n_embd=64, n_layer=2, n_head=4, n_positions=1024, n_inner=128, ffn_dim=128, word_embed_proj_dim=64,
     bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
 )
+_SMALL_LATENT = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                     num_key_value_heads=4, n_group=1, topk_group=1)
 _ALTERNATING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
 
+MAX_PARAMS = 20_000_000
 # family -> (model_type, overrides on top of SMALL)
 FAMILIES: dict[str, tuple[str, dict]] = {
     "Llama": ("llama", {}),
@@ -62,9 +65,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "GPT-OSS": ("gpt_oss", dict(_ALTERNATING)),
     "EXAONE 4": ("exaone4", dict(_ALTERNATING)),
     "OLMo 3": ("olmo3", dict(_ALTERNATING)),
-    "DeepSeek-V3": ("deepseek_v3", dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                        v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1,
-                                        num_key_value_heads=4, head_dim=None)),
+    "DeepSeek-V3": ("deepseek_v3", dict(first_k_dense_replace=1)),
     "Falcon": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
     "Qwen3-Next": ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
@@ -80,6 +81,9 @@ def shrink_kwargs(config_cls, overrides: dict | None = None) -> dict:
     base = config_cls()
     known = set(base.to_dict()) | set(vars(base))
     kwargs = {k: v for k, v in SMALL.items() if k in known}
+    if "kv_lora_rank" in known:  # latent attention: small latent dims, one KV head per query head
+        kwargs.update({k: v for k, v in _SMALL_LATENT.items() if k in known})
+        kwargs.pop("head_dim", None)
     kwargs.update(overrides or {})
     return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -92,6 +96,10 @@ def make_tiny(model_type: str, out: Path, tokenizer_dir: Path, overrides: dict |
 
     cls = CONFIG_MAPPING[model_type]
     config = cls(**shrink_kwargs(cls, overrides))
+    with torch.device("meta"):  # a config that does not shrink (nested sub-configs) is not built at full size
+        num_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if num_params > MAX_PARAMS:
+        raise ValueError(f"{model_type} does not shrink with these fields: {num_params / 1e6:.0f}M parameters")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -114,9 +122,11 @@ def staggered_requests(seed: int = 0, lens=((40, 0), (23, 3), (57, 7), (90, 12))
 
 
 def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch", block_size: int = 16,
-               max_batched_tokens: int = 16, max_total_tokens: int = 4096, on_step=None) -> dict:
+               max_batched_tokens: int = 16, max_total_tokens: int = 4096, kv_policy: str = "optimistic",
+               on_step=None, on_forward=None) -> dict:
     """Greedy, EOS ignored, chunked prefill (`max_batched_tokens`). Returns
-    request id -> (token ids, finish reason). `on_step(engine)` runs after every step."""
+    request id -> (token ids, finish reason). `on_step(engine)` runs after every step,
+    `on_forward(scheduler_output)` before every forward."""
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
@@ -124,8 +134,17 @@ def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch",
     cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu", attention_backend=backend),
                        serving_tuning=ServingTuning(max_total_tokens=max_total_tokens, kv_block_size=block_size,
                                                     max_batched_tokens=max_batched_tokens, max_running_requests=8,
-                                                    max_output_tokens=max_tokens, max_input_tokens=512))
+                                                    max_output_tokens=max_tokens, max_input_tokens=512,
+                                                    kv_policy=kv_policy))
     engine = Engine.from_pretrained(str(path), cfg)
+    if on_forward is not None:
+        execute = engine.runner.execute
+
+        def spy(sched):
+            on_forward(sched)
+            return execute(sched)
+
+        engine.runner.execute = spy
     tokens: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
     finals: dict[str, str] = {}
     step = 0
@@ -162,21 +181,63 @@ def reference(path: Path, requests, max_tokens: int) -> dict[str, list[int]]:
 
 
 def verdict(path: Path, max_tokens: int = 24, **engine_kwargs) -> dict:
-    """exact | refused (with the loader's line) | wrong (first differing position per request)."""
+    """exact | refused (with the loader's line) | wrong (first differing position per
+    request) | not built (transformers' own `generate` fails on this tiny config: nothing
+    to compare with)."""
     from worker.model.capability import UnsupportedModel
 
     requests = staggered_requests()
     try:
+        ref = reference(path, requests, max_tokens)
+    except Exception as e:
+        return {"result": "not built", "why": f"transformers' generate: {type(e).__name__}: {str(e)[:160]}"}
+    try:
         got = run_engine(path, requests, max_tokens, **engine_kwargs)
     except UnsupportedModel as e:
         return {"result": "refused", "why": str(e)}
-    ref = reference(path, requests, max_tokens)
     bad = {}
     for rid, (ids, reason) in got.items():
         if ids != ref[rid] or reason != "length":
             first = next((i for i, (a, b) in enumerate(zip(ids, ref[rid])) if a != b), min(len(ids), len(ref[rid])))
             bad[rid] = {"first_diff": first, "finish_reason": reason}
     return {"result": "wrong", "requests": bad} if bad else {"result": "exact"}
+
+
+def _judge(model_type: str, out: Path, tokenizer_dir: Path, overrides: dict) -> dict:
+    try:
+        path = make_tiny(model_type, out, tokenizer_dir, overrides)
+    except Exception as e:  # a config class that cannot be built small: reported, not judged
+        return {"result": "not built", "why": f"{type(e).__name__}: {str(e)[:160]}"}
+    try:
+        return verdict(path)
+    except Exception as e:
+        return {"result": "failed", "why": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def _judge_isolated(model_type: str, out: Path, tokenizer_dir: Path, overrides: dict, timeout_s: float) -> dict:
+    """`_judge` in a forked child (a crash or a hang of one architecture is its verdict)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+
+    def work() -> None:
+        child.send(_judge(model_type, out, tokenizer_dir, overrides))
+
+    proc = ctx.Process(target=work, daemon=True)
+    proc.start()
+    child.close()
+    ready = parent.poll(timeout_s)
+    try:
+        result = parent.recv() if ready else None
+    except EOFError:  # the child died without an answer
+        result = None
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+    if result is None:
+        return {"result": "failed", "why": "timed out" if not ready else f"the process died (exit {proc.exitcode})"}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,23 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", action="store_true", help="every causal-LM architecture of transformers, not the 30")
     p.add_argument("--out", default=".cache/tiny-archs", help="where checkpoints are written")
     p.add_argument("--json", help="write the verdicts here")
+    p.add_argument("--timeout-s", type=float, default=300, help="per architecture")
     a = p.parse_args(argv)
     from tests.conftest import tiny_checkpoint
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     tok = tiny_checkpoint("llama")
     todo = ({mt: (mt, {}) for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} if a.all else FAMILIES)
     results = {}
     for name, (model_type, overrides) in todo.items():
         t0 = time.time()
-        try:
-            path = make_tiny(model_type, Path(a.out) / model_type, tok, overrides)
-        except Exception as e:  # a config class that cannot be built small: reported, not judged
-            results[name] = {"result": "not built", "why": f"{type(e).__name__}: {str(e)[:160]}"}
-        else:
-            try:
-                results[name] = verdict(path)
-            except Exception as e:
-                results[name] = {"result": "failed", "why": f"{type(e).__name__}: {str(e)[:200]}"}
+        results[name] = _judge_isolated(model_type, Path(a.out) / model_type, tok, overrides, a.timeout_s)
         results[name]["s"] = round(time.time() - t0, 1)
         print(f"{name:28s} {results[name]['result']:9s} {results[name].get('why', '')[:110]}", flush=True)
     if a.json:

@@ -232,10 +232,14 @@ def main(argv: list[str] | None = None) -> int:
 
     a = p.parse_args(argv)
     from worker.config import ConfigError
+    from worker.model.capability import UnsupportedModel
 
     try:
         return _dispatch(a)
     except ConfigError as e:  # every command: a bad config is one line naming the field, exit 2
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except UnsupportedModel as e:  # a model the engine cannot reproduce: refused at load, one line
         print(f"config error: {e}", file=sys.stderr)
         return 2
 

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import yaml
 
+from tests.conftest import arch_checkpoint
 from tests.integration.conftest import ROOT, worker_config
 from worker.preflight import Check, exit_code, render, run_preflight
 
@@ -67,6 +68,7 @@ def test_a_correct_config_passes_without_joining_the_group(good, services, prefi
     assert "appendonly no" in c["redis persistence"].detail  # the dev stack runs Redis without persistence
     assert f"{prefix}.jobs.high 3" in c["topics"].detail and f"{prefix}.dlq 3" in c["topics"].detail
     assert "chat template present" in c["model"].detail
+    assert "supported (full causal attention); load check: logits within" in c["model"].detail
     assert "4096 tokens" in c["kv cache"].detail
     assert exit_code(checks) == 0 and render(checks).endswith("all 7 checks passed")
     # described and its offsets fetched, never joined: no member, no rebalance for running workers
@@ -108,6 +110,28 @@ def test_bad_model_path(good, tmp_path):
     fail = only_failure(checks, "model", "model.path")
     assert "no-model" in fail.detail and "config.json" in fail.detail
     assert by_name(checks)["kv cache"].status == "skip"
+
+
+def test_an_architecture_the_engine_cannot_reproduce_fails_the_model_check(good):
+    """Refused at load with the loader's one line (architecture, feature, config field)."""
+    path = arch_checkpoint("Qwen3-Next")
+    cfg = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, path=str(path)))
+    fail = only_failure(run_preflight(cfg), "model", "model.path")
+    assert "model 'qwen3_next' has linear_attention layers (config.layer_types[0]); not supported" in fail.detail
+
+
+@pytest.mark.parametrize("engine_process", [True, False])
+def test_the_worker_refuses_it_at_start_with_exit_2(good, tmp_path, engine_process):
+    from tests.integration.test_fleet import spawn_worker
+
+    path = arch_checkpoint("Jamba")
+    cfg = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, path=str(path)),
+                                  worker=msgspec.structs.replace(good.worker, engine_process=engine_process))
+    proc, log = spawn_worker(tmp_path, cfg, f"refusing-{engine_process}")
+    assert proc.wait(timeout=180) == 2, log.read_text()[-2000:]
+    text = log.read_text()
+    assert "model 'jamba' has Mamba (state-space) layers (config.layer_types[0]); not supported" in text
+    assert "worker started" not in text
 
 
 def test_kv_cache_larger_than_memory(good):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -44,3 +45,17 @@ def test_greedy_equals_transformers_generate_with_triton(llama_path):
     model = AutoModelForCausalLM.from_pretrained(str(llama_path), dtype=torch.float32).eval()
     for rid, prompt, max_tokens in work:
         assert tokens[rid] == reference(model, prompt, max_tokens), rid
+
+
+@pytest.mark.parametrize("family", ["Gemma 2", "GPT-OSS", "Mistral (sliding window)", "DeepSeek-V3"])
+def test_layer_features_through_the_triton_engine(family):
+    """Alternating 16-token windows, soft-capping, sinks, a window freeing KV blocks,
+    the latent cache: the whole engine on the Triton kernels (interpreter on the
+    CPU; the load check runs on them too), exact against transformers."""
+    from tests.conftest import arch_checkpoint
+    from tools.tiny_archs import verdict
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        pytest.skip("tools.tiny_archs runs the CPU engine; on CUDA the kernels are covered by tools/gpu_check.py")
+    assert verdict(arch_checkpoint(family), max_tokens=8, backend="triton") == {"result": "exact"}

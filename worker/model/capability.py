@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # this module stays importable without torch (the CLI catches UnsupportedModel)
+    import torch
 
 # A module whose class name matches keeps state across tokens that is not softmax attention.
 _RECURRENT_MODULE = re.compile(
@@ -87,7 +89,7 @@ class KVLayout:
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """KV cache bytes one token takes over all layers."""
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         return size * sum(layer.values_per_token() for layer in self.layers if layer is not None)
 
 

@@ -86,7 +86,7 @@ def _install_bloom(model: torch.nn.Module) -> list[str]:
             module.forward = MethodType(_bloom_attention, module)
             module.inflight_config = model.config
             module.inflight_alibi_slopes = modeling._get_alibi_slopes(module.num_heads, next(module.parameters()).device)
-    return ["ALiBi (adapter: BloomAttention)"]
+    return ["attention outside the interface (adapter: BloomAttention)"]
 
 
 def _install_falcon(model: torch.nn.Module) -> list[str]:
@@ -97,7 +97,7 @@ def _install_falcon(model: torch.nn.Module) -> list[str]:
     for module in model.modules():
         if type(module).__name__ in ("FalconAttention", "FalconFlashAttention2"):
             module.forward = MethodType(_falcon_attention, module)
-    return ["rotary attention (adapter: FalconAttention)"]
+    return ["attention outside the interface (adapter: FalconAttention)"]
 
 
 _ADAPTERS: dict[str, Callable[[torch.nn.Module], list[str]]] = {"bloom": _install_bloom, "falcon": _install_falcon}
