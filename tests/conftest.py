@@ -60,7 +60,7 @@ def arch_checkpoint(family: str) -> Path:
     from tools.tiny_archs import FAMILIES, make_tiny
 
     model_type, overrides = FAMILIES[family]
-    out = MODEL_CACHE / "archs-v1" / family.replace(" ", "_").replace("(", "").replace(")", "")
+    out = MODEL_CACHE / "archs-v2" / family.replace(" ", "_").replace("(", "").replace(")", "")
     if not (out / "config.json").is_file():
         make_tiny(model_type, out, tiny_checkpoint("llama"), overrides)
     return out

@@ -134,7 +134,26 @@ def correctness(device: str, smoke: bool) -> list[dict]:
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             rows.append({"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "block_size": block_size,
                          "gqa": group, "max_abs_err": err, "kv_write_exact": write_ok, "ok": err <= tol and write_ok})
+            # per-layer features on the same batch: sliding window, soft-capping, sinks
+            for feature, params in _feature_params(kvh * group, head_dim, device).items():
+                expect = torch_ref.paged_attention(q.float(), k.float(), v.float(), *ref_runner.kv_caches[0], md_ref,
+                                                   params)
+                got = triton_attn.paged_attention(q, k, v, *tri_runner.kv_caches[0], md_tri, params)
+                err = (got.float() - expect).abs().max().item()
+                rows.append({"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim,
+                             "block_size": block_size, "gqa": group, "feature": feature, "max_abs_err": err,
+                             "kv_write_exact": write_ok, "ok": err <= tol})
     return rows
+
+
+def _feature_params(num_heads: int, head_dim: int, device: str) -> dict:
+    from worker.model.kernels.params import AttentionParams
+
+    scale = head_dim**-0.5
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(0)).to(device)
+    return {"sliding_window": AttentionParams(scale, sliding_window=40),
+            "softcap": AttentionParams(scale * 8, softcap=5.0),
+            "sinks": AttentionParams(scale, sinks=sinks)}
 
 
 def decode_bandwidth(device: str, smoke: bool, peak: float | None, batch: int = 64, ctx: int = 2048) -> dict:

@@ -29,6 +29,9 @@ SMALL = dict(
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
     shared_expert_intermediate_size=32, n_shared_experts=1,
     n_embd=64, n_layer=2, n_head=4, n_positions=1024, n_inner=128, ffn_dim=128, word_embed_proj_dim=64,
+    d_model=64, n_layers=2, n_heads=4, num_layers=2, num_heads=4, d_ff=128, rotary_dim=8,
+    decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128, encoder_layers=2, encoder_attention_heads=4,
+    encoder_ffn_dim=128, max_seq_len=1024,
     bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
 )
 _SMALL_LATENT = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
@@ -188,13 +191,13 @@ def verdict(path: Path, max_tokens: int = 24, **engine_kwargs) -> dict:
 
     requests = staggered_requests()
     try:
-        ref = reference(path, requests, max_tokens)
-    except Exception as e:
-        return {"result": "not built", "why": f"transformers' generate: {type(e).__name__}: {str(e)[:160]}"}
-    try:
         got = run_engine(path, requests, max_tokens, **engine_kwargs)
     except UnsupportedModel as e:
         return {"result": "refused", "why": str(e)}
+    try:
+        ref = reference(path, requests, max_tokens)
+    except Exception as e:
+        return {"result": "not built", "why": f"transformers' generate: {type(e).__name__}: {str(e)[:160]}"}
     bad = {}
     for rid, (ids, reason) in got.items():
         if ids != ref[rid] or reason != "length":
@@ -249,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the verdicts here")
     p.add_argument("--timeout-s", type=float, default=300, help="per architecture")
     a = p.parse_args(argv)
-    from tests.conftest import tiny_checkpoint
-
     from transformers.utils import logging as hf_logging
+
+    from tests.conftest import tiny_checkpoint
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

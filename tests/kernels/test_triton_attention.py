@@ -12,8 +12,8 @@ import torch
 
 from schemas.params import SamplingParams
 from worker.engine.outputs import ScheduledRequest, SchedulerOutput
-from worker.model.kernels import get_backend, torch_ref
 from worker.model.capability import KVLayout, LayerKV
+from worker.model.kernels import get_backend, torch_ref
 from worker.model.kernels.params import AttentionParams
 from worker.model.runner import ModelRunner
 

@@ -15,6 +15,9 @@ that call's `AttentionParams`. Latent attention (MLA) arrives already compressed
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -121,6 +124,25 @@ _IGNORED_KWARGS = frozenset({
 })
 
 
+_STEP: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar("inflight_step", default=None)
+
+
+@contextlib.contextmanager
+def step_metadata(md: AttentionMetadata) -> Iterator[None]:
+    """Make `md` the current step's metadata for the duration of one forward. Attention
+    reads it when the model did not pass `inflight_metadata` down (some decoder layers
+    drop keyword arguments: Nemotron; BLOOM and Falcon pass none to their attention)."""
+    token = _STEP.set(md)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def current_metadata() -> AttentionMetadata | None:
+    return _STEP.get()
+
+
 def _params(module: torch.nn.Module, scaling: float | None, head_dim: int, kwargs: dict[str, Any]) -> AttentionParams:
     window = kwargs.get("sliding_window")
     softcap = kwargs.get("softcap")
@@ -159,7 +181,7 @@ def paged_attention_forward(
     Raises:
         RuntimeError: called without `inflight_metadata` (the model was run outside the engine).
     """
-    md = inflight_metadata
+    md = inflight_metadata if inflight_metadata is not None else _STEP.get()
     if md is None:
         raise RuntimeError(
             f"attention '{ATTN_IMPLEMENTATION}' needs inflight_metadata; run this model through the Inflight engine"

@@ -4,15 +4,15 @@ replaced, per instance, by one that uses the module's own projections and positi
 then our paged attention.
 
 These models do not pass keyword arguments down to their attention modules, so the
-step's `AttentionMetadata` reaches the adapters through `_ACTIVE`, set by a wrapper of
-the model's own `forward` for the duration of one call. Under any other attention
-implementation (the load check's eager reference) the adapters run the module's
-original forward.
+step's `AttentionMetadata` reaches the adapters through `attention.current_metadata()`,
+which the runner sets around each forward (a wrapper of the model's `forward` keeps the
+`inflight_metadata` argument away from a signature that may not take it). Under any
+other attention implementation (the load check's eager reference) the adapters run the
+module's original forward.
 """
 
 from __future__ import annotations
 
-import contextvars
 import sys
 from collections.abc import Callable
 from types import MethodType
@@ -20,17 +20,21 @@ from typing import Any
 
 import torch
 
-from worker.model.attention import ATTN_IMPLEMENTATION, AttentionMetadata, paged_attention_forward
+from worker.model.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionMetadata,
+    current_metadata,
+    paged_attention_forward,
+    step_metadata,
+)
 from worker.model.capability import UnsupportedModel
-
-_ACTIVE: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar("inflight_metadata", default=None)
 
 
 def _active(module: torch.nn.Module) -> AttentionMetadata | None:
     cfg = getattr(module, "config", None) or module.inflight_config
     if getattr(cfg, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         return None
-    return _ACTIVE.get()
+    return current_metadata()
 
 
 def _bloom_attention(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
@@ -121,11 +125,10 @@ def install(model: torch.nn.Module) -> list[str]:
     inner = model.forward
 
     def forward(*args: Any, inflight_metadata: AttentionMetadata | None = None, **kwargs: Any):
-        token = _ACTIVE.set(inflight_metadata)
-        try:
+        if inflight_metadata is None:
             return inner(*args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
+        with step_metadata(inflight_metadata):
+            return inner(*args, **kwargs)
 
     model.forward = forward
     return features

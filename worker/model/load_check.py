@@ -32,7 +32,7 @@ import torch
 
 from schemas.params import SamplingParams
 from worker.engine.outputs import ScheduledRequest, SchedulerOutput
-from worker.model.attention import ATTN_IMPLEMENTATION, AttentionMetadata, LayerCall
+from worker.model.attention import AttentionMetadata, LayerCall, step_metadata
 from worker.model.capability import KVLayout, UnsupportedModel, layer_windows
 
 PROBE_BLOCK_SIZE = 4
@@ -74,8 +74,10 @@ def _sched(step: int, parts: list[tuple[str, list[int], int, list[int]]]) -> Sch
 
 def _forward(model: torch.nn.Module, input_ids: list[int], positions: list[int], md: AttentionMetadata) -> torch.Tensor:
     dev = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([input_ids], device=dev), position_ids=torch.tensor([positions], device=dev),
-                use_cache=False, logits_to_keep=0, inflight_metadata=md)
+    with step_metadata(md):
+        out = model(input_ids=torch.tensor([input_ids], device=dev),
+                    position_ids=torch.tensor([positions], device=dev), use_cache=False, logits_to_keep=0,
+                    inflight_metadata=md)
     return out.logits[0].float()
 
 
@@ -93,9 +95,13 @@ def measure_layers(model: torch.nn.Module, text_cfg, model_type: str, backend: M
     ids, pos, md, _, _ = runner.build_metadata(_sched(0, [("shape", [1, 2, 3], 0, [0])]))
     md.kv_caches = None
     md.trace = {}
-    with torch.inference_mode():
-        model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False, logits_to_keep=1,
-              inflight_metadata=md)
+    try:
+        with torch.inference_mode(), step_metadata(md):
+            model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False, logits_to_keep=1,
+                  inflight_metadata=md)
+    except Exception as e:  # a forward the paged runner cannot make is a refusal at load, not a crash later
+        raise UnsupportedModel(model_type, "a forward the paged runner cannot run", f"{type(model).__name__}",
+                               f"{type(e).__name__}: {str(e)[:300]}") from e
     trace = md.trace
     num_layers = int(text_cfg.num_hidden_layers)
     missing = [i for i in range(num_layers) if i not in trace]
@@ -153,17 +159,26 @@ def compare_with_reference(model: torch.nn.Module, layout: KVLayout, backend: Mo
     ]
     got: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
     with torch.inference_mode():
-        for n, parts in enumerate(steps):
-            sched = _sched(n + 1, parts)
-            ids, pos, md, _, packed = runner.build_metadata(sched)
-            logits = _forward(model, ids.tolist(), pos.tolist(), md)
-            row = 0
-            for s in packed:
-                got[s.request_id].append(logits[row: row + s.num_tokens])
-                row += s.num_tokens
-        with reference_attention(model):
-            ref = {name: model(input_ids=torch.tensor([seq], device=dev), use_cache=False).logits[0].float()
-                   for name, seq in (("a", a), ("b", b))}
+        try:
+            for n, parts in enumerate(steps):
+                sched = _sched(n + 1, parts)
+                ids, pos, md, _, packed = runner.build_metadata(sched)
+                logits = _forward(model, ids.tolist(), pos.tolist(), md)
+                row = 0
+                for s in packed:
+                    got[s.request_id].append(logits[row: row + s.num_tokens])
+                    row += s.num_tokens
+        except Exception as e:
+            raise UnsupportedModel(model_type, "a forward the paged runner cannot run", f"{type(model).__name__}",
+                                   f"{type(e).__name__}: {str(e)[:300]}") from e
+        try:
+            with reference_attention(model):
+                ref = {name: model(input_ids=torch.tensor([seq], device=dev), use_cache=False).logits[0].float()
+                       for name, seq in (("a", a), ("b", b))}
+        except Exception as e:
+            raise UnsupportedModel(model_type, "no eager attention to check the paged runner against",
+                                   f"{type(model).__name__}", f"{type(e).__name__}: {str(e)[:200]}; "
+                                   "model.load_check: false skips this comparison") from e
     tol = TOLERANCE.get(dtype, HALF_TOLERANCE)
     worst = 0.0
     for name in ("a", "b"):

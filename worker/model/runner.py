@@ -11,7 +11,7 @@ from types import ModuleType
 import torch
 
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, step_metadata
 from worker.model.capability import KVLayout, LayerKV
 from worker.model.sampler import sample
 
@@ -147,13 +147,14 @@ class ModelRunner:
         input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
         # A step of only partial prefill chunks still computes one (discarded) logit row.
         keep = torch.tensor(sample_idx or [0], device=self.device)
-        out = self.model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=position_ids.unsqueeze(0),
-            use_cache=False,
-            logits_to_keep=keep,
-            inflight_metadata=md,
-        )
+        with step_metadata(md):
+            out = self.model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=position_ids.unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=keep,
+                inflight_metadata=md,
+            )
         if not sample_idx:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = out.logits[0]  # [num_sampled, vocab]
