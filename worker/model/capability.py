@@ -147,7 +147,8 @@ def check_modules(model: torch.nn.Module, model_type: str) -> None:
     for name, module in model.named_modules():
         cls = type(module).__name__
         if _RECURRENT_MODULE.search(cls):
-            raise UnsupportedModel(model_type, f"recurrent-state layers ({cls})", f"module {name}", _RECURRENT_WHY)
+            raise UnsupportedModel(model_type, f"recurrent-state layers ({cls})", f"module {name or '(the model)'}",
+                                   _RECURRENT_WHY)
         if hasattr(module, "crossattention") or hasattr(module, "encoder_attn"):
             raise UnsupportedModel(model_type, "cross-attention layers", f"module {name}")
 
