@@ -9,7 +9,9 @@
               running requests (all decoding), split into schedule + bookkeeping and
               detokenization/outputs; then preemptions and prefill tokens computed vs
               needed (recompute) on KV-pressure scenarios (issue 10's inputs and an
-              overloaded random mix, prefix caching off so recompute is not hidden);
+              overloaded random mix, issue 26's preempted streams, prefix caching off so
+              recompute is not hidden) with the longest gap between two tokens of a
+              request in steps;
               then fair share off vs on at 256 / 1024 running over --tenants tenants
               with churn (requests end every step, a backlog refills the slots).
 
@@ -324,11 +326,11 @@ def scheduler_overhead(a) -> dict:
               f"{r['metrics_per_step_ms']:>12.4f}")
     pressure = [kv_pressure(name) for name in KV_PRESSURE]
     print(f"\n{'kv pressure':<18}{'blocks':>7}{'steps':>7}{'preemptions':>13}{'max/request':>13}"
-          f"{'prefill needed':>16}{'computed':>10}{'ratio':>7}")
+          f"{'prefill needed':>16}{'computed':>10}{'ratio':>7}{'max gap':>9}")
     for r in pressure:
         print(f"{r['scenario']:<18}{r['num_blocks']:>7}{r['steps']:>7}{r['preemptions']:>13}"
               f"{r['max_preemptions_per_request']:>13}{r['prefill_tokens_needed']:>16}"
-              f"{r['prefill_tokens_computed']:>10}{r['recompute_ratio']:>7.2f}")
+              f"{r['prefill_tokens_computed']:>10}{r['recompute_ratio']:>7.2f}{r['max_stream_gap_steps']:>9}")
     fairness = [fair_share_overhead(n, a.tenants, a.steps) for n in a.fair_running]
     print(f"\n{'fair share':<12}{'running':>8}{'tenants':>8}{'off ms':>9}{'on ms':>9}{'on/off':>8}"
           f"{'admitted/step':>15}{'preemptions on':>16}")
@@ -407,12 +409,15 @@ KV_PRESSURE = {
     "issue10-64-blocks": (64, 32, [(0, "run0", 220, 40), (0, "run1", 220, 40), (0, "run2", 220, 40),
                                    (2, "big", 600, 4), (2, "small0", 40, 4), (2, "small1", 40, 4)]),
     "random-overload": (24, 32, None),  # 40 requests (1-200 prompt, 1-120 output), one every 2 steps
+    "issue26-12-blocks": (12, 64, [(0, "p0", 40, 100), (0, "p1", 40, 100), (0, "p2", 40, 100),
+                                   (25, "fresh0", 40, 100), (25, "fresh1", 30, 100)]),
 }
 
 
 def kv_pressure(name: str) -> dict:
     """Run one KV_PRESSURE scenario over a NullRunner; count preemptions and prefill
-    tokens computed (recompute included) against the prompt tokens needed."""
+    tokens computed (recompute included) against the prompt tokens needed, and the
+    longest gap in steps between two tokens of one request (stream smoothness)."""
     import random
 
     from schemas.params import SamplingParams
@@ -425,6 +430,8 @@ def kv_pressure(name: str) -> dict:
         max_total_tokens=num_blocks * 16, kv_block_size=16, max_batched_tokens=budget, enable_prefix_caching=False,
         max_output_tokens=256, priority_aging_steps=10**6)), vocab_size=32000, max_model_len=2048)
     preemptions: dict[str, int] = {}
+    last_token: dict[str, int] = {}
+    max_gap = 0
     computed = steps = 0
     while steps == 0 or eng.has_unfinished() or any(at >= steps for at, *_ in work):
         for at, rid, prompt, max_tokens in work:
@@ -432,6 +439,10 @@ def kv_pressure(name: str) -> dict:
                 eng.add_request(rid, prompt_token_ids=[7] * prompt, params=SamplingParams(max_tokens=max_tokens,
                                                                                          ignore_eos=True))
         for out in eng.step():
+            if out.new_token_ids:
+                if out.request_id in last_token:
+                    max_gap = max(max_gap, steps - last_token[out.request_id])
+                last_token[out.request_id] = steps
             if out.finished:
                 preemptions[out.request_id] = out.num_preemptions
         computed += eng.last_step_stats.num_prefill_tokens
@@ -440,7 +451,8 @@ def kv_pressure(name: str) -> dict:
     return {"scenario": name, "num_blocks": num_blocks, "max_batched_tokens": budget, "num_requests": len(work),
             "steps": steps, "preemptions": sum(preemptions.values()),
             "max_preemptions_per_request": max(preemptions.values()), "prefill_tokens_needed": needed,
-            "prefill_tokens_computed": computed, "recompute_ratio": computed / needed}
+            "prefill_tokens_computed": computed, "recompute_ratio": computed / needed,
+            "max_stream_gap_steps": max_gap}
 
 
 def add_size_args(p: argparse.ArgumentParser) -> None:

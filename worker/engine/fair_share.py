@@ -13,6 +13,11 @@ the tenant's weight w (`serving_tuning.tenants`, default 1):
 A recompute after a preemption is charged nothing: it is the engine's cost, not service
 the tenant asked for. The rules built on the counters:
 
+  - Resume first: a preempted request (a started stream, waiting for its blocks back)
+    is picked before every request of its class that has not started, earliest
+    preempted first, whatever its tenant's counter: its recompute is the engine's debt,
+    and its client is reading a stream that stalled (vLLM puts preempted requests back
+    at the head of its waiting queue). Quotas still hold: a tenant at a cap waits.
   - Pick: among the class's tenants with waiting requests that are under their quotas,
     the one with the least counter starts its earliest request (ties: fewer running
     requests per weight, then earliest request).
@@ -59,6 +64,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
+
+from worker.engine.request import RequestStatus
 
 if TYPE_CHECKING:
     from worker.config import ServingTuning, TenantPolicy
@@ -135,7 +142,8 @@ class ClassQueue:
         self.tuning = tuning
         self.fair = tuning.fair_share
         self.active: dict[str, TenantQueue] = {}  # tenants with a waiting or running request here
-        self.backlogged: dict[str, TenantQueue] = {}  # those with a waiting request
+        self.backlogged: dict[str, TenantQueue] = {}  # those with a waiting request that has not started
+        self.preempted: list[tuple[int, Request]] = []  # heap by arrival: preempted requests, resumed first
         self.num_waiting = 0
         # tenant -> (counter, lag behind the least of the others, step) when it left
         self._departed: OrderedDict[str, tuple[float, float, int]] = OrderedDict()
@@ -166,13 +174,23 @@ class ClassQueue:
 
     # ---- waiting requests ----------------------------------------------------------
     def push(self, req: Request) -> None:
+        if req.status == RequestStatus.PREEMPTED:
+            heapq.heappush(self.preempted, (req.arrival_seq, req))
+            self.num_waiting += 1
+            return
         tq = req.share
         heapq.heappush(tq.waiting, (req.arrival_seq, req))
         self.backlogged[tq.tenant.name] = tq
         self.num_waiting += 1
 
     def pop(self, req: Request) -> None:
-        """Take `req`, the head of its tenant's queue (as returned by `pick`)."""
+        """Take `req`, as returned by `pick` (a preempted request, or the head of its
+        tenant's queue)."""
+        if req.status == RequestStatus.PREEMPTED:
+            self.preempted.remove((req.arrival_seq, req))
+            heapq.heapify(self.preempted)
+            self.num_waiting -= 1
+            return
         tq = req.share
         popped = heapq.heappop(tq.waiting)[1]
         assert popped is req, (popped, req)
@@ -182,6 +200,9 @@ class ClassQueue:
 
     def remove(self, req: Request) -> None:
         """Drop a waiting request that ended (abort, deadline) from anywhere in its queue."""
+        if req.status == RequestStatus.PREEMPTED:
+            self.pop(req)
+            return
         tq = req.share
         tq.waiting.remove((req.arrival_seq, req))
         heapq.heapify(tq.waiting)
@@ -190,13 +211,20 @@ class ClassQueue:
         self.num_waiting -= 1
 
     def pick(self, excluded: set[Tenant]) -> tuple[Request, Request] | None:
-        """(next request by Pick, earliest waiting request) over tenants not in
-        `excluded`, or None if every waiting tenant is excluded. The earliest request
-        gives the class its aged rank. O(waiting tenants)."""
+        """(next request: the earliest preempted one, else by Pick; earliest waiting
+        request) over tenants not in `excluded`, or None if every waiting tenant is
+        excluded. The earliest request gives the class its aged rank. O(waiting tenants
+        + preempted requests)."""
         best = oldest = None
         best_counter = math.inf
         oldest_seq = math.inf
         fair = self.fair
+        resume = None
+        for seq, req in self.preempted:
+            if (not excluded or req.share.tenant not in excluded) and (resume is None or seq < resume.arrival_seq):
+                resume = req
+        if resume is not None:
+            oldest_seq, oldest = resume.arrival_seq, resume
         for tq in self.backlogged.values():
             if excluded and tq.tenant in excluded:
                 continue
@@ -209,6 +237,8 @@ class ClassQueue:
                     best_counter, best = counter, req
         if oldest is None:
             return None
+        if resume is not None:
+            return resume, oldest
         return (best if fair else oldest), oldest
 
     # ---- yielding --------------------------------------------------------------------

@@ -42,6 +42,12 @@ Rules under KV pressure (each one closes a loop seen in practice):
     blocks, else it preempts nothing. Requests admitted in the same step are never its
     victims: admission goes in rank order, so they rank no worse than it (and a Yield
     skips them explicitly).
+  - Preempted first: a preempted request is picked before every request of its class
+    that has not started (fair_share.py: Resume first) and, when it cannot get its slot
+    or blocks back, holds the reservation at once (no skips): nothing ranked behind it
+    is admitted until it is. So it resumes in the first step whose admission phase
+    finds its blocks free (the next one if that step preempted: none is admitted then),
+    and no later arrival of its class starts before it.
   - Bounded skipping: a waiting request that cannot get a slot or its blocks is
     passed by requests of the *same* rank picked after it that can, at most
     `max_admission_skips` admissions in all; then it holds a reservation and nothing
@@ -229,7 +235,8 @@ class Scheduler:
             num_alloc = self.kv.admission_tokens(num_prefill, budget + (given_back or 0))
             if given_back is None or not self.kv.allocate(req, num_alloc, cached_blocks, reserve_tokens=reserve):
                 skipped.append(req)
-                if req.num_skips >= tuning.max_admission_skips or len(skipped) > MAX_SKIPPED_PER_STEP:
+                if (req.status == RequestStatus.PREEMPTED or req.num_skips >= tuning.max_admission_skips
+                        or len(skipped) > MAX_SKIPPED_PER_STEP):
                     break  # it holds a reservation: nothing ranked behind it is admitted
                 skipped_rank = rank
                 continue
