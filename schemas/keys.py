@@ -117,7 +117,7 @@ def failures_key(job_id: str, prefix: str = "inflight") -> str:
 
 def epoch_key(prefix: str = "inflight") -> str:
     """Marker written once per Redis dataset: if it vanishes (or changes), Redis lost its
-    data and the workers restore what clients rely on (see `worker/publish.py`)."""
+    data and the workers restore what clients rely on (see `worker/serve/publish.py`)."""
     return f"{prefix}:epoch"
 
 
@@ -155,5 +155,5 @@ def active_batches_key(prefix: str = "inflight") -> str:
 
 def batches_indexed_key(prefix: str = "inflight") -> str:
     """Marker set once the batch keys were rebuilt from the manifests: if it vanishes,
-    Redis lost its data and a gateway rebuilds them (worker.gateway.batches)."""
+    Redis lost its data and a gateway rebuilds them (worker.gateway.batch.state)."""
     return f"{prefix}:gw:batches:indexed"

@@ -271,8 +271,8 @@ def _plot_throughput(report: dict, png: Path) -> None:
 def scheduler_overhead(a) -> dict:
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ServingTuning
-    from worker.metrics import Metrics
     from worker.model.null_runner import null_engine
+    from worker.obs.metrics import Metrics
 
     rows = []
     for n in a.running:

@@ -220,8 +220,8 @@ async def throughput(a, port: int, gateway_pid: int) -> dict:
 
 
 async def run(a) -> dict:
+    from worker.cli.topics import create_topics
     from worker.client import InflightClient
-    from worker.topics import create_topics
 
     prefix = f"gwb{uuid.uuid4().hex[:8]}"
     await create_topics(a.kafka, prefix, partitions=a.partitions, kafka=a.kafka_cfg)

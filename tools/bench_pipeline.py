@@ -119,9 +119,9 @@ def engine_alone(device_ms: float, output_len: int, num_jobs: int, running: int)
 def worker_main(a) -> int:
     """Entry of the worker subprocess: a Worker around the sleeping null engine (in its
     own engine process unless `worker.engine_process` is false in the config)."""
-    from worker.app import Worker
     from worker.config import load_config
-    from worker.log import setup_logging
+    from worker.obs.log import setup_logging
+    from worker.serve.worker import Worker
 
     setup_logging("WARNING")
     cfg = load_config(a.config)
@@ -186,7 +186,7 @@ async def produce(a, prefix: str, num_jobs: int, output_len: int) -> list[str]:
     from schemas.codec import encode
     from schemas.params import SamplingParams
     from schemas.wire import Job
-    from worker.kafka_security import kafka_security_kwargs
+    from worker.security.kafka import kafka_security_kwargs
 
     producer = AIOKafkaProducer(bootstrap_servers=a.kafka, linger_ms=5, acks=1, **kafka_security_kwargs(a.kafka_cfg))
     await producer.start()
@@ -205,7 +205,7 @@ async def produce(a, prefix: str, num_jobs: int, output_len: int) -> list[str]:
 
 async def subscribe(a, prefix: str, n: int, stop: asyncio.Event, counts: list[int]) -> None:
     from schemas import keys
-    from worker.redis_security import redis_client
+    from worker.security.redis import redis_client
 
     async def one(k: int) -> None:
         r = redis_client(a.redis_cfg)
@@ -227,8 +227,8 @@ async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, ru
     import yaml
 
     from schemas import keys
-    from worker.redis_security import redis_client
-    from worker.topics import create_topics
+    from worker.cli.topics import create_topics
+    from worker.security.redis import redis_client
 
     prefix = f"pipe{uuid.uuid4().hex[:8]}"
     await create_topics(a.kafka, prefix, partitions=a.partitions, kafka=a.kafka_cfg)

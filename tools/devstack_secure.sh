@@ -10,10 +10,10 @@
 #     127.0.0.1:29094  SASL_PLAINTEXT  SCRAM-SHA-512, SCRAM-SHA-256, PLAIN
 #     127.0.0.1:29095  controller      mutual TLS
 #     SCRAM users made by Kafka's StorageTool (`format --add-scram`); ACLs by Kafka's
-#     AclCommand from `inflight acl kafka` (worker/acl.py); topics `inflight.*`,
+#     AclCommand from `inflight acl kafka` (worker/security/acl.py); topics `inflight.*`,
 #     group `inflight-workers`.
 #   Redis: TLS only on 127.0.0.1:6393, client certificate required, ACL users from
-#     `inflight acl redis` (worker/acl.py): inflight-admin (all), inflight-worker,
+#     `inflight acl redis` (worker/security/acl.py): inflight-admin (all), inflight-worker,
 #     inflight-client (reader of jobs without a tenant, may set tombstones),
 #     inflight-reader-tenant-a / -tenant-b; the default user is off.
 #

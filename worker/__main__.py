@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from worker.cli_client import client_command, client_sections, run_reported
+from worker.cli.commands import client_command, client_sections, run_reported
 
 DEFAULT_KAFKA = "127.0.0.1:19092"  # also INFLIGHT_KAFKA__BOOTSTRAP_SERVERS, read by the config loader
 DEFAULT_REDIS = "redis://127.0.0.1:6390/0"  # also INFLIGHT_REDIS__URL
@@ -52,9 +52,9 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _worker(a: argparse.Namespace) -> int:
-    from worker.app import Worker
     from worker.config import load_config
-    from worker.log import setup_logging
+    from worker.obs.log import setup_logging
+    from worker.serve.worker import Worker
 
     cfg = load_config(a.config)
     setup_logging(a.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
@@ -73,7 +73,7 @@ def _gateway(a: argparse.Namespace) -> int:
     """The HTTP gateway (worker.gateway): no model, no torch."""
     from worker.gateway.app import Gateway
     from worker.gateway.config import load_gateway_config
-    from worker.log import setup_logging
+    from worker.obs.log import setup_logging
 
     cfg = load_gateway_config(a.config)
     setup_logging(a.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
@@ -82,12 +82,12 @@ def _gateway(a: argparse.Namespace) -> int:
 
 
 def _check(a: argparse.Namespace) -> int:
-    """Preflight (worker.preflight): one line per check on stdout, exit 0 only if none failed."""
+    """Preflight (worker.cli.preflight): one line per check on stdout, exit 0 only if none failed."""
     import logging
 
+    from worker.cli.preflight import exit_code, render, run_preflight
     from worker.config import load_config
-    from worker.log import setup_logging
-    from worker.preflight import exit_code, render, run_preflight
+    from worker.obs.log import setup_logging
 
     cfg = load_config(a.config)
     setup_logging("ERROR")
@@ -122,7 +122,7 @@ def _load_section(path: str | None, section: str):
 def _acl(a: argparse.Namespace) -> int:
     import shlex
 
-    from worker import acl
+    from worker.security import acl
 
     if a.system == "kafka":
         for row in acl.kafka_acls(a.prefix, a.group, worker=a.worker_principal, producer=a.producer_principal,
@@ -262,7 +262,7 @@ def _dispatch(a: argparse.Namespace) -> int:
         # bad input: job id, tenant, sampling values
         return run_reported(client_command(a, kafka, redis), bad_input="error", kafka=kafka, redis=redis)
     if a.cmd == "topics":
-        from worker.topics import create_topics
+        from worker.cli.topics import create_topics
 
         kafka = _load_section(a.config, "kafka") if (a.config or _env_sets("KAFKA")) else None
         bootstrap = a.bootstrap or (kafka.bootstrap_servers if kafka is not None else DEFAULT_KAFKA)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from schemas.params import SamplingParams
 from tests.engine.test_metrics_oom import make_engine, value
 from worker.engine import Engine
-from worker.metrics import Metrics
+from worker.obs.metrics import Metrics
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 POISON = 499  # a token id that, in a forward's input, makes the model raise

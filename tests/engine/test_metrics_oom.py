@@ -10,7 +10,7 @@ import torch
 from schemas.params import SamplingParams
 from worker.config import EngineConfig, ModelConfig, ServingTuning
 from worker.engine import Engine
-from worker.metrics import Metrics
+from worker.obs.metrics import Metrics
 
 
 def make_engine(path, **tuning) -> Engine:

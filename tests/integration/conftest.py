@@ -36,7 +36,7 @@ def services() -> tuple[str, str]:
 @pytest.fixture
 def prefix(services) -> str:
     """A fresh topic/key prefix per test (topics created with 3 partitions)."""
-    from worker.topics import create_topics
+    from worker.cli.topics import create_topics
 
     p = f"t{uuid.uuid4().hex[:10]}"
     asyncio.run(create_topics(services[0], p, partitions=3))

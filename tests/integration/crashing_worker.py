@@ -8,10 +8,10 @@ import argparse
 import asyncio
 import os
 
-from worker.app import Worker
 from worker.config import load_config
 from worker.engine import Engine
-from worker.log import setup_logging
+from worker.obs.log import setup_logging
+from worker.serve.worker import Worker
 
 
 def main() -> None:

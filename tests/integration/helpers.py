@@ -11,9 +11,9 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import keys
 from schemas.wire import Finished
-from worker.app import Worker
 from worker.client import InflightClient, last_attempt_tokens
-from worker.log import task_stacks
+from worker.obs.log import task_stacks
+from worker.serve.worker import Worker
 
 
 async def start_worker(cfg, engine, timeout: float = 30.0) -> tuple[Worker, asyncio.Task]:

@@ -279,7 +279,7 @@ def test_the_gateway_runs_as_its_own_redis_acl_user(services, prefix, tmp_path, 
     import msgspec
 
     from tests.integration.gateway_helpers import batch_line
-    from worker.acl import redis_gateway_rules
+    from worker.security.acl import redis_gateway_rules
 
     subprocess.run(["redis-cli", "-p", str(own_redis.port), "ACL", "SETUSER", "gw", "on", ">gw-secret-1",
                     *redis_gateway_rules(prefix)], check=True, capture_output=True)

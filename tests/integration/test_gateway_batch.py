@@ -31,7 +31,7 @@ from tests.integration.gateway_helpers import (
 )
 from tests.integration.helpers import running_worker, slow_null_engine
 from worker.engine import Engine
-from worker.gateway.batch_lines import line_job_id
+from worker.gateway.batch.lines import line_job_id
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 

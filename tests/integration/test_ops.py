@@ -25,7 +25,7 @@ from tests.integration.conftest import ROOT, worker_config
 from tests.integration.helpers import assert_well_formed, collect, start_worker, stop_worker
 from worker.client import InflightClient
 from worker.engine import Engine
-from worker.log import setup_logging
+from worker.obs.log import setup_logging
 
 
 async def scrape(w) -> dict[tuple[str, tuple], float]:
@@ -292,8 +292,8 @@ def test_cli_reports_refusals_and_timeouts_without_tracebacks(services, prefix):
 def test_metrics_port_in_use_is_a_config_error(services, prefix, llama_path):
     import socket
 
-    from worker.app import Worker
     from worker.config import ConfigError
+    from worker.serve.worker import Worker
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

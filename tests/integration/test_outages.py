@@ -21,7 +21,7 @@ from tests.integration.helpers import (
     stop_worker,
 )
 from worker.client import InflightClient, text_of
-from worker.publish import RedisUnavailable
+from worker.serve.publish import RedisUnavailable
 
 
 def own_config(services, prefix, own_redis, **over):

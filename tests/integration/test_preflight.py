@@ -14,7 +14,7 @@ import yaml
 
 from tests.conftest import arch_checkpoint
 from tests.integration.conftest import ROOT, worker_config
-from worker.preflight import Check, exit_code, render, run_preflight
+from worker.cli.preflight import Check, exit_code, render, run_preflight
 
 ALL = ["kafka", "topics", "consumer group", "redis", "redis persistence", "model", "kv cache", "metrics port"]
 

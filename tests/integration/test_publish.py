@@ -11,11 +11,11 @@ import redis.asyncio as aioredis
 from schemas import keys
 from schemas.codec import decode_event
 from schemas.wire import Job
-from worker.claims import ClaimStore
 from worker.config import RedisConfig
 from worker.engine import RequestOutput
-from worker.jobs import JobTable, Offset, Round
-from worker.publish import Publisher
+from worker.serve.claims import ClaimStore
+from worker.serve.jobs import JobTable, Offset, Round
+from worker.serve.publish import Publisher
 
 
 def test_resent_events_are_dropped(services, prefix):

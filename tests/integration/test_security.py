@@ -31,11 +31,11 @@ from tests.integration.helpers import (
     start_worker,
     stop_worker,
 )
-from worker.access import EXIT_AUTHENTICATION, EXIT_AUTHORIZATION, EXIT_TLS, AccessError
 from worker.client import InflightClient
 from worker.engine import Engine
-from worker.kafka_security import kafka_security_kwargs
-from worker.redis_security import redis_client
+from worker.security.access import EXIT_AUTHENTICATION, EXIT_AUTHORIZATION, EXIT_TLS, AccessError
+from worker.security.kafka import kafka_security_kwargs
+from worker.security.redis import redis_client
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_client_connects_in_every_mode(secure_stack, mode):
 def test_topic_creation_and_preflight_on_the_secured_stack(secure_stack):
     """`inflight topics create` as the admin principal (mTLS), and `inflight check`'s
     network checks as the worker principal (SCRAM): every one passes."""
-    from worker.preflight import kafka_checks, redis_checks
+    from worker.cli.preflight import kafka_checks, redis_checks
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "worker", "topics", "create", "--config",
@@ -446,8 +446,8 @@ def test_redis_password_rotation_and_a_refusal_at_runtime(secure_stack, engine_f
     rules): a second password is added and works beside the first; removing the one the
     running worker uses (and dropping its connections) makes /readyz name the cause, and
     the next job makes the worker stop with AuthenticationError, explained as exit 3."""
-    from worker.access import diagnose
-    from worker.acl import redis_worker_rules
+    from worker.security.acl import redis_worker_rules
+    from worker.security.probe import diagnose
 
     stack = secure_stack
     user, old_pw, new_pw = f"rotate-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex, uuid.uuid4().hex

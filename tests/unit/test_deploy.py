@@ -17,7 +17,7 @@ import yaml
 
 from schemas import keys
 from worker.config import load_config
-from worker.metrics import Metrics
+from worker.obs.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

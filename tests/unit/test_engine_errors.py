@@ -8,8 +8,8 @@ import pytest
 from schemas.params import SamplingParams
 from worker.config import EngineConfig, ServingTuning
 from worker.engine import StepStats
-from worker.metrics import Metrics
 from worker.model.null_runner import LetterTokenizer, default_next_token, null_engine
+from worker.obs.metrics import Metrics
 
 BAD = 13  # the token id the broken tokenizer / runner chokes on
 

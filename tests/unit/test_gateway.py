@@ -16,7 +16,7 @@ import pytest
 from schemas.wire import ErrorInfo, Finished, FinishReason, TokenLogprob, Usage
 from worker.config import ConfigError
 from worker.gateway.auth import Grant, KeyRing, effective_priority
-from worker.gateway.batch_lines import failed_line, line_job, line_job_id, output_line, parse_input
+from worker.gateway.batch.lines import failed_line, line_job, line_job_id, output_line, parse_input
 from worker.gateway.config import ApiKey, GatewayConfig, load_gateway_config, parse_window
 from worker.gateway.errors import ApiError, error_for_outcome
 from worker.gateway.files import FileStore

@@ -75,3 +75,64 @@ def test_schemas_import_no_worker_code():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+# (importer room, imported room) pairs that break a layer rule; rooms are
+# `worker.<folder>` (or the top-level module), `schemas` is its own room.
+FORBIDDEN = {
+    "engine": {"serve", "client", "gateway", "cli"},
+    "model": {"serve", "client", "gateway", "cli"},  # engine.outputs holds the runner's contract objects
+    "config": {"serve", "client", "gateway", "cli", "engine", "model"},
+    "client": {"serve", "engine", "model", "gateway", "cli"},
+    "security": {"serve", "engine", "model", "client", "gateway", "cli"},
+    "obs": {"serve", "client", "gateway", "cli"},
+}
+GATEWAY_MAY_IMPORT = {"gateway", "client", "security", "config", "obs", "schemas"}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "schemas":
+        return "schemas"
+    return parts[1] if len(parts) > 1 else "worker"
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        src = room(mod)
+        for d in sorted(deps):
+            dst = room(d)
+            if dst in FORBIDDEN.get(src, ()) or (src == "gateway" and dst not in GATEWAY_MAY_IMPORT):
+                bad.append(f"{mod} ({src}) imports {d} ({dst})")
+    return bad
+
+
+def test_layer_rules():
+    bad = layer_violations(import_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_rules_catch_a_bad_edge():
+    assert layer_violations({"worker.engine.core": {"worker.serve.jobs"}})
+    assert layer_violations({"worker.gateway.app": {"worker.engine"}})
+    assert layer_violations({"worker.security.access": {"worker.serve.claims"}})
+    assert not layer_violations({"worker.gateway.app": {"worker.client.inflight", "schemas.wire"}})
+
+
+def test_no_module_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+
+
+def test_no_private_names_imported_across_modules():
+    """`from worker.x import _name` couples one module to another's internals."""
+    bad = []
+    for pkg in PACKAGES:
+        for p in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                    bad += [f"{p.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, bad

@@ -8,7 +8,7 @@ import pytest
 
 from schemas.wire import ErrorInfo, Finished, FinishReason, Job, Restarted, Started, Token
 from worker.engine import RequestOutput, Usage
-from worker.jobs import JobState, JobTable, Offset
+from worker.serve.jobs import JobState, JobTable, Offset
 
 
 def out(rid: str, ids: list[int], text: str, reason: str | None = None) -> RequestOutput:
@@ -180,7 +180,7 @@ def test_jobs_held_per_tenant_count_until_the_terminal_event():
 def test_finishing_jobs_hold_no_slot_but_are_bounded_by_as_many_again():
     from types import SimpleNamespace
 
-    from worker.starter import JobStarter
+    from worker.serve.starter import JobStarter
 
     t = JobTable("w1")
     starter = SimpleNamespace(table=t, max_local_jobs=4, _is_paused=lambda: False)

@@ -8,7 +8,7 @@ import json
 import structlog
 
 from worker.config import KafkaConfig, RedisConfig, WorkerConfig, load_config, redacted_config
-from worker.log import setup_logging
+from worker.obs.log import setup_logging
 
 
 def test_credentials_never_reach_the_log():

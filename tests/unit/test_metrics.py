@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from worker.engine import KVStats, StepStats
-from worker.metrics import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Metrics
+from worker.obs.metrics import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Metrics
 
 DESIGN_NAMES = [
     "request_queue_time_seconds_bucket", "llm_ttft_seconds_bucket", "llm_tpot_seconds_bucket",

@@ -5,7 +5,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.offsets import OffsetTracker
+from worker.serve.offsets import OffsetTracker
 
 
 def test_commit_point_never_passes_an_unfinished_offset():

@@ -2,7 +2,7 @@
 then tenant share, out of offset order; the commit point never passes a record read
 ahead; an eager rebalance (revoke all, assign some) loses nothing and runs nothing
 twice. The consumer is a fake with Kafka's semantics (positions, pause, seek, commit),
-so every rule of worker/intake.py runs without a broker (tests/integration has the real one)."""
+so every rule of worker/serve/intake.py runs without a broker (tests/integration has the real one)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from schemas.codec import encode
 from schemas.wire import Job
 from worker.config import KafkaConfig, ServingTuning, TenantPolicy, WorkerSettings
-from worker.intake import Intake, _Rebalance
-from worker.offsets import OffsetTracker
-from worker.read_ahead import JobRecord, ReadAhead, local_shares
+from worker.serve.intake import Intake, _Rebalance
+from worker.serve.offsets import OffsetTracker
+from worker.serve.read_ahead import JobRecord, ReadAhead, local_shares
 
 NORMAL = TopicPartition("t.jobs.normal", 0)
 
@@ -303,7 +303,7 @@ def test_lower_classes_leave_the_reserved_slots_to_high_priority():
     from aiokafka import TopicPartition
 
     from schemas.wire import Job
-    from worker.read_ahead import JobRecord, ReadAhead
+    from worker.serve.read_ahead import JobRecord, ReadAhead
 
     ra = ReadAhead(per_partition=100, max_bytes=1 << 20)
     tp = TopicPartition("t", 0)
@@ -327,7 +327,7 @@ def test_lower_classes_leave_the_reserved_slots_to_high_priority():
 ])
 def test_the_high_priority_reserve_never_takes_the_running_batch_from_lower_classes(local, running, explicit,
                                                                                       expect):
-    from worker.read_ahead import high_priority_reserve
+    from worker.serve.read_ahead import high_priority_reserve
 
     tuning = ServingTuning(max_running_requests=running, max_batched_tokens=512)
     got = high_priority_reserve(tuning, WorkerSettings(high_priority_reserve=explicit), local)
@@ -336,7 +336,7 @@ def test_the_high_priority_reserve_never_takes_the_running_batch_from_lower_clas
 
 
 def test_a_worker_with_one_local_slot_takes_normal_jobs_with_the_default_reserve():
-    from worker.read_ahead import high_priority_reserve
+    from worker.serve.read_ahead import high_priority_reserve
 
     tuning = ServingTuning(max_running_requests=1, max_batched_tokens=512)
     reserve = high_priority_reserve(tuning, WorkerSettings(max_local_jobs=1), 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from worker.redis_security import _connection_class, _FastConnection
+from worker.security.redis import _connection_class, _FastConnection
 
 
 def test_hiredis_packing_equals_redis_py():

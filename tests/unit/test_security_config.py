@@ -1,5 +1,5 @@
 """Security settings without services: validation names the field, tenant ids and keys,
-the ACL recipe, and how refused connections are explained (worker/access.py)."""
+the ACL recipe, and how refused connections are explained (worker/security/access.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from redis import exceptions as rex
 from schemas import keys
 from schemas.codec import decode_job, json_schemas, recover_tenant
 from schemas.wire import check_tenant
-from worker import access, acl
 from worker.config import ConfigError, KafkaConfig, RedisConfig, load_config
-from worker.kafka_security import kafka_security_kwargs
-from worker.transient_log import TransientEpisodes, transient_kind
+from worker.obs.transient_log import TransientEpisodes, transient_kind
+from worker.security import access, acl
+from worker.security.kafka import kafka_security_kwargs
 
 
 @pytest.mark.parametrize("env,field", [
@@ -154,10 +154,10 @@ def test_publisher_builds_each_events_keys_with_its_jobs_tenant():
     """Round.tenants from the job table reach the publish script's keys; a restore after
     data loss finds the tenant of held and recently finished jobs (JobTable.tenant_of)."""
     from schemas.wire import Job
-    from worker.claims import ClaimStore
     from worker.engine import RequestOutput
-    from worker.jobs import JobTable, Offset
-    from worker.publish import Publisher
+    from worker.serve.claims import ClaimStore
+    from worker.serve.jobs import JobTable, Offset
+    from worker.serve.publish import Publisher
 
     class FakeRedis:
         def register_script(self, src):

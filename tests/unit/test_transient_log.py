@@ -1,5 +1,5 @@
 """Transient Kafka conditions: info at first, one warning once they outlast the grace,
-everything else untouched (worker/transient_log.py)."""
+everything else untouched (worker/obs/transient_log.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import logging
 
 import structlog
 
-from worker import transient_log
-from worker.log import setup_logging
-from worker.transient_log import TransientEpisodes, TransientLogFilter, transient_kind
+from worker.obs import transient_log
+from worker.obs.log import setup_logging
+from worker.obs.transient_log import TransientEpisodes, TransientLogFilter, transient_kind
 
 COORD = ("Group Coordinator Request failed: %s", ("[Error 15] GroupCoordinatorNotAvailableError",))
 REBALANCE = ("Heartbeat failed for group %s because it is rebalancing", ("g1",))
@@ -71,7 +71,7 @@ def test_other_records_pass_unchanged():
     f = TransientLogFilter(TransientEpisodes(grace_s=30.0, clock=Clock()))
     cases = [
         record("aiokafka.consumer.group_coordinator", logging.ERROR, ("Unexpected error in coordinator routine", ())),
-        record("worker.intake", logging.ERROR, COORD),  # our own lines opt in through observe()
+        record("worker.serve.intake", logging.ERROR, COORD),  # our own lines opt in through observe()
         record("aiokafka.consumer.group_coordinator", logging.ERROR, COORD,
                exc_info=(RuntimeError, RuntimeError("x"), None)),  # a traceback is never hidden
     ]
@@ -86,7 +86,7 @@ def test_rendered_through_setup_logging_and_shared_with_our_own_lines():
         logging.getLogger("aiokafka.consumer.group_coordinator").error(*COORD[:1], *COORD[1])
         logging.getLogger("aiokafka").error("Unable connect to node with id 1: [Errno 111] Connect call failed")
         level, fields = transient_log.observe("broker_unreachable")  # same episode as the line above
-        structlog.get_logger("worker.intake").log(level, "stall check could not reach Kafka", **fields)
+        structlog.get_logger("worker.serve.intake").log(level, "stall check could not reach Kafka", **fields)
         logging.getLogger("aiokafka").error("Unexpected error in coordinator routine")
     finally:
         setup_logging("INFO")

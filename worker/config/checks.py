@@ -12,18 +12,18 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
-def _positive(section: str, **fields: int | None) -> None:
+def positive(section: str, **fields: int | None) -> None:
     for name, value in fields.items():
         if value is not None and value < 1:
             raise ConfigError(f"{section}.{name} must be >= 1, got {value}")
 
 
-def _one_of(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+def one_of(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{section}.{name} must be one of {sorted(allowed)}, got {value!r}")
 
 
-def _unused(section: str, why: str, **fields: object) -> None:
+def unused(section: str, why: str, **fields: object) -> None:
     """Settings that would be silently ignored are errors (secrets excepted: a platform
     may inject them into every environment)."""
     for name, value in fields.items():
@@ -31,18 +31,18 @@ def _unused(section: str, why: str, **fields: object) -> None:
             raise ConfigError(f"{section}.{name} is set but unused with {why}")
 
 
-def _one_secret(section: str, name: str, value: str | None, path: str | None) -> None:
+def one_secret(section: str, name: str, value: str | None, path: str | None) -> None:
     if value is not None and path is not None:
         raise ConfigError(f"{section}.{name} and {section}.{name}_file are both set; set one")
 
 
-def _tls_fields(section: str, uses_tls: bool, why: str, cfg: object) -> None:
+def tls_fields(section: str, uses_tls: bool, why: str, cfg: object) -> None:
     """Checks the ssl_* fields common to the kafka and redis sections."""
     names = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")  # secrets may be injected everywhere: not checked
     if not uses_tls:
-        _unused(section, why, **{n: getattr(cfg, n) for n in names})
+        unused(section, why, **{n: getattr(cfg, n) for n in names})
         return
-    _one_secret(section, "ssl_key_password", cfg.ssl_key_password, cfg.ssl_key_password_file)
+    one_secret(section, "ssl_key_password", cfg.ssl_key_password, cfg.ssl_key_password_file)
     if cfg.ssl_keyfile is not None and cfg.ssl_certfile is None:
         raise ConfigError(f"{section}.ssl_keyfile is set without {section}.ssl_certfile (the client certificate)")
     if (cfg.ssl_key_password is not None or cfg.ssl_key_password_file is not None) and cfg.ssl_certfile is None:

@@ -8,7 +8,7 @@ import re
 
 import msgspec
 
-from worker.config.checks import ConfigError, _one_of, _positive
+from worker.config.checks import ConfigError, one_of, positive
 
 KV_POLICIES = ("optimistic", "reserve")
 OVERLOAD_POLICIES = ("queue_or_reject", "reject")
@@ -101,7 +101,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.tenants.get(tenant, self.default_tenant)
 
     def __post_init__(self) -> None:
-        _positive(
+        positive(
             "serving_tuning",
             max_running_requests=self.max_running_requests,
             max_total_tokens=self.max_total_tokens,
@@ -111,8 +111,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             kv_block_size=self.kv_block_size,
             priority_aging_steps=self.priority_aging_steps,
         )
-        _one_of("serving_tuning", "kv_policy", self.kv_policy, KV_POLICIES)
-        _one_of("serving_tuning", "overload_policy", self.overload_policy, OVERLOAD_POLICIES)
+        one_of("serving_tuning", "kv_policy", self.kv_policy, KV_POLICIES)
+        one_of("serving_tuning", "overload_policy", self.overload_policy, OVERLOAD_POLICIES)
         for name in ("max_oom_retries", "max_admission_skips"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"serving_tuning.{name} must be >= 0, got {getattr(self, name)}")
@@ -167,11 +167,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     load_check: bool = True
 
     def __post_init__(self) -> None:
-        _one_of("model", "dtype", self.dtype, DTYPES)
-        _one_of("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        one_of("model", "dtype", self.dtype, DTYPES)
+        one_of("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"model.device must be one of ['auto', 'cpu', 'cuda', 'cuda:N'], got {self.device!r}")
-        _positive("model", max_model_len=self.max_model_len)
+        positive("model", max_model_len=self.max_model_len)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -10,13 +10,13 @@ import msgspec
 
 from worker.config.checks import (
     ConfigError,
-    _one_of,
-    _one_secret,
-    _positive,
-    _tls_fields,
-    _unused,
+    one_of,
+    one_secret,
+    positive,
     read_secret,
     redact_url,
+    tls_fields,
+    unused,
 )
 
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -78,11 +78,11 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     cancel_lookback_s: float = 600.0
     stall_timeout_s: float = 10.0  # lag, free slots, no record for this long: recreate the consumer
     # Expected transient conditions (coordinator loading, rebalance, broker restart) log at
-    # info until one has lasted this long (seconds), then once at warning (worker.transient_log).
+    # info until one has lasted this long (seconds), then once at warning (worker.obs.transient_log).
     transient_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
-        _positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,
+        positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,
                   commit_interval_ms=self.commit_interval_ms, heartbeat_interval_ms=self.heartbeat_interval_ms,
                   max_partition_fetch_bytes=self.max_partition_fetch_bytes)
         if self.heartbeat_interval_ms >= self.session_timeout_ms:
@@ -96,23 +96,23 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"kafka.transient_grace_s must be > 0, got {self.transient_grace_s}")
         if not self.bootstrap_servers:
             raise ConfigError("kafka.bootstrap_servers must not be empty")
-        _one_of("kafka", "security_protocol", self.security_protocol, SECURITY_PROTOCOLS)
+        one_of("kafka", "security_protocol", self.security_protocol, SECURITY_PROTOCOLS)
         uses_sasl = self.security_protocol.startswith("SASL_")
         if uses_sasl:
             if self.sasl_mechanism is None:
                 raise ConfigError(f"kafka.sasl_mechanism is required with security_protocol "
                                   f"{self.security_protocol} (one of {sorted(SASL_MECHANISMS)})")
-            _one_of("kafka", "sasl_mechanism", self.sasl_mechanism, SASL_MECHANISMS)
+            one_of("kafka", "sasl_mechanism", self.sasl_mechanism, SASL_MECHANISMS)
             if not self.sasl_username:
                 raise ConfigError(f"kafka.sasl_username is required with security_protocol {self.security_protocol}")
             if self.sasl_password is None and self.sasl_password_file is None:
                 raise ConfigError(f"kafka.sasl_password (e.g. INFLIGHT_KAFKA__SASL_PASSWORD) or "
                                   f"kafka.sasl_password_file is required with security_protocol {self.security_protocol}")
         else:
-            _unused("kafka", f"security_protocol {self.security_protocol} (no SASL)", sasl_mechanism=self.sasl_mechanism,
+            unused("kafka", f"security_protocol {self.security_protocol} (no SASL)", sasl_mechanism=self.sasl_mechanism,
                     sasl_username=self.sasl_username)
-        _one_secret("kafka", "sasl_password", self.sasl_password, self.sasl_password_file)
-        _tls_fields("kafka", self.security_protocol in ("SSL", "SASL_SSL"), f"security_protocol {self.security_protocol}",
+        one_secret("kafka", "sasl_password", self.sasl_password, self.sasl_password_file)
+        tls_fields("kafka", self.security_protocol in ("SSL", "SASL_SSL"), f"security_protocol {self.security_protocol}",
                     self)
 
     @property
@@ -182,13 +182,13 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis.url must start with redis://, rediss:// or unix://, got {self.url.split('@')[-1]!r}")
-        _positive("redis", log_ttl_s=self.log_ttl_s, log_maxlen=self.log_maxlen, claim_lease_ms=self.claim_lease_ms,
+        positive("redis", log_ttl_s=self.log_ttl_s, log_maxlen=self.log_maxlen, claim_lease_ms=self.claim_lease_ms,
                   tombstone_ttl_s=self.tombstone_ttl_s)
         if not self.outage_limit_s > 0:
             raise ConfigError(f"redis.outage_limit_s must be > 0, got {self.outage_limit_s}")
         if not 0 <= self.publish_interval_ms <= 10_000:
             raise ConfigError(f"redis.publish_interval_ms must be in [0, 10000], got {self.publish_interval_ms}")
-        _one_secret("redis", "password", self.password, self.password_file)
+        one_secret("redis", "password", self.password, self.password_file)
         from urllib.parse import urlsplit
 
         in_url = urlsplit(self.url)
@@ -197,7 +197,7 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
                               "set one")
         if self.username and in_url.username:
             raise ConfigError("redis.username and a user name in redis.url are both set; set one")
-        _tls_fields("redis", self.uses_tls, "a redis:// or unix:// URL (TLS needs rediss://)", self)
+        tls_fields("redis", self.uses_tls, "a redis:// or unix:// URL (TLS needs rediss://)", self)
 
     @property
     def uses_tls(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from worker.config.checks import ConfigError, _positive
+from worker.config.checks import ConfigError, positive
 from worker.config.engine import EngineConfig, ModelConfig, ServingTuning
 from worker.config.services import KafkaConfig, RedisConfig
 
@@ -62,7 +62,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     read_ahead_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        _positive("worker", max_local_jobs=self.max_local_jobs, max_job_failures=self.max_job_failures,
+        positive("worker", max_local_jobs=self.max_local_jobs, max_job_failures=self.max_job_failures,
                   tokenizer_threads=self.tokenizer_threads, max_local_jobs_per_tenant=self.max_local_jobs_per_tenant,
                   read_ahead_per_partition=self.read_ahead_per_partition, read_ahead_bytes=self.read_ahead_bytes)
         if self.high_priority_reserve is not None and self.high_priority_reserve < 0:

@@ -2,23 +2,26 @@
 step loop, with input and output processing around it (vLLM V1's seams).
 
 Map (one line per module):
-    request.py    Request, RequestStatus (ordered lifecycle), Priority, finish-reason table, rejections,
-                  error codes
-    kv_cache.py   BlockPool (free list, ref counts, prefix-cache hashes) and KVCacheManager (block tables)
-    scheduler.py  Scheduler: per-step batch under a token budget; admission, priority, preemption
-    fair_share.py per-tenant virtual token counters inside a priority class (Pick, Lift, Yield), quotas
-    outputs.py    contract objects between scheduler, model runner, engine core and callers
-    input.py      InputProcessor: tokenize + validate -> EngineCoreRequest (caller's thread)
-    core.py       EngineCore: the step loop (forward failures, deadlines) -> token ids only
-    output.py     OutputProcessor: token ids -> text deltas, stop strings, final outputs
-    engine.py     Engine: the three together, the public API (add_request / abort / step / generate)
+    request.py           Request, RequestStatus (ordered lifecycle), Priority, finish-reason table,
+                         rejections, error codes
+    kv_cache.py          BlockPool (free list, ref counts, prefix-cache hashes) and KVCacheManager
+    kv_window.py         SlidingWindowKVCacheManager: blocks behind an all-layer window are freed
+    scheduler.py         Scheduler: per-step batch under a token budget; admission, priority, preemption
+    fair_share.py        per-tenant virtual token counters inside a priority class, quotas
+    outputs.py           contract objects between scheduler, model runner, engine core and callers
+    input_processor.py   InputProcessor: tokenize + validate -> EngineCoreRequest (caller's thread)
+    core.py              EngineCore: the step loop (forward failures, deadlines) -> token ids only
+    output_processor.py  OutputProcessor: token ids -> text deltas, stop strings, final outputs
+    engine.py            Engine: the three together, the public API (add_request / abort / step)
+    core_proc.py         the engine core in its own process (vLLM V1's EngineCoreProc)
+    core_client.py       how the worker talks to its engine: thread or process, one interface
 """
 
 from schemas.wire import Usage
 from worker.engine.core import EngineCore
 from worker.engine.engine import Engine
-from worker.engine.input import InputProcessor, ModelFacts
-from worker.engine.output import OutputProcessor
+from worker.engine.input_processor import InputProcessor, ModelFacts
+from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import (
     CompletionOutput,
     EngineCoreOutput,

@@ -1,7 +1,7 @@
 """EngineCore: the step loop over the scheduler, the KV cache and the model runner
 (vLLM V1's `EngineCore`). It takes validated `EngineCoreRequest`s and produces token ids
 (`EngineCoreOutput`), no text: input processing and detokenization live outside it
-(`input.py`, `output.py`), so it can run in its own process with the device while the
+(`input_processor.py`, `output_processor.py`), so it can run in its own process with the device while the
 caller's process does everything else.
 
 Threading: `add` and `abort` may be called from any thread (thread-safe deques, applied
@@ -48,7 +48,7 @@ OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryErro
 
 def job_fields(job_ids: list[str], limit: int = 20) -> dict:
     """`extra` of a log line about several requests: their ids (the first `limit`) and
-    how many (rendered as `job_ids` / `num_jobs` fields by `worker.log`)."""
+    how many (rendered as `job_ids` / `num_jobs` fields by `worker.obs.log`)."""
     return {"job_ids": list(job_ids[:limit]), "num_jobs": len(job_ids)}
 
 

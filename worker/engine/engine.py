@@ -23,8 +23,8 @@ from schemas.params import SamplingParams
 from schemas.wire import Usage
 from worker.config import EngineConfig, ModelConfig, ServingTuning
 from worker.engine.core import EngineCore
-from worker.engine.input import InputProcessor, ModelFacts
-from worker.engine.output import OutputProcessor
+from worker.engine.input_processor import InputProcessor, ModelFacts
+from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import (
     CompletionOutput,
     EngineCoreRequest,

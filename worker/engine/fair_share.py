@@ -281,6 +281,26 @@ class ClassQueue:
             left[v] -= 1
 
 
+def pick_next(classes: list[ClassQueue], excluded: set[Tenant],
+              rank_of: Callable[[Request], int]) -> tuple[Request, int] | None:
+    """The waiting request admission tries next and its rank: the class of best rank
+    (`rank_of` its earliest waiting request, then that request's arrival), and in it the
+    request `ClassQueue.pick` chooses; None if no class has a request outside `excluded`."""
+    best: tuple[Request, int] | None = None
+    best_key: tuple[int, int] | None = None
+    for cq in classes:
+        if not cq.num_waiting:
+            continue
+        picked = cq.pick(excluded)
+        if picked is None:
+            continue
+        req, oldest = picked
+        key = (rank_of(oldest), oldest.arrival_seq)
+        if best_key is None or key < best_key:
+            best, best_key = (req, key[0]), key
+    return best
+
+
 def _yields(v: TenantQueue, num_running: int, tq: TenantQueue) -> bool:
     """The Yield rule: tenant `v`, holding `num_running` slots of the class, gives one to
     a waiting request of `tq` (see the module docstring)."""

@@ -196,6 +196,18 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def stop_status(self, token_id: int) -> RequestStatus | None:
+        """The finished status `token_id`, just appended, ends this request with: EOS
+        (unless `ignore_eos`) or a stop token -> FINISHED_STOPPED (a stop wins over
+        length), `max_tokens` reached -> FINISHED_LENGTH; None if it goes on."""
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in self.stop_token_set:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.all_token_ids) - self.num_prompt_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, prio={self.priority.name}, "

@@ -27,21 +27,10 @@ Rules under KV pressure (each one closes a loop seen in practice):
     peak its window allows and allocates chunk by chunk, freeing behind: kv_window.py.) Under `kv_policy: reserve`, and for a request
     preempted RESERVE_AFTER_PREEMPTIONS times already, it allocates prompt +
     max_tokens: such a request never asks for a block again.
-  - Victim, when a decode finds no free block: the running request of the lowest
-    rank, then of the most-served tenant (fair share on), then latest arrival, passing
-    over those that hold prompt + max_tokens unless they rank strictly below the
-    decode's request; the request itself if no other qualifies. Hence, without
-    priority changes (classes and aging), no request is preempted more than
-    RESERVE_AFTER_PREEMPTIONS times for want of blocks, by a tenant's KV quota or by a
-    Yield (the engine's out-of-memory retries, `preempt`, are outside this rule). A
-    decode whose tenant is at its `max_kv_blocks` takes its victim the same way among
-    its tenant's requests.
-  - A waiting request may preempt running requests of a strictly worse rank (the case
-    vLLM leaves open), lowest first, and then, by fair share's Yield, same-rank
-    requests of tenants over their share; only when that gives it both a slot and its
-    blocks, else it preempts nothing. Requests admitted in the same step are never its
-    victims: admission goes in rank order, so they rank no worse than it (and a Yield
-    skips them explicitly).
+  - Victims (preemption.py): a decode that finds no free block preempts the running
+    request of the lowest rank (then most-served tenant, latest arrival), passing over
+    those that hold prompt + max_tokens; a waiting request may preempt requests of a
+    strictly worse rank, then by fair share's Yield, only when that makes it fit.
   - Preempted first: a preempted request is picked before every request of its class
     that has not started (fair_share.py: Resume first) and, when it cannot get its slot
     or blocks back, holds the reservation at once (no skips): nothing ranked behind it
@@ -64,15 +53,15 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterable
 
 from worker.config import ServingTuning
-from worker.engine.fair_share import ClassQueue, Tenant
+from worker.engine.fair_share import ClassQueue, Tenant, pick_next
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.engine.preemption import RESERVE_AFTER_PREEMPTIONS, room_victims, victim_for
 from worker.engine.request import Priority, Request, RequestStatus
 
-# Preemptions after which a request is re-admitted holding blocks for prompt + max_tokens.
-RESERVE_AFTER_PREEMPTIONS = 2
 # Blocked waiting requests one step passes over before it stops admitting (bounds its cost).
 MAX_SKIPPED_PER_STEP = 64
 
@@ -207,7 +196,7 @@ class Scheduler:
         over_quota: list[Request] = []
         admitted: set[str] = set()
         while budget > 0:
-            found = self._peek_waiting(excluded)
+            found = pick_next(self.classes, excluded, self.effective_rank)
             if found is None:
                 break
             req, rank = found
@@ -290,21 +279,12 @@ class Scheduler:
                 share = req.share
                 share.counter += share.decode_cost
             got_token.append(req)
-            status = self._check_stop(req, token_id)
+            status = req.stop_status(token_id)
             if status is not None:
                 self.finish(req.request_id, status)
         return got_token
 
     # ---- helpers -------------------------------------------------------------------
-    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
-        if not req.params.ignore_eos and token_id in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in req.stop_token_set:
-            return RequestStatus.FINISHED_STOPPED
-        if len(req.all_token_ids) - req.num_prompt_tokens >= req.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _reserve_tokens(self, req: Request) -> int:
         """Tokens the request's blocks must cover from admission on: prompt + max_tokens
         under `kv_policy: reserve` or once it has been preempted RESERVE_AFTER_PREEMPTIONS
@@ -347,87 +327,35 @@ class Scheduler:
         self._push_waiting(victim)
         return scheduled.pop(victim.request_id, 0)
 
-    def _victim_key(self, req: Request) -> tuple[int, float, int]:
-        return (req.effective_rank, req.share.counter if self.fair else 0.0, req.arrival_seq)
+    def _holds_reserve(self, req: Request) -> bool:
+        return bool(self._reserve_tokens(req))
 
     def _victim_for(self, req: Request, tenant: Tenant | None = None) -> Request:
-        """The request to preempt when running `req` needs a block: lowest rank, then
-        most-served tenant (fair share), then latest arrival, passing over requests that
-        hold prompt + max_tokens unless they rank strictly below `req`; `req` itself if
-        none qualifies. `tenant`: only among that tenant's requests (its KV quota)."""
-        best, best_key = req, self._victim_key(req)
-        for victim in reversed(self.running):
-            if victim.effective_rank < best.effective_rank:
-                break  # ranks only get better from here
-            if victim is req or (tenant is not None and victim.share.tenant is not tenant):
-                continue
-            if victim.effective_rank <= req.effective_rank and self._reserve_tokens(victim):
-                continue
-            key = self._victim_key(victim)
-            if key > best_key:
-                best, best_key = victim, key
-        return best
+        return victim_for(self.running, req, self._holds_reserve, self.fair, tenant)
 
     def _make_room(self, req: Request, rank: int, num_blocks: int, scheduled: dict[str, int],
                    preempted: list[str], admitted: set[str]) -> int | None:
         """Give waiting `req` (of `rank`) a slot and `num_blocks` free blocks by
-        preempting running requests of a strictly worse rank, lowest first (then
-        most-served tenant, latest arrival), then by fair share's Yield. Preempts
-        nothing and returns None if that cannot be done; else the token budget the
-        victims gave back."""
-        num_free = self.kv.num_free_blocks
-        num_slots = self.tuning.max_running_requests - len(self.running)
-        if num_free >= num_blocks and num_slots > 0:
-            return 0
-        victims: list[Request] = []
-        worse = []
-        for victim in reversed(self.running):
-            if victim.effective_rank <= rank:
-                break
-            worse.append(victim)
-        if self.fair:
-            worse.sort(key=self._victim_key, reverse=True)
+        preempting what `preemption.room_victims` chooses. Preempts nothing and returns
+        None if that cannot be done; else the token budget the victims gave back."""
         cq = self.classes[req.priority]
-        for victim in worse:
-            if num_free >= num_blocks and num_slots > 0:
-                break
-            num_free += self.kv.num_freeable_blocks(victim.request_id)
-            num_slots += 1
-            victims.append(victim)
-        if (num_free < num_blocks or num_slots <= 0) and self._may_yield and cq.may_yield(req.share):
+        yield_victims = None
+        if self._may_yield and cq.may_yield(req.share):
             def can_yield(r: Request) -> bool:
                 return r.effective_rank == rank and r.request_id not in admitted and not self._reserve_tokens(r)
 
-            for victim in cq.yield_victims(req.share, can_yield):
-                if num_free >= num_blocks and num_slots > 0:
-                    break
-                num_free += self.kv.num_freeable_blocks(victim.request_id)
-                num_slots += 1
-                victims.append(victim)
-        if num_free < num_blocks or num_slots <= 0:
+            def yield_victims() -> Iterable[Request]:
+                return cq.yield_victims(req.share, can_yield)
+        victims = room_victims(self.running, rank, num_blocks, self.kv.num_free_blocks,
+                               self.tuning.max_running_requests - len(self.running),
+                               lambda r: self.kv.num_freeable_blocks(r.request_id), self.fair, yield_victims)
+        if victims is None:
             return None
         given_back = 0
         for victim in victims:
             given_back += self._preempt(victim, scheduled)
             preempted.append(victim.request_id)
         return given_back
-
-    def _peek_waiting(self, excluded: set[Tenant]) -> tuple[Request, int] | None:
-        """The request admission tries next and its rank: the class of best rank (then
-        earliest request), and in it the request fair share picks."""
-        best: tuple[Request, int] | None = None
-        best_key: tuple[int, int] | None = None
-        for cq in self.classes:
-            if not cq.num_waiting:
-                continue
-            picked = cq.pick(excluded)
-            if picked is None:
-                continue
-            req, oldest = picked
-            key = (self.effective_rank(oldest), oldest.arrival_seq)
-            if best_key is None or key < best_key:
-                best, best_key = (req, key[0]), key
-        return best
 
     def _pop_waiting(self, req: Request) -> None:
         self.classes[req.priority].pop(req)

@@ -14,11 +14,11 @@ from a shared file store and the durable results topic.
 | `generation.py` | one interactive job: submit, deadline → 429, deltas across restarts, cancel when abandoned |
 | `completions.py` | `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE) |
 | `files.py` | the file store: uploads, output / error files, batch manifests (atomic writes) |
-| `batch_lines.py` | batch input lines → jobs (ids derived from batch id + custom_id); outcomes → output lines |
-| `batches.py` | batch object and manifest; live state in Redis, durable state in the file store; leases |
-| `batch_driver.py` | one batch: validate, dispatch, collect outcomes from the results topic, finalize |
-| `batch_manager.py` | create / get / list / cancel; adopts batches whose driver is gone |
-| `batch_api.py` | the Batch API's HTTP handlers (`/v1/files`, `/v1/batches`) |
+| `batch/lines.py` | batch input lines → jobs (ids derived from batch id + custom_id); outcomes → output lines |
+| `batch/state.py` | batch object and manifest; live state in Redis, durable state in the file store; leases |
+| `batch/driver.py` | one batch: validate, dispatch, collect outcomes from the results topic, finalize |
+| `batch/manager.py` | create / get / list / cancel; adopts batches whose driver is gone |
+| `batch/api.py` | the Batch API's HTTP handlers (`/v1/files`, `/v1/batches`) |
 | `metrics.py` | the gateway's Prometheus series |
 | `context.py` | what the handlers share |
 | `app.py` | `Gateway`: routes, middleware, health, lifecycle |

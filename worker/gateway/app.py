@@ -5,7 +5,7 @@ reachable) → serve → SIGTERM: stop accepting, let open requests finish (boun
 `gateway.drain_timeout_s`), stop batch drivers (their leases lapse to other gateways) →
 close.
 
-Routes: the OpenAI endpoints (`worker.gateway.completions`, `worker.gateway.batch_api`),
+Routes: the OpenAI endpoints (`worker.gateway.completions`, `worker.gateway.batch.api`),
 `GET /v1/models`, and without a key `/healthz` (alive), `/readyz` (Kafka, Redis and the
 file store answered the last check) and `/metrics` (Prometheus).
 """
@@ -27,9 +27,9 @@ from schemas import keys
 from worker.client import InflightClient
 from worker.config import ConfigError
 from worker.gateway.auth import KeyRing
-from worker.gateway.batch_api import BatchHandlers
-from worker.gateway.batch_manager import BatchManager
-from worker.gateway.batches import BatchStore
+from worker.gateway.batch.api import BatchHandlers
+from worker.gateway.batch.manager import BatchManager
+from worker.gateway.batch.state import BatchStore
 from worker.gateway.completions import CompletionHandlers
 from worker.gateway.config import GatewayFileConfig
 from worker.gateway.context import CLIENT_GONE, GatewayContext, error_response, json_ok
@@ -69,7 +69,7 @@ class Gateway:
         """Raises:
         ConfigError: bad keys, tokenizer or files directory; the port cannot be bound;
             the job topics do not exist.
-        AccessError: Kafka or Redis refused the credentials (see `worker.access`)."""
+        AccessError: Kafka or Redis refused the credentials (see `worker.security.access`)."""
         g = self.cfg.gateway
         keyring = KeyRing.from_config(g)
         tokens = TokenText(g.tokenizer)

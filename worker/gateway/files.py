@@ -3,7 +3,7 @@ batch's manifest (its durable state), in one directory.
 
     <files_dir>/files/<file_id>.json      metadata: the OpenAI file object + its tenant
     <files_dir>/files/<file_id>.data      content
-    <files_dir>/batches/<batch_id>.json   manifest (see worker.gateway.batches)
+    <files_dir>/batches/<batch_id>.json   manifest (see worker.gateway.batch.state)
     <files_dir>/batches/<batch_id>.cancel cancel request (any gateway may write it)
 
 A local directory needs nothing else; several gateways share one directory on shared

@@ -27,9 +27,9 @@ import structlog
 from aiokafka.errors import KafkaError
 
 from schemas.wire import Event, Finished, Job, Restarted, Started, Token, TokenLogprob
-from worker.access import AccessError
 from worker.client import InflightClient
 from worker.gateway.errors import ApiError, overloaded
+from worker.security.access import AccessError
 
 log = structlog.get_logger(__name__)
 

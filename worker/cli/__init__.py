@@ -1,0 +1,1 @@
+"""What the `inflight` commands do (argparse stays in `worker/__main__.py`): the client commands, `inflight check` (preflight) and topic creation."""

@@ -1,0 +1,123 @@
+"""What the `inflight` client commands do (submit / stream / cancel), and
+`run_reported`, the asyncio runner every command goes through: failures a user can fix
+(bad input, refused access, unreachable services, timeouts) become one line and an exit
+code, never a traceback. The argument parser lives in `worker/__main__.py`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+
+def run_reported(coro, *, bad_input: str, kafka=None, redis=None, log_errors: bool = False) -> int:
+    """asyncio.run, with the failures a user can fix reported in one line, no traceback:
+    bad input (ValueError, FileNotFoundError; exit 2), refused credentials, certificates
+    or permissions (`worker.security.access`: exit 3, 4 or 5, explained with the `kafka` / `redis`
+    settings given), unreachable Redis or Kafka (1), a timeout (1). `log_errors`: report
+    through the log (the worker's JSON lines) instead of a plain line on stderr."""
+    from aiokafka.errors import KafkaConnectionError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from worker.security.access import AccessError
+    from worker.security.probe import diagnose
+    from worker.serve.publish import RedisUnavailable
+
+    async def explained():
+        try:
+            return await coro
+        except Exception as e:  # refused credentials / certificates / ACLs become one AccessError
+            err = await diagnose(e, kafka=kafka, redis=redis)
+            if err is not None:
+                raise err from None
+            raise
+
+    def report(line: str, **fields) -> None:
+        if log_errors:
+            import structlog
+
+            structlog.get_logger("worker").error(line, **fields)
+        else:
+            print(line, file=sys.stderr)
+
+    try:
+        return asyncio.run(explained()) or 0
+    except AccessError as e:
+        report(f"error: {e}" if not log_errors else f"cannot run: {e}", cause=e.cause, setting=e.setting,
+               exit_code=e.exit_code)
+        return e.exit_code
+    except TimeoutError as e:
+        print(f"\n[timeout: {e}]", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+        report(f"{bad_input}: {e}", exit_code=2)
+        return 2
+    except RedisUnavailable as e:
+        report(f"error: {e}", exit_code=1)
+        return 1
+    except (RedisConnectionError, KafkaConnectionError) as e:
+        report(f"error: cannot reach {'Redis' if isinstance(e, RedisConnectionError) else 'Kafka'}: {e}",
+               exit_code=1)
+        return 1
+
+
+async def print_stream(client, job_id: str, timeout: float | None, tenant: str | None = None) -> int:
+    from schemas.wire import Finished, Restarted, Started, Token
+
+    code = 1
+    async for ev in client.stream(job_id, tenant=tenant, timeout_s=timeout):
+        if isinstance(ev, Started):
+            print(f"[started on {ev.worker_id}, attempt {ev.attempt}]", file=sys.stderr)
+        elif isinstance(ev, Restarted):
+            print(f"\n[restarted: {ev.reason}]", file=sys.stderr)
+        elif isinstance(ev, Token):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, Finished):
+            err = f"; {ev.error.code}: {ev.error.message}" if ev.error else ""
+            usage = f", {ev.usage.completion_tokens} tokens" if ev.usage else ""
+            print(f"\n[finished: {ev.finish_reason}{usage}{err}]", file=sys.stderr)
+            code = 0 if ev.finish_reason in ("stop", "length") else 1
+    return code
+
+
+def client_sections(a: argparse.Namespace):
+    """(kafka, redis) connection settings of a client command: the `kafka` and `redis`
+    sections of `--config` (+ INFLIGHT_* env overrides), with `--kafka` / `--redis` /
+    `--prefix` replacing address and prefixes. Raises ConfigError."""
+    import msgspec
+
+    from worker.config import load_config
+
+    cfg = load_config(a.config)
+    kafka, redis = cfg.kafka, cfg.redis
+    if a.kafka:
+        kafka = msgspec.structs.replace(kafka, bootstrap_servers=a.kafka)
+    if a.redis:
+        redis = msgspec.structs.replace(redis, url=a.redis)
+    if a.prefix:
+        kafka = msgspec.structs.replace(kafka, topic_prefix=a.prefix)
+        redis = msgspec.structs.replace(redis, key_prefix=a.prefix)
+    return kafka, redis
+
+
+async def client_command(a: argparse.Namespace, kafka, redis) -> int:
+    from schemas.params import SamplingParams
+    from worker.client import InflightClient
+
+    async with InflightClient(kafka=kafka, redis=redis) as client:
+        if a.cmd == "submit":
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+            job_id = await client.submit(a.prompt, params=params, priority=a.priority, job_id=a.job_id,
+                                         tenant=a.tenant)
+            print(job_id)
+            if a.stream:
+                return await print_stream(client, job_id, a.timeout, a.tenant)
+            return 0
+        if a.cmd == "stream":
+            return await print_stream(client, a.job_id, a.timeout, a.tenant)
+        if a.cmd == "cancel":
+            await client.cancel(a.job_id)
+            print(f"cancel sent for {a.job_id} (no effect if it already finished)", file=sys.stderr)
+            return 0
+    return 1

@@ -1,0 +1,390 @@
+"""Producer / consumer helpers: submit jobs, stream their events, cancel them.
+
+Imports neither torch nor engine code (`pip install "inflight-worker[client]"`).
+
+`stream()` subscribes to the job's channel first, then replays the job's log, so no
+event is missed between the two; it dedupes by `seq`, survives late subscription
+(the log keeps the whole sequence for its TTL), retries connection errors with backoff
+(a Redis restart), re-reads the log from the last seq after a reconnect, and passes
+`restarted` through (the caller drops earlier partial text). `result()` falls back to
+the durable results topic when Redis has no log of the job.
+
+Connections take the same settings as a worker: pass `kafka=KafkaConfig(...)` (SASL,
+TLS, client certificate) and `redis=RedisConfig(...)` (ACL user, TLS), e.g. the sections
+of a config file (`load_config(path).kafka`). A job with a `tenant` streams on its
+tenant's keys: pass the same `tenant` to `stream` / `result` / `read_log`, so a reader
+whose Redis user may only see that tenant's keys can follow it. Wrong credentials, an
+untrusted certificate or a missing permission raise `worker.security.access.AccessError` at once
+(one line naming the setting), never retried as if Redis or Kafka were down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import NoPermissionError
+
+from schemas import keys
+from schemas.codec import decode_event, decode_job, encode
+from schemas.params import SamplingParams
+from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, Restarted, Token, check_tenant
+from worker.client.subscriber import REDIS_DOWN, RESYNC, Denied, SharedSubscriber
+from worker.config import KafkaConfig, RedisConfig
+from worker.security import access, probe
+from worker.security.kafka import kafka_security_kwargs
+from worker.security.redis import redis_pool
+
+log = logging.getLogger(__name__)
+
+
+class InflightClient:
+    """Args:
+    bootstrap_servers: Kafka bootstrap servers (None: `kafka.bootstrap_servers`).
+    redis_url: Redis URL the workers publish to (None: `redis.url`).
+    kafka: Kafka connection settings (security protocol, SASL, TLS and client
+        certificate; also the default bootstrap servers and topic prefix). None: PLAINTEXT.
+    redis: Redis connection settings (ACL user, TLS and client certificate; also the
+        default URL and key prefix). None: `redis_url` as it is.
+    topic_prefix, key_prefix: must match the workers' `kafka.topic_prefix` /
+        `redis.key_prefix` (default: the configs', else `inflight`).
+    reconnect_s: how long Redis may stay unreachable before `stream` gives up (when no
+        `timeout_s` bounds it), seconds.
+    results_fallback_s: `result()` looks the job up in the durable results topic once the
+        Redis log has shown nothing for this long, and every 10 s after (a Redis that
+        restarted empty lost the log of a finished job; its outcome is still there). A
+        principal without Read on the results topic just goes without the fallback.
+
+    Raises:
+        ConfigError: a secret, CA, certificate or key file cannot be read or loaded.
+    """
+
+    def __init__(self, bootstrap_servers: str | None = None, redis_url: str | None = None, *,
+                 kafka: KafkaConfig | None = None, redis: RedisConfig | None = None,
+                 topic_prefix: str | None = None, key_prefix: str | None = None, tombstone_ttl_s: int = 3600,
+                 reconnect_s: float = 60.0, results_fallback_s: float = 5.0) -> None:
+        kafka = kafka or KafkaConfig()
+        if bootstrap_servers is not None:
+            kafka = msgspec.structs.replace(kafka, bootstrap_servers=bootstrap_servers)
+        redis = redis or RedisConfig()
+        if redis_url is not None:
+            redis = msgspec.structs.replace(redis, url=redis_url)
+        self.kafka_config = kafka
+        self.redis_config = redis
+        self.bootstrap_servers = kafka.bootstrap_servers
+        self.topic_prefix = topic_prefix or kafka.topic_prefix
+        self.key_prefix = key_prefix or redis.key_prefix
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.reconnect_s = reconnect_s
+        self.results_fallback_s = results_fallback_s
+        self._kafka_security = kafka_security_kwargs(kafka)
+        self._results_denied = False
+        # Blocking pool: many concurrent streams wait for a connection instead of failing.
+        pool = redis_pool(redis, max_connections=32, timeout=None, health_check_interval=15,
+                          retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), retry_on_error=list(REDIS_DOWN))
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self._subscriber = SharedSubscriber(self.redis)
+        self._producer: AIOKafkaProducer | None = None
+        self._results_consumer: AIOKafkaConsumer | None = None
+        self._results_lock = asyncio.Lock()
+        self._lookups: list[tuple[set[str], asyncio.Future]] = []
+
+    async def __aenter__(self) -> InflightClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _kafka(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all",
+                                        max_request_size=16 * 1024 * 1024, **self._kafka_security)
+            try:
+                await producer.start()
+            except Exception as e:  # explain refused credentials or certificates (aiokafka only logs why)
+                await producer.stop()
+                err = await probe.diagnose(e, kafka=self.kafka_config)
+                if err is not None:
+                    raise err from None
+                raise
+            self._producer = producer
+        return self._producer
+
+    async def _send(self, topic: str, value: bytes, key: bytes) -> None:
+        producer = await self._kafka()
+        try:
+            await producer.send_and_wait(topic, value, key=key)
+        except access.KAFKA_AUTHORIZATION as e:
+            raise access.explain_kafka(e, self.kafka_config) from None
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+        if self._results_consumer is not None:
+            await self._results_consumer.stop()
+            self._results_consumer = None
+        await self._subscriber.close()
+        await self.redis.aclose()
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        priority: str = "normal",
+        job_id: str | None = None,
+        deadline: float | None = None,
+        tenant: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> str:
+        """Produce a job to `inflight.jobs.<priority>`; returns its job_id.
+
+        Raises:
+            ValueError: invalid priority or job fields.
+        """
+        if priority not in keys.PRIORITIES:
+            raise ValueError(f"priority must be one of {list(keys.PRIORITIES)}, got {priority!r}")
+        job = Job(
+            job_id=job_id or uuid.uuid4().hex,
+            prompt=prompt,
+            messages=[ChatMessage(**m) for m in messages] if messages is not None else None,
+            prompt_token_ids=prompt_token_ids,
+            params=params or SamplingParams(),
+            deadline=deadline,
+            tenant=tenant,
+            created_at=time.time(),
+            metadata=metadata,
+        )
+        try:  # the checks a worker applies (id pattern and length, field constraints)
+            decode_job(encode(job))
+        except msgspec.ValidationError as e:
+            raise ValueError(f"invalid job: {e}") from None
+        await self.submit_job(job, priority)
+        return job.job_id
+
+    async def submit_job(self, job: Job, priority: str = "normal") -> None:
+        """Produce an already built job.
+
+        Raises:
+            AccessError: the principal may not write the job topic (or cannot connect).
+        """
+        await self._send(keys.job_topic(self.topic_prefix, priority), encode(job), job.job_id.encode())
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        """The partition ids of `topic` (fetching its metadata; empty if it does not exist).
+
+        Raises:
+            AccessError: refused credentials or certificates.
+        """
+        return await (await self._kafka()).partitions_for(topic) or set()
+
+    async def ping_kafka(self) -> None:
+        """Fetch the cluster's metadata (a reachability check).
+
+        Raises:
+            KafkaError: the cluster did not answer; AccessError: refused.
+        """
+        producer = await self._kafka()
+        await producer.client.fetch_all_metadata()
+
+    async def cancel(self, job_id: str, reason: str | None = None) -> None:
+        """Cancel a job wherever it is. Also sets the tombstone directly when this Redis
+        user may (SET on `inflight:job:*:cancelled`), so a job that no worker has consumed
+        yet is dropped on arrival even if no worker is running; without that permission
+        the worker sets it when it reads the cancel message."""
+        with contextlib.suppress(NoPermissionError):  # a reader-only user: the cancel message is enough
+            await self.redis.set(keys.cancelled_key(job_id, self.key_prefix), b"1", ex=self.tombstone_ttl_s)
+        await self._send(keys.cancel_topic(self.topic_prefix), encode(Cancel(job_id=job_id, reason=reason)),
+                         job_id.encode())
+
+    async def read_log(self, job_id: str, after_seq: int = -1, *, tenant: str | None = None) -> list[Event]:
+        """Events already in the job's log with seq > after_seq, in order. `tenant`: the
+        job's tenant (its log is under the tenant's keys).
+
+        Raises:
+            ValueError: invalid tenant id.
+            AccessError: this Redis user may not read that log (NOPERM), or refused.
+        """
+        try:
+            entries = await self.redis.xrange(keys.log_key(job_id, self.key_prefix, check_tenant(tenant)))
+        except NoPermissionError as e:
+            raise access.explain_redis(e, self.redis_config) from None
+        out = []
+        for _, fields in entries:
+            ev = decode_event(fields[b"e"])
+            if ev.seq > after_seq:
+                out.append(ev)
+        return out
+
+    async def stream(self, job_id: str, *, tenant: str | None = None, timeout_s: float | None = None,
+                     poll_s: float = 1.0, fallback: bool = False) -> AsyncIterator[Event]:
+        """Yield the job's events in `seq` order, each once, ending with `finished`.
+        `tenant`: the job's tenant (submitted with one, it streams on the tenant's keys).
+
+        Connection errors (a Redis restart, a failover) are retried with backoff until
+        `timeout_s` (or for `reconnect_s` of continuous failure when there is no
+        timeout); after a reconnect the channel is subscribed again and the log re-read
+        from the last seq yielded. With `fallback`, a job whose log stays empty is also
+        looked up in the durable results topic (its `finished` is yielded alone).
+
+        Raises:
+            TimeoutError: no terminal event within `timeout_s`.
+            redis.exceptions.ConnectionError: Redis unreachable for longer than allowed.
+            ValueError: invalid tenant id.
+            AccessError: wrong credentials, an untrusted certificate, or this Redis user
+                may not subscribe to / read the job's channel and log (NOPERM).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        tenant = check_tenant(tenant)
+        channel = keys.channel(job_id, self.key_prefix, tenant).encode()
+        try:
+            queue = await self._subscriber.add(channel)
+        except NoPermissionError as e:
+            raise access.explain_redis(e, self.redis_config) from None
+        last = -1
+        started = time.monotonic()
+        next_lookup = started + self.results_fallback_s
+        down_since: float | None = None
+        delay = 0.05
+        try:
+            need_log = True  # replay after subscribing: no gap
+            while True:
+                try:
+                    if need_log:
+                        evs = await self.read_log(job_id, last, tenant=tenant)
+                        need_log = False
+                    down_since, delay = None, 0.05
+                except REDIS_DOWN as e:
+                    if access.is_fatal_redis(e):  # refused, not down: retrying cannot help
+                        raise access.explain_redis(e, self.redis_config) or e from None
+                    now = time.monotonic()
+                    down_since = down_since or now
+                    if deadline is not None and now > deadline:
+                        raise TimeoutError(
+                            f"job {job_id} did not finish within {timeout_s} s (Redis unreachable)") from None
+                    if deadline is None and now - down_since > self.reconnect_s:
+                        raise
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                for ev in evs:
+                    if ev.seq > last:
+                        last = ev.seq
+                        yield ev
+                        if isinstance(ev, Finished):
+                            return
+                evs = []
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    raise TimeoutError(f"job {job_id} did not finish within {timeout_s} s")
+                if fallback and last < 0 and now >= next_lookup and not self._results_denied:
+                    next_lookup = now + 10.0
+                    try:
+                        found = await self.lookup_results([job_id])
+                    except access.AccessError as e:
+                        if e.exit_code != access.EXIT_AUTHORIZATION:
+                            raise
+                        self._results_denied = True  # this principal may not read outcomes: Redis only
+                        log.warning("results fallback disabled: %s", e)
+                        found = {}
+                    if job_id in found:
+                        yield found[job_id]
+                        return
+                try:
+                    data = await asyncio.wait_for(queue.get(), poll_s)
+                except TimeoutError:  # quiet: check the log in case a live message was lost
+                    data = RESYNC
+                if data is RESYNC:
+                    need_log = True
+                elif isinstance(data, Denied):
+                    raise access.explain_redis(data.error, self.redis_config) from None
+                else:
+                    ev = decode_event(data)
+                    if ev.seq > last + 1:  # a gap: fill it from the log
+                        need_log = True
+                    else:
+                        evs = [ev]
+        finally:
+            await self._subscriber.remove(channel, queue)
+
+    async def result(self, job_id: str, timeout_s: float | None = None, *, tenant: str | None = None) -> Finished:
+        """Wait for the job's terminal event; falls back to the durable results topic when
+        the Redis log stays empty (see `results_fallback_s`).
+
+        Raises:
+            TimeoutError: no terminal event within `timeout_s`.
+            AccessError: see `stream`.
+        """
+        async with contextlib.aclosing(self.stream(job_id, tenant=tenant, timeout_s=timeout_s,
+                                                   fallback=True)) as events:
+            async for ev in events:
+                if isinstance(ev, Finished):
+                    return ev
+        raise RuntimeError("unreachable: a stream ends with its finished event")
+
+    async def lookup_results(self, job_ids: list[str], timeout_s: float = 30.0) -> dict[str, Finished]:
+        """The recorded terminal events of `job_ids` from the durable results topic (jobs
+        not finished yet are absent). Concurrent lookups share one scan.
+
+        Raises:
+            AccessError: the principal may not read the results topic (or is refused).
+        """
+        from worker.client.results import read_results
+
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._lookups.append((set(job_ids), fut))
+        async with self._results_lock:
+            if not fut.done():
+                batch, self._lookups = self._lookups, []
+                try:
+                    if self._results_consumer is None:
+                        self._results_consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers,
+                                                                  group_id=None, enable_auto_commit=False,
+                                                                  **self._kafka_security)
+                        await self._results_consumer.start()
+                    wanted = sorted(set().union(*(ids for ids, _ in batch)))
+                    producer = await self._kafka()
+                    found = await read_results(self._results_consumer, producer.partitions_for, self.topic_prefix,
+                                               wanted, timeout_s)
+                except Exception as e:  # every waiter of this scan gets the (explained) failure
+                    err = await probe.diagnose(e, kafka=self.kafka_config) or e
+                    for _, f in batch:
+                        if not f.done():
+                            f.set_exception(err)
+                else:
+                    for ids, f in batch:
+                        f.set_result({j: found[j] for j in ids if j in found})
+        return await fut
+
+
+
+def last_attempt_tokens(events: list[Event]) -> list[Token]:
+    """The `token` events of the last attempt (a `restarted` drops those before it)."""
+    tokens: list[Token] = []
+    for ev in events:
+        if isinstance(ev, Restarted):
+            tokens = []
+        elif isinstance(ev, Token):
+            tokens.append(ev)
+    return tokens
+
+
+def text_of(events: list[Event]) -> str:
+    """Concatenate the token text of the last attempt."""
+    return "".join(t.text for t in last_attempt_tokens(events))
+
+
+__all__ = ["InflightClient", "last_attempt_tokens", "text_of"]

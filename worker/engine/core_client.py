@@ -1,0 +1,314 @@
+"""How the worker talks to its engine: the same interface whether the engine core steps in
+a thread of this process or in its own process (`worker.engine_process`).
+
+Both clients take validated requests (`input.process` runs in the caller's thread pool,
+then `submit` on the event loop), accept aborts, and deliver each step's `RequestOutput`
+deltas to the loop with `call_soon_threadsafe`, in step order:
+
+  ThreadEngineClient   an `Engine` stepped by one thread here (core + output processing on
+                       that thread; the engine tests and injected engines use it)
+  ProcessEngineClient  the core in a child process (`core_proc.py`); output processing
+                       (detokenization, stop strings) runs on this process's reader thread,
+                       which merges every step waiting in the pipe into one batch
+
+Step metrics (`observe_step`) are recorded off the event loop in both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from worker.config import ServingTuning
+from worker.engine import (
+    Engine,
+    EngineCoreRequest,
+    InputProcessor,
+    ModelFacts,
+    OutputProcessor,
+    RequestOutput,
+)
+from worker.engine.core_proc import (
+    AbortRequests,
+    AddRequests,
+    EngineSpec,
+    Failed,
+    FinishRequests,
+    FromCore,
+    Idle,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    run_engine_core,
+)
+
+if TYPE_CHECKING:
+    from worker.obs.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+IDLE_METRICS_INTERVAL_S = 0.5
+OnOutputs = Callable[[list[RequestOutput]], None]
+OnCrash = Callable[[BaseException], None]
+
+
+class EngineCrashed(RuntimeError):
+    """The engine core died (its process exited, or a step broke an invariant); the
+    worker stops without committing the affected offsets, so its jobs are redelivered."""
+
+
+class ThreadEngineClient:
+    """An `Engine` stepped by one thread of this process.
+
+    Args:
+        engine: the Engine (only this client's thread calls `step`).
+        metrics: `observe_step` after every step, `observe_idle` every 0.5 s while idle.
+    """
+
+    def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.input: InputProcessor = engine.input
+        self.tuning: ServingTuning = engine.tuning
+        self.tokenizer = engine.tokenizer
+        self.num_blocks = engine.kv.num_blocks
+        self.device = str(engine.runner.device)
+        self._metrics = metrics
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
+        self.num_steps = 0
+        self.last_tick = time.monotonic()
+
+    async def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs, on_crash: OnCrash) -> None:
+        self._loop, self._on_outputs, self._on_crash = loop, on_outputs, on_crash
+        self._thread.start()
+
+    def submit(self, req: EngineCoreRequest) -> None:
+        """Raises RequestRejected (duplicate id, overloaded)."""
+        self.engine.submit(req)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        engine, metrics = self.engine, self._metrics
+        last_idle_report = 0.0
+        try:
+            while not self._stop.is_set():
+                if not engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    self.last_tick = now = time.monotonic()
+                    if metrics is not None and now - last_idle_report >= IDLE_METRICS_INTERVAL_S:
+                        last_idle_report = now
+                        metrics.observe_idle(engine.kv_stats(), 0, 0)
+                    continue
+                outputs = engine.step()
+                self.num_steps += 1
+                self.last_tick = time.monotonic()
+                if metrics is not None:
+                    metrics.observe_step(engine.last_step_stats)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+        except BaseException as e:  # the engine is broken: tell the worker, which stops
+            log.exception("engine step failed")
+            self._loop.call_soon_threadsafe(self._on_crash, EngineCrashed(f"engine step failed: {e!r}"[:500]))
+
+
+class ProcessEngineClient:
+    """The engine core in a child process. `start` spawns it and waits for `Ready`
+    (the model loads meanwhile; up to `ready_timeout_s`).
+
+    Args:
+        spec: builds the engine in the child and the tokenizer here.
+        tuning: `serving_tuning` (input checks here must match the core's).
+        metrics: step metrics, recorded on the reader thread.
+        log_level: the child's log level.
+    """
+
+    def __init__(self, spec: EngineSpec, tuning: ServingTuning, metrics: Metrics | None = None, *,
+                 log_level: str = "INFO", ready_timeout_s: float = 1800.0) -> None:
+        self.spec = spec
+        self.tuning = tuning
+        self._metrics = metrics
+        self._log_level = log_level
+        self._ready_timeout_s = ready_timeout_s
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(FromCore).decode
+        self._send_lock = threading.Lock()
+        self._pending_adds: list[EngineCoreRequest] = []
+        self._flush_scheduled = False
+        self.num_steps = 0
+        self.last_tick = time.monotonic()
+        self._proc = None
+        self._closing = False
+
+    async def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs, on_crash: OnCrash) -> None:
+        """Raises:
+        EngineCrashed: the core process failed to build the engine (the message says why)."""
+        self._loop, self._on_outputs, self._on_crash = loop, on_outputs, on_crash
+        ctx = multiprocessing.get_context("spawn")
+        to_core_r, self._to_core = ctx.Pipe(duplex=False)
+        self._from_core, from_core_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=run_engine_core, args=(self.spec, to_core_r, from_core_w, self._log_level),
+                                 name="inflight-engine-core", daemon=True)
+        self._proc.start()
+        to_core_r.close()
+        from_core_w.close()
+        tokenizer = await asyncio.to_thread(self.spec.build_tokenizer)
+        ready = await asyncio.to_thread(self._wait_ready)
+        self.tokenizer = tokenizer
+        self.num_blocks = ready.num_blocks
+        self.device = ready.device
+        facts = ModelFacts(vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
+                           kv_capacity_tokens=ready.num_blocks * ready.block_size,
+                           eos_token_ids=frozenset(ready.eos_token_ids), model_id=ready.model_id,
+                           block_size=ready.block_size, sliding_window=ready.sliding_window)
+        self.input = InputProcessor(tokenizer, facts, self.tuning)
+        self.output = OutputProcessor(tokenizer)
+        self._reader = threading.Thread(target=self._read, name="inflight-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self) -> Ready:
+        if not self._from_core.poll(self._ready_timeout_s):
+            raise EngineCrashed(f"the engine core did not start within {self._ready_timeout_s} s")
+        try:
+            msg = self._decode(self._from_core.recv_bytes())
+        except EOFError:
+            raise EngineCrashed(f"the engine core process exited with code {self._proc.exitcode}") from None
+        if isinstance(msg, Failed):
+            if msg.is_config_error:
+                raise ValueError(msg.error)  # the worker's config-error path: one line, exit 2
+            raise EngineCrashed(f"the engine core failed to start: {msg.error}")
+        return msg
+
+    def submit(self, req: EngineCoreRequest) -> None:
+        """Queue a request for the core (sent once per loop iteration, batched). Call on the loop."""
+        self.output.add(req.request_id, req.params.stop, len(req.prompt_token_ids), req.arrival_time)
+        self._pending_adds.append(req)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_adds)
+
+    def _flush_adds(self) -> None:
+        self._flush_scheduled = False
+        adds, self._pending_adds = self._pending_adds, []
+        if adds:
+            self._send(AddRequests(adds))
+
+    def abort(self, request_id: str) -> None:
+        if self._pending_adds:
+            self._flush_adds()  # an abort never overtakes its request
+        self._send(AbortRequests([request_id]))
+
+    def wake(self) -> None:
+        pass  # the core process polls its pipe
+
+    def _send(self, msg) -> None:
+        data = self._encode(msg)
+        with self._send_lock:
+            try:
+                self._to_core.send_bytes(data)
+            except (BrokenPipeError, OSError) as e:
+                if not self._closing:
+                    log.warning("engine core unreachable", error=repr(e))
+
+    @property
+    def alive(self) -> bool:
+        reader = getattr(self, "_reader", None)
+        return self._proc is not None and self._proc.is_alive() and reader is not None and reader.is_alive()
+
+    def _read(self) -> None:
+        """Reader thread: every message waiting is read and processed as one batch."""
+        metrics = self._metrics
+        conn = self._from_core
+        try:
+            while True:
+                msgs = [self._decode(conn.recv_bytes())]
+                while conn.poll(0):
+                    msgs.append(self._decode(conn.recv_bytes()))
+                self.last_tick = time.monotonic()
+                core_outputs = []
+                for msg in msgs:
+                    if isinstance(msg, StepOutputs):
+                        self.num_steps += 1
+                        core_outputs.extend(msg.outputs)
+                        if metrics is not None:
+                            metrics.observe_step(msg.stats)
+                    elif isinstance(msg, Idle):
+                        if metrics is not None:
+                            metrics.observe_idle(msg.kv, 0, 0)
+                    elif isinstance(msg, Failed):
+                        raise EngineCrashed(f"engine step failed: {msg.error}")
+                if not core_outputs:
+                    continue
+                processed = self.output.process(core_outputs)
+                if processed.finish:
+                    self._send(FinishRequests([(rid, int(st)) for rid, st in processed.finish]))
+                if processed.num_internal_errors and metrics is not None:
+                    metrics.request_errors.labels("internal").inc(processed.num_internal_errors)
+                if processed.outputs:
+                    self._loop.call_soon_threadsafe(self._on_outputs, processed.outputs)
+        except (EOFError, OSError):
+            if not self._closing:
+                code = self._proc.exitcode if self._proc is not None else None
+                self._report_crash(EngineCrashed(f"the engine core process exited (code {code})"))
+        except BaseException as e:
+            if not self._closing:
+                log.exception("engine output processing failed")
+                self._report_crash(e if isinstance(e, EngineCrashed) else EngineCrashed(repr(e)[:500]))
+
+    def _report_crash(self, exc: BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody left to tell
+            self._loop.call_soon_threadsafe(self._on_crash, exc)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the core process to end; kill it if it does not within `timeout`."""
+        self._closing = True
+        if self._proc is None:
+            return
+        self._send(Shutdown())
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        reader = getattr(self, "_reader", None)
+        if reader is not None:  # it ends on the pipe's EOF now that the process is gone
+            reader.join(5)
+        for conn in (self._to_core, self._from_core):
+            conn.close()
+
+
+async def make_engine_client(engine: Any, spec: EngineSpec | None, tuning: ServingTuning, metrics: Metrics,
+                             use_process: bool, log_level: str = "INFO") -> ThreadEngineClient | ProcessEngineClient:
+    """The client for a worker: an injected `Engine` steps in a thread; else the spec's
+    engine runs in its own process (`use_process`) or is built here (off the loop) and
+    stepped in a thread."""
+    if engine is not None:
+        return ThreadEngineClient(engine, metrics)
+    if use_process:
+        return ProcessEngineClient(spec, tuning, metrics, log_level=log_level)
+    return ThreadEngineClient(await asyncio.to_thread(spec.build_engine), metrics)

@@ -1,0 +1,178 @@
+"""The engine core in its own process (vLLM V1's EngineCoreProc): a busy loop that owns
+the model, the KV cache and the scheduler, fed and drained through two pipes of
+msgpack-encoded messages, so the worker's I/O (Kafka, Redis, detokenization, metrics)
+never shares a GIL with the step loop.
+
+    front-end ──AddRequests / AbortRequests / FinishRequests / Shutdown──► core process
+    front-end ◄──Ready / StepOutputs / Idle / Failed────────────────────── core process
+
+Between two steps the core applies every message waiting in its pipe (so a cancel frees
+KV at the next step boundary), then steps; while idle it blocks on the pipe and sends an
+`Idle` tick every 0.5 s (liveness and gauges). The pipe closing (the front-end died) ends
+the process. An `EngineSpec` says how to build the engine in the child and its tokenizer
+in the front-end; it is pickled to the child (spawn start method, as CUDA requires).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+import msgspec
+
+from worker.config import EngineConfig
+from worker.engine.outputs import EngineCoreOutput, EngineCoreRequest, KVStats, StepStats
+from worker.engine.request import RequestStatus
+
+IDLE_TICK_S = 0.5
+
+
+# ---- messages -------------------------------------------------------------------------------
+class AddRequests(msgspec.Struct, tag="add", array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
+    """Requests output processing ended (stop string, output error): (id, RequestStatus)."""
+
+    items: list[tuple[str, int]]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """The engine is built: what the front-end's input processing must know of it."""
+
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+    model_id: str
+    device: str
+    sliding_window: int | None = None
+
+
+class StepOutputs(msgspec.Struct, tag="step", array_like=True):
+    outputs: list[EngineCoreOutput]
+    stats: StepStats
+
+
+class Idle(msgspec.Struct, tag="idle", array_like=True):
+    kv: KVStats
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    """The core could not start or a step broke. `is_config_error`: the engine could not
+    be built from its settings (model path, device, an architecture the load check
+    refused), which the worker reports as a config error (exit 2), not a crash."""
+
+    error: str
+    is_config_error: bool = False
+
+
+ToCore = AddRequests | AbortRequests | FinishRequests | Shutdown
+FromCore = Ready | StepOutputs | Idle | Failed
+
+
+class EngineSpec(Protocol):
+    """How to build the engine (in the core process) and its tokenizer (in the front-end)."""
+
+    def build_engine(self) -> Any: ...
+
+    def build_tokenizer(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class PretrainedEngine:
+    """A local Hugging Face checkpoint (`Engine.from_pretrained`)."""
+
+    path: str
+    config: EngineConfig
+
+    def build_engine(self):
+        from worker.engine import Engine
+
+        return Engine.from_pretrained(self.path, self.config)
+
+    def build_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+
+
+# ---- the core process ---------------------------------------------------------------------
+def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection, log_level: str = "INFO") -> None:
+    """Main of the core process: build the engine, send `Ready`, step until `Shutdown` or
+    the front-end goes away. A broken invariant is reported as `Failed` and ends it."""
+    from worker.obs.log import setup_logging
+
+    setup_logging(log_level)
+    with contextlib.suppress(ImportError):  # no progress bars among the JSON log lines
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    log = logging.getLogger("worker.engine.core_proc")
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(ToCore).decode
+    try:
+        engine = spec.build_engine()
+        core = engine.core
+        loaded = engine.loaded
+        conn_out.send_bytes(encode(Ready(loaded.vocab_size, loaded.max_model_len, core.kv.num_blocks,
+                                         core.kv.block_size, sorted(loaded.eos_token_ids), loaded.model_id,
+                                         str(core.runner.device), loaded.kv_layout.sliding_window)))
+    except (ValueError, FileNotFoundError) as e:  # UnsupportedModel and ConfigError are ValueErrors
+        log.error("engine core cannot start: %s", e)
+        conn_out.send_bytes(encode(Failed(str(e)[:2000], is_config_error=True)))
+        return
+    except Exception as e:
+        log.exception("engine core failed to start")
+        conn_out.send_bytes(encode(Failed(f"{type(e).__name__}: {e}"[:2000])))
+        return
+    last_tick = 0.0
+    try:
+        while True:
+            busy = core.has_unfinished()
+            if conn_in.poll(0 if busy else IDLE_TICK_S):
+                while True:  # every message waiting now, then step
+                    msg = decode(conn_in.recv_bytes())
+                    if isinstance(msg, AddRequests):
+                        for r in msg.requests:
+                            core.add(r)
+                    elif isinstance(msg, AbortRequests):
+                        for rid in msg.request_ids:
+                            core.abort(rid)
+                    elif isinstance(msg, FinishRequests):
+                        for rid, status in msg.items:
+                            core.finish(rid, RequestStatus(status))
+                    else:
+                        return
+                    if not conn_in.poll(0):
+                        break
+            if not core.has_unfinished():
+                now = time.monotonic()
+                if now - last_tick >= IDLE_TICK_S:
+                    last_tick = now
+                    conn_out.send_bytes(encode(Idle(core.kv_stats())))
+                continue
+            outputs = core.step()
+            conn_out.send_bytes(encode(StepOutputs(outputs, core.last_step_stats)))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the front-end went away
+    except Exception as e:
+        log.exception("engine step failed")
+        with contextlib.suppress(OSError):
+            conn_out.send_bytes(encode(Failed(f"{type(e).__name__}: {e}"[:2000])))
+        os._exit(1)

@@ -1,0 +1,1 @@
+"""Observability: every Prometheus series of a worker, structlog setup, and quiet logging of transient Kafka conditions."""

@@ -1,0 +1,1 @@
+"""The worker process: Kafka jobs in (intake, read-ahead, offsets, cancels), the job table (starter, jobs), Redis streams out (claims, publish), Kafka out (finalize, dlq, results), and the `Worker` that wires them (`worker.py`) with its health endpoint (`health.py`)."""

@@ -1,0 +1,311 @@
+"""Claims in Redis: who runs which job, and the per-job marks around that. This module
+owns claim leases, done marks, attempt counters, failure marks, cancel tombstones, the
+dataset epoch, and every Lua script that touches them (the event-append script in
+`publish.py` ends a job with `FINISH_LUA` from here).
+
+Per job (keys from `schemas.keys`; job id only, whatever the tenant: see there):
+
+    claim      SET NX PX lease, value = this worker's claim token; renewed while it runs
+    attempts   INCR on every claim: the `attempt` of the events
+    failures   set of attempts that went to the engine and did not end cleanly: added on
+               claim (a suspect job, one with failures, only when it enters the engine
+               alone), removed on a clean end (terminal event or hand-back); a worker
+               that died running it leaves its attempt in it. A job with failures runs
+               alone; at `max_job_failures` it is poison.
+    done       the finish reason, set with the terminal event (TTL = the log's)
+    cancelled  tombstone (TTL): a job that arrives after its cancel is dropped
+
+`take` claims a whole fetched batch in one round trip. Every script first checks the
+dataset epoch (`keys.epoch_key`): if Redis lost its data (restarted empty) the epoch is
+gone or changed and the call fails with `EpochChanged`, so nothing is written into an
+empty Redis before the worker has restored what clients rely on.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from schemas import keys
+
+# What "Redis is unreachable" looks like from redis-py (its errors are not the builtin ones).
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, TimeoutError)
+
+_EPOCH_CHECK = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('EPOCH changed') end
+"""
+
+# Reads the last `q` (seq) field of a job's log: the next seq of a new attempt follows it.
+LAST_SEQ = """
+local function last_seq(log)
+  local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
+  if last[1] then
+    local f = last[1][2]
+    for i = 1, #f, 2 do if f[i] == 'q' then return tonumber(f[i + 1]) end end
+  end
+  return -1
+end
+"""
+
+# KEYS: epoch, then per job: done, claim, attempts, log, failures, cancelled.
+# ARGV: epoch, lease_ms, ttl_s, then per job: claim token.
+# Returns per job: {'done', reason} | {'contested'} | {'claimed', attempt, next_seq, failures, cancelled}.
+TAKE_LUA = _EPOCH_CHECK + LAST_SEQ + """
+local out = {}
+local n = (#KEYS - 1) / 6
+for j = 0, n - 1 do
+  local k = 1 + j * 6
+  local done = redis.call('GET', KEYS[k + 1])
+  if done then
+    out[j + 1] = {'done', done}
+  elseif not redis.call('SET', KEYS[k + 2], ARGV[4 + j], 'NX', 'PX', ARGV[2]) then
+    out[j + 1] = {'contested'}
+  else
+    local attempt = redis.call('INCR', KEYS[k + 3])
+    redis.call('EXPIRE', KEYS[k + 3], ARGV[3])
+    local failures = redis.call('SCARD', KEYS[k + 5])
+    if failures == 0 then
+      redis.call('SADD', KEYS[k + 5], attempt)
+      redis.call('EXPIRE', KEYS[k + 5], ARGV[3])
+    end
+    out[j + 1] = {'claimed', attempt, last_seq(KEYS[k + 4]) + 1, failures, redis.call('EXISTS', KEYS[k + 6])}
+  end
+end
+return out
+"""
+
+# KEYS: per job: claim. ARGV: lease_ms, then per job: token.
+# Returns per job: 1 renewed, 2 re-acquired (the lease had lapsed and nobody took it), 0 lost.
+RENEW_LUA = """
+local out = {}
+for i = 1, #KEYS do
+  local cur = redis.call('GET', KEYS[i])
+  if cur == ARGV[i + 1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1]); out[i] = 1
+  elseif not cur then
+    redis.call('SET', KEYS[i], ARGV[i + 1], 'PX', ARGV[1]); out[i] = 2
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+# A clean end of one attempt: release the claim if still ours, forget the attempt's
+# failure mark, and (when reason ~= '') set the done mark. Idempotent, so a re-sent
+# pipeline changes nothing. Used inside the publish script and by `release`.
+FINISH_LUA = """
+local function finish_job(done, claim, failures, reason, token, attempt, ttl)
+  if reason ~= '' then redis.call('SET', done, reason, 'EX', ttl) end
+  if redis.call('GET', claim) == token then redis.call('DEL', claim) end
+  redis.call('SREM', failures, attempt)
+end
+"""
+
+# KEYS: per job: done, claim, failures. ARGV: ttl, then per job: reason, token, attempt.
+RELEASE_LUA = FINISH_LUA + """
+for j = 0, #KEYS / 3 - 1 do
+  finish_job(KEYS[j * 3 + 1], KEYS[j * 3 + 2], KEYS[j * 3 + 3], ARGV[2 + j * 3], ARGV[3 + j * 3],
+             ARGV[4 + j * 3], ARGV[1])
+end
+return #KEYS / 3
+"""
+
+# Restore one held job after Redis lost its data. KEYS: claim, attempts, failures.
+# ARGV: token, lease_ms, attempt, ttl. Returns 1 if the claim is ours again, 0 if another
+# worker claimed the job meanwhile.
+RECLAIM_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local a = tonumber(redis.call('GET', KEYS[2]) or '0')
+if a < tonumber(ARGV[3]) then redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4]) end
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[4])
+return 1
+"""
+
+
+class EpochChanged(Exception):
+    """Redis lost its data (restarted empty) or another worker already noticed that:
+    the caller restores its jobs (`Publisher.restore`) and retries."""
+
+
+@dataclass(slots=True, frozen=True)
+class Claimed:
+    """This worker now holds the job: `attempt` for its events, `next_seq` continues the
+    log, `failures` earlier attempts that never ended cleanly, `cancelled` a tombstone."""
+
+    token: str
+    attempt: int
+    next_seq: int
+    failures: int
+    cancelled: bool
+
+
+@dataclass(slots=True, frozen=True)
+class Done:
+    """The job already has its terminal event (`reason`)."""
+
+    reason: str
+
+
+class Contested:
+    """Another live worker holds the job's claim."""
+
+
+CONTESTED = Contested()
+TakeResult = Claimed | Done | Contested
+
+
+class ClaimStore:
+    """Claims and per-job marks of one worker. Args:
+    redis: the worker's client.
+    prefix: `redis.key_prefix`.
+    worker_id: prefix of claim tokens (the claim's value names its holder).
+    lease_ms: claim lease; renewed every third of it.
+    ttl_s: lifetime of done marks, attempt counters and failure marks (the log TTL).
+    tombstone_ttl_s: lifetime of cancel tombstones.
+    """
+
+    def __init__(self, redis: aioredis.Redis, prefix: str, worker_id: str, *, lease_ms: int, ttl_s: int,
+                 tombstone_ttl_s: int) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.worker_id = worker_id
+        self.lease_ms = lease_ms
+        self.ttl_s = ttl_s
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.epoch: str = ""
+        self._nonce = uuid.uuid4().hex[:8]
+        self._num_tokens = 0
+        self._scripts = {name: redis.register_script(src) for name, src in (
+            ("take", TAKE_LUA), ("renew", RENEW_LUA), ("release", RELEASE_LUA), ("reclaim", RECLAIM_LUA))}
+
+    # ---- the dataset epoch ---------------------------------------------------------
+    async def adopt_epoch(self) -> bool:
+        """Create the epoch marker if Redis has none, then adopt its value.
+
+        Returns:
+            True if the epoch differs from the one this worker held before (Redis lost its
+            data since, or another worker re-created the marker after noticing it).
+        """
+        key = keys.epoch_key(self.prefix)
+        await self.redis.set(key, uuid.uuid4().hex, nx=True)
+        value = await self.redis.get(key)
+        value = value.decode() if isinstance(value, bytes) else str(value)
+        changed = bool(self.epoch) and value != self.epoch
+        self.epoch = value
+        return changed
+
+    async def epoch_intact(self) -> bool:
+        """False if the marker is gone or not the adopted one (Redis lost its data)."""
+        value = await self.redis.get(keys.epoch_key(self.prefix))
+        return value is not None and (value.decode() if isinstance(value, bytes) else value) == self.epoch
+
+    # ---- claims ------------------------------------------------------------------------
+    def new_token(self) -> str:
+        """A claim token no other claim shares: this worker's id, a random nonce drawn
+        once per process, a counter."""
+        self._num_tokens += 1
+        return f"{self.worker_id}:{self._nonce}:{self._num_tokens}"
+
+    async def take(self, jobs: list[keys.JobRef | str]) -> list[TakeResult]:
+        """Claim a batch of jobs in one round trip (see the module docstring). Each job is
+        a `JobRef` (id and tenant: the log the next seq is read from) or a bare job id
+        (no tenant).
+
+        Raises:
+            EpochChanged: Redis lost its data; nothing was written.
+            redis.exceptions.ConnectionError / TimeoutError: Redis unreachable.
+        """
+        if not jobs:
+            return []
+        p = self.prefix
+        ks = [keys.epoch_key(p)]
+        tokens = []
+        for job in jobs:
+            jid, tenant = (job, None) if isinstance(job, str) else job
+            ks += [keys.done_key(jid, p), keys.claim_key(jid, p), keys.attempts_key(jid, p),
+                   keys.log_key(jid, p, tenant), keys.failures_key(jid, p), keys.cancelled_key(jid, p)]
+            tokens.append(self.new_token())
+        raw = await self._run("take", ks, [self.epoch, self.lease_ms, self.ttl_s, *tokens])
+        out: list[TakeResult] = []
+        for token, r in zip(tokens, raw):
+            kind = r[0].decode() if isinstance(r[0], bytes) else r[0]
+            if kind == "done":
+                out.append(Done(r[1].decode() if isinstance(r[1], bytes) else str(r[1])))
+            elif kind == "contested":
+                out.append(CONTESTED)
+            else:
+                out.append(Claimed(token, int(r[1]), int(r[2]), int(r[3]), bool(r[4])))
+        return out
+
+    async def mark_running(self, jobs: list[tuple[str, int]]) -> None:
+        """Before the engine gets these (job_id, attempt)s: mark each attempt as not yet
+        ended cleanly (one round trip). A worker that dies running them leaves the marks."""
+        if not jobs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, attempt in jobs:
+            key = keys.failures_key(job_id, self.prefix)
+            pipe.sadd(key, attempt)
+            pipe.expire(key, self.ttl_s)
+        await pipe.execute()
+
+    async def is_done(self, job_id: str) -> bool:
+        return bool(await self.redis.exists(keys.done_key(job_id, self.prefix)))
+
+    async def renew(self, claims: dict[str, str]) -> set[str]:
+        """Renew the leases of `claims` (job_id -> token); a lapsed lease nobody took is
+        re-acquired. Returns the job ids whose claim another worker holds now (lost)."""
+        if not claims:
+            return set()
+        ids = list(claims)
+        res = await self._run("renew", [keys.claim_key(j, self.prefix) for j in ids],
+                              [self.lease_ms, *(claims[j] for j in ids)])
+        return {j for j, r in zip(ids, res) if int(r) == 0}
+
+    async def release(self, claims: list[tuple[str, str, int]]) -> None:
+        """Clean end without a terminal event (hand-back): for each (job_id, token,
+        attempt) release the claim if still ours and clear the attempt's failure mark."""
+        if not claims:
+            return
+        p = self.prefix
+        ks: list[str] = []
+        args: list = [self.ttl_s]
+        for jid, token, attempt in claims:
+            ks += [keys.done_key(jid, p), keys.claim_key(jid, p), keys.failures_key(jid, p)]
+            args += ["", token, attempt]
+        await self._run("release", ks, args)
+
+    async def reclaim(self, job_id: str, token: str, attempt: int) -> bool:
+        """After Redis lost its data: hold the job's claim again, attempts never below
+        ours. False if another worker claimed it meanwhile."""
+        p = self.prefix
+        return bool(await self._run("reclaim", [keys.claim_key(job_id, p), keys.attempts_key(job_id, p),
+                                                keys.failures_key(job_id, p)],
+                                    [token, self.lease_ms, attempt, self.ttl_s]))
+
+    async def tombstone(self, job_id: str) -> None:
+        await self.redis.set(keys.cancelled_key(job_id, self.prefix), b"1", ex=self.tombstone_ttl_s)
+
+    def finish_keys(self, job_id: str) -> list[str]:
+        """Keys `FINISH_LUA`'s `finish_job` takes for a job: done, claim, failures."""
+        p = self.prefix
+        return [keys.done_key(job_id, p), keys.claim_key(job_id, p), keys.failures_key(job_id, p)]
+
+    async def _run(self, name: str, ks: list[str], args: list):
+        try:
+            return await self._scripts[name](keys=ks, args=args)
+        except ResponseError as e:
+            if str(e).startswith("EPOCH"):
+                raise EpochChanged(str(e)) from None
+            raise
+        except NoScriptError:  # register_script reloads by itself; a flush mid-call is retried once
+            return await self._scripts[name](keys=ks, args=args)

@@ -1,0 +1,120 @@
+"""The last step of a job: after its terminal event is in Redis, the record goes to the DLQ
+if it never ran (`dlq.py`'s rule), the terminal event to the durable results topic
+(`results.py`), and only then are its offsets done (committed by the intake) and the job
+leaves the table; its metrics and its one summary log line are written here.
+
+Kafka errors are retried with backoff while the offsets stay open; a refusal (missing
+ACL) stops the worker. Jobs are finalized in batches: every job that ended in a publisher
+round goes through one results write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import structlog
+from aiokafka.errors import KafkaError
+
+from schemas.wire import FinishReason
+
+if TYPE_CHECKING:
+    from worker.obs.metrics import Metrics
+    from worker.serve.dlq import DeadLetters
+    from worker.serve.jobs import JobTable, LocalJob
+    from worker.serve.offsets import OffsetTracker
+    from worker.serve.results import ResultsLog
+
+log = structlog.get_logger(__name__)
+
+
+class Finalizer:
+    """Args: the worker's job table, offset tracker, DLQ and results writers, metrics."""
+
+    def __init__(self, table: JobTable, tracker: OffsetTracker, dead_letters: DeadLetters, results: ResultsLog,
+                 metrics: Metrics) -> None:
+        self.table = table
+        self.tracker = tracker
+        self.dead_letters = dead_letters
+        self.results = results
+        self.metrics = metrics
+        self.num_finished = 0
+        self._queue: asyncio.Queue[LocalJob] = asyncio.Queue()
+        # labelled children looked up once (a `labels()` call per job costs more than the observation)
+        self._finished = {r: metrics.finished.labels(r.value) for r in FinishReason}
+        self._by_priority: dict[str, tuple] = {}
+
+    def add(self, jobs: Iterable[LocalJob]) -> None:
+        """Jobs whose terminal event was just published."""
+        for held in jobs:
+            self._queue.put_nowait(held)
+
+    async def run(self) -> None:
+        q = self._queue
+        while True:
+            batch = [await q.get()]
+            while not q.empty():
+                batch.append(q.get_nowait())
+            delay = 0.1
+            while True:
+                try:
+                    await self._record(batch)
+                    break
+                except KafkaError as e:
+                    log.warning("could not record outcomes in Kafka; retrying", error=repr(e)[:200],
+                                job_ids=[j.job_id for j in batch][:20], num_jobs=len(batch))
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+            for held in batch:
+                self._done(held)
+
+    async def _record(self, batch: list[LocalJob]) -> None:
+        for held in batch:
+            if held.dead_letter is not None and held.raw is not None:
+                reason, message = held.dead_letter
+                first = held.offsets[0]
+                await self.dead_letters.send(held.raw, held.raw_key, topic=first.tp.topic, partition=first.tp.partition,
+                                             offset=first.offset, reason=reason, error=message, job_id=held.job_id)
+                self.metrics.dlq_records.inc()
+                held.raw = None
+        await self.results.record([(held.job_id, held.history[-1][1]) for held in batch if held.history])
+
+    def _priority_metrics(self, priority: str) -> tuple:
+        m = self._by_priority.get(priority)
+        if m is None:
+            mm = self.metrics
+            m = self._by_priority[priority] = (mm.e2e.labels(priority), mm.tpot.labels(priority),
+                                               mm.queue_time.labels(priority))
+        return m
+
+    def _done(self, held: LocalJob) -> None:
+        m = self.metrics
+        reason = held.finish_reason or FinishReason.ERROR
+        self._finished[reason].inc()
+        summary = held.summary
+        if held.opened:  # it ran in the engine: latency and token metrics
+            e2e, tpot, queue = self._priority_metrics(held.priority)
+            if summary.get("e2e_s") is not None:
+                e2e.observe(summary["e2e_s"])
+            if summary.get("tpot_s") is not None:
+                tpot.observe(summary["tpot_s"])
+            if summary.get("queue_s") is not None:
+                queue.observe(summary["queue_s"])
+                m.observe_tenant_queue_time(held.job.tenant, summary["queue_s"])
+            if summary.get("prompt_tokens"):
+                m.prompt_tokens.inc(summary["prompt_tokens"])
+                m.observe_tenant_tokens(held.job.tenant, "prompt", summary["prompt_tokens"])
+            if reason == FinishReason.CANCELLED:
+                m.aborted.labels("cancelled").inc()
+                if held.cancel_time_mono is not None:
+                    m.cancel_to_free.observe(time.monotonic() - held.cancel_time_mono)
+        for off in held.offsets:
+            self.tracker.done(off.tp, off.offset)
+        self.table.done(held)
+        self.num_finished += 1
+        first = held.offsets[0]
+        log.info("job finished", job_id=held.job_id, topic=first.tp.topic, partition=first.tp.partition,
+                 offset=first.offset, finish_reason=reason.value, attempt=held.attempt, priority=held.priority,
+                 tokens=held.num_tokens, **summary)

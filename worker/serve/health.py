@@ -1,0 +1,201 @@
+"""The worker's health checks and HTTP endpoint (aiohttp, on the worker's asyncio loop).
+
+    GET /metrics   Prometheus text format of the worker's registry
+    GET /healthz   liveness: 200 while the process serves and the engine loop ticks
+                   (also while the model loads); 503 once the engine thread died or
+                   has not ticked for `metrics.engine_stall_s`. Kubernetes restarts
+                   the pod on repeated failures.
+    GET /readyz    readiness: 200 when the model is loaded, Kafka and Redis answered the
+                   last check (every `metrics.check_interval_s`) and the worker is not
+                   draining; else 503. Both health bodies are JSON naming each check.
+
+Readiness does not gate Kafka traffic (the worker pulls work; nothing routes to it),
+but it tells operators and rollouts (`maxUnavailable`) which workers can take jobs.
+The check loop also refreshes the lag / partition / local-job gauges and notices a
+Redis that lost its data while the worker is idle (no publish would notice it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from worker.config import ConfigError, MetricsConfig
+from worker.security import access, probe
+
+if TYPE_CHECKING:
+    from worker.obs.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+CAUSE_LOG_INTERVAL_S = 60.0
+
+
+class HealthChecks:
+    """Outcome of the latest reachability checks and the health bodies built from them.
+
+    Args:
+        metrics: the gauges to refresh.
+        liveness: returns (alive, details) for /healthz.
+    """
+
+    def __init__(self, metrics: Metrics, liveness: Callable[[], tuple[bool, dict]]) -> None:
+        self.metrics = metrics
+        self.liveness = liveness
+        self.kafka_ok = False
+        self.kafka_error: str | None = None
+        self.redis_ok = False
+        self.redis_error: str | None = None
+        self._parts: dict[str, Any] = {}
+        self._logged: dict[str, tuple[str, float]] = {}
+        self._is_draining: Callable[[], bool] = lambda: False
+
+    def attach(self, redis, intake, claims, publisher, table, engine, *, is_draining: Callable[[], bool]) -> None:
+        """The components to probe, once they exist (the HTTP server starts first)."""
+        self._parts = {"redis": redis, "intake": intake, "claims": claims, "publisher": publisher,
+                       "table": table, "engine": engine}
+        self._is_draining = is_draining
+
+    def readiness(self) -> tuple[bool, dict]:
+        """(ready, details) for /readyz: model loaded, Kafka and Redis answered the last
+        check, not draining."""
+        checks = {
+            "model_loaded": "engine" in self._parts,
+            "kafka": self.kafka_ok,
+            "redis": self.redis_ok,
+            "not_draining": not self._is_draining(),
+        }
+        ready = all(checks.values())
+        body: dict = {"status": "ready" if ready else "unready", "checks": checks}
+        errors = {k: v for k, v in (("kafka", self.kafka_error), ("redis", self.redis_error)) if v}
+        if errors:
+            body["errors"] = errors
+        return ready, body
+
+    async def run(self, cfg: MetricsConfig) -> None:
+        """Check every `check_interval_s`; a failing check never stops the worker."""
+        while True:
+            try:
+                await self.check(cfg.check_timeout_s)
+            except Exception as e:  # e.g. the consumer being recreated
+                log.warning("health check failed", error=repr(e)[:300])
+            await asyncio.sleep(cfg.check_interval_s)
+
+    async def _kafka_cause(self, e: Exception, cfg, timeout: float) -> str:
+        """Why Kafka failed the check: explained if refused (credentials rotated away,
+        a certificate expired, an ACL removed), probing once when aiokafka hides it."""
+        err = access.explain_kafka(e, cfg)
+        if err is None:
+            try:
+                await asyncio.wait_for(probe.probe_kafka(cfg, timeout), timeout)
+            except access.AccessError as found:
+                if found.exit_code != access.EXIT_UNREACHABLE:
+                    err = found
+            except Exception:  # the probe is best effort: keep the check's own error
+                pass
+        if err is None:
+            return repr(e)[:200] or type(e).__name__
+        return str(err)
+
+    def _log_cause(self, service: str, cause: str | None) -> None:
+        """Log a failing check's cause when it changes, else at most once per
+        CAUSE_LOG_INTERVAL_S (readiness shows it on every request)."""
+        now = time.monotonic()
+        last = self._logged.get(service)
+        if cause and (last is None or last[0] != cause or now - last[1] >= CAUSE_LOG_INTERVAL_S):
+            self._logged[service] = (cause, now)
+            log.warning("readiness check failed", service=service, cause=cause)
+
+    async def check(self, timeout: float) -> None:
+        """Redis PING (and the dataset epoch), Kafka end offsets of the assigned job
+        partitions (or cluster metadata when none are assigned); sets readiness and the
+        lag / partition / local-job / GPU gauges."""
+        p, m = self._parts, self.metrics
+        try:
+            await asyncio.wait_for(p["redis"].ping(), timeout)
+            self.redis_ok, self.redis_error = True, None
+            if not await asyncio.wait_for(p["claims"].epoch_intact(), timeout):
+                await p["publisher"].restore()
+        except Exception as e:
+            err = access.explain_redis(e, p["publisher"].cfg)
+            self.redis_ok, self.redis_error = False, str(err) if err is not None else repr(e)[:200]
+            self._log_cause("redis", self.redis_error)
+        intake = p["intake"]
+        consumer = intake.consumer
+        assigned = sorted(consumer.assignment(), key=lambda tp: (tp.topic, tp.partition))
+        try:
+            if assigned:
+                ends = await asyncio.wait_for(consumer.end_offsets(assigned), timeout)
+                starts = await asyncio.wait_for(consumer.beginning_offsets(assigned), timeout)
+                intake.log_start.update(starts)
+                m.consumer_lag.clear()
+                for tp, lag in intake.lag(ends).items():
+                    m.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
+            else:
+                await asyncio.wait_for(consumer.topics(), timeout)
+                m.consumer_lag.clear()
+            self.kafka_ok, self.kafka_error = True, None
+        except Exception as e:
+            self.kafka_ok, self.kafka_error = False, await self._kafka_cause(e, intake.cfg, timeout)
+            self._log_cause("kafka", self.kafka_error)
+        m.assigned_partitions.set(len(assigned))
+        m.paused_partitions.set(len(consumer.paused()))
+        m.local_jobs.set(p["table"].num_unfinished)
+        if m.gpu_utilization is not None:
+            with contextlib.suppress(Exception):  # an NVML hiccup keeps the last value
+                import torch
+
+                m.gpu_utilization.set(torch.cuda.utilization(p["engine"].device) / 100.0)
+
+
+class OpsServer:
+    """Serves /metrics, /healthz, /readyz. `port` is the bound port after `start` (useful
+    with port 0)."""
+
+    def __init__(self, registry: CollectorRegistry, health: HealthChecks, host: str, port: int) -> None:
+        self.registry = registry
+        self.health = health
+        self.host = host
+        self.port = port
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+
+    async def start(self) -> None:
+        """Raises:
+        ConfigError: the port cannot be bound (in use, or not permitted); names `metrics.port`."""
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            raise ConfigError(
+                f"metrics.port {self.port} on {self.host} cannot be bound ({e.strerror}); give each worker on a host "
+                "its own port, 0 for any free one, or null to serve no HTTP"
+            ) from None
+        self.port = self._runner.addresses[0][1]  # the bound port (port 0 picks one)
+        log.info("http endpoint listening", host=self.host, port=self.port, paths=["/metrics", "/healthz", "/readyz"])
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        ok, body = self.health.liveness()
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ok, body = self.health.readiness()
+        return web.json_response(body, status=200 if ok else 503)

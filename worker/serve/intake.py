@@ -1,0 +1,428 @@
+"""Kafka job intake: the priority topics as one consumer group; fetch, decode, read
+ahead, hand jobs to the worker as slots free; rebalance, commits, lag.
+
+Read-ahead and choice: fetched records wait in the ReadAhead (read_ahead.py), up to
+`worker.read_ahead_per_partition` per partition. Only as many records as fit are taken
+out of the consumer (`getmany` per partition with `max_records`); the rest stay in the
+consumer's own fetch buffer for later, so nothing fetched is decoded and thrown away
+(only the byte bound can still be passed: the partition is then sought back to the first
+record not kept). When slots free, right after a
+non-blocking fetch of whatever the consumer has prefetched, they are filled by priority
+(high, normal, low) and, inside a priority, by tenant share (the tenant holding the
+fewest jobs per weight, read_ahead.py; a tenant at `max_local_jobs_per_tenant` waits), so a freed
+slot goes to the highest-priority job available anywhere in this worker's assignment,
+and a light tenant behind a flooding one in the same partitions is taken without
+waiting for the flood. Partitions are paused only while the read-ahead holds its byte
+bound (the consumer keeps calling `getmany`, so heartbeats and `max_poll_interval_ms`
+never lapse). Invalid records need no slot: they go to the DLQ when read.
+
+Offsets: a record is registered in the OffsetTracker when it is *read*, so taking
+records out of offset order never lets the commit point (lowest unfinished offset per
+partition) pass one still waiting here: a crash re-reads it. Read-ahead records are not
+claimed. On a rebalance (aiokafka's is eager: every partition is revoked, then some are
+assigned again) the revoke commits and keeps everything; the assignment then forgets,
+in the tracker and the read-ahead, only the partitions that went elsewhere. A kept
+partition is re-read from its committed offset, and the tracker refuses every record
+it already knows (read, running or finished), so nothing runs twice and nothing read
+is lost. Nothing is taken between the revoke and the assignment.
+
+Commits for partitions no longer owned fail and are not retried. Partitions whose
+committed offset is below the log start (records deleted by retention) or absent are
+positioned at the log start, which is then committed, so lag and the group's own view
+are true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+
+from schemas import keys
+from schemas.codec import decode_job, recover_job_id
+from worker.config import KafkaConfig
+from worker.obs import transient_log
+from worker.security.access import is_fatal_kafka
+from worker.security.kafka import kafka_security_kwargs
+from worker.serve.offsets import OffsetTracker
+from worker.serve.read_ahead import JobRecord, ReadAhead
+
+if TYPE_CHECKING:
+    from aiokafka.structs import ConsumerRecord
+
+    from worker.obs.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+
+class JobSink(Protocol):
+    """What the intake needs from the worker."""
+
+    def free_slots(self) -> int:
+        """Jobs the worker can take now (0 while draining or while Redis is down)."""
+
+    def held_by_tenant(self) -> Mapping[str, int]:
+        """Jobs not yet at their terminal event, per tenant (tenants with none may be absent)."""
+
+
+    async def take(self, records: list[JobRecord]) -> list[JobRecord]:
+        """Claim and start a batch; returns the records whose job another worker holds
+        (retried later; their offsets stay open)."""
+
+    async def reject_invalid(self, rec: JobRecord, job_id: str | None) -> None:
+        """A record that does not decode as a job: DLQ (+ `finished(rejected)`), offset done."""
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, intake: Intake) -> None:
+        self.intake = intake
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        # Keep the read-ahead and the tracker: an eager rebalance revokes everything and
+        # may assign much of it again. What went elsewhere is forgotten on assignment.
+        intake = self.intake
+        intake.rebalancing = True
+        await intake.commit(only=set(revoked))
+        if revoked:
+            intake.num_revocations += 1
+            if intake.metrics is not None:
+                intake.metrics.rebalances.inc()
+            log.info("partitions revoked", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in revoked))
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        # Forget only the partitions that went elsewhere. For partitions kept, the tracker
+        # still knows every offset read here (waiting, running or finished), so their
+        # re-read (from the committed offset) neither runs a job twice nor loses one.
+        intake = self.intake
+        kept = set(assigned)
+        tracker = intake.tracker
+        for tp in tracker.partitions():
+            if tp not in kept:
+                tracker.drop(tp)
+        intake.read_ahead.drop(lambda tp: tp in kept)
+        intake.invalid = [r for r in intake.invalid if r.tp in kept]
+        intake.contested = [c for c in intake.contested if c.tp in kept]
+        intake.paused = set()  # a new assignment starts unpaused
+        intake.rebalancing = False  # what is kept may be taken while positions are fetched
+        try:
+            await intake.position(list(assigned))
+        except (KafkaError, IllegalStateError) as e:
+            level, fields = transient_log.observe_error(e)
+            log.log(level, "could not position assigned partitions; leaving it to the consumer", error=repr(e),
+                    **fields)
+        if assigned:
+            log.info("partitions assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+
+
+class Intake:
+    """Args:
+    cfg: the `kafka` config section.
+    client_id: this worker's id (Kafka client id).
+    sink: the worker (free slots, jobs held per tenant, take, reject invalid).
+    tracker: the per-partition commit points (shared with the worker, which marks done).
+    read_ahead_per_partition, read_ahead_bytes: bounds of the read-ahead.
+    tenant_weight: a tenant's weight (`serving_tuning.tenants`), for the choice.
+    tenant_cap: the most local jobs a tenant may hold.
+    high_priority_reserve: free slots lower classes leave to high-priority jobs.
+    fair: choose by tenant share inside a class (`serving_tuning.fair_share`); else by
+        read order.
+    metrics: optional.
+    """
+
+    def __init__(self, cfg: KafkaConfig, client_id: str, sink: JobSink, tracker: OffsetTracker[TopicPartition], *,
+                 read_ahead_per_partition: int, read_ahead_bytes: int,
+                 tenant_weight: Callable[[str], float] = lambda t: 1.0,
+                 tenant_cap: Callable[[str], int] = lambda t: 1 << 30, fair: bool = True,
+                 high_priority_reserve: int = 0, metrics: Metrics | None = None) -> None:
+        self.high_priority_reserve = high_priority_reserve
+        self.cfg = cfg
+        self.client_id = client_id
+        self.sink = sink
+        self.tracker = tracker
+        self.metrics = metrics
+        self.topics = {keys.job_topic(cfg.topic_prefix, p): p for p in keys.PRIORITIES}
+        self.read_ahead = ReadAhead(read_ahead_per_partition, read_ahead_bytes, fair)
+        self.tenant_weight = tenant_weight
+        self.tenant_cap = tenant_cap
+        self.invalid: list[JobRecord] = []  # read, not jobs: to the DLQ
+        self.consumer = self._make_consumer()
+        self.contested: list[JobRecord] = []
+        self.log_start: dict[TopicPartition, int] = {}
+        self.paused: set[TopicPartition] = set()
+        self.rebalancing = False  # between a revoke and the next assignment: take nothing
+        self.num_revocations = 0
+        self.num_consumer_restarts = 0
+        self.num_invalid = 0
+        self._last_commit = 0.0
+        self._last_contested = 0.0
+        self._last_progress = time.monotonic()
+        self._last_stall_check = 0.0
+
+    def _make_consumer(self) -> AIOKafkaConsumer:
+        cfg = self.cfg
+        return AIOKafkaConsumer(
+            *self.topics,
+            bootstrap_servers=cfg.bootstrap_servers,
+            group_id=cfg.group_id,
+            client_id=self.client_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=cfg.session_timeout_ms,
+            heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+            max_poll_interval_ms=cfg.max_poll_interval_ms,
+            max_partition_fetch_bytes=cfg.max_partition_fetch_bytes,
+            fetch_max_bytes=max(cfg.max_partition_fetch_bytes * 2, 52428800),
+            **kafka_security_kwargs(cfg),
+        )
+
+    async def start(self) -> None:
+        self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
+        await self.consumer.start()
+        self._last_progress = time.monotonic()
+
+    async def stop(self) -> None:
+        await self.commit()
+        await self.consumer.stop()  # leaves the group: partitions go to other workers now
+
+    @property
+    def num_buffered(self) -> int:
+        return len(self.read_ahead) + len(self.invalid)
+
+    # ---- positions and lag -----------------------------------------------------------
+    async def position(self, tps: list[TopicPartition]) -> None:
+        """Seek each partition to its committed offset, or to the log start when the
+        committed offset is absent or below it (records deleted by retention); in that
+        case the log start becomes the partition's commit point."""
+        if not tps:
+            return
+        consumer = self.consumer
+        committed = {tp: await consumer.committed(tp) for tp in tps}
+        starts = await consumer.beginning_offsets(tps)
+        self.log_start.update(starts)
+        for tp in tps:
+            c = committed[tp]
+            start = starts[tp]
+            if c is None or c < start:
+                consumer.seek(tp, start)
+                self.tracker.mark_committed(tp, -1 if c is None else c)
+                self.tracker.skip_to(tp, start)  # committed by the next commit()
+            else:
+                consumer.seek(tp, c)
+                self.tracker.mark_committed(tp, c)
+
+    def lag(self, end_offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Consumer lag per partition: log end offset minus the group's position, where
+        the position is the committed offset or, if that is below the log start (or
+        absent), the log start (what a consumer can still read)."""
+        lags = {}
+        for tp, end in end_offsets.items():
+            committed = self.tracker.committed(tp)
+            base = max(committed if committed is not None else -1, self.log_start.get(tp, 0))
+            lags[tp] = max(0, end - base)
+        return lags
+
+    # ---- the consume loop ------------------------------------------------------------
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Consume until `stopping`. Broker errors back off and retry; authorization and
+        authentication errors (`access.is_fatal_kafka`) and anything else propagate (the
+        worker stops and its jobs are redelivered)."""
+        while not stopping.is_set():
+            try:
+                await self._iteration()
+            except (KafkaError, IllegalStateError) as e:
+                if is_fatal_kafka(e):  # a missing ACL or refused credentials: retrying cannot help
+                    raise
+                level, fields = transient_log.observe_error(e)
+                log.log(level, "Kafka error in the consume loop; retrying", error=repr(e), **fields)
+                await asyncio.sleep(0.5)
+
+    async def _iteration(self) -> None:
+        self._update_pauses()
+        free = self.sink.free_slots()
+        busy = self.num_buffered > 0 or free > 0
+        with_room, least_room = self._with_room()
+        if with_room:  # wait for records of those partitions; no more than any of them can keep
+            got = await self.consumer.getmany(*with_room, timeout_ms=10 if busy else 100, max_records=least_room)
+        else:  # every partition is paused (see _update_pauses): a poll that returns nothing
+            got = await self.consumer.getmany(timeout_ms=10 if busy else 100)
+        self._buffer(got)
+        if got:
+            await self._fetch_prefetched()
+        if got or self.num_buffered or self.sink.free_slots() <= 0:
+            self._last_progress = time.monotonic()
+        else:
+            await self._check_stall()
+        await self._fill_slots()
+        now = time.monotonic()
+        if self.contested and now - self._last_contested > 0.5:
+            self._last_contested = now
+            self.contested = await self.sink.take(self.contested)
+        if now - self._last_commit > self.cfg.commit_interval_ms / 1000:
+            await self.commit()
+
+    def _update_pauses(self) -> None:
+        """Pause every partition while the read-ahead holds `read_ahead_bytes` or every
+        partition's read-ahead is full; resume them all when there is room. A partition
+        whose own read-ahead is full while others have room is not paused: it is left
+        out of the fetch (`_with_room`), its further records stay in the consumer's
+        buffer (at most one fetch response per partition: aiokafka fetches a partition
+        again only once its buffer is taken) and the consumer keeps prefetching the
+        others. Pausing each full partition on its own, with the excess sought back,
+        made the consumer fetch and decode again after each resume: 4-token jobs at 256
+        running waited 200-400 ms with nothing to run on every refill."""
+        assigned = self.consumer.assignment()
+        ra = self.read_ahead
+        saturated = ra.num_bytes >= ra.max_bytes or not any(ra.room(tp) for tp in assigned)
+        full = set(assigned) if saturated else set()
+        if full == self.paused:
+            return
+        pause = full - self.paused
+        resume = (self.paused - full) & assigned
+        if pause:
+            self.consumer.pause(*pause)
+        if resume:
+            self.consumer.resume(*resume)
+        self.paused = full
+
+    def _with_room(self) -> tuple[list[TopicPartition], int]:
+        """The partitions not paused whose read-ahead has room, and the least of their
+        rooms (a waiting fetch may return all its records from one partition)."""
+        ra = self.read_ahead
+        rooms = [(tp, n) for tp in self.consumer.assignment() if tp not in self.paused and (n := ra.room(tp)) > 0]
+        return [tp for tp, _ in rooms], min((n for _, n in rooms), default=0)
+
+    async def _fetch_prefetched(self) -> None:
+        """What the consumer has already fetched, without waiting: per partition at most
+        what its read-ahead has room for (the rest stays in the consumer's buffer; taking
+        it all and seeking back would decode it again on the next fetch)."""
+        ra = self.read_ahead
+        for tp in self.consumer.assignment():
+            room = ra.room(tp)
+            if room > 0 and tp not in self.paused:
+                self._buffer(await self.consumer.getmany(tp, timeout_ms=0, max_records=room))
+
+    def _buffer(self, got: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        """Decode fetched records into the read-ahead (invalid ones aside for the DLQ).
+        Each is registered in the tracker here, when read, which also refuses records
+        already read (a re-read after a rebalance that kept the partition). Records
+        beyond the read-ahead's bound are not kept: the partition is sought back to the
+        first of them, to be read again when there is room."""
+        assigned = self.consumer.assignment()
+        tracker = self.tracker
+        read_ahead = self.read_ahead
+        for tp, recs in got.items():
+            prio = self.topics[tp.topic]
+            for rec in recs:
+                if tp not in assigned or rec.offset <= tracker.last_read(tp):
+                    continue  # not ours any more, or already read here
+                if not read_ahead.has_room(tp):
+                    self.consumer.seek(tp, rec.offset)
+                    break
+                tracker.read(tp, rec.offset)
+                value = rec.value or b""
+                try:
+                    job, error = decode_job(value), None
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    job, error = None, str(e)
+                jr = JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key, error)
+                (read_ahead.add if job is not None else self.invalid.append)(jr)
+
+    async def _fill_slots(self) -> None:
+        """Invalid records go to the DLQ (they need no slot); free slots take records from
+        the read-ahead (by priority, then tenant share), after a non-blocking fetch of
+        what is prefetched. Nothing is taken while a rebalance is under way."""
+        if self.rebalancing:
+            return
+        while self.invalid:
+            rec = self.invalid.pop(0)
+            self.num_invalid += 1
+            await self.sink.reject_invalid(rec, recover_job_id(rec.raw))
+        if not self.read_ahead:
+            return
+        free = self.sink.free_slots()
+        if free <= 0:
+            return
+        await self._fetch_prefetched()
+        batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap,
+                                     self.high_priority_reserve)
+        if not batch:
+            return
+        contested = await self.sink.take(batch)
+        assigned = self.consumer.assignment()  # a rebalance may have happened meanwhile
+        self.contested.extend(c for c in contested if c.tp in assigned)
+
+    async def _check_stall(self) -> None:
+        """Watchdog: partitions have unread records, this worker has free slots, yet no
+        record came for `kafka.stall_timeout_s`. aiokafka has been seen to stop fetching
+        after a group member died (all assigned partitions silent, no error); the remedy
+        is a fresh consumer. Unread is measured from the log start, so records deleted
+        by retention never look like a stall."""
+        now = time.monotonic()
+        stall_s = self.cfg.stall_timeout_s
+        if now - self._last_progress < stall_s or now - self._last_stall_check < stall_s / 2:
+            return
+        self._last_stall_check = now
+        assigned = list(self.consumer.assignment())
+        if not assigned:
+            return
+        try:
+            ends = await asyncio.wait_for(self.consumer.end_offsets(assigned), 10)
+            starts = await asyncio.wait_for(self.consumer.beginning_offsets(assigned), 10)
+            committed = await asyncio.wait_for(
+                asyncio.gather(*(self.consumer.committed(tp) for tp in assigned)), 10)
+        except (TimeoutError, KafkaError, IllegalStateError) as e:
+            # The broker does not answer: that is an outage (readiness reports it), not a
+            # stalled consumer; a fresh consumer would not fetch either. Check again later.
+            # Quiet while it may be a broker restart (kafka.transient_grace_s).
+            level, fields = transient_log.observe("broker_unreachable")
+            log.log(level, "stall check could not reach Kafka; not recreating the consumer", error=repr(e), **fields)
+            return
+        self.log_start.update(starts)
+        lagging = [tp for tp, c in zip(assigned, committed)
+                   if ends[tp] > max(c or 0, starts[tp], self.tracker.last_read(tp) + 1)]
+        if not lagging:
+            self._last_progress = now
+            return
+        log.warning("consumer stalled: partitions have unread jobs but nothing was fetched; recreating it",
+                    stalled_s=round(now - self._last_progress, 1),
+                    partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in lagging))
+        self.num_consumer_restarts += 1
+        if self.metrics is not None:
+            self.metrics.consumer_restarts.inc()
+        old = self.consumer
+        try:
+            await asyncio.wait_for(old.stop(), 15)  # commits via the revoke callback, leaves the group
+        except Exception as e:  # a wedged consumer: abandon it
+            log.warning("stalled consumer did not stop cleanly", error=repr(e))
+        self.consumer = self._make_consumer()
+        self.paused = set()
+        self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
+        await self.consumer.start()
+        self._last_progress = time.monotonic()
+
+    # ---- commits -----------------------------------------------------------------------
+    async def commit(self, only: set[TopicPartition] | None = None) -> None:
+        self._last_commit = time.monotonic()
+        tracker = self.tracker
+        assigned = self.consumer.assignment()
+        points = {tp: off for tp, off in tracker.commit_points().items()
+                  if tp in assigned and (only is None or tp in only)}
+        if not points:
+            return
+        try:
+            await self.consumer.commit(points)
+        except (CommitFailedError, IllegalStateError, KafkaError) as e:
+            # Typically: partitions no longer ours after a rebalance. Not retried; the new
+            # owner re-reads from the last committed offset and skips finished jobs.
+            log.warning("offset commit failed", error=repr(e), partitions=len(points))
+            if self.metrics is not None:
+                self.metrics.commit_failures.inc()
+            return
+        for tp, off in points.items():
+            tracker.mark_committed(tp, off)

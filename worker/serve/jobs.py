@@ -1,0 +1,390 @@
+"""The worker's job table: every job this process holds, its lifecycle, and the events
+each one owes its stream. The table is the only writer of a job's state and of its
+`seq` numbers; it does no I/O, so the whole lifecycle is tested without Kafka or Redis.
+
+Lifecycle of one local job (an ordered enum; each arrow is one JobTable method):
+
+    open ──► CLAIMED ──accepted / first output──► IN_ENGINE ──terminal output──► FINISHING
+                │                                      │                             │
+                └──finish_local (cancelled before      │                      published
+                   running, expired, rejected, poison) ─┴──────────► FINISHING ──► DONE
+                                                        hand_back ──► HANDED_BACK (no terminal event)
+
+Events are drafted per job as engine outputs arrive (`apply_outputs`) and numbered only
+when the publisher takes a round (`drain`): the opening events (`restarted` on a later
+attempt, then `started` once the engine accepted the job), at most one `token` event
+holding every token that arrived since the last round (token coalescing: a publisher
+that falls behind sends fewer, larger deltas; the concatenated text is unchanged, as
+vLLM's `stream_interval`), and the terminal `finished`. Exactly one terminal event per
+job; nothing after it, nothing for a job handed back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from schemas.codec import encode
+from schemas.wire import (
+    ErrorInfo,
+    Event,
+    Finished,
+    FinishReason,
+    Job,
+    Restarted,
+    Started,
+    Timings,
+    Token,
+    TokenLogprob,
+    Usage,
+)
+from worker.serve.local_job import JobState, LocalJob, Offset
+
+if TYPE_CHECKING:
+    from worker.engine import RequestOutput
+
+RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
+# Published histories of finished jobs kept to re-append if Redis restarts empty.
+RECENT_MAX_JOBS = 4096
+RECENT_MAX_AGE_S = 120.0
+
+
+@dataclass(slots=True)
+class Applied:
+    """What `apply_outputs` took: jobs whose first token arrived (for TTFT), the number
+    of output tokens drafted (outputs of jobs no longer here are not counted), and that
+    number per tenant (`""`: jobs without one)."""
+
+    first_tokens: list[LocalJob]
+    num_tokens: int
+    tokens_by_tenant: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Round:
+    """One publisher round: numbered events in publish order, and the jobs whose
+    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes and
+    `tenants[i]` the tenant of its job (None: all events are of jobs without one)."""
+
+    events: list[Event]
+    encoded: list[bytes]
+    finished: list[LocalJob]
+    tenants: list[str | None] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.events)
+
+
+class JobTable:
+    """Every job this worker holds, by job id. Args:
+    worker_id: written into `started` events.
+    clock: wall clock (seconds), replaceable in tests.
+    """
+
+    def __init__(self, worker_id: str, clock=time.time) -> None:
+        self.worker_id = worker_id
+        self._clock = clock
+        self._jobs: dict[str, LocalJob] = {}
+        self._per_tenant: dict[str, int] = {}  # CLAIMED or IN_ENGINE jobs per tenant ("" for none)
+        self._num_unfinished = 0  # CLAIMED or IN_ENGINE jobs
+        self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
+        # job_id -> (done time, history, (reason, claim token, attempt), tenant) of recently finished jobs
+        self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int], str | None]] = \
+            OrderedDict()
+
+    # ---- queries ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def get(self, job_id: str) -> LocalJob | None:
+        return self._jobs.get(job_id)
+
+    def held_by_tenant(self) -> dict[str, int]:
+        """Jobs per tenant (`""`: jobs without one) that have not reached their terminal
+        event (CLAIMED or IN_ENGINE: being prepared or in the engine); a tenant with none
+        is absent. A finishing job, only waiting for its last writes, no longer counts,
+        so a tenant of short jobs is not under-represented in the engine. Read-only view."""
+        return self._per_tenant
+
+    @property
+    def num_unfinished(self) -> int:
+        """Jobs that have not reached their terminal event (CLAIMED or IN_ENGINE): what
+        `worker.max_local_jobs` bounds. The rest of the table is FINISHING."""
+        return self._num_unfinished
+
+    def __iter__(self) -> Iterator[LocalJob]:
+        return iter(list(self._jobs.values()))
+
+    def holding_claims(self) -> list[LocalJob]:
+        """Jobs whose claim this worker must keep renewing."""
+        return [j for j in self._jobs.values() if j.state in (JobState.CLAIMED, JobState.IN_ENGINE,
+                                                               JobState.FINISHING)]
+
+    def running(self) -> list[LocalJob]:
+        """Jobs that have not reached their terminal event yet."""
+        return [j for j in self._jobs.values() if j.state in (JobState.CLAIMED, JobState.IN_ENGINE)]
+
+    @property
+    def has_drafts(self) -> bool:
+        return bool(self._dirty)
+
+    @property
+    def num_drafted(self) -> int:
+        """Jobs with events waiting for the next round."""
+        return len(self._dirty)
+
+    # ---- transitions -----------------------------------------------------------------
+    def open(self, job: Job, priority: str, offset: Offset, enqueue_time: float, claim_token: str, attempt: int,
+             next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
+             isolated: bool = False) -> LocalJob:
+        """A job claimed by this worker (CLAIMED). `next_seq` continues the job's log.
+
+        Raises:
+            ValueError: the job is already held here (attach the offset instead).
+        """
+        if job.job_id in self._jobs:
+            raise ValueError(f"job {job.job_id!r} is already held by this worker")
+        held = LocalJob(job, priority, [offset], enqueue_time, claim_token, attempt, next_seq, raw, raw_key,
+                        isolated, claim_time=self._clock())
+        self._jobs[job.job_id] = held
+        tenant = job.tenant or ""
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        self._num_unfinished += 1
+        if attempt > 1:
+            self._draft(held, opening="restarted")
+        return held
+
+    def attach_offset(self, job_id: str, offset: Offset) -> bool:
+        """A redelivered record of a job held here: it is answered by the same terminal
+        event. False if the job is not here."""
+        held = self._jobs.get(job_id)
+        if held is None:
+            return False
+        held.offsets.append(offset)
+        return True
+
+    def accepted(self, job_id: str) -> None:
+        """The engine accepted the request: IN_ENGINE, `started` drafted (once; the
+        engine's first output may have done it already)."""
+        held = self._jobs.get(job_id)
+        if held is not None and held.state == JobState.CLAIMED:
+            self._enter_engine(held)
+
+    def _enter_engine(self, held: LocalJob) -> None:
+        held.state = JobState.IN_ENGINE
+        held.raw = held.raw_key = None
+        self._draft(held, opening="started")
+
+    def finish_local(self, job_id: str, reason: FinishReason, error: ErrorInfo | None = None,
+                     dead_letter: tuple[str, str] | None = None) -> LocalJob | None:
+        """End a job that never ran in the engine (cancelled before it started, expired,
+        rejected, poison): only its terminal event (after `restarted` on a later attempt)."""
+        held = self._jobs.get(job_id)
+        if held is None or held.state != JobState.CLAIMED:
+            return None
+        held.dead_letter = dead_letter
+        self._terminate(held, reason, error, usage=Usage(prompt_tokens=0, completion_tokens=0), timings=None)
+        return held
+
+    def hand_back(self, job_id: str) -> LocalJob | None:
+        """Give the job up without a terminal event (its drafts are dropped); the caller
+        aborts it in the engine and releases its claim. None if it already has its
+        terminal event (then it finishes normally) or is unknown."""
+        held = self._jobs.get(job_id)
+        if held is None or held.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+            return None
+        held.state = JobState.HANDED_BACK
+        held._opening.clear()
+        held._delta_text.clear()
+        held._delta_ids.clear()
+        held._delta_logprobs = None
+        self._dirty.pop(held.job_id, None)
+        self._untrack(held)
+        del self._jobs[held.job_id]
+        return held
+
+    def request_cancel(self, job_id: str, now_mono: float | None = None) -> LocalJob | None:
+        """A cancel arrived for a job held here: note its time (the first one counts) and
+        return the job if it has not reached its terminal event (the caller aborts it in
+        the engine when IN_ENGINE; a CLAIMED job is aborted as soon as it is accepted)."""
+        held = self._jobs.get(job_id)
+        if held is None or held.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+            return None
+        if held.cancel_time_mono is None:
+            held.cancel_time_mono = time.monotonic() if now_mono is None else now_mono
+        return held
+
+    def apply_outputs(self, outputs: Iterable[RequestOutput]) -> Applied:
+        """Draft the events of engine outputs (a step's, or several steps' merged).
+        Outputs of jobs not here, handed back or already finishing are ignored."""
+        now = self._clock()
+        first_tokens = []
+        num_tokens = 0
+        by_tenant: dict[str, int] = {}
+        for out in outputs:
+            held = self._jobs.get(out.request_id)
+            if held is None or held.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+                continue
+            if held.state == JobState.CLAIMED:  # the output overtook `accepted`
+                self._enter_engine(held)
+            if out.new_token_ids or out.text:
+                if held.first_token_time is None:
+                    held.first_token_time = now
+                    first_tokens.append(held)
+                held.num_tokens += len(out.new_token_ids)
+                num_tokens += len(out.new_token_ids)
+                tenant = held.job.tenant or ""
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + len(out.new_token_ids)
+                held.text_parts.append(out.text)
+                held._delta_text.append(out.text)
+                held._delta_ids.extend(out.new_token_ids)
+                if out.logprobs:
+                    if held._delta_logprobs is None:
+                        held._delta_logprobs = []
+                    held._delta_logprobs.extend(
+                        TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_token_ids=x.top_token_ids,
+                                     top_logprobs=x.top_logprobs) for x in out.logprobs)
+                self._dirty.setdefault(held.job_id, held)
+            if out.finished:
+                self._finish_from_engine(held, out, now)
+        return Applied(first_tokens, num_tokens, by_tenant)
+
+    def _finish_from_engine(self, held: LocalJob, out: RequestOutput, now: float) -> None:
+        reason = FinishReason(out.finish_reason or "error")
+        e2e = now - held.enqueue_time
+        first = held.first_token_time
+        ttft = first - held.enqueue_time if first is not None else None
+        tpot = (now - first) / (held.num_tokens - 1) if first is not None and held.num_tokens > 1 else None
+        queue = out.times.queue_s if out.times is not None else None
+        u = out.usage
+        usage = Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                      cached_prompt_tokens=u.cached_prompt_tokens) if u is not None else None
+        error = ErrorInfo(code=out.error_code, message=out.error_message or "") if out.error_code else None
+        held.summary = {
+            "queue_s": _round(queue), "ttft_s": _round(ttft), "tpot_s": _round(tpot), "e2e_s": _round(e2e),
+            "tokens_per_s": _round(held.num_tokens / (now - first)) if first is not None and now > first else None,
+            "prompt_tokens": u.prompt_tokens if u else None,
+            "cached_prompt_tokens": u.cached_prompt_tokens if u else None,
+            "preemptions": out.num_preemptions,
+        }
+        if error is not None:
+            held.summary["error_code"] = error.code
+        self._terminate(held, reason, error, usage, Timings(queue_s=queue, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e))
+
+    def _terminate(self, held: LocalJob, reason: FinishReason, error: ErrorInfo | None, usage: Usage | None,
+                   timings: Timings | None) -> None:
+        self._untrack(held)
+        held.state = JobState.FINISHING
+        held.finish_reason = reason
+        held.error = error
+        # seq is set when the round is drained
+        held._terminal = Finished(job_id=held.job_id, seq=-1, attempt=held.attempt, finish_reason=reason, text=held.text,
+                                usage=usage, timings=timings, error=error, metadata=held.job.metadata)
+        self._dirty.setdefault(held.job_id, held)
+
+    def _draft(self, held: LocalJob, *, opening: str) -> None:
+        if opening == "started":
+            if held.opened:
+                return
+            held.opened = True
+        held._opening.append(opening)
+        self._dirty.setdefault(held.job_id, held)
+
+    # ---- rounds ----------------------------------------------------------------------
+    def drain(self) -> Round:
+        """Number every drafted event (per job: opening, one merged token event,
+        terminal) and hand them to the publisher as one round."""
+        events: list[Event] = []
+        encoded: list[bytes] = []
+        tenants: list[str | None] = []
+        finished: list[LocalJob] = []
+        dirty, self._dirty = self._dirty, {}
+        for held in dirty.values():
+            for kind in held._opening:
+                if kind == "restarted":
+                    ev: Event = Restarted(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, reason=RESTART_REASON)
+                else:
+                    ev = Started(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, worker_id=self.worker_id,
+                                 queue_time_s=max(0.0, held.claim_time - held.enqueue_time), metadata=held.job.metadata)
+                self._add(held, ev, events, encoded, tenants)
+            held._opening.clear()
+            if held._delta_ids or held._delta_text:
+                ev = Token(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, text="".join(held._delta_text),
+                           token_ids=held._delta_ids, logprobs=held._delta_logprobs)
+                self._add(held, ev, events, encoded, tenants)
+                held._delta_text, held._delta_ids, held._delta_logprobs = [], [], None
+            if held._terminal is not None:
+                term = held._terminal
+                term.seq = held.next_seq
+                held._terminal = None
+                self._add(held, term, events, encoded, tenants)
+                finished.append(held)
+        return Round(events, encoded, finished, tenants)
+
+    @staticmethod
+    def _add(held: LocalJob, ev: Event, events: list, encoded: list, tenants: list) -> None:
+        data = encode(ev)
+        events.append(ev)
+        encoded.append(data)
+        tenants.append(held.tenant)
+        held.history.append((ev.seq, data))
+        held.next_seq += 1
+
+    def done(self, held: LocalJob) -> None:
+        """The job's terminal event is published and recorded: DONE, out of the table.
+        Its published history is kept a while (`histories`)."""
+        held.state = JobState.DONE
+        now = self._clock()
+        if held.history and held.finish_reason is not None:
+            self._recent[held.job_id] = (now, held.history, (held.finish_reason.value, held.claim_token, held.attempt),
+                                         held.tenant)
+            self._recent.move_to_end(held.job_id)
+        held.history = []
+        if self._jobs.get(held.job_id) is held:
+            del self._jobs[held.job_id]
+        while self._recent and (len(self._recent) > RECENT_MAX_JOBS
+                                or next(iter(self._recent.values()))[0] < now - RECENT_MAX_AGE_S):
+            self._recent.popitem(last=False)
+
+    def _untrack(self, held: LocalJob) -> None:
+        """The job leaves CLAIMED / IN_ENGINE: it no longer counts in `held_by_tenant`
+        nor in `num_unfinished`."""
+        _decrement(self._per_tenant, held.job.tenant or "")
+        self._num_unfinished -= 1
+
+    def histories(self) -> Iterator[tuple[str, list[tuple[int, bytes]], tuple[str, str, int] | None]]:
+        """What this worker published that Redis must hold: (job_id, [(seq, event)], terminal)
+        for every held job (terminal None) and each job finished in the last
+        RECENT_MAX_AGE_S (terminal = (finish reason, claim token, attempt))."""
+        for held in self._jobs.values():
+            if held.history:
+                yield held.job_id, list(held.history), None
+        for job_id, (_, history, term, _tenant) in self._recent.items():
+            if job_id not in self._jobs:
+                yield job_id, history, term
+
+    def tenant_of(self, job_id: str) -> str | None:
+        """The tenant of a held or recently finished job (None: none, or unknown)."""
+        held = self._jobs.get(job_id)
+        if held is not None:
+            return held.tenant
+        recent = self._recent.get(job_id)
+        return recent[3] if recent is not None else None
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
+def _round(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)

@@ -1,0 +1,338 @@
+"""From fetched records to engine requests: claim a batch, decide what each job gets
+(run, skip, end at once), and process inputs off the event loop.
+
+For each claimed job, in this order (the first that applies wins):
+  cancel tombstone      -> `finished(cancelled)`
+  deadline passed       -> `finished(expired)`, code `deadline_passed`
+  failures >= limit     -> `finished(error)`, code `poison`, and the record to the DLQ
+  prompt over the bound -> `finished(rejected)`, code `prompt_too_long`, and the DLQ
+  engine rejects it     -> `finished(rejected)` with the engine's reason, and the DLQ
+  else                  -> in the engine (`started`, tokens, `finished`)
+
+Poison jobs (a forward that kills the process, as a crashing kernel would): the failure
+mark of an attempt is set when it is claimed (a suspect's, only when it enters the
+engine alone) and cleared when it ends cleanly, so a worker that dies leaves a mark on
+every job it held — the culprit and its innocent neighbours alike. A job with a mark therefore runs *alone*: it waits
+until this worker's engine is empty, and no other job enters the engine until it ends.
+If it kills that worker too, the death is its own; at `worker.max_job_failures` marks
+(default 2: one crash among neighbours, one alone) it is not run again.
+
+Small inputs (token ids, prompts up to `INLINE_INPUT_BYTES`) are processed on the event
+loop, cheaper than a thread hop; larger ones are tokenized (chat templates rendered) in
+a small thread pool as separate tasks, so a slow input never holds up intake of the
+jobs behind it; a prompt whose UTF-8 size alone proves it cannot fit `max_input_tokens`
+is refused before any tokenizer work (`prompt_byte_limit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from schemas.codec import recover_tenant
+from schemas.keys import JobRef
+from schemas.wire import ErrorInfo, FinishReason, Job
+from worker.engine import RequestRejected
+from worker.security.access import is_fatal_redis
+from worker.serve.claims import REDIS_DOWN, Claimed, ClaimStore, Contested, Done, EpochChanged
+from worker.serve.jobs import JobState, JobTable, LocalJob, Offset
+from worker.serve.read_ahead import JobRecord
+
+if TYPE_CHECKING:
+    from worker.engine.core_client import ProcessEngineClient, ThreadEngineClient
+    from worker.obs.metrics import Metrics
+    from worker.serve.dlq import DeadLetters
+    from worker.serve.offsets import OffsetTracker
+
+log = structlog.get_logger(__name__)
+
+UTF8_MAX_BYTES_PER_CHAR = 4
+INLINE_INPUT_BYTES = 2048  # inputs up to this size are processed on the event loop, larger ones in the pool
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound of the UTF-8 bytes one token can stand for: the longest vocabulary
+    entry (byte-level BPE and SentencePiece spell each token with at least as many bytes
+    as it decodes to; added tokens are literal text). 4 if the tokenizer has no vocabulary."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return 4
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in get_vocab()), default=4)
+
+
+def prompt_byte_limit(tokenizer: Any, max_input_tokens: int) -> int:
+    """Prompts longer than this many UTF-8 bytes cannot tokenize to `max_input_tokens` or
+    fewer: max tokens x bytes per token x 4 (room for normalizers that fold a multi-byte
+    character into one byte). Refusing them needs no tokenizer work."""
+    return (max_input_tokens + 8) * max_token_bytes(tokenizer) * UTF8_MAX_BYTES_PER_CHAR
+
+
+def input_bytes(job: Job) -> int:
+    if job.prompt is not None:
+        return len(job.prompt.encode("utf-8", "surrogatepass"))
+    if job.messages is not None:
+        return sum(len(m.content.encode("utf-8", "surrogatepass")) + len(m.role) for m in job.messages)
+    return 0
+
+
+class JobStarter:
+    """Implements the intake's `JobSink`. Args:
+    table, claims, tracker: the worker's job table, claim store, offset tracker.
+    engine: the engine client (`input.process` in the pool, `submit` and `abort` on the loop).
+    dead_letters: the DLQ writer.
+    metrics: the worker's metrics.
+    max_local_jobs: jobs held at once before their terminal event (claimed, in the engine);
+        as many again may be finishing.
+    max_job_failures: earlier unclean attempts after which a job is poison.
+    wake: called when the table has new drafts or the engine has new work.
+    restore: awaited when Redis lost its data (then the batch is claimed again).
+    is_paused: True while intake must take nothing (draining, Redis down).
+    tokenizer_threads: size of the input-processing pool.
+    """
+
+    def __init__(self, table: JobTable, claims: ClaimStore, tracker: OffsetTracker,
+                 engine: ThreadEngineClient | ProcessEngineClient,
+                 dead_letters: DeadLetters, metrics: Metrics, *, max_local_jobs: int, max_job_failures: int,
+                 wake, restore, is_paused, tokenizer_threads: int = 2) -> None:
+        self.table = table
+        self.claims = claims
+        self.tracker = tracker
+        self.engine = engine
+        self.dead_letters = dead_letters
+        self.metrics = metrics
+        self.max_local_jobs = max_local_jobs
+        self.max_job_failures = max_job_failures
+        self._wake = wake
+        self._restore = restore
+        self._is_paused = is_paused
+        self._pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="inflight-input")
+        self._tasks: set[asyncio.Task] = set()
+        self._byte_limit = prompt_byte_limit(engine.tokenizer, engine.tuning.max_input_tokens)
+        self._submitting = 0  # input tasks past the gate, not yet answered by the engine
+        self._alone: str | None = None  # the job running alone, if any
+        self._alone_waiting = 0  # jobs waiting to run alone (they hold the gate shut for others)
+
+    def free_slots(self) -> int:
+        """Jobs that may be taken now. A slot is a job without its terminal event yet
+        (claimed, being prepared, in the engine); a finishing job, only waiting for its
+        terminal event's write and its results record, holds none, so slots turn over at
+        the engine's pace rather than at the pace of those writes (with 4-token jobs they
+        held every second slot). Finishing jobs are bounded too, by another
+        `max_local_jobs`, so a slow results topic stops intake instead of piling up."""
+        if self._is_paused():
+            return 0
+        table = self.table
+        return min(self.max_local_jobs - table.num_unfinished, 2 * self.max_local_jobs - len(table))
+
+    def held_by_tenant(self) -> dict[str, int]:
+        return self.table.held_by_tenant()
+
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- a fetched batch -----------------------------------------------------------------
+    async def take(self, records: list[JobRecord]) -> list[JobRecord]:
+        fresh = []
+        for rec in records:
+            if not self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset)):
+                fresh.append(rec)  # else: redelivered while it runs here; answered by the same end
+        if not fresh:
+            return []
+        try:
+            results = await self.claims.take([JobRef(r.job.job_id, r.job.tenant) for r in fresh])
+        except EpochChanged:
+            await self._restore()
+            results = await self.claims.take([JobRef(r.job.job_id, r.job.tenant) for r in fresh])
+        except REDIS_DOWN as e:
+            if is_fatal_redis(e):  # refused (credentials, certificate): not an outage to wait out
+                raise
+            log.info("claims unavailable; will retry the batch", error=repr(e)[:200], records=len(fresh))
+            return fresh
+        contested = []
+        to_run: list[LocalJob] = []
+        for rec, res in zip(fresh, results):
+            if isinstance(res, Done):
+                self.tracker.done(rec.tp, rec.offset)
+            elif isinstance(res, Contested):
+                log.info("job claimed by another worker; waiting", job_id=rec.job.job_id, topic=rec.tp.topic,
+                         partition=rec.tp.partition, offset=rec.offset)
+                contested.append(rec)
+            elif self.table.get(rec.job.job_id) is not None:  # duplicate within the batch
+                self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset))
+            else:
+                held = self._open(rec, res)
+                if held is not None:
+                    to_run.append(held)
+        for held in to_run:
+            if not held.isolated and not self._gated() and input_bytes(held.job) <= INLINE_INPUT_BYTES:
+                self._add_inline(held)
+            else:
+                task = asyncio.create_task(self._submit(held), name=f"input:{held.job_id}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        self._wake()
+        return contested
+
+    def _open(self, rec: JobRecord, c: Claimed) -> LocalJob | None:
+        """Open a claimed job; end it at once where a rule says so. Returns it if it
+        goes on to the engine."""
+        job = rec.job
+        held = self.table.open(job, rec.priority, Offset(rec.tp, rec.offset), rec.enqueue_time, c.token, c.attempt,
+                             c.next_seq, raw=rec.raw, raw_key=rec.key, isolated=c.failures > 0)
+        if c.cancelled:
+            self.table.finish_local(job.job_id, FinishReason.CANCELLED)
+        elif job.deadline is not None and job.deadline < time.time():
+            self.table.finish_local(job.job_id, FinishReason.EXPIRED, ErrorInfo(
+                code="deadline_passed", message=f"deadline {job.deadline} passed before the job started"))
+        elif c.failures >= self.max_job_failures:
+            msg = (f"{c.failures} earlier attempts never ended (a worker died running it); not run again "
+                   f"(worker.max_job_failures = {self.max_job_failures})")
+            log.warning("poison job not run again", job_id=job.job_id, attempt=c.attempt, failures=c.failures)
+            self.table.finish_local(job.job_id, FinishReason.ERROR, ErrorInfo(code="poison", message=msg),
+                                    dead_letter=("poison", msg))
+        elif input_bytes(job) > self._byte_limit:
+            self._reject(held, RequestRejected(job.job_id, _prompt_too_long(), (
+                f"prompt is {input_bytes(job)} bytes; more than {self._byte_limit} bytes can never tokenize "
+                f"to max_input_tokens = {self.engine.tuning.max_input_tokens}")))
+        else:
+            if held.isolated:
+                log.info("an earlier attempt died with its worker; the job runs alone", job_id=job.job_id,
+                         attempt=c.attempt, failures=c.failures)
+            return held
+        return None
+
+    def _engine_busy(self) -> bool:
+        return self._submitting > 0 or any(j.state == JobState.IN_ENGINE for j in self.table)
+
+    def _alone_active(self) -> bool:
+        """A job runs alone now (clears the mark once it has left the engine)."""
+        if self._alone is None:
+            return False
+        alone = self.table.get(self._alone)
+        if alone is None or alone.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
+            self._alone = None
+            return False
+        return True
+
+    async def _gate(self, held: LocalJob) -> bool:
+        """Wait for this job's turn in the engine (see the module docstring). False if the
+        job ended meanwhile (cancel, drain)."""
+        if held.isolated:
+            self._alone_waiting += 1
+            try:
+                while self._alone_active() or self._engine_busy():
+                    if held.state != JobState.CLAIMED:
+                        return False
+                    await asyncio.sleep(0.02)
+                self._alone = held.job_id
+            finally:
+                self._alone_waiting -= 1
+            try:
+                await self.claims.mark_running([(held.job_id, held.attempt)])
+            except REDIS_DOWN:
+                self._alone = None
+                return False
+            return held.state == JobState.CLAIMED
+        while self._alone_active() or self._alone_waiting:
+            if held.state != JobState.CLAIMED:
+                return False
+            await asyncio.sleep(0.02)
+        return held.state == JobState.CLAIMED
+
+    def _gated(self) -> bool:
+        return bool(self._alone_waiting) or self._alone_active()
+
+    async def _submit(self, held: LocalJob) -> None:
+        if (held.isolated or self._gated()) and not await self._gate(held):
+            return
+        self._submitting += 1
+        try:
+            loop = asyncio.get_running_loop()
+            try:
+                req = await loop.run_in_executor(self._pool, self._process_input, held)
+            except RequestRejected as e:
+                self._reject(held, e)
+                return
+            if held.state == JobState.CLAIMED:  # not cancelled or handed back meanwhile
+                self._hand_to_engine(held, req)
+        finally:
+            self._submitting -= 1
+
+    def _add_inline(self, held: LocalJob) -> None:
+        """Small inputs (token ids, short prompts) are processed on the loop: cheaper than
+        a round trip through the thread pool."""
+        try:
+            req = self._process_input(held)
+        except RequestRejected as e:
+            self._reject(held, e)
+            return
+        self._hand_to_engine(held, req)
+
+    def _process_input(self, held: LocalJob):
+        job = held.job
+        kwargs: dict[str, Any] = {"params": job.params, "priority": held.priority, "cache_salt": job.tenant or "",
+                                  "tenant": job.tenant, "arrival_time": held.enqueue_time, "deadline": job.deadline}
+        if job.prompt is not None:
+            kwargs["prompt"] = job.prompt
+        elif job.messages is not None:
+            kwargs["messages"] = [{"role": m.role, "content": m.content} for m in job.messages]
+        else:
+            kwargs["prompt_token_ids"] = job.prompt_token_ids
+        return self.engine.input.process(job.job_id, **kwargs)
+
+    def _hand_to_engine(self, held: LocalJob, req) -> None:
+        try:
+            self.engine.submit(req)
+        except RequestRejected as e:  # duplicate id, or overloaded (overload_policy: reject)
+            self._reject(held, e)
+            return
+        self.table.accepted(held.job_id)
+        if held.cancel_time_mono is not None:
+            self.engine.abort(held.job_id)
+        self._wake()
+
+    def _reject(self, held: LocalJob, e: RequestRejected) -> None:
+        self.metrics.rejected.labels(e.reason.value).inc()
+        self.table.finish_local(held.job_id, FinishReason.REJECTED, ErrorInfo(code=e.reason.value, message=e.message),
+                                dead_letter=(e.reason.value, e.message))
+        self._wake()
+
+    # ---- records that are not jobs ---------------------------------------------------------
+    async def reject_invalid(self, rec: JobRecord, job_id: str | None) -> None:
+        """DLQ with the original bytes; `finished(rejected)`, code `invalid_job`, when a job id
+        is readable and nobody has answered it yet (on its tenant's stream when the record
+        holds a valid tenant, else on the stream of jobs without one); the offset is done
+        once that is out."""
+        tp, error = rec.tp, rec.error or "invalid job"
+        await self.dead_letters.send(rec.raw, rec.key, topic=tp.topic, partition=tp.partition, offset=rec.offset,
+                                     reason="invalid_job", error=error, job_id=job_id)
+        self.metrics.dlq_records.inc()
+        self.metrics.rejected.labels("invalid_job").inc()
+        log.warning("invalid job record sent to the DLQ", error=error[:300], job_id=job_id, topic=tp.topic,
+                    partition=tp.partition, offset=rec.offset, size=len(rec.raw))
+        if job_id and job_id not in self.table:
+            tenant = recover_tenant(rec.raw)  # its stream is where the producer's reader waits
+            try:
+                res = (await self.claims.take([JobRef(job_id, tenant)]))[0]
+            except (EpochChanged, *REDIS_DOWN):
+                res = None
+            if isinstance(res, Claimed):
+                self.table.open(Job(job_id=job_id, prompt="", tenant=tenant), rec.priority, Offset(tp, rec.offset),
+                                rec.enqueue_time, res.token, res.attempt, res.next_seq)
+                self.table.finish_local(job_id, FinishReason.REJECTED, ErrorInfo(code="invalid_job", message=error))
+                self._wake()
+                return
+        self.tracker.done(tp, rec.offset)
+
+
+def _prompt_too_long():
+    from worker.engine import RejectReason
+
+    return RejectReason.PROMPT_TOO_LONG

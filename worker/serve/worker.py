@@ -1,0 +1,380 @@
+"""Worker: wires intake, job starter, engine client, publisher, cancel listener and the
+HTTP endpoint, and runs their lifecycle.
+
+Lifecycle (as arq): start → run → drain(deadline) → close. SIGTERM/SIGINT stop intake,
+let running jobs finish until `worker.drain_timeout_s`, hand the rest back (aborted
+without a terminal event, claims released, offsets left uncommitted so another worker
+re-runs them with `restarted`), commit, leave the group, close. Every wait in drain and
+close is bounded, so a broken connection can delay shutdown but never hang it.
+
+Who owns what: the JobTable (`jobs.py`) every local job and its events; the ClaimStore
+(`claims.py`) Redis claims and marks; the Publisher (`publish.py`) the writes of events;
+the Intake (`intake.py`) the consumer and commits; the OffsetTracker the commit points
+(marked done here, once a job's outcome is recorded). A job's path, numbered:
+
+  1. Intake fetches and decodes the record into its read-ahead (DLQ if invalid); a
+     free slot takes it by priority, then tenant share.
+  2. JobStarter claims a batch in one round trip and opens the jobs in the table.
+  3. Its input task tokenizes off the loop (InputProcessor) and submits the request to
+     the engine client.
+  4. The engine core steps — in its own process by default (`worker.engine_process`),
+     else in a thread here; output processing (detokenization, stop strings) runs off
+     the loop, and each step's deltas reach `_on_step` on the loop, which drafts events
+     in the table.
+  5. The Publisher sends every draft of a round in one script call to Redis.
+  6. `_finalize`: DLQ record if the job never ran, the terminal event to the durable
+     results topic, then the offsets are done (committed by the intake) and the job
+     leaves the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+
+import structlog
+from aiokafka import AIOKafkaProducer, TopicPartition
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from worker.config import WorkerConfig, redacted_config
+from worker.engine import Engine, RequestOutput
+from worker.engine.core_client import ProcessEngineClient, ThreadEngineClient, make_engine_client
+from worker.engine.core_proc import EngineSpec, PretrainedEngine
+from worker.obs.log import task_stacks
+from worker.obs.metrics import Metrics
+from worker.security.kafka import kafka_security_kwargs
+from worker.security.probe import verify_access
+from worker.security.redis import redis_client
+from worker.serve.cancels import CancelListener
+from worker.serve.claims import REDIS_DOWN, TAKE_LUA, ClaimStore
+from worker.serve.dlq import DeadLetters
+from worker.serve.finalize import Finalizer
+from worker.serve.health import HealthChecks, OpsServer
+from worker.serve.intake import Intake
+from worker.serve.jobs import JobState, JobTable, Round
+from worker.serve.offsets import OffsetTracker
+from worker.serve.publish import Publisher
+from worker.serve.read_ahead import JobRecord, high_priority_reserve, local_shares
+from worker.serve.results import ResultsLog
+from worker.serve.starter import JobStarter
+
+log = structlog.get_logger(__name__)
+
+LOOP_LAG_WARN_FRACTION = 0.3  # of kafka.session_timeout_ms
+
+
+class Worker:
+    """One worker process: a consumer-group member around one engine.
+
+    Args:
+        cfg: the whole configuration.
+        engine: an Engine to step in a thread of this process (tests, embedding).
+        engine_spec: how to build the engine otherwise (default: the checkpoint at
+            `cfg.model.path`); it runs in its own process unless `worker.engine_process`
+            is false.
+    """
+
+    def __init__(self, cfg: WorkerConfig, engine: Engine | None = None, engine_spec: EngineSpec | None = None) -> None:
+        self.cfg = cfg
+        self.worker_id = cfg.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._engine = engine
+        self._engine_spec = engine_spec or PretrainedEngine(cfg.model.path, cfg.engine)
+        self.max_local_jobs = cfg.worker.max_local_jobs or 2 * cfg.serving_tuning.max_running_requests
+        self.table = JobTable(self.worker_id)
+        self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+        self.metrics = Metrics(gpu=_nvml_available(), tenant_labels=cfg.metrics.tenant_labels,
+                               tenant_rank_interval_s=cfg.metrics.tenant_rank_interval_s)
+        self.draining = False
+        self.engine: ThreadEngineClient | ProcessEngineClient | None = None
+        self._stop_requested = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self.started = asyncio.Event()  # set once every component runs
+        self._crash: BaseException | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._redis_warned = 0.0
+        self.health = HealthChecks(self.metrics, liveness=self._liveness)
+        self.server = (OpsServer(self.metrics.registry, self.health, cfg.metrics.host, cfg.metrics.port)
+                       if cfg.metrics.port is not None else None)
+
+    @property
+    def num_local_jobs(self) -> int:
+        """Jobs held before their terminal event: what `worker.max_local_jobs` bounds."""
+        return self.table.num_unfinished
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        log.info("starting worker", worker_id=self.worker_id, config=redacted_config(cfg))
+        if self.server is not None:  # first, so /healthz answers while the model loads
+            await self.server.start()
+        await verify_access(cfg, redis_scripts=(TAKE_LUA,))  # wrong credentials, certificates or ACLs: fail now, before the model loads
+        self.redis = redis_client(cfg.redis, health_check_interval=15,
+                                  retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+                                  retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        rc = cfg.redis
+        self.claims = ClaimStore(self.redis, rc.key_prefix, self.worker_id, lease_ms=rc.claim_lease_ms,
+                                 ttl_s=rc.log_ttl_s, tombstone_ttl_s=rc.tombstone_ttl_s)
+        await self.claims.adopt_epoch()
+        self.publisher = Publisher(self.redis, rc, self.claims, self.table, on_outage=self._on_redis_outage,
+                                   on_restore=self._on_restored, on_backlog=self.metrics.publish_backlog.set)
+        loop = asyncio.get_running_loop()
+        self.engine = await make_engine_client(self._engine, self._engine_spec, cfg.serving_tuning, self.metrics,
+                                               cfg.worker.engine_process, log_level=cfg.worker.log_level)
+        await self.engine.start(loop, self._on_step, self._on_crash)
+        kc = cfg.kafka
+        self.producer = AIOKafkaProducer(bootstrap_servers=kc.bootstrap_servers, client_id=f"{self.worker_id}-out",
+                                         max_request_size=kc.max_partition_fetch_bytes + 1024 * 1024, acks="all",
+                                         linger_ms=2, **kafka_security_kwargs(kc))
+        await self.producer.start()
+        self.dead_letters = DeadLetters(self.producer, kc.topic_prefix, self.worker_id)
+        self.results = ResultsLog(self.producer, kc.topic_prefix)
+        self.finalizer = Finalizer(self.table, self.tracker, self.dead_letters, self.results, self.metrics)
+        self.starter = JobStarter(self.table, self.claims, self.tracker, self.engine, self.dead_letters,
+                                  self.metrics, max_local_jobs=self.max_local_jobs,
+                                  max_job_failures=cfg.worker.max_job_failures, wake=self._wake,
+                                  restore=self.publisher.restore, is_paused=self._intake_paused,
+                                  tokenizer_threads=cfg.worker.tokenizer_threads)
+        tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
+        self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
+                             read_ahead_per_partition=cfg.worker.read_ahead_per_partition,
+                             read_ahead_bytes=cfg.worker.read_ahead_bytes, tenant_weight=tenant_weight,
+                             tenant_cap=tenant_cap, fair=cfg.serving_tuning.fair_share,
+                             high_priority_reserve=high_priority_reserve(cfg.serving_tuning, cfg.worker,
+                                                                           self.max_local_jobs))
+        await self.intake.start()
+        self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for)
+        await self.cancels.start()
+        self.health.attach(self.redis, self.intake, self.claims, self.publisher, self.table, self.engine,
+                           is_draining=lambda: self.draining or self._stop_requested.is_set())
+        self._tasks = [
+            asyncio.create_task(self.publisher.run(self._on_published), name="publisher"),
+            asyncio.create_task(self.finalizer.run(), name="finalize"),
+            asyncio.create_task(self.intake.run(self._stopping), name="intake"),
+            asyncio.create_task(self.cancels.run(self._stopping), name="cancels"),
+            asyncio.create_task(self._renew_loop(), name="claims"),
+            asyncio.create_task(self.health.run(cfg.metrics), name="checks"),
+            asyncio.create_task(self._loop_lag_monitor(), name="loop-lag"),
+        ]
+        self.started.set()
+        log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
+                 kv_blocks=self.engine.num_blocks, engine_process=isinstance(self.engine, ProcessEngineClient))
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def run(self, install_signals: bool = True) -> None:
+        """Start, serve until SIGTERM/SIGINT (or `request_stop`), drain, close.
+
+        Raises:
+            the exception that stopped the worker (engine failure, RedisUnavailable).
+        """
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()  # whatever started (the engine process, consumers) stops too
+            raise
+        if install_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(signal.SIGUSR1, self.dump_tasks)
+        try:
+            waiter = asyncio.create_task(self._stop_requested.wait())
+            done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            for t in done:
+                if t is not waiter and t.exception() is not None:
+                    self._crash = t.exception()
+                    log.error("worker task failed; stopping (unfinished jobs will be redelivered)",
+                              task=t.get_name(), error=repr(t.exception())[:300])
+            if self._crash is None:
+                await self.drain()
+        finally:
+            await self.close()
+        if self._crash is not None:
+            raise self._crash
+
+    def dump_tasks(self) -> None:
+        """SIGUSR1: log where every asyncio task is waiting (for diagnosing a stuck worker)."""
+        for name, frames in task_stacks().items():
+            log.warning("task stack", task=name, frames=frames)
+
+    async def drain(self) -> None:
+        """Stop taking jobs; let running ones finish until the deadline; hand back the rest."""
+        self.draining = True
+        deadline = time.monotonic() + self.cfg.worker.drain_timeout_s
+        log.info("draining", running=len(self.table), deadline_s=self.cfg.worker.drain_timeout_s)
+        while len(self.table) and time.monotonic() < deadline and self._crash is None:
+            await asyncio.sleep(0.05)
+        handed = [held for held in (self.table.hand_back(j.job_id) for j in self.table.running()) if held is not None]
+        for held in handed:
+            self.engine.abort(held.job_id)
+            self.metrics.aborted.labels("handed_back").inc()
+        if handed:
+            with contextlib.suppress(*REDIS_DOWN):
+                await asyncio.wait_for(self.claims.release([(j.job_id, j.claim_token, j.attempt) for j in handed]), 5)
+            log.info("handed back unfinished jobs", job_ids=[held.job_id for held in handed], count=len(handed))
+        await self.publisher.flush(timeout_s=5)
+        deadline = time.monotonic() + 10
+        while any(j.state == JobState.FINISHING for j in self.table) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        """Stop every component; each step is bounded."""
+        self._stopping.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if hasattr(self, "starter"):
+            self.starter.close()
+        for name, coro in (("intake", self._stop_attr("intake")), ("cancels", self._stop_attr("cancels")),
+                           ("producer", self._stop_attr("producer"))):
+            try:
+                await asyncio.wait_for(coro, 15)
+            except Exception as e:  # keep closing the rest
+                log.warning("component did not stop cleanly", component=name, error=repr(e)[:200])
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        if hasattr(self, "redis"):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.redis.aclose(), 5)
+        if self.server is not None:
+            await self.server.stop()
+        log.info("worker stopped", worker_id=self.worker_id, finished=self.num_finished)
+
+    @property
+    def num_finished(self) -> int:
+        """Jobs this worker ended (terminal event published and recorded)."""
+        return self.finalizer.num_finished if hasattr(self, "finalizer") else 0
+
+    async def _stop_attr(self, name: str) -> None:
+        part = getattr(self, name, None)
+        if part is not None:
+            await part.stop()
+
+    # ---- engine outputs → drafts → Redis → recorded ------------------------------------
+    def _on_step(self, outputs: list[RequestOutput]) -> None:
+        m = self.metrics
+        applied = self.table.apply_outputs(outputs)
+        for held in applied.first_tokens:
+            m.ttft.labels(held.priority).observe(held.first_token_time - held.enqueue_time)
+        if applied.num_tokens:
+            m.generation_tokens.inc(applied.num_tokens)
+            for tenant, n in applied.tokens_by_tenant.items():
+                m.observe_tenant_tokens(tenant, "generation", n)
+        self.publisher.wake()
+
+    def _on_published(self, rnd: Round) -> None:
+        self.metrics.events_published.inc(len(rnd.events))
+        self.metrics.publish_round.observe(self.publisher.last_round_s)
+        self.finalizer.add(rnd.finished)
+
+    def _wake(self) -> None:
+        self.publisher.wake()
+        if self.engine is not None:
+            self.engine.wake()
+
+    def _on_crash(self, exc: BaseException) -> None:
+        self._crash = exc
+        self.request_stop()
+
+    # ---- cancels, claims, Redis health --------------------------------------------------
+    async def cancel(self, job_id: str) -> None:
+        """A cancel message: tombstone (a job not here yet is dropped on arrival) and, if
+        the job runs here, abort it (KV freed at the next step boundary)."""
+        self.metrics.cancels.inc()
+        try:
+            await self.claims.tombstone(job_id)
+        except REDIS_DOWN as e:
+            log.warning("could not set the cancel tombstone (Redis unreachable)", job_id=job_id, error=repr(e)[:200])
+        held = self.table.request_cancel(job_id)
+        if held is not None and held.state == JobState.IN_ENGINE:
+            self.engine.abort(job_id)
+
+    async def _renew_loop(self) -> None:
+        lease = self.cfg.redis.claim_lease_ms
+        while True:
+            await asyncio.sleep(lease / 3000)
+            held = {held.job_id: held.claim_token for held in self.table.holding_claims()}
+            try:
+                lost = await self.claims.renew(held)
+            except REDIS_DOWN as e:
+                if time.monotonic() - self._redis_warned > 10:
+                    self._redis_warned = time.monotonic()
+                    log.warning("claim renewal failed (Redis unreachable); retrying", error=repr(e)[:200])
+                continue
+            for job_id in lost:
+                self._hand_back_lost(job_id)
+
+    def _hand_back_lost(self, job_id: str) -> None:
+        """Another worker holds the job's claim now (we stalled past the lease, or Redis
+        lost it): stop running it; keep its offsets open until its terminal event appears."""
+        held = self.table.hand_back(job_id)
+        if held is None:
+            return
+        log.warning("claim lost; handing the job back", job_id=job_id)
+        self.engine.abort(job_id)
+        self.metrics.aborted.labels("lease_lost").inc()
+        self.intake.contested.extend(
+            JobRecord(held.job, held.priority, o.tp, o.offset, held.enqueue_time, b"", None) for o in held.offsets)
+
+    def _on_redis_outage(self, down: bool) -> None:
+        self.metrics.redis_outage.set(1 if down else 0)
+
+    def _on_restored(self, lost: list[str]) -> None:
+        self.metrics.redis_restores.inc()
+        for job_id in lost:
+            self._hand_back_lost(job_id)
+        self.cancels.rewind()
+
+    def _intake_paused(self) -> bool:
+        return self.draining or self._stop_requested.is_set() or self.publisher.in_outage
+
+    async def _loop_lag_monitor(self, interval_s: float = 0.1) -> None:
+        """How late the event loop wakes a sleeping task: a starved loop misses Kafka
+        heartbeats. Logged when above a fraction of the session timeout."""
+        warn_s = self.cfg.kafka.session_timeout_ms / 1000 * LOOP_LAG_WARN_FRACTION
+        last_warn = 0.0
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(interval_s)
+            lag = time.monotonic() - t0 - interval_s
+            self.metrics.loop_lag.observe(max(0.0, lag))
+            if lag > warn_s and time.monotonic() - last_warn > 10:
+                last_warn = time.monotonic()
+                log.warning("event loop lagging; Kafka heartbeats may be missed", lag_s=round(lag, 3),
+                            session_timeout_s=self.cfg.kafka.session_timeout_ms / 1000)
+
+    # ---- health --------------------------------------------------------------------------
+    def _liveness(self) -> tuple[bool, dict]:
+        """(alive, details) for /healthz: the engine core runs and ticked within
+        `metrics.engine_stall_s`. True while the model is still loading."""
+        client = self.engine
+        if self._crash is not None:
+            return False, {"status": "crashed", "error": repr(self._crash)[:300]}
+        if client is None or not hasattr(client, "input"):
+            return True, {"status": "starting"}
+        since = time.monotonic() - client.last_tick
+        if not client.alive:
+            return False, {"status": "engine stopped"}
+        if since > self.cfg.metrics.engine_stall_s:
+            return False, {"status": "engine loop stalled", "since_last_tick_s": round(since, 1)}
+        return True, {"status": "ok", "since_last_tick_s": round(since, 3), "steps": client.num_steps}
+
+
+def _nvml_available() -> bool:
+    """CUDA present and NVML importable (then `gpu_utilization` is exported)."""
+    try:
+        import pynvml  # noqa: F401  (nvidia-ml-py)
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
