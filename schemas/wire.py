@@ -1,4 +1,4 @@
-"""Messages on Kafka and Redis (DESIGN §2), as msgspec Structs.
+"""Messages on Kafka and Redis (the wire contract), as msgspec Structs.
 
 JSON on the wire; every message carries `v` (schema version). Unknown fields are
 ignored so producers can add fields first; wrong types, missing required fields and

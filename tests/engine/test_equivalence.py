@@ -1,4 +1,4 @@
-"""Continuous batching does not change model output (DESIGN §4 correctness bar).
+"""Continuous batching does not change model output (the correctness bar: exactly the tokens of the request run alone).
 
 fp32, CPU, greedy: every request inside a busy, changing batch — chunked prefill,
 preemption by recompute, prefix-cache hits, three tenants under fair share (weights,

@@ -183,7 +183,7 @@ def test_finishing_jobs_hold_no_slot_but_are_bounded_by_as_many_again():
     from worker.serve.starter import JobStarter
 
     t = JobTable("w1")
-    starter = SimpleNamespace(table=t, max_local_jobs=4, _is_paused=lambda: False)
+    starter = SimpleNamespace(table=t, max_local_jobs=4, host=SimpleNamespace(intake_paused=lambda: False))
     free = lambda: JobStarter.free_slots(starter)  # noqa: E731
     jobs = [open_job(t, f"j{i}") for i in range(4)]
     assert free() == 0
@@ -200,5 +200,5 @@ def test_finishing_jobs_hold_no_slot_but_are_bounded_by_as_many_again():
     t.drain()
     t.done(jobs[0])
     assert free() == 1
-    starter._is_paused = lambda: True
+    starter.host.intake_paused = lambda: True
     assert free() == 0

@@ -21,7 +21,7 @@ def run_reported(coro, *, bad_input: str, kafka=None, redis=None, log_errors: bo
 
     from worker.security.access import AccessError
     from worker.security.probe import diagnose
-    from worker.serve.publish import RedisUnavailable
+    from worker.security.redis import RedisUnavailable
 
     async def explained():
         try:

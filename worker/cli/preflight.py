@@ -21,7 +21,7 @@ credentials and certificates fail the `kafka` / `redis` check with the setting t
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import socket
 import time
 import uuid
@@ -32,6 +32,9 @@ import msgspec
 
 from schemas import keys
 from worker.config import WorkerConfig, redacted_config
+from worker.obs.errors import suppressed
+
+log = logging.getLogger(__name__)
 
 Status = Literal["pass", "fail", "skip", "info"]
 TOPIC_SETTLE_S = 3.0
@@ -131,7 +134,7 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
         checks.append(await _group_check(admin, kc.group_id, partitions, timeout_s))
         return checks
     finally:
-        with contextlib.suppress(Exception):  # closing a client that never connected
+        with suppressed(log, "closing the admin client"):  # a client that never connected
             await admin.close()
 
 

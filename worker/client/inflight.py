@@ -39,11 +39,11 @@ from schemas import keys
 from schemas.codec import decode_event, decode_job, encode
 from schemas.params import SamplingParams
 from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, Restarted, Token, check_tenant
-from worker.client.subscriber import REDIS_DOWN, RESYNC, Denied, SharedSubscriber
+from worker.client.subscriber import RESYNC, Denied, SharedSubscriber
 from worker.config import KafkaConfig, RedisConfig
 from worker.security import access, probe
 from worker.security.kafka import kafka_security_kwargs
-from worker.security.redis import redis_pool
+from worker.security.redis import REDIS_DOWN, redis_pool
 
 log = logging.getLogger(__name__)
 

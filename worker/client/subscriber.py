@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from worker.obs.errors import suppressed
+from worker.security.redis import REDIS_DOWN
+
+log = logging.getLogger(__name__)
 
 RESYNC = object()  # put on a stream's queue: re-read the job's log (a message may have been lost)
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
 class Denied:
@@ -99,7 +102,7 @@ class SharedSubscriber:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 async with self._lock:
-                    with contextlib.suppress(Exception):
+                    with suppressed(log, "closing the broken pub/sub connection"):
                         await self._pubsub.aclose()
                     self._pubsub = self.redis.pubsub()
                     try:
@@ -136,5 +139,5 @@ class SharedSubscriber:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._pubsub is not None:
-            with contextlib.suppress(Exception):
+            with suppressed(log, "closing the pub/sub connection"):
                 await self._pubsub.aclose()

@@ -1,6 +1,6 @@
 """Engine settings: which checkpoint to load (`ModelConfig`) and the capacity limits
-and tenant policies of one engine (`ServingTuning`, DESIGN §5); `EngineConfig` joins the
-two and is all an engine needs (no Kafka or Redis)."""
+and tenant policies of one engine (`ServingTuning`); `EngineConfig` joins the two and is
+all an engine needs (no Kafka or Redis)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class TenantPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Capacity limits of one engine (DESIGN §5), in the vocabulary of TGI / TensorRT-LLM.
+    """Capacity limits of one engine, in the vocabulary of TGI / TensorRT-LLM.
 
     Attributes:
         max_running_requests: most requests in the running batch at once.

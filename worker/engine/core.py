@@ -37,6 +37,7 @@ from worker.engine.outputs import (
 )
 from worker.engine.request import FINISH_REASONS, ErrorCode, Priority, Request, RequestStatus
 from worker.engine.scheduler import Scheduler
+from worker.obs.errors import one_line
 
 OOM_BACKOFF_RECOVERY_STEPS = 64  # successful steps before the token budget doubles back
 
@@ -50,12 +51,6 @@ def job_fields(job_ids: list[str], limit: int = 20) -> dict:
     """`extra` of a log line about several requests: their ids (the first `limit`) and
     how many (rendered as `job_ids` / `num_jobs` fields by `worker.obs.log`)."""
     return {"job_ids": list(job_ids[:limit]), "num_jobs": len(job_ids)}
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    """`Type: first line of the message`, at most `limit` characters (no traceback)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}"[:limit] if lines else type(exc).__name__
 
 
 @dataclass(slots=True)
@@ -256,7 +251,7 @@ class EngineCore:
         log.error("request %s failed in its forward", s.request_id, exc_info=exc, extra={"job_id": s.request_id})
         req = self.scheduler.finish(s.request_id, RequestStatus.FINISHED_ERROR)
         if req is not None:
-            outputs.append(self._final_output(req, [], error=(ErrorCode.INTERNAL, _one_line(exc))))
+            outputs.append(self._final_output(req, [], error=(ErrorCode.INTERNAL, one_line(exc))))
             failed.num_internal_errors += 1
 
     def _expire_waiting(self, outputs: list[EngineCoreOutput]) -> None:
@@ -311,7 +306,7 @@ class EngineCore:
             req.num_ooms += 1
             if req.num_ooms > self.tuning.max_oom_retries:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
-                message = f"out of memory in {req.num_ooms} steps of this request: {_one_line(exc)}"
+                message = f"out of memory in {req.num_ooms} steps of this request: {one_line(exc)}"
                 outputs.append(self._final_output(req, [], error=(ErrorCode.OOM, message)))
                 num_failed += 1
             else:

@@ -86,6 +86,9 @@ class ThreadEngineClient:
         self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
         self.num_steps = 0
         self.last_tick = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_outputs: OnOutputs | None = None
+        self._on_crash: OnCrash | None = None
 
     async def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs, on_crash: OnCrash) -> None:
         self._loop, self._on_outputs, self._on_crash = loop, on_outputs, on_crash
@@ -165,6 +168,18 @@ class ProcessEngineClient:
         self.last_tick = time.monotonic()
         self._proc = None
         self._closing = False
+        # set by start(), once the core process is ready
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_outputs: OnOutputs | None = None
+        self._on_crash: OnCrash | None = None
+        self._to_core = None
+        self._from_core = None
+        self._reader: threading.Thread | None = None
+        self.tokenizer = None
+        self.num_blocks = 0
+        self.device = ""
+        self.input: InputProcessor | None = None
+        self.output: OutputProcessor | None = None
 
     async def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs, on_crash: OnCrash) -> None:
         """Raises:
@@ -238,7 +253,7 @@ class ProcessEngineClient:
 
     @property
     def alive(self) -> bool:
-        reader = getattr(self, "_reader", None)
+        reader = self._reader
         return self._proc is not None and self._proc.is_alive() and reader is not None and reader.is_alive()
 
     def _read(self) -> None:
@@ -295,11 +310,11 @@ class ProcessEngineClient:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
-        reader = getattr(self, "_reader", None)
-        if reader is not None:  # it ends on the pipe's EOF now that the process is gone
-            reader.join(5)
+        if self._reader is not None:  # it ends on the pipe's EOF now that the process is gone
+            self._reader.join(5)
         for conn in (self._to_core, self._from_core):
-            conn.close()
+            if conn is not None:
+                conn.close()
 
 
 async def make_engine_client(engine: Any, spec: EngineSpec | None, tuning: ServingTuning, metrics: Metrics,

@@ -23,14 +23,9 @@ from schemas.wire import FinishReason, Usage
 from worker.engine.outputs import EngineCoreOutput, RequestOutput, RequestTimes, TokenLogprobs
 from worker.engine.request import ErrorCode, RequestStatus
 from worker.model.detokenizer import IncrementalDetokenizer
+from worker.obs.errors import one_line
 
 log = logging.getLogger(__name__)
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    """`Type: first line of the message`, at most `limit` characters (no traceback)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}"[:limit] if lines else type(exc).__name__
 
 
 @dataclass(slots=True)
@@ -90,7 +85,7 @@ class OutputProcessor:
                           extra={"job_id": out.request_id})
                 self._requests.pop(out.request_id, None)
                 result.outputs.append(self._final(out.request_id, st, out.new_token_ids, "", out.logprobs,
-                                                  FinishReason.ERROR, out, (ErrorCode.INTERNAL, _one_line(e))))
+                                                  FinishReason.ERROR, out, (ErrorCode.INTERNAL, one_line(e))))
                 result.num_internal_errors += 1
                 if out.finish_reason is None:
                     result.finish.append((out.request_id, RequestStatus.FINISHED_ERROR))

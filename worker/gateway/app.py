@@ -13,7 +13,6 @@ file store answered the last check) and `/metrics` (Prometheus).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
@@ -64,6 +63,12 @@ class Gateway:
         self._stop = asyncio.Event()
         self.started = asyncio.Event()
         self._runner: web.AppRunner | None = None
+        # built by start(); None until then (stop() closes what exists)
+        self.client: InflightClient | None = None
+        self.ctx: GatewayContext | None = None
+        self.files: FileStore | None = None
+        self.batches: BatchManager | None = None
+        self._created = int(time.time())
 
     async def start(self) -> None:
         """Raises:
@@ -153,12 +158,14 @@ class Gateway:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if hasattr(self, "batches"):
+        if self.batches is not None:
             await self.batches.stop()
             await self.ctx.cancels.drain()
-        if hasattr(self, "client"):
-            with contextlib.suppress(Exception):
+        if self.client is not None:
+            try:
                 await asyncio.wait_for(self.client.close(), 10)
+            except Exception as e:  # stopping anyway
+                log.debug("client did not close cleanly", error=repr(e)[:200])
         log.info("gateway stopped", gateway_id=self.gateway_id)
 
     # ---- middleware: errors in OpenAI's format, request metrics -----------------------------

@@ -29,6 +29,7 @@ from aiokafka.errors import KafkaError
 from schemas.wire import Event, Finished, Job, Restarted, Started, Token, TokenLogprob
 from worker.client import InflightClient
 from worker.gateway.errors import ApiError, overloaded
+from worker.obs.errors import suppressed
 from worker.security.access import AccessError
 
 log = structlog.get_logger(__name__)
@@ -177,7 +178,7 @@ class Generation:
         background: the caller may be a cancelled task); always release the stream."""
         if self._submitted and self.finished is None:
             self._cancels.send(self.job_id, reason)
-        with contextlib.suppress(Exception):
+        with suppressed(log, "closing the job's event stream"):
             await self._events.aclose()
 
 

@@ -1,4 +1,4 @@
-"""Every Prometheus series of one worker, defined here and nowhere else (DESIGN §6).
+"""Every Prometheus series of one worker, defined here and nowhere else.
 
 Base units (seconds, tokens, ratios 0..1); labels are low-cardinality only: `priority`
 (high/normal/low), `finish_reason`, `reason`, `outcome`, `code` (an engine ErrorCode), the
@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 if TYPE_CHECKING:
     from worker.engine import KVStats, StepStats
 
-# Bucket upper bounds, seconds. TTFT 1 ms–120 s, TPOT 1 ms–2 s, e2e 10 ms–600 s (DESIGN §6).
+# Bucket upper bounds, seconds. TTFT 1 ms–120 s, TPOT 1 ms–2 s, e2e 10 ms–600 s.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,

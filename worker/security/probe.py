@@ -11,7 +11,7 @@ then, for a TLS failure, a raw handshake that surfaces the broker's alert) to na
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import ssl
 import struct
 from typing import TYPE_CHECKING
@@ -20,6 +20,7 @@ from aiokafka import errors as kerr
 from redis import exceptions as rex
 
 from schemas import keys
+from worker.obs.errors import suppressed
 from worker.security.access import (
     EXIT_AUTHORIZATION,
     EXIT_TLS,
@@ -34,6 +35,8 @@ from worker.security.access import (
 
 if TYPE_CHECKING:
     from worker.config import KafkaConfig, RedisConfig, WorkerConfig
+
+log = logging.getLogger(__name__)
 
 
 async def probe_kafka(cfg: KafkaConfig, timeout_s: float = 10.0) -> None:
@@ -125,7 +128,7 @@ async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0) -> 
                               f"the ACLs of {principal_setting(cfg)}")
 
     finally:
-        with contextlib.suppress(Exception):  # closing a client that never connected
+        with suppressed(log, "closing the admin client"):  # a client that never connected
             await admin.close()
 
 

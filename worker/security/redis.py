@@ -7,8 +7,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.security.kafka import tls_context
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, TimeoutError)
+"""What "Redis is unreachable" looks like from redis-py (its errors are not the builtin
+ones): an outage to wait out, unless `access.is_fatal_redis` says it is a refusal. The
+one definition every Redis user here catches (worker, client, CLI)."""
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis stayed unreachable longer than `redis.outage_limit_s`: the worker stops so
+    its partitions move to other workers (its jobs are redelivered)."""
 
 try:
     import hiredis

@@ -27,14 +27,9 @@ import uuid
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import keys
-
-# What "Redis is unreachable" looks like from redis-py (its errors are not the builtin ones).
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, TimeoutError)
 
 _EPOCH_CHECK = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('EPOCH changed') end

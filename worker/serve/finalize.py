@@ -3,6 +3,10 @@ if it never ran (`dlq.py`'s rule), the terminal event to the durable results top
 (`results.py`), and only then are its offsets done (committed by the intake) and the job
 leaves the table; its metrics and its one summary log line are written here.
 
+The finalizer is the one writer of the DLQ and the one caller of `OffsetTracker.done`:
+records that never become a job here (undecodable ones, `dead_letter_record`; ones a
+done mark in Redis already answers, `release`) end through it too.
+
 Kafka errors are retried with backoff while the offsets stay open; a refusal (missing
 ACL) stops the worker. Jobs are finalized in batches: every job that ended in a publisher
 round goes through one results write.
@@ -21,10 +25,13 @@ from aiokafka.errors import KafkaError
 from schemas.wire import FinishReason
 
 if TYPE_CHECKING:
+    from aiokafka import TopicPartition
+
     from worker.obs.metrics import Metrics
     from worker.serve.dlq import DeadLetters
     from worker.serve.jobs import JobTable, LocalJob
     from worker.serve.offsets import OffsetTracker
+    from worker.serve.read_ahead import JobRecord
     from worker.serve.results import ResultsLog
 
 log = structlog.get_logger(__name__)
@@ -45,6 +52,24 @@ class Finalizer:
         # labelled children looked up once (a `labels()` call per job costs more than the observation)
         self._finished = {r: metrics.finished.labels(r.value) for r in FinishReason}
         self._by_priority: dict[str, tuple] = {}
+
+    async def dead_letter_record(self, rec: JobRecord, reason: str, error: str, job_id: str | None) -> None:
+        """Send a record that is not a job (it does not decode or validate) to the DLQ
+        with its original bytes, and count it. Its offset stays open (`release` it, or it
+        is done with the job opened for it).
+
+        Raises:
+            aiokafka.errors.KafkaError, worker.security.access.Refused: as `DeadLetters.send`.
+        """
+        tp = rec.tp
+        await self.dead_letters.send(rec.raw, rec.key, topic=tp.topic, partition=tp.partition, offset=rec.offset,
+                                     reason=reason, error=error, job_id=job_id)
+        self.metrics.dlq_records.inc()
+
+    def release(self, tp: TopicPartition, offset: int) -> None:
+        """A record answered without a job held here (its job is done already, or it was
+        dead-lettered with no stream to answer): its offset may be committed."""
+        self.tracker.done(tp, offset)
 
     def add(self, jobs: Iterable[LocalJob]) -> None:
         """Jobs whose terminal event was just published."""

@@ -18,7 +18,6 @@ Redis that lost its data while the worker is idle (no publish would notice it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from worker.config import ConfigError, MetricsConfig
+from worker.obs.errors import suppressed
 from worker.security import access, probe
 
 if TYPE_CHECKING:
@@ -98,8 +98,8 @@ class HealthChecks:
             except access.AccessError as found:
                 if found.exit_code != access.EXIT_UNREACHABLE:
                     err = found
-            except Exception:  # the probe is best effort: keep the check's own error
-                pass
+            except Exception as probe_error:  # the probe is best effort: keep the check's own error
+                log.debug("Kafka probe failed (ignored)", error=repr(probe_error)[:200])
         if err is None:
             return repr(e)[:200] or type(e).__name__
         return str(err)
@@ -149,7 +149,7 @@ class HealthChecks:
         m.paused_partitions.set(len(consumer.paused()))
         m.local_jobs.set(p["table"].num_unfinished)
         if m.gpu_utilization is not None:
-            with contextlib.suppress(Exception):  # an NVML hiccup keeps the last value
+            with suppressed(log, "reading GPU utilization"):  # an NVML hiccup keeps the last value
                 import torch
 
                 m.gpu_utilization.set(torch.cuda.utilization(p["engine"].device) / 100.0)

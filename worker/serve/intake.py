@@ -1,20 +1,15 @@
 """Kafka job intake: the priority topics as one consumer group; fetch, decode, read
 ahead, hand jobs to the worker as slots free; rebalance, commits, lag.
 
-Read-ahead and choice: fetched records wait in the ReadAhead (read_ahead.py), up to
+Read-ahead and choice: fetched records wait in the ReadAhead (read_ahead.py: which of
+them free slots take, by priority class first and tenant share inside a class), up to
 `worker.read_ahead_per_partition` per partition. Only as many records as fit are taken
-out of the consumer (`getmany` per partition with `max_records`); the rest stay in the
-consumer's own fetch buffer for later, so nothing fetched is decoded and thrown away
-(only the byte bound can still be passed: the partition is then sought back to the first
-record not kept). When slots free, right after a
-non-blocking fetch of whatever the consumer has prefetched, they are filled by priority
-(high, normal, low) and, inside a priority, by tenant share (the tenant holding the
-fewest jobs per weight, read_ahead.py; a tenant at `max_local_jobs_per_tenant` waits), so a freed
-slot goes to the highest-priority job available anywhere in this worker's assignment,
-and a light tenant behind a flooding one in the same partitions is taken without
-waiting for the flood. Partitions are paused only while the read-ahead holds its byte
-bound (the consumer keeps calling `getmany`, so heartbeats and `max_poll_interval_ms`
-never lapse). Invalid records need no slot: they go to the DLQ when read.
+out of the consumer (`getmany` per partition with `max_records`); the rest stay in its
+own fetch buffer, so nothing fetched is decoded and thrown away (only the byte bound can
+still be passed: the partition is then sought back to the first record not kept).
+Partitions are paused only while the read-ahead holds its byte bound (the consumer keeps
+calling `getmany`, so heartbeats and `max_poll_interval_ms` never lapse). Invalid
+records need no slot: they go to the DLQ when read.
 
 Offsets: a record is registered in the OffsetTracker when it is *read*, so taking
 records out of offset order never lets the commit point (lowest unfinished offset per
@@ -29,7 +24,7 @@ is lost. Nothing is taken between the revoke and the assignment.
 Commits for partitions no longer owned fail and are not retried. Partitions whose
 committed offset is below the log start (records deleted by retention) or absent are
 positioned at the log start, which is then committed, so lag and the group's own view
-are true.
+are true. A consumer that stops fetching is replaced (stall.py).
 """
 
 from __future__ import annotations
@@ -52,6 +47,7 @@ from worker.security.access import is_fatal_kafka
 from worker.security.kafka import kafka_security_kwargs
 from worker.serve.offsets import OffsetTracker
 from worker.serve.read_ahead import JobRecord, ReadAhead
+from worker.serve.stall import StallWatchdog
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
@@ -70,13 +66,13 @@ class JobSink(Protocol):
     def held_by_tenant(self) -> Mapping[str, int]:
         """Jobs not yet at their terminal event, per tenant (tenants with none may be absent)."""
 
-
     async def take(self, records: list[JobRecord]) -> list[JobRecord]:
         """Claim and start a batch; returns the records whose job another worker holds
         (retried later; their offsets stay open)."""
 
     async def reject_invalid(self, rec: JobRecord, job_id: str | None) -> None:
-        """A record that does not decode as a job: DLQ (+ `finished(rejected)`), offset done."""
+        """A record that does not decode as a job: DLQ (+ `finished(rejected)`), offset done
+        (both by the finalizer)."""
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -107,7 +103,7 @@ class _Rebalance(ConsumerRebalanceListener):
                 tracker.drop(tp)
         intake.read_ahead.drop(lambda tp: tp in kept)
         intake.invalid = [r for r in intake.invalid if r.tp in kept]
-        intake.contested = [c for c in intake.contested if c.tp in kept]
+        intake._contested = [c for c in intake._contested if c.tp in kept]
         intake.paused = set()  # a new assignment starts unpaused
         intake.rebalancing = False  # what is kept may be taken while positions are fetched
         try:
@@ -125,7 +121,8 @@ class Intake:
     cfg: the `kafka` config section.
     client_id: this worker's id (Kafka client id).
     sink: the worker (free slots, jobs held per tenant, take, reject invalid).
-    tracker: the per-partition commit points (shared with the worker, which marks done).
+    tracker: the per-partition commit points: the intake registers reads and commits;
+        the finalizer (finalize.py) marks records done.
     read_ahead_per_partition, read_ahead_bytes: bounds of the read-ahead.
     tenant_weight: a tenant's weight (`serving_tuning.tenants`), for the choice.
     tenant_cap: the most local jobs a tenant may hold.
@@ -152,7 +149,7 @@ class Intake:
         self.tenant_cap = tenant_cap
         self.invalid: list[JobRecord] = []  # read, not jobs: to the DLQ
         self.consumer = self._make_consumer()
-        self.contested: list[JobRecord] = []
+        self._contested: list[JobRecord] = []
         self.log_start: dict[TopicPartition, int] = {}
         self.paused: set[TopicPartition] = set()
         self.rebalancing = False  # between a revoke and the next assignment: take nothing
@@ -161,8 +158,7 @@ class Intake:
         self.num_invalid = 0
         self._last_commit = 0.0
         self._last_contested = 0.0
-        self._last_progress = time.monotonic()
-        self._last_stall_check = 0.0
+        self.watchdog = StallWatchdog(cfg.stall_timeout_s)
 
     def _make_consumer(self) -> AIOKafkaConsumer:
         cfg = self.cfg
@@ -184,7 +180,7 @@ class Intake:
     async def start(self) -> None:
         self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
         await self.consumer.start()
-        self._last_progress = time.monotonic()
+        self.watchdog.progress()
 
     async def stop(self) -> None:
         await self.commit()
@@ -255,26 +251,23 @@ class Intake:
         if got:
             await self._fetch_prefetched()
         if got or self.num_buffered or self.sink.free_slots() <= 0:
-            self._last_progress = time.monotonic()
+            self.watchdog.progress()
         else:
             await self._check_stall()
         await self._fill_slots()
         now = time.monotonic()
-        if self.contested and now - self._last_contested > 0.5:
+        if self._contested and now - self._last_contested > 0.5:
             self._last_contested = now
-            self.contested = await self.sink.take(self.contested)
+            self._contested = await self.sink.take(self._contested)
         if now - self._last_commit > self.cfg.commit_interval_ms / 1000:
             await self.commit()
 
     def _update_pauses(self) -> None:
-        """Pause every partition while the read-ahead holds `read_ahead_bytes` or every
-        partition's read-ahead is full; resume them all when there is room. A partition
-        whose own read-ahead is full while others have room is not paused: it is left
-        out of the fetch (`_with_room`), its further records stay in the consumer's
-        buffer (at most one fetch response per partition: aiokafka fetches a partition
-        again only once its buffer is taken) and the consumer keeps prefetching the
-        others. Pausing each full partition on its own, with the excess sought back,
-        made the consumer fetch and decode again after each resume: 4-token jobs at 256
+        """Pause every partition while the read-ahead holds `read_ahead_bytes` or all are
+        full; resume them all when there is room. A full partition among others with room
+        is only left out of the fetch (`_with_room`; its records stay in the consumer's
+        buffer, one fetch response at most). Pausing each full partition on its own made
+        the consumer fetch and decode again after each resume: 4-token jobs at 256
         running waited 200-400 ms with nothing to run on every refill."""
         assigned = self.consumer.assignment()
         ra = self.read_ahead
@@ -353,44 +346,22 @@ class Intake:
                                      self.high_priority_reserve)
         if not batch:
             return
-        contested = await self.sink.take(batch)
+        self.add_contested(await self.sink.take(batch))
+
+    def add_contested(self, records: list[JobRecord]) -> None:
+        """Records whose job another worker holds now (its claim, or a lost one's): taken
+        again every 0.5 s while their partition stays assigned here, their offsets open
+        until then. The intake is the only writer of this list."""
         assigned = self.consumer.assignment()  # a rebalance may have happened meanwhile
-        self.contested.extend(c for c in contested if c.tp in assigned)
+        self._contested.extend(c for c in records if c.tp in assigned)
 
     async def _check_stall(self) -> None:
-        """Watchdog: partitions have unread records, this worker has free slots, yet no
-        record came for `kafka.stall_timeout_s`. aiokafka has been seen to stop fetching
-        after a group member died (all assigned partitions silent, no error); the remedy
-        is a fresh consumer. Unread is measured from the log start, so records deleted
-        by retention never look like a stall."""
-        now = time.monotonic()
-        stall_s = self.cfg.stall_timeout_s
-        if now - self._last_progress < stall_s or now - self._last_stall_check < stall_s / 2:
-            return
-        self._last_stall_check = now
-        assigned = list(self.consumer.assignment())
-        if not assigned:
-            return
-        try:
-            ends = await asyncio.wait_for(self.consumer.end_offsets(assigned), 10)
-            starts = await asyncio.wait_for(self.consumer.beginning_offsets(assigned), 10)
-            committed = await asyncio.wait_for(
-                asyncio.gather(*(self.consumer.committed(tp) for tp in assigned)), 10)
-        except (TimeoutError, KafkaError, IllegalStateError) as e:
-            # The broker does not answer: that is an outage (readiness reports it), not a
-            # stalled consumer; a fresh consumer would not fetch either. Check again later.
-            # Quiet while it may be a broker restart (kafka.transient_grace_s).
-            level, fields = transient_log.observe("broker_unreachable")
-            log.log(level, "stall check could not reach Kafka; not recreating the consumer", error=repr(e), **fields)
-            return
-        self.log_start.update(starts)
-        lagging = [tp for tp, c in zip(assigned, committed)
-                   if ends[tp] > max(c or 0, starts[tp], self.tracker.last_read(tp) + 1)]
+        """Recreate the consumer when the watchdog (stall.py) finds it stalled."""
+        lagging = await self.watchdog.stalled(self.consumer, self.tracker, self.log_start)
         if not lagging:
-            self._last_progress = now
             return
         log.warning("consumer stalled: partitions have unread jobs but nothing was fetched; recreating it",
-                    stalled_s=round(now - self._last_progress, 1),
+                    stalled_s=round(self.watchdog.stalled_s, 1),
                     partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in lagging))
         self.num_consumer_restarts += 1
         if self.metrics is not None:
@@ -404,7 +375,7 @@ class Intake:
         self.paused = set()
         self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
         await self.consumer.start()
-        self._last_progress = time.monotonic()
+        self.watchdog.progress()
 
     # ---- commits -----------------------------------------------------------------------
     async def commit(self, only: set[TopicPartition] | None = None) -> None:

@@ -200,10 +200,7 @@ class JobTable:
         if held is None or held.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
             return None
         held.state = JobState.HANDED_BACK
-        held._opening.clear()
-        held._delta_text.clear()
-        held._delta_ids.clear()
-        held._delta_logprobs = None
+        held.drop_drafts()
         self._dirty.pop(held.job_id, None)
         self._untrack(held)
         del self._jobs[held.job_id]
@@ -242,14 +239,9 @@ class JobTable:
                 tenant = held.job.tenant or ""
                 by_tenant[tenant] = by_tenant.get(tenant, 0) + len(out.new_token_ids)
                 held.text_parts.append(out.text)
-                held._delta_text.append(out.text)
-                held._delta_ids.extend(out.new_token_ids)
-                if out.logprobs:
-                    if held._delta_logprobs is None:
-                        held._delta_logprobs = []
-                    held._delta_logprobs.extend(
-                        TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_token_ids=x.top_token_ids,
-                                     top_logprobs=x.top_logprobs) for x in out.logprobs)
+                held.draft_delta(out.text, out.new_token_ids, [
+                    TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_token_ids=x.top_token_ids,
+                                 top_logprobs=x.top_logprobs) for x in out.logprobs] if out.logprobs else None)
                 self._dirty.setdefault(held.job_id, held)
             if out.finished:
                 self._finish_from_engine(held, out, now)
@@ -284,8 +276,9 @@ class JobTable:
         held.finish_reason = reason
         held.error = error
         # seq is set when the round is drained
-        held._terminal = Finished(job_id=held.job_id, seq=-1, attempt=held.attempt, finish_reason=reason, text=held.text,
-                                usage=usage, timings=timings, error=error, metadata=held.job.metadata)
+        held.draft_terminal(Finished(job_id=held.job_id, seq=-1, attempt=held.attempt, finish_reason=reason,
+                                     text=held.text, usage=usage, timings=timings, error=error,
+                                     metadata=held.job.metadata))
         self._dirty.setdefault(held.job_id, held)
 
     def _draft(self, held: LocalJob, *, opening: str) -> None:
@@ -293,7 +286,7 @@ class JobTable:
             if held.opened:
                 return
             held.opened = True
-        held._opening.append(opening)
+        held.draft_opening(opening)
         self._dirty.setdefault(held.job_id, held)
 
     # ---- rounds ----------------------------------------------------------------------
@@ -306,23 +299,21 @@ class JobTable:
         finished: list[LocalJob] = []
         dirty, self._dirty = self._dirty, {}
         for held in dirty.values():
-            for kind in held._opening:
+            drafts = held.take_drafts()
+            for kind in drafts.opening:
                 if kind == "restarted":
                     ev: Event = Restarted(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, reason=RESTART_REASON)
                 else:
                     ev = Started(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, worker_id=self.worker_id,
                                  queue_time_s=max(0.0, held.claim_time - held.enqueue_time), metadata=held.job.metadata)
                 self._add(held, ev, events, encoded, tenants)
-            held._opening.clear()
-            if held._delta_ids or held._delta_text:
-                ev = Token(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, text="".join(held._delta_text),
-                           token_ids=held._delta_ids, logprobs=held._delta_logprobs)
+            if drafts.text is not None:
+                ev = Token(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, text=drafts.text,
+                           token_ids=drafts.token_ids, logprobs=drafts.logprobs)
                 self._add(held, ev, events, encoded, tenants)
-                held._delta_text, held._delta_ids, held._delta_logprobs = [], [], None
-            if held._terminal is not None:
-                term = held._terminal
+            if drafts.terminal is not None:
+                term = drafts.terminal
                 term.seq = held.next_seq
-                held._terminal = None
                 self._add(held, term, events, encoded, tenants)
                 finished.append(held)
         return Round(events, encoded, finished, tenants)

@@ -5,8 +5,9 @@ lifecycle diagram is in `worker/serve/jobs.py`."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from schemas.wire import ErrorInfo, Finished, FinishReason, Job, TokenLogprob
 
@@ -81,6 +82,53 @@ class LocalJob:
     def text(self) -> str:
         return "".join(self.text_parts)
 
+    # ---- drafts: events not numbered yet (the table numbers them when a round is drained)
     @property
     def has_drafts(self) -> bool:
         return bool(self._opening or self._delta_ids or self._delta_text or self._terminal is not None)
+
+    def draft_opening(self, kind: str) -> None:
+        """An opening event to publish: "restarted" or "started"."""
+        self._opening.append(kind)
+
+    def draft_delta(self, text: str, token_ids: list[int], logprobs: Iterable[TokenLogprob] | None) -> None:
+        """New output of the engine, merged into the next token event."""
+        self._delta_text.append(text)
+        self._delta_ids.extend(token_ids)
+        if logprobs:
+            if self._delta_logprobs is None:
+                self._delta_logprobs = []
+            self._delta_logprobs.extend(logprobs)
+
+    def draft_terminal(self, event: Finished) -> None:
+        """The terminal event (its `seq` is set when drained)."""
+        self._terminal = event
+
+    def drop_drafts(self) -> None:
+        """Forget every draft but the terminal one (a job handed back publishes nothing)."""
+        self._opening.clear()
+        self._delta_text.clear()
+        self._delta_ids.clear()
+        self._delta_logprobs = None
+
+    def take_drafts(self) -> Drafts:
+        """The drafts, in publishing order, and forget them."""
+        has_delta = bool(self._delta_ids or self._delta_text)
+        drafts = Drafts(self._opening, "".join(self._delta_text) if has_delta else None, self._delta_ids,
+                        self._delta_logprobs, self._terminal)
+        if has_delta:
+            self._delta_text, self._delta_ids, self._delta_logprobs = [], [], None
+        self._opening = []
+        self._terminal = None
+        return drafts
+
+
+class Drafts(NamedTuple):
+    """A job's drafted events: opening kinds, then one merged token event (`text` None if
+    there is none), then the terminal event."""
+
+    opening: list[str]
+    text: str | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    terminal: Finished | None

@@ -17,7 +17,8 @@ restarted consumer re-reads 42 to 45: at-least-once, and the claim/done keys in 
 keep the visible outcome exactly-once. The same registry de-duplicates re-reads: after
 a rebalance that keeps a partition, the consumer reads again from the committed offset,
 and every offset up to the highest read is refused (`read` returns False), whether it
-waits here, runs or is done. Writer: the intake (asyncio thread); the worker marks done.
+waits here, runs or is done. Writers (asyncio thread): the intake (reads, commits,
+rebalances) and the finalizer, the only caller of `done` (finalize.py).
 """
 
 from __future__ import annotations

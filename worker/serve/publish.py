@@ -41,7 +41,8 @@ from schemas import keys
 from schemas.wire import Finished
 from worker.config import RedisConfig
 from worker.security.access import is_fatal_redis
-from worker.serve.claims import FINISH_LUA, LAST_SEQ, REDIS_DOWN, ClaimStore, EpochChanged
+from worker.security.redis import REDIS_DOWN, RedisUnavailable
+from worker.serve.claims import FINISH_LUA, LAST_SEQ, ClaimStore, EpochChanged
 from worker.serve.jobs import JobTable, Round
 
 log = structlog.get_logger(__name__)
@@ -76,11 +77,6 @@ while ai <= #ARGV do
 end
 return appended
 """
-
-
-class RedisUnavailable(RuntimeError):
-    """Redis stayed unreachable longer than `redis.outage_limit_s`: the worker stops so
-    its partitions move to other workers (its jobs are redelivered)."""
 
 
 class Publisher:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -38,15 +38,15 @@ from schemas.keys import JobRef
 from schemas.wire import ErrorInfo, FinishReason, Job
 from worker.engine import RequestRejected
 from worker.security.access import is_fatal_redis
-from worker.serve.claims import REDIS_DOWN, Claimed, ClaimStore, Contested, Done, EpochChanged
+from worker.security.redis import REDIS_DOWN
+from worker.serve.claims import Claimed, ClaimStore, Contested, Done, EpochChanged
 from worker.serve.jobs import JobState, JobTable, LocalJob, Offset
 from worker.serve.read_ahead import JobRecord
 
 if TYPE_CHECKING:
     from worker.engine.core_client import ProcessEngineClient, ThreadEngineClient
     from worker.obs.metrics import Metrics
-    from worker.serve.dlq import DeadLetters
-    from worker.serve.offsets import OffsetTracker
+    from worker.serve.finalize import Finalizer
 
 log = structlog.get_logger(__name__)
 
@@ -79,36 +79,45 @@ def input_bytes(job: Job) -> int:
     return 0
 
 
+class StarterHost(Protocol):
+    """What the job starter needs of the worker around it (`worker.serve.worker.Worker`)."""
+
+    def wake(self) -> None:
+        """The table has new drafts or the engine new work: the publisher and the engine
+        loop look now."""
+
+    def intake_paused(self) -> bool:
+        """True while intake must take nothing (draining, stopping, Redis down)."""
+
+    async def restore_redis(self) -> None:
+        """Redis lost its data: re-claim the held jobs and re-append their logs
+        (`Publisher.restore`); the batch is then claimed again."""
+
+
 class JobStarter:
     """Implements the intake's `JobSink`. Args:
-    table, claims, tracker: the worker's job table, claim store, offset tracker.
+    table, claims: the worker's job table and claim store.
     engine: the engine client (`input.process` in the pool, `submit` and `abort` on the loop).
-    dead_letters: the DLQ writer.
+    finalizer: ends the records that never become a job here (DLQ, offset done).
     metrics: the worker's metrics.
+    host: the worker (wake, pause, restore).
     max_local_jobs: jobs held at once before their terminal event (claimed, in the engine);
         as many again may be finishing.
     max_job_failures: earlier unclean attempts after which a job is poison.
-    wake: called when the table has new drafts or the engine has new work.
-    restore: awaited when Redis lost its data (then the batch is claimed again).
-    is_paused: True while intake must take nothing (draining, Redis down).
     tokenizer_threads: size of the input-processing pool.
     """
 
-    def __init__(self, table: JobTable, claims: ClaimStore, tracker: OffsetTracker,
-                 engine: ThreadEngineClient | ProcessEngineClient,
-                 dead_letters: DeadLetters, metrics: Metrics, *, max_local_jobs: int, max_job_failures: int,
-                 wake, restore, is_paused, tokenizer_threads: int = 2) -> None:
+    def __init__(self, table: JobTable, claims: ClaimStore, engine: ThreadEngineClient | ProcessEngineClient,
+                 finalizer: Finalizer, metrics: Metrics, host: StarterHost, *, max_local_jobs: int,
+                 max_job_failures: int, tokenizer_threads: int = 2) -> None:
         self.table = table
         self.claims = claims
-        self.tracker = tracker
         self.engine = engine
-        self.dead_letters = dead_letters
+        self.finalizer = finalizer
         self.metrics = metrics
+        self.host = host
         self.max_local_jobs = max_local_jobs
         self.max_job_failures = max_job_failures
-        self._wake = wake
-        self._restore = restore
-        self._is_paused = is_paused
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="inflight-input")
         self._tasks: set[asyncio.Task] = set()
         self._byte_limit = prompt_byte_limit(engine.tokenizer, engine.tuning.max_input_tokens)
@@ -123,14 +132,13 @@ class JobStarter:
         the engine's pace rather than at the pace of those writes (with 4-token jobs they
         held every second slot). Finishing jobs are bounded too, by another
         `max_local_jobs`, so a slow results topic stops intake instead of piling up."""
-        if self._is_paused():
+        if self.host.intake_paused():
             return 0
         table = self.table
         return min(self.max_local_jobs - table.num_unfinished, 2 * self.max_local_jobs - len(table))
 
     def held_by_tenant(self) -> dict[str, int]:
         return self.table.held_by_tenant()
-
 
     def close(self) -> None:
         for t in self._tasks:
@@ -148,7 +156,7 @@ class JobStarter:
         try:
             results = await self.claims.take([JobRef(r.job.job_id, r.job.tenant) for r in fresh])
         except EpochChanged:
-            await self._restore()
+            await self.host.restore_redis()
             results = await self.claims.take([JobRef(r.job.job_id, r.job.tenant) for r in fresh])
         except REDIS_DOWN as e:
             if is_fatal_redis(e):  # refused (credentials, certificate): not an outage to wait out
@@ -159,7 +167,7 @@ class JobStarter:
         to_run: list[LocalJob] = []
         for rec, res in zip(fresh, results):
             if isinstance(res, Done):
-                self.tracker.done(rec.tp, rec.offset)
+                self.finalizer.release(rec.tp, rec.offset)
             elif isinstance(res, Contested):
                 log.info("job claimed by another worker; waiting", job_id=rec.job.job_id, topic=rec.tp.topic,
                          partition=rec.tp.partition, offset=rec.offset)
@@ -177,7 +185,7 @@ class JobStarter:
                 task = asyncio.create_task(self._submit(held), name=f"input:{held.job_id}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-        self._wake()
+        self.host.wake()
         return contested
 
     def _open(self, rec: JobRecord, c: Claimed) -> LocalJob | None:
@@ -296,13 +304,13 @@ class JobStarter:
         self.table.accepted(held.job_id)
         if held.cancel_time_mono is not None:
             self.engine.abort(held.job_id)
-        self._wake()
+        self.host.wake()
 
     def _reject(self, held: LocalJob, e: RequestRejected) -> None:
         self.metrics.rejected.labels(e.reason.value).inc()
         self.table.finish_local(held.job_id, FinishReason.REJECTED, ErrorInfo(code=e.reason.value, message=e.message),
                                 dead_letter=(e.reason.value, e.message))
-        self._wake()
+        self.host.wake()
 
     # ---- records that are not jobs ---------------------------------------------------------
     async def reject_invalid(self, rec: JobRecord, job_id: str | None) -> None:
@@ -311,9 +319,7 @@ class JobStarter:
         holds a valid tenant, else on the stream of jobs without one); the offset is done
         once that is out."""
         tp, error = rec.tp, rec.error or "invalid job"
-        await self.dead_letters.send(rec.raw, rec.key, topic=tp.topic, partition=tp.partition, offset=rec.offset,
-                                     reason="invalid_job", error=error, job_id=job_id)
-        self.metrics.dlq_records.inc()
+        await self.finalizer.dead_letter_record(rec, "invalid_job", error, job_id)
         self.metrics.rejected.labels("invalid_job").inc()
         log.warning("invalid job record sent to the DLQ", error=error[:300], job_id=job_id, topic=tp.topic,
                     partition=tp.partition, offset=rec.offset, size=len(rec.raw))
@@ -327,9 +333,9 @@ class JobStarter:
                 self.table.open(Job(job_id=job_id, prompt="", tenant=tenant), rec.priority, Offset(tp, rec.offset),
                                 rec.enqueue_time, res.token, res.attempt, res.next_seq)
                 self.table.finish_local(job_id, FinishReason.REJECTED, ErrorInfo(code="invalid_job", message=error))
-                self._wake()
+                self.host.wake()
                 return
-        self.tracker.done(tp, rec.offset)
+        self.finalizer.release(tp, rec.offset)
 
 
 def _prompt_too_long():

@@ -35,6 +35,7 @@ import os
 import signal
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -51,9 +52,9 @@ from worker.obs.log import task_stacks
 from worker.obs.metrics import Metrics
 from worker.security.kafka import kafka_security_kwargs
 from worker.security.probe import verify_access
-from worker.security.redis import redis_client
+from worker.security.redis import REDIS_DOWN, redis_client
 from worker.serve.cancels import CancelListener
-from worker.serve.claims import REDIS_DOWN, TAKE_LUA, ClaimStore
+from worker.serve.claims import TAKE_LUA, ClaimStore
 from worker.serve.dlq import DeadLetters
 from worker.serve.finalize import Finalizer
 from worker.serve.health import HealthChecks, OpsServer
@@ -64,6 +65,9 @@ from worker.serve.publish import Publisher
 from worker.serve.read_ahead import JobRecord, high_priority_reserve, local_shares
 from worker.serve.results import ResultsLog
 from worker.serve.starter import JobStarter
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
 
 log = structlog.get_logger(__name__)
 
@@ -99,6 +103,17 @@ class Worker:
         self._crash: BaseException | None = None
         self._tasks: list[asyncio.Task] = []
         self._redis_warned = 0.0
+        # built by start(), in this order; None until then (close() stops what exists)
+        self.redis: Redis | None = None
+        self.claims: ClaimStore | None = None
+        self.publisher: Publisher | None = None
+        self.producer: AIOKafkaProducer | None = None
+        self.dead_letters: DeadLetters | None = None
+        self.results: ResultsLog | None = None
+        self.finalizer: Finalizer | None = None
+        self.starter: JobStarter | None = None
+        self.intake: Intake | None = None
+        self.cancels: CancelListener | None = None
         self.health = HealthChecks(self.metrics, liveness=self._liveness)
         self.server = (OpsServer(self.metrics.registry, self.health, cfg.metrics.host, cfg.metrics.port)
                        if cfg.metrics.port is not None else None)
@@ -136,10 +151,8 @@ class Worker:
         self.dead_letters = DeadLetters(self.producer, kc.topic_prefix, self.worker_id)
         self.results = ResultsLog(self.producer, kc.topic_prefix)
         self.finalizer = Finalizer(self.table, self.tracker, self.dead_letters, self.results, self.metrics)
-        self.starter = JobStarter(self.table, self.claims, self.tracker, self.engine, self.dead_letters,
-                                  self.metrics, max_local_jobs=self.max_local_jobs,
-                                  max_job_failures=cfg.worker.max_job_failures, wake=self._wake,
-                                  restore=self.publisher.restore, is_paused=self._intake_paused,
+        self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self,
+                                  max_local_jobs=self.max_local_jobs, max_job_failures=cfg.worker.max_job_failures,
                                   tokenizer_threads=cfg.worker.tokenizer_threads)
         tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
         self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
@@ -232,19 +245,22 @@ class Worker:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if hasattr(self, "starter"):
+        if self.starter is not None:
             self.starter.close()
-        for name, coro in (("intake", self._stop_attr("intake")), ("cancels", self._stop_attr("cancels")),
-                           ("producer", self._stop_attr("producer"))):
+        for name, part in (("intake", self.intake), ("cancels", self.cancels), ("producer", self.producer)):
+            if part is None:
+                continue
             try:
-                await asyncio.wait_for(coro, 15)
+                await asyncio.wait_for(part.stop(), 15)
             except Exception as e:  # keep closing the rest
                 log.warning("component did not stop cleanly", component=name, error=repr(e)[:200])
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
-        if hasattr(self, "redis"):
-            with contextlib.suppress(Exception):
+        if self.redis is not None:
+            try:
                 await asyncio.wait_for(self.redis.aclose(), 5)
+            except Exception as e:  # closing anyway
+                log.debug("Redis client did not close cleanly", error=repr(e)[:200])
         if self.server is not None:
             await self.server.stop()
         log.info("worker stopped", worker_id=self.worker_id, finished=self.num_finished)
@@ -252,12 +268,7 @@ class Worker:
     @property
     def num_finished(self) -> int:
         """Jobs this worker ended (terminal event published and recorded)."""
-        return self.finalizer.num_finished if hasattr(self, "finalizer") else 0
-
-    async def _stop_attr(self, name: str) -> None:
-        part = getattr(self, name, None)
-        if part is not None:
-            await part.stop()
+        return self.finalizer.num_finished if self.finalizer is not None else 0
 
     # ---- engine outputs → drafts → Redis → recorded ------------------------------------
     def _on_step(self, outputs: list[RequestOutput]) -> None:
@@ -276,7 +287,9 @@ class Worker:
         self.metrics.publish_round.observe(self.publisher.last_round_s)
         self.finalizer.add(rnd.finished)
 
-    def _wake(self) -> None:
+    # ---- the job starter's host (starter.StarterHost) ----------------------------------
+    def wake(self) -> None:
+        """New drafts or new engine work: the publisher and the engine loop look now."""
         self.publisher.wake()
         if self.engine is not None:
             self.engine.wake()
@@ -322,8 +335,8 @@ class Worker:
         log.warning("claim lost; handing the job back", job_id=job_id)
         self.engine.abort(job_id)
         self.metrics.aborted.labels("lease_lost").inc()
-        self.intake.contested.extend(
-            JobRecord(held.job, held.priority, o.tp, o.offset, held.enqueue_time, b"", None) for o in held.offsets)
+        self.intake.add_contested(
+            [JobRecord(held.job, held.priority, o.tp, o.offset, held.enqueue_time, b"", None) for o in held.offsets])
 
     def _on_redis_outage(self, down: bool) -> None:
         self.metrics.redis_outage.set(1 if down else 0)
@@ -334,8 +347,13 @@ class Worker:
             self._hand_back_lost(job_id)
         self.cancels.rewind()
 
-    def _intake_paused(self) -> bool:
+    def intake_paused(self) -> bool:
+        """Draining, stopping or Redis down: intake takes nothing."""
         return self.draining or self._stop_requested.is_set() or self.publisher.in_outage
+
+    async def restore_redis(self) -> None:
+        """Redis lost its data: the publisher re-claims and re-appends (`Publisher.restore`)."""
+        await self.publisher.restore()
 
     async def _loop_lag_monitor(self, interval_s: float = 0.1) -> None:
         """How late the event loop wakes a sleeping task: a starved loop misses Kafka
@@ -359,7 +377,7 @@ class Worker:
         client = self.engine
         if self._crash is not None:
             return False, {"status": "crashed", "error": repr(self._crash)[:300]}
-        if client is None or not hasattr(client, "input"):
+        if client is None or client.input is None:
             return True, {"status": "starting"}
         since = time.monotonic() - client.last_tick
         if not client.alive:
