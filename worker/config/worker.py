@@ -30,6 +30,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         engine_process: run the engine core (model, KV cache, scheduler) in its own
             process, so the worker's I/O never shares a GIL with the step loop (as vLLM
             V1); false steps it in a thread of the worker process.
+        engine_threads: torch intra-op threads of the engine; default (None) sized from
+            the CPUs this process may use (affinity, cgroup quota) less one for the
+            worker's event loop, divided among the engines on the host and followed as
+            they come and go (`worker.engine.threads`).
         log_level: log level of the engine core process.
         high_priority_reserve: local slots that only high-priority jobs may take, so an
             interactive job finds a slot at once while a batch of lower-priority jobs fills
@@ -55,6 +59,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_job_failures: int = 2
     tokenizer_threads: int = 2
     engine_process: bool = True
+    engine_threads: int | None = None
     log_level: str = "INFO"
     high_priority_reserve: int | None = None
     max_local_jobs_per_tenant: int | None = None
@@ -63,7 +68,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         positive("worker", max_local_jobs=self.max_local_jobs, max_job_failures=self.max_job_failures,
-                  tokenizer_threads=self.tokenizer_threads, max_local_jobs_per_tenant=self.max_local_jobs_per_tenant,
+                  tokenizer_threads=self.tokenizer_threads, engine_threads=self.engine_threads,
+                  max_local_jobs_per_tenant=self.max_local_jobs_per_tenant,
                   read_ahead_per_partition=self.read_ahead_per_partition, read_ahead_bytes=self.read_ahead_bytes)
         if self.high_priority_reserve is not None and self.high_priority_reserve < 0:
             raise ConfigError(f"worker.high_priority_reserve must be >= 0, got {self.high_priority_reserve}")

@@ -49,6 +49,7 @@ from worker.engine.core_proc import (
     StepOutputs,
     run_engine_core,
 )
+from worker.engine.threads import ThreadBudget
 
 if TYPE_CHECKING:
     from worker.obs.metrics import Metrics
@@ -89,6 +90,8 @@ class ThreadEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_outputs: OnOutputs | None = None
         self._on_crash: OnCrash | None = None
+        self.budget: ThreadBudget | None = None  # set when this client sized the process's threads
+        self.engine_threads = 0
 
     async def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs, on_crash: OnCrash) -> None:
         self._loop, self._on_outputs, self._on_crash = loop, on_outputs, on_crash
@@ -115,6 +118,8 @@ class ThreadEngineClient:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.budget is not None:
+            self.budget.close()
 
     def _run(self) -> None:
         engine, metrics = self.engine, self._metrics
@@ -136,6 +141,8 @@ class ThreadEngineClient:
                     metrics.observe_step(engine.last_step_stats)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+                if self.budget is not None:
+                    self.budget.recheck()
         except BaseException as e:  # the engine is broken: tell the worker, which stops
             log.exception("engine step failed")
             self._loop.call_soon_threadsafe(self._on_crash, EngineCrashed(f"engine step failed: {e!r}"[:500]))
@@ -153,8 +160,10 @@ class ProcessEngineClient:
     """
 
     def __init__(self, spec: EngineSpec, tuning: ServingTuning, metrics: Metrics | None = None, *,
-                 log_level: str = "INFO", ready_timeout_s: float = 1800.0) -> None:
+                 log_level: str = "INFO", ready_timeout_s: float = 1800.0, engine_threads: int | None = None) -> None:
         self.spec = spec
+        self._engine_threads = engine_threads
+        self.engine_threads = 0  # what the core chose (Ready)
         self.tuning = tuning
         self._metrics = metrics
         self._log_level = log_level
@@ -188,8 +197,8 @@ class ProcessEngineClient:
         ctx = multiprocessing.get_context("spawn")
         to_core_r, self._to_core = ctx.Pipe(duplex=False)
         self._from_core, from_core_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_engine_core, args=(self.spec, to_core_r, from_core_w, self._log_level),
-                                 name="inflight-engine-core", daemon=True)
+        self._proc = ctx.Process(target=run_engine_core, name="inflight-engine-core", daemon=True,
+                                 args=(self.spec, to_core_r, from_core_w, self._log_level, self._engine_threads))
         self._proc.start()
         to_core_r.close()
         from_core_w.close()
@@ -198,6 +207,7 @@ class ProcessEngineClient:
         self.tokenizer = tokenizer
         self.num_blocks = ready.num_blocks
         self.device = ready.device
+        self.engine_threads = ready.engine_threads
         facts = ModelFacts(vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
                            kv_capacity_tokens=ready.num_blocks * ready.block_size,
                            eos_token_ids=frozenset(ready.eos_token_ids), model_id=ready.model_id,
@@ -318,12 +328,19 @@ class ProcessEngineClient:
 
 
 async def make_engine_client(engine: Any, spec: EngineSpec | None, tuning: ServingTuning, metrics: Metrics,
-                             use_process: bool, log_level: str = "INFO") -> ThreadEngineClient | ProcessEngineClient:
-    """The client for a worker: an injected `Engine` steps in a thread; else the spec's
-    engine runs in its own process (`use_process`) or is built here (off the loop) and
-    stepped in a thread."""
+                             use_process: bool, log_level: str = "INFO",
+                             engine_threads: int | None = None) -> ThreadEngineClient | ProcessEngineClient:
+    """The client for a worker: an injected `Engine` steps in a thread (its threads are
+    the caller's business); else the spec's engine runs in its own process (`use_process`)
+    or is built here (off the loop) and stepped in a thread, with its torch threads sized
+    by `threads.ThreadBudget` (`engine_threads` = `worker.engine_threads` overrides)."""
     if engine is not None:
         return ThreadEngineClient(engine, metrics)
     if use_process:
-        return ProcessEngineClient(spec, tuning, metrics, log_level=log_level)
-    return ThreadEngineClient(await asyncio.to_thread(spec.build_engine), metrics)
+        return ProcessEngineClient(spec, tuning, metrics, log_level=log_level, engine_threads=engine_threads)
+    budget = ThreadBudget(own_process=False, setting=engine_threads)
+    budget.start()
+    client = ThreadEngineClient(await asyncio.to_thread(spec.build_engine), metrics)
+    client.budget = budget
+    client.engine_threads = budget.threads
+    return client

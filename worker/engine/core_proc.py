@@ -62,6 +62,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     model_id: str
     device: str
     sliding_window: int | None = None
+    engine_threads: int = 0  # torch intra-op threads the core uses (threads.py)
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):
@@ -113,9 +114,12 @@ class PretrainedEngine:
 
 
 # ---- the core process ---------------------------------------------------------------------
-def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection, log_level: str = "INFO") -> None:
-    """Main of the core process: build the engine, send `Ready`, step until `Shutdown` or
+def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection, log_level: str = "INFO",
+                    engine_threads: int | None = None) -> None:
+    """Main of the core process: size its threads (`threads.ThreadBudget`; `engine_threads`
+    = `worker.engine_threads`), build the engine, send `Ready`, step until `Shutdown` or
     the front-end goes away. A broken invariant is reported as `Failed` and ends it."""
+    from worker.engine.threads import ThreadBudget
     from worker.obs.log import setup_logging
 
     setup_logging(log_level)
@@ -126,13 +130,16 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
     log = logging.getLogger("worker.engine.core_proc")
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(ToCore).decode
+    budget = ThreadBudget(own_process=True, setting=engine_threads)
     try:
+        budget.start()
         engine = spec.build_engine()
         core = engine.core
         loaded = engine.loaded
         conn_out.send_bytes(encode(Ready(loaded.vocab_size, loaded.max_model_len, core.kv.num_blocks,
                                          core.kv.block_size, sorted(loaded.eos_token_ids), loaded.model_id,
-                                         str(core.runner.device), loaded.kv_layout.sliding_window)))
+                                         str(core.runner.device), loaded.kv_layout.sliding_window,
+                                         budget.threads)))
     except (ValueError, FileNotFoundError) as e:  # UnsupportedModel and ConfigError are ValueErrors
         log.error("engine core cannot start: %s", e)
         conn_out.send_bytes(encode(Failed(str(e)[:2000], is_config_error=True)))
@@ -169,10 +176,14 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
                 continue
             outputs = core.step()
             conn_out.send_bytes(encode(StepOutputs(outputs, core.last_step_stats)))
+            budget.recheck()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the front-end went away
     except Exception as e:
         log.exception("engine step failed")
         with contextlib.suppress(OSError):
             conn_out.send_bytes(encode(Failed(f"{type(e).__name__}: {e}"[:2000])))
+        budget.close()
         os._exit(1)
+    finally:
+        budget.close()

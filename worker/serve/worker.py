@@ -141,7 +141,8 @@ class Worker:
                                    on_restore=self._on_restored, on_backlog=self.metrics.publish_backlog.set)
         loop = asyncio.get_running_loop()
         self.engine = await make_engine_client(self._engine, self._engine_spec, cfg.serving_tuning, self.metrics,
-                                               cfg.worker.engine_process, log_level=cfg.worker.log_level)
+                                               cfg.worker.engine_process, log_level=cfg.worker.log_level,
+                                               engine_threads=cfg.worker.engine_threads)
         await self.engine.start(loop, self._on_step, self._on_crash)
         kc = cfg.kafka
         self.producer = AIOKafkaProducer(bootstrap_servers=kc.bootstrap_servers, client_id=f"{self.worker_id}-out",
@@ -177,7 +178,8 @@ class Worker:
         ]
         self.started.set()
         log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
-                 kv_blocks=self.engine.num_blocks, engine_process=isinstance(self.engine, ProcessEngineClient))
+                 kv_blocks=self.engine.num_blocks, engine_process=isinstance(self.engine, ProcessEngineClient),
+                 engine_threads=self.engine.engine_threads)
 
     def request_stop(self) -> None:
         self._stop_requested.set()

@@ -79,6 +79,7 @@ class BatchDriver:
         self._consumer: AIOKafkaConsumer | None = None
         self._lost = False
         self._last_publish = 0.0
+        self._prefix = f"{manifest.batch.id}-".encode()  # results keys of this batch's jobs
 
     @property
     def batch_id(self) -> str:
@@ -201,7 +202,6 @@ class BatchDriver:
         begins = await consumer.beginning_offsets(tps)
         for tp in tps:
             consumer.seek(tp, max(start.get(tp.partition, 0), begins[tp]))
-        self._prefix = f"{self.batch_id}-".encode()
 
     async def _collect(self, catch_up: bool = False, timeout_ms: int = 500) -> None:
         """Read outcomes: one poll waiting up to `timeout_ms`, or with `catch_up` up to
