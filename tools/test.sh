@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Run the whole test suite (what CI runs): creates .venv on a fresh clone, starts the
-# dev stack (Redis + Kafka on 127.0.0.1, see tools/devstack.sh) and the secured one beside
-# it (`up --secure`: its own ports and state; about 15 s from nothing) for the integration
+# Run the whole test suite (what CI runs): creates .venv on a fresh clone, builds the
+# docs (`mkdocs build --strict` into .cache/docs-site: a broken link, a missing page or an
+# unrenderable docstring fails here, before any service starts), starts the dev stack
+# (Redis + Kafka on 127.0.0.1, see tools/devstack.sh) and the secured one beside it
+# (`up --secure`: its own ports and state; about 15 s from nothing) for the integration
 # tests, installs promtool (Debian's prometheus package) for the alert-rule tests when
 # missing and running as root, runs pytest. Extra arguments go to pytest. The stacks keep
 # running afterwards; stop them with tools/devstack.sh down (and down --secure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_venv.sh
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir .cache/docs-site
 tools/devstack.sh up
 tools/devstack.sh up --secure   # TLS / SASL / ACL Kafka and Redis beside it (tests/integration/test_security.py)
 if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

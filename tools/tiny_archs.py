@@ -1,6 +1,6 @@
 """Tiny random-init checkpoints of many transformers decoder architectures, for the
 model-coverage tests and `python -m tools.tiny_archs` (a table: exact / refused / wrong
-for every family, the README's model table).
+for every family, the model table of docs/models.md).
 
 `FAMILIES` are the 30 families the model-coverage issue names, each with the config
 overrides that make it small *and* keep the feature it is there for (alternating
@@ -75,7 +75,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "Jamba": ("jamba", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                             mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2, use_mamba_kernels=False)),
 }
-# Refused on purpose (README: model table): per-request recurrent state beside the paged KV.
+# Refused on purpose (docs/models.md: the model table): per-request recurrent state beside the paged KV.
 REFUSED = {"Qwen3-Next": "linear_attention layers", "Jamba": "Mamba"}
 
 

@@ -136,3 +136,44 @@ def test_no_private_names_imported_across_modules():
                     bad += [f"{p.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
                             if a.name.startswith("_") and not a.name.startswith("__")]
     assert not bad, bad
+
+
+def attributes_set_outside_init(source: str) -> list[str]:
+    """`Class.method sets self.x` for every attribute a method other than `__init__`
+    assigns first (property setters aside): such an attribute does not exist until that
+    method ran, and readers end up guarding it with `hasattr`."""
+    bad = []
+    for cls in (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)):
+        methods = {f.name: f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        if "__init__" not in methods:
+            continue
+
+        def assigned(fn) -> set[str]:
+            out = set()
+            for n in ast.walk(fn):
+                targets = n.targets if isinstance(n, ast.Assign) else (
+                    [n.target] if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else [])
+                for t in targets:
+                    out.update(e.attr for e in ast.walk(t) if isinstance(e, ast.Attribute)
+                               and isinstance(e.value, ast.Name) and e.value.id == "self"
+                               and isinstance(e.ctx, ast.Store))
+            return out
+
+        init = assigned(methods["__init__"])
+        setters = {name for name, f in methods.items()
+                   if any(isinstance(d, ast.Attribute) and d.attr == "setter" for d in f.decorator_list)}
+        for name, fn in methods.items():
+            if name != "__init__":
+                bad += [f"{cls.name}.{name} sets self.{a}" for a in sorted(assigned(fn) - init - setters)]
+    return bad
+
+
+def test_every_attribute_exists_from_init():
+    bad = [f"{p.relative_to(ROOT)}: {b}" for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+           for b in attributes_set_outside_init(p.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_attribute_check_catches_a_late_attribute():
+    src = "class A:\n    def __init__(self):\n        self.a = 1\n    async def start(self):\n        self.b = 2\n"
+    assert attributes_set_outside_init(src) == ["A.start sets self.b"]

@@ -51,7 +51,7 @@ class TlsSettings(msgspec.Struct, kw_only=True):
 class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     """Kafka connection and consumer-group settings.
 
-    Security (see the README's "Security"): `security_protocol` PLAINTEXT | SSL |
+    Security (docs/security.md): `security_protocol` PLAINTEXT | SSL |
     SASL_PLAINTEXT | SASL_SSL. SASL needs `sasl_mechanism` (PLAIN, SCRAM-SHA-256,
     SCRAM-SHA-512), `sasl_username` and a password; TLS verifies the broker against
     `ssl_cafile` (the system's CAs when unset) and presents a client certificate when

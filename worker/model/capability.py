@@ -154,7 +154,7 @@ def check_modules(model: torch.nn.Module, model_type: str) -> None:
 
 
 _RECURRENT_WHY = ("they carry per-request recurrent state, which the engine does not keep beside the paged KV "
-                 "cache (see the README's model table)")
+                 "cache (docs/models.md lists the families refused for it)")
 
 
 def _why(kind: str) -> str:
