@@ -2,9 +2,10 @@
 when the device is fast, i.e. whether the I/O path (Kafka intake, claims, host work
 around the step, event encoding, Redis, offsets, metrics, logs) limits a GPU.
 
-The engine is the model-less `null_engine` whose runner sleeps a fixed time per step to
-stand in for the device (a sleep releases the GIL, as waiting on a CUDA sync does). For
-each row (emulated device time per step x output length, 256 running requests):
+The engine is the model-less `null_engine` over an emulated asynchronous device
+(`null_engine(device_ms=D)`: a launched step is ready D ms later, a second launch queues
+behind the first, waiting sleeps and releases the GIL as a CUDA sync does). For each row
+(emulated device time per step x output length, 256 running requests):
 
   1. engine alone: the same jobs through `Engine.step()` in this process, all added at
      t=0 (tokens/s, jobs/s, host time per step = wall time / steps - device time, of
@@ -56,20 +57,12 @@ def tuning_dict(running: int, output_len: int) -> dict:
 
 
 def sleeping_engine(device_ms: float, tuning: dict):
-    """A null engine (no model) whose runner sleeps `device_ms` per step."""
+    """A null engine (no model) over an emulated device of `device_ms` per step."""
     from worker.config import EngineConfig, ServingTuning
-    from worker.model.null_runner import NullRunner, null_engine
+    from worker.model.null_runner import null_engine
 
-    class SleepRunner(NullRunner):
-        def execute(self, sched):
-            if device_ms > 0:
-                time.sleep(device_ms / 1000)
-            return super().execute(sched)
-
-    eng = null_engine(EngineConfig(serving_tuning=ServingTuning(**tuning)), vocab_size=32000,
-                      max_model_len=PROMPT_LEN + tuning["max_output_tokens"] + 16)
-    eng.runner = SleepRunner(32000, avoid=frozenset({0}))
-    return eng
+    return null_engine(EngineConfig(serving_tuning=ServingTuning(**tuning)), vocab_size=32000,
+                       max_model_len=PROMPT_LEN + tuning["max_output_tokens"] + 16, device_ms=device_ms)
 
 
 @dataclass(frozen=True)
@@ -112,7 +105,8 @@ def engine_alone(device_ms: float, output_len: int, num_jobs: int, running: int)
     dt = time.perf_counter() - t0
     return {"seconds": dt, "tokens": tokens, "jobs": jobs, "steps": steps, "tokens_per_s": tokens / dt,
             "jobs_per_s": jobs / dt, "host_ms_per_step": max(0.0, dt / steps * 1e3 - device_ms),
-            "core_host_ms_per_step": core_host_s / steps * 1e3}
+            "core_host_ms_per_step": core_host_s / steps * 1e3,
+            "device_busy_ratio": eng.last_step_stats.device_busy_s / dt if device_ms > 0 else None}
 
 
 # ---- the worker process -----------------------------------------------------------------
@@ -340,13 +334,14 @@ async def run_grid(a) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'dev ms':>6}{'out':>5}{'jobs':>6}{'alone tok/s':>13}{'worker tok/s':>14}{'ratio':>7}"
           f"{'alone job/s':>13}{'worker job/s':>14}{'job ratio':>10}{'host ms/step':>14}{'core ms/step':>14}"
-          f"{'cpu s/1k tok':>14}{'cpu s/1k job':>14}")
+          f"{'cpu s/1k tok':>14}{'cpu s/1k job':>14}{'dev busy':>9}")
     for r in rows:
         e, w = r["engine_alone"], r["worker"]
         print(f"{r['device_ms']:>6g}{r['output_len']:>5}{r['num_jobs']:>6}{e['tokens_per_s']:>13.0f}"
               f"{w['tokens_per_s']:>14.0f}{r['ratio_tokens']:>7.2f}{e['jobs_per_s']:>13.0f}{w['jobs_per_s']:>14.0f}"
               f"{r['ratio_jobs']:>10.2f}{e['host_ms_per_step']:>14.3f}{e['core_host_ms_per_step']:>14.3f}"
-              f"{w['cpu_s_per_1k_tokens']:>14.4f}{w['cpu_s_per_1k_jobs']:>14.3f}")
+              f"{w['cpu_s_per_1k_tokens']:>14.4f}{w['cpu_s_per_1k_jobs']:>14.3f}"
+              f"{e['device_busy_ratio'] or 0:>9.2f}")
 
 
 def plot(rows: list[dict], png: Path) -> None:

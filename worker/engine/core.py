@@ -94,6 +94,8 @@ class EngineCore:
         self._budget_cap: int | None = None  # lowered token budget after an OOM
         self._steps_since_oom = 0
         self.last_step_stats: StepStats | None = None
+        self._forward_total_s = 0.0  # device time of runners that do not measure it themselves
+        self._runner_busy = getattr(runner, "device_busy_s", None)
 
     # ---- requests in (any thread) ----------------------------------------------------
     def add(self, req: EngineCoreRequest) -> None:
@@ -171,6 +173,7 @@ class EngineCore:
                     self._after_forward(ok, runner_out, outputs)
                     num_decode = ok.num_decodes
                     num_prefill = ok.num_scheduled_tokens - num_decode
+        self._forward_total_s += forward_s
         self.last_step_stats = StepStats(
             step=sched_.step_count,
             time=time.time(),
@@ -186,6 +189,7 @@ class EngineCore:
             num_internal_errors=failed.num_internal_errors,
             num_failed_forwards=failed.num_failed_forwards,
             forward_s=forward_s,
+            device_busy_s=self._runner_busy() if self._runner_busy is not None else self._forward_total_s,
         )
         return outputs
 

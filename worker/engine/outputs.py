@@ -98,6 +98,12 @@ class Runner(Protocol):
         samples one. May raise (out of memory, a kernel failure): see `EngineCore.step`."""
         ...
 
+    def device_busy_s(self) -> float:
+        """Seconds the device has spent on this runner's steps so far (monotonic): CUDA
+        events on a GPU, the forward's wall time on the CPU, the queue of an emulated
+        device. Optional: the core uses its own forward time when a runner lacks it."""
+        ...
+
 
 # ---- across the engine core's boundary ------------------------------------------------------
 class EngineCoreRequest(msgspec.Struct, array_like=True):
@@ -177,6 +183,7 @@ class StepStats(msgspec.Struct, frozen=True):
     num_internal_errors: int = 0  # requests ended with finish_reason error, code internal
     num_failed_forwards: int = 0
     forward_s: float = 0.0
+    device_busy_s: float = 0.0  # the runner's cumulative device busy time after this step (seconds)
 
 
 # ---- after output processing ------------------------------------------------------------------

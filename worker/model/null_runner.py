@@ -7,6 +7,8 @@ KV cache manager, detokenizer, engine outputs) runs exactly as in production.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -23,6 +25,41 @@ def default_next_token(s: ScheduledRequest, vocab_size: int, avoid: frozenset[in
     return h
 
 
+class EmulatedDevice:
+    """An asynchronous device that takes `step_s` seconds per step, as a GPU stream does:
+    `launch` returns at once with the time the step's result will be ready; a step
+    launched while another runs starts when that one ends (one queue); `wait` blocks
+    until a result is ready, sleeping (which releases the GIL, as a CUDA sync does).
+    `busy_s()` is the device time spent so far (a step still running counts up to now).
+    Thread-safe."""
+
+    def __init__(self, step_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.step_s = step_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._busy_until = 0.0
+        self._busy_s = 0.0  # every launched step's full time
+        self.num_steps = 0
+
+    def launch(self) -> float:
+        """Queue one step; returns when its result is ready (clock seconds)."""
+        with self._lock:
+            start = max(self._clock(), self._busy_until)
+            self._busy_until = start + self.step_s
+            self._busy_s += self.step_s
+            self.num_steps += 1
+            return self._busy_until
+
+    def wait(self, ready: float) -> None:
+        delay = ready - self._clock()
+        if delay > 0:
+            time.sleep(delay)
+
+    def busy_s(self) -> float:
+        with self._lock:
+            return self._busy_s - max(0.0, self._busy_until - self._clock())
+
+
 class NullRunner:
     """Drop-in for ModelRunner without a model.
 
@@ -30,6 +67,8 @@ class NullRunner:
         vocab_size: token ids are drawn from `[0, vocab_size)`.
         next_token: optional `f(scheduled_request) -> token_id`; default: a hash of its tokens so far.
         avoid: token ids the default never produces (e.g. EOS, so lengths are exact).
+        device_ms: emulated device time per step, milliseconds (`EmulatedDevice`); 0 =
+            no device time (the step is pure host work).
     """
 
     def __init__(
@@ -37,14 +76,25 @@ class NullRunner:
         vocab_size: int,
         next_token: Callable[[ScheduledRequest], int] | None = None,
         avoid: frozenset[int] = frozenset(),
+        device_ms: float = 0.0,
     ) -> None:
         self.device = torch.device("cpu")
         self.vocab_size = vocab_size
         self._next = next_token or (lambda s: default_next_token(s, vocab_size, avoid))
+        self.emulated = EmulatedDevice(device_ms / 1000) if device_ms > 0 else None
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return ModelRunnerOutput(
+        """Launch the step on the emulated device (if any), compute its tokens, wait for it."""
+        ready = self.emulated.launch() if self.emulated is not None else None
+        out = ModelRunnerOutput(
             sampled_token_ids={s.request_id: self._next(s) for s in sched.scheduled if s.samples_token})
+        if ready is not None:
+            self.emulated.wait(ready)
+        return out
+
+    def device_busy_s(self) -> float:
+        """Seconds the (emulated) device has been busy; 0 without one."""
+        return self.emulated.busy_s() if self.emulated is not None else 0.0
 
 
 class LetterTokenizer:
@@ -67,9 +117,11 @@ def null_engine(
     max_model_len: int = 4096,
     tokenizer=None,
     next_token: Callable[[ScheduledRequest], int] | None = None,
+    device_ms: float = 0.0,
 ):
     """An Engine over a NullRunner (no model, no torch compute): same scheduler, KV
-    manager, detokenizer and outputs as a real engine."""
+    manager, detokenizer and outputs as a real engine. `device_ms`: emulated device time
+    per step (`EmulatedDevice`), for benchmarks of the host work around the device."""
     from worker.config import EngineConfig
     from worker.engine.engine import CPU_DEFAULT_KV_TOKENS, Engine
     from worker.model.capability import KVLayout
@@ -88,6 +140,6 @@ def null_engine(
         dtype=torch.float32,
         model_id="null",
     )
-    runner = NullRunner(vocab_size, next_token, avoid=frozenset(eos_token_ids))
+    runner = NullRunner(vocab_size, next_token, avoid=frozenset(eos_token_ids), device_ms=device_ms)
     num_blocks = (tuning.max_total_tokens or CPU_DEFAULT_KV_TOKENS) // tuning.kv_block_size
     return Engine(loaded, runner, config, num_blocks)

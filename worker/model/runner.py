@@ -6,6 +6,7 @@ the engine thread only.
 
 from __future__ import annotations
 
+import time
 from types import ModuleType
 
 import torch
@@ -46,6 +47,8 @@ class ModelRunner:
             None if layer is None else self.allocate_layer(layer, num_blocks, block_size, device, dtype)
             for layer in kv_layout.layers
         ]
+        self._busy_s = 0.0  # device time of the steps measured so far
+        self._pending_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: the last step's
 
     @staticmethod
     def allocate_layer(layer: LayerKV, num_blocks: int, block_size: int, device: torch.device,
@@ -142,8 +145,37 @@ class ModelRunner:
         return input_ids, position_ids, md, sample_idx, packed
 
     @torch.inference_mode()
+    def device_busy_s(self) -> float:
+        """Seconds the device spent on this runner's steps (forward + sampling): CUDA
+        events recorded around each step on a GPU (read once the step's tokens reached
+        the host, so reading costs no sync); the steps' wall time on the CPU, where the
+        cores are the device."""
+        if self._pending_events is not None:
+            start, end = self._pending_events
+            if end.query():
+                self._busy_s += start.elapsed_time(end) / 1000.0
+                self._pending_events = None
+        return self._busy_s
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """One forward over the packed batch, then sampling for requests whose chunk ends their known tokens."""
+        """One forward over the packed batch, then sampling for requests whose chunk ends
+        their known tokens (device time accounted for `device_busy_s`)."""
+        if self.device.type == "cuda":
+            self.device_busy_s()  # fold the previous step in before its events are replaced
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return self._execute(sched)
+            finally:
+                end.record()
+                self._pending_events = (start, end)
+        t0 = time.perf_counter()
+        try:
+            return self._execute(sched)
+        finally:
+            self._busy_s += time.perf_counter() - t0
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
         # A step of only partial prefill chunks still computes one (discarded) logit row.
         keep = torch.tensor(sample_idx or [0], device=self.device)

@@ -160,6 +160,9 @@ class Metrics:
                                  registry=r)
         self.decode_tps = Gauge("decode_tokens_per_second", "Decode tokens computed per second (recent window)",
                                 registry=r)
+        self.device_busy = Gauge("engine_device_busy_ratio", "Fraction of wall time the engine's device was busy "
+                                 "over the recent window (0..1; CUDA events, the CPU forward, or an emulated "
+                                 "device's queue): what overlap of host work and forward leaves idle", registry=r)
         self.preemptions = Counter("preemptions", "Requests preempted by recompute (KV blocks ran out)", registry=r)
         self.oom = Counter("request_oom", "Requests in a step that ran out of memory, by outcome (retried, failed)",
                            ("outcome",), registry=r)
@@ -208,6 +211,7 @@ class Metrics:
 
         self._window_s = throughput_window_s
         self._tok_window: deque[tuple[int, int, int]] = deque()  # (second, prefill, decode)
+        self._busy_window: deque[tuple[float, float]] = deque()  # (monotonic s, cumulative device busy s)
 
     # ---- per tenant (asyncio loop) ----------------------------------------------------------
     def observe_tenant_tokens(self, tenant: str | None, kind: str, tokens: int) -> None:
@@ -247,6 +251,7 @@ class Metrics:
         self.step_duration.observe(s.duration_s)
         self.step_host.observe(max(0.0, s.duration_s - s.forward_s))
         self._add_tokens(s.time, s.num_prefill_tokens, s.num_decode_tokens)
+        self._add_busy(time.monotonic(), s.device_busy_s)
 
     def observe_idle(self, kv: KVStats, running: int, waiting: int, now: float | None = None) -> None:
         """Refresh gauges while the engine has nothing to do (engine thread)."""
@@ -254,6 +259,19 @@ class Metrics:
         self.waiting.set(waiting)
         self._set_kv(kv)
         self._add_tokens(time.time() if now is None else now, 0, 0)
+        if self._busy_window:  # idle: the device's busy time stands still
+            self._add_busy(time.monotonic(), self._busy_window[-1][1])
+
+    def _add_busy(self, now: float, busy_s: float) -> None:
+        """engine_device_busy_ratio = device busy seconds / wall seconds over the last
+        `throughput_window_s` (`busy_s` is the runner's cumulative busy time)."""
+        w = self._busy_window
+        w.append((now, busy_s))
+        while len(w) > 2 and now - w[1][0] >= self._window_s:
+            w.popleft()
+        t0, b0 = w[0]
+        if now > t0:
+            self.device_busy.set(min(1.0, max(0.0, (busy_s - b0) / (now - t0))))
 
     def _set_kv(self, kv: KVStats) -> None:
         self.kv_usage.set(kv.usage_ratio)
