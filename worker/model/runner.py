@@ -144,7 +144,6 @@ class ModelRunner:
         position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
         return input_ids, position_ids, md, sample_idx, packed
 
-    @torch.inference_mode()
     def device_busy_s(self) -> float:
         """Seconds the device spent on this runner's steps (forward + sampling): CUDA
         events recorded around each step on a GPU (read once the step's tokens reached
@@ -175,6 +174,7 @@ class ModelRunner:
         finally:
             self._busy_s += time.perf_counter() - t0
 
+    @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
         # A step of only partial prefill chunks still computes one (discarded) logit row.
