@@ -187,7 +187,7 @@ async def run_rate(a, client, worker: WorkerProcess, rate: float, work, arrivals
     from schemas.wire import Finished, Token
 
     timeline: list[list[float]] = []
-    before = await worker.obs.metrics()
+    before = await worker.metrics()
     records: list[dict] = []
     done = asyncio.Event()
     t0 = time.time()
@@ -195,7 +195,7 @@ async def run_rate(a, client, worker: WorkerProcess, rate: float, work, arrivals
     async def sample() -> None:
         while not done.is_set():
             try:
-                m = await worker.obs.metrics()
+                m = await worker.metrics()
                 timeline.append([round(time.time() - t0, 3), m.get("kv_cache_usage_ratio", 0.0),
                                  m.get("running_requests", 0.0), m.get("waiting_requests", 0.0)])
             except OSError:
@@ -236,7 +236,7 @@ async def run_rate(a, client, worker: WorkerProcess, rate: float, work, arrivals
     done.set()
     await sampler
     await asyncio.sleep(1.5)  # let the worker's counters catch up with the last terminal events
-    after = await worker.obs.metrics()
+    after = await worker.metrics()
     return summarize_rate(rate, records, timeline, before, after)
 
 
@@ -462,7 +462,7 @@ async def flood_phase(a, client, worker: WorkerProcess, tag: str, light, arrival
                                                                    ignore_eos=True))
                                for i, r in enumerate(flood)))
     t0 = time.time()
-    m0 = await worker.obs.metrics()
+    m0 = await worker.metrics()
 
     async def one(i: int, r, at: float) -> None:
         await asyncio.sleep(max(0.0, t0 + at - time.time()))
@@ -478,7 +478,7 @@ async def flood_phase(a, client, worker: WorkerProcess, tag: str, light, arrival
                 rec["tokens"] += len(ev.token_ids)
 
     await asyncio.gather(*(one(i, r, at) for i, (r, at) in enumerate(zip(light, arrivals))))
-    m1 = await worker.obs.metrics()
+    m1 = await worker.metrics()
     steps = m1.get("engine_step_duration_seconds_count", 0.0) - m0.get("engine_step_duration_seconds_count", 0.0)
     step_s = (m1.get("engine_step_duration_seconds_sum", 0.0) - m0.get("engine_step_duration_seconds_sum", 0.0)) / max(
         steps, 1.0)

@@ -54,13 +54,13 @@ async def run(a: argparse.Namespace) -> int:
     engine = Engine.from_pretrained(cfg.model.path, cfg.engine)
     worker = Worker(cfg, engine=engine)
     task = asyncio.create_task(worker.run(install_signals=False))
-    while not (worker.started.is_set() and worker.serve.intake.consumer.assignment()):
+    while not (worker.started.is_set() and worker.intake.consumer.assignment()):
         if task.done():
             return task.result() or 1
         await asyncio.sleep(0.1)
     print(f"worker {worker.worker_id} is up: {engine.kv_stats().total_blocks} KV blocks of "
           f"{engine.kv_stats().block_size} tokens, at most 4 requests running; "
-          f"metrics on http://127.0.0.1:{worker.serve.health.port}/metrics\n")
+          f"metrics on http://127.0.0.1:{worker.server.port}/metrics\n")
 
     tag = uuid.uuid4().hex[:4]
     async with InflightClient(a.kafka, a.redis) as client:
@@ -104,7 +104,7 @@ async def run(a: argparse.Namespace) -> int:
         for (prio, prompt), j in zip(PROMPTS, ids):
             print(f"  [{prio:>6}] {prompt}{texts.get(j, '')!r}")
     await asyncio.sleep(0.6)  # let the engine thread's idle refresh reach the gauges
-    print(f"\nfrom the worker's /metrics (port {worker.serve.health.port}):")
+    print(f"\nfrom the worker's /metrics (port {worker.server.port}):")
     print(metrics_summary(worker))
     worker.request_stop()
     await task
@@ -116,7 +116,7 @@ async def run(a: argparse.Namespace) -> int:
 
 def metrics_summary(worker) -> str:
     """A few of the worker's Prometheus series, read from its registry (what /metrics serves)."""
-    reg = worker.obs.metrics.registry
+    reg = worker.metrics.registry
 
     def v(name, **labels):
         return reg.get_sample_value(name, labels) or 0.0

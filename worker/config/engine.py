@@ -74,6 +74,10 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             and of one output token, in the counters (VTC's w_p = 1, w_q = 2).
         tenants: per-tenant weight and quotas, by the job's `tenant`; tenants not
             listed get `default_tenant`. Jobs without a tenant are the tenant `""`.
+        async_scheduling: launch step N+1 on the device (its forward on a thread of its
+            own) before step N's outputs are built and handed on, so output work
+            (outputs, detokenization, the engine process's pipe) overlaps the forward
+            (`EngineCore` docstring; vLLM's async scheduling). Same tokens either way.
     """
 
     max_running_requests: int = 64
@@ -95,6 +99,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fair_decode_weight: float = 2.0
     tenants: dict[str, TenantPolicy] = msgspec.field(default_factory=dict)
     default_tenant: TenantPolicy = msgspec.field(default_factory=TenantPolicy)
+    async_scheduling: bool = False
 
     def tenant_policy(self, tenant: str) -> TenantPolicy:
         """The weight and quotas of `tenant` (`default_tenant` if it is not listed)."""

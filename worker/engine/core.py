@@ -6,8 +6,28 @@ caller's process does everything else.
 
 Threading: `add` and `abort` may be called from any thread (thread-safe deques, applied
 at the next step boundary); `step` and `finish` run on one thread, the only code that
-touches the scheduler, the KV cache and the model. An aborted request's KV blocks are
-free when the `step` that applied the abort returns.
+touches the scheduler and the KV cache. An aborted request's KV blocks are free when the
+`step` that applied the abort returns.
+
+Asynchronous steps (`serving_tuning.async_scheduling`, after vLLM's async scheduling and
+SGLang's overlap scheduler). Sequentially one `step` is: apply queued work, schedule,
+forward, update, outputs, and the device idles through everything but the forward. With
+asynchronous steps the forward runs on the runner's own thread (`runner.launch`) and one
+`step` call is:
+
+    wait for step N's forward -> apply finishes and aborts -> update from N's tokens ->
+    apply adds, deadlines -> schedule N+1 -> launch N+1 -> build N's outputs, return them
+
+so everything after the launch (building outputs here; detokenization in `Engine.step`;
+encoding and the pipe in the engine process) runs while the device computes N+1. Step
+N+1 is scheduled from N's real tokens, so the schedule, the tokens and the preemptions
+are those of the sequential core: nothing is computed speculatively. What changes:
+`finish` (stop strings) and `abort` take effect at the next boundary, after the forward
+in flight, whose token for that request is then dropped (never emitted, not counted);
+so an aborted request's KV blocks are free at the end of the step in flight when the
+abort arrives, the same bound as sequentially (the next step boundary); and a request
+added between two `step` calls starts one step later (the step after next is the one
+being scheduled).
 """
 
 from __future__ import annotations
@@ -18,6 +38,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +72,26 @@ def job_fields(job_ids: list[str], limit: int = 20) -> dict:
     """`extra` of a log line about several requests: their ids (the first `limit`) and
     how many (rendered as `job_ids` / `num_jobs` fields by `worker.obs.log`)."""
     return {"job_ids": list(job_ids[:limit]), "num_jobs": len(job_ids)}
+
+
+class _Ran:
+    """The result of a forward run at launch, for runners without `launch`: the same
+    interface as a future (`result()` returns or raises what `execute` did)."""
+
+    __slots__ = ("_out", "_exc")
+
+    def __init__(self, runner: Runner, sched: SchedulerOutput) -> None:
+        self._out: ModelRunnerOutput | None = None
+        self._exc: Exception | None = None
+        try:
+            self._out = runner.execute(sched)
+        except Exception as e:
+            self._exc = e
+
+    def result(self) -> ModelRunnerOutput:
+        if self._exc is not None:
+            raise self._exc
+        return self._out
 
 
 @dataclass(slots=True)
@@ -96,6 +137,9 @@ class EngineCore:
         self.last_step_stats: StepStats | None = None
         self._forward_total_s = 0.0  # device time of runners that do not measure it themselves
         self._runner_busy = getattr(runner, "device_busy_s", None)
+        self.async_scheduling = tuning.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None  # launched, not collected (async)
+        self._finishes: deque[tuple[str, RequestStatus]] = deque()  # arrived while a step was in flight
 
     # ---- requests in (any thread) ----------------------------------------------------
     def add(self, req: EngineCoreRequest) -> None:
@@ -109,16 +153,22 @@ class EngineCore:
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
         """End a request that output processing ended (stop string, output error): its
-        blocks are freed now and no output follows (the caller made the final one).
-        Call from the stepping thread, between steps. Unknown or finished ids are ignored."""
-        self.scheduler.finish(request_id, status)
+        blocks are freed now (with a step in flight: at the next boundary, and that
+        step's token for it is dropped) and no output follows (the caller made the final
+        one). Call from the stepping thread, between steps. Unknown or finished ids are
+        ignored."""
+        if self._in_flight is not None:
+            self._finishes.append((request_id, status))
+        else:
+            self.scheduler.finish(request_id, status)
 
     @property
     def num_queued(self) -> int:
         return len(self._new)
 
     def has_unfinished(self) -> bool:
-        return bool(self._new) or bool(self._aborts) or self.scheduler.has_unfinished()
+        return (bool(self._new) or bool(self._aborts) or self.scheduler.has_unfinished()
+                or self._in_flight is not None)
 
     def kv_stats(self) -> KVStats:
         """Block counts of the KV cache (a snapshot)."""
@@ -149,31 +199,16 @@ class EngineCore:
         """
         t0 = time.perf_counter()
         outputs: list[EngineCoreOutput] = []
-        sched_ = self.scheduler
-        while self._new:
-            sched_.add(self._make_request(self._new.popleft()))
-        if self._deadlines and self._deadlines[0][0] < time.time():
-            self._expire_waiting(outputs)
-        while self._aborts:
-            req = sched_.finish(self._aborts.popleft(), RequestStatus.FINISHED_ABORTED)
-            if req is not None:
-                outputs.append(self._final_output(req, []))
         failed = _Failures()
-        num_decode = num_prefill = 0  # tokens computed by forwards that succeeded
-        forward_s = 0.0
-        preempted_before = sched_.num_preemptions_total
-        if sched_.has_unfinished():
-            sched = sched_.schedule(self._budget_cap)
-            if sched.num_scheduled_tokens > 0:
-                f0 = time.perf_counter()
-                done = self._forward(sched, outputs, failed)
-                forward_s = time.perf_counter() - f0
-                if done is not None:
-                    ok, runner_out = done
-                    self._after_forward(ok, runner_out, outputs)
-                    num_decode = ok.num_decodes
-                    num_prefill = ok.num_scheduled_tokens - num_decode
+        preempted_before = self.scheduler.num_preemptions_total
+        if self.async_scheduling:
+            done, forward_s = self._step_async(outputs, failed)
+        else:
+            done, forward_s = self._step_sync(outputs, failed)
+        num_decode = done.num_decodes if done is not None else 0  # tokens of forwards that succeeded
+        num_prefill = done.num_scheduled_tokens - num_decode if done is not None else 0
         self._forward_total_s += forward_s
+        sched_ = self.scheduler
         self.last_step_stats = StepStats(
             step=sched_.step_count,
             time=time.time(),
@@ -192,6 +227,80 @@ class EngineCore:
             device_busy_s=self._runner_busy() if self._runner_busy is not None else self._forward_total_s,
         )
         return outputs
+
+    def _step_sync(self, outputs: list[EngineCoreOutput], failed: _Failures) -> tuple[SchedulerOutput | None, float]:
+        """apply queued work -> schedule -> forward -> update. Returns the part of the
+        batch whose forward succeeded (None if none ran) and the forward's seconds."""
+        self._apply_queued(outputs)
+        sched_ = self.scheduler
+        if not sched_.has_unfinished():
+            return None, 0.0
+        sched = sched_.schedule(self._budget_cap)
+        if sched.num_scheduled_tokens == 0:
+            return None, 0.0
+        f0 = time.perf_counter()
+        done = self._forward(sched, outputs, failed)
+        forward_s = time.perf_counter() - f0
+        if done is None:
+            return None, forward_s
+        ok, runner_out = done
+        self._after_forward(ok, runner_out, outputs)
+        return ok, forward_s
+
+    def _step_async(self, outputs: list[EngineCoreOutput], failed: _Failures) -> tuple[SchedulerOutput | None, float]:
+        """wait for the step in flight (launching one first if none is) -> finishes and
+        aborts -> update -> adds -> schedule and launch the next (module docstring).
+        Returns what `_step_sync` returns; the seconds are those spent waiting."""
+        if self._in_flight is None:
+            self._apply_queued(outputs)
+            self._in_flight = self._launch_next()
+            if self._in_flight is None:
+                return None, 0.0
+        sched, handle = self._in_flight
+        f0 = time.perf_counter()
+        try:
+            done = sched, handle.result()
+        except Exception as e:  # the forward failed: the sequential rules, run here
+            done = self._recover(sched, e, outputs, failed)
+        forward_s = time.perf_counter() - f0
+        self._in_flight = None
+        while self._finishes:
+            self.scheduler.finish(*self._finishes.popleft())
+        self._apply_aborts(outputs)  # before the update: an aborted request's last token is dropped
+        if done is not None:
+            self._after_forward(done[0], done[1], outputs)
+        self._apply_queued(outputs)
+        self._in_flight = self._launch_next()
+        return (done[0] if done is not None else None), forward_s
+
+    def _launch_next(self) -> tuple[SchedulerOutput, Any] | None:
+        """Schedule the next step and start its forward without waiting (`runner.launch`,
+        or a forward run here for a runner without one). None if nothing is scheduled."""
+        sched_ = self.scheduler
+        if not sched_.has_unfinished():
+            return None
+        sched = sched_.schedule(self._budget_cap)
+        if sched.num_scheduled_tokens == 0:
+            return None
+        launch = getattr(self.runner, "launch", None)
+        if launch is not None:
+            return sched, launch(sched)
+        return sched, _Ran(self.runner, sched)
+
+    def _apply_queued(self, outputs: list[EngineCoreOutput]) -> None:
+        """New requests, expired deadlines, aborts (in that order)."""
+        sched_ = self.scheduler
+        while self._new:
+            sched_.add(self._make_request(self._new.popleft()))
+        if self._deadlines and self._deadlines[0][0] < time.time():
+            self._expire_waiting(outputs)
+        self._apply_aborts(outputs)
+
+    def _apply_aborts(self, outputs: list[EngineCoreOutput]) -> None:
+        while self._aborts:
+            req = self.scheduler.finish(self._aborts.popleft(), RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                outputs.append(self._final_output(req, []))
 
     def _make_request(self, r: EngineCoreRequest) -> Request:
         generator = None
@@ -212,18 +321,24 @@ class EngineCore:
         the batch whose forward succeeded and its runner output, or None if none did."""
         try:
             return sched, self.runner.execute(sched)
-        except OutOfMemoryError as e:
-            failed.num_failed_forwards += 1
+        except Exception as e:
+            return self._recover(sched, e, outputs, failed)
+
+    def _recover(
+        self, sched: SchedulerOutput, e: Exception, outputs: list[EngineCoreOutput], failed: _Failures
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
+        """The forward of `sched` raised `e`: out of memory -> back off (`_handle_oom`);
+        else each request runs once more alone, here. Returns what `_forward` returns."""
+        failed.num_failed_forwards += 1
+        if isinstance(e, OutOfMemoryError):
             self._handle_oom(sched.scheduled, sched.num_scheduled_tokens, e, outputs, failed)
             return None
-        except Exception as e:
-            failed.num_failed_forwards += 1
-            if len(sched.scheduled) == 1:
-                self._fail_internal(sched.scheduled[0], e, outputs, failed)
-                return None
-            log.warning("forward of step %d (%d requests, %d tokens) failed; running each request alone",
-                        sched.step, len(sched.scheduled), sched.num_scheduled_tokens, exc_info=True,
-                        extra=job_fields([x.request_id for x in sched.scheduled]))
+        if len(sched.scheduled) == 1:
+            self._fail_internal(sched.scheduled[0], e, outputs, failed)
+            return None
+        log.warning("forward of step %d (%d requests, %d tokens) failed; running each request alone",
+                    sched.step, len(sched.scheduled), sched.num_scheduled_tokens, exc_info=e,
+                    extra=job_fields([x.request_id for x in sched.scheduled]))
         ok: list[ScheduledRequest] = []
         merged = ModelRunnerOutput(sampled_token_ids={})
         num_decodes = 0

@@ -215,7 +215,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine-core step (see `EngineCore.step` for the failure rules), then its
         output processing: text deltas, stop strings, final outputs. A request a stop
-        string ended is finished in the core before this returns (its blocks free).
+        string ended is finished in the core before this returns (its blocks free; with
+        `async_scheduling`, at the end of the step already in flight, whose token for it
+        is dropped).
         After every call `last_step_stats` describes the step."""
         processed = self.output.process(self.core.step())
         for request_id, status in processed.finish:

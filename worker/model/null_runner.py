@@ -60,6 +60,20 @@ class EmulatedDevice:
             return self._busy_s - max(0.0, self._busy_until - self._clock())
 
 
+class _Launched:
+    """A launched null step: `result()` waits for the emulated device, then returns."""
+
+    __slots__ = ("_out", "_ready", "_device")
+
+    def __init__(self, out: ModelRunnerOutput, ready: float | None, device: EmulatedDevice | None) -> None:
+        self._out, self._ready, self._device = out, ready, device
+
+    def result(self) -> ModelRunnerOutput:
+        if self._ready is not None:
+            self._device.wait(self._ready)
+        return self._out
+
+
 class NullRunner:
     """Drop-in for ModelRunner without a model.
 
@@ -91,6 +105,15 @@ class NullRunner:
         if ready is not None:
             self.emulated.wait(ready)
         return out
+
+    def launch(self, sched: SchedulerOutput) -> _Launched:
+        """Start the step without waiting for it (the engine core's asynchronous steps):
+        its tokens are computed now, its result is ready when the emulated device has run
+        it (at once without a device)."""
+        ready = self.emulated.launch() if self.emulated is not None else None
+        out = ModelRunnerOutput(
+            sampled_token_ids={s.request_id: self._next(s) for s in sched.scheduled if s.samples_token})
+        return _Launched(out, ready, self.emulated)
 
     def device_busy_s(self) -> float:
         """Seconds the (emulated) device has been busy; 0 without one."""

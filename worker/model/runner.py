@@ -7,6 +7,7 @@ the engine thread only.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 
 import torch
@@ -47,6 +48,7 @@ class ModelRunner:
             None if layer is None else self.allocate_layer(layer, num_blocks, block_size, device, dtype)
             for layer in kv_layout.layers
         ]
+        self._forward_thread: ThreadPoolExecutor | None = None  # made by the first launch
         self._busy_s = 0.0  # device time of the steps measured so far
         self._pending_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: the last step's
 
@@ -155,6 +157,16 @@ class ModelRunner:
                 self._busy_s += start.elapsed_time(end) / 1000.0
                 self._pending_events = None
         return self._busy_s
+
+    def launch(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start `execute(sched)` on the runner's forward thread and return at once (the
+        engine core's asynchronous steps). torch releases the GIL inside its kernels, so
+        on the CPU the forward and the host work overlap on different cores; on CUDA the
+        thread queues the kernels and waits in the sampled ids' copy to the host. One
+        forward at a time: the core collects a launch before the next."""
+        if self._forward_thread is None:
+            self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-forward")
+        return self._forward_thread.submit(self.execute, sched)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the packed batch, then sampling for requests whose chunk ends
