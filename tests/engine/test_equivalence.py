@@ -38,8 +38,9 @@ def staggered_workload(seed: int, n: int = 24, vocab: int = 512):
     return reqs
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sequential", "async"])
 @pytest.mark.parametrize("kv_policy", ["optimistic", "reserve"])
-def test_greedy_equals_transformers_generate(any_arch_path, kv_policy):
+def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_scheduling):
     cfg = EngineConfig(
         model=ModelConfig(dtype="float32", device="cpu"),
         serving_tuning=ServingTuning(
@@ -50,6 +51,7 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy):
             max_input_tokens=300,
             kv_policy=kv_policy,
             tenants={"t0": TenantPolicy(weight=3), "t1": TenantPolicy(max_running_requests=2)},
+            async_scheduling=async_scheduling,
         ),
     )
     engine = Engine.from_pretrained(str(any_arch_path), cfg)

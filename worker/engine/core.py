@@ -37,12 +37,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from worker.config import ServingTuning
+from worker.engine.failures import Failures, ForwardFailures
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.kv_window import SlidingWindowKVCacheManager
 from worker.engine.outputs import (
@@ -52,26 +52,16 @@ from worker.engine.outputs import (
     ModelRunnerOutput,
     RequestTimes,
     Runner,
-    ScheduledRequest,
     SchedulerOutput,
     StepStats,
 )
 from worker.engine.request import FINISH_REASONS, ErrorCode, Priority, Request, RequestStatus
 from worker.engine.scheduler import Scheduler
-from worker.obs.errors import one_line
-
-OOM_BACKOFF_RECOVERY_STEPS = 64  # successful steps before the token budget doubles back
 
 log = logging.getLogger(__name__)
 
-# torch >= 2.5 exposes the CUDA OOM as torch.OutOfMemoryError (alias of torch.cuda.OutOfMemoryError)
-OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-def job_fields(job_ids: list[str], limit: int = 20) -> dict:
-    """`extra` of a log line about several requests: their ids (the first `limit`) and
-    how many (rendered as `job_ids` / `num_jobs` fields by `worker.obs.log`)."""
-    return {"job_ids": list(job_ids[:limit]), "num_jobs": len(job_ids)}
 
 
 class _Ran:
@@ -94,14 +84,6 @@ class _Ran:
         return self._out
 
 
-@dataclass(slots=True)
-class _Failures:
-    """What failed in one step (folded into its StepStats)."""
-
-    num_failed_forwards: int = 0
-    num_oom_retried: int = 0
-    num_oom_failed: int = 0
-    num_internal_errors: int = 0
 
 
 class EngineCore:
@@ -117,7 +99,7 @@ class EngineCore:
 
     def __init__(self, runner: Runner, tuning: ServingTuning, num_blocks: int, eos_token_ids: frozenset[int],
                  model_id: str, sliding_window: int | None = None) -> None:
-        self.runner = runner
+        self._runner = runner
         self.tuning = tuning
         self.eos_token_ids = eos_token_ids
         if sliding_window is None:
@@ -132,14 +114,22 @@ class EngineCore:
         self._aborts: deque[str] = deque()
         self._arrival = itertools.count()
         self._deadlines: list[tuple[float, str]] = []  # (deadline, request id) heap
-        self._budget_cap: int | None = None  # lowered token budget after an OOM
-        self._steps_since_oom = 0
+        self.failures = ForwardFailures(self.scheduler, runner, tuning, self._final_output)
         self.last_step_stats: StepStats | None = None
         self._forward_total_s = 0.0  # device time of runners that do not measure it themselves
-        self._runner_busy = getattr(runner, "device_busy_s", None)
         self.async_scheduling = tuning.async_scheduling
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # launched, not collected (async)
         self._finishes: deque[tuple[str, RequestStatus]] = deque()  # arrived while a step was in flight
+
+    @property
+    def runner(self) -> Runner:
+        return self._runner
+
+    @runner.setter
+    def runner(self, runner: Runner) -> None:
+        """Swap the model runner (tests, benchmarks); between steps only."""
+        self._runner = runner
+        self.failures.runner = runner
 
     # ---- requests in (any thread) ----------------------------------------------------
     def add(self, req: EngineCoreRequest) -> None:
@@ -199,7 +189,7 @@ class EngineCore:
         """
         t0 = time.perf_counter()
         outputs: list[EngineCoreOutput] = []
-        failed = _Failures()
+        failed = Failures()
         preempted_before = self.scheduler.num_preemptions_total
         if self.async_scheduling:
             done, forward_s = self._step_async(outputs, failed)
@@ -224,18 +214,18 @@ class EngineCore:
             num_internal_errors=failed.num_internal_errors,
             num_failed_forwards=failed.num_failed_forwards,
             forward_s=forward_s,
-            device_busy_s=self._runner_busy() if self._runner_busy is not None else self._forward_total_s,
+            device_busy_s=busy() if (busy := getattr(self._runner, "device_busy_s", None)) else self._forward_total_s,
         )
         return outputs
 
-    def _step_sync(self, outputs: list[EngineCoreOutput], failed: _Failures) -> tuple[SchedulerOutput | None, float]:
+    def _step_sync(self, outputs: list[EngineCoreOutput], failed: Failures) -> tuple[SchedulerOutput | None, float]:
         """apply queued work -> schedule -> forward -> update. Returns the part of the
         batch whose forward succeeded (None if none ran) and the forward's seconds."""
         self._apply_queued(outputs)
         sched_ = self.scheduler
         if not sched_.has_unfinished():
             return None, 0.0
-        sched = sched_.schedule(self._budget_cap)
+        sched = sched_.schedule(self.failures.budget_cap)
         if sched.num_scheduled_tokens == 0:
             return None, 0.0
         f0 = time.perf_counter()
@@ -247,7 +237,7 @@ class EngineCore:
         self._after_forward(ok, runner_out, outputs)
         return ok, forward_s
 
-    def _step_async(self, outputs: list[EngineCoreOutput], failed: _Failures) -> tuple[SchedulerOutput | None, float]:
+    def _step_async(self, outputs: list[EngineCoreOutput], failed: Failures) -> tuple[SchedulerOutput | None, float]:
         """wait for the step in flight (launching one first if none is) -> finishes and
         aborts -> update -> adds -> schedule and launch the next (module docstring).
         Returns what `_step_sync` returns; the seconds are those spent waiting."""
@@ -261,7 +251,7 @@ class EngineCore:
         try:
             done = sched, handle.result()
         except Exception as e:  # the forward failed: the sequential rules, run here
-            done = self._recover(sched, e, outputs, failed)
+            done = self.failures.recover(sched, e, outputs, failed)
         forward_s = time.perf_counter() - f0
         self._in_flight = None
         while self._finishes:
@@ -279,7 +269,7 @@ class EngineCore:
         sched_ = self.scheduler
         if not sched_.has_unfinished():
             return None
-        sched = sched_.schedule(self._budget_cap)
+        sched = sched_.schedule(self.failures.budget_cap)
         if sched.num_scheduled_tokens == 0:
             return None
         launch = getattr(self.runner, "launch", None)
@@ -315,63 +305,14 @@ class EngineCore:
         return req
 
     def _forward(
-        self, sched: SchedulerOutput, outputs: list[EngineCoreOutput], failed: _Failures
+        self, sched: SchedulerOutput, outputs: list[EngineCoreOutput], failed: Failures
     ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
         """Run the step's forward under the failure rules of `step`. Returns the part of
         the batch whose forward succeeded and its runner output, or None if none did."""
         try:
             return sched, self.runner.execute(sched)
         except Exception as e:
-            return self._recover(sched, e, outputs, failed)
-
-    def _recover(
-        self, sched: SchedulerOutput, e: Exception, outputs: list[EngineCoreOutput], failed: _Failures
-    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
-        """The forward of `sched` raised `e`: out of memory -> back off (`_handle_oom`);
-        else each request runs once more alone, here. Returns what `_forward` returns."""
-        failed.num_failed_forwards += 1
-        if isinstance(e, OutOfMemoryError):
-            self._handle_oom(sched.scheduled, sched.num_scheduled_tokens, e, outputs, failed)
-            return None
-        if len(sched.scheduled) == 1:
-            self._fail_internal(sched.scheduled[0], e, outputs, failed)
-            return None
-        log.warning("forward of step %d (%d requests, %d tokens) failed; running each request alone",
-                    sched.step, len(sched.scheduled), sched.num_scheduled_tokens, exc_info=e,
-                    extra=job_fields([x.request_id for x in sched.scheduled]))
-        ok: list[ScheduledRequest] = []
-        merged = ModelRunnerOutput(sampled_token_ids={})
-        num_decodes = 0
-        for i, s in enumerate(sched.scheduled):
-            is_decode = i < sched.num_decodes
-            alone = SchedulerOutput(step=sched.step, scheduled=[s], num_scheduled_tokens=s.num_tokens,
-                                    num_decodes=int(is_decode))
-            try:
-                out = self.runner.execute(alone)
-            except OutOfMemoryError as e:
-                failed.num_failed_forwards += 1
-                self._handle_oom([s], s.num_tokens, e, outputs, failed)
-            except Exception as e:
-                failed.num_failed_forwards += 1
-                self._fail_internal(s, e, outputs, failed)
-            else:
-                ok.append(s)
-                num_decodes += is_decode
-                merged.sampled_token_ids.update(out.sampled_token_ids)
-                merged.logprobs.update(out.logprobs)
-        if not ok:
-            return None
-        return SchedulerOutput(sched.step, ok, sum(s.num_tokens for s in ok), num_decodes), merged
-
-    def _fail_internal(
-        self, s: ScheduledRequest, exc: Exception, outputs: list[EngineCoreOutput], failed: _Failures
-    ) -> None:
-        """End a request whose forward raised (alone): finished(error, internal); blocks freed."""
-        log.error("request %s failed in its forward", s.request_id, exc_info=exc, extra={"job_id": s.request_id})
-        req = self.scheduler.finish(s.request_id, RequestStatus.FINISHED_ERROR)
-        if req is not None:
-            outputs.append(self._final_output(req, [], error=(ErrorCode.INTERNAL, one_line(exc))))
-            failed.num_internal_errors += 1
+            return self.failures.recover(sched, e, outputs, failed)
 
     def _expire_waiting(self, outputs: list[EngineCoreOutput]) -> None:
         """Requests never scheduled yet whose deadline passed end `expired` (KV untouched);
@@ -388,13 +329,7 @@ class EngineCore:
 
     def _after_forward(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput,
                        outputs: list[EngineCoreOutput]) -> None:
-        if self._budget_cap is not None:
-            self._steps_since_oom += 1
-            if self._steps_since_oom >= OOM_BACKOFF_RECOVERY_STEPS:
-                self._steps_since_oom = 0
-                self._budget_cap *= 2
-                if self._budget_cap >= self.tuning.max_batched_tokens:
-                    self._budget_cap = None
+        self.failures.after_success()
         now = time.time()
         logprobs = runner_out.logprobs
         for req in self.scheduler.update_from_output(sched, runner_out):
@@ -406,36 +341,6 @@ class EngineCore:
                 outputs.append(self._final_output(req, [token_id], lp))
             else:
                 outputs.append(EngineCoreOutput(req.request_id, [token_id], [lp] if lp is not None else None))
-
-    def _handle_oom(
-        self, scheduled: list[ScheduledRequest], num_tokens: int, exc: BaseException,
-        outputs: list[EngineCoreOutput], failed: _Failures,
-    ) -> None:
-        """Preempt (retry) or fail each request of a forward of `num_tokens` tokens that
-        ran out of memory; free their blocks; halve the token budget."""
-        if self.runner.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self._budget_cap = max(1, num_tokens // 2)
-        self._steps_since_oom = 0
-        retried = num_failed = 0
-        for s in scheduled:
-            req = self.scheduler.requests.get(s.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue
-            req.num_ooms += 1
-            if req.num_ooms > self.tuning.max_oom_retries:
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
-                message = f"out of memory in {req.num_ooms} steps of this request: {one_line(exc)}"
-                outputs.append(self._final_output(req, [], error=(ErrorCode.OOM, message)))
-                num_failed += 1
-            else:
-                self.scheduler.preempt(req.request_id)
-                retried += 1
-        failed.num_oom_retried += retried
-        failed.num_oom_failed += num_failed
-        log.warning("out of memory in step %d (%d tokens, %d requests): %d retried, %d failed; token budget now %d",
-                    self.scheduler.step_count, num_tokens, len(scheduled), retried, num_failed,
-                    self._budget_cap, extra=job_fields([x.request_id for x in scheduled]))
 
     @staticmethod
     def _final_output(req: Request, new_ids: list[int], lp=None, error: tuple[str, str] | None = None) -> EngineCoreOutput:
