@@ -48,12 +48,13 @@ BLOCK = 16
 
 
 # ---- the engine under test ----------------------------------------------------------------
-def tuning_dict(running: int, output_len: int) -> dict:
+def tuning_dict(running: int, output_len: int, async_scheduling: bool = False) -> dict:
     """serving_tuning for a row: room for every running request's prompt + output."""
     per_req = -(-(PROMPT_LEN + output_len) // BLOCK) * BLOCK
     return dict(max_running_requests=running, max_total_tokens=running * per_req + BLOCK * 4,
                 max_batched_tokens=max(4096, running), max_input_tokens=PROMPT_LEN,
-                max_output_tokens=max(output_len, 16), kv_block_size=BLOCK, enable_prefix_caching=False)
+                max_output_tokens=max(output_len, 16), kv_block_size=BLOCK, enable_prefix_caching=False,
+                async_scheduling=async_scheduling)
 
 
 def sleeping_engine(device_ms: float, tuning: dict):
@@ -85,10 +86,11 @@ def prompt_ids(i: int) -> list[int]:
     return [(i * 131 + j * 7) % 31000 + 100 for j in range(PROMPT_LEN)]
 
 
-def engine_alone(device_ms: float, output_len: int, num_jobs: int, running: int) -> dict:
+def engine_alone(device_ms: float, output_len: int, num_jobs: int, running: int,
+                 async_scheduling: bool = False) -> dict:
     from schemas.params import SamplingParams
 
-    eng = sleeping_engine(device_ms, tuning_dict(running, output_len))
+    eng = sleeping_engine(device_ms, tuning_dict(running, output_len, async_scheduling))
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     for i in range(num_jobs):
@@ -227,7 +229,7 @@ async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, ru
     prefix = f"pipe{uuid.uuid4().hex[:8]}"
     await create_topics(a.kafka, prefix, partitions=a.partitions, kafka=a.kafka_cfg)
     ids = await produce(a, prefix, num_jobs, output_len)
-    tuning = tuning_dict(running, output_len)
+    tuning = tuning_dict(running, output_len, a.async_scheduling)
     kafka_section, redis_section, secret_env = worker_sections(a.kafka_cfg, a.redis_cfg)
     kafka_section.update(topic_prefix=prefix, group_id=f"{prefix}-workers", commit_interval_ms=200)
     redis_section.update(key_prefix=prefix, log_ttl_s=600)
@@ -321,10 +323,14 @@ async def run_grid(a) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(grid), desc="rows", unit="row") as bar:
         for device_ms, output_len in grid:
             n = jobs_for(output_len, a)
-            alone = engine_alone(device_ms, output_len, n, a.running)
+            alone = engine_alone(device_ms, output_len, n, a.running, a.async_scheduling)
+            other = engine_alone(device_ms, output_len, n, a.running, not a.async_scheduling)
             worker = await run_worker_row(a, device_ms, output_len, n, a.running, Path(tmp))
+            seq, asy = (other, alone) if a.async_scheduling else (alone, other)
             rows.append({"device_ms": device_ms, "output_len": output_len, "prompt_len": PROMPT_LEN,
-                         "num_jobs": n, "running": a.running, "engine_alone": alone, "worker": worker,
+                         "num_jobs": n, "running": a.running, "async_scheduling": a.async_scheduling,
+                         "engine_alone": alone, "engine_alone_sequential": seq, "engine_alone_async": asy,
+                         "async_vs_sequential": asy["tokens_per_s"] / seq["tokens_per_s"], "worker": worker,
                          "ratio_tokens": worker["tokens_per_s"] / alone["tokens_per_s"],
                          "ratio_jobs": worker["jobs_per_s"] / alone["jobs_per_s"]})
             bar.update(1)
@@ -334,14 +340,15 @@ async def run_grid(a) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'dev ms':>6}{'out':>5}{'jobs':>6}{'alone tok/s':>13}{'worker tok/s':>14}{'ratio':>7}"
           f"{'alone job/s':>13}{'worker job/s':>14}{'job ratio':>10}{'host ms/step':>14}{'core ms/step':>14}"
-          f"{'cpu s/1k tok':>14}{'cpu s/1k job':>14}{'dev busy':>9}")
+          f"{'cpu s/1k tok':>14}{'cpu s/1k job':>14}{'dev busy':>9}{'seq tok/s':>11}{'seq busy':>9}{'async/seq':>10}")
     for r in rows:
         e, w = r["engine_alone"], r["worker"]
         print(f"{r['device_ms']:>6g}{r['output_len']:>5}{r['num_jobs']:>6}{e['tokens_per_s']:>13.0f}"
               f"{w['tokens_per_s']:>14.0f}{r['ratio_tokens']:>7.2f}{e['jobs_per_s']:>13.0f}{w['jobs_per_s']:>14.0f}"
               f"{r['ratio_jobs']:>10.2f}{e['host_ms_per_step']:>14.3f}{e['core_host_ms_per_step']:>14.3f}"
               f"{w['cpu_s_per_1k_tokens']:>14.4f}{w['cpu_s_per_1k_jobs']:>14.3f}"
-              f"{e['device_busy_ratio'] or 0:>9.2f}")
+              f"{e['device_busy_ratio'] or 0:>9.2f}{r['engine_alone_sequential']['tokens_per_s']:>11.0f}"
+              f"{r['engine_alone_sequential']['device_busy_ratio'] or 0:>9.2f}{r['async_vs_sequential']:>10.2f}")
 
 
 def plot(rows: list[dict], png: Path) -> None:
@@ -397,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-thread", dest="engine_process", action="store_false",
                    help="step the engine in a thread of the worker process instead of its own process")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker row")
+    p.add_argument("--sequential", dest="async_scheduling", action="store_false",
+                   help="the worker and the engine-alone baseline with sequential steps (default: "
+                        "serving_tuning.async_scheduling on; the engine alone also runs the other way)")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
     if a.cmd == "worker":

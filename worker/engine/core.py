@@ -65,25 +65,29 @@ log = logging.getLogger(__name__)
 
 
 class _Ran:
-    """The result of a forward run at launch, for runners without `launch`: the same
-    interface as a future (`result()` returns or raises what `execute` did)."""
+    """A forward that already ended, with the interface of the future `runner.launch`
+    returns (`result()` returns or raises what the forward did): for runners without
+    `launch`, and for a launch that raised at once."""
 
     __slots__ = ("_out", "_exc")
 
-    def __init__(self, runner: Runner, sched: SchedulerOutput) -> None:
-        self._out: ModelRunnerOutput | None = None
-        self._exc: Exception | None = None
+    def __init__(self, out: ModelRunnerOutput | None, exc: Exception | None) -> None:
+        self._out, self._exc = out, exc
+
+    @staticmethod
+    def start(runner: Runner, sched: SchedulerOutput) -> Any:
+        """`runner.launch(sched)`, or `execute` run now; an exception either raises is
+        kept for `result()`, where the failure rules handle it."""
+        launch = getattr(runner, "launch", None)
         try:
-            self._out = runner.execute(sched)
+            return launch(sched) if launch is not None else _Ran(runner.execute(sched), None)
         except Exception as e:
-            self._exc = e
+            return _Ran(None, e)
 
     def result(self) -> ModelRunnerOutput:
         if self._exc is not None:
             raise self._exc
         return self._out
-
-
 
 
 class EngineCore:
@@ -272,10 +276,7 @@ class EngineCore:
         sched = sched_.schedule(self.failures.budget_cap)
         if sched.num_scheduled_tokens == 0:
             return None
-        launch = getattr(self.runner, "launch", None)
-        if launch is not None:
-            return sched, launch(sched)
-        return sched, _Ran(self.runner, sched)
+        return sched, _Ran.start(self.runner, sched)
 
     def _apply_queued(self, outputs: list[EngineCoreOutput]) -> None:
         """New requests, expired deadlines, aborts (in that order)."""
