@@ -116,16 +116,14 @@ def test_backend_selection():
         get_backend("flash", "cpu")
 
 
-@pytest.mark.parametrize("group,splits", [(1, 3), (4, 4), (8, 7)])
-def test_split_k_decode_matches_reference(group, splits):
-    """Flash-decoding: long contexts split over programs (some splits see no key at all:
-    the short contexts), partials combined by the reduce kernel."""
-    rng = random.Random(splits)
-    block_size, head_dim = 16, 64
+def long_decodes(rng: random.Random, head_dim: int, block_size: int = 16):
+    """Five decodes of contexts 300, 1, 17, 129 and 64 in shuffled blocks, on a reference
+    and a Triton runner whose caches hold the same random values. Returns (number of
+    sequences, ref runner, Triton runner, ref metadata, Triton metadata)."""
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     sched = []
-    for i, ctx in enumerate((300, 1, 17, 129, 64)):  # decodes only
+    for i, ctx in enumerate((300, 1, 17, 129, 64)):
         table = [free.pop() for _ in range(-(-ctx // block_size))]
         ids = [1] * ctx
         sched.append(ScheduledRequest(f"d{i}", ids[-1:], ctx - 1, table, True, PARAMS, ids))
@@ -134,11 +132,19 @@ def test_split_k_decode_matches_reference(group, splits):
     tri_runner = runner(triton_attn, block_size, head_dim, torch.float32)
     _, _, md_ref, _, _ = ref_runner.build_metadata(out)
     _, _, md_tri, _, _ = tri_runner.build_metadata(out)
-    assert md_tri.max_seq_len == 300
     for ref_c, tri_c in zip(ref_runner.kv_caches[0], tri_runner.kv_caches[0]):
         ref_c.copy_(torch.randn_like(ref_c))
         tri_c.copy_(ref_c)
-    n = len(sched)
+    return len(sched), ref_runner, tri_runner, md_ref, md_tri
+
+
+@pytest.mark.parametrize("group,splits", [(1, 3), (4, 4), (8, 7)])
+def test_split_k_decode_matches_reference(group, splits):
+    """Flash-decoding: long contexts split over programs (some splits see no key at all:
+    the short contexts), partials combined by the reduce kernel."""
+    head_dim = 64
+    n, ref_runner, tri_runner, md_ref, md_tri = long_decodes(random.Random(splits), head_dim)
+    assert md_tri.max_seq_len == 300
     q = torch.randn(n, NUM_KV_HEADS * group, head_dim, device=DEVICE)
     kv = torch.randn(n, NUM_KV_HEADS, head_dim, device=DEVICE)
     expect = torch_ref.paged_attention(q, kv, kv, *ref_runner.kv_caches[0], md_ref, 0.125)
@@ -242,25 +248,10 @@ def test_layer_features_match_definition_in_both_back_ends(kind, group):
 @pytest.mark.parametrize("kind", ["window-long", "sinks", "all"])
 def test_split_k_with_layer_features(kind):
     """Flash-decoding splits of a window (and a sink counted once, in the reduce)."""
-    rng = random.Random(len(kind))
-    block_size, head_dim, group = 16, 64, 4
-    free = list(range(NUM_BLOCKS))
-    rng.shuffle(free)
-    sched = []
-    for i, ctx in enumerate((300, 1, 17, 129, 64)):
-        table = [free.pop() for _ in range(-(-ctx // block_size))]
-        ids = [1] * ctx
-        sched.append(ScheduledRequest(f"d{i}", ids[-1:], ctx - 1, table, True, PARAMS, ids))
-    out = SchedulerOutput(step=1, scheduled=sched, num_scheduled_tokens=len(sched), num_decodes=len(sched))
-    ref_runner = runner(torch_ref, block_size, head_dim, torch.float32)
-    tri_runner = runner(triton_attn, block_size, head_dim, torch.float32)
-    _, _, md_ref, _, _ = ref_runner.build_metadata(out)
-    _, _, md_tri, _, _ = tri_runner.build_metadata(out)
-    for ref_c, tri_c in zip(ref_runner.kv_caches[0], tri_runner.kv_caches[0]):
-        ref_c.copy_(torch.randn_like(ref_c))
-        tri_c.copy_(ref_c)
-    q = torch.randn(len(sched), NUM_KV_HEADS * group, head_dim, device=DEVICE)
-    kv = torch.randn(len(sched), NUM_KV_HEADS, head_dim, device=DEVICE)
+    head_dim, group = 64, 4
+    n, ref_runner, tri_runner, md_ref, md_tri = long_decodes(random.Random(len(kind)), head_dim)
+    q = torch.randn(n, NUM_KV_HEADS * group, head_dim, device=DEVICE)
+    kv = torch.randn(n, NUM_KV_HEADS, head_dim, device=DEVICE)
     p = layer_params(kind, NUM_KV_HEADS * group, 0.125)
     expect = torch_ref.paged_attention(q, kv, kv, *ref_runner.kv_caches[0], md_ref, p)
     got = triton_attn.paged_attention(q, kv, kv, *tri_runner.kv_caches[0], md_tri, p, num_splits=3)
