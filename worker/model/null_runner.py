@@ -99,17 +99,15 @@ class NullRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Launch the step on the emulated device (if any), compute its tokens, wait for it."""
-        ready = self.emulated.launch() if self.emulated is not None else None
-        out = ModelRunnerOutput(
-            sampled_token_ids={s.request_id: self._next(s) for s in sched.scheduled if s.samples_token})
-        if ready is not None:
-            self.emulated.wait(ready)
-        return out
+        return self._start(sched).result()
 
     def launch(self, sched: SchedulerOutput) -> _Launched:
         """Start the step without waiting for it (the engine core's asynchronous steps):
         its tokens are computed now, its result is ready when the emulated device has run
         it (at once without a device)."""
+        return self._start(sched)
+
+    def _start(self, sched: SchedulerOutput) -> _Launched:
         ready = self.emulated.launch() if self.emulated is not None else None
         out = ModelRunnerOutput(
             sampled_token_ids={s.request_id: self._next(s) for s in sched.scheduled if s.samples_token})
