@@ -113,6 +113,24 @@ def test_abort_frees_kv_by_the_next_boundary_and_drops_the_token_in_flight(devic
     assert eng.kv_stats().used_blocks == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sequential", "async"])
+def test_an_abort_of_a_request_added_in_the_same_window_is_not_lost(async_scheduling):
+    # regression: with a step in flight the abort pass before the update ran ahead of the
+    # queued add, found no such request, and dropped the abort; the add then started
+    eng, computed = make(async_scheduling)
+    eng.add_request("x", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.step()
+    eng.add_request("late", prompt_token_ids=[4, 5, 6], params=SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.abort("late")
+    outs = [o for o in eng.step() if o.request_id == "late"]
+    assert [(o.finished, o.finish_reason, o.new_token_ids) for o in outs] == [(True, "cancelled", [])]
+    assert "late" not in eng.core.scheduler.requests and eng.core.kv.block_table("late") == []
+    while eng.has_unfinished():
+        assert all(o.request_id != "late" for o in eng.step())
+    assert not any(r == "late" for r, _ in computed)  # never scheduled
+    assert eng.kv_stats().used_blocks == 0
+
+
 def test_a_failing_forward_in_flight_follows_the_sequential_rules():
     eng, _ = make(True)
     eng.add_request("ok", prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=4, ignore_eos=True))

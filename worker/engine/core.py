@@ -260,7 +260,9 @@ class EngineCore:
         self._in_flight = None
         while self._finishes:
             self.scheduler.finish(*self._finishes.popleft())
-        self._apply_aborts(outputs)  # before the update: an aborted request's last token is dropped
+        # before the update, so an aborted request's last token is dropped; an abort of a
+        # request whose add is still queued waits for that add (in `_apply_queued`)
+        self._apply_aborts(outputs, known_only=True)
         if done is not None:
             self._after_forward(done[0], done[1], outputs)
         self._apply_queued(outputs)
@@ -287,11 +289,19 @@ class EngineCore:
             self._expire_waiting(outputs)
         self._apply_aborts(outputs)
 
-    def _apply_aborts(self, outputs: list[EngineCoreOutput]) -> None:
+    def _apply_aborts(self, outputs: list[EngineCoreOutput], known_only: bool = False) -> None:
+        """Finish the aborted requests. `known_only`: keep queued the aborts of ids the
+        scheduler does not hold yet (their add may still be queued in `_new`)."""
+        kept: list[str] = []
         while self._aborts:
-            req = self.scheduler.finish(self._aborts.popleft(), RequestStatus.FINISHED_ABORTED)
+            rid = self._aborts.popleft()
+            if known_only and rid not in self.scheduler.requests:
+                kept.append(rid)
+                continue
+            req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 outputs.append(self._final_output(req, []))
+        self._aborts.extend(kept)
 
     def _make_request(self, r: EngineCoreRequest) -> Request:
         generator = None
