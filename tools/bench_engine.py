@@ -1,9 +1,14 @@
 """Engine benchmarks, each reporting ratios measured in one run on one machine.
 
-  throughput  Inflight's engine vs transformers `generate` in static batches of the same
-              size vs transformers' own continuous batching manager, same model, same
-              requests (all submitted at t=0, EOS ignored so every system produces the
-              same useful tokens). Output tokens/s counts only requested tokens.
+  throughput  Inflight's engine (default settings, and with the other kind of steps) vs
+              vLLM's offline engine (its CPU or CUDA build in its own venv,
+              tools/setup_vllm.sh; skipped with a message when absent) vs transformers
+              `generate` in static batches of the same size vs transformers' own
+              continuous batching manager: same model, same requests (all submitted at
+              t=0, EOS ignored so every system produces the same useful tokens), same
+              running-request, step-token and KV limits, prefix caching off. Output
+              tokens/s counts only requested tokens; greedy agreement with Inflight's
+              ids per system (identical requests, median first divergence).
               On CUDA (auto-detected) it uses bf16 and a random-init ~1B Llama.
   scheduler   CPU time per engine step with a no-op model runner at 64 / 256 / 1024
               running requests (all decoding), split into schedule + bookkeeping and
@@ -96,14 +101,14 @@ def torch_dtype(device: str) -> torch.dtype:
 
 # ---- throughput ---------------------------------------------------------------------------
 def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar, device: str = "cpu",
-                 backend: str = "auto") -> float:
+                 backend: str = "auto", async_scheduling: bool | None = None) -> tuple[float, dict[str, list[int]]]:
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
 
     cfg = EngineConfig(model=ModelConfig(device=device, attention_backend=backend), serving_tuning=ServingTuning(
         max_running_requests=max_batch, max_total_tokens=kv_tokens, max_batched_tokens=budget,
-        max_input_tokens=4096, max_output_tokens=4096, enable_prefix_caching=False,
+        max_input_tokens=4096, max_output_tokens=4096, enable_prefix_caching=False, async_scheduling=async_scheduling,
     ))
     engine = Engine.from_pretrained(str(path), cfg)
     _sync(device)
@@ -112,14 +117,16 @@ def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, 
         engine.add_request(r.request_id, prompt_token_ids=r.prompt_token_ids,
                            params=SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
     produced = 0
+    ids: dict[str, list[int]] = {r.request_id: [] for r in work}
     while engine.has_unfinished():
         for out in engine.step():
             produced += len(out.new_token_ids)
+            ids[out.request_id].extend(out.new_token_ids)
             pbar.update(len(out.new_token_ids))
     _sync(device)
     elapsed = time.perf_counter() - t0
     assert produced == sum(r.max_tokens for r in work), (produced, sum(r.max_tokens for r in work))
-    return elapsed
+    return elapsed, ids
 
 
 def _sync(device: str) -> None:
@@ -136,9 +143,10 @@ def _hf_model(path: Path, device: str = "cpu"):
     return model
 
 
-def run_hf_static(path: Path, work, max_batch: int, pbar, device: str = "cpu") -> float:
+def run_hf_static(path: Path, work, max_batch: int, pbar, device: str = "cpu") -> tuple[float, dict[str, list[int]]]:
     model = _hf_model(path, device)
     _sync(device)
+    out_ids: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(work), max_batch):
@@ -153,13 +161,15 @@ def run_hf_static(path: Path, work, max_batch: int, pbar, device: str = "cpu") -
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
                                  min_new_tokens=new, do_sample=False, pad_token_id=0)
             assert out.shape[1] == longest + new
+            for j, r in enumerate(batch):
+                out_ids[r.request_id] = out[j, longest : longest + r.max_tokens].tolist()
             pbar.update(sum(r.max_tokens for r in batch))
     _sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out_ids
 
 
 def run_hf_continuous(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar,
-                      device: str = "cpu") -> float:
+                      device: str = "cpu") -> tuple[float, dict[str, list[int]]]:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -168,6 +178,7 @@ def run_hf_continuous(path: Path, work, max_batch: int, kv_tokens: int, budget: 
     cb = ContinuousBatchingConfig(page_size=16, num_blocks=kv_tokens // 16, max_batch_tokens=budget,
                                   max_requests_per_batch=max_batch)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    ids: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     manager.start()
     try:
@@ -182,12 +193,64 @@ def run_hf_continuous(path: Path, work, max_batch: int, kv_tokens: int, budget: 
             if res.is_finished():
                 done += 1
                 produced += len(res.generated_tokens)
+                ids[res.request_id] = list(res.generated_tokens)
                 pbar.update(len(res.generated_tokens))
     finally:
         manager.stop(block=True)
     elapsed = time.perf_counter() - t0
     assert produced == sum(r.max_tokens for r in work), (produced, sum(r.max_tokens for r in work))
-    return elapsed
+    return elapsed, ids
+
+
+VLLM_PYTHON = Path(".cache/vllm-venv/bin/python")
+
+
+def vllm_missing(python: Path) -> str | None:
+    """Why vLLM cannot run (its venv is absent), or None."""
+    if not python.is_file():
+        return f"no vLLM interpreter at {python}: make it with tools/setup_vllm.sh"
+    return None
+
+
+def run_vllm(python: Path, path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar,
+             device: str = "cpu") -> tuple[float, dict[str, list[int]]]:
+    """vLLM's offline engine on the same requests and limits, in its own interpreter
+    (`tools/vllm_peer.py`). Raises RuntimeError with vLLM's last output if it fails."""
+    import subprocess
+    import tempfile
+
+    from transformers import AutoConfig
+
+    max_len = AutoConfig.from_pretrained(path).max_position_embeddings
+    with tempfile.TemporaryDirectory() as tmp:
+        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job.write_text(json.dumps({
+            "model": str(Path(path).resolve()), "dtype": str(torch_dtype(device)).removeprefix("torch."),
+            "max_batch": max_batch, "budget": budget, "kv_tokens": kv_tokens, "max_model_len": max_len,
+            "requests": [{"id": r.request_id, "prompt": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in work],
+        }))
+        tool = Path(__file__).with_name("vllm_peer.py")
+        proc = subprocess.run([str(python), str(tool), str(job), str(result)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        out = json.loads(result.read_text())
+    pbar.update(sum(r.max_tokens for r in work))
+    return out["seconds"], out["output_ids"]
+
+
+def agreement(ref: dict[str, list[int]], other: dict[str, list[int]]) -> dict:
+    """Greedy agreement of `other` with `ref` over the same requests: how many produced
+    identical ids, and for the rest the median index of the first differing token."""
+    firsts = []
+    for rid, a in ref.items():
+        b = other[rid]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is None and len(a) != len(b):
+            first = min(len(a), len(b))
+        if first is not None:
+            firsts.append(first)
+    return {"requests": len(ref), "identical": len(ref) - len(firsts),
+            "median_first_divergence": statistics.median(firsts) if firsts else None}
 
 
 def throughput(a) -> dict:
@@ -207,23 +270,37 @@ def throughput(a) -> dict:
     kv_tokens = a.max_batch * (a.max_input + a.max_output)
     systems = {
         "inflight": lambda p: run_inflight(path, work, a.max_batch, kv_tokens, a.budget, p, device, a.backend),
+        "inflight_async": lambda p: run_inflight(path, work, a.max_batch, kv_tokens, a.budget, p, device,
+                                                 a.backend, async_scheduling=True),
+        "inflight_sequential": lambda p: run_inflight(path, work, a.max_batch, kv_tokens, a.budget, p, device,
+                                                      a.backend, async_scheduling=False),
+        "vllm": lambda p: run_vllm(Path(a.vllm_python), path, work, a.max_batch, kv_tokens, a.budget, p, device),
         "hf_static_batching": lambda p: run_hf_static(path, work, a.max_batch, p, device),
         "hf_continuous_batching": lambda p: run_hf_continuous(path, work, a.max_batch, kv_tokens, a.budget, p,
                                                               device),
     }
-    results = {}
+    if a.systems is None:  # Inflight as configured by default, and with the other kind of steps
+        other = "inflight_sequential" if device == "cuda" else "inflight_async"
+        a.systems = ["inflight", other, "vllm", "hf_static_batching", "hf_continuous_batching"]
+    results, skipped, output_ids = {}, {}, {}
     for name in a.systems:
+        if name == "vllm" and (why := vllm_missing(Path(a.vllm_python))):
+            print(f"vllm: skipped ({why})")
+            skipped[name] = why
+            continue
         with tqdm(total=total_out, desc=name, unit="tok") as pbar:
-            elapsed = systems[name](pbar)
+            elapsed, output_ids[name] = systems[name](pbar)
         # every system is checked to produce exactly the requested tokens (EOS ignored)
         results[name] = {"seconds": elapsed, "output_tokens": total_out, "output_tokens_per_s": total_out / elapsed,
                          "requests_per_s": len(work) / elapsed}
+        print(f"{name}: {total_out / elapsed:.1f} output tok/s")
     base = results.get("inflight")
-    ratios = {}
+    ratios, agree = {}, {}
     if base:
         for name, r in results.items():
             if name != "inflight":
                 ratios[f"inflight_vs_{name}"] = base["output_tokens_per_s"] / r["output_tokens_per_s"]
+                agree[f"inflight_vs_{name}"] = agreement(output_ids["inflight"], output_ids[name])
     report = {
         **report_header("throughput", a, path, device),
         "workload": {"kind": a.workload, "prompts": a.prompts, "num_requests": a.num_requests, "scale": a.scale,
@@ -235,13 +312,18 @@ def throughput(a) -> dict:
         "max_batched_tokens": a.budget,
         "results": results,
         "ratios": ratios,
+        "greedy_agreement": agree,
+        "skipped": skipped,
     }
     _plot_throughput(report, Path(a.out) / "bench_engine_throughput.png")
     print(f"\n{'system':<26}{'seconds':>10}{'out tok/s':>12}")
     for name, r in results.items():
         print(f"{name:<26}{r['seconds']:>10.1f}{r['output_tokens_per_s']:>12.1f}")
     for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
+        g = agree[k]
+        print(f"{k}: {v:.2f}x   greedy ids identical on {g['identical']}/{g['requests']} requests"
+              + (f", median first divergence at token {g['median_first_divergence']}" if g["identical"] < g["requests"]
+                 else ""))
     return report
 
 
@@ -254,7 +336,9 @@ def _plot_throughput(report: dict, png: Path) -> None:
     names = list(report["results"])
     vals = [report["results"][n]["output_tokens_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(names, vals, color=["#2a7", "#888", "#58c"][: len(names)])
+    palette = {"inflight": "#2a7", "inflight_async": "#7c9", "inflight_sequential": "#7c9", "vllm": "#c63"}
+    ax.bar(names, vals, color=[palette.get(n, "#888") for n in names])
+    ax.tick_params(axis="x", labelrotation=15)
     ax.set_ylabel("output tokens / s")
     ax.set_xlabel("system (same model, requests and max batch)")
     w = report["workload"]
@@ -484,7 +568,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--num-requests", type=int, default=256)
     add_size_args(t)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--systems", nargs="+", default=["inflight", "hf_static_batching", "hf_continuous_batching"])
+    t.add_argument("--systems", nargs="+", default=None,
+                   choices=["inflight", "inflight_async", "inflight_sequential", "vllm", "hf_static_batching",
+                            "hf_continuous_batching"],
+                   help="default: inflight (default settings), inflight_async on the CPU / inflight_sequential on "
+                        "CUDA (serving_tuning.async_scheduling forced on / off: the non-default), vllm (skipped when "
+                        "--vllm-python is absent), hf_static_batching, hf_continuous_batching")
+    t.add_argument("--vllm-python", default=str(VLLM_PYTHON),
+                   help="interpreter of vLLM's venv (tools/setup_vllm.sh makes the default)")
     s = sub.add_parser("scheduler")
     s.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
     s.add_argument("--steps", type=int, default=100)

@@ -24,16 +24,22 @@ def opens(path) -> None:
 def test_engine_modes_write_consistent_results(tmp_path, llama_path):
     assert bench_engine.main(["--out", str(tmp_path), "throughput", "--model", str(llama_path), "--num-requests", "6",
                               "--max-batch", "4", "--budget", "64", "--max-input", "64", "--max-output", "32",
-                              "--device", "cpu"]) == 0
+                              "--device", "cpu", "--vllm-python", str(tmp_path / "no-vllm" / "python")]) == 0
     r = json.loads((tmp_path / "bench_engine_throughput.json").read_text())
     total = sum(x["output_tokens"] for x in r["requests"])
     assert total == r["workload"]["output_tokens"] and len(r["requests"]) == 6
     assert sum(x["input_tokens"] for x in r["requests"]) == r["workload"]["input_tokens"]
-    assert set(r["results"]) == {"inflight", "hf_static_batching", "hf_continuous_batching"}
+    others = {"inflight_async", "hf_static_batching", "hf_continuous_batching"}  # the CPU's defaults
+    assert set(r["results"]) == {"inflight"} | others
+    assert set(r["skipped"]) == {"vllm"} and "tools/setup_vllm.sh" in r["skipped"]["vllm"]  # absent: a message
     for res in r["results"].values():
         assert res["output_tokens"] == total
         assert res["output_tokens_per_s"] == pytest.approx(total / res["seconds"])
-    for name in ("hf_static_batching", "hf_continuous_batching"):
+    assert set(r["greedy_agreement"]) == {f"inflight_vs_{n}" for n in others}
+    # asynchronous and sequential (the CPU's default) steps: the same greedy ids on every request
+    assert r["greedy_agreement"]["inflight_vs_inflight_async"] == {
+        "requests": 6, "identical": 6, "median_first_divergence": None}
+    for name in others:
         assert r["ratios"][f"inflight_vs_{name}"] == pytest.approx(
             r["results"]["inflight"]["output_tokens_per_s"] / r["results"][name]["output_tokens_per_s"])
     assert {x["shape"] for x in r["requests"]} <= {"sharegpt", "alpaca", "long_prompt"}
@@ -87,3 +93,9 @@ def test_e2e_sweep_writes_consistent_results(tmp_path, llama_path, services, con
     assert ea["output_tokens_per_s"] == pytest.approx(ea["output_tokens"] / ea["seconds"])
     opens(tmp_path / "bench_e2e_latency_throughput.png")
     opens(tmp_path / "bench_e2e_timeline.png")
+
+
+def test_greedy_agreement_counts_identical_requests_and_the_first_divergence():
+    ref = {"a": [1, 2, 3], "b": [1, 2, 3], "c": [4, 5, 6], "d": [7, 8]}
+    other = {"a": [1, 2, 3], "b": [1, 9, 3], "c": [0, 5, 6], "d": [7]}
+    assert bench_engine.agreement(ref, other) == {"requests": 4, "identical": 1, "median_first_divergence": 1}

@@ -38,10 +38,14 @@ def params(max_tokens: int) -> SamplingParams:
 class Load:
     """Adds requests of tenants as scheduled and records, per step and tenant, the
     service delivered in VTC's units (prompt tokens x w_p when the first token comes,
-    output tokens x w_d) and each request's first-token step."""
+    output tokens x w_d) and each request's first-token step.
+
+    `added_at` is the first step that can schedule the request: the next one, or with
+    asynchronous steps the one after (the next is already on the device: `lag`)."""
 
     def __init__(self, eng) -> None:
         self.eng = eng
+        self.lag = 1 if eng.core.async_scheduling else 0
         self.step_no = 0
         self.prompt_len: dict[str, int] = {}
         self.tenant_of: dict[str, str] = {}
@@ -59,7 +63,7 @@ class Load:
             tokens = [(self._n * 31 + j) % 499 + 1 for j in range(prompt)]  # < the tiny model's 512
             self.eng.add_request(rid, prompt_token_ids=tokens, params=params(max_tokens), tenant=tenant,
                                  priority=priority)
-            self.prompt_len[rid], self.tenant_of[rid], self.added_at[rid] = prompt, tenant, self.step_no
+            self.prompt_len[rid], self.tenant_of[rid], self.added_at[rid] = prompt, tenant, self.step_no + self.lag
             ids.append(rid)
         return ids
 
@@ -74,6 +78,11 @@ class Load:
             if o.finished:
                 self.finals[o.request_id].append(o)
         self.step_no += 1
+
+    def steps_to_schedule(self) -> None:
+        """Step until the requests added since the last step have been scheduled once."""
+        for _ in range(1 + self.lag):
+            self.step()
 
     def shares(self, lo: int, hi: int) -> dict[str, float]:
         total: collections.Counter = collections.Counter()
@@ -120,6 +129,11 @@ def test_light_tenant_starts_within_the_bound_behind_a_backlogged_one(make_engin
     assert all(len(load.finals[r]) == 1 and load.finals[r][0].usage.completion_tokens == 8 for r in light)
     # each B request preempted exactly one A request (the Yield), nothing else did
     assert eng.scheduler.num_preemptions_total == 20
+
+
+def test_the_light_tenant_bound_holds_with_asynchronous_steps():
+    # the same bound, counted from the first step that can schedule the request
+    test_light_tenant_starts_within_the_bound_behind_a_backlogged_one(lambda: engine(async_scheduling=True))
 
 
 def test_without_fair_share_the_light_tenant_waits_for_a_slot():
@@ -176,29 +190,32 @@ def test_a_tenant_idle_then_bursting_does_not_starve_the_others(make_engine=engi
         assert all(abs(shares[t] - 1 / 3) <= 0.1 / 3 for t in "ABC"), (lo, hi, shares)
 
 
-def test_priority_classes_stay_ahead_of_tenant_share():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sequential", "async"])
+def test_priority_classes_stay_ahead_of_tenant_share(async_scheduling):
     # B has the least counter, but A's high request still goes first
-    eng = engine(max_running_requests=2)
+    eng = engine(max_running_requests=2, async_scheduling=async_scheduling)
     load = Load(eng)
     load.add("A", 2, 8, 50)
     for _ in range(10):
         load.step()
     (b,) = load.add("B", 1, 8, 4)
     (a_high,) = load.add("A", 1, 8, 4, priority="high")
-    load.step()
+    load.steps_to_schedule()
     assert a_high in load.first_token and b not in load.first_token
 
 
 # ---- quotas ------------------------------------------------------------------------
-def test_a_tenant_at_its_running_cap_waits_while_another_starts_in_the_same_step():
-    eng = engine(max_running_requests=4, tenants={"T": TenantPolicy(max_running_requests=1)})
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sequential", "async"])
+def test_a_tenant_at_its_running_cap_waits_while_another_starts_in_the_same_step(async_scheduling):
+    eng = engine(max_running_requests=4, tenants={"T": TenantPolicy(max_running_requests=1)},
+                 async_scheduling=async_scheduling)
     load = Load(eng)
     (t0,) = load.add("T", 1, 8, 40)
     load.step()
     t1, t2 = load.add("T", 2, 8, 4)
     (u0,) = load.add("U", 1, 8, 4)
-    load.step()
-    assert load.first_token[u0] == 1  # started the step it arrived, beside T's t0
+    load.steps_to_schedule()
+    assert load.first_token[u0] == load.added_at[u0]  # started the first step it could, beside T's t0
     assert t1 not in load.first_token and t2 not in load.first_token  # slots free, T at its cap
     assert eng.scheduler.num_running == 2
     while eng.has_unfinished():

@@ -226,15 +226,19 @@ def test_no_request_is_preempted_more_than_the_bound_without_priority_changes(se
 
 
 # ---- preempted streams resume first (issue 26) ------------------------------------------
-def preemption_scenario(policy: str = "optimistic"):
+def preemption_scenario(policy: str = "optimistic", async_scheduling: bool = False):
     """The issue's case: 12 blocks of 16, 8 running at most, a 64-token budget; three
     40 + 100-token requests at step 0, two fresh ones (40 / 30 prompt tokens) added at
     step 25, after the first preemption. Returns the run, the steps at which each request
     got tokens, and after every step: the running ids and, for each request waiting
     preempted, whether the free blocks covered it and every preempted request ahead of
-    it (earlier arrivals), with a slot."""
+    it (earlier arrivals), with a slot.
+
+    On the sequential core: the state is read between the update and the next schedule,
+    a point an asynchronous step passes inside one call (it returns after scheduling the
+    next step); the schedule itself is the same either way (tests/unit/test_async_steps.py)."""
     eng = engine(max_total_tokens=12 * 16, max_running_requests=8, max_batched_tokens=64, max_output_tokens=128,
-                 kv_policy=policy, enable_prefix_caching=True)
+                 kv_policy=policy, enable_prefix_caching=True, async_scheduling=async_scheduling)
     r = Run(eng)
     for i in range(3):
         eng.add_request(f"p{i}", prompt_token_ids=[1 + i] * 40, params=params(100))
@@ -281,6 +285,17 @@ def test_no_later_arrival_starts_while_a_preempted_stream_waits():
     assert {"fresh0", "fresh1"} <= started and admissions == 5
     assert {rid: len(t) for rid, t in r.tokens.items()} == {rid: 100 for rid in r.tokens}
     assert all(len(f) == 1 for f in r.finals.values()) and r.eng.kv_stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("policy", ["optimistic", "reserve"])
+def test_asynchronous_steps_preempt_and_recompute_as_the_sequential_core(policy):
+    seq, *_ = preemption_scenario(policy)
+    asy, *_ = preemption_scenario(policy, async_scheduling=True)
+    preempted = asy.eng.scheduler.num_preemptions_total
+    assert preempted == seq.eng.scheduler.num_preemptions_total and (preempted >= 3 or policy == "reserve")
+    assert (asy.step_no, asy.prefill_tokens) == (seq.step_no, seq.prefill_tokens)
+    assert asy.tokens == seq.tokens
+    assert asy.eng.kv_stats().used_blocks == 0
 
 
 def test_a_preempted_stream_resumes_within_two_steps_of_its_blocks_being_free():

@@ -78,6 +78,10 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             own) before step N's outputs are built and handed on, so output work
             (outputs, detokenization, the engine process's pipe) overlaps the forward
             (`EngineCore` docstring; vLLM's async scheduling). Same tokens either way.
+            Unset (None): on where the forward thread mostly waits for a device (CUDA,
+            the emulated device of `null_engine(device_ms=...)`: the runner's
+            `overlaps_host`), off on the CPU, where both threads run Python and share
+            the GIL (measured 0.42-0.82x of sequential steps: docs/benchmarks.md).
     """
 
     max_running_requests: int = 64
@@ -99,7 +103,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fair_decode_weight: float = 2.0
     tenants: dict[str, TenantPolicy] = msgspec.field(default_factory=dict)
     default_tenant: TenantPolicy = msgspec.field(default_factory=TenantPolicy)
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
 
     def tenant_policy(self, tenant: str) -> TenantPolicy:
         """The weight and quotas of `tenant` (`default_tenant` if it is not listed)."""

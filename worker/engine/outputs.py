@@ -92,6 +92,9 @@ class Runner(Protocol):
     """What the engine core needs of a model runner (`ModelRunner`, `NullRunner`)."""
 
     device: torch.device
+    # optional: True when the forward thread mostly waits for a device, so asynchronous
+    # steps pay (the default of `serving_tuning.async_scheduling`); absent = False
+    overlaps_host: bool
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the packed batch; a token for every request whose chunk

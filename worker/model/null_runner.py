@@ -96,6 +96,7 @@ class NullRunner:
         self.vocab_size = vocab_size
         self._next = next_token or (lambda s: default_next_token(s, vocab_size, avoid))
         self.emulated = EmulatedDevice(device_ms / 1000) if device_ms > 0 else None
+        self.overlaps_host = self.emulated is not None  # the default of asynchronous steps (EngineCore)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Launch the step on the emulated device (if any), compute its tokens, wait for it."""

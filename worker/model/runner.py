@@ -42,6 +42,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        # the forward thread mostly waits for the device (kernels queued, the GIL released
+        # in the sync), so the engine core's asynchronous steps overlap host work with it
+        self.overlaps_host = device.type == "cuda"
         self.backend = backend
         self.kv_layout = kv_layout
         self.kv_caches = [

@@ -1,0 +1,264 @@
+"""Inflight behind its OpenAI-compatible gateway vs `vllm serve`, both driven by
+`vllm bench serve`, the load generator this field uses, on the same checkpoint and
+limits, in one run.
+
+Systems (each started, measured at every rate, stopped, before the next starts, so they
+never share the cores):
+  inflight  `python -m worker gateway` + one `python -m worker worker` on the dev stack's
+            Kafka and Redis (fresh topics), the checkpoint on the CPU (or CUDA).
+  vllm      `vllm serve` from vLLM's own venv (tools/setup_vllm.sh; skipped with a
+            message when absent).
+Load: `vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random`
+with fixed input and output lengths and `--ignore-eos`, greedy, at each `--rates` value
+(requests/s, Poisson; `inf`: all at once, the saturation row). Both get the same
+`--max-batch` running requests, `--budget` tokens per step, prefix caching off.
+
+Writes results/bench_serve.json (every metric `vllm bench serve` saved, per system and
+rate) and results/bench_serve.png, and prints the table: output tokens/s, TTFT / TPOT /
+ITL p50 and p99 (ms), and Inflight's ratio to vLLM per rate.
+
+    tools/setup_vllm.sh && tools/devstack.sh up
+    python -m tools.bench_serve                          # ~10 minutes here
+    python -m tools.bench_serve --rates 4 --num-prompts 40 --systems inflight
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from tools.bench_e2e import _free_port
+from tools.bench_engine import (
+    DEFAULT_MODEL,
+    VLLM_PYTHON,
+    _machine,
+    default_device,
+    ensure_model,
+    vllm_missing,
+)
+from tools.connections import add_connection_args, connection_sections, worker_sections
+
+KEY = "bench-serve-key-0001"
+SERVED_NAME = "bench"
+METRICS = ("ttft", "tpot", "itl")
+
+
+class Server:
+    """Processes answering OpenAI requests at http://127.0.0.1:`port`; logs to `log`."""
+
+    def __init__(self, name: str, procs: list[subprocess.Popen], port: int, log) -> None:
+        self.name, self.procs, self.port, self.log = name, procs, port, log
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until `GET /v1/models` answers 200 and one completion succeeds. Raises
+        RuntimeError if a process exits, TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{self.name}: {p.args[:4]} exited with {p.returncode}; see {self.log.name}")
+            try:
+                self._completion()
+                return
+            except OSError:
+                time.sleep(1.0)
+        raise TimeoutError(f"{self.name} was not ready after {timeout:.0f} s; see {self.log.name}")
+
+    def _completion(self) -> None:
+        body = json.dumps({"model": SERVED_NAME, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in reversed(self.procs):
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.log.close()
+
+
+def start_inflight(a, model: Path, device: str, tmp: Path) -> Server:
+    import yaml
+
+    from worker.cli.topics import create_topics
+
+    prefix = f"serve{uuid.uuid4().hex[:8]}"
+    asyncio.run(create_topics(a.kafka, prefix, partitions=3, kafka=a.kafka_cfg))
+    kafka, redis, secret_env = worker_sections(a.kafka_cfg, a.redis_cfg)
+    kafka.update(topic_prefix=prefix, group_id=f"{prefix}-workers", commit_interval_ms=200)
+    redis.update(key_prefix=prefix, log_ttl_s=600)
+    tuning = {"max_running_requests": a.max_batch, "max_batched_tokens": a.budget,
+              "max_total_tokens": a.max_batch * a.max_model_len, "max_input_tokens": a.max_model_len,
+              "max_output_tokens": a.max_model_len, "enable_prefix_caching": False}
+    wcfg = {"model": {"path": str(model), "device": device}, "serving_tuning": tuning, "kafka": kafka,
+            "redis": redis, "worker": {"worker_id": f"{prefix}-w", "log_level": "WARNING"}, "metrics": {"port": None}}
+    port = _free_port()
+    gcfg = {"gateway": {"host": "127.0.0.1", "port": port, "model_name": SERVED_NAME, "files_dir": str(tmp / "files"),
+                        "api_keys": [{"key": KEY, "tenant": "bench", "max_priority": "high"}],
+                        "max_concurrent_requests": 100_000, "tokenizer": str(model)},
+            "kafka": {k: v for k, v in kafka.items() if k != "group_id"}, "redis": redis}
+    (tmp / "worker.yaml").write_text(yaml.safe_dump(wcfg))
+    (tmp / "gateway.yaml").write_text(yaml.safe_dump(gcfg))
+    env = {**os.environ, **secret_env}
+    log = open(Path(a.out) / "bench_serve_inflight.log", "w")  # noqa: SIM115 (closed in Server.stop)
+    worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--config", str(tmp / "worker.yaml")],
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    gateway = subprocess.Popen([sys.executable, "-m", "worker", "gateway", "--config", str(tmp / "gateway.yaml"),
+                                "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    return Server("inflight", [worker, gateway], port, log)
+
+
+def start_vllm(a, model: Path, device: str) -> Server:
+    port = _free_port()
+    log = open(Path(a.out) / "bench_serve_vllm.log", "w")  # noqa: SIM115 (closed in Server.stop)
+    vllm = Path(a.vllm_python).with_name("vllm")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    argv = [str(vllm), "serve", str(model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+            "--port", str(port), "--api-key", KEY, "--dtype", "float32" if device == "cpu" else "bfloat16",
+            "--max-num-seqs", str(a.max_batch), "--max-num-batched-tokens", str(a.budget),
+            "--max-model-len", str(a.max_model_len), "--no-enable-prefix-caching", "--seed", "0"]
+    return Server("vllm", [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)], port, log)
+
+
+def bench_one(a, server: Server, model: Path, rate: float, tmp: Path) -> dict:
+    """One `vllm bench serve` run at `rate` against `server`; its saved result JSON.
+    Raises RuntimeError (with its output's tail) if it fails or a request failed."""
+    name = f"{server.name}-{rate}.json"
+    vllm = Path(a.vllm_python).with_name("vllm")
+    argv = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{server.port}",
+            "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(model),
+            "--dataset-name", "random", "--random-input-len", str(a.input_len),
+            "--random-output-len", str(a.output_len), "--num-prompts", str(a.num_prompts),
+            "--request-rate", str(rate), "--ignore-eos", "--temperature", "0", "--seed", str(a.seed),
+            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(tmp), "--result-filename", name, "--disable-tqdm"]
+    env = {**os.environ, "OPENAI_API_KEY": KEY}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    server.log.write(f"\n==== vllm bench serve at {rate} req/s ====\n{proc.stdout}{proc.stderr}\n")
+    server.log.flush()
+    if proc.returncode != 0 or not (tmp / name).is_file():
+        raise RuntimeError(f"vllm bench serve against {server.name} failed (exit {proc.returncode}):\n"
+                           f"{(proc.stdout + proc.stderr)[-3000:]}")
+    res = json.loads((tmp / name).read_text())
+    if res.get("completed") != a.num_prompts:
+        raise RuntimeError(f"{server.name} at {rate} req/s: {res.get('completed')}/{a.num_prompts} requests "
+                           f"completed; errors: {[e for e in res.get('errors', []) if e][:3]}")
+    return {k: v for k, v in res.items() if not isinstance(v, list)}  # per-request lists left out
+
+
+def row(res: dict) -> dict:
+    """The table's fields of one result (milliseconds, tokens/s)."""
+    out = {"output_tokens_per_s": res["output_throughput"], "requests_per_s": res["request_throughput"]}
+    for m in METRICS:
+        for q in ("p50", "p99"):
+            out[f"{m}_{q}_ms"] = res[f"{q}_{m}_ms"]
+    return out
+
+
+def plot(report: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, by_rate in report["results"].items():
+        rates = list(by_rate)
+        axes[0].plot(rates, [by_rate[r]["output_tokens_per_s"] for r in rates], marker="o", label=name)
+        axes[1].plot(rates, [by_rate[r]["ttft_p50_ms"] for r in rates], marker="o", label=f"{name} p50")
+        axes[1].plot(rates, [by_rate[r]["ttft_p99_ms"] for r in rates], marker="x", ls="--", label=f"{name} p99")
+    axes[0].set(xlabel="request rate (req/s; inf = all at once)", ylabel="output tokens / s")
+    axes[1].set(xlabel="request rate (req/s; inf = all at once)", ylabel="TTFT (ms)", yscale="log")
+    for ax in axes:
+        ax.legend()
+    fig.suptitle(f"vllm bench serve, random {report['input_len']} in / {report['output_len']} out, --ignore-eos")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (the default is made if missing)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--systems", nargs="+", default=["inflight", "vllm"], choices=["inflight", "vllm"])
+    p.add_argument("--rates", nargs="+", default=["2", "8", "inf"], help="requests/s; inf: all at t=0")
+    p.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=32, help="running requests (both systems)")
+    p.add_argument("--budget", type=int, default=2048, help="batched tokens per step (both systems)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="interpreter of vLLM's venv (tools/setup_vllm.sh)")
+    p.add_argument("--out", default="results")
+    add_connection_args(p)
+    a = p.parse_args(argv)
+    a.kafka_cfg, a.redis_cfg = connection_sections(a)
+    device = a.device if a.device != "auto" else default_device()
+    model = ensure_model(Path(a.model)).resolve()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    if why := vllm_missing(Path(a.vllm_python)):
+        print(f"bench_serve: needs vLLM's `vllm bench serve` as the load generator: {why}", file=sys.stderr)
+        return 2
+    results: dict[str, dict[str, dict]] = {}
+    raw: dict[str, dict[str, dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        for name in a.systems:
+            server = start_inflight(a, model, device, tmp) if name == "inflight" else start_vllm(a, model, device)
+            try:
+                server.wait_ready(900)
+                for rate in a.rates:
+                    res = bench_one(a, server, model, float(rate), tmp)
+                    raw.setdefault(name, {})[rate] = res
+                    results.setdefault(name, {})[rate] = row(res)
+                    print(f"{name} at {rate} req/s: {results[name][rate]['output_tokens_per_s']:.0f} output tok/s")
+            finally:
+                server.stop()
+    ratios = {}
+    if {"inflight", "vllm"} <= set(results):
+        for rate in a.rates:
+            i, v = results["inflight"][rate], results["vllm"][rate]
+            ratios[rate] = {"output_tokens_per_s": i["output_tokens_per_s"] / v["output_tokens_per_s"],
+                            "ttft_p50": i["ttft_p50_ms"] / v["ttft_p50_ms"]}
+    report = {"mode": "serve", "command": "python -m tools.bench_serve " + " ".join(argv or sys.argv[1:]),
+              "machine": _machine(), "model": str(model), "device": device, "input_len": a.input_len,
+              "output_len": a.output_len, "num_prompts": a.num_prompts, "max_batch": a.max_batch, "budget": a.budget,
+              "results": results, "ratios_inflight_vs_vllm": ratios, "vllm_bench_serve": raw}
+    out = Path(a.out) / "bench_serve.json"
+    out.write_text(json.dumps(report, indent=2))
+    plot(report, Path(a.out) / "bench_serve.png")
+    head = f"{'system':<10}{'rate':>6}{'out tok/s':>11}" + "".join(f"{m + ' ' + q:>11}" for m in METRICS
+                                                                  for q in ("p50", "p99"))
+    print("\n" + head + "   (latencies in ms)")
+    for name, by_rate in results.items():
+        for rate, r in by_rate.items():
+            print(f"{name:<10}{rate:>6}{r['output_tokens_per_s']:>11.0f}"
+                  + "".join(f"{r[f'{m}_{q}_ms']:>11.1f}" for m in METRICS for q in ("p50", "p99")))
+    for rate, r in ratios.items():
+        print(f"inflight / vllm at {rate} req/s: output tok/s {r['output_tokens_per_s']:.2f}x, "
+              f"TTFT p50 {r['ttft_p50']:.2f}x")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
