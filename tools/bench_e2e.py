@@ -335,7 +335,7 @@ def engine_alone_run(a, model: Path, device: str, text) -> dict:
                          text=text)
     total_out = sum(r.max_tokens for r in work)
     with tqdm(total=total_out, desc="engine alone", unit="tok") as pbar:
-        secs = run_inflight(model, work, a.max_batch, kv_tokens(a), a.budget, pbar, device, a.backend)
+        secs, _ = run_inflight(model, work, a.max_batch, kv_tokens(a), a.budget, pbar, device, a.backend)
     return {"num_requests": len(work), "seconds": secs, "output_tokens": total_out,
             "output_tokens_per_s": total_out / secs, "requests_per_s": len(work) / secs,
             "mean_output_tokens": total_out / len(work), "vocab_size": vocab}

@@ -212,7 +212,7 @@ def engine_bench(a, device: str) -> dict:
             pass
 
     for backend in ("triton", "torch"):
-        secs = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend)
+        secs, _ = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend)
         out[backend] = {"seconds": secs, "output_tokens_per_s": total / secs}
     out["triton_vs_torch"] = out["triton"]["output_tokens_per_s"] / out["torch"]["output_tokens_per_s"]
     return out

@@ -81,7 +81,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             Unset (None): on where the forward thread mostly waits for a device (CUDA,
             the emulated device of `null_engine(device_ms=...)`: the runner's
             `overlaps_host`), off on the CPU, where both threads run Python and share
-            the GIL (measured 0.42-0.82x of sequential steps: docs/benchmarks.md).
+            the GIL (measured 0.42-1.05x of sequential steps: docs/benchmarks.md).
     """
 
     max_running_requests: int = 64

@@ -32,7 +32,7 @@ being scheduled).
 Where it pays: when the forward thread mostly waits for a device (CUDA; the emulated
 device) it releases the GIL and the host work runs beside it. On the CPU both threads
 run Python (the forward of a small model is mostly module calls) and trade the GIL, so
-there it is slower (measured 0.42-0.82x of sequential steps); unset, the setting
+there it gains little or loses (measured 0.42-1.05x of sequential steps); unset, the setting
 follows the runner's `overlaps_host` (`ServingTuning.async_scheduling`).
 """
 
