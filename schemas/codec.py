@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
-from schemas.wire import Cancel, Event, Job, check_tenant
+from schemas.wire import JOB_ID_MAX_LENGTH, JOB_ID_PATTERN, Cancel, Event, Job, check_tenant
 
 _encoder = msgspec.json.Encoder()
 _job = msgspec.json.Decoder(Job)
@@ -31,17 +33,30 @@ def decode_event(data: bytes) -> Event:
     return _event.decode(data)
 
 
-def recover_job_id(data: bytes) -> str | None:
-    """Best effort: the `job_id` of a record that failed to decode as a Job, if it is
-    a JSON object with a string `job_id` (so the producer still gets `finished(rejected)`)."""
+def recover_job_id(data: bytes, key: bytes | None = None) -> str | None:
+    """Best effort: the job id of a record that failed to decode as a Job, so whoever
+    streams that id still gets `finished(rejected)`: its `job_id` field when the record
+    is a JSON object whose `job_id` is a valid job id, else its Kafka `key` when that is a
+    valid job id (UTF-8); None otherwise. An invalid id is never used (it would name Redis
+    keys the wire forbids)."""
     try:
         obj = msgspec.json.decode(data)
     except msgspec.DecodeError:
-        return None
-    if isinstance(obj, dict):
-        jid = obj.get("job_id")
-        if isinstance(jid, str) and 0 < len(jid) <= 200:
-            return jid
+        obj = None
+    if isinstance(obj, dict) and (jid := valid_job_id(obj.get("job_id"))):
+        return jid
+    if key:
+        try:
+            return valid_job_id(key.decode("utf-8"))
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def valid_job_id(jid: object) -> str | None:
+    """`jid` if it is a valid job id (1-200 characters of `JOB_ID_PATTERN`), else None."""
+    if isinstance(jid, str) and 0 < len(jid) <= JOB_ID_MAX_LENGTH and re.fullmatch(JOB_ID_PATTERN, jid):
+        return jid
     return None
 
 

@@ -17,7 +17,8 @@ from schemas.params import SamplingParams
 
 SCHEMA_VERSION = 1
 JOB_ID_PATTERN = r"^[A-Za-z0-9._:@/+=-]+$"
-JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=JOB_ID_PATTERN)]
+JOB_ID_MAX_LENGTH = 200
+JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=JOB_ID_MAX_LENGTH, pattern=JOB_ID_PATTERN)]
 # A tenant is spelled like a job id without `:`: it becomes one segment of Redis keys and
 # channels (`inflight:t:<tenant>:job:<id>`), and a `:` in it would let one tenant's ACL
 # pattern (`inflight:t:<tenant>:job:*`) match another tenant's keys. No glob character

@@ -6,8 +6,11 @@ docstrings, model trained for 400 steps: about two minutes on 2 CPU cores, cache
 .cache/models/demo-llama), runs a worker in this process, submits six jobs of the three
 priorities through Kafka, streams one job's tokens live from Redis pub/sub while the
 others run in the same batch, cancels another mid-stream and shows its KV blocks freed.
+The cancelled job asks for `--victim-tokens` tokens with EOS ignored, so it is still
+running when the cancel arrives; every outcome printed is read back (finish reasons from
+the events, the block table from the engine), never assumed.
 
-    python -m tools.demo [--kafka 127.0.0.1:19092] [--redis redis://127.0.0.1:6390/0]
+    python -m tools.demo [--kafka 127.0.0.1:19092] [--redis redis://127.0.0.1:6390/0] [--prefix inflight]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import uuid
 from pathlib import Path
 
 DEMO_MODEL = Path(".cache/models/demo-llama")
+CANCEL_AFTER = 6  # token events of the victim seen before the demo cancels it
 PROMPTS = [
     ("high", "Return the number of"),
     ("normal", "This module provides"),
@@ -33,6 +37,7 @@ PROMPTS = [
 async def run(a: argparse.Namespace) -> int:
     from schemas.params import SamplingParams
     from schemas.wire import Finished, Started, Token
+    from worker.cli.topics import create_topics
     from worker.client import InflightClient
     from worker.config import load_config
     from worker.engine import Engine
@@ -40,11 +45,14 @@ async def run(a: argparse.Namespace) -> int:
     from worker.serve.worker import Worker
 
     setup_logging("WARNING")
+    await create_topics(a.kafka, a.prefix, partitions=6)  # the dev stack made the default prefix's; others here
     cfg = load_config(None, {
         "INFLIGHT_MODEL__PATH": str(a.model),
         "INFLIGHT_KAFKA__BOOTSTRAP_SERVERS": a.kafka,
         "INFLIGHT_KAFKA__GROUP_ID": f"inflight-demo-{uuid.uuid4().hex[:6]}",
         "INFLIGHT_REDIS__URL": a.redis,
+        "INFLIGHT_KAFKA__TOPIC_PREFIX": a.prefix,
+        "INFLIGHT_REDIS__KEY_PREFIX": a.prefix,
         "INFLIGHT_SERVING_TUNING__MAX_RUNNING_REQUESTS": "4",
         "INFLIGHT_SERVING_TUNING__MAX_TOTAL_TOKENS": "2048",
         "INFLIGHT_SERVING_TUNING__MAX_BATCHED_TOKENS": "64",
@@ -63,10 +71,13 @@ async def run(a: argparse.Namespace) -> int:
           f"metrics on http://127.0.0.1:{worker.server.port}/metrics\n")
 
     tag = uuid.uuid4().hex[:4]
-    async with InflightClient(a.kafka, a.redis) as client:
+    async with InflightClient(a.kafka, a.redis, topic_prefix=a.prefix, key_prefix=a.prefix) as client:
         ids = []
         for i, (prio, prompt) in enumerate(PROMPTS):
             params = SamplingParams(max_tokens=a.max_tokens, temperature=0.7, top_p=0.9, seed=i)
+            if i == 1:  # the job cancelled below: long enough that it cannot end before the cancel lands
+                params = SamplingParams(max_tokens=a.victim_tokens, temperature=0.7, top_p=0.9, seed=i,
+                                        ignore_eos=True)
             ids.append(await client.submit(prompt, params=params, priority=prio, job_id=f"demo-{tag}-{prio}-{i}"))
         print("submitted to Kafka:", ", ".join(ids), "\n")
         live, victim = ids[0], ids[1]
@@ -83,15 +94,21 @@ async def run(a: argparse.Namespace) -> int:
                     if job_id == live:
                         sys.stdout.write(ev.text)
                         sys.stdout.flush()
-                    if job_id == victim and n == 6:
+                    if job_id == victim and n == CANCEL_AFTER:
                         blocks = len(engine.kv.block_table(job_id))
-                        lines.append(f"cancelling {job_id} after {n} tokens; it holds {blocks} KV block(s)")
+                        lines.append(f"cancelling {job_id} after {n} token events; it holds {blocks} KV block(s)")
                         await client.cancel(job_id)
                 elif isinstance(ev, Finished):
                     texts[job_id] = ev.text
                     extra = ""
                     if job_id == victim:
-                        extra = f"; its block table is now {engine.kv.block_table(job_id)} (freed at the step boundary)"
+                        table = engine.kv.block_table(job_id)
+                        if ev.finish_reason != "cancelled":
+                            extra = f"; the cancel did not take effect: it ended {ev.finish_reason} first"
+                        elif table:
+                            extra = f"; cancelled, but its block table still holds {len(table)} block(s)"
+                        else:
+                            extra = "; cancelled: its block table is now [] (its KV blocks are free)"
                     lines.append(f"{job_id}: finished ({ev.finish_reason}, {ev.usage.completion_tokens if ev.usage else 0} "
                                  f"tokens, TTFT {ev.timings.ttft_s * 1000 if ev.timings and ev.timings.ttft_s else 0:.0f} ms){extra}")
 
@@ -140,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(DEMO_MODEL))
     p.add_argument("--kafka", default="127.0.0.1:19092")
     p.add_argument("--redis", default="redis://127.0.0.1:6390/0")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per job (default %(default)s)")
+    p.add_argument("--victim-tokens", type=int, default=400,
+                   help="tokens the cancelled job asks for, EOS ignored (default %(default)s)")
+    p.add_argument("--prefix", default="inflight", help="topic and Redis key prefix (default %(default)s)")
     a = p.parse_args(argv)
     if not (Path(a.model) / "config.json").is_file():
         from tools.make_model import make_checkpoint

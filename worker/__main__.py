@@ -19,10 +19,21 @@ import json
 import os
 import sys
 
-from worker.cli.commands import client_command, client_sections, run_reported
+from worker.cli.commands import STREAM_TIMEOUT_S, client_command, client_sections, run_reported
 
 DEFAULT_KAFKA = "127.0.0.1:19092"  # also INFLIGHT_KAFKA__BOOTSTRAP_SERVERS, read by the config loader
 DEFAULT_REDIS = "redis://127.0.0.1:6390/0"  # also INFLIGHT_REDIS__URL
+
+
+class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` names every default, except where the help text already says it or
+    there is none to name (unset, or a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -173,35 +184,41 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--kafka", default=None, help=f"bootstrap servers (default: the config's, else {DEFAULT_KAFKA})")
         sp.add_argument("--redis", default=None, help=f"Redis URL (default: the config's, else {DEFAULT_REDIS})")
         sp.add_argument("--prefix", default=None, help="topic and key prefix (default: the config's, else inflight)")
-        sp.add_argument("--timeout", type=float, default=None, help="seconds to wait for the end")
+        sp.add_argument("--timeout", type=float, default=STREAM_TIMEOUT_S,
+                        help="seconds to wait for the job's end (stream, submit --stream); on expiry: a hint, exit 1")
 
-    s = sub.add_parser("submit", help="produce a job")
+    defaults = ShowDefaults
+    s = sub.add_parser("submit", formatter_class=defaults,
+                       help="produce a job (prints its id; with --stream the id goes to stderr, the text to stdout)",
+                       description="Produce a job. --max-tokens and --temperature default to a short greedy answer "
+                       "for a terminal; a job without them (the wire schema) gets temperature 1.0 and up to the "
+                       "worker's max_output_tokens.")
     client_args(s)
     s.add_argument("--prompt", required=True)
-    s.add_argument("--priority", default="normal", choices=["high", "normal", "low"])
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--job-id", default=None)
+    s.add_argument("--priority", default="normal", choices=["high", "normal", "low"], help="the job's topic")
+    s.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    s.add_argument("--seed", type=int, default=None, help="sampling seed (none: random)")
+    s.add_argument("--job-id", default=None, help="the job's id (none: a random one)")
     s.add_argument("--tenant", default=None, help="the job's tenant: its stream goes to the tenant's Redis keys")
     s.add_argument("--stream", action="store_true", help="stream the tokens to stdout")
-    st = sub.add_parser("stream", help="stream a job's events (replays what already happened; waits for a job "
+    st = sub.add_parser("stream", formatter_class=defaults, help="stream a job's events (replays what already happened; waits for a job "
                         "not seen yet, up to --timeout)")
     client_args(st)
     st.add_argument("job_id")
     st.add_argument("--tenant", default=None, help="the tenant the job was submitted with")
-    c = sub.add_parser("cancel", help="cancel a job")
+    c = sub.add_parser("cancel", formatter_class=defaults, help="cancel a job")
     client_args(c)
     c.add_argument("job_id")
 
-    t = sub.add_parser("topics", help="manage topics")
+    t = sub.add_parser("topics", formatter_class=defaults, help="manage topics")
     t.add_argument("action", choices=["create"])
     t.add_argument("--bootstrap", default=None, help=f"bootstrap servers (default: the config's, else {DEFAULT_KAFKA})")
     t.add_argument("--config", help="YAML file whose `kafka` section gives the connection security (a principal "
                    "allowed to create topics); INFLIGHT_KAFKA__* env vars override it")
     t.add_argument("--prefix", default=None, help="topic prefix (default: the config's, else inflight)")
-    t.add_argument("--partitions", type=int, default=6)
-    t.add_argument("--replication-factor", type=int, default=1)
+    t.add_argument("--partitions", type=int, default=6, help="partitions per topic")
+    t.add_argument("--replication-factor", type=int, default=1, help="replicas per partition")
     t.add_argument("--quiet", action="store_true")
 
     sub.add_parser("schema", help="print the JSON Schema of the wire messages")
@@ -219,16 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     acl.add_argument("--tenant", default=None, help="redis reader: the tenant (none: jobs without a tenant)")
     acl.add_argument("--may-cancel", action="store_true", help="redis reader: may also set cancel tombstones")
 
-    g = sub.add_parser("generate", help="run prompts through the engine in this process and stream the text")
+    g = sub.add_parser("generate", formatter_class=defaults,
+                       help="run prompts through the engine in this process and stream the text")
     g.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
     g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append")
-    g.add_argument("--priority", default="normal", choices=["high", "normal", "low"])
-    g.add_argument("--device", default="auto")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (none: random)")
+    g.add_argument("--stop", action="append", help="a stop string (repeat for several)")
+    g.add_argument("--priority", default="normal", choices=["high", "normal", "low"], help="the prompts' class")
+    g.add_argument("--device", default="auto", help="cpu, cuda or auto")
 
     a = p.parse_args(argv)
     from worker.config import ConfigError

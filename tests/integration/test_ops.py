@@ -284,9 +284,77 @@ def test_cli_reports_refusals_and_timeouts_without_tracebacks(services, prefix):
     r = cli("stream", "never-submitted", "--timeout", "1", "--kafka", services[0], "--redis", services[1],
             "--prefix", prefix)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "timeout" in r.stderr, r.stderr
+    # the hint names the likely causes (issue 32: a silent wait for ever was the default)
+    assert "pass --tenant" in r.stderr and f"{prefix}.dlq" in r.stderr, r.stderr
     r = cli("submit", "--prompt", "x", "--job-id", "a b", "--kafka", services[0], "--redis", services[1],
             "--prefix", prefix)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "job_id" in r.stderr, r.stderr
+
+
+def test_cli_streams_text_alone_on_stdout_and_a_tenant_miss_gets_a_hint(services, prefix, llama_path):
+    import sys
+
+    cfg = worker_config(services, prefix)
+    engine = Engine.from_pretrained(str(llama_path), cfg.engine)
+    conn = ["--kafka", services[0], "--redis", services[1], "--prefix", prefix]
+
+    async def cli(*args):
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "worker", *args, cwd=ROOT,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        return proc.returncode, out.decode(), err.decode()
+
+    async def main():
+        w, task = await start_worker(cfg, engine)
+        try:
+            streamed = await cli("submit", "--prompt", "Hello", "--job-id", "cli-text", "--tenant", "acme",
+                                 "--max-tokens", "5", "--stream", *conn)
+            missed = await cli("stream", "cli-text", "--timeout", "2", *conn)  # no --tenant
+        finally:
+            await stop_worker(w, task)
+        return streamed, missed
+
+    (code, out, err), (code2, _, err2) = asyncio.run(main())
+    assert code == 0, err
+    assert "cli-text" not in out and "[job cli-text]" in err  # stdout: the text alone
+    assert "[finished: " in err and "[finished" not in out
+    assert code2 == 1 and "results topic" in err2 and "pass the --tenant" in err2, err2
+
+
+def test_cli_help_shows_every_default():
+    import subprocess
+    import sys
+
+    for cmd, shown in (("submit", ["default: 64", "default: 0.0", "default: normal", "default: 600.0"]),
+                       ("stream", ["default: 600.0"]), ("generate", ["default: 64", "default: auto"])):
+        r = subprocess.run([sys.executable, "-m", "worker", cmd, "--help"], cwd=ROOT, capture_output=True, text=True)
+        help_text = " ".join(r.stdout.split())
+        assert r.returncode == 0 and all(x in help_text for x in shown), (cmd, r.stdout)
+
+
+def test_local_jobs_gauge_follows_the_job_table_at_every_scrape(services, prefix):
+    # issue 32: it was set by the health loop (every 5 s by default) and read 0 while jobs ran
+    from schemas.wire import Started
+    from tests.integration.helpers import slow_null_engine
+
+    cfg = worker_config(services, prefix, metrics=dict(check_interval_s=60.0))
+    engine = slow_null_engine(0.01)
+
+    async def main():
+        w, task = await start_worker(cfg, engine)
+        get = w.metrics.registry.get_sample_value
+        seen = []
+        async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            job = await client.submit("x", params=SamplingParams(max_tokens=150, ignore_eos=True))
+            async for ev in client.stream(job, timeout_s=60):
+                if isinstance(ev, Started):
+                    seen.append(get("local_jobs"))
+            await asyncio.sleep(0.2)
+            seen.append(get("local_jobs"))
+        await stop_worker(w, task)
+        return seen
+
+    assert asyncio.run(main()) == [1, 0]
 
 
 def test_metrics_port_in_use_is_a_config_error(services, prefix, llama_path):

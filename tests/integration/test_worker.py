@@ -157,6 +157,8 @@ def test_poison_records_go_to_dlq_and_never_block(services, prefix, engine_facto
         async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
             results = await asyncio.gather(*(collect(client, j, 90) for j in good))
             rejected = await collect(client, "bad-version", 30)
+            # no readable job_id: answered under the record's key, a valid job id (issue 32)
+            by_key = await asyncio.gather(*(collect(client, k, 30) for k in ("p-notjson", "p-types", "p-missing")))
         committed = await committed_reaches_end(services[0], cfg.kafka.group_id, prefix)
         dlq = AIOKafkaConsumer(keys.dlq_topic(prefix), bootstrap_servers=services[0], group_id=None,
                                auto_offset_reset="earliest", max_partition_fetch_bytes=32 * 1024 * 1024,
@@ -170,9 +172,12 @@ def test_poison_records_go_to_dlq_and_never_block(services, prefix, engine_facto
                 break
         await dlq.stop()
         await stop_worker(w, task)
-        return good, results, rejected, committed, dead, w
+        return good, results, rejected, committed, dead, w, by_key
 
-    good, results, rejected, committed, dead, w = asyncio.run(main())
+    good, results, rejected, committed, dead, w, by_key_events = asyncio.run(main())
+    for k, evs in zip(("p-notjson", "p-types", "p-missing"), by_key_events):
+        fin_k = assert_well_formed(evs, k)
+        assert len(evs) == 1 and fin_k.finish_reason == "rejected" and fin_k.error.code == "invalid_job", (k, evs)
     for j, evs in zip(good, results):
         assert assert_well_formed(evs, j).finish_reason in ("stop", "length")
     fin = assert_well_formed(rejected, "bad-version")

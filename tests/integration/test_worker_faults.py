@@ -306,3 +306,52 @@ def test_a_job_that_kills_its_workers_becomes_poison(services, prefix, llama_pat
     assert sorted(codes) == [0, 70, 70], f"exactly two workers died: exit codes {codes}"
     for j in ids:
         assert assert_well_formed(results[j], j).finish_reason == "length"
+
+
+def test_a_done_job_whose_results_record_was_lost_gets_it_from_its_log(services, prefix):
+    """A worker killed between publishing a job's terminal event (log entry + done mark,
+    one script) and writing its results record left a job done in Redis with no durable
+    outcome; the redelivered record was released as already done, so a batch waiting on
+    the results topic stayed `in_progress` for ever (2 of 48 lines in a run of
+    test_a_batch_survives_kill_9_of_a_worker). The redelivery now writes the terminal
+    event found in the log to the results topic before its offset is done."""
+    from redis.asyncio import Redis
+
+    from schemas.codec import encode
+    from schemas.wire import Finished, Token
+    from tests.integration.helpers import committed_reaches_end
+
+    cfg = worker_config(services, prefix)
+    engine = slow_null_engine(0.001)
+
+    async def main():
+        r = Redis.from_url(services[1])
+        log_key = keys.log_key("lost-1", prefix)
+        await r.xadd(log_key, {"e": encode(Token(job_id="lost-1", seq=2, attempt=1, text="ab", token_ids=[1])),
+                               "q": 2})
+        fin = Finished(job_id="lost-1", seq=3, attempt=1, finish_reason="length", text="abc")
+        await r.xadd(log_key, {"e": encode(fin), "q": 3})
+        await r.set(keys.done_key("lost-1", prefix), "length", ex=600)
+        await r.aclose()
+        async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            await client.submit("x", job_id="lost-1", params=SamplingParams(max_tokens=5))  # the redelivered record
+            await client.submit("y", job_id="fresh-1", params=SamplingParams(max_tokens=3, ignore_eos=True))
+            w, task = await start_worker(cfg, engine)
+            try:
+                fresh = await collect(client, "fresh-1", 60)
+                found: dict = {}
+                for _ in range(40):
+                    found = await client.lookup_results(["lost-1", "fresh-1"], timeout_s=5)
+                    if len(found) == 2:
+                        break
+                    await asyncio.sleep(0.25)
+                committed = await committed_reaches_end(services[0], cfg.kafka.group_id, prefix)
+            finally:
+                await stop_worker(w, task)
+        return fresh, found, committed, w
+
+    fresh, found, committed, w = asyncio.run(main())
+    assert assert_well_formed(fresh, "fresh-1").finish_reason == "length"
+    assert found["lost-1"].finish_reason == "length" and found["lost-1"].text == "abc"  # from the log, not re-run
+    assert w.finalizer.num_settled == 1 and w.finalizer.num_finished == 1  # lost-1 never ran again
+    assert all(c == e for c, e in committed.values()), committed

@@ -104,7 +104,7 @@ def test_two_workers_in_one_process_do_not_share_series():
     a, b = Metrics(), Metrics()
     a.finished.labels("stop").inc()
     assert a.registry.get_sample_value("request_finished_total", {"finish_reason": "stop"}) == 1
-    assert b.registry.get_sample_value("request_finished_total", {"finish_reason": "stop"}) is None
+    assert b.registry.get_sample_value("request_finished_total", {"finish_reason": "stop"}) == 0  # its own, at 0
 
 
 def tenant_series(m: Metrics) -> dict[str, set[str]]:
@@ -139,3 +139,24 @@ def test_tenant_labels_are_bounded_to_the_top_n_by_tokens_plus_other():
     for i in range(50):  # many more tenants: still at most n + 1 label values
         m.observe_tenant_tokens(f"t{i}", "generation", 1)
     assert len(tenant_series(m)["tenant_tokens"]) <= 3
+
+
+def test_labelled_counters_read_zero_before_their_first_event():
+    # issue 32: a panel read "no data" until the first OOM / error / rejection
+    from schemas.wire import FINISH_REASONS
+    from worker.engine.request import ErrorCode, RejectReason
+    from worker.obs import metrics as mod
+
+    assert set(mod.REJECT_REASONS) == {r.value for r in RejectReason} | {"invalid_job"}
+    assert set(mod.ERROR_CODES) <= {c.value for c in ErrorCode}
+    m = Metrics()
+    get = m.registry.get_sample_value
+    for reason in FINISH_REASONS:
+        assert get("request_finished_total", {"finish_reason": reason}) == 0.0
+    for reason in mod.REJECT_REASONS:
+        assert get("request_rejected_total", {"reason": reason}) == 0.0
+    for name, label, values in (("request_abort_total", "reason", mod.ABORT_REASONS),
+                                ("request_oom_total", "outcome", mod.OOM_OUTCOMES),
+                                ("request_errors_total", "code", mod.ERROR_CODES)):
+        assert all(get(name, {label: v}) == 0.0 for v in values), name
+    assert all(get("llm_ttft_seconds_count", {"priority": p}) == 0.0 for p in ("high", "normal", "low"))

@@ -35,6 +35,14 @@ def test_recover_job_id_and_cancel():
     assert recover_job_id(b'{"v": 9, "job_id": "x1"}') == "x1"
     assert recover_job_id(b'{"job_id": 5}') is None
     assert recover_job_id(b"garbage") is None
+    # issue 32: an undecodable record whose Kafka key is a valid job id is answered under the key
+    assert recover_job_id(b"garbage", b"job-7") == "job-7"
+    assert recover_job_id(b'{"job_id": 5}', b"job-7") == "job-7"
+    assert recover_job_id(b'{"job_id": "body-id"}', b"key-id") == "body-id"  # the field wins
+    # an id the wire forbids is never used, from the body or the key
+    assert recover_job_id(b'{"job_id": "a b"}') is None
+    assert recover_job_id(b"garbage", b"a b") is None and recover_job_id(b"garbage", b"\xff") is None
+    assert recover_job_id(b"garbage", b"x" * 201) is None
     assert decode_cancel(b'{"job_id": "x1"}').job_id == "x1"
 
 

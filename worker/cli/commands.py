@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 
 
@@ -61,7 +62,39 @@ def run_reported(coro, *, bad_input: str, kafka=None, redis=None, log_errors: bo
         return 1
 
 
-async def print_stream(client, job_id: str, timeout: float | None, tenant: str | None = None) -> int:
+STREAM_TIMEOUT_S = 600.0  # default --timeout of `stream` and `submit --stream`, seconds
+
+
+def timeout_hint(job_id: str, timeout: float | None, tenant: str | None, prefix: str) -> str:
+    """What a stream that ended without a terminal event most likely means."""
+    causes = [f"the id {job_id!r} is wrong or its job is still queued behind others"]
+    if tenant is None:
+        causes.append("the job was submitted with a tenant (every gateway job has one): pass --tenant")
+    causes.append(f"its record could not be decoded and went to the DLQ topic {prefix}.dlq with a `rejected` event "
+                  "under the id it carried")
+    return f"no terminal event for {job_id} within {timeout:g} s; likely: " + "; or ".join(causes)
+
+
+async def print_stream(client, job_id: str, timeout: float | None, tenant: str | None = None,
+                       prefix: str = "inflight") -> int:
+    """Text to stdout, progress and the outcome to stderr; 0 for stop / length, else 1.
+    Raises TimeoutError with `timeout_hint` when no terminal event came in `timeout` s."""
+    try:
+        return await _print_stream(client, job_id, timeout, tenant)
+    except TimeoutError:
+        recorded = None
+        with contextlib.suppress(Exception):  # the hint is best effort: a refused results read leaves it generic
+            recorded = (await client.lookup_results([job_id], timeout_s=10.0)).get(job_id)
+        if recorded is not None:
+            which = "pass the --tenant it was submitted with" if tenant is None else f"check --tenant ({tenant!r})"
+            hint = (f"no terminal event for {job_id} within {timeout:g} s on these Redis keys, but the results "
+                    f"topic {prefix}.results records it finished ({recorded.finish_reason}): {which}, or its "
+                    "Redis log expired (redis.log_ttl_s)")
+            raise TimeoutError(hint) from None
+        raise TimeoutError(timeout_hint(job_id, timeout, tenant, prefix)) from None
+
+
+async def _print_stream(client, job_id: str, timeout: float | None, tenant: str | None) -> int:
     from schemas.wire import Finished, Restarted, Started, Token
 
     code = 1
@@ -110,12 +143,13 @@ async def client_command(a: argparse.Namespace, kafka, redis) -> int:
             params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
             job_id = await client.submit(a.prompt, params=params, priority=a.priority, job_id=a.job_id,
                                          tenant=a.tenant)
+            if a.stream:  # stdout carries the text alone
+                print(f"[job {job_id}]", file=sys.stderr)
+                return await print_stream(client, job_id, a.timeout, a.tenant, kafka.topic_prefix)
             print(job_id)
-            if a.stream:
-                return await print_stream(client, job_id, a.timeout, a.tenant)
             return 0
         if a.cmd == "stream":
-            return await print_stream(client, a.job_id, a.timeout, a.tenant)
+            return await print_stream(client, a.job_id, a.timeout, a.tenant, kafka.topic_prefix)
         if a.cmd == "cancel":
             await client.cancel(a.job_id)
             print(f"cancel sent for {a.job_id} (no effect if it already finished)", file=sys.stderr)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from schemas.wire import FINISH_REASONS
+
 if TYPE_CHECKING:
     from worker.engine import KVStats, StepStats
 
@@ -44,6 +46,14 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 PRIORITY = ("priority",)
+# Label values exported at 0 from the start, so a dashboard reads 0 rather than "no data"
+# before the first event (tests/unit/test_metrics.py checks them against their enums).
+PRIORITIES = ("high", "normal", "low")
+ABORT_REASONS = ("cancelled", "handed_back", "lease_lost")
+REJECT_REASONS = ("empty_prompt", "prompt_too_long", "exceeds_context", "exceeds_kv_capacity", "invalid_params",
+                  "invalid_prompt", "duplicate_request_id", "overloaded", "invalid_job")
+OOM_OUTCOMES = ("retried", "failed")
+ERROR_CODES = ("internal", "oom")
 OTHER_TENANTS = "other"  # the label of every tenant outside the top N
 NO_TENANT = "none"  # the label of jobs without a tenant
 MAX_RANKED_TENANTS = 10_000  # distinct tenants counted per ranking window (later ones rank as 0)
@@ -208,6 +218,15 @@ class Metrics:
                                       "held jobs' logs were restored", registry=r)
         self.loop_lag = Histogram("event_loop_lag_seconds", "How late the asyncio loop wakes a 100 ms sleep "
                                   "(a starved loop misses Kafka heartbeats)", buckets=LAG_BUCKETS, registry=r)
+
+        for counter, values in ((self.finished, FINISH_REASONS), (self.aborted, ABORT_REASONS),
+                                (self.rejected, REJECT_REASONS), (self.oom, OOM_OUTCOMES),
+                                (self.request_errors, ERROR_CODES)):
+            for v in values:
+                counter.labels(v)
+        for h in (self.queue_time, self.ttft, self.tpot, self.e2e):
+            for prio in PRIORITIES:
+                h.labels(prio)
 
         self._window_s = throughput_window_s
         self._tok_window: deque[tuple[int, int, int]] = deque()  # (second, prefill, decode)

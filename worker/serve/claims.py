@@ -47,17 +47,32 @@ local function last_seq(log)
 end
 """
 
+# The `e` (event JSON) fields of a log's last DONE_TAIL entries, newest first: a done
+# job's terminal event is among them (it is appended with the done mark; only a stale
+# attempt's late events can follow it).
+DONE_TAIL = 4
+LAST_EVENTS = """
+local function last_events(log)
+  local out = {}
+  for _, entry in ipairs(redis.call('XREVRANGE', log, '+', '-', 'COUNT', DONE_TAIL)) do
+    local f = entry[2]
+    for i = 1, #f, 2 do if f[i] == 'e' then out[#out + 1] = f[i + 1] end end
+  end
+  return out
+end
+""".replace("DONE_TAIL", str(DONE_TAIL))
+
 # KEYS: epoch, then per job: done, claim, attempts, log, failures, cancelled.
 # ARGV: epoch, lease_ms, ttl_s, then per job: claim token.
-# Returns per job: {'done', reason} | {'contested'} | {'claimed', attempt, next_seq, failures, cancelled}.
-TAKE_LUA = _EPOCH_CHECK + LAST_SEQ + """
+# Returns per job: {'done', reason, {events}} | {'contested'} | {'claimed', attempt, next_seq, failures, cancelled}.
+TAKE_LUA = _EPOCH_CHECK + LAST_SEQ + LAST_EVENTS + """
 local out = {}
 local n = (#KEYS - 1) / 6
 for j = 0, n - 1 do
   local k = 1 + j * 6
   local done = redis.call('GET', KEYS[k + 1])
   if done then
-    out[j + 1] = {'done', done}
+    out[j + 1] = {'done', done, last_events(KEYS[k + 4])}
   elseif not redis.call('SET', KEYS[k + 2], ARGV[4 + j], 'NX', 'PX', ARGV[2]) then
     out[j + 1] = {'contested'}
   else
@@ -145,9 +160,12 @@ class Claimed:
 
 @dataclass(slots=True, frozen=True)
 class Done:
-    """The job already has its terminal event (`reason`)."""
+    """The job already has its terminal event (`reason`); `tail` holds the event JSON of
+    its log's last entries, newest first (the terminal event among them unless the log
+    expired or was lost): the durable record is re-written from it (`Finalizer.settle`)."""
 
     reason: str
+    tail: tuple[bytes, ...] = ()
 
 
 class Contested:
@@ -234,7 +252,8 @@ class ClaimStore:
         for token, r in zip(tokens, raw):
             kind = r[0].decode() if isinstance(r[0], bytes) else r[0]
             if kind == "done":
-                out.append(Done(r[1].decode() if isinstance(r[1], bytes) else str(r[1])))
+                tail = tuple(e if isinstance(e, bytes) else str(e).encode() for e in (r[2] if len(r) > 2 else []))
+                out.append(Done(r[1].decode() if isinstance(r[1], bytes) else str(r[1]), tail))
             elif kind == "contested":
                 out.append(CONTESTED)
             else:

@@ -19,10 +19,12 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 from aiokafka.errors import KafkaError
 
-from schemas.wire import FinishReason
+from schemas.codec import decode_event
+from schemas.wire import Finished, FinishReason
 
 if TYPE_CHECKING:
     from aiokafka import TopicPartition
@@ -52,6 +54,9 @@ class Finalizer:
         # labelled children looked up once (a `labels()` call per job costs more than the observation)
         self._finished = {r: metrics.finished.labels(r.value) for r in FinishReason}
         self._by_priority: dict[str, tuple] = {}
+        self._settling: list[tuple[TopicPartition, int, str, bytes]] = []
+        self._settle_task: asyncio.Task | None = None
+        self.num_settled = 0  # records of done jobs whose results record was written again
 
     async def dead_letter_record(self, rec: JobRecord, reason: str, error: str, job_id: str | None) -> None:
         """Send a record that is not a job (it does not decode or validate) to the DLQ
@@ -70,6 +75,42 @@ class Finalizer:
         """A record answered without a job held here (its job is done already, or it was
         dead-lettered with no stream to answer): its offset may be committed."""
         self.tracker.done(tp, offset)
+
+    def settle(self, tp: TopicPartition, offset: int, job_id: str, tail: tuple[bytes, ...]) -> None:
+        """A record whose job a done mark in Redis already answers. The worker that ended
+        it may have died between publishing the terminal event and writing the results
+        record, so the terminal event found in `tail` (its log's last event JSONs,
+        `claims.Done`) is written to the results topic again (compaction keeps one per job
+        id), then the offset is done; with none found (the log expired or was lost), the
+        offset is done at once. Kafka errors are retried with backoff meanwhile."""
+        for data in tail:
+            try:
+                ev = decode_event(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):  # a damaged entry: look further
+                continue
+            if isinstance(ev, Finished) and ev.job_id == job_id:
+                self._settling.append((tp, offset, job_id, data))
+                if self._settle_task is None or self._settle_task.done():
+                    self._settle_task = asyncio.create_task(self._settle(), name="finalizer:settle")
+                return
+        self.tracker.done(tp, offset)
+
+    async def _settle(self) -> None:
+        delay = 0.1
+        while self._settling:
+            batch, self._settling = self._settling, []
+            while True:
+                try:
+                    await self.results.record([(job_id, data) for _, _, job_id, data in batch])
+                    break
+                except KafkaError as e:
+                    log.warning("could not re-record outcomes of done jobs in Kafka; retrying", error=repr(e)[:200],
+                                job_ids=[b[2] for b in batch][:20])
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+            for tp, offset, _, _ in batch:
+                self.tracker.done(tp, offset)
+            self.num_settled += len(batch)
 
     def add(self, jobs: Iterable[LocalJob]) -> None:
         """Jobs whose terminal event was just published."""

@@ -62,6 +62,7 @@ class HealthChecks:
         self._parts = {"redis": redis, "intake": intake, "claims": claims, "publisher": publisher,
                        "table": table, "engine": engine}
         self._is_draining = is_draining
+        self.metrics.local_jobs.set_function(lambda: table.num_unfinished)  # current at every scrape
 
     def readiness(self) -> tuple[bool, dict]:
         """(ready, details) for /readyz: model loaded, Kafka and Redis answered the last
@@ -147,7 +148,6 @@ class HealthChecks:
             self._log_cause("kafka", self.kafka_error)
         m.assigned_partitions.set(len(assigned))
         m.paused_partitions.set(len(consumer.paused()))
-        m.local_jobs.set(p["table"].num_unfinished)
         if m.gpu_utilization is not None:
             with suppressed(log, "reading GPU utilization"):  # an NVML hiccup keeps the last value
                 import torch

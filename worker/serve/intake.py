@@ -335,7 +335,7 @@ class Intake:
         while self.invalid:
             rec = self.invalid.pop(0)
             self.num_invalid += 1
-            await self.sink.reject_invalid(rec, recover_job_id(rec.raw))
+            await self.sink.reject_invalid(rec, recover_job_id(rec.raw, rec.key))
         if not self.read_ahead:
             return
         free = self.sink.free_slots()

@@ -166,8 +166,8 @@ class JobStarter:
         contested = []
         to_run: list[LocalJob] = []
         for rec, res in zip(fresh, results):
-            if isinstance(res, Done):
-                self.finalizer.release(rec.tp, rec.offset)
+            if isinstance(res, Done):  # its outcome may predate its results record (a crash between)
+                self.finalizer.settle(rec.tp, rec.offset, rec.job.job_id, res.tail)
             elif isinstance(res, Contested):
                 log.info("job claimed by another worker; waiting", job_id=rec.job.job_id, topic=rec.tp.topic,
                          partition=rec.tp.partition, offset=rec.offset)
