@@ -70,8 +70,8 @@ def timeout_hint(job_id: str, timeout: float | None, tenant: str | None, prefix:
     causes = [f"the id {job_id!r} is wrong or its job is still queued behind others"]
     if tenant is None:
         causes.append("the job was submitted with a tenant (every gateway job has one): pass --tenant")
-    causes.append(f"its record could not be decoded and went to the DLQ topic {prefix}.dlq with a `rejected` event "
-                  "under the id it carried")
+    causes.append(f"its record could not be decoded, carried no valid job id (body or key) and went to the DLQ "
+                  f"topic {prefix}.dlq unanswered")
     return f"no terminal event for {job_id} within {timeout:g} s; likely: " + "; or ".join(causes)
 
 
