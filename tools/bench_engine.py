@@ -6,7 +6,8 @@
               `generate` in static batches of the same size vs transformers' own
               continuous batching manager: same model, same requests (all submitted at
               t=0, EOS ignored so every system produces the same useful tokens), same
-              running-request, step-token and KV limits, prefix caching off. Output
+              running-request and step-token limits, KV enough for every request
+              (vLLM's CPU cache is sized in GiB), prefix caching off. Output
               tokens/s counts only requested tokens; greedy agreement with Inflight's
               ids per system (identical requests, median first divergence).
               On CUDA (auto-detected) it uses bf16 and a random-init ~1B Llama.

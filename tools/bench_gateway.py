@@ -56,30 +56,42 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
 
 
-def start_processes(a, prefix: str, tmp: Path) -> tuple[subprocess.Popen, subprocess.Popen, int]:
+def write_configs(a, prefix: str, tmp: Path, worker: dict, gateway: dict) -> tuple[int, dict[str, str]]:
+    """`tmp/worker.yaml` (the `worker` sections plus Kafka and Redis of `prefix`, from
+    `a.kafka_cfg` / `a.redis_cfg`) and `tmp/gateway.yaml` (one API key `KEY` of tenant
+    `TENANT`, a free port, the `gateway` fields over the defaults here). Returns the
+    gateway's port and the environment carrying the connections' secrets (never on disk)."""
     import yaml
 
     kafka, redis, secret_env = worker_sections(a.kafka_cfg, a.redis_cfg)
     kafka.update(topic_prefix=prefix, group_id=f"{prefix}-workers", commit_interval_ms=200)
     redis.update(key_prefix=prefix, log_ttl_s=600)
-    tuning = tuning_dict(a.running, max(a.output_len, a.stream_tokens))
-    wcfg = {"serving_tuning": tuning, "kafka": kafka, "redis": redis,
+    wcfg = {**worker, "kafka": kafka, "redis": redis,
             "worker": {"worker_id": f"{prefix}-w", "log_level": "WARNING"}, "metrics": {"port": None}}
     (tmp / "worker.yaml").write_text(yaml.safe_dump(wcfg))
     port = _free_port()
     gcfg = {"gateway": {"host": "127.0.0.1", "port": port, "model_name": "bench", "files_dir": str(tmp / "files"),
                         "api_keys": [{"key": KEY, "tenant": TENANT, "max_priority": "high"}],
-                        "max_concurrent_requests": 100_000},
+                        "max_concurrent_requests": 100_000, **gateway},
             "kafka": {k: v for k, v in kafka.items() if k not in ("group_id",)}, "redis": redis}
     (tmp / "gateway.yaml").write_text(yaml.safe_dump(gcfg))
-    env = {**os.environ, **secret_env}
+    return port, {**os.environ, **secret_env}
+
+
+def start_gateway(tmp: Path, out, env: dict[str, str]) -> subprocess.Popen:
+    """`python -m worker gateway` on `tmp/gateway.yaml` (`write_configs`), logging to `out`."""
+    return subprocess.Popen([sys.executable, "-m", "worker", "gateway", "--config", str(tmp / "gateway.yaml"),
+                             "--log-level", "WARNING"], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def start_processes(a, prefix: str, tmp: Path) -> tuple[subprocess.Popen, subprocess.Popen, int]:
+    tuning = tuning_dict(a.running, max(a.output_len, a.stream_tokens))
+    port, env = write_configs(a, prefix, tmp, {"serving_tuning": tuning}, {})
     out = open(Path(a.out) / "bench_gateway_processes.log", "a")  # noqa: SIM115 (outlives this function)
     worker = subprocess.Popen([sys.executable, "-m", "tools.bench_pipeline", "worker", "--config",
                                str(tmp / "worker.yaml"), "--device-ms", str(a.device_ms), "--tuning",
                                json.dumps(tuning)], stdout=out, stderr=subprocess.STDOUT, env=env)
-    gateway = subprocess.Popen([sys.executable, "-m", "worker", "gateway", "--config", str(tmp / "gateway.yaml"),
-                                "--log-level", "WARNING"], stdout=out, stderr=subprocess.STDOUT, env=env)
-    return worker, gateway, port
+    return worker, start_gateway(tmp, out, env), port
 
 
 async def wait_ready(port: int, direct, timeout: float = 120.0) -> None:

@@ -37,7 +37,6 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from tools.bench_e2e import _free_port
 from tools.bench_engine import (
     DEFAULT_MODEL,
     VLLM_PYTHON,
@@ -46,9 +45,9 @@ from tools.bench_engine import (
     ensure_model,
     vllm_missing,
 )
-from tools.connections import add_connection_args, connection_sections, worker_sections
+from tools.bench_gateway import KEY, _free_port, start_gateway, write_configs
+from tools.connections import add_connection_args, connection_sections
 
-KEY = "bench-serve-key-0001"
 SERVED_NAME = "bench"
 METRICS = ("ttft", "tpot", "itl")
 
@@ -95,34 +94,19 @@ class Server:
 
 
 def start_inflight(a, model: Path, device: str, tmp: Path) -> Server:
-    import yaml
-
     from worker.cli.topics import create_topics
 
     prefix = f"serve{uuid.uuid4().hex[:8]}"
     asyncio.run(create_topics(a.kafka, prefix, partitions=3, kafka=a.kafka_cfg))
-    kafka, redis, secret_env = worker_sections(a.kafka_cfg, a.redis_cfg)
-    kafka.update(topic_prefix=prefix, group_id=f"{prefix}-workers", commit_interval_ms=200)
-    redis.update(key_prefix=prefix, log_ttl_s=600)
     tuning = {"max_running_requests": a.max_batch, "max_batched_tokens": a.budget,
               "max_total_tokens": a.max_batch * a.max_model_len, "max_input_tokens": a.max_model_len,
               "max_output_tokens": a.max_model_len, "enable_prefix_caching": False}
-    wcfg = {"model": {"path": str(model), "device": device}, "serving_tuning": tuning, "kafka": kafka,
-            "redis": redis, "worker": {"worker_id": f"{prefix}-w", "log_level": "WARNING"}, "metrics": {"port": None}}
-    port = _free_port()
-    gcfg = {"gateway": {"host": "127.0.0.1", "port": port, "model_name": SERVED_NAME, "files_dir": str(tmp / "files"),
-                        "api_keys": [{"key": KEY, "tenant": "bench", "max_priority": "high"}],
-                        "max_concurrent_requests": 100_000, "tokenizer": str(model)},
-            "kafka": {k: v for k, v in kafka.items() if k != "group_id"}, "redis": redis}
-    (tmp / "worker.yaml").write_text(yaml.safe_dump(wcfg))
-    (tmp / "gateway.yaml").write_text(yaml.safe_dump(gcfg))
-    env = {**os.environ, **secret_env}
+    port, env = write_configs(a, prefix, tmp, {"model": {"path": str(model), "device": device}, "serving_tuning": tuning},
+                              {"model_name": SERVED_NAME, "tokenizer": str(model)})
     log = open(Path(a.out) / "bench_serve_inflight.log", "w")  # noqa: SIM115 (closed in Server.stop)
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--config", str(tmp / "worker.yaml")],
                               stdout=log, stderr=subprocess.STDOUT, env=env)
-    gateway = subprocess.Popen([sys.executable, "-m", "worker", "gateway", "--config", str(tmp / "gateway.yaml"),
-                                "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    return Server("inflight", [worker, gateway], port, log)
+    return Server("inflight", [worker, start_gateway(tmp, log, env)], port, log)
 
 
 def start_vllm(a, model: Path, device: str) -> Server:

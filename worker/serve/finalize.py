@@ -4,8 +4,8 @@ if it never ran (`dlq.py`'s rule), the terminal event to the durable results top
 leaves the table; its metrics and its one summary log line are written here.
 
 The finalizer is the one writer of the DLQ and the one caller of `OffsetTracker.done`:
-records that never become a job here (undecodable ones, `dead_letter_record`; ones a
-done mark in Redis already answers, `release`) end through it too.
+records that never become a job here (undecodable ones, `dead_letter_record` then
+`release`; ones a done mark in Redis already answers, `settle`) end through it too.
 
 Kafka errors are retried with backoff while the offsets stay open; a refusal (missing
 ACL) stops the worker. Jobs are finalized in batches: every job that ended in a publisher
@@ -72,8 +72,8 @@ class Finalizer:
         self.metrics.dlq_records.inc()
 
     def release(self, tp: TopicPartition, offset: int) -> None:
-        """A record answered without a job held here (its job is done already, or it was
-        dead-lettered with no stream to answer): its offset may be committed."""
+        """A record answered without a job held here (dead-lettered with no stream to
+        answer): its offset may be committed. Records of jobs already done: `settle`."""
         self.tracker.done(tp, offset)
 
     def settle(self, tp: TopicPartition, offset: int, job_id: str, tail: tuple[bytes, ...]) -> None:
@@ -96,18 +96,10 @@ class Finalizer:
         self.tracker.done(tp, offset)
 
     async def _settle(self) -> None:
-        delay = 0.1
         while self._settling:
             batch, self._settling = self._settling, []
-            while True:
-                try:
-                    await self.results.record([(job_id, data) for _, _, job_id, data in batch])
-                    break
-                except KafkaError as e:
-                    log.warning("could not re-record outcomes of done jobs in Kafka; retrying", error=repr(e)[:200],
-                                job_ids=[b[2] for b in batch][:20])
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+            await _retrying(lambda b=batch: self.results.record([(job_id, data) for _, _, job_id, data in b]),
+                            "re-record outcomes of done jobs", [b[2] for b in batch])
             for tp, offset, _, _ in batch:
                 self.tracker.done(tp, offset)
             self.num_settled += len(batch)
@@ -123,16 +115,7 @@ class Finalizer:
             batch = [await q.get()]
             while not q.empty():
                 batch.append(q.get_nowait())
-            delay = 0.1
-            while True:
-                try:
-                    await self._record(batch)
-                    break
-                except KafkaError as e:
-                    log.warning("could not record outcomes in Kafka; retrying", error=repr(e)[:200],
-                                job_ids=[j.job_id for j in batch][:20], num_jobs=len(batch))
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+            await _retrying(lambda b=batch: self._record(b), "record outcomes", [j.job_id for j in batch])
             for held in batch:
                 self._done(held)
 
@@ -184,3 +167,19 @@ class Finalizer:
         log.info("job finished", job_id=held.job_id, topic=first.tp.topic, partition=first.tp.partition,
                  offset=first.offset, finish_reason=reason.value, attempt=held.attempt, priority=held.priority,
                  tokens=held.num_tokens, **summary)
+
+
+async def _retrying(write, what: str, job_ids: list[str]) -> None:
+    """Await `write()` until Kafka takes it: a `KafkaError` is logged and retried with
+    backoff (0.1 s doubling to 5 s) while the offsets stay open; anything else (a refusal)
+    propagates."""
+    delay = 0.1
+    while True:
+        try:
+            await write()
+            return
+        except KafkaError as e:
+            log.warning(f"could not {what} in Kafka; retrying", error=repr(e)[:200], job_ids=job_ids[:20],
+                        num_jobs=len(job_ids))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -59,8 +59,7 @@ class HealthChecks:
 
     def attach(self, redis, intake, claims, publisher, table, engine, *, is_draining: Callable[[], bool]) -> None:
         """The components to probe, once they exist (the HTTP server starts first)."""
-        self._parts = {"redis": redis, "intake": intake, "claims": claims, "publisher": publisher,
-                       "table": table, "engine": engine}
+        self._parts = {"redis": redis, "intake": intake, "claims": claims, "publisher": publisher, "engine": engine}
         self._is_draining = is_draining
         self.metrics.local_jobs.set_function(lambda: table.num_unfinished)  # current at every scrape
 
