@@ -8,7 +8,58 @@ and to objects built in Python (raises `ValueError`); each message names the fie
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+
+# ---- structured outputs (params.structured): one constraint, tagged by `type` ------------------
+class JsonSchemaOutput(msgspec.Struct, kw_only=True, tag="json_schema", tag_field="type"):
+    """The output is one JSON value valid against `schema` (a JSON Schema object, draft
+    2020-12 keywords as llguidance implements them). Compact: no whitespace between
+    tokens unless the schema's `x-guidance` options allow it."""
+
+    schema: dict[str, Any]
+
+
+class JsonObjectOutput(msgspec.Struct, kw_only=True, tag="json_object", tag_field="type"):
+    """The output is one JSON object (any keys and values), compact."""
+
+
+class RegexOutput(msgspec.Struct, kw_only=True, tag="regex", tag_field="type"):
+    """The whole output matches `pattern` (Rust `regex` syntax, anchored at both ends)."""
+
+    pattern: str
+
+    def __post_init__(self) -> None:
+        if not self.pattern:
+            raise ValueError("params.structured.pattern must not be empty")
+
+
+class ChoiceOutput(msgspec.Struct, kw_only=True, tag="choice", tag_field="type"):
+    """The output is exactly one of `choices`."""
+
+    choices: list[str]
+
+    def __post_init__(self) -> None:
+        if not self.choices or any(not c for c in self.choices):
+            raise ValueError("params.structured.choices must be a non-empty list of non-empty strings")
+
+
+class GrammarOutput(msgspec.Struct, kw_only=True, tag="grammar", tag_field="type"):
+    """The output is a sentence of `grammar`, in llguidance's Lark dialect (a `start`
+    rule; `%json {...}` embeds a JSON Schema; GBNF is converted with
+    `llguidance.gbnf_to_lark`)."""
+
+    grammar: str
+
+    def __post_init__(self) -> None:
+        if not self.grammar.strip():
+            raise ValueError("params.structured.grammar must not be empty")
+
+
+StructuredOutput = JsonSchemaOutput | JsonObjectOutput | RegexOutput | ChoiceOutput | GrammarOutput
+STRUCTURED_TYPES = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -30,7 +81,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             is in the batch.
         ignore_eos: keep generating past EOS until `max_tokens`.
         logprobs: None: no logprobs. N >= 0: the sampled token's log-probability plus
-            the N most likely alternatives, from the model's raw distribution.
+            the N most likely alternatives, from the model's raw distribution (with
+            `structured`: from the distribution over the tokens the constraint allows).
+        structured: a constraint on the output (`{"type": "json_schema", "schema": {...}}`,
+            `json_object`, `regex`, `choice`, `grammar`): each step only tokens that keep
+            the output valid may be sampled, and the request ends (`stop`) when the
+            output is complete. None: unconstrained.
     """
 
     max_tokens: int | None = None
@@ -44,6 +100,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -68,16 +68,59 @@ class FinishReason(enum.StrEnum):
 FINISH_REASONS = tuple(r.value for r in FinishReason)
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A call the assistant made (OpenAI's `tool_calls[]` item)."""
+
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One chat message, rendered with the model's chat template. `tool_calls` on an
+    assistant message and `tool_call_id` on a `tool` message (its result) carry a
+    tool-calling history, as in OpenAI's API; `content` may then be null."""
+
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool call arguments as objects, as
+        transformers' templates expect)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args: Any = msgspec.json.decode(c.function.arguments)
+                except msgspec.DecodeError:
+                    args = c.function.arguments
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": args}})
+            d["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
 
 class Job(msgspec.Struct, kw_only=True):
     """A generation job, produced to `inflight.jobs.<priority>` keyed by `job_id`.
 
     Exactly one of `prompt` (text), `messages` (chat, rendered with the model's chat
-    template) or `prompt_token_ids`. `deadline` and `created_at` are Unix epoch seconds;
+    template, with `tools` when given: OpenAI function definitions, `{"type": "function",
+    "function": {"name", "description", "parameters"}}`) or `prompt_token_ids`.
+    `params.structured` constrains the output (JSON Schema, regex, choice, grammar).
+    `deadline` and `created_at` are Unix epoch seconds;
     a job still waiting after its deadline ends as `finished(expired)`. `metadata` is
     echoed back on the `started` and `finished` events. A job with a `tenant` streams on
     `inflight:t:<tenant>:job:<id>` (and `…:log`), so Redis ACLs can confine each tenant's
@@ -90,6 +133,7 @@ class Job(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    tools: list[dict[str, Any]] | None = None
     tenant: TenantId | None = None
     deadline: float | None = None
     created_at: float | None = None
@@ -99,6 +143,8 @@ class Job(msgspec.Struct, kw_only=True):
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
         if given != 1:
             raise ValueError("exactly one of `prompt`, `messages`, `prompt_token_ids` must be given")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("`tools` needs `messages` (they are rendered by the chat template)")
 
 
 class Cancel(msgspec.Struct, kw_only=True):

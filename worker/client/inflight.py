@@ -141,9 +141,10 @@ class InflightClient:
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
         priority: str = "normal",
         job_id: str | None = None,
         deadline: float | None = None,
@@ -151,18 +152,26 @@ class InflightClient:
         metadata: dict[str, Any] | None = None,
     ) -> str:
         """Produce a job to `inflight.jobs.<priority>`; returns its job_id.
+        `messages` are OpenAI-style chat messages (tool calls and results included);
+        `tools` OpenAI function definitions for the chat template; `params.structured`
+        constrains the output.
 
         Raises:
             ValueError: invalid priority or job fields.
         """
         if priority not in keys.PRIORITIES:
             raise ValueError(f"priority must be one of {list(keys.PRIORITIES)}, got {priority!r}")
+        try:
+            chat = msgspec.convert(messages, list[ChatMessage]) if messages is not None else None
+        except msgspec.ValidationError as e:
+            raise ValueError(f"invalid messages: {e}") from None
         job = Job(
             job_id=job_id or uuid.uuid4().hex,
             prompt=prompt,
-            messages=[ChatMessage(**m) for m in messages] if messages is not None else None,
+            messages=chat,
             prompt_token_ids=prompt_token_ids,
             params=params or SamplingParams(),
+            tools=tools,
             deadline=deadline,
             tenant=tenant,
             created_at=time.time(),

@@ -82,6 +82,11 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             the emulated device of `null_engine(device_ms=...)`: the runner's
             `overlaps_host`), off on the CPU, where both threads run Python and share
             the GIL (measured 0.42-1.05x of sequential steps: docs/benchmarks.md).
+        max_structured_output_bytes: largest `params.structured` constraint accepted, in
+            bytes of its JSON (a larger one is rejected `invalid_structured_output`, not
+            compiled).
+        grammar_cache_size: compiled grammars kept, by content (least recently used
+            dropped), so jobs sharing a schema compile it once.
     """
 
     max_running_requests: int = 64
@@ -104,6 +109,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tenants: dict[str, TenantPolicy] = msgspec.field(default_factory=dict)
     default_tenant: TenantPolicy = msgspec.field(default_factory=TenantPolicy)
     async_scheduling: bool | None = None
+    max_structured_output_bytes: int = 65536
+    grammar_cache_size: int = 1024
 
     def tenant_policy(self, tenant: str) -> TenantPolicy:
         """The weight and quotas of `tenant` (`default_tenant` if it is not listed)."""
@@ -119,6 +126,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             max_batched_tokens=self.max_batched_tokens,
             kv_block_size=self.kv_block_size,
             priority_aging_steps=self.priority_aging_steps,
+            max_structured_output_bytes=self.max_structured_output_bytes,
+            grammar_cache_size=self.grammar_cache_size,
         )
         one_of("serving_tuning", "kv_policy", self.kv_policy, KV_POLICIES)
         one_of("serving_tuning", "overload_policy", self.overload_policy, OVERLOAD_POLICIES)

@@ -9,31 +9,8 @@ at the next step boundary); `step` and `finish` run on one thread, the only code
 touches the scheduler and the KV cache. An aborted request's KV blocks are free when the
 `step` that applied the abort returns.
 
-Asynchronous steps (`serving_tuning.async_scheduling`, after vLLM's async scheduling and
-SGLang's overlap scheduler). Sequentially one `step` is: apply queued work, schedule,
-forward, update, outputs, and the device idles through everything but the forward. With
-asynchronous steps the forward runs on the runner's own thread (`runner.launch`) and one
-`step` call is:
-
-    wait for step N's forward -> apply finishes and aborts -> update from N's tokens ->
-    apply adds, deadlines -> schedule N+1 -> launch N+1 -> build N's outputs, return them
-
-so everything after the launch (building outputs here; detokenization in `Engine.step`;
-encoding and the pipe in the engine process) runs while the device computes N+1. Step
-N+1 is scheduled from N's real tokens, so the schedule, the tokens and the preemptions
-are those of the sequential core: nothing is computed speculatively. What changes:
-`finish` (stop strings) and `abort` take effect at the next boundary, after the forward
-in flight, whose token for that request is then dropped (never emitted, not counted);
-so an aborted request's KV blocks are free at the end of the step in flight when the
-abort arrives, the same bound as sequentially (the next step boundary); and a request
-added between two `step` calls starts one step later (the step after next is the one
-being scheduled).
-
-Where it pays: when the forward thread mostly waits for a device (CUDA; the emulated
-device) it releases the GIL and the host work runs beside it. On the CPU both threads
-run Python (the forward of a small model is mostly module calls) and trade the GIL, so
-there it gains little or loses (measured 0.42-1.05x of sequential steps); unset, the setting
-follows the runner's `overlaps_host` (`ServingTuning.async_scheduling`).
+Asynchronous steps (`serving_tuning.async_scheduling`): step N+1 is scheduled and
+launched before step N's outputs are built (the rules: `forward.py`).
 """
 
 from __future__ import annotations
@@ -49,6 +26,7 @@ import torch
 
 from worker.config import ServingTuning
 from worker.engine.failures import Failures, ForwardFailures
+from worker.engine.forward import start_forward
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.kv_window import SlidingWindowKVCacheManager
 from worker.engine.outputs import (
@@ -61,39 +39,11 @@ from worker.engine.outputs import (
     SchedulerOutput,
     StepStats,
 )
-from worker.engine.request import FINISH_REASONS, ErrorCode, Priority, Request, RequestStatus
+from worker.engine.request import FINISH_REASONS, ErrorCode, Priority, RejectReason, Request, RequestStatus
 from worker.engine.scheduler import Scheduler
+from worker.engine.structured import GrammarCompiler, PendingGrammars
 
 log = logging.getLogger(__name__)
-
-
-
-
-
-class _Ran:
-    """A forward that already ended, with the interface of the future `runner.launch`
-    returns (`result()` returns or raises what the forward did): for runners without
-    `launch`, and for a launch that raised at once."""
-
-    __slots__ = ("_out", "_exc")
-
-    def __init__(self, out: ModelRunnerOutput | None, exc: Exception | None) -> None:
-        self._out, self._exc = out, exc
-
-    @staticmethod
-    def start(runner: Runner, sched: SchedulerOutput) -> Any:
-        """`runner.launch(sched)`, or `execute` run now; an exception either raises is
-        kept for `result()`, where the failure rules handle it."""
-        launch = getattr(runner, "launch", None)
-        try:
-            return launch(sched) if launch is not None else _Ran(runner.execute(sched), None)
-        except Exception as e:
-            return _Ran(None, e)
-
-    def result(self) -> ModelRunnerOutput:
-        if self._exc is not None:
-            raise self._exc
-        return self._out
 
 
 class EngineCore:
@@ -105,10 +55,17 @@ class EngineCore:
     model_id: namespace of prefix-cache hashes.
     sliding_window: W when every layer of the model reads only the last W positions
         (blocks behind it are freed: `kv_window.py`); None otherwise.
+    grammars: compiles the grammars of constrained requests (`structured.py`); None:
+        a request with a grammar ends `rejected`.
+
+    Structured outputs: a request with a grammar waits outside the scheduler until its
+    grammar is compiled (on the compiler's thread; cached by content), then joins it like
+    any new request; so a step never waits for a compile. Aborts and deadlines reach it
+    while it waits.
     """
 
     def __init__(self, runner: Runner, tuning: ServingTuning, num_blocks: int, eos_token_ids: frozenset[int],
-                 model_id: str, sliding_window: int | None = None) -> None:
+                 model_id: str, sliding_window: int | None = None, grammars: GrammarCompiler | None = None) -> None:
         self._runner = runner
         self.tuning = tuning
         self.eos_token_ids = eos_token_ids
@@ -131,6 +88,10 @@ class EngineCore:
                                  else bool(getattr(runner, "overlaps_host", False)))
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # launched, not collected (async)
         self._finishes: deque[tuple[str, RequestStatus]] = deque()  # arrived while a step was in flight
+        self.grammars = grammars
+        self._compiling = PendingGrammars(grammars)  # requests waiting for their grammar
+        self._mask_s = 0.0  # this step's structured-output mask seconds
+        self._constrained_seen = False  # a request with a grammar came (the stats count them from then on)
 
     @property
     def runner(self) -> Runner:
@@ -158,6 +119,8 @@ class EngineCore:
         step's token for it is dropped) and no output follows (the caller made the final
         one). Call from the stepping thread, between steps. Unknown or finished ids are
         ignored."""
+        if self._compiling.pop(request_id) is not None:
+            return
         if self._in_flight is not None:
             self._finishes.append((request_id, status))
         else:
@@ -169,7 +132,7 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return (bool(self._new) or bool(self._aborts) or self.scheduler.has_unfinished()
-                or self._in_flight is not None)
+                or self._in_flight is not None or bool(self._compiling))
 
     def kv_stats(self) -> KVStats:
         """Block counts of the KV cache (a snapshot)."""
@@ -201,6 +164,7 @@ class EngineCore:
         t0 = time.perf_counter()
         outputs: list[EngineCoreOutput] = []
         failed = Failures()
+        self._mask_s = 0.0
         preempted_before = self.scheduler.num_preemptions_total
         if self.async_scheduling:
             done, forward_s = self._step_async(outputs, failed)
@@ -210,12 +174,14 @@ class EngineCore:
         num_prefill = done.num_scheduled_tokens - num_decode if done is not None else 0
         self._forward_total_s += forward_s
         sched_ = self.scheduler
+        hits, misses, compile_s, num_constrained = self._compiling.stats(sched_.requests.values(),
+                                                                          self._constrained_seen)
         self.last_step_stats = StepStats(
             step=sched_.step_count,
             time=time.time(),
             duration_s=time.perf_counter() - t0,
             num_running=sched_.num_running,
-            num_waiting=sched_.num_waiting + len(self._new),
+            num_waiting=sched_.num_waiting + len(self._new) + len(self._compiling),
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
             num_preemptions=sched_.num_preemptions_total - preempted_before - failed.num_oom_retried,
@@ -226,6 +192,11 @@ class EngineCore:
             num_failed_forwards=failed.num_failed_forwards,
             forward_s=forward_s,
             device_busy_s=busy() if (busy := getattr(self._runner, "device_busy_s", None)) else self._forward_total_s,
+            num_constrained=num_constrained,
+            mask_s=self._mask_s,
+            grammar_cache_hits=hits,
+            grammar_cache_misses=misses,
+            grammar_compile_s=compile_s,
         )
         return outputs
 
@@ -235,9 +206,11 @@ class EngineCore:
         self._apply_queued(outputs)
         sched_ = self.scheduler
         if not sched_.has_unfinished():
+            self._await_grammars()
             return None, 0.0
         sched = sched_.schedule(self.failures.budget_cap)
         if sched.num_scheduled_tokens == 0:
+            self._await_grammars()
             return None, 0.0
         f0 = time.perf_counter()
         done = self._forward(sched, outputs, failed)
@@ -256,6 +229,7 @@ class EngineCore:
             self._apply_queued(outputs)
             self._in_flight = self._launch_next()
             if self._in_flight is None:
+                self._await_grammars()
                 return None, 0.0
         sched, handle = self._in_flight
         f0 = time.perf_counter()
@@ -285,16 +259,54 @@ class EngineCore:
         sched = sched_.schedule(self.failures.budget_cap)
         if sched.num_scheduled_tokens == 0:
             return None
-        return sched, _Ran.start(self.runner, sched)
+        return sched, start_forward(self.runner, sched)
 
     def _apply_queued(self, outputs: list[EngineCoreOutput]) -> None:
-        """New requests, expired deadlines, aborts (in that order)."""
+        """New requests (those with a grammar once it is compiled), expired deadlines,
+        aborts (in that order)."""
         sched_ = self.scheduler
         while self._new:
-            sched_.add(self._make_request(self._new.popleft()))
+            r = self._new.popleft()
+            if r.grammar is None:
+                sched_.add(self._make_request(r))
+            else:  # joins the scheduler once its grammar is compiled
+                self._constrained_seen = True
+                self._compiling.add(r)
+                if r.deadline is not None:  # expires while it waits too
+                    heapq.heappush(self._deadlines, (r.deadline, r.request_id))
+        if self._compiling:
+            self._admit_compiled(outputs)
         if self._deadlines and self._deadlines[0][0] < time.time():
             self._expire_waiting(outputs)
         self._apply_aborts(outputs)
+
+    # ---- structured outputs: requests waiting for their grammar ---------------------------------
+    def _admit_compiled(self, outputs: list[EngineCoreOutput]) -> None:
+        """Requests whose grammar is ready join the scheduler (in arrival order); one whose
+        grammar failed to compile ends `rejected` (`invalid_structured_output`)."""
+        for r, matcher, error in self._compiling.take_ready():
+            req = self._make_request(r)
+            if matcher is None:
+                req.status = RequestStatus.FINISHED_REJECTED
+                outputs.append(self._final_output(req, [], error=(RejectReason.INVALID_STRUCTURED_OUTPUT, error)))
+            else:
+                req.grammar = matcher
+                self.scheduler.add(req)
+
+    def _await_grammars(self) -> None:
+        if self._compiling:  # nothing else to run: wait for a compile (bounded) instead of spinning
+            self._compiling.wait(0.005)
+
+    def _end_compiling(self, rid: str, status: RequestStatus, outputs: list[EngineCoreOutput],
+                       error: tuple[str, str] | None = None) -> bool:
+        """End a request still waiting for its grammar (abort, deadline); False if none."""
+        r = self._compiling.pop(rid)
+        if r is None:
+            return False
+        req = self._make_request(r)
+        req.status = status
+        outputs.append(self._final_output(req, [], error=error))
+        return True
 
     def _apply_aborts(self, outputs: list[EngineCoreOutput], known_only: bool = False) -> None:
         """Finish the aborted requests. `known_only`: keep queued the aborts of ids the
@@ -302,6 +314,8 @@ class EngineCore:
         kept: list[str] = []
         while self._aborts:
             rid = self._aborts.popleft()
+            if self._compiling and self._end_compiling(rid, RequestStatus.FINISHED_ABORTED, outputs):
+                continue
             if known_only and rid not in self.scheduler.requests:
                 kept.append(rid)
                 continue
@@ -338,16 +352,20 @@ class EngineCore:
         now = time.time()
         while self._deadlines and self._deadlines[0][0] < now:
             deadline, rid = heapq.heappop(self._deadlines)
+            message = f"deadline {deadline} passed while the request waited"
+            if self._compiling and self._end_compiling(rid, RequestStatus.FINISHED_EXPIRED, outputs,
+                                                       (ErrorCode.DEADLINE_PASSED, message)):
+                continue
             req = self.scheduler.requests.get(rid)
             if req is None or req.status != RequestStatus.WAITING:
                 continue
             self.scheduler.finish(rid, RequestStatus.FINISHED_EXPIRED)
-            message = f"deadline {deadline} passed while the request waited"
             outputs.append(self._final_output(req, [], error=(ErrorCode.DEADLINE_PASSED, message)))
 
     def _after_forward(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput,
                        outputs: list[EngineCoreOutput]) -> None:
         self.failures.after_success()
+        self._mask_s += runner_out.mask_s
         now = time.time()
         logprobs = runner_out.logprobs
         for req in self.scheduler.update_from_output(sched, runner_out):
@@ -356,7 +374,10 @@ class EngineCore:
             token_id = req.all_token_ids[-1]
             lp = logprobs.get(req.request_id)
             if req.is_finished:
-                outputs.append(self._final_output(req, [token_id], lp))
+                error = None
+                if req.status == RequestStatus.FINISHED_ERROR and req.grammar is not None:
+                    error = (ErrorCode.INTERNAL, f"structured output: {req.grammar.error}")
+                outputs.append(self._final_output(req, [token_id], lp, error))
             else:
                 outputs.append(EngineCoreOutput(req.request_id, [token_id], [lp] if lp is not None else None))
 
@@ -366,7 +387,7 @@ class EngineCore:
             req.request_id, new_ids, [lp] if lp is not None else None, FINISH_REASONS[req.status],
             req.num_cached_tokens, req.num_preemptions,
             RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time, time.time()),
-            str(error[0]) if error else None, error[1] if error else None,
+            str(error[0]) if error else None, error[1] if error else None, req.stop_in_text,
         )
 
     def check_invariants(self) -> None:

@@ -34,6 +34,7 @@ from worker.engine.outputs import (
     TokenLogprobs,
 )
 from worker.engine.request import Priority, RejectReason, RequestRejected
+from worker.engine.structured import GrammarCompiler
 
 if TYPE_CHECKING:
     from worker.engine.outputs import Runner
@@ -82,7 +83,10 @@ class Engine:
                                 kv_capacity_tokens=num_blocks * self.tuning.kv_block_size,
                                 eos_token_ids=loaded.eos_token_ids, model_id=loaded.model_id,
                                 block_size=self.tuning.kv_block_size, sliding_window=window)
-        self.core = EngineCore(runner, self.tuning, num_blocks, loaded.eos_token_ids, loaded.model_id, window)
+        grammars = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids,
+                                   cache_size=self.tuning.grammar_cache_size)
+        self.core = EngineCore(runner, self.tuning, num_blocks, loaded.eos_token_ids, loaded.model_id, window,
+                               grammars)
         self.input = InputProcessor(loaded.tokenizer, self.facts, self.tuning)
         self.output = OutputProcessor(loaded.tokenizer)
         self._live_ids: set[str] = set()
@@ -153,6 +157,7 @@ class Engine:
         tenant: str | None = None,
         arrival_time: float | None = None,
         deadline: float | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> int:
         """Validate, tokenize and queue a request; it joins the batch at the next step.
 
@@ -169,7 +174,8 @@ class Engine:
         a tokenizer that prepends BOS, gives two (as transformers' `encode` does): the
         leading duplicates are dropped and one BOS is kept (logged at debug level); the
         same holds for a chat template whose output starts with repeated BOS.
-        `prompt_token_ids` are used exactly as given.
+        `prompt_token_ids` are used exactly as given. `tools`: OpenAI function
+        definitions passed to the chat template with `messages`.
 
         Returns:
             the number of prompt tokens (after the BOS rule).
@@ -179,7 +185,7 @@ class Engine:
         """
         req = self.input.process(request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                                  params=params, priority=priority, cache_salt=cache_salt, tenant=tenant,
-                                 arrival_time=arrival_time, deadline=deadline)
+                                 arrival_time=arrival_time, deadline=deadline, tools=tools)
         self.submit(req)
         return len(req.prompt_token_ids)
 

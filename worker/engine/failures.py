@@ -111,6 +111,7 @@ class ForwardFailures:
                 num_decodes += is_decode
                 merged.sampled_token_ids.update(out.sampled_token_ids)
                 merged.logprobs.update(out.logprobs)
+                merged.mask_s += out.mask_s
         if not ok:
             return None
         return SchedulerOutput(sched.step, ok, sum(s.num_tokens for s in ok), num_decodes), merged

@@ -18,6 +18,7 @@ from worker.config import ServingTuning
 from worker.engine.kv_window import peak_blocks
 from worker.engine.outputs import EngineCoreRequest
 from worker.engine.request import Priority, RejectReason, RequestRejected
+from worker.engine.structured import GrammarValidator, StructuredOutputError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.facts = facts
         self.tuning = tuning
+        self.grammars = GrammarValidator(tokenizer, facts.vocab_size, facts.eos_token_ids,
+                                         max_bytes=tuning.max_structured_output_bytes,
+                                         cache_size=tuning.grammar_cache_size)
 
     def process(
         self,
@@ -67,6 +71,7 @@ class InputProcessor:
         tenant: str | None = None,
         arrival_time: float | None = None,
         deadline: float | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> EngineCoreRequest:
         """Tokenize and validate one request (see `Engine.add_request` for the rules).
 
@@ -78,11 +83,18 @@ class InputProcessor:
             prio = Priority.parse(priority)
         except ValueError as e:
             raise RequestRejected(request_id, RejectReason.INVALID_PARAMS, str(e)) from None
-        ids = self.tokenize(request_id, prompt, prompt_token_ids, messages)
+        ids = self.tokenize(request_id, prompt, prompt_token_ids, messages, tools)
         max_tokens = self.check_limits(request_id, ids, params, tenant or "")
+        grammar = None
+        if params.structured is not None:
+            try:
+                grammar = self.grammars.check(params.structured)
+            except StructuredOutputError as e:
+                raise RequestRejected(request_id, RejectReason.INVALID_STRUCTURED_OUTPUT,
+                                      f"params.structured ({params.structured.__struct_config__.tag}): {e}") from None
         return EngineCoreRequest(request_id, ids, params, max_tokens, int(prio),
                                  time.time() if arrival_time is None else arrival_time, deadline, cache_salt,
-                                 tenant or "")
+                                 tenant or "", grammar)
 
     def tokenize(
         self,
@@ -90,9 +102,11 @@ class InputProcessor:
         prompt: str | None,
         prompt_token_ids: Sequence[int] | None,
         messages: list[dict[str, Any]] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt ids: exactly one of the three inputs; token ids in the vocabulary; not
-        empty; at most one leading BOS for text and chat (see `Engine.add_request`)."""
+        empty; at most one leading BOS for text and chat (see `Engine.add_request`).
+        `tools` (OpenAI function definitions) go to the chat template with `messages`."""
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
             raise RequestRejected(
@@ -107,7 +121,8 @@ class InputProcessor:
                 try:
                     ids = list(
                         self.tokenizer.apply_chat_template(
-                            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                            messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                            return_dict=False,
                         )
                     )
                 except Exception as e:  # template errors are the producer's input errors

@@ -96,8 +96,9 @@ class OutputProcessor:
         ids = out.new_token_ids
         logprobs = out.logprobs
         st.num_output_tokens += len(ids)
-        # A token that ended the request by EOS / stop_token_ids is not part of the text.
-        text_ids = ids[:-1] if out.finish_reason == FinishReason.STOP and ids else ids
+        # A token that ended the request by EOS / stop_token_ids is not part of the text
+        # (the last token of a completed grammar is).
+        text_ids = ids[:-1] if out.finish_reason == FinishReason.STOP and ids and not out.stop_in_text else ids
         detok = st.detok
         if len(text_ids) > 1 and detok.has_stop_strings:
             # several steps' tokens at once: find the token that completes a stop string, so

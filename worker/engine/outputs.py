@@ -21,6 +21,8 @@ from schemas.wire import FinishReason, Usage
 if TYPE_CHECKING:
     import torch
 
+    from worker.engine.structured import Matcher
+
 
 class KVStats(msgspec.Struct, frozen=True):
     """KV block counts. Invariant: free + used + cached == total."""
@@ -46,7 +48,8 @@ class ScheduledRequest:
     and their KV written through `block_ids`. When `samples_token` (the chunk reaches
     the end of the request's known tokens), the step samples the next token from the
     last position. `all_token_ids` is the request's prompt + output so far (read-only;
-    the repetition penalty uses it).
+    the repetition penalty uses it). `grammar`: its constraint's state, read (never
+    advanced) by the runner to mask the row it samples.
     """
 
     request_id: str
@@ -57,6 +60,7 @@ class ScheduledRequest:
     params: SamplingParams
     all_token_ids: list[int]
     generator: torch.Generator | None = None
+    grammar: Matcher | None = None  # its structured-output state: the sampler masks its row
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +90,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    mask_s: float = 0.0  # seconds spent computing and applying structured-output masks
 
 
 class Runner(Protocol):
@@ -121,6 +126,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     deadline: float | None = None
     cache_salt: str = ""
     tenant: str = ""  # whose fair share and quotas it counts against (`serving_tuning.tenants`)
+    grammar: str | None = None  # params.structured as a validated llguidance grammar (structured.py)
 
 
 class RequestTimes(msgspec.Struct, frozen=True, array_like=True):
@@ -159,6 +165,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     times: RequestTimes | None = None  # on the last output
     error_code: str | None = None  # an ErrorCode value
     error_message: str | None = None
+    stop_in_text: bool = False  # a `stop` by its grammar's end: the last id is part of the text
 
 
 class StepStats(msgspec.Struct, frozen=True):
@@ -187,6 +194,13 @@ class StepStats(msgspec.Struct, frozen=True):
     num_failed_forwards: int = 0
     forward_s: float = 0.0
     device_busy_s: float = 0.0  # the runner's cumulative device busy time after this step (seconds)
+    # structured outputs: requests with a constraint (running or waiting for its grammar),
+    # mask time of this step, grammar cache hits / misses and compile times since the last step
+    num_constrained: int = 0
+    mask_s: float = 0.0
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0
+    grammar_compile_s: list[float] = []
 
 
 # ---- after output processing ------------------------------------------------------------------

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from schemas.params import SamplingParams
+    from worker.engine.structured import Matcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -78,6 +79,7 @@ class RejectReason(enum.StrEnum):
     EXCEEDS_KV_CAPACITY = "exceeds_kv_capacity"  # prompt + max_tokens > whole KV cache
     INVALID_PARAMS = "invalid_params"  # max_tokens < 1, out-of-range sampling values
     INVALID_PROMPT = "invalid_prompt"  # none or several of prompt / messages / ids; bad token ids
+    INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # params.structured cannot be served
     DUPLICATE_REQUEST_ID = "duplicate_request_id"
     OVERLOADED = "overloaded"  # overload_policy=reject and no room now
 
@@ -135,6 +137,8 @@ class Request:
         "deadline",
         "generator",
         "stop_token_set",
+        "grammar",
+        "stop_in_text",
     )
 
     def __init__(
@@ -152,6 +156,7 @@ class Request:
         cache_salt: bytes = b"",
         tenant: str = "",
         generator: torch.Generator | None = None,
+        grammar: Matcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.params = params
@@ -179,6 +184,8 @@ class Request:
         self.first_token_time: float | None = None  # wall clock (s) the first output token was sampled
         self.deadline: float | None = None  # wall clock (s): still waiting then -> expired
         self.stop_token_set = frozenset(params.stop_token_ids)
+        self.grammar = grammar  # params.structured's state (structured.py), None if unconstrained
+        self.stop_in_text = False  # ended by its grammar: the last token is part of the text
 
     @property
     def num_tokens(self) -> int:
@@ -199,10 +206,19 @@ class Request:
     def stop_status(self, token_id: int) -> RequestStatus | None:
         """The finished status `token_id`, just appended, ends this request with: EOS
         (unless `ignore_eos`) or a stop token -> FINISHED_STOPPED (a stop wins over
-        length), `max_tokens` reached -> FINISHED_LENGTH; None if it goes on."""
+        length); its grammar complete -> FINISHED_STOPPED with `stop_in_text`;
+        `max_tokens` reached -> FINISHED_LENGTH; None if it goes on. A constrained
+        request's matcher consumes the token first; a token its grammar refused (never
+        sampled: the mask forbids it) -> FINISHED_ERROR."""
+        grammar = self.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            return RequestStatus.FINISHED_ERROR
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in self.stop_token_set:
+            return RequestStatus.FINISHED_STOPPED
+        if grammar is not None and grammar.done:
+            self.stop_in_text = token_id not in self.eos_token_ids
             return RequestStatus.FINISHED_STOPPED
         if len(self.all_token_ids) - self.num_prompt_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -375,7 +375,7 @@ class Scheduler:
             tokens = req.all_token_ids
             s = ScheduledRequest(
                 request_id, tokens[start:end], start, block_table(request_id), end == len(tokens),
-                req.params, tokens, req.generator,
+                req.params, tokens, req.generator, req.grammar,
             )
             (decodes if num_new == 1 and start > 0 else prefills).append(s)
         return SchedulerOutput(

@@ -206,8 +206,10 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = out.logits[0]  # [num_sampled, vocab]
         sampling_reqs = [s for s in packed if s.samples_token]
-        ids, logprobs = sample(logits, sampling_reqs)
+        timing: dict[str, float] = {}
+        ids, logprobs = sample(logits, sampling_reqs, timing)
         return ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(sampling_reqs, ids)},
             logprobs={s.request_id: lp for s, lp in zip(sampling_reqs, logprobs) if lp is not None},
+            mask_s=timing.get("mask_s", 0.0),
         )

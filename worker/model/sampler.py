@@ -1,6 +1,7 @@
 """Token sampling for a batch with per-request parameters, in one vectorized pass.
 
-Order: repetition penalty (CTRL / transformers semantics) → greedy argmax for
+Order: structured-output masks (rows with a grammar: tokens it does not allow get -inf) →
+repetition penalty (CTRL / transformers semantics) → greedy argmax for
 temperature 0 → temperature → top-k → top-p → min-p → sample. The filters keep or drop
 tied logits together (rules in `_filter`), matching transformers' warpers. Sampling uses the
 exponential race (argmax of p / E with E ~ Exp(1)), so each row's randomness comes
@@ -10,26 +11,49 @@ is in the batch.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from worker.engine.outputs import ScheduledRequest, TokenLogprobs
 
 
-def sample(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, reqs: list[ScheduledRequest],
+           timing: dict[str, float] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Sample one token per row.
 
     Args:
         logits: `[num_reqs, vocab_size]` raw model logits (any float dtype).
-        reqs: the scheduled requests, one per row, carrying params / generator / all_token_ids.
+        reqs: the scheduled requests, one per row, carrying params / generator /
+            all_token_ids / grammar.
+        timing: if given, `timing["mask_s"]` is set to the seconds spent on structured-output
+            masks (computing the step's bitmask and applying it).
 
     Returns:
         (token ids, per-row TokenLogprobs or None where `params.logprobs` is None).
-        Logprobs are taken from the raw model distribution (before penalties/temperature).
+        Logprobs are taken from the model's distribution before penalties and
+        temperature; for a row with a grammar, from that distribution renormalized over
+        the tokens the grammar allows (the masked distribution, as vLLM reports it).
     """
     logits = logits.float()
     n, vocab = logits.shape
     device = logits.device
     params = [r.params for r in reqs]
+
+    grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if grammar_rows:
+        from worker.engine.structured import token_bitmask
+
+        t0 = time.perf_counter()
+        allowed = token_bitmask([reqs[i].grammar for i in grammar_rows], vocab, device)
+        if len(grammar_rows) == n:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        else:
+            rows = torch.tensor(grammar_rows, device=device)
+            logits = logits.clone()
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        if timing is not None:
+            timing["mask_s"] = time.perf_counter() - t0
 
     raw_logprobs = None
     if any(p.logprobs is not None for p in params):
@@ -69,6 +93,9 @@ def sample(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> tuple[list[int
                 continue
             row = raw_logprobs[i]
             top_vals, top_ids = row.topk(p.logprobs) if p.logprobs > 0 else (row[:0], row[:0].long())
+            if reqs[i].grammar is not None:  # fewer allowed tokens than asked for: no -inf entries
+                keep = top_vals > float("-inf")
+                top_vals, top_ids = top_vals[keep], top_ids[keep]
             out_logprobs[i] = TokenLogprobs(
                 token_id=ids[i],
                 logprob=float(row[ids[i]]),

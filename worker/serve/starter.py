@@ -290,7 +290,8 @@ class JobStarter:
         if job.prompt is not None:
             kwargs["prompt"] = job.prompt
         elif job.messages is not None:
-            kwargs["messages"] = [{"role": m.role, "content": m.content} for m in job.messages]
+            kwargs["messages"] = [m.template_dict() for m in job.messages]
+            kwargs["tools"] = job.tools
         else:
             kwargs["prompt_token_ids"] = job.prompt_token_ids
         return self.engine.input.process(job.job_id, **kwargs)
