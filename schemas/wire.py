@@ -92,6 +92,10 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_call_id: str | None = None
     name: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("message `content` may be null only on an assistant message with `tool_calls`")
+
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (tool call arguments as objects, as
         transformers' templates expect)."""

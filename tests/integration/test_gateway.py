@@ -124,7 +124,7 @@ def test_chat_and_completions_through_the_openai_client(services, prefix, llama_
     clp = out["comp_lp"].choices[0].logprobs
     assert len(clp.tokens) == len(clp.token_logprobs) == 16 and all(len(t) == 2 for t in clp.top_logprobs)
     errs = out["errors"]
-    assert errs["n"] == (400, "n") and errs["tools"] == (400, "tools") and errs["extra"] == (400, "frobnicate")
+    assert errs["n"] == (400, "n") and errs["tools"] == (400, "tool_choice") and errs["extra"] == (400, "frobnicate")
     assert errs["bad_key"] == 401 and errs["missing_key"] == 401 and errs["priority"] == (403, "priority")
     assert errs["model"] == 404 and errs["low_key_default"] == "length"
     assert out["metrics"]["ok"] == 5 and out["metrics"]["400"] == 3 and out["metrics"]["ttfb"] == 5

@@ -63,9 +63,7 @@ def test_supported_fields_map_onto_the_job_params():
 
 @pytest.mark.parametrize(("kind", "field", "value", "param"), [
     (Kind.CHAT, "n", 2, "n"),
-    (Kind.CHAT, "tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
-    (Kind.CHAT, "tool_choice", "auto", "tool_choice"),
-    (Kind.CHAT, "response_format", {"type": "json_object"}, "response_format"),
+    (Kind.COMPLETION, "tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
     (Kind.CHAT, "presence_penalty", 0.5, "presence_penalty"),
     (Kind.CHAT, "logit_bias", {"5": 1}, "logit_bias"),
     (Kind.CHAT, "audio", {"voice": "x"}, "audio"),
@@ -89,7 +87,8 @@ def test_invalid_values_name_the_field():
                         ({**CHAT, "top_logprobs": 2}, "top_logprobs"), ({**CHAT, "stop": [""]}, "stop"),
                         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
                         ({**CHAT, "service_tier": "priority", "priority": "low"}, "priority"),
-                        ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+                        ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+                        ({"model": "m", "messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
                         ({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]},
                          "messages[0].name"),
                         ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

@@ -33,62 +33,11 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 
-from schemas.params import (
-    ChoiceOutput,
-    GrammarOutput,
-    JsonObjectOutput,
-    JsonSchemaOutput,
-    RegexOutput,
-    StructuredOutput,
-)
-
-# JSON without whitespace between tokens (as OpenAI's strict mode emits), so a weak model
-# cannot spend its max_tokens on spaces and newlines; a schema's own `x-guidance`
-# options override these.
-COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-
-
-class StructuredOutputError(ValueError):
-    """A constraint that cannot be served: invalid schema / regex / grammar, too large,
-    or a tokenizer llguidance cannot read. The message is the library's."""
-
-
-def grammar_of(c: StructuredOutput, max_bytes: int) -> str:
-    """The llguidance grammar (its JSON text) of one constraint.
-
-    Args:
-        c: the request's `params.structured`.
-        max_bytes: bound on the constraint's JSON size (`max_structured_output_bytes`).
-
-    Raises:
-        StructuredOutputError: the constraint is over `max_bytes`, or not even a grammar
-            (a JSON Schema that is not an object); validity is `GrammarValidator.check`'s.
-    """
-    from llguidance import LLMatcher
-
-    size = len(msgspec.json.encode(c))
-    if size > max_bytes:
-        raise StructuredOutputError(f"the constraint is {size} bytes of JSON, over the limit of {max_bytes} "
-                                    "(serving_tuning.max_structured_output_bytes)")
-    try:
-        if isinstance(c, JsonSchemaOutput):
-            return LLMatcher.grammar_from_json_schema(c.schema, defaults=COMPACT_JSON)
-        if isinstance(c, JsonObjectOutput):
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=COMPACT_JSON)
-        if isinstance(c, RegexOutput):
-            return LLMatcher.grammar_from_regex(c.pattern)
-        if isinstance(c, ChoiceOutput):  # Lark string literals take JSON's escapes
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(
-                msgspec.json.encode(choice).decode() for choice in c.choices))
-        if isinstance(c, GrammarOutput):
-            return LLMatcher.grammar_from_lark(c.grammar)
-    except ValueError as e:
-        raise StructuredOutputError(str(e)) from None
-    raise StructuredOutputError(f"unknown constraint {type(c).__name__}")
+from schemas.params import StructuredOutput
+from schemas.structured import StructuredOutputError, grammar_of
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> Any:

@@ -34,7 +34,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 def build_job(req: GenRequest, job_id: str, tenant: str | None, deadline: float | None) -> Job:
     """The job a validated request becomes (seeded: see `generation.seeded`)."""
     return seeded(Job(job_id=job_id, prompt=req.prompt, messages=req.messages, prompt_token_ids=req.prompt_token_ids,
-                      params=req.params, tenant=tenant, deadline=deadline, created_at=time.time(),
+                      params=req.params, tools=req.tools, tenant=tenant, deadline=deadline, created_at=time.time(),
                       metadata=req.metadata))
 
 
@@ -69,7 +69,8 @@ class CompletionHandlers:
         gen = Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
                          retry_after_s=cfg.retry_after_s, cancels=ctx.cancels)
         prefix = "chatcmpl-" if kind == Kind.CHAT else "cmpl-"
-        renderer = Renderer(kind, prefix + job_id, req.model, int(time.time()), ctx.tokens, req.include_usage)
+        renderer = Renderer(kind, prefix + job_id, req.model, int(time.time()), ctx.tokens, req.include_usage,
+                            req.tool_mode)
         endpoint = request.match_info.route.resource.canonical  # the metrics label (route template)
         reason = "client_disconnect"
         self._in_flight += 1

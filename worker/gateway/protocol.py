@@ -3,9 +3,9 @@ gateway uses), validated at the edge.
 
 Every top-level field of a body is one of: supported (mapped onto the job); an
 extension OpenAI has no field for (`priority`, `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`); an OpenAI field accepted only at its no-op value
-(`n: 1`, `presence_penalty: 0`, `tools: []`, ...); or rejected with a 400 naming it:
-OpenAI fields we do not implement ("Unsupported parameter: 'tools' ...") and fields
+`ignore_eos`, `stop_token_ids`, vLLM's `structured_outputs`); an OpenAI field accepted only
+at its no-op value (`n: 1`, `presence_penalty: 0`, ...); or rejected with a 400 naming it:
+OpenAI fields we do not implement ("Unsupported parameter: 'audio' ...") and fields
 nobody defines ("Unrecognized request argument supplied: ..."). Nothing is silently
 ignored. `null` means absent, as in OpenAI's API.
 """
@@ -20,8 +20,17 @@ from typing import Any
 import msgspec
 
 from schemas.params import SamplingParams
+from schemas.structured import StructuredOutputError
+from schemas.structured import check as check_constraint
 from schemas.wire import ChatMessage
 from worker.gateway.errors import ApiError, bad_request, unsupported
+from worker.gateway.tools import (
+    ToolMode,
+    reject_conflict,
+    response_format,
+    structured_outputs,
+    tool_constraint,
+)
 
 
 class Kind(enum.StrEnum):
@@ -34,25 +43,25 @@ class Kind(enum.StrEnum):
 ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION}
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
-           "safety_identifier", "service_tier", "metadata", "prompt_cache_key"}
-EXTENSIONS = {"priority", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids"}
+           "safety_identifier", "service_tier", "metadata", "prompt_cache_key", "response_format"}
+EXTENSIONS = {"priority", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "structured_outputs"}
 SUPPORTED = {
-    Kind.CHAT: _COMMON | EXTENSIONS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    Kind.CHAT: _COMMON | EXTENSIONS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                       "tool_choice", "parallel_tool_calls"},
     Kind.COMPLETION: _COMMON | EXTENSIONS | {"prompt", "logprobs"},
 }
 # OpenAI fields accepted only at the value that changes nothing (else 400 naming them).
 _NOOP: dict[Kind, dict[str, tuple[Any, ...]]] = {
     Kind.CHAT: {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
-                "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
-                "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "store": (False,),
-                "modalities": (["text"],)},
+                "functions": ([],), "function_call": ("none",), "store": (False,), "modalities": (["text"],)},
     Kind.COMPLETION: {"n": (1,), "best_of": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
                       "logit_bias": ({},), "echo": (False,), "suffix": ("",)},
 }
 # OpenAI fields with no no-op value here: any non-null value is a 400.
-_UNSUPPORTED = {"audio", "prediction", "reasoning_effort", "reasoning", "verbosity", "web_search_options"}
+_UNSUPPORTED = {"audio", "prediction", "reasoning_effort", "reasoning", "verbosity", "web_search_options", "tools",
+                "tool_choice", "parallel_tool_calls"}  # (the tool fields: chat only)
 _SERVICE_TIERS = {"auto": None, "default": None, "flex": "low", "priority": "high"}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
@@ -80,6 +89,8 @@ class _Body(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: Any = None
+    structured_outputs: Any = None
 
 
 class _ChatBody(_Body):
@@ -87,6 +98,9 @@ class _ChatBody(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class _CompletionBody(_Body):
@@ -98,7 +112,9 @@ class _CompletionBody(_Body):
 class GenRequest:
     """One generation request, validated. Exactly one of `prompt`, `prompt_token_ids`,
     `messages`. `priority`: the class asked for (None: the gateway's default);
-    `logprobs`: alternatives per token (None: no logprobs); `metadata` goes into the job."""
+    `logprobs`: alternatives per token (None: no logprobs); `metadata` goes into the job;
+    `tools` go to the chat template; `tool_mode` (set when the output is a constrained
+    tool call) says how the output becomes `tool_calls`."""
 
     kind: Kind
     model: str
@@ -111,6 +127,8 @@ class GenRequest:
     include_usage: bool = False
     logprobs: int | None = None
     metadata: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_mode: ToolMode | None = None
 
 
 def parse_request(kind: Kind, raw: bytes) -> GenRequest:
@@ -157,7 +175,7 @@ def parse_body(kind: Kind, obj: Any) -> GenRequest:
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise bad_request("logprobs / top_logprobs must be in [0, 20].", param="top_logprobs" if kind == Kind.CHAT
                           else "logprobs")
-    req.params = msgspec.structs.replace(req.params, logprobs=req.logprobs)
+    req.params = msgspec.structs.replace(req.params, logprobs=req.logprobs, structured=_structured(body, req))
     req.priority = _priority(body)
     req.stream = body.stream
     if body.stream_options is not None and not body.stream:
@@ -166,6 +184,31 @@ def parse_body(kind: Kind, obj: Any) -> GenRequest:
     meta = {"user": body.user, "safety_identifier": body.safety_identifier, "metadata": body.metadata}
     req.metadata = {k: v for k, v in meta.items() if v is not None} or None
     return req
+
+
+def _structured(body: _ChatBody | _CompletionBody, req: GenRequest):
+    """The constraint of `response_format`, `structured_outputs` or a forced tool call
+    (at most one); sets `req.tools` and `req.tool_mode`."""
+    fmt = response_format(body.response_format) if body.response_format is not None else None
+    if body.structured_outputs is not None:
+        if fmt is not None:
+            raise bad_request("'response_format' and 'structured_outputs' cannot be combined.",
+                              param="structured_outputs")
+        fmt = structured_outputs(body.structured_outputs)
+    param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+    tool = None
+    if isinstance(body, _ChatBody):
+        tool, req.tool_mode = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls)
+        reject_conflict(fmt is not None, tool is not None)
+        req.tools = body.tools or None
+    constraint = fmt or tool
+    if constraint is not None:
+        try:
+            check_constraint(constraint)
+        except StructuredOutputError as e:
+            raise ApiError(400, f"Invalid {'tool parameters' if tool else param}: {e}",
+                           param="tools" if tool else param, code="invalid_structured_output") from None
+    return constraint
 
 
 def _check_fields(kind: Kind, obj: dict[str, Any]) -> None:
@@ -184,8 +227,9 @@ def _check_fields(kind: Kind, obj: dict[str, Any]) -> None:
 
 def _why(name: str) -> str:
     return {"n": " (one choice per request: n must be 1)", "best_of": " (best_of must be 1)",
-            "tools": " (no tool calling)", "tool_choice": " (no tool calling)", "functions": " (no tool calling)",
-            "function_call": " (no tool calling)", "response_format": " (only {'type': 'text'})",
+            "tools": " (tool calls are on /v1/chat/completions)", "tool_choice": " (tool calls are on "
+            "/v1/chat/completions)", "functions": " (deprecated: use 'tools')", "function_call": " (deprecated: use "
+            "'tool_choice')",
             "logit_bias": " (no logit bias)", "echo": " (echo must be false)", "suffix": " (no suffix)",
             "presence_penalty": " (use the repetition_penalty extension)",
             "frequency_penalty": " (use the repetition_penalty extension)"}.get(name, "")
@@ -241,14 +285,25 @@ def _messages(raw: list[Any]) -> list[ChatMessage]:
         if not isinstance(m, dict):
             raise bad_request(f"'{at}' must be an object.", param=at)
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise unsupported(f"{at}.role", f" (role {role!r}: no tool calling)")
+        if role == "function":
+            raise unsupported(f"{at}.role", " (role 'function' is deprecated: use 'tool')")
         if role not in _ROLES:
             raise bad_request(f"'{at}.role' must be one of {sorted(_ROLES)}.", param=f"{at}.role")
+        allowed = {"role", "content"} | ({"tool_calls"} if role == "assistant" else set()) | (
+            {"tool_call_id", "name"} if role == "tool" else set())
         for k, v in m.items():
-            if k not in ("role", "content") and v is not None and v != []:
+            if k not in allowed and v is not None and v != []:
                 raise unsupported(f"{at}.{k}")
-        out.append(ChatMessage(role=_ROLES[role], content=_content(m.get("content"), at)))
+        calls = m.get("tool_calls") or None
+        content = None if calls and m.get("content") is None else _content(m.get("content"), at)
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise bad_request(f"'{at}.tool_call_id' must be the id of the call this message answers.",
+                              param=f"{at}.tool_call_id")
+        try:
+            out.append(msgspec.convert({"role": _ROLES[role], "content": content, "tool_calls": calls,
+                                        "tool_call_id": m.get("tool_call_id"), "name": m.get("name")}, ChatMessage))
+        except msgspec.ValidationError as e:
+            raise bad_request(f"Invalid value for '{at}': {e}", param=f"{at}.tool_calls") from None
     return out
 
 

@@ -18,6 +18,7 @@ import msgspec
 from schemas.wire import Finished, TokenLogprob, Usage
 from worker.gateway.errors import ApiError
 from worker.gateway.protocol import Kind
+from worker.gateway.tools import ToolMode, ToolStream, finish_reason, tool_calls
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
@@ -80,13 +81,17 @@ class Renderer:
         created: Unix seconds.
         tokens: logprob token text.
         include_usage: streamed chunks carry `"usage": null` and a last chunk with usage.
+        tool_mode: the output is a constrained tool call: rendered as `tool_calls`
+            (`worker/gateway/tools.py`), finish reason `tool_calls`.
     """
 
     def __init__(self, kind: Kind, response_id: str, model: str, created: int, tokens: TokenText,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, tool_mode: ToolMode | None = None) -> None:
         self.kind = kind
         self.tokens = tokens
         self.include_usage = include_usage
+        self.tool_mode = tool_mode if kind == Kind.CHAT else None
+        self._tool_stream = ToolStream(self.tool_mode) if self.tool_mode is not None else None
         self._head = {"id": response_id, "object": "chat.completion.chunk" if kind == Kind.CHAT else "text_completion",
                       "created": created, "model": model}
         self._text_offset = 0  # completions logprobs: characters before the next token
@@ -96,8 +101,14 @@ class Renderer:
         """The non-streamed body (`chat.completion` or `text_completion`)."""
         lp = self.logprobs(logprobs) if logprobs is not None else None
         if self.kind == Kind.CHAT:
-            choice = {"index": 0, "message": {"role": "assistant", "content": fin.text, "refusal": None},
-                      "logprobs": lp, "finish_reason": fin.finish_reason.value}
+            message: dict[str, Any] = {"role": "assistant", "content": fin.text, "refusal": None}
+            reason = fin.finish_reason.value
+            if self.tool_mode is not None:
+                calls = tool_calls(self.tool_mode, fin.text)
+                if calls is not None:  # else (cut by length) the text stays the content
+                    message.update(content=None, tool_calls=calls)
+                    reason = finish_reason(self.tool_mode, reason)
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": fin.text, "logprobs": lp, "finish_reason": fin.finish_reason.value}
@@ -130,18 +141,26 @@ class Renderer:
         """Chat opens with the assistant role (as OpenAI); completions have no opener."""
         if self.kind != Kind.CHAT:
             return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": None if self.tool_mode else ""},
+                            "logprobs": None, "finish_reason": None})
 
     def token_chunk(self, text: str, logprobs: list[TokenLogprob] | None) -> bytes:
         lp = self.logprobs(logprobs) if logprobs is not None else None
+        if self._tool_stream is not None:
+            return b"".join(self._chunk({"index": 0, "delta": d, "logprobs": lp, "finish_reason": None})
+                            for d in self._tool_stream.text(text))
         if self.kind == Kind.CHAT:
             return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
         return self._chunk({"index": 0, "text": text, "logprobs": lp, "finish_reason": None})
 
     def final_chunks(self, fin: Finished) -> bytes:
         """The chunk with the finish reason, then (with `include_usage`) the usage chunk."""
-        if self.kind == Kind.CHAT:
+        if self._tool_stream is not None:
+            out = b"".join(self._chunk({"index": 0, "delta": d, "logprobs": None, "finish_reason": None})
+                           for d in self._tool_stream.finish())
+            out += self._chunk({"index": 0, "delta": {}, "logprobs": None,
+                                "finish_reason": finish_reason(self.tool_mode, fin.finish_reason.value)})
+        elif self.kind == Kind.CHAT:
             out = self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": fin.finish_reason.value})
         else:
             out = self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": fin.finish_reason.value})

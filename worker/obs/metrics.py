@@ -43,6 +43,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  120.0, 300.0, 600.0)
 CANCEL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+MASK_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 PRIORITY = ("priority",)
@@ -189,6 +190,20 @@ class Metrics:
         self.step_host = Histogram("engine_host_seconds", "Host time of one engine step: its wall time minus the "
                                    "model runner's (scheduling, bookkeeping, output building)",
                                    buckets=STEP_BUCKETS, registry=r)
+        # ---- structured outputs (engine thread) ------------------------------------------------
+        self.structured_requests = Gauge("structured_output_requests", "Requests with a structured-output "
+                                         "constraint in the engine (running, waiting, or waiting for their grammar)",
+                                         registry=r)
+        self.grammar_compile = Histogram("structured_output_compile_seconds", "Time to compile one grammar "
+                                         "(on the engine's grammar thread, never on the step path)",
+                                         buckets=STEP_BUCKETS, registry=r)
+        self.grammar_mask = Histogram("structured_output_mask_seconds", "Time of one step spent computing and "
+                                      "applying the allowed-token masks (steps with constrained rows only)",
+                                      buckets=MASK_BUCKETS, registry=r)
+        self.grammar_cache = Counter("structured_output_grammar_cache", "Compiled-grammar cache lookups of "
+                                     "constrained requests, by result", ["result"], registry=r)
+        for result in ("hit", "miss"):
+            self.grammar_cache.labels(result)
         self.gpu_utilization = (Gauge("gpu_utilization", "GPU busy fraction from NVML (0..1)", registry=r)
                                 if gpu else None)
         # ---- Kafka (asyncio loop) --------------------------------------------------------
@@ -272,6 +287,15 @@ class Metrics:
         self.step_host.observe(max(0.0, s.duration_s - s.forward_s))
         self._add_tokens(s.time, s.num_prefill_tokens, s.num_decode_tokens)
         self._add_busy(time.monotonic(), s.device_busy_s)
+        self.structured_requests.set(s.num_constrained)
+        if s.mask_s:
+            self.grammar_mask.observe(s.mask_s)
+        for c in s.grammar_compile_s:
+            self.grammar_compile.observe(c)
+        if s.grammar_cache_hits:
+            self.grammar_cache.labels("hit").inc(s.grammar_cache_hits)
+        if s.grammar_cache_misses:
+            self.grammar_cache.labels("miss").inc(s.grammar_cache_misses)
 
     def observe_idle(self, kv: KVStats, running: int, waiting: int, now: float | None = None) -> None:
         """Refresh gauges while the engine has nothing to do (engine thread)."""

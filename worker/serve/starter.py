@@ -31,6 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import structlog
 
 from schemas.codec import recover_tenant
@@ -72,10 +73,17 @@ def prompt_byte_limit(tokenizer: Any, max_input_tokens: int) -> int:
 
 
 def input_bytes(job: Job) -> int:
+    """Bytes of the text the chat template or the tokenizer will read: the prompt, or the
+    messages (content, tool calls' names and arguments) and the tool definitions."""
     if job.prompt is not None:
         return len(job.prompt.encode("utf-8", "surrogatepass"))
     if job.messages is not None:
-        return sum(len(m.content.encode("utf-8", "surrogatepass")) + len(m.role) for m in job.messages)
+        n = len(msgspec.json.encode(job.tools)) if job.tools else 0
+        for m in job.messages:
+            n += len(m.role) + len((m.content or "").encode("utf-8", "surrogatepass"))
+            for c in m.tool_calls or ():
+                n += len(c.function.name) + len(c.function.arguments.encode("utf-8", "surrogatepass"))
+        return n
     return 0
 
 

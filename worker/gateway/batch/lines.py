@@ -114,7 +114,8 @@ def line_job(line: BatchLine, tenant: str | None, deadline: float, batch_id: str
         seed = int.from_bytes(hashlib.sha256(line.job_id.encode()).digest()[:4], "big") & 0x7FFFFFFF
         params = msgspec.structs.replace(params, seed=seed)
     return Job(job_id=line.job_id, prompt=line.req.prompt, messages=line.req.messages,
-               prompt_token_ids=line.req.prompt_token_ids, params=params, tenant=tenant, deadline=deadline,
+               prompt_token_ids=line.req.prompt_token_ids, params=params, tools=line.req.tools, tenant=tenant,
+               deadline=deadline,
                created_at=time.time(), metadata={"batch_id": batch_id, "custom_id": line.custom_id})
 
 
@@ -125,7 +126,8 @@ def _line_id(job_id: str) -> str:
 def output_line(line: BatchLine, fin: Finished, model: str, created: int) -> dict[str, Any]:
     """The output-file line of a successful request."""
     prefix = "chatcmpl-" if line.req.kind == Kind.CHAT else "cmpl-"
-    body = Renderer(line.req.kind, prefix + line.job_id, model, created, _NO_TOKENS).completion(fin, None)
+    body = Renderer(line.req.kind, prefix + line.job_id, model, created, _NO_TOKENS,
+                    tool_mode=line.req.tool_mode).completion(fin, None)
     return {"id": _line_id(line.job_id), "custom_id": line.custom_id,
             "response": {"status_code": 200, "request_id": line.job_id, "body": body}, "error": None}
 
