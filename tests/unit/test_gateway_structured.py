@@ -9,7 +9,7 @@ import json
 import pytest
 
 from schemas.params import ChoiceOutput, JsonObjectOutput, JsonSchemaOutput, RegexOutput
-from schemas.wire import FinishReason, Finished, Usage
+from schemas.wire import Finished, FinishReason, Usage
 from worker.gateway.errors import ApiError
 from worker.gateway.protocol import Kind, parse_body
 from worker.gateway.render import Renderer, TokenText
