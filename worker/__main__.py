@@ -202,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--job-id", default=None, help="the job's id (none: a random one)")
     s.add_argument("--tenant", default=None, help="the job's tenant: its stream goes to the tenant's Redis keys")
     s.add_argument("--stream", action="store_true", help="stream the tokens to stdout")
+    fmt = s.add_argument_group("structured output (params.structured; at most one)").add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="SCHEMA", default=None,
+                     help="the output is JSON valid against this JSON Schema (inline JSON, or @FILE)")
+    fmt.add_argument("--json-object", action="store_true", help="the output is one JSON object")
+    fmt.add_argument("--regex", default=None, help="the whole output matches this regex")
+    fmt.add_argument("--choice", action="append", default=None, help="the output is one of these (repeat the flag)")
+    fmt.add_argument("--grammar", metavar="LARK", default=None, help="a Lark grammar (inline, or @FILE)")
     st = sub.add_parser("stream", formatter_class=defaults, help="stream a job's events (replays what already happened; waits for a job "
                         "not seen yet, up to --timeout)")
     client_args(st)

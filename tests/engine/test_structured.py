@@ -275,3 +275,16 @@ def test_abort_and_deadline_reach_a_request_waiting_for_its_grammar(llama_path):
     assert reasons == {"cancel-me": FinishReason.CANCELLED, "expire-me": FinishReason.EXPIRED}
     assert not eng.has_unfinished()
     gated.gate.set()
+
+
+def test_the_device_unpack_equals_the_host_unpack():
+    """The CUDA path expands bits on the device; on the CPU numpy does: same mask."""
+    import numpy as np
+    import torch
+
+    from worker.engine.structured import unpack_on_device
+
+    bm = np.random.default_rng(0).integers(-2**31, 2**31 - 1, size=(5, 9), dtype=np.int64).astype(np.int32)
+    host = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")[:, :270]
+    assert torch.equal(unpack_on_device(bm, 270, torch.device("cpu")), torch.from_numpy(host).bool())
+    assert unpack_on_device(bm, 270, torch.device("cpu"))[0, 0].item() == bool(bm[0, 0] & 1)

@@ -134,13 +134,54 @@ def client_sections(a: argparse.Namespace):
     return kafka, redis
 
 
+def _inline_or_file(value: str) -> str:
+    if value.startswith("@"):
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def structured_arg(a: argparse.Namespace):
+    """`params.structured` from submit's --json-schema / --json-object / --regex /
+    --choice / --grammar (None without any).
+
+    Raises:
+        ValueError: the schema is not JSON, or a file cannot be read (named).
+    """
+    import msgspec
+
+    from schemas.params import ChoiceOutput, GrammarOutput, JsonObjectOutput, JsonSchemaOutput, RegexOutput
+
+    if a.json_schema is not None:
+        try:
+            schema = msgspec.json.decode(_inline_or_file(a.json_schema))
+        except (OSError, msgspec.DecodeError) as e:
+            raise ValueError(f"--json-schema: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("--json-schema: a JSON Schema is a JSON object")
+        return JsonSchemaOutput(schema=schema)
+    if a.json_object:
+        return JsonObjectOutput()
+    if a.regex is not None:
+        return RegexOutput(pattern=a.regex)
+    if a.choice:
+        return ChoiceOutput(choices=a.choice)
+    if a.grammar is not None:
+        try:
+            return GrammarOutput(grammar=_inline_or_file(a.grammar))
+        except OSError as e:
+            raise ValueError(f"--grammar: {e}") from None
+    return None
+
+
 async def client_command(a: argparse.Namespace, kafka, redis) -> int:
     from schemas.params import SamplingParams
     from worker.client import InflightClient
 
     async with InflightClient(kafka=kafka, redis=redis) as client:
         if a.cmd == "submit":
-            params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
+                                    structured=structured_arg(a))
             job_id = await client.submit(a.prompt, params=params, priority=a.priority, job_id=a.job_id,
                                          tenant=a.tenant)
             if a.stream:  # stdout carries the text alone

@@ -277,23 +277,48 @@ _EXECUTOR: Any = None
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
+def _parallel_fill(device: torch.device) -> bool:
+    """Fill rows on llguidance's executor threads only where cores are left beside
+    torch's: on a CPU engine torch's OpenMP team spins on every core right after the
+    forward, and the executor's threads then measured 1.6x slower than one thread
+    filling every row (2.1 vs 1.3 ms at 64 rows, docs/benchmarks.md)."""
+    from worker.engine.threads import usable_cpus
+
+    return device.type == "cuda" or usable_cpus() > torch.get_num_threads() + 1
+
+
 def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device) -> torch.Tensor:
     """Allowed next tokens of each matcher: bool `[len(matchers), vocab_size]` on `device`.
 
-    One int32 bitmask (`[rows, ceil(vocab/32)]`, bit j of word w = token 32w + j) filled by
-    llguidance's executor for the whole batch at once, with the GIL released, then
-    unpacked on `device` (a host-to-device copy of vocab/8 bytes per row on CUDA).
+    One int32 bitmask (`[rows, ceil(vocab/32)]`, bit j of word w = token 32w + j) filled
+    by llguidance with the GIL released (on its executor's threads where spare cores
+    exist: `_parallel_fill`), then unpacked: on the CPU by numpy, on CUDA on the device
+    after a copy of vocab/8 bytes per row (the unpacked mask would be 8x larger).
     """
     global _EXECUTOR
     import llguidance
     import llguidance.numpy as lln
 
-    if _EXECUTOR is None:
-        _EXECUTOR = llguidance.LLExecutor()
     n = len(matchers)
     words = (vocab_size + 31) // 32
     bitmask = np.full((n, words), -1, dtype=np.int32)
-    lln.fill_next_token_bitmask_par(_EXECUTOR, [(m.raw, i) for i, m in enumerate(matchers)], bitmask)
+    if n > 1 and _parallel_fill(device):
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        lln.fill_next_token_bitmask_par(_EXECUTOR, [(m.raw, i) for i, m in enumerate(matchers)], bitmask)
+    else:
+        for i, m in enumerate(matchers):
+            lln.fill_next_token_bitmask(m.raw, bitmask, i)
+    if device.type == "cpu":
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        return torch.from_numpy(bits).bool()
+    return unpack_on_device(bitmask, vocab_size, device)
+
+
+def unpack_on_device(bitmask: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """`[rows, words]` int32 bitmask -> bool `[rows, vocab_size]` on `device` (the copy is
+    the packed mask; bits are expanded there)."""
+    n, words = bitmask.shape
     shifts = _SHIFTS.get(device)
     if shifts is None:
         shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
