@@ -159,31 +159,35 @@ def _engine(model: Path, batch: int):
     return Engine.from_pretrained(str(model), cfg)
 
 
-def bench_engine(model: Path, batch: int, tokens: int) -> dict:
-    """Full-batch step time, every request constrained vs none (same prompts)."""
+def bench_engine(model: Path, batch: int, tokens: int, rounds: int = 3) -> dict:
+    """Full-batch step time, every request constrained vs none (same prompts), in
+    alternating rounds (the shared box's load drifts): the median of the per-round ratios."""
     from schemas.params import JsonSchemaOutput, SamplingParams
 
     engine = _engine(model, batch)
     prompts = [[(31 * i + j) % 1900 + 20 for j in range(24)] for i in range(batch)]
-    result = {}
-    for name, structured in (("unconstrained", None), ("constrained", JsonSchemaOutput(schema=TEN_FIELDS))):
-        params = SamplingParams(temperature=1.0, seed=1, max_tokens=tokens, ignore_eos=structured is None,
-                                structured=structured)
-        for i, p in enumerate(prompts):
-            engine.add_request(f"{name}-{i}", prompt_token_ids=p, params=params)
-        steps, masks, produced = [], [], 0
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            outs = engine.step()
-            produced += sum(len(o.new_token_ids) for o in outs)
-            st = engine.last_step_stats
-            if st.num_running >= batch * 0.9 and st.num_prefill_tokens == 0:
-                steps.append(st.duration_s)
-                masks.append(st.mask_s)
-        result[name] = {"full_batch_steps": len(steps), "step_ms": statistics.mean(steps) * 1e3,
-                        "mask_ms_per_step": statistics.mean(masks) * 1e3, "tokens": produced,
-                        "seconds": time.perf_counter() - t0}
-    result["overhead"] = result["constrained"]["step_ms"] / result["unconstrained"]["step_ms"] - 1.0
+    runs: dict[str, list[dict]] = {"unconstrained": [], "constrained": []}
+    for r in range(rounds):
+        for name, structured in (("unconstrained", None), ("constrained", JsonSchemaOutput(schema=TEN_FIELDS))):
+            params = SamplingParams(temperature=1.0, seed=1, max_tokens=tokens, ignore_eos=structured is None,
+                                    structured=structured)
+            for i, p in enumerate(prompts):
+                engine.add_request(f"{name}-{r}-{i}", prompt_token_ids=p, params=params)
+            steps, masks = [], []
+            while engine.has_unfinished():
+                engine.step()
+                st = engine.last_step_stats
+                if st.num_running >= batch * 0.9 and st.num_prefill_tokens == 0:
+                    steps.append(st.duration_s)
+                    masks.append(st.mask_s)
+            runs[name].append({"steps": len(steps), "step_ms": statistics.mean(steps) * 1e3,
+                               "mask_ms_per_step": statistics.mean(masks) * 1e3})
+    result = {name: {"step_ms": statistics.median(x["step_ms"] for x in rs),
+                     "mask_ms_per_step": statistics.median(x["mask_ms_per_step"] for x in rs), "rounds": rs}
+              for name, rs in runs.items()}
+    ratios = [c["step_ms"] / u["step_ms"] for c, u in zip(runs["constrained"], runs["unconstrained"])]
+    result["overhead"] = statistics.median(ratios) - 1.0
+    result["overhead_per_round"] = [x - 1.0 for x in ratios]
     return result
 
 
@@ -244,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200, help="mask steps measured per library")
     p.add_argument("--tokens", type=int, default=96, help="max tokens per request in the engine comparison")
     p.add_argument("--jobs", type=int, default=1000, help="constrained jobs checked for validity")
+    p.add_argument("--rounds", type=int, default=5, help="alternating constrained / unconstrained engine rounds")
     p.add_argument("--out", default="results", help="folder for JSON and PNG results")
     a = p.parse_args(argv)
     a.command_line = " ".join(["python -m tools.bench_structured", *(argv if argv is not None else sys.argv[1:])])
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     report = report_header("structured", a, model, "cpu")
     report["batch"] = a.batch
     report["libraries"] = bench_libraries(model, a.batch, a.steps)
-    report["engine"] = bench_engine(model, a.batch, a.tokens)
+    report["engine"] = bench_engine(model, a.batch, a.tokens, a.rounds)
     report["validity"] = bench_validity(model, a.batch, a.jobs)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"(first: {r['first_disagreement']})")
     e = report["engine"]
     print(f"engine      step {e['unconstrained']['step_ms']:.2f} ms unconstrained, {e['constrained']['step_ms']:.2f} "
-          f"ms all constrained ({e['overhead'] * 100:+.1f}%), mask {e['constrained']['mask_ms_per_step']:.3f} ms/step")
+          f"ms all constrained: overhead {e['overhead'] * 100:+.1f}% (median of rounds "
+          f"{', '.join(f'{x * 100:+.0f}%' for x in e['overhead_per_round'])}), mask "
+          f"{e['constrained']['mask_ms_per_step']:.3f} ms/step")
     v = report["validity"]
     print(f"validity    {v['invalid']} invalid of {v['jobs'] - v['length']} complete outputs "
           f"({v['length']} cut by max_tokens), {v['jobs_per_s']:.1f} jobs/s")

@@ -140,3 +140,20 @@ def test_streamed_tool_calls_open_with_id_and_name_then_stream_arguments():
     ch = _deltas(raw)
     assert ch[0]["delta"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x":1}'}
     assert ch[-1]["finish_reason"] == "tool_calls"
+
+
+def test_batch_lines_take_the_same_fields():
+    from worker.gateway.batch.lines import line_job, output_line, parse_input
+
+    body = {"model": "m", "messages": MSG, "tools": [FN], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    data = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}).encode()
+    bad = {**body, "response_format": {"type": "json_object"}, "tool_choice": "required"}
+    data += b"\n" + json.dumps({"custom_id": "b", "url": "/v1/chat/completions", "body": bad}).encode()
+    lines, errors = parse_input(data, batch_id="batch_1", endpoint="/v1/chat/completions", kind=Kind.CHAT,
+                                model_name="m")
+    assert [e.param for e in errors] == ["body.response_format"]
+    (line,) = lines
+    job = line_job(line, "acme", 0.0, "batch_1")
+    assert job.tools == [FN] and job.params.structured == JsonSchemaOutput(schema=FN["function"]["parameters"])
+    out = output_line(line, fin('{"x":1}'), "m", 0)["response"]["body"]["choices"][0]
+    assert out["finish_reason"] == "tool_calls" and out["message"]["tool_calls"][0]["function"]["name"] == "f"

@@ -109,3 +109,25 @@ def test_cross_field_and_range_checks(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML at line 2") as e:
         load_config(str(bad), {})
     assert "leaky" not in str(e.value)
+
+
+def test_tool_calling_messages_decode_and_count_toward_the_input_bound():
+    """A job whose history holds an assistant tool call (content null) and a tool result:
+    it decodes, and the input-size bound counts its arguments and tool definitions
+    (regression: a null content crashed the intake's byte count and stopped the worker)."""
+    from schemas.codec import decode_job
+    from worker.serve.starter import input_bytes
+
+    raw = (b'{"job_id": "t1", "tools": [{"type": "function", "function": {"name": "f"}}], "messages": ['
+           b'{"role": "user", "content": "hi"},'
+           b'{"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",'
+           b' "function": {"name": "f", "arguments": "{\\"x\\": 1}"}}]},'
+           b'{"role": "tool", "tool_call_id": "c1", "content": "2"}]}')
+    job = decode_job(raw)
+    assert job.messages[1].content is None and job.messages[1].tool_calls[0].function.arguments == '{"x": 1}'
+    tools_bytes = len(b'[{"type":"function","function":{"name":"f"}}]')
+    assert input_bytes(job) == tools_bytes + (4 + 2) + (9 + 1 + 8) + (4 + 1)
+    with pytest.raises(msgspec.ValidationError, match="content"):
+        decode_job(b'{"job_id": "t2", "messages": [{"role": "user", "content": null}]}')
+    with pytest.raises(msgspec.ValidationError, match="tools"):
+        decode_job(b'{"job_id": "t3", "prompt": "x", "tools": []}')

@@ -315,6 +315,30 @@ def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device
     return unpack_on_device(bitmask, vocab_size, device)
 
 
+_MASK_THREAD: ThreadPoolExecutor | None = None
+
+
+def start_token_bitmask(reqs: list[Any], vocab_size: int, device: torch.device) -> Future | None:
+    """`token_bitmask` of the constrained rows of `reqs` (ScheduledRequests that sample),
+    started on a thread of its own so it runs while the forward does (the runner calls
+    this before the forward; llguidance drops the GIL while it fills, torch inside its
+    kernels). Resolves to (bool `[rows with a grammar, vocab_size]`, seconds it took);
+    None when no row has a grammar."""
+    global _MASK_THREAD
+    matchers = [r.grammar for r in reqs if r.grammar is not None]
+    if not matchers:
+        return None
+    if _MASK_THREAD is None:
+        _MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-mask")
+
+    def run() -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        allowed = token_bitmask(matchers, vocab_size, device)
+        return allowed, time.perf_counter() - t0
+
+    return _MASK_THREAD.submit(run)
+
+
 def unpack_on_device(bitmask: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
     """`[rows, words]` int32 bitmask -> bool `[rows, vocab_size]` on `device` (the copy is
     the packed mask; bits are expanded there)."""

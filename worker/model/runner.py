@@ -13,6 +13,7 @@ from types import ModuleType
 import torch
 
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.engine.structured import start_token_bitmask
 from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, step_metadata
 from worker.model.capability import KVLayout, LayerKV
 from worker.model.sampler import sample
@@ -46,6 +47,9 @@ class ModelRunner:
         # in the sync), so the engine core's asynchronous steps overlap host work with it
         self.overlaps_host = device.type == "cuda"
         self.backend = backend
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        # logit rows of the vocabulary (structured-output masks are sized before the forward)
+        self._vocab_size = getattr(head, "out_features", None) or getattr(model.config, "vocab_size", 0)
         self.kv_layout = kv_layout
         self.kv_caches = [
             None if layer is None else self.allocate_layer(layer, num_blocks, block_size, device, dtype)
@@ -194,6 +198,12 @@ class ModelRunner:
         input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
         # A step of only partial prefill chunks still computes one (discarded) logit row.
         keep = torch.tensor(sample_idx or [0], device=self.device)
+        sampling_reqs = [s for s in packed if s.samples_token]
+        # structured-output masks: on CUDA filled on their own thread while this one queues the
+        # forward and the device runs it; on the CPU after the forward (a thread beside torch's
+        # OpenMP team measured +18-34% step time at 64 constrained rows, vs -4-+20% after it)
+        masks = (start_token_bitmask(sampling_reqs, self._vocab_size, self.device)
+                 if sample_idx and self.overlaps_host else None)
         with step_metadata(md):
             out = self.model(
                 input_ids=input_ids.unsqueeze(0),
@@ -205,9 +215,8 @@ class ModelRunner:
         if not sample_idx:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = out.logits[0]  # [num_sampled, vocab]
-        sampling_reqs = [s for s in packed if s.samples_token]
         timing: dict[str, float] = {}
-        ids, logprobs = sample(logits, sampling_reqs, timing)
+        ids, logprobs = sample(logits, sampling_reqs, timing, masks)
         return ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(sampling_reqs, ids)},
             logprobs={s.request_id: lp for s, lp in zip(sampling_reqs, logprobs) if lp is not None},
