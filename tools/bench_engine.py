@@ -109,7 +109,7 @@ def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, 
 
     cfg = EngineConfig(model=ModelConfig(device=device, attention_backend=backend), serving_tuning=ServingTuning(
         max_running_requests=max_batch, max_total_tokens=kv_tokens, max_batched_tokens=budget,
-        max_input_tokens=4096, max_output_tokens=4096, enable_prefix_caching=False, async_scheduling=async_scheduling,
+        enable_prefix_caching=False, async_scheduling=async_scheduling,  # limits: the model's context
     ))
     engine = Engine.from_pretrained(str(path), cfg)
     _sync(device)

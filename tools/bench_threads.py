@@ -33,7 +33,7 @@ async def run_engines(model: Path, k: int, engine_threads: int | None, requests:
     from worker.engine.core_proc import PretrainedEngine
 
     tuning = ServingTuning(max_running_requests=32, max_total_tokens=32768, max_batched_tokens=512,
-                           max_input_tokens=512, max_output_tokens=4096)
+                           max_input_tokens=512)
     spec = PretrainedEngine(str(model), EngineConfig(serving_tuning=tuning))
     loop = asyncio.get_running_loop()
     clients, done, counts, ends = [], [], [], []

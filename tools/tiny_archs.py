@@ -137,7 +137,7 @@ def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch",
     cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu", attention_backend=backend),
                        serving_tuning=ServingTuning(max_total_tokens=max_total_tokens, kv_block_size=block_size,
                                                     max_batched_tokens=max_batched_tokens, max_running_requests=8,
-                                                    max_output_tokens=max_tokens, max_input_tokens=512,
+                                                    max_output_tokens=max_tokens,
                                                     kv_policy=kv_policy))
     engine = Engine.from_pretrained(str(path), cfg)
     if on_forward is not None:

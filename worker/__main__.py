@@ -218,6 +218,28 @@ def main(argv: list[str] | None = None) -> int:
     client_args(c)
     c.add_argument("job_id")
 
+    dlq = sub.add_parser("dlq", formatter_class=defaults, help="dead letters: list them by reason, replay chosen ones")
+    dsub = dlq.add_subparsers(dest="dlq_cmd", required=True)
+    for name, help_ in (("list", "show dead letters (one line each: where, when, reason, job id, source, error) and "
+                                 "a count by reason"),
+                        ("replay", "re-produce chosen dead letters to their job topics under new job ids "
+                                   "(<job_id>.replay-<partition>-<offset>: replaying twice runs once)")):
+        d = dsub.add_parser(name, formatter_class=defaults, help=help_, description=help_)
+        client_args(d)
+        d.add_argument("--reason", action="append", default=None, help="only this reason (repeat the flag)")
+        d.add_argument("--job-id", action="append", default=None, help="only this job id (repeat the flag)")
+        d.add_argument("--since", default=None, help="only records written since: seconds ago (600), a duration "
+                       "(10m, 2h, 1d) or an ISO time")
+        d.add_argument("--limit", type=int, default=None, help="at most this many (oldest first)")
+        if name == "list":
+            d.add_argument("--json", action="store_true", help="one JSON object per line")
+        else:
+            d.add_argument("--all", action="store_true", help="replay every record the filters select (without a "
+                           "filter, --all is required)")
+            d.add_argument("--force", action="store_true", help="also send records whose reason can never succeed "
+                           "on the same input (invalid_job, invalid_params, ...)")
+            d.add_argument("--dry-run", action="store_true", help="say what would be sent, send nothing")
+
     t = sub.add_parser("topics", formatter_class=defaults, help="manage topics")
     t.add_argument("action", choices=["create"])
     t.add_argument("--bootstrap", default=None, help=f"bootstrap servers (default: the config's, else {DEFAULT_KAFKA})")
@@ -278,7 +300,7 @@ def _dispatch(a: argparse.Namespace) -> int:
         return _gateway(a)
     if a.cmd == "check":
         return _check(a)
-    if a.cmd in ("submit", "stream", "cancel", "topics"):
+    if a.cmd in ("submit", "stream", "cancel", "topics", "dlq"):
         import logging
 
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a refusal is explained in one line instead
@@ -286,6 +308,11 @@ def _dispatch(a: argparse.Namespace) -> int:
         kafka, redis = client_sections(a)
         # bad input: job id, tenant, sampling values
         return run_reported(client_command(a, kafka, redis), bad_input="error", kafka=kafka, redis=redis)
+    if a.cmd == "dlq":
+        from worker.cli.commands import dlq_command
+
+        kafka, redis = client_sections(a)
+        return run_reported(dlq_command(a, kafka), bad_input="error", kafka=kafka)
     if a.cmd == "topics":
         from worker.cli.topics import create_topics
 

@@ -58,7 +58,8 @@ def test_chat_and_completions_through_the_openai_client(services, prefix, llama_
         async with running_worker(cfg, engine), \
                 running_gateway(gateway_config(services, prefix, tmp_path / "files", tokenizer=llama_path)) as gw:
             c = client(gw)
-            out = {"models": [m.id for m in (await c.models.list()).data]}
+            models = (await c.models.list()).data
+            out = {"models": [m.id for m in models], "max_model_len": models[0].model_extra.get("max_model_len")}
             greedy = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
             raw = await c.chat.completions.with_raw_response.create(**greedy)
             out["chat"], out["job_id"] = raw.parse(), raw.headers["x-request-id"]
@@ -100,7 +101,7 @@ def test_chat_and_completions_through_the_openai_client(services, prefix, llama_
             return out
 
     out = asyncio.run(main())
-    assert out["models"] == [MODEL]
+    assert out["models"] == [MODEL] and out["max_model_len"] == 1024  # from the tokenizer dir's config.json
     chat = out["chat"]
     assert chat.object == "chat.completion" and chat.model == MODEL and chat.choices[0].finish_reason == "length"
     text = chat.choices[0].message.content

@@ -16,7 +16,7 @@ from tests.conftest import arch_checkpoint
 from tests.integration.conftest import ROOT, worker_config
 from worker.cli.preflight import Check, exit_code, render, run_preflight
 
-ALL = ["kafka", "topics", "consumer group", "redis", "redis persistence", "model", "kv cache", "metrics port"]
+ALL = ["kafka", "topics", "consumer group", "redis", "redis persistence", "model", "limits", "kv cache", "metrics port"]
 
 
 def closed_port() -> int:
@@ -70,7 +70,9 @@ def test_a_correct_config_passes_without_joining_the_group(good, services, prefi
     assert "chat template present" in c["model"].detail
     assert "supported (full causal attention); load check: logits within" in c["model"].detail
     assert "4096 tokens" in c["kv cache"].detail
-    assert exit_code(checks) == 0 and render(checks).endswith("all 7 checks passed")
+    # limits follow the 1024-token context of the tiny model when unset (issue 32)
+    assert c["limits"].detail == ("max_input_tokens 1023 (from the context of 1024), max_output_tokens 256 (set)")
+    assert exit_code(checks) == 0 and render(checks).endswith("all 8 checks passed")
     # described and its offsets fetched, never joined: no member, no rebalance for running workers
     assert group_members(services[0], good.kafka.group_id) == ("Dead", 0)
 
@@ -100,7 +102,7 @@ def test_redis_down(good):
     checks = run_preflight(cfg, timeout_s=5)
     fail = only_failure(checks, "redis", "redis.url")
     assert "connecting" in fail.detail and "pw-not-shown" not in render(checks)
-    assert render(checks).endswith("1 of 7 checks failed: redis")  # the persistence report is not a check
+    assert render(checks).endswith("1 of 8 checks failed: redis")  # the persistence report is not a check
     assert by_name(checks)["redis persistence"].status == "skip"
 
 
@@ -134,6 +136,13 @@ def test_the_worker_refuses_it_at_start_with_exit_2(good, tmp_path, engine_proce
     assert "worker started" not in text
 
 
+def test_a_limit_above_the_model_context_fails_naming_both_numbers(good):
+    tuning = msgspec.structs.replace(good.serving_tuning, max_input_tokens=8192)
+    fail = only_failure(run_preflight(msgspec.structs.replace(good, serving_tuning=tuning)),
+                        "limits", "serving_tuning.max_input_tokens")
+    assert "8192" in fail.detail and "context of 1024" in fail.detail and "unset it to use 1023" in fail.detail
+
+
 def test_kv_cache_larger_than_memory(good):
     # tiny Llama: 2 layers x 2 KV heads x head_dim 16 x K and V x 4 B = 512 B per token; 2**40 tokens = 512 TiB
     tuning = msgspec.structs.replace(good.serving_tuning, max_total_tokens=2**40)
@@ -162,8 +171,8 @@ def test_cli_exit_codes_and_lines(good, tmp_path):
     ok = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     lines = ok.stdout.splitlines()
-    assert [ln.split()[0] for ln in lines[:-1]] == ["PASS"] * 4 + ["INFO"] + ["PASS"] * 3
-    assert lines[-1] == "all 7 checks passed"
+    assert [ln.split()[0] for ln in lines[:-1]] == ["PASS"] * 4 + ["INFO"] + ["PASS"] * 4
+    assert lines[-1] == "all 8 checks passed"
     bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**_env(), "INFLIGHT_KAFKA__TOPIC_PREFIX": "never-created-x2"})
     assert bad.returncode == 1

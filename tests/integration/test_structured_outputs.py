@@ -21,7 +21,6 @@ from tests.integration.conftest import worker_config
 from tests.integration.gateway_helpers import MODEL, client, gateway_config, running_gateway, sample
 from tests.integration.helpers import assert_well_formed, collect, running_worker
 from worker.client import InflightClient
-from worker.engine import Engine
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "rank": {"type": "integer", "minimum": 1, "maximum": 50},
@@ -78,12 +77,13 @@ async def _stream(stream) -> tuple[str, dict, str | None]:
 
 
 def test_structured_jobs_through_kafka_and_the_openai_client(services, prefix, llama_path, tmp_path):
-    cfg = worker_config(services, prefix)
-    engine = Engine.from_pretrained(str(llama_path), cfg.engine)
+    # the engine core in its own process, as `inflight worker` runs it: grammars cross the pipe
+    cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
+                        worker={"engine_process": True})
 
     async def main():
         out = {}
-        async with running_worker(cfg, engine) as w, \
+        async with running_worker(cfg, None, timeout=90) as w, \
                 running_gateway(gateway_config(services, prefix, tmp_path / "files", tokenizer=llama_path)) as gw:
             async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as direct:
                 p = SamplingParams(max_tokens=120, temperature=1.0, seed=5, structured=JsonSchemaOutput(schema=SCHEMA))

@@ -118,7 +118,7 @@ def test_admission_edges_reject_at_once_while_others_proceed():
     assert set(finals) == {"running", "at-limit"}
     assert finals["running"].usage.completion_tokens == 30
 
-    small = engine(max_total_tokens=32, max_input_tokens=30, max_output_tokens=300)
+    small = engine(max_total_tokens=32, max_input_tokens=30, max_output_tokens=250)  # <= the context of 256
     assert small.add_request("fits", prompt_token_ids=[5] * 20, params=SamplingParams(max_tokens=12)) == 20
     with pytest.raises(RequestRejected) as exc:
         small.add_request("never-fits", prompt_token_ids=[5] * 20, params=SamplingParams(max_tokens=13))

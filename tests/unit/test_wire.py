@@ -131,3 +131,29 @@ def test_tool_calling_messages_decode_and_count_toward_the_input_bound():
         decode_job(b'{"job_id": "t2", "messages": [{"role": "user", "content": null}]}')
     with pytest.raises(msgspec.ValidationError, match="tools"):
         decode_job(b'{"job_id": "t3", "prompt": "x", "tools": []}')
+
+
+def test_limits_follow_the_model_context_unless_set():
+    """Issue 32: limits default to what the model allows; a configured limit above the
+    context is a config error naming both numbers."""
+    from worker.config import ServingTuning
+
+    t = ServingTuning().for_model(1024)
+    assert (t.max_input_tokens, t.max_output_tokens) == (1023, 1023)
+    assert ServingTuning().for_model(32768).max_output_tokens == 1024
+    assert ServingTuning(max_input_tokens=500, max_output_tokens=1024).for_model(1024).max_input_tokens == 500
+    assert t.for_model(1024) == t  # idempotent
+    for name in ("max_input_tokens", "max_output_tokens"):
+        with pytest.raises(ConfigError, match=rf"serving_tuning.{name} is 8192, above the model's context of 1024"):
+            ServingTuning(**{name: 8192}).for_model(1024)
+
+
+def test_an_engine_reports_the_limits_of_its_model():
+    from worker.config import EngineConfig, ServingTuning
+    from worker.model.null_runner import null_engine
+
+    eng = null_engine(EngineConfig(serving_tuning=ServingTuning(max_total_tokens=4096)), max_model_len=1024)
+    assert (eng.tuning.max_input_tokens, eng.tuning.max_output_tokens) == (1023, 1023)
+    assert eng.config.serving_tuning == eng.tuning
+    with pytest.raises(ConfigError, match="max_input_tokens is 2048, above the model's context of 1024"):
+        null_engine(EngineConfig(serving_tuning=ServingTuning(max_input_tokens=2048)), max_model_len=1024)

@@ -196,3 +196,42 @@ async def client_command(a: argparse.Namespace, kafka, redis) -> int:
             print(f"cancel sent for {a.job_id} (no effect if it already finished)", file=sys.stderr)
             return 0
     return 1
+
+
+async def dlq_command(a: argparse.Namespace, kafka) -> int:
+    """`inflight dlq list` / `inflight dlq replay` (worker/cli/dlq.py)."""
+    import json
+
+    from worker.cli.dlq import count_by_reason, parse_since, read_dead_letters, replay_dead_letters
+
+    filtered = bool(a.reason or a.job_id or a.since)
+    if a.dlq_cmd == "replay" and not (filtered or a.all):
+        raise ValueError("name what to replay: --reason, --job-id, --since, or --all for every dead letter")
+    letters = await read_dead_letters(kafka, reasons=set(a.reason) if a.reason else None,
+                                      job_ids=set(a.job_id) if a.job_id else None, since_ms=parse_since(a.since),
+                                      limit=a.limit)
+    if a.dlq_cmd == "list":
+        for d in letters:
+            s = d.summary()
+            if a.json:
+                print(json.dumps(s))
+            else:
+                error = (s["error"] or "").replace("\n", " ")
+                print(f"{s['partition']}:{s['offset']}  {s['time']}  {s['reason']}  job {s['job_id'] or '-'}  "
+                      f"from {s['source']}  {s['bytes']} B  {error[:160]}")
+        counts = count_by_reason(letters)
+        print(f"{len(letters)} dead letter(s)" + (": " + ", ".join(f"{k} {v}" for k, v in counts.items())
+                                                 if counts else ""), file=sys.stderr)
+        return 0
+    results = await replay_dead_letters(kafka, letters, force=a.force, dry_run=a.dry_run)
+    for r in results:
+        d = r.dead_letter
+        where = f"{d.partition}:{d.offset} ({d.reason}, job {d.job_id or '-'})"
+        if r.status == "refused":
+            print(f"refused {where}: {r.why}")
+        else:
+            print(f"{r.status} {where} -> {r.topic} as job {r.job_id}")
+    sent = sum(r.status == "sent" for r in results)
+    refused = sum(r.status == "refused" for r in results)
+    print(f"{sent} sent, {refused} refused" + (" (dry run: nothing sent)" if a.dry_run else ""), file=sys.stderr)
+    return 0 if not refused else 1

@@ -26,28 +26,18 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Literal
-
-import msgspec
 
 from schemas import keys
+from worker.cli.checks import Check
+from worker.cli.checks import short as _short
+from worker.cli.model_checks import model_checks
 from worker.config import WorkerConfig, redacted_config
 from worker.obs.errors import suppressed
 
 log = logging.getLogger(__name__)
 
-Status = Literal["pass", "fail", "skip", "info"]
 TOPIC_SETTLE_S = 3.0
 REPORT_ONLY = frozenset({"redis persistence"})  # lines that report (`info`, or `skip`), never fail
-
-
-class Check(msgspec.Struct, frozen=True):
-    """The outcome of one check. `setting` is the config field to fix when it fails."""
-
-    name: str
-    status: Status
-    setting: str
-    detail: str
 
 
 def run_preflight(cfg: WorkerConfig, timeout_s: float = 10.0) -> list[Check]:
@@ -276,85 +266,6 @@ async def _persistence(client) -> Check:
 
 
 # ---- model and KV cache -----------------------------------------------------------------
-def model_checks(cfg: WorkerConfig) -> list[Check]:
-    """`model`: the worker's loader on `model.path` (weights, tokenizer, device, dtype),
-    chat template and the capability verdict reported (an architecture the engine cannot
-    reproduce fails here, with the loader's one-line reason); `kv cache`: the engine's KV sizing for `serving_tuning`
-    against the memory left after loading (free GPU memory x gpu_memory_utilization on
-    CUDA, available RAM (cgroup limit included) on CPU)."""
-    if not cfg.model.path:
-        return [Check("model", "fail", "model.path", "not set (or INFLIGHT_MODEL__PATH)"),
-                Check("kv cache", "skip", "serving_tuning.max_total_tokens", "not checked: no model")]
-    from worker.model.loader import load_model
-
-    t0 = time.perf_counter()
-    try:
-        loaded = load_model(cfg.model)
-    except Exception as e:  # any failure to load is this check's answer, with its message
-        setting = "model.device" if "model.device" in str(e) else "model.path"
-        detail = _short(e) if cfg.model.path in str(e) else f"{cfg.model.path!r}: {_short(e)}"
-        return [Check("model", "fail", setting, detail),
-                Check("kv cache", "skip", "serving_tuning.max_total_tokens", "not checked: the model did not load")]
-    tok = loaded.tokenizer
-    template = ("chat template present" if getattr(tok, "chat_template", None)
-                else "no chat template: jobs with `messages` are rejected")
-    checks = [Check("model", "pass", "model.path",
-                    f"{cfg.model.path!r}: {loaded.model_id.split(':')[0]}, {loaded.num_layers} layers, "
-                    f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}, context {loaded.max_model_len}; "
-                    f"tokenizer vocab {len(tok)}; {template}; loaded in {time.perf_counter() - t0:.1f} s; "
-                    f"{loaded.verdict()}")]
-    checks.append(kv_check(cfg, loaded))
-    return checks
-
-
-def kv_check(cfg: WorkerConfig, loaded) -> Check:
-    """KV bytes = blocks the engine would allocate x block size x bytes per token, against
-    the memory budget of `loaded.device` now."""
-    import torch
-
-    from worker.engine.engine import kv_cache_blocks
-
-    tuning = cfg.serving_tuning
-    per_token = loaded.kv_layout.bytes_per_token(loaded.dtype)
-    if loaded.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(loaded.device)
-        budget = int(free * tuning.gpu_memory_utilization)
-        where = f"{_gib(free)} free on {loaded.device} x gpu_memory_utilization {tuning.gpu_memory_utilization}"
-    else:
-        budget = available_ram_bytes()
-        where = "available RAM"
-    num_tokens = kv_cache_blocks(loaded, tuning) * tuning.kv_block_size
-    kv_bytes = num_tokens * per_token
-    source = "max_total_tokens" if tuning.max_total_tokens is not None else "derived"
-    detail = (f"{num_tokens} tokens ({source}) x {per_token} B/token = {_gib(kv_bytes)} "
-              f"{'<=' if kv_bytes <= budget else '>'} {_gib(budget)} ({where}, after loading the model)")
-    if num_tokens == 0 or kv_bytes > budget:
-        fit = budget // per_token // tuning.kv_block_size * tuning.kv_block_size
-        return Check("kv cache", "fail", "serving_tuning.max_total_tokens", f"{detail}; at most {fit} tokens fit")
-    longest = tuning.max_input_tokens + tuning.max_output_tokens
-    if num_tokens < longest:
-        detail += (f"; note: a request of max_input_tokens + max_output_tokens ({longest}) exceeds it and would be "
-                   "rejected")
-    return Check("kv cache", "pass", "serving_tuning.max_total_tokens", detail)
-
-
-def available_ram_bytes() -> int:
-    """Memory this process can still get, in bytes: the OS's available memory (psutil),
-    capped by a cgroup v2 limit (a container's `memory.max - memory.current`) if any."""
-    import psutil
-
-    avail = psutil.virtual_memory().available
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            current = int(f.read())
-    except (OSError, ValueError):
-        return avail
-    return avail if limit == "max" else min(avail, max(0, int(limit) - current))
-
-
-# ---- metrics port -------------------------------------------------------------------------
 def metrics_port_check(cfg: WorkerConfig) -> Check:
     """`metrics.port` can be bound on `metrics.host` (as the worker's HTTP server will,
     with SO_REUSEADDR), then released."""
@@ -374,12 +285,3 @@ def metrics_port_check(cfg: WorkerConfig) -> Check:
                      f"{m.host}:{m.port} cannot be bound ({e.strerror}); another process uses it: give each worker "
                      "on a host its own port, 0 for any free one, or null for no HTTP")
     return Check("metrics port", "pass", "metrics.port", f"{m.host}:{m.port} is free")
-
-
-def _short(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

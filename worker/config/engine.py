@@ -38,6 +38,9 @@ class TenantPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_kv_blocks: int | None = None
 
 
+DEFAULT_MAX_OUTPUT_TOKENS = 1024  # max_output_tokens when unset (capped by the model's context)
+
+
 class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Capacity limits of one engine, in the vocabulary of TGI / TensorRT-LLM.
 
@@ -45,9 +48,13 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_running_requests: most requests in the running batch at once.
         max_total_tokens: KV cache capacity in tokens (rounded down to whole blocks).
             None: derived from free GPU memory on CUDA, 16384 on CPU.
-        max_input_tokens: longest prompt accepted, in tokens.
+        max_input_tokens: longest prompt accepted, in tokens. Unset: the model's
+            context minus one (room for one output token). Above the context: a config
+            error at start naming both numbers.
         max_output_tokens: most tokens one request may generate (default for
             requests without `max_tokens`, and an upper bound for those with it).
+            Unset: 1024, or the model's context minus one when that is less. Above the
+            context: a config error.
         max_batched_tokens: token budget of one step (decode tokens + prefill chunks).
         admission_control: reject at once requests that can never fit.
         overload_policy: `queue_or_reject` queues what fits later; `reject` also
@@ -91,8 +98,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     max_running_requests: int = 64
     max_total_tokens: int | None = None
-    max_input_tokens: int = 8192
-    max_output_tokens: int = 1024
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
     max_batched_tokens: int = 2048
     admission_control: bool = True
     overload_policy: str = "queue_or_reject"
@@ -111,6 +118,26 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     async_scheduling: bool | None = None
     max_structured_output_bytes: int = 65536
     grammar_cache_size: int = 1024
+
+    def for_model(self, max_model_len: int) -> ServingTuning:
+        """This tuning with the limits that follow the model filled in (`max_input_tokens`,
+        `max_output_tokens`; see their docs). Idempotent.
+
+        Raises:
+            ConfigError: a configured limit is above the model's context (both numbers named).
+        """
+        for name in ("max_input_tokens", "max_output_tokens"):
+            value = getattr(self, name)
+            if value is not None and value > max_model_len:
+                raise ConfigError(
+                    f"serving_tuning.{name} is {value}, above the model's context of {max_model_len} tokens "
+                    f"(model.max_model_len, else the checkpoint's max_position_embeddings); unset it to use "
+                    f"{min(DEFAULT_MAX_OUTPUT_TOKENS, max_model_len - 1) if name == 'max_output_tokens' else max_model_len - 1}")
+        longest = max(1, max_model_len - 1)
+        return msgspec.structs.replace(
+            self, max_input_tokens=self.max_input_tokens if self.max_input_tokens is not None else longest,
+            max_output_tokens=(self.max_output_tokens if self.max_output_tokens is not None
+                               else min(DEFAULT_MAX_OUTPUT_TOKENS, longest)))
 
     def tenant_policy(self, tenant: str) -> TenantPolicy:
         """The weight and quotas of `tenant` (`default_tenant` if it is not listed)."""

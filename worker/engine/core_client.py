@@ -212,6 +212,7 @@ class ProcessEngineClient:
                            kv_capacity_tokens=ready.num_blocks * ready.block_size,
                            eos_token_ids=frozenset(ready.eos_token_ids), model_id=ready.model_id,
                            block_size=ready.block_size, sliding_window=ready.sliding_window)
+        self.tuning = self.tuning.for_model(ready.max_model_len)  # the core resolved the same limits
         self.input = InputProcessor(tokenizer, facts, self.tuning)
         self.output = OutputProcessor(tokenizer)
         self._reader = threading.Thread(target=self._read, name="inflight-engine-reader", daemon=True)

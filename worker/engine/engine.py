@@ -73,8 +73,11 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, runner: Runner, config: EngineConfig, num_blocks: int) -> None:
-        self.config = config
-        self.tuning = config.serving_tuning
+        """Raises:
+            ConfigError: a serving_tuning limit is above the model's context (`ServingTuning.for_model`).
+        """
+        self.tuning = config.serving_tuning.for_model(loaded.max_model_len)
+        self.config = msgspec.structs.replace(config, serving_tuning=self.tuning)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len

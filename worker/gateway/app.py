@@ -13,6 +13,7 @@ file store answered the last check) and `/metrics` (Prometheus).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -44,6 +45,20 @@ CHECK_INTERVAL_S = 5.0
 CHECK_TIMEOUT_S = 3.0
 
 
+def context_length(tokenizer: str | None) -> int | None:
+    """`max_position_embeddings` (or GPT-2's `n_positions`) of the checkpoint directory
+    `tokenizer` points at; None when it is not a directory with a readable config.json."""
+    if tokenizer is None or not os.path.isdir(tokenizer):
+        return None
+    try:
+        with open(os.path.join(tokenizer, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+    return value if isinstance(value, int) and value > 0 else None
+
+
 class Gateway:
     """One gateway process.
 
@@ -69,6 +84,7 @@ class Gateway:
         self.files: FileStore | None = None
         self.batches: BatchManager | None = None
         self._created = int(time.time())
+        self._max_model_len: int | None = cfg.gateway.max_model_len or context_length(cfg.gateway.tokenizer)
 
     async def start(self) -> None:
         """Raises:
@@ -199,7 +215,10 @@ class Gateway:
 
     # ---- small routes ------------------------------------------------------------------------
     def _model_obj(self) -> dict:
-        return {"id": self.cfg.gateway.model_name, "object": "model", "created": self._created, "owned_by": "inflight"}
+        obj = {"id": self.cfg.gateway.model_name, "object": "model", "created": self._created, "owned_by": "inflight"}
+        if self._max_model_len is not None:
+            obj["max_model_len"] = self._max_model_len
+        return obj
 
     async def _models(self, request: web.Request) -> web.Response:
         self.ctx.grant(request)

@@ -61,6 +61,10 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         model_name: the model id clients name in `model` (`GET /v1/models` lists it).
         tokenizer: a `tokenizer.json` file or a checkpoint directory holding one: logprob
             tokens are shown as text. None: as `token_id:<id>` (vLLM's spelling).
+        max_model_len: the model's context in tokens, reported by `GET /v1/models` as
+            `max_model_len` (as vLLM does). None: read from `config.json` of the
+            `tokenizer` directory (`max_position_embeddings`) when there is one, else not
+            reported.
         api_keys: keys and their grants; `api_keys_file` adds more (a YAML list of the
             same entries, read at start).
         allow_anonymous: requests without an Authorization header run as no tenant with
@@ -91,6 +95,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     port: int = 8080
     model_name: str = "inflight"
     tokenizer: str | None = None
+    max_model_len: int | None = None
     api_keys: list[ApiKey] = []
     api_keys_file: str | None = None
     allow_anonymous: bool = False
@@ -113,6 +118,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("default_priority", "batch_priority"):
             if getattr(self, name) not in keys.PRIORITIES:
                 raise ConfigError(f"gateway.{name} must be one of {list(keys.PRIORITIES)}, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"gateway.max_model_len must be >= 1 or null, got {self.max_model_len}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"gateway.port must be in [0, 65535], got {self.port}")
         for name in ("queue_timeout_s", "request_timeout_s", "batch_scan_interval_s", "batch_cancel_grace_s",

@@ -49,7 +49,7 @@ class ModelRunner:
         self.backend = backend
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         # logit rows of the vocabulary (structured-output masks are sized before the forward)
-        self._vocab_size = getattr(head, "out_features", None) or getattr(model.config, "vocab_size", 0)
+        self._vocab_size = getattr(head, "out_features", None) or getattr(getattr(model, "config", None), "vocab_size", 0)
         self.kv_layout = kv_layout
         self.kv_caches = [
             None if layer is None else self.allocate_layer(layer, num_blocks, block_size, device, dtype)

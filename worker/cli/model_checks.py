@@ -1,0 +1,115 @@
+"""`inflight check`'s model checks: the model loads, the request limits in force, and the
+KV cache fits the memory left after loading (see `preflight.py` for the whole list)."""
+
+from __future__ import annotations
+
+import time
+
+from worker.cli.checks import Check
+from worker.cli.checks import gib as _gib
+from worker.cli.checks import short as _short
+from worker.config import WorkerConfig
+
+
+def model_checks(cfg: WorkerConfig) -> list[Check]:
+    """`model`: the worker's loader on `model.path` (weights, tokenizer, device, dtype),
+    chat template and the capability verdict reported (an architecture the engine cannot
+    reproduce fails here, with the loader's one-line reason); `kv cache`: the engine's KV sizing for `serving_tuning`
+    against the memory left after loading (free GPU memory x gpu_memory_utilization on
+    CUDA, available RAM (cgroup limit included) on CPU)."""
+    if not cfg.model.path:
+        return [Check("model", "fail", "model.path", "not set (or INFLIGHT_MODEL__PATH)"), *_skipped("no model")]
+    from worker.model.loader import load_model
+
+    t0 = time.perf_counter()
+    try:
+        loaded = load_model(cfg.model)
+    except Exception as e:  # any failure to load is this check's answer, with its message
+        setting = "model.device" if "model.device" in str(e) else "model.path"
+        detail = _short(e) if cfg.model.path in str(e) else f"{cfg.model.path!r}: {_short(e)}"
+        return [Check("model", "fail", setting, detail), *_skipped("the model did not load")]
+    tok = loaded.tokenizer
+    template = ("chat template present" if getattr(tok, "chat_template", None)
+                else "no chat template: jobs with `messages` are rejected")
+    checks = [Check("model", "pass", "model.path",
+                    f"{cfg.model.path!r}: {loaded.model_id.split(':')[0]}, {loaded.num_layers} layers, "
+                    f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}, context {loaded.max_model_len}; "
+                    f"tokenizer vocab {len(tok)}; {template}; loaded in {time.perf_counter() - t0:.1f} s; "
+                    f"{loaded.verdict()}")]
+    checks.append(limits_check(cfg, loaded))
+    checks.append(kv_check(cfg, loaded))
+    return checks
+
+
+def _skipped(why: str) -> list[Check]:
+    return [Check("limits", "skip", "serving_tuning.max_input_tokens", f"not checked: {why}"),
+            Check("kv cache", "skip", "serving_tuning.max_total_tokens", f"not checked: {why}")]
+
+
+def limits_check(cfg: WorkerConfig, loaded) -> Check:
+    """The request limits in force: configured, or following the model's context
+    (`ServingTuning.for_model`); one above the context fails."""
+    t = cfg.serving_tuning
+    try:
+        limits = t.for_model(loaded.max_model_len)
+    except ValueError as e:  # ConfigError
+        return Check("limits", "fail", "serving_tuning." + str(e).split()[0].split(".")[-1], str(e))
+    origin = {n: "set" if getattr(t, n) is not None else f"from the context of {loaded.max_model_len}"
+              for n in ("max_input_tokens", "max_output_tokens")}
+    return Check("limits", "pass", "serving_tuning.max_input_tokens",
+                 f"max_input_tokens {limits.max_input_tokens} ({origin['max_input_tokens']}), max_output_tokens "
+                 f"{limits.max_output_tokens} ({origin['max_output_tokens']})")
+
+
+def kv_check(cfg: WorkerConfig, loaded) -> Check:
+    """KV bytes = blocks the engine would allocate x block size x bytes per token, against
+    the memory budget of `loaded.device` now."""
+    import torch
+
+    from worker.engine.engine import kv_cache_blocks
+
+    tuning = cfg.serving_tuning
+    per_token = loaded.kv_layout.bytes_per_token(loaded.dtype)
+    if loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        budget = int(free * tuning.gpu_memory_utilization)
+        where = f"{_gib(free)} free on {loaded.device} x gpu_memory_utilization {tuning.gpu_memory_utilization}"
+    else:
+        budget = available_ram_bytes()
+        where = "available RAM"
+    num_tokens = kv_cache_blocks(loaded, tuning) * tuning.kv_block_size
+    kv_bytes = num_tokens * per_token
+    source = "max_total_tokens" if tuning.max_total_tokens is not None else "derived"
+    detail = (f"{num_tokens} tokens ({source}) x {per_token} B/token = {_gib(kv_bytes)} "
+              f"{'<=' if kv_bytes <= budget else '>'} {_gib(budget)} ({where}, after loading the model)")
+    if num_tokens == 0 or kv_bytes > budget:
+        fit = budget // per_token // tuning.kv_block_size * tuning.kv_block_size
+        return Check("kv cache", "fail", "serving_tuning.max_total_tokens", f"{detail}; at most {fit} tokens fit")
+    try:  # the longest request the limits allow (a limit above the context: the limits check fails)
+        limits = tuning.for_model(loaded.max_model_len)
+        longest = min(limits.max_input_tokens + limits.max_output_tokens, loaded.max_model_len)
+    except ValueError:
+        longest = 0
+    if num_tokens < longest:
+        detail += (f"; note: a request of max_input_tokens + max_output_tokens ({longest}) exceeds it and would be "
+                   "rejected")
+    return Check("kv cache", "pass", "serving_tuning.max_total_tokens", detail)
+
+
+def available_ram_bytes() -> int:
+    """Memory this process can still get, in bytes: the OS's available memory (psutil),
+    capped by a cgroup v2 limit (a container's `memory.max - memory.current`) if any."""
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read())
+    except (OSError, ValueError):
+        return avail
+    return avail if limit == "max" else min(avail, max(0, int(limit) - current))
+
+
+# ---- metrics port -------------------------------------------------------------------------
