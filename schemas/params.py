@@ -17,9 +17,13 @@ import msgspec
 class JsonSchemaOutput(msgspec.Struct, kw_only=True, tag="json_schema", tag_field="type"):
     """The output is one JSON value valid against `schema` (a JSON Schema object, draft
     2020-12 keywords as llguidance implements them). Compact: no whitespace between
-    tokens unless the schema's `x-guidance` options allow it."""
+    tokens unless the schema's `x-guidance` options allow it. `strict` (default): an
+    object schema that does not say `additionalProperties` gets `false`, so the output
+    holds only the properties the schema names (OpenAI's strict mode, xgrammar's default);
+    False: JSON Schema's own default (any other property allowed)."""
 
     schema: dict[str, Any]
+    strict: bool = True
 
 
 class JsonObjectOutput(msgspec.Struct, kw_only=True, tag="json_object", tag_field="type"):

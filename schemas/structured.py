@@ -6,6 +6,8 @@ before a job is queued. The engine re-checks against the model's tokenizer
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from schemas.params import (
@@ -48,7 +50,8 @@ def grammar_of(c: StructuredOutput, max_bytes: int) -> str:
                                     "(serving_tuning.max_structured_output_bytes)")
     try:
         if isinstance(c, JsonSchemaOutput):
-            return LLMatcher.grammar_from_json_schema(c.schema, defaults=COMPACT_JSON)
+            return LLMatcher.grammar_from_json_schema(strict_schema(c.schema) if c.strict else c.schema,
+                                                      defaults=COMPACT_JSON)
         if isinstance(c, JsonObjectOutput):
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=COMPACT_JSON)
         if isinstance(c, RegexOutput):
@@ -61,6 +64,41 @@ def grammar_of(c: StructuredOutput, max_bytes: int) -> str:
     except ValueError as e:
         raise StructuredOutputError(str(e)) from None
     raise StructuredOutputError(f"unknown constraint {type(c).__name__}")
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedItems")
+
+
+def strict_schema(schema: Any, *, in_all_of: bool = False) -> Any:
+    """A copy of `schema` where every object schema that names `properties` but says
+    neither `additionalProperties` nor `unevaluatedProperties` gets
+    `additionalProperties: false` (OpenAI's strict mode; xgrammar's `strict_mode`), so the
+    output holds only the named properties. `{"type": "object"}` without properties stays
+    any object. Branches of an `allOf` are left open (closing each would forbid the
+    properties the others name); their own nested schemas are closed."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_schema(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(v) for v in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict | list):
+            out[key] = strict_schema(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [strict_schema(v, in_all_of=True) for v in out["allOf"]]
+    if "properties" in out and not in_all_of and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def check(c: StructuredOutput, max_bytes: int = 65536) -> str:

@@ -288,3 +288,25 @@ def test_the_device_unpack_equals_the_host_unpack():
     host = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")[:, :270]
     assert torch.equal(unpack_on_device(bm, 270, torch.device("cpu")), torch.from_numpy(host).bool())
     assert unpack_on_device(bm, 270, torch.device("cpu"))[0, 0].item() == bool(bm[0, 0] & 1)
+
+
+def test_strict_schemas_hold_only_the_named_properties(engine):
+    """Found trying the CLI as a new user: a schema without `additionalProperties` let the
+    model add keys of its own (`{"name":…,"pop":0,":////…`) until max_tokens. Strict (the
+    default, as OpenAI's strict mode) closes every object that names properties."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "inner": {"type": "object", "properties": {
+                                                   "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                                   "required": ["n"]}},
+              "required": ["name", "inner"]}
+    closed = json.loads(json.dumps(schema))
+    closed["additionalProperties"] = False
+    closed["properties"]["inner"]["additionalProperties"] = False
+    outs = engine.generate(PROMPTS * 2, [constrained(schema, seed=s) for s in range(8)])
+    for out in outs:
+        check_json(out, closed)
+    from schemas.structured import grammar_of
+
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert '"additionalProperties":false' in grammar_of(JsonSchemaOutput(schema=open_schema), 65536)
+    assert "additionalProperties" not in grammar_of(JsonSchemaOutput(schema=open_schema, strict=False), 65536)

@@ -13,8 +13,10 @@ Tool calls are constrained, not parsed from free text:
   - `tool_choice: "auto"` (OpenAI's default when `tools` are given): refused with a 400,
     since whether the model calls a tool would have to be parsed from free text in the
     model's own tool format; send "required" or a named function.
-`strict` of a `json_schema` response format or of a function is accepted either way:
-outputs are always constrained.
+Outputs are always constrained. `strict` of a `json_schema` response format, unless it
+is `false`, also closes every object the schema leaves open (`additionalProperties:
+false`, as OpenAI's strict mode requires of the schema and xgrammar assumes); function
+parameters are always closed that way.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def response_format(value: Any) -> StructuredOutput | None:
         if not isinstance(schema, dict):
             raise bad_request("'response_format.json_schema.schema' must be a JSON Schema object.",
                               param="response_format.json_schema.schema")
-        return JsonSchemaOutput(schema=schema)
+        return JsonSchemaOutput(schema=schema, strict=spec.get("strict") is not False)
     raise bad_request(f"'response_format.type' must be one of ['json_object', 'json_schema', 'text'], got {kind!r}.",
                       param="response_format.type")
 
