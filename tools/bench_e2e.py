@@ -106,8 +106,6 @@ class WorkerProcess:
             "INFLIGHT_SERVING_TUNING__MAX_RUNNING_REQUESTS": str(a.max_batch),
             "INFLIGHT_SERVING_TUNING__MAX_BATCHED_TOKENS": str(a.budget),
             "INFLIGHT_SERVING_TUNING__MAX_TOTAL_TOKENS": str(kv_tokens(a)),
-            "INFLIGHT_SERVING_TUNING__MAX_INPUT_TOKENS": "4096",
-            "INFLIGHT_SERVING_TUNING__MAX_OUTPUT_TOKENS": "4096",
             "INFLIGHT_SERVING_TUNING__ENABLE_PREFIX_CACHING": "false",
             "INFLIGHT_METRICS__PORT": str(self.port),
             "INFLIGHT_METRICS__HOST": "127.0.0.1",
