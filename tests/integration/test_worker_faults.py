@@ -54,7 +54,7 @@ def test_every_record_that_never_runs_is_a_dead_letter_and_big_input_never_block
         services, prefix, llama_path):
     cfg = worker_config(services, prefix)
     engine = Engine.from_pretrained(str(llama_path), cfg.engine)
-    limit = prompt_byte_limit(engine.tokenizer, cfg.serving_tuning.max_input_tokens)
+    limit = prompt_byte_limit(engine.tokenizer, engine.tuning.max_input_tokens)  # the limit in force
     topic = keys.job_topic(prefix, "normal")
     bad = {  # job id -> (record value, expected reason)
         "empty": (b'{"v":1,"job_id":"empty","prompt":""}', "empty_prompt"),
