@@ -148,8 +148,6 @@ async def read_dead_letters(kafka, *, reasons: set[str] | None = None, since_ms:
                     if ((reasons is None or d.reason in reasons) and (job_ids is None or d.job_id in job_ids)
                             and (since_ms is None or d.timestamp_ms >= since_ms)):
                         out.append(d)
-                if records and records[-1].offset >= ends[tp] - 1:
-                    pending.discard(tp)
             for tp in list(pending):
                 if await consumer.position(tp) >= ends[tp]:
                     pending.discard(tp)

@@ -88,10 +88,8 @@ class EngineCore:
                                  else bool(getattr(runner, "overlaps_host", False)))
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # launched, not collected (async)
         self._finishes: deque[tuple[str, RequestStatus]] = deque()  # arrived while a step was in flight
-        self.grammars = grammars
         self._compiling = PendingGrammars(grammars)  # requests waiting for their grammar
         self._mask_s = 0.0  # this step's structured-output mask seconds
-        self._constrained_seen = False  # a request with a grammar came (the stats count them from then on)
 
     @property
     def runner(self) -> Runner:
@@ -174,8 +172,7 @@ class EngineCore:
         num_prefill = done.num_scheduled_tokens - num_decode if done is not None else 0
         self._forward_total_s += forward_s
         sched_ = self.scheduler
-        hits, misses, compile_s, num_constrained = self._compiling.stats(sched_.requests.values(),
-                                                                          self._constrained_seen)
+        hits, misses, compile_s, num_constrained = self._compiling.stats(sched_.requests.values())
         self.last_step_stats = StepStats(
             step=sched_.step_count,
             time=time.time(),
@@ -270,7 +267,6 @@ class EngineCore:
             if r.grammar is None:
                 sched_.add(self._make_request(r))
             else:  # joins the scheduler once its grammar is compiled
-                self._constrained_seen = True
                 self._compiling.add(r)
                 if r.deadline is not None:  # expires while it waits too
                     heapq.heappush(self._deadlines, (r.deadline, r.request_id))

@@ -201,12 +201,14 @@ class PendingGrammars:
     def __init__(self, compiler: GrammarCompiler | None) -> None:
         self.compiler = compiler
         self._waiting: dict[str, tuple[Future | None, Any]] = {}  # request id -> (matcher future, request)
+        self._any_seen = False  # a constrained request came: the stats count them from then on
 
     def __len__(self) -> int:
         return len(self._waiting)
 
     def add(self, r: Any) -> None:
         """Start (or find cached) the grammar of `r` (an EngineCoreRequest with `grammar`)."""
+        self._any_seen = True
         self._waiting[r.request_id] = (self.compiler.get(r.grammar) if self.compiler else None, r)
 
     def pop(self, request_id: str) -> Any | None:
@@ -231,10 +233,10 @@ class PendingGrammars:
                 out.append((r, None, str(e)))
         return out
 
-    def stats(self, requests: Any, any_seen: bool) -> tuple[int, int, list[float], int]:
+    def stats(self, requests: Any) -> tuple[int, int, list[float], int]:
         """(grammar cache hits, misses, compile seconds since the last call, constrained
-        requests: waiting here or among `requests`); zeros until `any_seen`."""
-        if not any_seen or self.compiler is None:
+        requests: waiting here or among `requests`); zeros until a constrained request came."""
+        if not self._any_seen or self.compiler is None:
             return 0, 0, [], len(self._waiting)
         hits, misses, compile_s = self.compiler.take_stats()
         return hits, misses, compile_s, len(self._waiting) + sum(1 for r in requests if r.grammar is not None)
