@@ -121,6 +121,13 @@ def epoch_key(prefix: str = "inflight") -> str:
     return f"{prefix}:epoch"
 
 
+def restore_window_key(prefix: str = "inflight") -> str:
+    """Set (PX one claim lease) with a new epoch by the worker that noticed a data loss:
+    while it exists no claim is taken, so jobs whose leases were lost are re-claimed by
+    their holders first (see `worker/serve/claims.py`)."""
+    return f"{prefix}:epoch:restoring"
+
+
 def preflight_key(token: str, prefix: str = "inflight") -> str:
     """Probe key `inflight check` writes (with a TTL) and deletes to prove Redis is writable."""
     return f"{prefix}:preflight:{token}"

@@ -1,6 +1,7 @@
 """Publishing is idempotent per (job, seq) on the real Redis: a round sent twice (what
-redis-py's retry does after a connection error) or an event from a worker that lost the
-job's lease neither duplicates nor reorders the replay log or the live channel."""
+redis-py's retry does after a connection error) neither duplicates nor reorders the
+replay log or the live channel, and an event from a worker that lost the job's claim is
+refused, behind or ahead of the holder's seq."""
 
 from __future__ import annotations
 
@@ -38,11 +39,17 @@ def test_resent_events_are_dropped(services, prefix):
         second = table.drain()  # token (seq 2)
         await pub.send(first)
         await pub.send(first)  # re-sent whole
-        await pub.send(Round(first.events[1:] + second.events, first.encoded[1:] + second.encoded, []))
-        zombie = JobTable("w0")  # a worker that lost the lease, behind: its seq 1 is stale
+        await pub.send(Round(first.events[1:] + second.events, first.encoded[1:] + second.encoded, [],
+                             tokens=first.tokens[1:] + second.tokens))
+        zombie = JobTable("w0")  # a worker that lost the claim, behind: its seq 1 is stale
         zombie.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, "old-claim", 1, 1)
         zombie.apply_outputs([RequestOutput("j", [9], "x")])
-        await pub.send(zombie.drain())
+        assert await pub.send(zombie.drain()) == set()  # a duplicate seq: skipped, not refused
+        ahead = JobTable("w0")  # ... and one ahead of the holder: refused
+        ahead.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, "old-claim", 1, 3)
+        ahead.apply_outputs([RequestOutput("j", [9], "x", finished=True, finish_reason="stop")])
+        assert await pub.send(ahead.drain()) == {"j"}
+        assert await r.get(keys.done_key("j", prefix)) is None  # its terminal event ended nothing
         live = []
         while (m := await ps.get_message(timeout=0.5)) is not None:
             if m["type"] == "message":

@@ -18,7 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 
 from schemas import keys
 from schemas.params import SamplingParams
-from schemas.wire import DLQ_HEADER_REASON
+from schemas.wire import DLQ_HEADER_ERROR, DLQ_HEADER_REASON
 from tests.integration.conftest import worker_config
 from tests.integration.helpers import (
     assert_well_formed,
@@ -64,13 +64,14 @@ def test_every_record_that_never_runs_is_a_dead_letter_and_big_input_never_block
         "big": (json.dumps({"v": 1, "job_id": "big", "prompt": "the quick brown fox. " * (limit // 24)}).encode(),
                 "prompt_too_long"),  # under the byte bound: tokenized (off the loop), then too long
         "params": (b'{"v":1,"job_id":"params","prompt":"x","params":{"max_tokens":100000}}', "invalid_params"),
+        "null": (None, "invalid_job"),  # a null value (a tombstone produced by mistake): kept null, key kept
     }
 
     async def main():
         w, task = await start_worker(cfg, engine)
         producer = AIOKafkaProducer(bootstrap_servers=services[0], max_request_size=16 * 1024 * 1024)
         await producer.start()
-        for jid in ("huge", "big", "empty", "vocab", "params"):
+        for jid in ("huge", "big", "empty", "vocab", "params", "null"):
             await producer.send_and_wait(topic, bad[jid][0], key=jid.encode(), partition=0)
         good = [f"good-{i}" for i in range(3)]
         for jid in good:  # right behind the oversized ones, same partition
@@ -92,6 +93,7 @@ def test_every_record_that_never_runs_is_a_dead_letter_and_big_input_never_block
     for jid, (value, reason) in bad.items():  # original bytes, reason countable from the DLQ alone
         assert by_id[jid].value == value
         assert dict(by_id[jid].headers)[DLQ_HEADER_REASON] == reason.encode()
+    assert b"value is null" in dict(by_id["null"].headers)[DLQ_HEADER_ERROR]
     for jid in ("good-0", "good-1", "good-2"):
         fin = assert_well_formed(results[jid], jid)
         assert fin.finish_reason in ("stop", "length")

@@ -125,18 +125,40 @@ def test_cancel_is_noted_once_and_only_for_running_jobs():
 
 
 def test_histories_hold_what_redis_must_hold_after_data_loss():
-    t = JobTable("w1")
+    now = [1000.0]
+    t = JobTable("w1", clock=lambda: now[0])
     done = open_job(t, "done")
+    old = open_job(t, "old")
     open_job(t, "running")
-    for jid in ("done", "running"):
+    open_job(t, "finishing", attempt=2, next_seq=5)
+    for jid in ("done", "old", "running", "finishing"):
         t.accepted(jid)
         t.apply_outputs([out(jid, [1], "x")])
-    t.apply_outputs([out("done", [], "", "stop")])
-    t.drain()
+    t.apply_outputs([out("done", [], "", "stop"), out("old", [], "", "length"), out("finishing", [], "", "stop")])
+    rnd = t.drain()
+    assert rnd.tokens == ["token"] * len(rnd.events)  # each event with its job's claim token
+    t.done(old)
+    now[0] += 121  # older than the restore keeps (its outcome is in the results topic)
     t.done(done)
-    hist = {jid: (h, term) for jid, h, term in t.histories()}
-    assert [s for s, _ in hist["running"][0]] == [0, 1] and hist["running"][1] is None
-    assert [s for s, _ in hist["done"][0]] == [0, 1, 2] and hist["done"][1] == ("stop", "token", 1)
+    hist = {jid: (attempt, token, h, reason) for jid, attempt, token, h, reason in t.histories()}
+    assert sorted(hist) == ["done", "finishing", "running"]
+    assert [s for s, _ in hist["running"][2]] == [0, 1] and hist["running"][3] is None
+    assert [s for s, _ in hist["done"][2]] == [0, 1, 2] and hist["done"][:2] == (1, "token")
+    assert hist["done"][3] == "stop"
+    # a held job whose terminal event is numbered: restored with its done mark
+    assert [s for s, _ in hist["finishing"][2]] == [5, 6, 7, 8] and hist["finishing"][0] == 2
+    assert hist["finishing"][3] == "stop"
+
+
+def test_a_lost_finishing_job_publishes_and_records_nothing():
+    t = JobTable("w1")
+    open_job(t, "a")
+    t.accepted("a")
+    t.apply_outputs([out("a", [1], "x", "stop")])
+    assert t.hand_back("a") is None  # finishing: hand_back keeps it...
+    held = t.disown("a")  # ...another worker holds it now: gone, terminal draft dropped
+    assert held is not None and held.state == JobState.HANDED_BACK
+    assert "a" not in t and not t.drain() and t.num_unfinished == 0 and list(t.histories()) == []
 
 
 def test_first_tokens_and_token_counts_are_reported_for_metrics():

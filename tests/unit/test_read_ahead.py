@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from schemas.codec import encode
 from schemas.wire import Job
 from worker.config import KafkaConfig, ServingTuning, TenantPolicy, WorkerSettings
-from worker.serve.intake import Intake, _Rebalance
+from worker.serve.intake import Intake
+from worker.serve.rebalance import Rebalance
 from worker.serve.offsets import OffsetTracker
 from worker.serve.read_ahead import JobRecord, ReadAhead, local_shares
 
@@ -260,7 +261,7 @@ def test_eager_rebalance_keeps_read_ahead_and_loses_or_repeats_nothing():
                         read_ahead_bytes=10**6, tenant_cap=lambda t: 3)
         await intake.consumer.stop()  # never started: the fake stands in for it
         intake.consumer = consumer
-        listener = _Rebalance(intake)
+        listener = Rebalance(intake)
         await listener.on_partitions_assigned({p0, p1})
         await run(12)
         first_b = min(i for i, r in enumerate(sink.taken) if r.tenant == "B")
@@ -363,7 +364,7 @@ def test_records_beyond_the_read_ahead_stay_in_the_consumer_and_are_handed_out_o
                         read_ahead_bytes=10**6)
         await intake.consumer.stop()
         intake.consumer = consumer
-        await _Rebalance(intake).on_partitions_assigned(set(tps))
+        await Rebalance(intake).on_partitions_assigned(set(tps))
         for _ in range(400):
             await intake._iteration()
             assert all(intake.read_ahead.room(tp) >= 0 for tp in tps)

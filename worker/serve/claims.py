@@ -19,6 +19,15 @@ Per job (keys from `schemas.keys`; job id only, whatever the tenant: see there):
 dataset epoch (`keys.epoch_key`): if Redis lost its data (restarted empty) the epoch is
 gone or changed and the call fails with `EpochChanged`, so nothing is written into an
 empty Redis before the worker has restored what clients rely on.
+
+Data loss must not shorten a claim. The leases vanish with the data while their holders
+still run the jobs, so a worker that notices the loss and creates the new epoch also
+opens a restore window (`keys.restore_window_key`, one claim lease long): while it lasts
+`take` claims nothing (a record's job may still be held by a worker that has not noticed
+yet), and every holder that notices re-claims its jobs (`reclaim`) and re-appends their
+logs (`Publisher.restore`). Attempts never go backwards: each log entry carries its
+attempt (field `a`), and a claim's attempt is above the last one in the job's log even
+when the attempt counter was lost.
 """
 
 from __future__ import annotations
@@ -35,15 +44,19 @@ _EPOCH_CHECK = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('EPOCH changed') end
 """
 
-# Reads the last `q` (seq) field of a job's log: the next seq of a new attempt follows it.
+# The last entry of a job's log: its `q` (seq; the next seq of a new attempt follows it)
+# and `a` (attempt; 0 for an entry without one) fields, or -1, 0 for an empty log.
 LAST_SEQ = """
-local function last_seq(log)
+local function last_entry(log)
   local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
+  local q, a = -1, 0
   if last[1] then
     local f = last[1][2]
-    for i = 1, #f, 2 do if f[i] == 'q' then return tonumber(f[i + 1]) end end
+    for i = 1, #f, 2 do
+      if f[i] == 'q' then q = tonumber(f[i + 1]) elseif f[i] == 'a' then a = tonumber(f[i + 1]) end
+    end
   end
-  return -1
+  return q, a
 end
 """
 
@@ -62,31 +75,49 @@ local function last_events(log)
 end
 """.replace("DONE_TAIL", str(DONE_TAIL))
 
-# KEYS: epoch, then per job: done, claim, attempts, log, failures, cancelled.
-# ARGV: epoch, lease_ms, ttl_s, then per job: claim token.
-# Returns per job: {'done', reason, {events}} | {'contested'} | {'claimed', attempt, next_seq, failures, cancelled}.
+# KEYS: epoch, restore window, then per job: done, claim, attempts, log, failures, cancelled.
+# ARGV: epoch, lease_ms, ttl_s, then per job: claim token. Returns per job:
+# {'done', reason, {events}} | {'contested'} | {'restoring'} | {'claimed', attempt, next_seq, failures, cancelled}.
 TAKE_LUA = _EPOCH_CHECK + LAST_SEQ + LAST_EVENTS + """
 local out = {}
-local n = (#KEYS - 1) / 6
+local restoring = redis.call('EXISTS', KEYS[2]) == 1
+local n = (#KEYS - 2) / 6
 for j = 0, n - 1 do
-  local k = 1 + j * 6
+  local k = 2 + j * 6
   local done = redis.call('GET', KEYS[k + 1])
   if done then
     out[j + 1] = {'done', done, last_events(KEYS[k + 4])}
+  elseif restoring then
+    out[j + 1] = {'restoring'}
   elseif not redis.call('SET', KEYS[k + 2], ARGV[4 + j], 'NX', 'PX', ARGV[2]) then
     out[j + 1] = {'contested'}
   else
     local attempt = redis.call('INCR', KEYS[k + 3])
+    local q, a = last_entry(KEYS[k + 4])
+    if a >= attempt then
+      attempt = a + 1
+      redis.call('SET', KEYS[k + 3], attempt)
+    end
     redis.call('EXPIRE', KEYS[k + 3], ARGV[3])
     local failures = redis.call('SCARD', KEYS[k + 5])
     if failures == 0 then
       redis.call('SADD', KEYS[k + 5], attempt)
       redis.call('EXPIRE', KEYS[k + 5], ARGV[3])
     end
-    out[j + 1] = {'claimed', attempt, last_seq(KEYS[k + 4]) + 1, failures, redis.call('EXISTS', KEYS[k + 6])}
+    out[j + 1] = {'claimed', attempt, q + 1, failures, redis.call('EXISTS', KEYS[k + 6])}
   end
 end
 return out
+"""
+
+# Adopt the dataset epoch. KEYS: epoch, restore window. ARGV: a new epoch value, the
+# window in ms (0: none). Creates the marker if there is none (and then the window);
+# returns the marker's value.
+ADOPT_LUA = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') and tonumber(ARGV[2]) > 0 then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+end
+return redis.call('GET', KEYS[1])
 """
 
 # KEYS: per job: claim. ARGV: lease_ms, then per job: token.
@@ -126,24 +157,37 @@ end
 return #KEYS / 3
 """
 
-# Restore one held job after Redis lost its data. KEYS: claim, attempts, failures.
-# ARGV: token, lease_ms, attempt, ttl. Returns 1 if the claim is ours again, 0 if another
-# worker claimed the job meanwhile.
-RECLAIM_LUA = """
-local cur = redis.call('GET', KEYS[1])
-if cur and cur ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-local a = tonumber(redis.call('GET', KEYS[2]) or '0')
-if a < tonumber(ARGV[3]) then redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4]) end
-redis.call('SADD', KEYS[3], ARGV[3])
-redis.call('EXPIRE', KEYS[3], ARGV[4])
-return 1
+# Restore the held jobs after Redis lost its data. KEYS: epoch, then per job: claim,
+# attempts, failures. ARGV: epoch, lease_ms, ttl, then per job: token, attempt. Returns
+# per job 1 if the claim is ours again, 0 if another worker claimed the job meanwhile.
+RECLAIM_LUA = _EPOCH_CHECK + """
+local out = {}
+for j = 0, (#KEYS - 1) / 3 - 1 do
+  local k, ai = 1 + j * 3, 4 + j * 2
+  local cur = redis.call('GET', KEYS[k + 1])
+  if cur and cur ~= ARGV[ai] then
+    out[j + 1] = 0
+  else
+    redis.call('SET', KEYS[k + 1], ARGV[ai], 'PX', ARGV[2])
+    local a = tonumber(redis.call('GET', KEYS[k + 2]) or '0')
+    if a < tonumber(ARGV[ai + 1]) then redis.call('SET', KEYS[k + 2], ARGV[ai + 1], 'EX', ARGV[3]) end
+    redis.call('SADD', KEYS[k + 3], ARGV[ai + 1])
+    redis.call('EXPIRE', KEYS[k + 3], ARGV[3])
+    out[j + 1] = 1
+  end
+end
+return out
 """
 
 
 class EpochChanged(Exception):
     """Redis lost its data (restarted empty) or another worker already noticed that:
-    the caller restores its jobs (`Publisher.restore`) and retries."""
+    the caller restores its jobs (`Publisher.restore`) and retries. `epoch` is the one
+    the refused call carried (a restore that adopted a newer one meanwhile answers it)."""
+
+    def __init__(self, message: str, epoch: str = "") -> None:
+        super().__init__(message)
+        self.epoch = epoch
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,10 +213,15 @@ class Done:
 
 
 class Contested:
-    """Another live worker holds the job's claim."""
+    """Another live worker holds the job's claim (`restoring`: or may hold it: Redis lost
+    its data less than a claim lease ago, see the module docstring)."""
+
+    def __init__(self, restoring: bool = False) -> None:
+        self.restoring = restoring
 
 
 CONTESTED = Contested()
+RESTORING = Contested(restoring=True)
 TakeResult = Claimed | Done | Contested
 
 
@@ -198,19 +247,23 @@ class ClaimStore:
         self._nonce = uuid.uuid4().hex[:8]
         self._num_tokens = 0
         self._scripts = {name: redis.register_script(src) for name, src in (
-            ("take", TAKE_LUA), ("renew", RENEW_LUA), ("release", RELEASE_LUA), ("reclaim", RECLAIM_LUA))}
+            ("take", TAKE_LUA), ("renew", RENEW_LUA), ("release", RELEASE_LUA), ("reclaim", RECLAIM_LUA),
+            ("adopt", ADOPT_LUA))}
 
     # ---- the dataset epoch ---------------------------------------------------------
     async def adopt_epoch(self) -> bool:
-        """Create the epoch marker if Redis has none, then adopt its value.
+        """Create the epoch marker if Redis has none, then adopt its value. A worker that
+        held an epoch before (it noticed a data loss) creates the marker with the restore
+        window: no claim is taken for one claim lease (module docstring).
 
         Returns:
             True if the epoch differs from the one this worker held before (Redis lost its
             data since, or another worker re-created the marker after noticing it).
         """
-        key = keys.epoch_key(self.prefix)
-        await self.redis.set(key, uuid.uuid4().hex, nx=True)
-        value = await self.redis.get(key)
+        p = self.prefix
+        window_ms = self.lease_ms if self.epoch else 0
+        value = await self._scripts["adopt"](keys=[keys.epoch_key(p), keys.restore_window_key(p)],
+                                             args=[uuid.uuid4().hex, window_ms])
         value = value.decode() if isinstance(value, bytes) else str(value)
         changed = bool(self.epoch) and value != self.epoch
         self.epoch = value
@@ -240,7 +293,7 @@ class ClaimStore:
         if not jobs:
             return []
         p = self.prefix
-        ks = [keys.epoch_key(p)]
+        ks = [keys.epoch_key(p), keys.restore_window_key(p)]
         tokens = []
         for job in jobs:
             jid, tenant = (job, None) if isinstance(job, str) else job
@@ -256,6 +309,8 @@ class ClaimStore:
                 out.append(Done(r[1].decode() if isinstance(r[1], bytes) else str(r[1]), tail))
             elif kind == "contested":
                 out.append(CONTESTED)
+            elif kind == "restoring":
+                out.append(RESTORING)
             else:
                 out.append(Claimed(token, int(r[1]), int(r[2]), int(r[3]), bool(r[4])))
         return out
@@ -298,13 +353,23 @@ class ClaimStore:
             args += ["", token, attempt]
         await self._run("release", ks, args)
 
-    async def reclaim(self, job_id: str, token: str, attempt: int) -> bool:
-        """After Redis lost its data: hold the job's claim again, attempts never below
-        ours. False if another worker claimed it meanwhile."""
+    async def reclaim(self, held: list[tuple[str, str, int]]) -> list[bool]:
+        """After Redis lost its data: hold each (job_id, token, attempt)'s claim again
+        (one round trip), attempts never below ours. False for a job another worker
+        claimed meanwhile.
+
+        Raises:
+            EpochChanged: Redis lost its data again.
+        """
+        if not held:
+            return []
         p = self.prefix
-        return bool(await self._run("reclaim", [keys.claim_key(job_id, p), keys.attempts_key(job_id, p),
-                                                keys.failures_key(job_id, p)],
-                                    [token, self.lease_ms, attempt, self.ttl_s]))
+        ks = [keys.epoch_key(p)]
+        args: list = [self.epoch, self.lease_ms, self.ttl_s]
+        for job_id, token, attempt in held:
+            ks += [keys.claim_key(job_id, p), keys.attempts_key(job_id, p), keys.failures_key(job_id, p)]
+            args += [token, attempt]
+        return [bool(int(r)) for r in await self._run("reclaim", ks, args)]
 
     async def tombstone(self, job_id: str) -> None:
         await self.redis.set(keys.cancelled_key(job_id, self.prefix), b"1", ex=self.tombstone_ttl_s)
@@ -315,11 +380,12 @@ class ClaimStore:
         return [keys.done_key(job_id, p), keys.claim_key(job_id, p), keys.failures_key(job_id, p)]
 
     async def _run(self, name: str, ks: list[str], args: list):
+        epoch = self.epoch
         try:
             return await self._scripts[name](keys=ks, args=args)
         except ResponseError as e:
             if str(e).startswith("EPOCH"):
-                raise EpochChanged(str(e)) from None
+                raise EpochChanged(str(e), epoch) from None
             raise
         except NoScriptError:  # register_script reloads by itself; a flush mid-call is retried once
             return await self._scripts[name](keys=ks, args=args)

@@ -121,8 +121,9 @@ class HealthChecks:
         try:
             await asyncio.wait_for(p["redis"].ping(), timeout)
             self.redis_ok, self.redis_error = True, None
+            epoch = p["claims"].epoch
             if not await asyncio.wait_for(p["claims"].epoch_intact(), timeout):
-                await p["publisher"].restore()
+                await p["publisher"].restore(epoch)
         except Exception as e:
             err = access.explain_redis(e, p["publisher"].cfg)
             self.redis_ok, self.redis_error = False, str(err) if err is not None else repr(e)[:200]
@@ -198,3 +199,23 @@ class OpsServer:
     async def _readyz(self, request: web.Request) -> web.Response:
         ok, body = self.health.readiness()
         return web.json_response(body, status=200 if ok else 503)
+
+
+LOOP_LAG_WARN_FRACTION = 0.3  # of kafka.session_timeout_ms
+
+
+async def loop_lag_monitor(metrics: Metrics, session_timeout_ms: int, interval_s: float = 0.1) -> None:
+    """How late the event loop wakes a sleeping task (`loop_lag` histogram, seconds): a
+    starved loop misses Kafka heartbeats. Logged when above a fraction of the session
+    timeout, at most every 10 s. Runs until cancelled."""
+    warn_s = session_timeout_ms / 1000 * LOOP_LAG_WARN_FRACTION
+    last_warn = 0.0
+    while True:
+        t0 = time.monotonic()
+        await asyncio.sleep(interval_s)
+        lag = time.monotonic() - t0 - interval_s
+        metrics.loop_lag.observe(max(0.0, lag))
+        if lag > warn_s and time.monotonic() - last_warn > 10:
+            last_warn = time.monotonic()
+            log.warning("event loop lagging; Kafka heartbeats may be missed", lag_s=round(lag, 3),
+                        session_timeout_s=session_timeout_ms / 1000)

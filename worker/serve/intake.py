@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import structlog
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from schemas import keys
@@ -47,6 +47,7 @@ from worker.security.access import is_fatal_kafka
 from worker.security.kafka import kafka_security_kwargs
 from worker.serve.offsets import OffsetTracker
 from worker.serve.read_ahead import JobRecord, ReadAhead
+from worker.serve.rebalance import Rebalance
 from worker.serve.stall import StallWatchdog
 
 if TYPE_CHECKING:
@@ -55,6 +56,10 @@ if TYPE_CHECKING:
     from worker.obs.metrics import Metrics
 
 log = structlog.get_logger(__name__)
+
+# The error of a record whose value is null: dead-lettered as `invalid_job` with its key
+# and a null value (the original, untouched), like every record that is not a job.
+NULL_VALUE_ERROR = "the record's value is null (a Kafka tombstone produced to a job topic): not a job"
 
 
 class JobSink(Protocol):
@@ -73,47 +78,6 @@ class JobSink(Protocol):
     async def reject_invalid(self, rec: JobRecord, job_id: str | None) -> None:
         """A record that does not decode as a job: DLQ (+ `finished(rejected)`), offset done
         (both by the finalizer)."""
-
-
-class _Rebalance(ConsumerRebalanceListener):
-    def __init__(self, intake: Intake) -> None:
-        self.intake = intake
-
-    async def on_partitions_revoked(self, revoked) -> None:
-        # Keep the read-ahead and the tracker: an eager rebalance revokes everything and
-        # may assign much of it again. What went elsewhere is forgotten on assignment.
-        intake = self.intake
-        intake.rebalancing = True
-        await intake.commit(only=set(revoked))
-        if revoked:
-            intake.num_revocations += 1
-            if intake.metrics is not None:
-                intake.metrics.rebalances.inc()
-            log.info("partitions revoked", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in revoked))
-
-    async def on_partitions_assigned(self, assigned) -> None:
-        # Forget only the partitions that went elsewhere. For partitions kept, the tracker
-        # still knows every offset read here (waiting, running or finished), so their
-        # re-read (from the committed offset) neither runs a job twice nor loses one.
-        intake = self.intake
-        kept = set(assigned)
-        tracker = intake.tracker
-        for tp in tracker.partitions():
-            if tp not in kept:
-                tracker.drop(tp)
-        intake.read_ahead.drop(lambda tp: tp in kept)
-        intake.invalid = [r for r in intake.invalid if r.tp in kept]
-        intake._contested = [c for c in intake._contested if c.tp in kept]
-        intake.paused = set()  # a new assignment starts unpaused
-        intake.rebalancing = False  # what is kept may be taken while positions are fetched
-        try:
-            await intake.position(list(assigned))
-        except (KafkaError, IllegalStateError) as e:
-            level, fields = transient_log.observe_error(e)
-            log.log(level, "could not position assigned partitions; leaving it to the consumer", error=repr(e),
-                    **fields)
-        if assigned:
-            log.info("partitions assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
 
 
 class Intake:
@@ -178,13 +142,24 @@ class Intake:
         )
 
     async def start(self) -> None:
-        self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
+        self.consumer.subscribe(list(self.topics), listener=Rebalance(self))
         await self.consumer.start()
         self.watchdog.progress()
 
     async def stop(self) -> None:
         await self.commit()
         await self.consumer.stop()  # leaves the group: partitions go to other workers now
+
+    def keep_only(self, kept: set[TopicPartition]) -> None:
+        """A new assignment: forget, in the tracker, the read-ahead and the waiting lists,
+        the partitions that went elsewhere; a new assignment starts unpaused."""
+        for tp in self.tracker.partitions():
+            if tp not in kept:
+                self.tracker.drop(tp)
+        self.read_ahead.drop(lambda tp: tp in kept)
+        self.invalid = [r for r in self.invalid if r.tp in kept]
+        self._contested = [c for c in self._contested if c.tp in kept]
+        self.paused = set()
 
     @property
     def num_buffered(self) -> int:
@@ -318,11 +293,14 @@ class Intake:
                     self.consumer.seek(tp, rec.offset)
                     break
                 tracker.read(tp, rec.offset)
-                value = rec.value or b""
-                try:
-                    job, error = decode_job(value), None
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    job, error = None, str(e)
+                value = rec.value  # None: a null value (a Kafka tombstone produced to a job topic)
+                if value is None:
+                    job, error = None, NULL_VALUE_ERROR
+                else:
+                    try:
+                        job, error = decode_job(value), None
+                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                        job, error = None, str(e)
                 jr = JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key, error)
                 (read_ahead.add if job is not None else self.invalid.append)(jr)
 
@@ -335,7 +313,7 @@ class Intake:
         while self.invalid:
             rec = self.invalid.pop(0)
             self.num_invalid += 1
-            await self.sink.reject_invalid(rec, recover_job_id(rec.raw, rec.key))
+            await self.sink.reject_invalid(rec, recover_job_id(rec.raw or b"", rec.key))
         if not self.read_ahead:
             return
         free = self.sink.free_slots()
@@ -373,7 +351,7 @@ class Intake:
             log.warning("stalled consumer did not stop cleanly", error=repr(e))
         self.consumer = self._make_consumer()
         self.paused = set()
-        self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
+        self.consumer.subscribe(list(self.topics), listener=Rebalance(self))
         await self.consumer.start()
         self.watchdog.progress()
 

@@ -22,7 +22,6 @@ job; nothing after it, nothing for a job handed back.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -41,15 +40,13 @@ from schemas.wire import (
     TokenLogprob,
     Usage,
 )
+from worker.serve.history import Published, RecentHistories
 from worker.serve.local_job import JobState, LocalJob, Offset
 
 if TYPE_CHECKING:
     from worker.engine import RequestOutput
 
 RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
-# Published histories of finished jobs kept to re-append if Redis restarts empty.
-RECENT_MAX_JOBS = 4096
-RECENT_MAX_AGE_S = 120.0
 
 
 @dataclass(slots=True)
@@ -66,13 +63,16 @@ class Applied:
 @dataclass(slots=True)
 class Round:
     """One publisher round: numbered events in publish order, and the jobs whose
-    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes and
-    `tenants[i]` the tenant of its job (None: all events are of jobs without one)."""
+    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes,
+    `tenants[i]` the tenant of its job (None: all events are of jobs without one) and
+    `tokens[i]` its claim token (the append script refuses events of jobs whose claim is
+    another worker's)."""
 
     events: list[Event]
     encoded: list[bytes]
     finished: list[LocalJob]
     tenants: list[str | None] | None = None
+    tokens: list[str] | None = None  # the claim token of each event's job (None: no claims, tests)
 
     def __bool__(self) -> bool:
         return bool(self.events)
@@ -91,9 +91,7 @@ class JobTable:
         self._per_tenant: dict[str, int] = {}  # CLAIMED or IN_ENGINE jobs per tenant ("" for none)
         self._num_unfinished = 0  # CLAIMED or IN_ENGINE jobs
         self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
-        # job_id -> (done time, history, (reason, claim token, attempt), tenant) of recently finished jobs
-        self._recent: OrderedDict[str, tuple[float, list[tuple[int, bytes]], tuple[str, str, int], str | None]] = \
-            OrderedDict()
+        self._recent = RecentHistories(clock)  # what was published for jobs finished lately
 
     # ---- queries ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -190,6 +188,20 @@ class JobTable:
             return None
         held.dead_letter = dead_letter
         self._terminate(held, reason, error, usage=Usage(prompt_tokens=0, completion_tokens=0), timings=None)
+        return held
+
+    def disown(self, job_id: str) -> LocalJob | None:
+        """Another worker holds the job now (its claim was lost): like `hand_back`, and
+        also for a FINISHING job, whose terminal event is then never published or
+        recorded here. None if the job is not here."""
+        held = self._jobs.get(job_id)
+        if held is None or held.state != JobState.FINISHING:
+            return self.hand_back(job_id)
+        held.state = JobState.HANDED_BACK
+        held.drop_drafts()
+        held.take_drafts()  # the terminal draft too
+        self._dirty.pop(held.job_id, None)
+        del self._jobs[held.job_id]
         return held
 
     def hand_back(self, job_id: str) -> LocalJob | None:
@@ -296,9 +308,11 @@ class JobTable:
         events: list[Event] = []
         encoded: list[bytes] = []
         tenants: list[str | None] = []
+        tokens: list[str] = []
         finished: list[LocalJob] = []
         dirty, self._dirty = self._dirty, {}
         for held in dirty.values():
+            n = len(events)
             drafts = held.take_drafts()
             for kind in drafts.opening:
                 if kind == "restarted":
@@ -315,8 +329,10 @@ class JobTable:
                 term = drafts.terminal
                 term.seq = held.next_seq
                 self._add(held, term, events, encoded, tenants)
+                held.terminal_published = True
                 finished.append(held)
-        return Round(events, encoded, finished, tenants)
+            tokens += [held.claim_token] * (len(events) - n)
+        return Round(events, encoded, finished, tenants, tokens)
 
     @staticmethod
     def _add(held: LocalJob, ev: Event, events: list, encoded: list, tenants: list) -> None:
@@ -331,17 +347,12 @@ class JobTable:
         """The job's terminal event is published and recorded: DONE, out of the table.
         Its published history is kept a while (`histories`)."""
         held.state = JobState.DONE
-        now = self._clock()
         if held.history and held.finish_reason is not None:
-            self._recent[held.job_id] = (now, held.history, (held.finish_reason.value, held.claim_token, held.attempt),
-                                         held.tenant)
-            self._recent.move_to_end(held.job_id)
+            self._recent.add(held.job_id, Published(self._clock(), held.history, held.finish_reason.value,
+                                                    held.claim_token, held.attempt, held.tenant))
         held.history = []
         if self._jobs.get(held.job_id) is held:
             del self._jobs[held.job_id]
-        while self._recent and (len(self._recent) > RECENT_MAX_JOBS
-                                or next(iter(self._recent.values()))[0] < now - RECENT_MAX_AGE_S):
-            self._recent.popitem(last=False)
 
     def _untrack(self, held: LocalJob) -> None:
         """The job leaves CLAIMED / IN_ENGINE: it no longer counts in `held_by_tenant`
@@ -349,16 +360,18 @@ class JobTable:
         _decrement(self._per_tenant, held.job.tenant or "")
         self._num_unfinished -= 1
 
-    def histories(self) -> Iterator[tuple[str, list[tuple[int, bytes]], tuple[str, str, int] | None]]:
-        """What this worker published that Redis must hold: (job_id, [(seq, event)], terminal)
-        for every held job (terminal None) and each job finished in the last
-        RECENT_MAX_AGE_S (terminal = (finish reason, claim token, attempt))."""
+    def histories(self) -> Iterator[tuple[str, int, str, list[tuple[int, bytes]], str | None]]:
+        """What this worker published that Redis must hold: (job_id, attempt, claim token,
+        [(seq, event)], finish reason) for every held job and each job finished in the
+        last RECENT_MAX_AGE_S; the finish reason is None unless the history ends with the
+        job's terminal event."""
         for held in self._jobs.values():
             if held.history:
-                yield held.job_id, list(held.history), None
-        for job_id, (_, history, term, _tenant) in self._recent.items():
+                reason = held.finish_reason.value if held.terminal_published and held.finish_reason else None
+                yield held.job_id, held.attempt, held.claim_token, list(held.history), reason
+        for job_id, pub in self._recent.items():
             if job_id not in self._jobs:
-                yield job_id, history, term
+                yield job_id, pub.attempt, pub.claim_token, pub.history, pub.reason
 
     def tenant_of(self, job_id: str) -> str | None:
         """The tenant of a held or recently finished job (None: none, or unknown)."""
@@ -366,7 +379,7 @@ class JobTable:
         if held is not None:
             return held.tenant
         recent = self._recent.get(job_id)
-        return recent[3] if recent is not None else None
+        return recent.tenant if recent is not None else None
 
 
 def _decrement(counts: dict[str, int], key: str) -> None:

@@ -35,7 +35,7 @@ class LocalJob:
     __slots__ = ("job", "priority", "offsets", "enqueue_time", "claim_token", "attempt", "next_seq", "raw", "raw_key",
                  "isolated", "state", "claim_time", "first_token_time", "num_tokens", "text_parts",
                  "cancel_time_mono", "_opening", "_delta_text", "_delta_ids", "_delta_logprobs", "_terminal",
-                 "opened", "finish_reason", "error", "dead_letter", "history", "summary")
+                 "opened", "finish_reason", "error", "dead_letter", "history", "summary", "terminal_published")
 
     def __init__(self, job: Job, priority: str, offsets: list[Offset], enqueue_time: float, claim_token: str,
                  attempt: int, next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
@@ -68,6 +68,7 @@ class LocalJob:
         self.dead_letter: tuple[str, str] | None = None  # (reason code, message): the record goes to the DLQ
         self.history: list[tuple[int, bytes]] = []  # published (seq, event) of this attempt
         self.summary: dict[str, Any] = {}  # timings for the job's summary log line
+        self.terminal_published = False  # the terminal event is numbered (in `history`; being published)
 
     @property
     def job_id(self) -> str:

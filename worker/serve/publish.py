@@ -11,11 +11,14 @@ one merged `token` event, the terminal one) and sends them in one EVALSHA of
 (`inflight:t:{tenant}:job:{id}…` for a job with a tenant: `Round.tenants`, `schemas.keys`),
 
 unless the log already holds that `seq` or a later one (idempotent: a round re-sent after
-a connection error, or an event from a worker that lost the job's lease, never
-duplicates or reorders entries), and for a terminal event also sets the done mark,
-releases the claim and clears the attempt's failure mark (`claims.FINISH_LUA`). When
-the publisher falls behind the engine (a slow Redis, a burst), rounds simply carry more
-tokens per event: fewer, larger deltas, the same text (token coalescing).
+a connection error never duplicates or reorders entries), and only while the job's claim
+is this worker's: an event of a job another worker holds now (we stalled past the lease,
+or Redis lost the claim) is refused, the job is handed back (`on_lost`) and its terminal
+event, if it had one, is neither published nor recorded. A terminal event also sets the
+done mark, releases the claim and clears the attempt's failure mark
+(`claims.FINISH_LUA`). Each log entry holds the event (`e`), its seq (`q`) and attempt
+(`a`). When the publisher falls behind the engine (a slow Redis, a burst), rounds simply
+carry more tokens per event: fewer, larger deltas, the same text (token coalescing).
 
 Outages: a round that cannot reach Redis is retried with backoff while the engine keeps
 running its jobs (their tokens keep merging into the drafts) and intake pauses; after
@@ -23,8 +26,9 @@ running its jobs (their tokens keep merging into the drafts) and intake pauses; 
 worker exits promptly so its partitions move. Data loss: if Redis restarted empty (the
 epoch marker is gone, see `claims.py`), `restore` re-claims the held jobs and re-appends
 every event each of them (and each recently finished job) already published, with the
-same seqs, before anything new is written, so a log read from its first entry still
-reassembles to the final text.
+same seqs, before anything new is written (one lock orders restores and rounds, whoever
+noticed the loss: a round, a claim, the health check), so a log read from its first
+entry still reassembles to the final text.
 """
 
 from __future__ import annotations
@@ -47,35 +51,50 @@ from worker.serve.jobs import JobTable, Round
 
 log = structlog.get_logger(__name__)
 
-# KEYS: epoch, then per event: log, channel (+ done, claim, failures for a terminal event).
-# ARGV: epoch, maxlen, ttl, then per event: kind ('t' token, 'o' other, 'f' terminal), data, seq
-# (+ reason, claim token, attempt for 'f'). Returns the number of events appended.
+# KEYS: epoch, then per event: log, channel, done, claim, failures.
+# ARGV: epoch, maxlen, ttl, lease_ms, then per event: kind ('t' token, 'o' other, 'f'
+# terminal), data, seq, attempt, claim token, finish reason ('' unless 'f').
+# Per event, in order: an event whose seq the log already holds (or passed) is skipped (a
+# re-sent round); one of a job whose claim another worker holds, or that another worker
+# ended, is refused (and the rest of that job's events in the call); else it is appended
+# and published (a claim that lapsed with nobody taking it is taken back), and a terminal
+# event sets the done mark and releases the claim. Returns {appended, refused event
+# indices (1-based, the first of each refused job)}.
 APPEND_LUA = FINISH_LUA + LAST_SEQ + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('EPOCH changed') end
 local ttl = tonumber(ARGV[3])
-local ki, ai, appended = 2, 4, 0
-local last = {}
+local ki, ai, appended, ev = 2, 5, 0, 0
+local last, owner, refused = {}, {}, {}
 while ai <= #ARGV do
-  local kind, data, seq = ARGV[ai], ARGV[ai + 1], tonumber(ARGV[ai + 2])
-  local log, chan = KEYS[ki], KEYS[ki + 1]
+  ev = ev + 1
+  local kind, data, seq, attempt, token = ARGV[ai], ARGV[ai + 1], tonumber(ARGV[ai + 2]), ARGV[ai + 3], ARGV[ai + 4]
+  local log, chan, done, claim = KEYS[ki], KEYS[ki + 1], KEYS[ki + 2], KEYS[ki + 3]
   local q = last[log]
-  if q == nil then q = last_seq(log) end
-  if seq > q then
-    redis.call('XADD', log, 'MAXLEN', '~', ARGV[2], '*', 'e', data, 'q', seq)
+  if q == nil then q = last_entry(log) end
+  if seq > q and owner[log] == nil then
+    local cur = redis.call('GET', claim)
+    if cur == token then
+      owner[log] = true
+    elseif not cur and redis.call('EXISTS', done) == 0 then
+      redis.call('SET', claim, token, 'PX', ARGV[4])
+      owner[log] = true
+    else
+      owner[log] = false
+      refused[#refused + 1] = ev
+    end
+  end
+  if seq > q and owner[log] then
+    redis.call('XADD', log, 'MAXLEN', '~', ARGV[2], '*', 'e', data, 'q', seq, 'a', attempt)
     redis.call('PUBLISH', chan, data)
     if kind ~= 't' or redis.call('TTL', log) < ttl / 2 then redis.call('EXPIRE', log, ttl) end
     appended = appended + 1
     q = seq
+    if kind == 'f' then finish_job(done, claim, KEYS[ki + 4], ARGV[ai + 5], token, attempt, ttl) end
   end
   last[log] = q
-  if kind == 'f' then
-    finish_job(KEYS[ki + 2], KEYS[ki + 3], KEYS[ki + 4], ARGV[ai + 3], ARGV[ai + 4], ARGV[ai + 5], ttl)
-    ki, ai = ki + 5, ai + 6
-  else
-    ki, ai = ki + 2, ai + 3
-  end
+  ki, ai = ki + 5, ai + 6
 end
-return appended
+return {appended, refused}
 """
 
 
@@ -88,15 +107,19 @@ class Publisher:
     on_outage: called with True when Redis becomes unreachable and False when it is
         back (the worker pauses intake meanwhile).
     on_backlog: called before each round with the number of jobs it will carry.
-    on_restore: called after Redis lost its data and the logs were restored, with the
-        ids of held jobs another worker claimed meanwhile (the worker hands them back and
-        re-reads recent cancels into tombstones).
+    on_lost: called with the ids of held jobs another worker holds now: their events
+        were refused (a round) or their claim went to another worker while Redis had lost
+        its data (a restore). The worker hands them back; nothing more of theirs is
+        published, and a refused terminal event is not recorded.
+    on_restore: called after Redis lost its data and the logs were restored (the worker
+        re-reads the cancels whose tombstones were lost).
     """
 
     def __init__(self, redis: aioredis.Redis, cfg: RedisConfig, claims: ClaimStore, table: JobTable, *,
                  on_outage: Callable[[bool], None] = lambda down: None,
                  on_backlog: Callable[[int], None] = lambda num_jobs: None,
-                 on_restore: Callable[[list[str]], None] = lambda lost: None) -> None:
+                 on_lost: Callable[[list[str]], None] = lambda job_ids: None,
+                 on_restore: Callable[[], None] = lambda: None) -> None:
         self.redis = redis
         self.cfg = cfg
         self.claims = claims
@@ -104,12 +127,18 @@ class Publisher:
         self._append = redis.register_script(APPEND_LUA)
         self._on_outage = on_outage
         self._on_backlog = on_backlog
+        self._on_lost = on_lost
         self._on_restore = on_restore
         self._wake = asyncio.Event()
+        # Every write of events and the restore take this lock: nothing is appended in a
+        # new epoch before the restore has re-appended what was published in the old one.
+        self._lock = asyncio.Lock()
+        self._restore_pending = False  # a data loss was seen and the restore has not completed
         self.outage_since: float | None = None  # time.monotonic() when Redis became unreachable
         self.num_rounds = 0
         self.num_events = 0
         self.num_restores = 0
+        self.num_refused = 0  # events refused: their job's claim is another worker's
         self.last_round_s = 0.0
         self.busy = False  # a round is being sent
 
@@ -123,7 +152,8 @@ class Publisher:
 
     async def run(self, on_published: Callable[[Round], None]) -> None:
         """Publish rounds until cancelled; `on_published(round)` runs after each one is in
-        Redis. Raises RedisUnavailable after `redis.outage_limit_s` without Redis."""
+        Redis (its `finished` without the jobs whose terminal event was refused).
+        Raises RedisUnavailable after `redis.outage_limit_s` without Redis."""
         min_interval = self.cfg.publish_interval_ms / 1000
         while True:
             await self._wake.wait()
@@ -137,10 +167,12 @@ class Publisher:
             t0 = time.perf_counter()
             self.busy = True
             try:
-                await self.send(rnd)
+                refused = await self.send(rnd)
             finally:
                 self.busy = False
             self.last_round_s = time.perf_counter() - t0
+            if refused:
+                rnd.finished = [held for held in rnd.finished if held.job_id not in refused]
             on_published(rnd)
 
     async def flush(self, timeout_s: float) -> bool:
@@ -151,20 +183,26 @@ class Publisher:
             await asyncio.sleep(0.01)
         return not (self.table.has_drafts or self.busy)
 
-    async def send(self, rnd: Round) -> None:
-        """Append and publish one round, riding out connection errors and data loss."""
+    async def send(self, rnd: Round) -> set[str]:
+        """Append and publish one round, riding out connection errors and data loss.
+        Returns the ids of jobs whose events were refused (another worker holds them)."""
         delay = 0.05
         while True:
             try:
-                await self._send_once(rnd)
+                refused = await self._send_once(rnd)
                 if self.outage_since is not None:
                     log.warning("Redis reachable again; publishing resumed",
                                 outage_s=round(time.monotonic() - self.outage_since, 1))
                     self.outage_since = None
                     self._on_outage(False)
-                return
+                if refused:
+                    self.num_refused += len(refused)
+                    log.warning("events refused: another worker holds these jobs now", job_ids=sorted(refused)[:20],
+                                num_jobs=len(refused))
+                    self._on_lost(sorted(refused))
+                return refused
             except EpochChanged:
-                await self.restore()
+                self._restore_pending = True  # the next try restores first (under the lock)
             except REDIS_DOWN as e:
                 if is_fatal_redis(e):  # refused (credentials rotated, certificate): not an outage
                     raise
@@ -180,64 +218,103 @@ class Publisher:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def _send_once(self, rnd: Round) -> None:
-        ks, args = self._script_args(rnd)
+    async def _send_once(self, rnd: Round) -> set[str]:
+        async with self._lock:
+            if self._restore_pending:
+                await self._restore()
+            ks, args = self._script_args(rnd)
+            raw = await self._call(ks, args)
+        appended, refused = int(raw[0]), raw[1]
+        self.num_rounds += 1
+        self.num_events += appended
+        return {rnd.events[int(i) - 1].job_id for i in refused}
+
+    async def _call(self, ks: list[str], args: list):
+        epoch = args[0]
         try:
-            appended = await self._append(keys=ks, args=args)
+            return await self._append(keys=ks, args=args)
         except ResponseError as e:
             if str(e).startswith("EPOCH"):
-                raise EpochChanged(str(e)) from None
+                raise EpochChanged(str(e), epoch) from None
             raise
         except NoScriptError:  # flushed between load and call: AsyncScript reloads on the next call
-            appended = await self._append(keys=ks, args=args)
-        self.num_rounds += 1
-        self.num_events += int(appended)
+            return await self._append(keys=ks, args=args)
 
     def _script_args(self, rnd: Round) -> tuple[list[str], list]:
         p = self.cfg.key_prefix
         ks: list[str] = [keys.epoch_key(p)]
-        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s]
-        tokens = {held.job_id: held.claim_token for held in rnd.finished}
+        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms]
         tenants = rnd.tenants or [None] * len(rnd.events)
-        for ev, data, tenant in zip(rnd.events, rnd.encoded, tenants):
+        tokens = rnd.tokens or [""] * len(rnd.events)
+        for ev, data, tenant, token in zip(rnd.events, rnd.encoded, tenants, tokens):
             jid = ev.job_id
-            ks += [keys.log_key(jid, p, tenant), keys.channel(jid, p, tenant)]
+            ks += [keys.log_key(jid, p, tenant), keys.channel(jid, p, tenant), *self.claims.finish_keys(jid)]
             if isinstance(ev, Finished):
-                ks += self.claims.finish_keys(jid)
-                args += ["f", data, ev.seq, ev.finish_reason.value, tokens.get(jid, ""), ev.attempt]
+                args += ["f", data, ev.seq, ev.attempt, token, ev.finish_reason.value]
             else:
-                args += ["t" if ev.__struct_config__.tag == "token" else "o", data, ev.seq]
+                args += ["t" if ev.__struct_config__.tag == "token" else "o", data, ev.seq, ev.attempt, token, ""]
         return ks, args
 
-    async def restore(self) -> None:
-        """Redis lost its data: adopt the new epoch, claim the held jobs again (attempts
-        never go backwards), re-append every event they and the recently finished jobs
-        already published (same seqs; their done marks with the terminal ones)."""
+    async def restore(self, stale_epoch: str | None = None) -> None:
+        """Redis lost its data (a write was refused with `stale_epoch`, or the health check
+        found the marker gone): restore now, unless a restore since adopted a newer epoch.
+
+        Raises:
+            redis.exceptions.ConnectionError / TimeoutError: Redis unreachable (the restore
+                stays pending: the next round does it before anything else).
+        """
+        async with self._lock:
+            if stale_epoch is not None and stale_epoch != self.claims.epoch and not self._restore_pending:
+                return  # already restored
+            self._restore_pending = True
+            await self._restore()
+
+    async def _restore(self) -> None:
+        """Under the lock: adopt the new epoch (the first worker to notice opens the
+        restore window), claim the held jobs again (attempts never go backwards), then
+        re-append every event they and the recently finished jobs already published (same
+        seqs; done marks with the terminal ones). Held jobs another worker claimed
+        meanwhile are reported lost; nothing of theirs is re-appended. Repeated until it
+        completes in one epoch."""
+        while self._restore_pending:
+            try:
+                await self._restore_once()
+                self._restore_pending = False
+            except EpochChanged:
+                continue  # lost its data again while restoring: start over
+
+    async def _restore_once(self) -> None:
         self.num_restores += 1
         await self.claims.adopt_epoch()
         holding = self.table.holding_claims()
-        lost = []
-        for held in holding:
-            if not await self.claims.reclaim(held.job_id, held.claim_token, held.attempt):
-                lost.append(held.job_id)
+        ours = await self.claims.reclaim([(held.job_id, held.claim_token, held.attempt) for held in holding])
+        lost = [held.job_id for held, ok in zip(holding, ours) if not ok]
+        skip = set(lost)
         p = self.cfg.key_prefix
         ks: list[str] = [keys.epoch_key(p)]
-        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s]
-        n = 0
-        for job_id, history, term in self.table.histories():
+        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms]
+        job_of: list[str] = []  # the job of each event sent
+        for job_id, attempt, token, history, reason in self.table.histories():
+            if job_id in skip:
+                continue
             tenant = self.table.tenant_of(job_id)
-            for seq, data in history:
-                ks += [keys.log_key(job_id, p, tenant), keys.channel(job_id, p, tenant)]
-                if term is not None and seq == history[-1][0]:
-                    reason, token, attempt = term
-                    ks += self.claims.finish_keys(job_id)
-                    args += ["f", data, seq, reason, token, attempt]
+            job_keys = [keys.log_key(job_id, p, tenant), keys.channel(job_id, p, tenant),
+                        *self.claims.finish_keys(job_id)]
+            last = len(history) - 1
+            for i, (seq, data) in enumerate(history):
+                ks += job_keys
+                if reason is not None and i == last:
+                    args += ["f", data, seq, attempt, token, reason]
                 else:
-                    args += ["o", data, seq]
-                n += 1
-        if n:
-            await self._append(keys=ks, args=args)
+                    args += ["o", data, seq, attempt, token, ""]
+                job_of.append(job_id)
+        refused: set[str] = set()
+        if job_of:
+            refused = {job_of[int(i) - 1] for i in (await self._call(ks, args))[1]}
+        held_ids = {held.job_id for held in holding}
+        lost += sorted(refused & held_ids)  # a finished job's log another worker rewrote stays theirs
         log.warning("Redis lost its data (epoch changed): claims and logs restored", held_jobs=len(holding),
-                    events_restored=n, lost_claims=lost)
-        self._on_restore(lost)
-
+                    events_restored=len(job_of), lost_claims=lost, refused_jobs=len(refused))
+        if lost:
+            self._on_lost(lost)
+        self._on_restore()

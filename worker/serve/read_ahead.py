@@ -48,15 +48,16 @@ if TYPE_CHECKING:
 @dataclass(slots=True, eq=False)
 class JobRecord:
     """A decoded job record with where it came from. `enqueue_time` is the record's
-    Kafka timestamp (Unix seconds); `raw`/`key` the original bytes (for the DLQ).
-    A record that is not a valid job has `job` None and the decode `error`."""
+    Kafka timestamp (Unix seconds); `raw`/`key` the original bytes (for the DLQ; `raw`
+    is None for a record whose value is null). A record that is not a valid job has
+    `job` None and the decode `error`."""
 
     job: Job | None
     priority: str
     tp: TopicPartition
     offset: int
     enqueue_time: float
-    raw: bytes
+    raw: bytes | None
     key: bytes | None
     error: str | None = None
     read_seq: int = 0  # order in which the read-ahead got it (set by ReadAhead.add)

@@ -97,9 +97,10 @@ class StarterHost(Protocol):
     def intake_paused(self) -> bool:
         """True while intake must take nothing (draining, stopping, Redis down)."""
 
-    async def restore_redis(self) -> None:
-        """Redis lost its data: re-claim the held jobs and re-append their logs
-        (`Publisher.restore`); the batch is then claimed again."""
+    async def restore_redis(self, stale_epoch: str) -> None:
+        """Redis lost its data (`stale_epoch` was refused): re-claim the held jobs and
+        re-append their logs (`Publisher.restore`) unless that is done; the batch is then
+        claimed again. Raises the Redis connection errors."""
 
 
 class JobStarter:
@@ -132,6 +133,7 @@ class JobStarter:
         self._submitting = 0  # input tasks past the gate, not yet answered by the engine
         self._alone: str | None = None  # the job running alone, if any
         self._alone_waiting = 0  # jobs waiting to run alone (they hold the gate shut for others)
+        self._restoring_logged = 0.0
 
     def free_slots(self) -> int:
         """Jobs that may be taken now. A slot is a job without its terminal event yet
@@ -161,24 +163,30 @@ class JobStarter:
                 fresh.append(rec)  # else: redelivered while it runs here; answered by the same end
         if not fresh:
             return []
+        refs = [JobRef(r.job.job_id, r.job.tenant) for r in fresh]
         try:
-            results = await self.claims.take([JobRef(r.job.job_id, r.job.tenant) for r in fresh])
-        except EpochChanged:
-            await self.host.restore_redis()
-            results = await self.claims.take([JobRef(r.job.job_id, r.job.tenant) for r in fresh])
-        except REDIS_DOWN as e:
+            try:
+                results = await self.claims.take(refs)
+            except EpochChanged as e:
+                await self.host.restore_redis(e.epoch)
+                results = await self.claims.take(refs)
+        except (EpochChanged, *REDIS_DOWN) as e:
             if is_fatal_redis(e):  # refused (credentials, certificate): not an outage to wait out
                 raise
             log.info("claims unavailable; will retry the batch", error=repr(e)[:200], records=len(fresh))
             return fresh
         contested = []
         to_run: list[LocalJob] = []
+        num_restoring = 0
         for rec, res in zip(fresh, results):
             if isinstance(res, Done):  # its outcome may predate its results record (a crash between)
                 self.finalizer.settle(rec.tp, rec.offset, rec.job.job_id, res.tail)
             elif isinstance(res, Contested):
-                log.info("job claimed by another worker; waiting", job_id=rec.job.job_id, topic=rec.tp.topic,
-                         partition=rec.tp.partition, offset=rec.offset)
+                if res.restoring:
+                    num_restoring += 1
+                else:
+                    log.info("job claimed by another worker; waiting", job_id=rec.job.job_id, topic=rec.tp.topic,
+                             partition=rec.tp.partition, offset=rec.offset)
                 contested.append(rec)
             elif self.table.get(rec.job.job_id) is not None:  # duplicate within the batch
                 self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset))
@@ -186,6 +194,10 @@ class JobStarter:
                 held = self._open(rec, res)
                 if held is not None:
                     to_run.append(held)
+        if num_restoring and time.monotonic() - self._restoring_logged > 5:
+            self._restoring_logged = time.monotonic()
+            log.info("Redis lost its data less than a claim lease ago: claiming nothing until the holders "
+                     "re-claim their jobs", records=num_restoring)
         for held in to_run:
             if not held.isolated and not self._gated() and input_bytes(held.job) <= INLINE_INPUT_BYTES:
                 self._add_inline(held)
@@ -331,9 +343,9 @@ class JobStarter:
         await self.finalizer.dead_letter_record(rec, "invalid_job", error, job_id)
         self.metrics.rejected.labels("invalid_job").inc()
         log.warning("invalid job record sent to the DLQ", error=error[:300], job_id=job_id, topic=tp.topic,
-                    partition=tp.partition, offset=rec.offset, size=len(rec.raw))
+                    partition=tp.partition, offset=rec.offset, size=len(rec.raw or b""))
         if job_id and job_id not in self.table:
-            tenant = recover_tenant(rec.raw)  # its stream is where the producer's reader waits
+            tenant = recover_tenant(rec.raw or b"")  # its stream is where the producer's reader waits
             try:
                 res = (await self.claims.take([JobRef(job_id, tenant)]))[0]
             except (EpochChanged, *REDIS_DOWN):

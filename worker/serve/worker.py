@@ -57,7 +57,7 @@ from worker.serve.cancels import CancelListener
 from worker.serve.claims import TAKE_LUA, ClaimStore
 from worker.serve.dlq import DeadLetters
 from worker.serve.finalize import Finalizer
-from worker.serve.health import HealthChecks, OpsServer
+from worker.serve.health import HealthChecks, OpsServer, loop_lag_monitor
 from worker.serve.intake import Intake
 from worker.serve.jobs import JobState, JobTable, Round
 from worker.serve.offsets import OffsetTracker
@@ -70,8 +70,6 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 log = structlog.get_logger(__name__)
-
-LOOP_LAG_WARN_FRACTION = 0.3  # of kafka.session_timeout_ms
 
 
 class Worker:
@@ -138,7 +136,8 @@ class Worker:
                                  ttl_s=rc.log_ttl_s, tombstone_ttl_s=rc.tombstone_ttl_s)
         await self.claims.adopt_epoch()
         self.publisher = Publisher(self.redis, rc, self.claims, self.table, on_outage=self._on_redis_outage,
-                                   on_restore=self._on_restored, on_backlog=self.metrics.publish_backlog.set)
+                                   on_lost=self._hand_back_lost_jobs, on_restore=self._on_restored,
+                                   on_backlog=self.metrics.publish_backlog.set)
         loop = asyncio.get_running_loop()
         self.engine = await make_engine_client(self._engine, self._engine_spec, cfg.serving_tuning, self.metrics,
                                                cfg.worker.engine_process, log_level=cfg.worker.log_level,
@@ -174,7 +173,7 @@ class Worker:
             asyncio.create_task(self.cancels.run(self._stopping), name="cancels"),
             asyncio.create_task(self._renew_loop(), name="claims"),
             asyncio.create_task(self.health.run(cfg.metrics), name="checks"),
-            asyncio.create_task(self._loop_lag_monitor(), name="loop-lag"),
+            asyncio.create_task(loop_lag_monitor(self.metrics, cfg.kafka.session_timeout_ms), name="loop-lag"),
         ]
         self.started.set()
         log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
@@ -325,52 +324,39 @@ class Worker:
                     self._redis_warned = time.monotonic()
                     log.warning("claim renewal failed (Redis unreachable); retrying", error=repr(e)[:200])
                 continue
-            for job_id in lost:
-                self._hand_back_lost(job_id)
+            self._hand_back_lost_jobs(sorted(lost))
 
-    def _hand_back_lost(self, job_id: str) -> None:
-        """Another worker holds the job's claim now (we stalled past the lease, or Redis
-        lost it): stop running it; keep its offsets open until its terminal event appears."""
-        held = self.table.hand_back(job_id)
-        if held is None:
-            return
-        log.warning("claim lost; handing the job back", job_id=job_id)
-        self.engine.abort(job_id)
-        self.metrics.aborted.labels("lease_lost").inc()
-        self.intake.add_contested(
-            [JobRecord(held.job, held.priority, o.tp, o.offset, held.enqueue_time, b"", None) for o in held.offsets])
+    def _hand_back_lost_jobs(self, job_ids: list[str]) -> None:
+        """Another worker holds these jobs' claims now (we stalled past the lease, or Redis
+        lost them): stop running them, publish and record nothing more of theirs (a
+        terminal event not yet published is dropped: the holder's counts), and keep their
+        offsets open until the holder's terminal event appears (retried as contested)."""
+        for job_id in job_ids:
+            was_running = (held := self.table.get(job_id)) is not None and held.state != JobState.FINISHING
+            held = self.table.disown(job_id)
+            if held is None:
+                continue
+            log.warning("claim lost; handing the job back", job_id=job_id, attempt=held.attempt)
+            if was_running:
+                self.engine.abort(job_id)
+            self.metrics.aborted.labels("lease_lost").inc()
+            self.intake.add_contested(
+                [JobRecord(held.job, held.priority, o.tp, o.offset, held.enqueue_time, b"", None) for o in held.offsets])
 
     def _on_redis_outage(self, down: bool) -> None:
         self.metrics.redis_outage.set(1 if down else 0)
 
-    def _on_restored(self, lost: list[str]) -> None:
+    def _on_restored(self) -> None:
         self.metrics.redis_restores.inc()
-        for job_id in lost:
-            self._hand_back_lost(job_id)
         self.cancels.rewind()
 
     def intake_paused(self) -> bool:
         """Draining, stopping or Redis down: intake takes nothing."""
         return self.draining or self._stop_requested.is_set() or self.publisher.in_outage
 
-    async def restore_redis(self) -> None:
+    async def restore_redis(self, stale_epoch: str) -> None:
         """Redis lost its data: the publisher re-claims and re-appends (`Publisher.restore`)."""
-        await self.publisher.restore()
-
-    async def _loop_lag_monitor(self, interval_s: float = 0.1) -> None:
-        """How late the event loop wakes a sleeping task: a starved loop misses Kafka
-        heartbeats. Logged when above a fraction of the session timeout."""
-        warn_s = self.cfg.kafka.session_timeout_ms / 1000 * LOOP_LAG_WARN_FRACTION
-        last_warn = 0.0
-        while True:
-            t0 = time.monotonic()
-            await asyncio.sleep(interval_s)
-            lag = time.monotonic() - t0 - interval_s
-            self.metrics.loop_lag.observe(max(0.0, lag))
-            if lag > warn_s and time.monotonic() - last_warn > 10:
-                last_warn = time.monotonic()
-                log.warning("event loop lagging; Kafka heartbeats may be missed", lag_s=round(lag, 3),
-                            session_timeout_s=self.cfg.kafka.session_timeout_ms / 1000)
+        await self.publisher.restore(stale_epoch)
 
     # ---- health --------------------------------------------------------------------------
     def _liveness(self) -> tuple[bool, dict]:
