@@ -44,7 +44,7 @@ def test_resent_events_are_dropped(services, prefix):
         zombie = JobTable("w0")  # a worker that lost the claim, behind: its seq 1 is stale
         zombie.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, "old-claim", 1, 1)
         zombie.apply_outputs([RequestOutput("j", [9], "x")])
-        assert await pub.send(zombie.drain()) == set()  # a duplicate seq: skipped, not refused
+        assert await pub.send(zombie.drain()) == {"j"}  # refused: it learns the job is another worker's
         ahead = JobTable("w0")  # ... and one ahead of the holder: refused
         ahead.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, "old-claim", 1, 3)
         ahead.apply_outputs([RequestOutput("j", [9], "x", finished=True, finish_reason="stop")])

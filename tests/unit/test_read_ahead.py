@@ -20,9 +20,9 @@ from schemas.codec import encode
 from schemas.wire import Job
 from worker.config import KafkaConfig, ServingTuning, TenantPolicy, WorkerSettings
 from worker.serve.intake import Intake
-from worker.serve.rebalance import Rebalance
 from worker.serve.offsets import OffsetTracker
 from worker.serve.read_ahead import JobRecord, ReadAhead, local_shares
+from worker.serve.rebalance import Rebalance
 
 NORMAL = TopicPartition("t.jobs.normal", 0)
 

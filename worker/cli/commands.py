@@ -15,12 +15,14 @@ def run_reported(coro, *, bad_input: str, kafka=None, redis=None, log_errors: bo
     """asyncio.run, with the failures a user can fix reported in one line, no traceback:
     bad input (ValueError, FileNotFoundError; exit 2), refused credentials, certificates
     or permissions (`worker.security.access`: exit 3, 4 or 5, explained with the `kafka` / `redis`
-    settings given), unreachable Redis or Kafka (1), a timeout (1). `log_errors`: report
+    settings given), unreachable Redis or Kafka (1; also an outage past `redis.outage_limit_s` or
+    `kafka.outage_limit_s`), a timeout (1). `log_errors`: report
     through the log (the worker's JSON lines) instead of a plain line on stderr."""
     from aiokafka.errors import KafkaConnectionError
     from redis.exceptions import ConnectionError as RedisConnectionError
 
     from worker.security.access import AccessError
+    from worker.security.kafka import KafkaUnavailable
     from worker.security.probe import diagnose
     from worker.security.redis import RedisUnavailable
 
@@ -53,7 +55,7 @@ def run_reported(coro, *, bad_input: str, kafka=None, redis=None, log_errors: bo
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         report(f"{bad_input}: {e}", exit_code=2)
         return 2
-    except RedisUnavailable as e:
+    except (RedisUnavailable, KafkaUnavailable) as e:
         report(f"error: {e}", exit_code=1)
         return 1
     except (RedisConnectionError, KafkaConnectionError) as e:

@@ -75,7 +75,13 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     max_poll_interval_ms: int = 300_000
     max_partition_fetch_bytes: int = 16 * 1024 * 1024
     commit_interval_ms: int = 500
-    cancel_lookback_s: float = 600.0
+    # Where the cancel listener starts reading at start: None = the cancel topic's log
+    # start (every cancel it keeps); else this many seconds ago (worker/serve/cancels.py).
+    cancel_lookback_s: float | None = None
+    max_cancelled_ids: int = 1_000_000  # cancelled job ids a worker keeps in memory
+    # A transient broker error is retried; a worker gives up (exit 1) only once Kafka has
+    # been unreachable this long (seconds; worker/serve/kafka_outage.py).
+    outage_limit_s: float = 600.0
     stall_timeout_s: float = 10.0  # lag, free slots, no record for this long: recreate the consumer
     # Expected transient conditions (coordinator loading, rebalance, broker restart) log at
     # info until one has lasted this long (seconds), then once at warning (worker.obs.transient_log).
@@ -90,8 +96,11 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
                 f"kafka.heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below kafka.session_timeout_ms "
                 f"({self.session_timeout_ms}); Kafka recommends at most a third of it"
             )
-        if self.stall_timeout_s <= 0 or self.cancel_lookback_s < 0:
-            raise ConfigError("kafka.stall_timeout_s must be > 0 and kafka.cancel_lookback_s >= 0")
+        if self.stall_timeout_s <= 0 or (self.cancel_lookback_s is not None and self.cancel_lookback_s < 0):
+            raise ConfigError("kafka.stall_timeout_s must be > 0 and kafka.cancel_lookback_s >= 0 (or null)")
+        positive("kafka", max_cancelled_ids=self.max_cancelled_ids)
+        if not self.outage_limit_s > 0:
+            raise ConfigError(f"kafka.outage_limit_s must be > 0, got {self.outage_limit_s}")
         if self.transient_grace_s <= 0:
             raise ConfigError(f"kafka.transient_grace_s must be > 0, got {self.transient_grace_s}")
         if not self.bootstrap_servers:

@@ -227,6 +227,8 @@ class Metrics:
                                        "Time to write one publisher round (all drafted events) to Redis",
                                        buckets=STEP_BUCKETS, registry=r)
         self.redis_outage = Gauge("redis_outage", "1 while Redis is unreachable and events are held", registry=r)
+        self.kafka_outage = Gauge("kafka_outage", "1 while a part of the worker cannot reach Kafka (retrying; held "
+                                  "jobs keep streaming, outcomes and commits wait)", registry=r)
         self.publish_backlog = Gauge("publish_backlog_jobs", "Jobs with events waiting for the next publisher "
                                      "round (a lasting value above 0 means the I/O side is the bottleneck and "
                                      "token events are being merged)", registry=r)

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from worker.config import KafkaConfig
 
 
+class KafkaUnavailable(RuntimeError):
+    """Kafka stayed unreachable longer than `kafka.outage_limit_s` (see
+    `worker/serve/kafka_outage.py`): the worker stops, exit 1."""
+
+
 def kafka_security_kwargs(cfg: KafkaConfig) -> dict:
     """aiokafka keyword arguments for `cfg`'s security settings (any aiokafka client:
     consumer, producer, admin). PLAINTEXT gives only `security_protocol`.

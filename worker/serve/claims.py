@@ -158,14 +158,15 @@ return #KEYS / 3
 """
 
 # Restore the held jobs after Redis lost its data. KEYS: epoch, then per job: claim,
-# attempts, failures. ARGV: epoch, lease_ms, ttl, then per job: token, attempt. Returns
-# per job 1 if the claim is ours again, 0 if another worker claimed the job meanwhile.
+# attempts, failures, done. ARGV: epoch, lease_ms, ttl, then per job: token, attempt.
+# Returns per job 1 if the claim is ours again, 0 if another worker claimed (or ended)
+# the job meanwhile.
 RECLAIM_LUA = _EPOCH_CHECK + """
 local out = {}
-for j = 0, (#KEYS - 1) / 3 - 1 do
-  local k, ai = 1 + j * 3, 4 + j * 2
+for j = 0, (#KEYS - 1) / 4 - 1 do
+  local k, ai = 1 + j * 4, 4 + j * 2
   local cur = redis.call('GET', KEYS[k + 1])
-  if cur and cur ~= ARGV[ai] then
+  if (cur and cur ~= ARGV[ai]) or redis.call('EXISTS', KEYS[k + 4]) == 1 then
     out[j + 1] = 0
   else
     redis.call('SET', KEYS[k + 1], ARGV[ai], 'PX', ARGV[2])
@@ -356,7 +357,7 @@ class ClaimStore:
     async def reclaim(self, held: list[tuple[str, str, int]]) -> list[bool]:
         """After Redis lost its data: hold each (job_id, token, attempt)'s claim again
         (one round trip), attempts never below ours. False for a job another worker
-        claimed meanwhile.
+        claimed or ended meanwhile.
 
         Raises:
             EpochChanged: Redis lost its data again.
@@ -367,7 +368,8 @@ class ClaimStore:
         ks = [keys.epoch_key(p)]
         args: list = [self.epoch, self.lease_ms, self.ttl_s]
         for job_id, token, attempt in held:
-            ks += [keys.claim_key(job_id, p), keys.attempts_key(job_id, p), keys.failures_key(job_id, p)]
+            ks += [keys.claim_key(job_id, p), keys.attempts_key(job_id, p), keys.failures_key(job_id, p),
+                   keys.done_key(job_id, p)]
             args += [token, attempt]
         return [bool(int(r)) for r in await self._run("reclaim", ks, args)]
 

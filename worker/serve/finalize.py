@@ -15,6 +15,7 @@ round goes through one results write.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from worker.obs.metrics import Metrics
     from worker.serve.dlq import DeadLetters
     from worker.serve.jobs import JobTable, LocalJob
+    from worker.serve.kafka_outage import KafkaOutage
     from worker.serve.offsets import OffsetTracker
     from worker.serve.read_ahead import JobRecord
     from worker.serve.results import ResultsLog
@@ -43,7 +45,8 @@ class Finalizer:
     """Args: the worker's job table, offset tracker, DLQ and results writers, metrics."""
 
     def __init__(self, table: JobTable, tracker: OffsetTracker, dead_letters: DeadLetters, results: ResultsLog,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, outage: KafkaOutage | None = None) -> None:
+        self.outage = outage
         self.table = table
         self.tracker = tracker
         self.dead_letters = dead_letters
@@ -99,7 +102,8 @@ class Finalizer:
         while self._settling:
             batch, self._settling = self._settling, []
             await _retrying(lambda b=batch: self.results.record([(job_id, data) for _, _, job_id, data in b]),
-                            "re-record outcomes of done jobs", [b[2] for b in batch])
+                            "re-record outcomes of done jobs", [b[2] for b in batch],
+                            self.outage)
             for tp, offset, _, _ in batch:
                 self.tracker.done(tp, offset)
             self.num_settled += len(batch)
@@ -115,7 +119,7 @@ class Finalizer:
             batch = [await q.get()]
             while not q.empty():
                 batch.append(q.get_nowait())
-            await _retrying(lambda b=batch: self._record(b), "record outcomes", [j.job_id for j in batch])
+            await _retrying(lambda b=batch: self._record(b), "record outcomes", [j.job_id for j in batch], self.outage)
             for held in batch:
                 self._done(held)
 
@@ -169,17 +173,23 @@ class Finalizer:
                  tokens=held.num_tokens, **summary)
 
 
-async def _retrying(write, what: str, job_ids: list[str]) -> None:
-    """Await `write()` until Kafka takes it: a `KafkaError` is logged and retried with
-    backoff (0.1 s doubling to 5 s) while the offsets stay open; anything else (a refusal)
-    propagates."""
+async def _retrying(write, what: str, job_ids: list[str], outage: KafkaOutage | None = None) -> None:
+    """Await `write()` until Kafka takes it: a `KafkaError` is reported to `outage`, logged
+    (the first of a run at warning, repeats at debug) and retried with backoff (0.1 s
+    doubling to 5 s) while the offsets stay open; anything else (a refusal) propagates."""
     delay = 0.1
+    failures = 0
     while True:
         try:
             await write()
+            if outage is not None:
+                outage.ok("results")
             return
         except KafkaError as e:
-            log.warning(f"could not {what} in Kafka; retrying", error=repr(e)[:200], job_ids=job_ids[:20],
-                        num_jobs=len(job_ids))
+            if outage is not None:
+                outage.failed("results", e)
+            failures += 1
+            log.log(logging.WARNING if failures == 1 else logging.DEBUG, f"could not {what} in Kafka; retrying",
+                    error=repr(e)[:200], job_ids=job_ids[:20], num_jobs=len(job_ids), failures=failures)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -32,6 +32,7 @@ from worker.security import access, probe
 
 if TYPE_CHECKING:
     from worker.obs.metrics import Metrics
+    from worker.serve.kafka_outage import KafkaOutage
 
 log = structlog.get_logger(__name__)
 
@@ -46,8 +47,10 @@ class HealthChecks:
         liveness: returns (alive, details) for /healthz.
     """
 
-    def __init__(self, metrics: Metrics, liveness: Callable[[], tuple[bool, dict]]) -> None:
+    def __init__(self, metrics: Metrics, liveness: Callable[[], tuple[bool, dict]],
+                 kafka_outage: KafkaOutage | None = None) -> None:
         self.metrics = metrics
+        self.kafka_outage = kafka_outage  # transient Kafka failures of the check are reported there
         self.liveness = liveness
         self.kafka_ok = False
         self.kafka_error: str | None = None
@@ -143,9 +146,13 @@ class HealthChecks:
                 await asyncio.wait_for(consumer.topics(), timeout)
                 m.consumer_lag.clear()
             self.kafka_ok, self.kafka_error = True, None
+            if self.kafka_outage is not None:
+                self.kafka_outage.ok("checks")
         except Exception as e:
             self.kafka_ok, self.kafka_error = False, await self._kafka_cause(e, intake.cfg, timeout)
             self._log_cause("kafka", self.kafka_error)
+            if self.kafka_outage is not None and not access.is_fatal_kafka(e):
+                self.kafka_outage.failed("checks", e)
         m.assigned_partitions.set(len(assigned))
         m.paused_partitions.set(len(consumer.paused()))
         if m.gpu_utilization is not None:

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
 
     from worker.obs.metrics import Metrics
+    from worker.serve.kafka_outage import KafkaOutage
 
 log = structlog.get_logger(__name__)
 
@@ -94,13 +95,16 @@ class Intake:
     fair: choose by tenant share inside a class (`serving_tuning.fair_share`); else by
         read order.
     metrics: optional.
+    outage: where transient Kafka errors of the consume loop are reported (optional).
     """
 
     def __init__(self, cfg: KafkaConfig, client_id: str, sink: JobSink, tracker: OffsetTracker[TopicPartition], *,
                  read_ahead_per_partition: int, read_ahead_bytes: int,
                  tenant_weight: Callable[[str], float] = lambda t: 1.0,
                  tenant_cap: Callable[[str], int] = lambda t: 1 << 30, fair: bool = True,
-                 high_priority_reserve: int = 0, metrics: Metrics | None = None) -> None:
+                 high_priority_reserve: int = 0, metrics: Metrics | None = None,
+                 outage: KafkaOutage | None = None) -> None:
+        self.outage = outage
         self.high_priority_reserve = high_priority_reserve
         self.cfg = cfg
         self.client_id = client_id
@@ -209,9 +213,14 @@ class Intake:
             except (KafkaError, IllegalStateError) as e:
                 if is_fatal_kafka(e):  # a missing ACL or refused credentials: retrying cannot help
                     raise
+                if self.outage is not None:
+                    self.outage.failed("intake", e)
                 level, fields = transient_log.observe_error(e)
                 log.log(level, "Kafka error in the consume loop; retrying", error=repr(e), **fields)
                 await asyncio.sleep(0.5)
+                continue
+            if self.outage is not None:
+                self.outage.ok("intake")
 
     async def _iteration(self) -> None:
         self._update_pauses()
@@ -311,9 +320,11 @@ class Intake:
         if self.rebalancing:
             return
         while self.invalid:
-            rec = self.invalid.pop(0)
-            self.num_invalid += 1
+            rec = self.invalid[0]  # removed once dead-lettered: a Kafka error here retries it, never loses it
             await self.sink.reject_invalid(rec, recover_job_id(rec.raw or b"", rec.key))
+            if self.invalid and self.invalid[0] is rec:
+                self.invalid.pop(0)
+            self.num_invalid += 1
         if not self.read_ahead:
             return
         free = self.sink.free_slots()

@@ -46,7 +46,7 @@ from schemas.wire import Finished
 from worker.config import RedisConfig
 from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN, RedisUnavailable
-from worker.serve.claims import FINISH_LUA, LAST_SEQ, ClaimStore, EpochChanged
+from worker.serve.claims import FINISH_LUA, LAST_EVENTS, LAST_SEQ, ClaimStore, EpochChanged
 from worker.serve.jobs import JobTable, Round
 
 log = structlog.get_logger(__name__)
@@ -54,13 +54,13 @@ log = structlog.get_logger(__name__)
 # KEYS: epoch, then per event: log, channel, done, claim, failures.
 # ARGV: epoch, maxlen, ttl, lease_ms, then per event: kind ('t' token, 'o' other, 'f'
 # terminal), data, seq, attempt, claim token, finish reason ('' unless 'f').
-# Per event, in order: an event whose seq the log already holds (or passed) is skipped (a
-# re-sent round); one of a job whose claim another worker holds, or that another worker
-# ended, is refused (and the rest of that job's events in the call); else it is appended
-# and published (a claim that lapsed with nobody taking it is taken back), and a terminal
-# event sets the done mark and releases the claim. Returns {appended, refused event
-# indices (1-based, the first of each refused job)}.
-APPEND_LUA = FINISH_LUA + LAST_SEQ + """
+# Per job (its first event in the call decides): the claim is ours (or lapsed with
+# nobody taking it: taken back) -> its events are appended unless the log already holds
+# their seq (a re-sent round); the claim is another worker's, or the job ended without
+# our terminal event among the log's last entries -> refused (nothing of it appended).
+# An appended terminal event sets the done mark and releases the claim. Returns
+# {appended, refused event indices (1-based, the first of each refused job)}.
+APPEND_LUA = FINISH_LUA + LAST_SEQ + LAST_EVENTS + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('EPOCH changed') end
 local ttl = tonumber(ARGV[3])
 local ki, ai, appended, ev = 2, 5, 0, 0
@@ -69,21 +69,28 @@ while ai <= #ARGV do
   ev = ev + 1
   local kind, data, seq, attempt, token = ARGV[ai], ARGV[ai + 1], tonumber(ARGV[ai + 2]), ARGV[ai + 3], ARGV[ai + 4]
   local log, chan, done, claim = KEYS[ki], KEYS[ki + 1], KEYS[ki + 2], KEYS[ki + 3]
-  local q = last[log]
-  if q == nil then q = last_entry(log) end
-  if seq > q and owner[log] == nil then
+  if owner[log] == nil then
     local cur = redis.call('GET', claim)
     if cur == token then
-      owner[log] = true
-    elseif not cur and redis.call('EXISTS', done) == 0 then
+      owner[log] = 'ours'
+    elseif cur then
+      owner[log] = 'theirs'
+    elseif redis.call('EXISTS', done) == 0 then
       redis.call('SET', claim, token, 'PX', ARGV[4])
-      owner[log] = true
+      owner[log] = 'ours'
     else
-      owner[log] = false
+      owner[log] = 'ended'
+    end
+    if owner[log] == 'ended' and kind == 'f' then  -- ended by our own terminal event (a re-sent round)?
+      for _, e in ipairs(last_events(log)) do if e == data then owner[log] = 'ended-by-us' end end
+    end
+    if owner[log] == 'theirs' or (owner[log] == 'ended' and kind == 'f') then
       refused[#refused + 1] = ev
     end
   end
-  if seq > q and owner[log] then
+  local q = last[log]
+  if q == nil then q = last_entry(log) end
+  if seq > q and owner[log] == 'ours' then
     redis.call('XADD', log, 'MAXLEN', '~', ARGV[2], '*', 'e', data, 'q', seq, 'a', attempt)
     redis.call('PUBLISH', chan, data)
     if kind ~= 't' or redis.call('TTL', log) < ttl / 2 then redis.call('EXPIRE', log, ttl) end

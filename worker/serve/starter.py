@@ -95,7 +95,11 @@ class StarterHost(Protocol):
         loop look now."""
 
     def intake_paused(self) -> bool:
-        """True while intake must take nothing (draining, stopping, Redis down)."""
+        """True while intake must take nothing (draining, stopping, Redis down, cancels
+        not read up to the end)."""
+
+    def job_cancelled(self, job_id: str) -> bool:
+        """The cancel topic holds a cancel for the job (whatever Redis lost)."""
 
     async def restore_redis(self, stale_epoch: str) -> None:
         """Redis lost its data (`stale_epoch` was refused): re-claim the held jobs and
@@ -214,7 +218,7 @@ class JobStarter:
         job = rec.job
         held = self.table.open(job, rec.priority, Offset(rec.tp, rec.offset), rec.enqueue_time, c.token, c.attempt,
                              c.next_seq, raw=rec.raw, raw_key=rec.key, isolated=c.failures > 0)
-        if c.cancelled:
+        if c.cancelled or self.host.job_cancelled(job.job_id):
             self.table.finish_local(job.job_id, FinishReason.CANCELLED)
         elif job.deadline is not None and job.deadline < time.time():
             self.table.finish_local(job.job_id, FinishReason.EXPIRED, ErrorInfo(

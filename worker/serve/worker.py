@@ -60,6 +60,7 @@ from worker.serve.finalize import Finalizer
 from worker.serve.health import HealthChecks, OpsServer, loop_lag_monitor
 from worker.serve.intake import Intake
 from worker.serve.jobs import JobState, JobTable, Round
+from worker.serve.kafka_outage import KafkaOutage, stop_client
 from worker.serve.offsets import OffsetTracker
 from worker.serve.publish import Publisher
 from worker.serve.read_ahead import JobRecord, high_priority_reserve, local_shares
@@ -112,7 +113,8 @@ class Worker:
         self.starter: JobStarter | None = None
         self.intake: Intake | None = None
         self.cancels: CancelListener | None = None
-        self.health = HealthChecks(self.metrics, liveness=self._liveness)
+        self.kafka_outage = KafkaOutage(cfg.kafka.outage_limit_s, self.metrics)
+        self.health = HealthChecks(self.metrics, liveness=self._liveness, kafka_outage=self.kafka_outage)
         self.server = (OpsServer(self.metrics.registry, self.health, cfg.metrics.host, cfg.metrics.port)
                        if cfg.metrics.port is not None else None)
 
@@ -150,7 +152,8 @@ class Worker:
         await self.producer.start()
         self.dead_letters = DeadLetters(self.producer, kc.topic_prefix, self.worker_id)
         self.results = ResultsLog(self.producer, kc.topic_prefix)
-        self.finalizer = Finalizer(self.table, self.tracker, self.dead_letters, self.results, self.metrics)
+        self.finalizer = Finalizer(self.table, self.tracker, self.dead_letters, self.results, self.metrics,
+                                   outage=self.kafka_outage)
         self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self,
                                   max_local_jobs=self.max_local_jobs, max_job_failures=cfg.worker.max_job_failures,
                                   tokenizer_threads=cfg.worker.tokenizer_threads)
@@ -160,9 +163,11 @@ class Worker:
                              read_ahead_bytes=cfg.worker.read_ahead_bytes, tenant_weight=tenant_weight,
                              tenant_cap=tenant_cap, fair=cfg.serving_tuning.fair_share,
                              high_priority_reserve=high_priority_reserve(cfg.serving_tuning, cfg.worker,
-                                                                           self.max_local_jobs))
+                                                                           self.max_local_jobs),
+                             outage=self.kafka_outage)
         await self.intake.start()
-        self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for)
+        self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for,
+                                      outage=self.kafka_outage)
         await self.cancels.start()
         self.health.attach(self.redis, self.intake, self.claims, self.publisher, self.table, self.engine,
                            is_draining=lambda: self.draining or self._stop_requested.is_set())
@@ -173,6 +178,7 @@ class Worker:
             asyncio.create_task(self.cancels.run(self._stopping), name="cancels"),
             asyncio.create_task(self._renew_loop(), name="claims"),
             asyncio.create_task(self.health.run(cfg.metrics), name="checks"),
+            asyncio.create_task(self.kafka_outage.watch(), name="kafka"),
             asyncio.create_task(loop_lag_monitor(self.metrics, cfg.kafka.session_timeout_ms), name="loop-lag"),
         ]
         self.started.set()
@@ -241,20 +247,23 @@ class Worker:
             await asyncio.sleep(0.02)
 
     async def close(self) -> None:
-        """Stop every component; each step is bounded."""
+        """Stop every component; each step is bounded, and a Kafka client is closed even
+        when its own stop fails (`kafka_outage.stop_client`)."""
         self._stopping.set()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.starter is not None:
             self.starter.close()
-        for name, part in (("intake", self.intake), ("cancels", self.cancels), ("producer", self.producer)):
-            if part is None:
-                continue
+        if self.intake is not None:
             try:
-                await asyncio.wait_for(part.stop(), 15)
-            except Exception as e:  # keep closing the rest
-                log.warning("component did not stop cleanly", component=name, error=repr(e)[:200])
+                await asyncio.wait_for(self.intake.commit(), 10)
+            except Exception as e:  # Kafka away: the next owner re-reads from the last commit
+                log.warning("final offset commit failed", error=repr(e)[:200])
+        for name, client in (("intake", self.intake and self.intake.consumer),
+                             ("cancels", self.cancels and self.cancels.consumer), ("producer", self.producer)):
+            if client is not None:
+                await stop_client(client, name)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self.redis is not None:
@@ -347,12 +356,17 @@ class Worker:
         self.metrics.redis_outage.set(1 if down else 0)
 
     def _on_restored(self) -> None:
-        self.metrics.redis_restores.inc()
-        self.cancels.rewind()
+        self.metrics.redis_restores.inc()  # tombstones lost with it: the cancel index still answers
 
     def intake_paused(self) -> bool:
-        """Draining, stopping or Redis down: intake takes nothing."""
-        return self.draining or self._stop_requested.is_set() or self.publisher.in_outage
+        """Draining, stopping, Redis down, or the cancel topic not read up to its end yet:
+        intake takes nothing."""
+        return (self.draining or self._stop_requested.is_set() or self.publisher.in_outage
+                or self.cancels is None or not self.cancels.caught_up.is_set())
+
+    def job_cancelled(self, job_id: str) -> bool:
+        """A cancel for the job was read from the cancel topic (`CancelListener.is_cancelled`)."""
+        return self.cancels is not None and self.cancels.is_cancelled(job_id)
 
     async def restore_redis(self, stale_epoch: str) -> None:
         """Redis lost its data: the publisher re-claims and re-appends (`Publisher.restore`)."""
