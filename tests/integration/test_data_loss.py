@@ -129,3 +129,26 @@ def test_a_job_finished_long_before_a_loss_is_answered_by_the_results_topic(serv
     assert restores >= 1
     assert old_log == [] and [e.seq for e in recent_log] == list(range(recent.seq + 1))
     assert (after.text, after.seq, after.finish_reason) == (before.text, before.seq, before.finish_reason)
+
+
+def test_a_cancel_outlives_redis_losing_its_data(services, prefix, own_redis):
+    cfg = worker_config((services[0], own_redis.url), prefix)
+
+    async def main():
+        async with InflightClient(services[0], own_redis.url, topic_prefix=prefix, key_prefix=prefix,
+                                  results_fallback_s=60.0) as client:
+            await client.submit("x", params=SamplingParams(max_tokens=50, ignore_eos=True), job_id="gone")
+            await client.cancel("gone")  # acknowledged by Kafka (and the tombstone set) before any worker runs
+            own_redis.stop(keep_data=False)
+            own_redis.start()  # the tombstone is lost
+            w, task = await start_worker(cfg, slow_null_engine(0.0))
+            fin = await client.result("gone", 30)
+            events = await client.read_log("gone")
+            index = len(w.cancels._index), w.cancels.replay_s
+        await stop_worker(w, task)
+        return fin, events, index
+
+    fin, events, (num_cancelled, replay_s) = asyncio.run(main())
+    assert fin.finish_reason == "cancelled" and fin.usage.completion_tokens == 0
+    assert [type(e).__name__ for e in events] == ["Finished"]  # no started, no token
+    assert num_cancelled == 1 and replay_s is not None

@@ -50,6 +50,19 @@ def test_resent_events_are_dropped(services, prefix):
         ahead.apply_outputs([RequestOutput("j", [9], "x", finished=True, finish_reason="stop")])
         assert await pub.send(ahead.drain()) == {"j"}
         assert await r.get(keys.done_key("j", prefix)) is None  # its terminal event ended nothing
+        # "k" ends on its new holder; a round of the new holder sent twice is no refusal, the
+        # stale holder's token + terminal events are (its terminal never counts)
+        holder, stale = JobTable("w2"), JobTable("w1")
+        holder.open(Job(job_id="k", prompt="x"), "normal", Offset(None, 0), 0.0, "new-claim", 2, 0)
+        stale.open(Job(job_id="k", prompt="x"), "normal", Offset(None, 0), 0.0, "old-claim", 1, 0)
+        for t in (holder, stale):
+            t.accepted("k")
+            t.apply_outputs([RequestOutput("k", [4, 5], "yz", finished=True, finish_reason="length")])
+        ended = holder.drain()
+        assert await pub.send(ended) == set() and await pub.send(ended) == set()
+        late = stale.drain()
+        assert await pub.send(late) == {"k"}
+        k_log = [decode_event(f[b"e"]) for _, f in await r.xrange(keys.log_key("k", prefix))]
         live = []
         while (m := await ps.get_message(timeout=0.5)) is not None:
             if m["type"] == "message":
@@ -58,9 +71,10 @@ def test_resent_events_are_dropped(services, prefix):
         text = "".join(getattr(decode_event(f[b"e"]), "text", "") for _, f in await r.xrange(keys.log_key("j", prefix)))
         await ps.aclose()
         await r.aclose()
-        return log, live, text, job
+        return log, live, text, job, k_log
 
-    log, live, text, job = asyncio.run(main())
+    log, live, text, job, k_log = asyncio.run(main())
+    assert [(e.seq, e.attempt) for e in k_log] == [(0, 2), (1, 2), (2, 2), (3, 2)]  # the holder's run alone
     assert log == [0, 1, 2]
     assert live == [0, 1, 2]
     assert text == "ab" and job.next_seq == 3

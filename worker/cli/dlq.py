@@ -107,7 +107,7 @@ async def read_dead_letters(kafka, *, reasons: set[str] | None = None, since_ms:
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from worker.security.kafka import kafka_security_kwargs
+    from worker.security.kafka import kafka_security_kwargs, stop_client
 
     topic = keys.dlq_topic(kafka.topic_prefix)
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers, client_id="inflight-dlq",
@@ -152,7 +152,7 @@ async def read_dead_letters(kafka, *, reasons: set[str] | None = None, since_ms:
                 if await consumer.position(tp) >= ends[tp]:
                     pending.discard(tp)
     finally:
-        await consumer.stop()
+        await stop_client(consumer, "dlq")
     out.sort(key=lambda d: (d.timestamp_ms, d.partition, d.offset))
     return out[:limit] if limit is not None else out
 
@@ -200,7 +200,7 @@ async def replay_dead_letters(kafka, letters: list[DeadLetter], *, force: bool =
     """
     from aiokafka import AIOKafkaProducer
 
-    from worker.security.kafka import kafka_security_kwargs
+    from worker.security.kafka import kafka_security_kwargs, stop_client
 
     plans = [plan_replay(d, kafka.topic_prefix, force) for d in letters]
     if dry_run:
@@ -218,7 +218,7 @@ async def replay_dead_letters(kafka, letters: list[DeadLetter], *, force: bool =
                 headers.append((HEADER_REPLAY_SOURCE_JOB_ID, d.job_id.encode()))
             await producer.send_and_wait(result.topic, value, key=key, headers=headers)
     finally:
-        await producer.stop()
+        await stop_client(producer, "producer")
     return [r for r, _, _ in plans]
 
 

@@ -42,7 +42,7 @@ from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, Restarted, T
 from worker.client.subscriber import RESYNC, Denied, SharedSubscriber
 from worker.config import KafkaConfig, RedisConfig
 from worker.security import access, probe
-from worker.security.kafka import kafka_security_kwargs
+from worker.security.kafka import kafka_security_kwargs, stop_client
 from worker.security.redis import REDIS_DOWN, redis_pool
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class InflightClient:
             try:
                 await producer.start()
             except Exception as e:  # explain refused credentials or certificates (aiokafka only logs why)
-                await producer.stop()
+                await stop_client(producer, "producer")
                 err = await probe.diagnose(e, kafka=self.kafka_config)
                 if err is not None:
                     raise err from None
@@ -129,10 +129,10 @@ class InflightClient:
 
     async def close(self) -> None:
         if self._producer is not None:
-            await self._producer.stop()
+            await stop_client(self._producer, "producer")
             self._producer = None
         if self._results_consumer is not None:
-            await self._results_consumer.stop()
+            await stop_client(self._results_consumer, "results")
             self._results_consumer = None
         await self._subscriber.close()
         await self.redis.aclose()

@@ -37,7 +37,7 @@ from schemas import keys
 from schemas.codec import decode_cancel
 from worker.config import KafkaConfig
 from worker.security.access import is_fatal_kafka
-from worker.security.kafka import kafka_security_kwargs
+from worker.security.kafka import kafka_security_kwargs, stop_client
 
 if TYPE_CHECKING:
     from worker.serve.kafka_outage import KafkaOutage
@@ -136,7 +136,7 @@ class CancelListener:
                             "still answer)", max_cancelled_ids=self.cfg.max_cancelled_ids, evicted=self.num_evicted)
 
     async def stop(self) -> None:
-        await self.consumer.stop()
+        await stop_client(self.consumer, "cancels")
 
     async def run(self, stopping: asyncio.Event) -> None:
         delay = 0.2

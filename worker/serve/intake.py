@@ -44,7 +44,7 @@ from schemas.codec import decode_job, recover_job_id
 from worker.config import KafkaConfig
 from worker.obs import transient_log
 from worker.security.access import is_fatal_kafka
-from worker.security.kafka import kafka_security_kwargs
+from worker.security.kafka import kafka_security_kwargs, stop_client
 from worker.serve.offsets import OffsetTracker
 from worker.serve.read_ahead import JobRecord, ReadAhead
 from worker.serve.rebalance import Rebalance
@@ -152,7 +152,7 @@ class Intake:
 
     async def stop(self) -> None:
         await self.commit()
-        await self.consumer.stop()  # leaves the group: partitions go to other workers now
+        await stop_client(self.consumer, "intake")  # leaves the group: partitions go to other workers now
 
     def keep_only(self, kept: set[TopicPartition]) -> None:
         """A new assignment: forget, in the tracker, the read-ahead and the waiting lists,
@@ -355,11 +355,7 @@ class Intake:
         self.num_consumer_restarts += 1
         if self.metrics is not None:
             self.metrics.consumer_restarts.inc()
-        old = self.consumer
-        try:
-            await asyncio.wait_for(old.stop(), 15)  # commits via the revoke callback, leaves the group
-        except Exception as e:  # a wedged consumer: abandon it
-            log.warning("stalled consumer did not stop cleanly", error=repr(e))
+        await stop_client(self.consumer, "stalled consumer")  # commits via the revoke callback, leaves the group
         self.consumer = self._make_consumer()
         self.paused = set()
         self.consumer.subscribe(list(self.topics), listener=Rebalance(self))

@@ -14,18 +14,15 @@ part and the error, the `kafka_outage` gauge at 1) and ends when every part that
 has succeeded again (one warning with its length); `watch` raises KafkaUnavailable once
 the oldest unresolved failure is older than the limit.
 
-`stop_client` stops an aiokafka consumer or producer with bounded waits and without
-leaking it: aiokafka 0.14's `AIOKafkaConsumer.stop()` re-raises the cancellation of its
-own pending fetch tasks (aio-libs/aiokafka#647), which left the client open ("Unclosed
-AIOKafkaConsumer") and a traceback in the worker's last lines.
+Every aiokafka client is stopped through `worker.security.kafka.stop_client` (bounded,
+never leaking the client, whatever aiokafka's own `stop()` raises).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -90,30 +87,3 @@ class KafkaOutage:
                 parts = ", ".join(f"{p}: {self._last_error.get(p, '?')}" for p in sorted(self._since))
                 raise KafkaUnavailable(f"Kafka unreachable for more than kafka.outage_limit_s = {self.limit_s} s "
                                        f"({parts})")
-
-
-async def stop_client(client: Any, name: str, timeout_s: float = 15.0) -> None:
-    """Stop an aiokafka consumer or producer within `timeout_s` (seconds) and close its
-    connections whatever its `stop()` did; logs a warning when it did not stop cleanly.
-    A cancellation of the caller itself still propagates."""
-    try:
-        await asyncio.wait_for(client.stop(), timeout_s)
-        return
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        why = "aiokafka re-raised a cancellation of its own tasks"
-    except Exception as e:  # a timeout, a broker error while leaving the group
-        why = repr(e)[:200]
-    log.warning("Kafka client did not stop cleanly; closing its connections", component=name, error=why)
-    fetcher = getattr(client, "_fetcher", None)
-    pending = [t for t in getattr(fetcher, "_pending_tasks", ()) if not t.done()]
-    for t in pending:
-        t.cancel()
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
-    inner = getattr(client, "_client", None)
-    if inner is not None:
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(inner.close(), 5)

@@ -81,12 +81,13 @@ while ai <= #ARGV do
     else
       owner[log] = 'ended'
     end
-    if owner[log] == 'ended' and kind == 'f' then  -- ended by our own terminal event (a re-sent round)?
-      for _, e in ipairs(last_events(log)) do if e == data then owner[log] = 'ended-by-us' end end
-    end
-    if owner[log] == 'theirs' or (owner[log] == 'ended' and kind == 'f') then
-      refused[#refused + 1] = ev
-    end
+    if owner[log] == 'theirs' then refused[#refused + 1] = ev end
+  end
+  if owner[log] == 'ended' and kind == 'f' then  -- ended by this very event (a re-sent round), or by another?
+    local ours = false
+    for _, e in ipairs(last_events(log)) do if e == data then ours = true end end
+    owner[log] = ours and 'ended-by-us' or 'theirs'
+    if not ours then refused[#refused + 1] = ev end
   end
   local q = last[log]
   if q == nil then q = last_entry(log) end

@@ -50,7 +50,7 @@ from worker.engine.core_client import ProcessEngineClient, ThreadEngineClient, m
 from worker.engine.core_proc import EngineSpec, PretrainedEngine
 from worker.obs.log import task_stacks
 from worker.obs.metrics import Metrics
-from worker.security.kafka import kafka_security_kwargs
+from worker.security.kafka import kafka_security_kwargs, stop_client
 from worker.security.probe import verify_access
 from worker.security.redis import REDIS_DOWN, redis_client
 from worker.serve.cancels import CancelListener
@@ -60,7 +60,7 @@ from worker.serve.finalize import Finalizer
 from worker.serve.health import HealthChecks, OpsServer, loop_lag_monitor
 from worker.serve.intake import Intake
 from worker.serve.jobs import JobState, JobTable, Round
-from worker.serve.kafka_outage import KafkaOutage, stop_client
+from worker.serve.kafka_outage import KafkaOutage
 from worker.serve.offsets import OffsetTracker
 from worker.serve.publish import Publisher
 from worker.serve.read_ahead import JobRecord, high_priority_reserve, local_shares
@@ -248,7 +248,7 @@ class Worker:
 
     async def close(self) -> None:
         """Stop every component; each step is bounded, and a Kafka client is closed even
-        when its own stop fails (`kafka_outage.stop_client`)."""
+        when its own stop fails (`security.kafka.stop_client`)."""
         self._stopping.set()
         for t in self._tasks:
             t.cancel()

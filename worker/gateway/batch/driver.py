@@ -44,7 +44,7 @@ from worker.gateway.batch.state import BatchStore, Manifest
 from worker.gateway.context import GatewayContext
 from worker.gateway.files import FileStore
 from worker.gateway.protocol import ENDPOINT_KINDS
-from worker.security.kafka import kafka_security_kwargs
+from worker.security.kafka import kafka_security_kwargs, stop_client
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +95,7 @@ class BatchDriver:
         finally:
             renew.cancel()
             if self._consumer is not None:
-                await self._consumer.stop()
+                await stop_client(self._consumer, "batch results")
             if not self._lost:
                 await self.store.release_lease(self.batch_id, self.token)
 

@@ -1,0 +1,352 @@
+"""A randomized soak of a worker fleet under faults, as an operator would run it: worker
+processes (model-less engines over an emulated device, so the delivery path is what is
+tested) on their own Kafka broker and Redis server (tools/devstack.sh on other ports),
+jobs of 150-400 tokens arriving at --rate per second, some cancelled, and a nemesis:
+SIGSTOP of a worker past its leases (x2), kill -9 of a worker (x2, replaced as an
+orchestrator would), a Redis outage, a broker outage of 55 s, and a Redis restart that
+loses its data. Then every job is checked against the invariants the README promises:
+
+  missing_outcome     no record in the results topic
+  log_mid_way         its log does not start at seq 0 (read from its first entry)
+  seq_gap             seqs not consecutive
+  terminals != 1      no terminal event, or two
+  text_mismatch       token texts do not concatenate to finished.text
+  attempt_backwards   attempts decrease along the log
+  log_vs_results      the log's terminal event differs from the recorded outcome
+  cancel_ignored      the cancel was acknowledged before the job started, yet it streamed
+  worker_traceback    a worker process logged a traceback (every stop must be one line)
+
+Logs of jobs finished more than two minutes before the data loss are gone from Redis by
+design (their outcome is in the results topic): counted as `log_expired`, not a defect.
+Writes soak.json under --out and prints the defects by kind.
+
+    python -m tools.soak --minutes 10                    # the README's figures
+    python -m tools.soak worker --config C --device-ms 10  # one worker (used by the soak)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port(pair: bool = False) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not pair:
+            return port
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port + 1)) != 0:
+                return port
+
+
+class Stack:
+    """Kafka + Redis of tools/devstack.sh on free ports, state under `state`."""
+
+    def __init__(self, state: Path) -> None:
+        self.kafka_port, self.redis_port, self.state = _free_port(pair=True), _free_port(), state
+        self.env = {**os.environ, "INFLIGHT_DEV_KAFKA_PORT": str(self.kafka_port),
+                    "INFLIGHT_DEV_REDIS_PORT": str(self.redis_port), "INFLIGHT_DEV_STATE": str(state)}
+
+    def up(self) -> None:
+        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "up"], env=self.env, cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL)
+
+    def down(self) -> None:
+        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "down"], env=self.env, cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def pid(self, name: str) -> int:
+        return int((self.state / f"{name}.pid").read_text())
+
+    def stop_kafka(self) -> None:
+        pid = self.pid("kafka")
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(300):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+
+    def redis_cli(self, *args: str) -> None:
+        subprocess.run(["redis-cli", "-p", str(self.redis_port), *args], capture_output=True, timeout=30)
+
+
+class Fleet:
+    """Worker processes; a killed or exited one is replaced (a new worker id)."""
+
+    def __init__(self, config: Path, logs: Path, device_ms: float) -> None:
+        self.config, self.logs, self.device_ms = config, logs, device_ms
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.num_started = 0
+        self.exits: list[tuple[str, int | None]] = []
+
+    def spawn(self) -> str:
+        self.num_started += 1
+        wid = f"soak-w{self.num_started}"
+        with open(self.logs / f"{wid}.log", "w") as err:
+            self.procs[wid] = subprocess.Popen(
+                [sys.executable, "-m", "tools.soak", "worker", "--config", str(self.config), "--worker-id", wid,
+                 "--device-ms", str(self.device_ms)], stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return wid
+
+    def live(self) -> list[str]:
+        return [w for w, p in self.procs.items() if p.poll() is None]
+
+    def reap(self) -> None:
+        """Replace workers that exited on their own (as an orchestrator restarts them)."""
+        for wid, p in list(self.procs.items()):
+            if p.poll() is not None:
+                self.exits.append((wid, p.returncode))
+                del self.procs[wid]
+                self.spawn()
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def nemesis_plan(minutes: float, rng: random.Random) -> list[tuple[float, str]]:
+    """(seconds from start, fault) for every fault, spread over the run in random order."""
+    faults = ["sigstop", "kill9", "redis_outage", "broker_outage", "redis_lost", "sigstop", "kill9"]
+    rng.shuffle(faults)
+    span = minutes * 60
+    slot = span * 0.85 / len(faults)
+    return [(span * 0.08 + i * slot + rng.uniform(0, slot * 0.3), f) for i, f in enumerate(faults)]
+
+
+async def run_soak(a) -> dict:
+    from schemas.params import SamplingParams
+    from schemas.wire import Finished, Started, Token
+    from worker.cli.topics import create_topics
+    from worker.client import InflightClient, text_of
+    from worker.config import (
+        KafkaConfig,
+        MetricsConfig,
+        RedisConfig,
+        ServingTuning,
+        WorkerConfig,
+        WorkerSettings,
+    )
+
+    rng = random.Random(a.seed)
+    run_dir = Path(a.out) / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(ROOT / ".cache" / f"soak-{uuid.uuid4().hex[:6]}")
+    stack.up()
+    prefix = "soak"
+    await create_topics(f"127.0.0.1:{stack.kafka_port}", prefix, partitions=6)
+    bootstrap, redis_url = f"127.0.0.1:{stack.kafka_port}", f"redis://127.0.0.1:{stack.redis_port}/0"
+    cfg = WorkerConfig(
+        serving_tuning=ServingTuning(max_running_requests=16, max_total_tokens=16384, max_output_tokens=1024),
+        kafka=KafkaConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, session_timeout_ms=10_000),
+        redis=RedisConfig(url=redis_url, key_prefix=prefix, claim_lease_ms=5000),
+        worker=WorkerSettings(max_local_jobs=24, drain_timeout_s=10.0), metrics=MetricsConfig(port=None))
+    import msgspec
+    import yaml
+
+    config = run_dir / "worker.yaml"
+    config.write_text(yaml.safe_dump(msgspec.to_builtins(cfg)))
+    fleet = Fleet(config, run_dir, a.device_ms)
+    for _ in range(a.workers):
+        fleet.spawn()
+    await asyncio.sleep(8)
+    jobs: dict[str, dict] = {}
+    cancels: dict[str, float] = {}
+    faults: list[dict] = []
+    t_start = time.monotonic()
+    span = a.minutes * 60
+    plan = nemesis_plan(a.minutes, rng)
+
+    async with InflightClient(bootstrap, redis_url, topic_prefix=prefix, key_prefix=prefix) as client:
+        async def produce():
+            i = 0
+            while time.monotonic() - t_start < span:
+                jid = f"j{i:05d}"
+                i += 1
+                n = rng.randint(150, 400)
+                try:
+                    await client.submit(f"soak job {i}", params=SamplingParams(max_tokens=n, ignore_eos=True),
+                                        job_id=jid)
+                    jobs[jid] = {"tokens": n, "submitted": time.time()}
+                    if rng.random() < 0.05:
+                        await asyncio.sleep(rng.uniform(0, 3))
+                        await client.cancel(jid)
+                        cancels[jid] = time.time()
+                except Exception as e:  # the broker is away: the producer's user would retry later
+                    faults.append({"t": round(time.monotonic() - t_start, 1), "note": f"submit failed: {e!r}"[:200]})
+                    await asyncio.sleep(2)
+                await asyncio.sleep(rng.expovariate(a.rate))
+
+        async def nemesis():
+            for at, fault in plan:
+                await asyncio.sleep(max(0.0, at - (time.monotonic() - t_start)))
+                t = round(time.monotonic() - t_start, 1)
+                live = fleet.live()
+                if fault == "sigstop" and live:
+                    wid = rng.choice(live)
+                    fleet.procs[wid].send_signal(signal.SIGSTOP)
+                    pause = rng.uniform(12, 20)  # past the 5 s leases and the 10 s session
+                    await asyncio.sleep(pause)
+                    fleet.procs[wid].send_signal(signal.SIGCONT)
+                    faults.append({"t": t, "fault": fault, "worker": wid, "s": round(pause, 1)})
+                elif fault == "kill9" and live:
+                    wid = rng.choice(live)
+                    fleet.procs[wid].kill()
+                    faults.append({"t": t, "fault": fault, "worker": wid})
+                elif fault == "redis_outage":
+                    pid = stack.pid("redis")
+                    os.kill(pid, signal.SIGSTOP)
+                    await asyncio.sleep(10)
+                    os.kill(pid, signal.SIGCONT)
+                    faults.append({"t": t, "fault": fault, "s": 10})
+                elif fault == "broker_outage":
+                    stack.stop_kafka()
+                    await asyncio.sleep(55)
+                    stack.up()
+                    faults.append({"t": t, "fault": fault, "s": 55})
+                elif fault == "redis_lost":
+                    stack.redis_cli("SHUTDOWN", "NOSAVE")
+                    await asyncio.sleep(5)
+                    stack.up()
+                    faults.append({"t": t, "fault": fault, "s": 5})
+
+        async def supervise():
+            while time.monotonic() - t_start < span + 600:
+                fleet.reap()
+                await asyncio.sleep(1)
+
+        sup = asyncio.create_task(supervise())
+        await asyncio.gather(produce(), nemesis())
+        deadline = time.monotonic() + a.settle_s
+        found: dict = {}
+        while time.monotonic() < deadline:
+            found = await client.lookup_results(list(jobs), timeout_s=60)
+            if len(found) == len(jobs):
+                break
+            await asyncio.sleep(5)
+        sup.cancel()
+        logs = {j: await client.read_log(j) for j in jobs}
+    fleet.stop_all()
+    stack.down()
+
+    defects: dict[str, list[str]] = {k: [] for k in (
+        "missing_outcome", "log_mid_way", "seq_gap", "terminals_not_1", "text_mismatch", "attempt_backwards",
+        "log_vs_results", "cancel_ignored")}
+    log_expired = 0
+    reasons: dict[str, int] = {}
+    restarted = 0
+    for jid, meta in jobs.items():
+        rec = found.get(jid)
+        if rec is None:
+            defects["missing_outcome"].append(jid)
+            continue
+        reasons[rec.finish_reason.value] = reasons.get(rec.finish_reason.value, 0) + 1
+        restarted += rec.attempt > 1
+        log = logs[jid]
+        if not log:
+            log_expired += 1
+            continue
+        seqs = [e.seq for e in log]
+        if seqs[0] != 0:
+            defects["log_mid_way"].append(jid)
+        if seqs != list(range(seqs[0], seqs[0] + len(seqs))):
+            defects["seq_gap"].append(jid)
+        terminals = [e for e in log if isinstance(e, Finished)]
+        if len(terminals) != 1:
+            defects["terminals_not_1"].append(jid)
+        attempts = [e.attempt for e in log]
+        if attempts != sorted(attempts):
+            defects["attempt_backwards"].append(jid)
+        if terminals and seqs[0] == 0 and text_of(log) != terminals[-1].text:
+            defects["text_mismatch"].append(jid)
+        if terminals and (terminals[-1].seq, terminals[-1].text) != (rec.seq, rec.text):
+            defects["log_vs_results"].append(jid)
+        if jid in cancels:
+            starts = [e for e in log if isinstance(e, Started)]
+            streamed = any(isinstance(e, Token) for e in log if e.attempt == rec.attempt)
+            if starts and streamed and cancels[jid] + 2.0 < meta["submitted"] + starts[-1].queue_time_s:
+                defects["cancel_ignored"].append(jid)
+    tracebacks = sorted(f.name for f in run_dir.glob("soak-w*.log") if "Traceback" in f.read_text())
+    defects["worker_traceback"] = tracebacks
+    report = {
+        "command": " ".join(sys.argv), "minutes": a.minutes, "workers": a.workers, "rate_per_s": a.rate,
+        "device_ms": a.device_ms, "seed": a.seed, "jobs": len(jobs), "cancelled_sent": len(cancels),
+        "finish_reasons": reasons, "restarted_jobs": restarted, "log_expired": log_expired,
+        "faults": faults, "worker_exits": fleet.exits, "workers_started": fleet.num_started,
+        "defects": {k: len(v) for k, v in defects.items()}, "defect_jobs": {k: v[:20] for k, v in defects.items() if v},
+        "defect_logs": {j: [(type(e).__name__, e.seq, e.attempt) for e in logs.get(j, [])]
+                        for j in sorted({j for v in defects.values() for j in v})[:10]},
+        "worker_logs": str(run_dir),
+    }
+    return report
+
+
+def soak_worker(a) -> int:
+    """One worker process of the soak: the real Worker around a model-less engine."""
+    from worker.cli.commands import run_reported
+    from worker.config import EngineConfig, load_config
+    from worker.model.null_runner import null_engine
+    from worker.obs.log import setup_logging
+    from worker.serve.worker import Worker
+
+    cfg = load_config(a.config)
+    cfg.worker.worker_id = a.worker_id
+    setup_logging("INFO", transient_grace_s=cfg.kafka.transient_grace_s)
+    engine = null_engine(EngineConfig(serving_tuning=cfg.serving_tuning), vocab_size=1000, device_ms=a.device_ms)
+    return run_reported(Worker(cfg, engine=engine).run(), bad_input="config error", kafka=cfg.kafka,
+                        redis=cfg.redis, log_errors=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        p = argparse.ArgumentParser(prog="tools.soak worker")
+        p.add_argument("worker")
+        p.add_argument("--config", required=True)
+        p.add_argument("--worker-id", required=True)
+        p.add_argument("--device-ms", type=float, default=10.0)
+        sys.exit(soak_worker(p.parse_args()))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--rate", type=float, default=1.5, help="jobs per second (Poisson)")
+    p.add_argument("--device-ms", type=float, default=10.0, help="emulated device time per step")
+    p.add_argument("--seed", type=int, default=25)
+    p.add_argument("--settle-s", type=float, default=420.0, help="how long to wait for the last outcomes")
+    p.add_argument("--out", default="bench-results")
+    a = p.parse_args()
+    report = asyncio.run(run_soak(a))
+    out = Path(a.out) / "soak.json"
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("jobs", "cancelled_sent", "finish_reasons", "restarted_jobs",
+                                             "log_expired", "defects", "worker_exits")}, indent=1))
+    print(f"faults: {[(f.get('t'), f.get('fault') or f.get('note')) for f in report['faults']]}")
+    print(f"wrote {out}; worker logs in {report['worker_logs']}")
+
+
+if __name__ == "__main__":
+    main()
