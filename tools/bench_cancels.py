@@ -5,7 +5,7 @@ Produces --cancels cancel records (UUID job ids, as `InflightClient.cancel` send
 to a fresh prefix's cancel topic on the dev stack's Kafka, then starts a CancelListener
 and times it until it has caught up with the end offsets: replay seconds, cancels/s, and
 the memory the index holds (the dict and its id strings, bytes per id). Writes
-bench_cancels.json under --out.
+bench_cancels.json under --out (results/).
 
     tools/devstack.sh up && python -m tools.bench_cancels --cancels 200000
 """
@@ -80,7 +80,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bootstrap", default="127.0.0.1:19092")
     p.add_argument("--cancels", type=int, default=200_000)
-    p.add_argument("--out", default="bench-results")
+    p.add_argument("--out", default="results")
     a = p.parse_args()
     from schemas import keys
     from worker.cli.topics import create_topics

@@ -18,7 +18,7 @@ loses its data. Then every job is checked against the invariants the README prom
 
 Logs of jobs finished more than two minutes before the data loss are gone from Redis by
 design (their outcome is in the results topic): counted as `log_expired`, not a defect.
-Writes soak.json under --out and prints the defects by kind.
+Writes soak.json (and the workers' logs) under --out (results/) and prints the defects by kind.
 
     python -m tools.soak --minutes 10                    # the README's figures
     python -m tools.soak worker --config C --device-ms 10  # one worker (used by the soak)
@@ -337,7 +337,7 @@ def main() -> None:
     p.add_argument("--device-ms", type=float, default=10.0, help="emulated device time per step")
     p.add_argument("--seed", type=int, default=25)
     p.add_argument("--settle-s", type=float, default=420.0, help="how long to wait for the last outcomes")
-    p.add_argument("--out", default="bench-results")
+    p.add_argument("--out", default="results")
     a = p.parse_args()
     report = asyncio.run(run_soak(a))
     out = Path(a.out) / "soak.json"
