@@ -299,11 +299,25 @@ async def run_soak(a) -> dict:
         "finish_reasons": reasons, "restarted_jobs": restarted, "log_expired": log_expired,
         "faults": faults, "worker_exits": fleet.exits, "workers_started": fleet.num_started,
         "defects": {k: len(v) for k, v in defects.items()}, "defect_jobs": {k: v[:20] for k, v in defects.items() if v},
-        "defect_logs": {j: [(type(e).__name__, e.seq, e.attempt) for e in logs.get(j, [])]
+        "defect_logs": {j: _summary(logs.get(j, []), found.get(j))
                         for j in sorted({j for v in defects.values() for j in v})[:10]},
         "worker_logs": str(run_dir),
     }
     return report
+
+
+def _summary(log: list, recorded) -> dict:
+    """A defect job's log, run-length coded by (event kind, attempt), and its recorded outcome."""
+    runs: list[list] = []
+    for e in log:
+        kind = type(e).__name__
+        if runs and runs[-1][0] == kind and runs[-1][1] == e.attempt:
+            runs[-1][3] = e.seq
+        else:
+            runs.append([kind, e.attempt, e.seq, e.seq])
+    rec = None if recorded is None else {"seq": recorded.seq, "attempt": recorded.attempt,
+                                         "finish_reason": recorded.finish_reason.value}
+    return {"log": runs, "recorded": rec}
 
 
 def soak_worker(a) -> int:

@@ -31,7 +31,8 @@ def test_resent_events_are_dropped(services, prefix):
         ps = r.pubsub()
         await ps.subscribe(keys.channel("j", prefix))
         await ps.get_message(timeout=1)  # subscribe confirmation
-        job = table.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, "claim", 1, 0)
+        (c,) = await claims.take(["j"])
+        job = table.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, c.token, c.attempt, c.next_seq)
         table.accepted("j")
         table.apply_outputs([RequestOutput("j", [1], "a")])
         first = table.drain()  # started (seq 0), token (seq 1)
@@ -53,15 +54,29 @@ def test_resent_events_are_dropped(services, prefix):
         # "k" ends on its new holder; a round of the new holder sent twice is no refusal, the
         # stale holder's token + terminal events are (its terminal never counts)
         holder, stale = JobTable("w2"), JobTable("w1")
-        holder.open(Job(job_id="k", prompt="x"), "normal", Offset(None, 0), 0.0, "new-claim", 2, 0)
-        stale.open(Job(job_id="k", prompt="x"), "normal", Offset(None, 0), 0.0, "old-claim", 1, 0)
+        (old,) = await claims.take(["k"])
+        stale.open(Job(job_id="k", prompt="x"), "normal", Offset(None, 0), 0.0, old.token, old.attempt, 0)
+        await r.delete(keys.claim_key("k", prefix))  # the stale holder's lease lapses...
+        (new,) = await claims.take(["k"])  # ...and another worker claims the job
+        holder.open(Job(job_id="k", prompt="x"), "normal", Offset(None, 0), 0.0, new.token, new.attempt, 0)
         for t in (holder, stale):
             t.accepted("k")
             t.apply_outputs([RequestOutput("k", [4, 5], "yz", finished=True, finish_reason="length")])
         ended = holder.drain()
         assert await pub.send(ended) == set() and await pub.send(ended) == set()
         late = stale.drain()
+        assert await claims.renew({"k": (old.token, old.attempt)}) == {"k"}  # no re-acquiring an ended job
         assert await pub.send(late) == {"k"}
+        # "m": claimed by another since, who handed it back: the first holder may not take it back
+        (m1,) = await claims.take(["m"])
+        await r.delete(keys.claim_key("m", prefix))
+        (m2,) = await claims.take(["m"])
+        await claims.release([("m", m2.token, m2.attempt)])
+        assert await claims.renew({"m": (m1.token, m1.attempt)}) == {"m"}
+        first_holder = JobTable("w1")
+        first_holder.open(Job(job_id="m", prompt="x"), "normal", Offset(None, 0), 0.0, m1.token, m1.attempt, 0)
+        first_holder.accepted("m")
+        assert await pub.send(first_holder.drain()) == {"m"}
         k_log = [decode_event(f[b"e"]) for _, f in await r.xrange(keys.log_key("k", prefix))]
         live = []
         while (m := await ps.get_message(timeout=0.5)) is not None:

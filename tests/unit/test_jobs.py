@@ -130,7 +130,8 @@ def test_histories_hold_what_redis_must_hold_after_data_loss():
     done = open_job(t, "done")
     old = open_job(t, "old")
     open_job(t, "running")
-    open_job(t, "finishing", attempt=2, next_seq=5)
+    prior = ((0, 1, b"started"), (1, 1, b"token"))  # attempt 1's entries, found at the claim
+    t.open(Job(job_id="finishing", prompt="hi"), "high", Offset("tp", 7), 100.0, "token", 2, 5, prior=prior)
     for jid in ("done", "old", "running", "finishing"):
         t.accepted(jid)
         t.apply_outputs([out(jid, [1], "x")])
@@ -140,7 +141,7 @@ def test_histories_hold_what_redis_must_hold_after_data_loss():
     t.done(old)
     now[0] += 121  # older than the restore keeps (its outcome is in the results topic)
     t.done(done)
-    hist = {jid: (attempt, token, h, reason) for jid, attempt, token, h, reason in t.histories()}
+    hist = {jid: (attempt, token, h, reason) for jid, attempt, token, h, reason, _ in t.histories()}
     assert sorted(hist) == ["done", "finishing", "running"]
     assert [s for s, _ in hist["running"][2]] == [0, 1] and hist["running"][3] is None
     assert [s for s, _ in hist["done"][2]] == [0, 1, 2] and hist["done"][:2] == (1, "token")
@@ -148,6 +149,7 @@ def test_histories_hold_what_redis_must_hold_after_data_loss():
     # a held job whose terminal event is numbered: restored with its done mark
     assert [s for s, _ in hist["finishing"][2]] == [5, 6, 7, 8] and hist["finishing"][0] == 2
     assert hist["finishing"][3] == "stop"
+    assert {jid: p for jid, *_, p in t.histories()}["finishing"] == prior  # restored before its own
 
 
 def test_a_lost_finishing_job_publishes_and_records_nothing():

@@ -39,146 +39,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
 from schemas import keys
-
-_EPOCH_CHECK = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('EPOCH changed') end
-"""
-
-# The last entry of a job's log: its `q` (seq; the next seq of a new attempt follows it)
-# and `a` (attempt; 0 for an entry without one) fields, or -1, 0 for an empty log.
-LAST_SEQ = """
-local function last_entry(log)
-  local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
-  local q, a = -1, 0
-  if last[1] then
-    local f = last[1][2]
-    for i = 1, #f, 2 do
-      if f[i] == 'q' then q = tonumber(f[i + 1]) elseif f[i] == 'a' then a = tonumber(f[i + 1]) end
-    end
-  end
-  return q, a
-end
-"""
-
-# The `e` (event JSON) fields of a log's last DONE_TAIL entries, newest first: a done
-# job's terminal event is among them (it is appended with the done mark; only a stale
-# attempt's late events can follow it).
-DONE_TAIL = 4
-LAST_EVENTS = """
-local function last_events(log)
-  local out = {}
-  for _, entry in ipairs(redis.call('XREVRANGE', log, '+', '-', 'COUNT', DONE_TAIL)) do
-    local f = entry[2]
-    for i = 1, #f, 2 do if f[i] == 'e' then out[#out + 1] = f[i + 1] end end
-  end
-  return out
-end
-""".replace("DONE_TAIL", str(DONE_TAIL))
-
-# KEYS: epoch, restore window, then per job: done, claim, attempts, log, failures, cancelled.
-# ARGV: epoch, lease_ms, ttl_s, then per job: claim token. Returns per job:
-# {'done', reason, {events}} | {'contested'} | {'restoring'} | {'claimed', attempt, next_seq, failures, cancelled}.
-TAKE_LUA = _EPOCH_CHECK + LAST_SEQ + LAST_EVENTS + """
-local out = {}
-local restoring = redis.call('EXISTS', KEYS[2]) == 1
-local n = (#KEYS - 2) / 6
-for j = 0, n - 1 do
-  local k = 2 + j * 6
-  local done = redis.call('GET', KEYS[k + 1])
-  if done then
-    out[j + 1] = {'done', done, last_events(KEYS[k + 4])}
-  elseif restoring then
-    out[j + 1] = {'restoring'}
-  elseif not redis.call('SET', KEYS[k + 2], ARGV[4 + j], 'NX', 'PX', ARGV[2]) then
-    out[j + 1] = {'contested'}
-  else
-    local attempt = redis.call('INCR', KEYS[k + 3])
-    local q, a = last_entry(KEYS[k + 4])
-    if a >= attempt then
-      attempt = a + 1
-      redis.call('SET', KEYS[k + 3], attempt)
-    end
-    redis.call('EXPIRE', KEYS[k + 3], ARGV[3])
-    local failures = redis.call('SCARD', KEYS[k + 5])
-    if failures == 0 then
-      redis.call('SADD', KEYS[k + 5], attempt)
-      redis.call('EXPIRE', KEYS[k + 5], ARGV[3])
-    end
-    out[j + 1] = {'claimed', attempt, q + 1, failures, redis.call('EXISTS', KEYS[k + 6])}
-  end
-end
-return out
-"""
-
-# Adopt the dataset epoch. KEYS: epoch, restore window. ARGV: a new epoch value, the
-# window in ms (0: none). Creates the marker if there is none (and then the window);
-# returns the marker's value.
-ADOPT_LUA = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX') and tonumber(ARGV[2]) > 0 then
-  redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
-end
-return redis.call('GET', KEYS[1])
-"""
-
-# KEYS: per job: claim. ARGV: lease_ms, then per job: token.
-# Returns per job: 1 renewed, 2 re-acquired (the lease had lapsed and nobody took it), 0 lost.
-RENEW_LUA = """
-local out = {}
-for i = 1, #KEYS do
-  local cur = redis.call('GET', KEYS[i])
-  if cur == ARGV[i + 1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[1]); out[i] = 1
-  elseif not cur then
-    redis.call('SET', KEYS[i], ARGV[i + 1], 'PX', ARGV[1]); out[i] = 2
-  else
-    out[i] = 0
-  end
-end
-return out
-"""
-
-# A clean end of one attempt: release the claim if still ours, forget the attempt's
-# failure mark, and (when reason ~= '') set the done mark. Idempotent, so a re-sent
-# pipeline changes nothing. Used inside the publish script and by `release`.
-FINISH_LUA = """
-local function finish_job(done, claim, failures, reason, token, attempt, ttl)
-  if reason ~= '' then redis.call('SET', done, reason, 'EX', ttl) end
-  if redis.call('GET', claim) == token then redis.call('DEL', claim) end
-  redis.call('SREM', failures, attempt)
-end
-"""
-
-# KEYS: per job: done, claim, failures. ARGV: ttl, then per job: reason, token, attempt.
-RELEASE_LUA = FINISH_LUA + """
-for j = 0, #KEYS / 3 - 1 do
-  finish_job(KEYS[j * 3 + 1], KEYS[j * 3 + 2], KEYS[j * 3 + 3], ARGV[2 + j * 3], ARGV[3 + j * 3],
-             ARGV[4 + j * 3], ARGV[1])
-end
-return #KEYS / 3
-"""
-
-# Restore the held jobs after Redis lost its data. KEYS: epoch, then per job: claim,
-# attempts, failures, done. ARGV: epoch, lease_ms, ttl, then per job: token, attempt.
-# Returns per job 1 if the claim is ours again, 0 if another worker claimed (or ended)
-# the job meanwhile.
-RECLAIM_LUA = _EPOCH_CHECK + """
-local out = {}
-for j = 0, (#KEYS - 1) / 4 - 1 do
-  local k, ai = 1 + j * 4, 4 + j * 2
-  local cur = redis.call('GET', KEYS[k + 1])
-  if (cur and cur ~= ARGV[ai]) or redis.call('EXISTS', KEYS[k + 4]) == 1 then
-    out[j + 1] = 0
-  else
-    redis.call('SET', KEYS[k + 1], ARGV[ai], 'PX', ARGV[2])
-    local a = tonumber(redis.call('GET', KEYS[k + 2]) or '0')
-    if a < tonumber(ARGV[ai + 1]) then redis.call('SET', KEYS[k + 2], ARGV[ai + 1], 'EX', ARGV[3]) end
-    redis.call('SADD', KEYS[k + 3], ARGV[ai + 1])
-    redis.call('EXPIRE', KEYS[k + 3], ARGV[3])
-    out[j + 1] = 1
-  end
-end
-return out
-"""
+from worker.serve.claim_scripts import ADOPT_LUA, RECLAIM_LUA, RELEASE_LUA, RENEW_LUA, TAKE_LUA
 
 
 class EpochChanged(Exception):
@@ -194,13 +55,16 @@ class EpochChanged(Exception):
 @dataclass(slots=True, frozen=True)
 class Claimed:
     """This worker now holds the job: `attempt` for its events, `next_seq` continues the
-    log, `failures` earlier attempts that never ended cleanly, `cancelled` a tombstone."""
+    log, `failures` earlier attempts that never ended cleanly, `cancelled` a tombstone;
+    `prior` the log's entries (seq, attempt, event JSON) on a later attempt, restored with
+    this attempt's own if Redis loses its data."""
 
     token: str
     attempt: int
     next_seq: int
     failures: int
     cancelled: bool
+    prior: tuple[tuple[int, int, bytes], ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -313,7 +177,10 @@ class ClaimStore:
             elif kind == "restoring":
                 out.append(RESTORING)
             else:
-                out.append(Claimed(token, int(r[1]), int(r[2]), int(r[3]), bool(r[4])))
+                flat = r[5] if len(r) > 5 else []
+                prior = tuple((int(flat[i]), int(flat[i + 1]), flat[i + 2] if isinstance(flat[i + 2], bytes)
+                               else str(flat[i + 2]).encode()) for i in range(0, len(flat), 3))
+                out.append(Claimed(token, int(r[1]), int(r[2]), int(r[3]), bool(r[4]), prior))
         return out
 
     async def mark_running(self, jobs: list[tuple[str, int]]) -> None:
@@ -331,14 +198,24 @@ class ClaimStore:
     async def is_done(self, job_id: str) -> bool:
         return bool(await self.redis.exists(keys.done_key(job_id, self.prefix)))
 
-    async def renew(self, claims: dict[str, str]) -> set[str]:
-        """Renew the leases of `claims` (job_id -> token); a lapsed lease nobody took is
-        re-acquired. Returns the job ids whose claim another worker holds now (lost)."""
+    async def renew(self, claims: dict[str, tuple[str, int]]) -> set[str]:
+        """Renew the leases of `claims` (job_id -> (token, attempt)); a lapsed lease is
+        re-acquired if nobody claimed the job since (no done mark, its attempt counter
+        still ours). Returns the job ids that are another worker's now (lost).
+
+        Raises:
+            EpochChanged: Redis lost its data (the caller restores first).
+        """
         if not claims:
             return set()
+        p = self.prefix
         ids = list(claims)
-        res = await self._run("renew", [keys.claim_key(j, self.prefix) for j in ids],
-                              [self.lease_ms, *(claims[j] for j in ids)])
+        ks = [keys.epoch_key(p)]
+        args: list = [self.epoch, self.lease_ms]
+        for j in ids:
+            ks += [keys.claim_key(j, p), keys.done_key(j, p), keys.attempts_key(j, p)]
+            args += list(claims[j])
+        res = await self._run("renew", ks, args)
         return {j for j, r in zip(ids, res) if int(r) == 0}
 
     async def release(self, claims: list[tuple[str, str, int]]) -> None:

@@ -226,3 +226,14 @@ async def loop_lag_monitor(metrics: Metrics, session_timeout_ms: int, interval_s
             last_warn = time.monotonic()
             log.warning("event loop lagging; Kafka heartbeats may be missed", lag_s=round(lag, 3),
                         session_timeout_s=session_timeout_ms / 1000)
+
+
+def nvml_available() -> bool:
+    """CUDA present and NVML importable (then `gpu_utilization` is exported)."""
+    try:
+        import pynvml  # noqa: F401  (nvidia-ml-py)
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False

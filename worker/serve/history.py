@@ -17,7 +17,8 @@ RECENT_MAX_AGE_S = 120.0
 
 class Published(NamedTuple):
     """One finished job's published events: (seq, event bytes) in order, ending with its
-    terminal event (finish reason `reason`), under `claim_token` and `attempt`."""
+    terminal event (finish reason `reason`), under `claim_token` and `attempt`; `prior`
+    the log's entries of earlier attempts when it was claimed."""
 
     done_time: float
     history: list[tuple[int, bytes]]
@@ -25,6 +26,7 @@ class Published(NamedTuple):
     claim_token: str
     attempt: int
     tenant: str | None
+    prior: tuple[tuple[int, int, bytes], ...] = ()  # earlier attempts' entries (seq, attempt, event)
 
 
 class RecentHistories:

@@ -140,8 +140,9 @@ class JobTable:
     # ---- transitions -----------------------------------------------------------------
     def open(self, job: Job, priority: str, offset: Offset, enqueue_time: float, claim_token: str, attempt: int,
              next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
-             isolated: bool = False) -> LocalJob:
-        """A job claimed by this worker (CLAIMED). `next_seq` continues the job's log.
+             isolated: bool = False, prior: tuple[tuple[int, int, bytes], ...] = ()) -> LocalJob:
+        """A job claimed by this worker (CLAIMED). `next_seq` continues the job's log;
+        `prior` holds its entries so far (earlier attempts), kept for a restore.
 
         Raises:
             ValueError: the job is already held here (attach the offset instead).
@@ -150,6 +151,7 @@ class JobTable:
             raise ValueError(f"job {job.job_id!r} is already held by this worker")
         held = LocalJob(job, priority, [offset], enqueue_time, claim_token, attempt, next_seq, raw, raw_key,
                         isolated, claim_time=self._clock())
+        held.prior = prior
         self._jobs[job.job_id] = held
         tenant = job.tenant or ""
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
@@ -349,7 +351,7 @@ class JobTable:
         held.state = JobState.DONE
         if held.history and held.finish_reason is not None:
             self._recent.add(held.job_id, Published(self._clock(), held.history, held.finish_reason.value,
-                                                    held.claim_token, held.attempt, held.tenant))
+                                                    held.claim_token, held.attempt, held.tenant, held.prior))
         held.history = []
         if self._jobs.get(held.job_id) is held:
             del self._jobs[held.job_id]
@@ -360,18 +362,20 @@ class JobTable:
         _decrement(self._per_tenant, held.job.tenant or "")
         self._num_unfinished -= 1
 
-    def histories(self) -> Iterator[tuple[str, int, str, list[tuple[int, bytes]], str | None]]:
-        """What this worker published that Redis must hold: (job_id, attempt, claim token,
-        [(seq, event)], finish reason) for every held job and each job finished in the
-        last RECENT_MAX_AGE_S; the finish reason is None unless the history ends with the
+    def histories(self) -> Iterator[tuple[str, int, str, list[tuple[int, bytes]], str | None,
+                                          tuple[tuple[int, int, bytes], ...]]]:
+        """What Redis must hold of the jobs this worker holds and of each job it finished
+        in the last RECENT_MAX_AGE_S: (job_id, attempt, claim token, [(seq, event)] it
+        published, finish reason, the earlier attempts' entries (seq, attempt, event) it
+        found at its claim); the finish reason is None unless the history ends with the
         job's terminal event."""
         for held in self._jobs.values():
-            if held.history:
+            if held.history or held.prior:
                 reason = held.finish_reason.value if held.terminal_published and held.finish_reason else None
-                yield held.job_id, held.attempt, held.claim_token, list(held.history), reason
+                yield held.job_id, held.attempt, held.claim_token, list(held.history), reason, held.prior
         for job_id, pub in self._recent.items():
             if job_id not in self._jobs:
-                yield job_id, pub.attempt, pub.claim_token, pub.history, pub.reason
+                yield job_id, pub.attempt, pub.claim_token, pub.history, pub.reason, pub.prior
 
     def tenant_of(self, job_id: str) -> str | None:
         """The tenant of a held or recently finished job (None: none, or unknown)."""

@@ -35,7 +35,7 @@ class LocalJob:
     __slots__ = ("job", "priority", "offsets", "enqueue_time", "claim_token", "attempt", "next_seq", "raw", "raw_key",
                  "isolated", "state", "claim_time", "first_token_time", "num_tokens", "text_parts",
                  "cancel_time_mono", "_opening", "_delta_text", "_delta_ids", "_delta_logprobs", "_terminal",
-                 "opened", "finish_reason", "error", "dead_letter", "history", "summary", "terminal_published")
+                 "opened", "finish_reason", "error", "dead_letter", "history", "summary", "terminal_published", "prior")
 
     def __init__(self, job: Job, priority: str, offsets: list[Offset], enqueue_time: float, claim_token: str,
                  attempt: int, next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
@@ -69,6 +69,7 @@ class LocalJob:
         self.history: list[tuple[int, bytes]] = []  # published (seq, event) of this attempt
         self.summary: dict[str, Any] = {}  # timings for the job's summary log line
         self.terminal_published = False  # the terminal event is numbered (in `history`; being published)
+        self.prior: tuple[tuple[int, int, bytes], ...] = ()  # earlier attempts' log entries (seq, attempt, event)
 
     @property
     def job_id(self) -> str:

@@ -46,16 +46,18 @@ from schemas.wire import Finished
 from worker.config import RedisConfig
 from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN, RedisUnavailable
-from worker.serve.claims import FINISH_LUA, LAST_EVENTS, LAST_SEQ, ClaimStore, EpochChanged
+from worker.serve.claim_scripts import FINISH_LUA, LAST_EVENTS, LAST_SEQ
+from worker.serve.claims import ClaimStore, EpochChanged
 from worker.serve.jobs import JobTable, Round
 
 log = structlog.get_logger(__name__)
 
-# KEYS: epoch, then per event: log, channel, done, claim, failures.
+# KEYS: epoch, then per event: log, channel, done, claim, failures, attempts.
 # ARGV: epoch, maxlen, ttl, lease_ms, then per event: kind ('t' token, 'o' other, 'f'
 # terminal), data, seq, attempt, claim token, finish reason ('' unless 'f').
 # Per job (its first event in the call decides): the claim is ours (or lapsed with
-# nobody taking it: taken back) -> its events are appended unless the log already holds
+# nobody claiming the job since: no done mark, the attempt counter still ours; taken
+# back) -> its events are appended unless the log already holds
 # their seq (a re-sent round); the claim is another worker's, or the job ended without
 # our terminal event among the log's last entries -> refused (nothing of it appended).
 # An appended terminal event sets the done mark and releases the claim. Returns
@@ -75,11 +77,13 @@ while ai <= #ARGV do
       owner[log] = 'ours'
     elseif cur then
       owner[log] = 'theirs'
-    elseif redis.call('EXISTS', done) == 0 then
+    elseif redis.call('EXISTS', done) == 1 then
+      owner[log] = 'ended'
+    elseif tonumber(redis.call('GET', KEYS[ki + 5]) or '0') == tonumber(attempt) then
       redis.call('SET', claim, token, 'PX', ARGV[4])
       owner[log] = 'ours'
     else
-      owner[log] = 'ended'
+      owner[log] = 'theirs'  -- claimed by another since, and handed back
     end
     if owner[log] == 'theirs' then refused[#refused + 1] = ev end
   end
@@ -100,7 +104,7 @@ while ai <= #ARGV do
     if kind == 'f' then finish_job(done, claim, KEYS[ki + 4], ARGV[ai + 5], token, attempt, ttl) end
   end
   last[log] = q
-  ki, ai = ki + 5, ai + 6
+  ki, ai = ki + 6, ai + 6
 end
 return {appended, refused}
 """
@@ -119,8 +123,8 @@ class Publisher:
         were refused (a round) or their claim went to another worker while Redis had lost
         its data (a restore). The worker hands them back; nothing more of theirs is
         published, and a refused terminal event is not recorded.
-    on_restore: called after Redis lost its data and the logs were restored (the worker
-        re-reads the cancels whose tombstones were lost).
+    on_restore: called after Redis lost its data and the logs were restored (metrics; the
+        cancels whose tombstones were lost still answer from the cancel index).
     """
 
     def __init__(self, redis: aioredis.Redis, cfg: RedisConfig, claims: ClaimStore, table: JobTable, *,
@@ -256,7 +260,8 @@ class Publisher:
         tokens = rnd.tokens or [""] * len(rnd.events)
         for ev, data, tenant, token in zip(rnd.events, rnd.encoded, tenants, tokens):
             jid = ev.job_id
-            ks += [keys.log_key(jid, p, tenant), keys.channel(jid, p, tenant), *self.claims.finish_keys(jid)]
+            ks += [keys.log_key(jid, p, tenant), keys.channel(jid, p, tenant), *self.claims.finish_keys(jid),
+                   keys.attempts_key(jid, p)]
             if isinstance(ev, Finished):
                 args += ["f", data, ev.seq, ev.attempt, token, ev.finish_reason.value]
             else:
@@ -295,19 +300,27 @@ class Publisher:
         self.num_restores += 1
         await self.claims.adopt_epoch()
         holding = self.table.holding_claims()
-        ours = await self.claims.reclaim([(held.job_id, held.claim_token, held.attempt) for held in holding])
+        histories = list(self.table.histories())
+        held_ids = {held.job_id for held in holding}
+        recent = [(job_id, token, attempt) for job_id, attempt, token, *_ in histories if job_id not in held_ids]
+        ours = await self.claims.reclaim([(held.job_id, held.claim_token, held.attempt) for held in holding] + recent)
         lost = [held.job_id for held, ok in zip(holding, ours) if not ok]
-        skip = set(lost)
+        # a recently finished job another worker claimed or ended since is theirs now
+        skip = set(lost) | {job_id for (job_id, _, _), ok in zip(recent, ours[len(holding):]) if not ok}
         p = self.cfg.key_prefix
         ks: list[str] = [keys.epoch_key(p)]
         args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms]
         job_of: list[str] = []  # the job of each event sent
-        for job_id, attempt, token, history, reason in self.table.histories():
+        for job_id, attempt, token, history, reason, prior in histories:
             if job_id in skip:
                 continue
             tenant = self.table.tenant_of(job_id)
             job_keys = [keys.log_key(job_id, p, tenant), keys.channel(job_id, p, tenant),
-                        *self.claims.finish_keys(job_id)]
+                        *self.claims.finish_keys(job_id), keys.attempts_key(job_id, p)]
+            for seq, prior_attempt, data in prior:  # the earlier attempts' entries, as they were
+                ks += job_keys
+                args += ["o", data, seq, prior_attempt, token, ""]
+                job_of.append(job_id)
             last = len(history) - 1
             for i, (seq, data) in enumerate(history):
                 ks += job_keys
@@ -319,7 +332,6 @@ class Publisher:
         refused: set[str] = set()
         if job_of:
             refused = {job_of[int(i) - 1] for i in (await self._call(ks, args))[1]}
-        held_ids = {held.job_id for held in holding}
         lost += sorted(refused & held_ids)  # a finished job's log another worker rewrote stays theirs
         log.warning("Redis lost its data (epoch changed): claims and logs restored", held_jobs=len(holding),
                     events_restored=len(job_of), lost_claims=lost, refused_jobs=len(refused))

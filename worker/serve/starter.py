@@ -217,7 +217,7 @@ class JobStarter:
         goes on to the engine."""
         job = rec.job
         held = self.table.open(job, rec.priority, Offset(rec.tp, rec.offset), rec.enqueue_time, c.token, c.attempt,
-                             c.next_seq, raw=rec.raw, raw_key=rec.key, isolated=c.failures > 0)
+                             c.next_seq, raw=rec.raw, raw_key=rec.key, isolated=c.failures > 0, prior=c.prior)
         if c.cancelled or self.host.job_cancelled(job.job_id):
             self.table.finish_local(job.job_id, FinishReason.CANCELLED)
         elif job.deadline is not None and job.deadline < time.time():

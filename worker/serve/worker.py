@@ -54,10 +54,11 @@ from worker.security.kafka import kafka_security_kwargs, stop_client
 from worker.security.probe import verify_access
 from worker.security.redis import REDIS_DOWN, redis_client
 from worker.serve.cancels import CancelListener
-from worker.serve.claims import TAKE_LUA, ClaimStore
+from worker.serve.claim_scripts import TAKE_LUA
+from worker.serve.claims import ClaimStore, EpochChanged
 from worker.serve.dlq import DeadLetters
 from worker.serve.finalize import Finalizer
-from worker.serve.health import HealthChecks, OpsServer, loop_lag_monitor
+from worker.serve.health import HealthChecks, OpsServer, loop_lag_monitor, nvml_available
 from worker.serve.intake import Intake
 from worker.serve.jobs import JobState, JobTable, Round
 from worker.serve.kafka_outage import KafkaOutage
@@ -92,7 +93,7 @@ class Worker:
         self.max_local_jobs = cfg.worker.max_local_jobs or 2 * cfg.serving_tuning.max_running_requests
         self.table = JobTable(self.worker_id)
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
-        self.metrics = Metrics(gpu=_nvml_available(), tenant_labels=cfg.metrics.tenant_labels,
+        self.metrics = Metrics(gpu=nvml_available(), tenant_labels=cfg.metrics.tenant_labels,
                                tenant_rank_interval_s=cfg.metrics.tenant_rank_interval_s)
         self.draining = False
         self.engine: ThreadEngineClient | ProcessEngineClient | None = None
@@ -325,9 +326,13 @@ class Worker:
         lease = self.cfg.redis.claim_lease_ms
         while True:
             await asyncio.sleep(lease / 3000)
-            held = {held.job_id: held.claim_token for held in self.table.holding_claims()}
+            held = {held.job_id: (held.claim_token, held.attempt) for held in self.table.holding_claims()}
             try:
-                lost = await self.claims.renew(held)
+                try:
+                    lost = await self.claims.renew(held)
+                except EpochChanged as e:  # Redis lost its data: restore (claims first), renew next time
+                    await self.publisher.restore(e.epoch)
+                    continue
             except REDIS_DOWN as e:
                 if time.monotonic() - self._redis_warned > 10:
                     self._redis_warned = time.monotonic()
@@ -387,14 +392,3 @@ class Worker:
         if since > self.cfg.metrics.engine_stall_s:
             return False, {"status": "engine loop stalled", "since_last_tick_s": round(since, 1)}
         return True, {"status": "ok", "since_last_tick_s": round(since, 3), "steps": client.num_steps}
-
-
-def _nvml_available() -> bool:
-    """CUDA present and NVML importable (then `gpu_utilization` is exported)."""
-    try:
-        import pynvml  # noqa: F401  (nvidia-ml-py)
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
