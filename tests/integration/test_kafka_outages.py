@@ -28,6 +28,28 @@ from worker.cli.topics import create_topics
 from worker.client import InflightClient, text_of
 
 
+async def create_and_see_topics(bootstrap: str, prefix: str) -> None:
+    """Create the prefix's topics on the module's broker and wait until its metadata
+    shows them (a broker just started answers before it does)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from schemas import keys
+    from worker.security.probe import _unusable_topics
+
+    await create_topics(bootstrap, prefix, partitions=3)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            _, missing = await _unusable_topics(admin, keys.all_topics(prefix), 5.0)
+            if not missing or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.3)
+    finally:
+        await admin.close()
+
+
 def stack_config(stack, prefix, **over):
     return worker_config((stack.bootstrap, stack.redis_url), prefix, **over)
 
@@ -46,7 +68,7 @@ def whole(log: list, job_id: str) -> Finished:
 
 
 def test_a_90_s_broker_outage_is_ridden_out_while_jobs_stream(own_stack, prefix):
-    asyncio.run(create_topics(own_stack.bootstrap, prefix, partitions=3))
+    asyncio.run(create_and_see_topics(own_stack.bootstrap, prefix))
     cfg = stack_config(own_stack, prefix, kafka={"outage_limit_s": 150.0})
     ids = [f"k-{i}" for i in range(4)]
     params = SamplingParams(max_tokens=2000, ignore_eos=True)  # 0.05 s steps: ~100 s each
@@ -94,7 +116,7 @@ def test_a_90_s_broker_outage_is_ridden_out_while_jobs_stream(own_stack, prefix)
 
 
 def test_an_outage_past_kafka_outage_limit_s_stops_the_worker_cleanly(own_stack, prefix, tmp_path):
-    asyncio.run(create_topics(own_stack.bootstrap, prefix, partitions=3))
+    asyncio.run(create_and_see_topics(own_stack.bootstrap, prefix))
     cfg = stack_config(own_stack, prefix, kafka={"outage_limit_s": 8.0})
     ids = [f"s-{i}" for i in range(3)]
     params = SamplingParams(max_tokens=1500, ignore_eos=True)  # 0.02 s steps: ~30 s each

@@ -89,6 +89,9 @@ class HealthChecks:
                 await self.check(cfg.check_timeout_s)
             except Exception as e:  # e.g. the consumer being recreated
                 log.warning("health check failed", error=repr(e)[:300])
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # Python 3.11's wait_for can swallow a cancel
+                raise asyncio.CancelledError
             await asyncio.sleep(cfg.check_interval_s)
 
     async def _kafka_cause(self, e: Exception, cfg, timeout: float) -> str:

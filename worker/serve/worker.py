@@ -253,7 +253,10 @@ class Worker:
         self._stopping.set()
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=10)
+            if pending:  # a task that swallowed its cancellation: closing anyway
+                log.warning("tasks did not stop within 10 s", tasks=sorted(t.get_name() for t in pending))
         if self.starter is not None:
             self.starter.close()
         if self.intake is not None:
