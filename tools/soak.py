@@ -32,60 +32,13 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port(pair: bool = False) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair:
-            return port
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port + 1)) != 0:
-                return port
-
-
-class Stack:
-    """Kafka + Redis of tools/devstack.sh on free ports, state under `state`."""
-
-    def __init__(self, state: Path) -> None:
-        self.kafka_port, self.redis_port, self.state = _free_port(pair=True), _free_port(), state
-        self.env = {**os.environ, "INFLIGHT_DEV_KAFKA_PORT": str(self.kafka_port),
-                    "INFLIGHT_DEV_REDIS_PORT": str(self.redis_port), "INFLIGHT_DEV_STATE": str(state)}
-
-    def up(self) -> None:
-        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "up"], env=self.env, cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL)
-
-    def down(self) -> None:
-        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "down"], env=self.env, cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def pid(self, name: str) -> int:
-        return int((self.state / f"{name}.pid").read_text())
-
-    def stop_kafka(self) -> None:
-        pid = self.pid("kafka")
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(300):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
-
-    def redis_cli(self, *args: str) -> None:
-        subprocess.run(["redis-cli", "-p", str(self.redis_port), *args], capture_output=True, timeout=30)
+from tools.own_stack import ROOT, OwnStack
 
 
 class Fleet:
@@ -156,11 +109,11 @@ async def run_soak(a) -> dict:
     rng = random.Random(a.seed)
     run_dir = Path(a.out) / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(ROOT / ".cache" / f"soak-{uuid.uuid4().hex[:6]}")
+    stack = OwnStack(ROOT / ".cache" / f"soak-{uuid.uuid4().hex[:6]}")
     stack.up()
     prefix = "soak"
-    await create_topics(f"127.0.0.1:{stack.kafka_port}", prefix, partitions=6)
-    bootstrap, redis_url = f"127.0.0.1:{stack.kafka_port}", f"redis://127.0.0.1:{stack.redis_port}/0"
+    bootstrap, redis_url = stack.bootstrap, stack.redis_url
+    await create_topics(bootstrap, prefix, partitions=6)
     cfg = WorkerConfig(
         serving_tuning=ServingTuning(max_running_requests=16, max_total_tokens=16384, max_output_tokens=1024),
         kafka=KafkaConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, session_timeout_ms=10_000),

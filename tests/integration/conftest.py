@@ -204,67 +204,11 @@ def secure_worker_config(stack: SecureStack, mode: str, principal: str = "worker
                         metrics=MetricsConfig(port=0, host="127.0.0.1", check_interval_s=0.5, check_timeout_s=2.0))
 
 
-def _free_port(pair: bool = False) -> int:
-    """A free TCP port on 127.0.0.1 (with `pair`, the next one is free too: Kafka's controller)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair or not _port_open(f"127.0.0.1:{port + 1}"):
-            return port
-    raise RuntimeError("no free port pair")
-
-
-class OwnStack:
-    """A Kafka broker and a Redis server of tools/devstack.sh on their own ports and state
-    (never the shared dev stack), for tests that stop and start them as processes."""
-
-    def __init__(self, state: Path) -> None:
-        self.kafka_port = _free_port(pair=True)
-        self.redis_port = _free_port()
-        self.env = {**os.environ, "INFLIGHT_DEV_KAFKA_PORT": str(self.kafka_port),
-                    "INFLIGHT_DEV_REDIS_PORT": str(self.redis_port), "INFLIGHT_DEV_STATE": str(state)}
-        self.state = state
-
-    @property
-    def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.kafka_port}"
-
-    @property
-    def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
-
-    def up(self) -> None:
-        """Start whatever is not running; returns when both answer."""
-        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "up"], env=self.env, cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL)
-
-    def stop_kafka(self) -> None:
-        """Stop the broker process (SIGTERM, as a rolling restart or a crash-looping node)."""
-        pid = int((self.state / "kafka.pid").read_text())
-        try:
-            os.kill(pid, 15)
-        except ProcessLookupError:
-            return
-        for _ in range(300):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-        os.kill(pid, 9)
-
-    def restart_redis_empty(self) -> None:
-        subprocess.run(["redis-cli", "-p", str(self.redis_port), "SHUTDOWN", "NOSAVE"], capture_output=True, timeout=30)
-        self.up()
-
-    def down(self) -> None:
-        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "down"], env=self.env, cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory):
+    """A Kafka broker and a Redis server this module stops and starts (`tools.own_stack`)."""
+    from tools.own_stack import OwnStack
+
     stack = OwnStack(tmp_path_factory.mktemp("own-stack"))
     stack.up()
     yield stack

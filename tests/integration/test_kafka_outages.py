@@ -61,6 +61,14 @@ async def num_tokens(client, job_ids) -> int:
     return n
 
 
+async def submit_and_stream(client, ids, params, min_tokens: int) -> None:
+    """Submit every job, then wait until `min_tokens` of theirs are in Redis."""
+    for j in ids:
+        await client.submit(j, params=params, job_id=j)
+    while await num_tokens(client, ids) < min_tokens:
+        await asyncio.sleep(0.2)
+
+
 def whole(log: list, job_id: str) -> Finished:
     fin = assert_well_formed(log, job_id)
     assert text_of(log) == fin.text
@@ -77,10 +85,7 @@ def test_a_90_s_broker_outage_is_ridden_out_while_jobs_stream(own_stack, prefix)
         w, task = await start_worker(cfg, slow_null_engine(0.05))
         async with InflightClient(own_stack.bootstrap, own_stack.redis_url, topic_prefix=prefix,
                                   key_prefix=prefix) as client:
-            for j in ids:
-                await client.submit(j, params=params, job_id=j)
-            while await num_tokens(client, ids) < 40:
-                await asyncio.sleep(0.2)
+            await submit_and_stream(client, ids, params, 40)
             own_stack.stop_kafka()
             t0 = time.monotonic()
             await asyncio.sleep(10)
@@ -127,10 +132,7 @@ def test_an_outage_past_kafka_outage_limit_s_stops_the_worker_cleanly(own_stack,
             await wait_started(log, proc)
             async with InflightClient(own_stack.bootstrap, own_stack.redis_url, topic_prefix=prefix,
                                       key_prefix=prefix) as client:
-                for j in ids:
-                    await client.submit(j, params=params, job_id=j)
-                while await num_tokens(client, ids) < 30:
-                    await asyncio.sleep(0.2)
+                await submit_and_stream(client, ids, params, 30)
                 own_stack.stop_kafka()
                 t0 = time.monotonic()
                 while proc.poll() is None and time.monotonic() - t0 < 60:

@@ -1,0 +1,82 @@
+"""A Kafka broker and a Redis server of tools/devstack.sh on free ports and their own
+state (never the shared dev stack), for code that stops and starts them as processes:
+the outage tests (tests/integration/test_kafka_outages.py) and the soak (tools/soak.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port(pair: bool = False) -> int:
+    """A free TCP port on 127.0.0.1 (with `pair`, the next one is free too: Kafka's controller)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not pair:
+            return port
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port + 1)) != 0:
+                return port
+
+
+class OwnStack:
+    """Kafka + Redis of tools/devstack.sh on free ports, state (pid files, logs, Kafka's
+    data) under `state`."""
+
+    def __init__(self, state: Path) -> None:
+        self.kafka_port, self.redis_port, self.state = free_port(pair=True), free_port(), state
+        self.env = {**os.environ, "INFLIGHT_DEV_KAFKA_PORT": str(self.kafka_port),
+                    "INFLIGHT_DEV_REDIS_PORT": str(self.redis_port), "INFLIGHT_DEV_STATE": str(state)}
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.kafka_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def up(self) -> None:
+        """Start whatever is not running; returns when both answer."""
+        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "up"], env=self.env, cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL)
+
+    def down(self) -> None:
+        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "down"], env=self.env, cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def pid(self, name: str) -> int:
+        """The pid of "kafka" or "redis"."""
+        return int((self.state / f"{name}.pid").read_text())
+
+    def stop_kafka(self) -> None:
+        """Stop the broker process (SIGTERM, as a rolling restart or a crash-looping node;
+        SIGKILL after 30 s)."""
+        pid = self.pid("kafka")
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        for _ in range(300):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+
+    def redis_cli(self, *args: str) -> None:
+        subprocess.run(["redis-cli", "-p", str(self.redis_port), *args], capture_output=True, timeout=30)
+
+    def restart_redis_empty(self) -> None:
+        """Redis restarts and loses its data (the dev stack's Redis keeps none)."""
+        self.redis_cli("SHUTDOWN", "NOSAVE")
+        self.up()
