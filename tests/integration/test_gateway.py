@@ -184,9 +184,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_at_the_next_step(serv
             arrived: dict[str, float] = {}
             on_cancel = w.cancels._on_cancel
 
-            async def record(job_id: str) -> None:
+            async def record(job_id: str, headers: tuple = ()) -> None:
                 arrived[job_id] = time.monotonic()
-                await on_cancel(job_id)
+                await on_cancel(job_id, headers)
 
             w.cancels._on_cancel = record
             baseline = w.metrics.kv_usage._value.get()

@@ -122,6 +122,7 @@ class FakeRecord:
     value: bytes
     key: bytes | None
     timestamp: int
+    headers: tuple = ()  # as aiokafka's ConsumerRecord: [(name, value bytes)]
 
 
 class FakeConsumer:

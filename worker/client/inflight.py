@@ -38,8 +38,9 @@ from redis.exceptions import NoPermissionError
 from schemas import keys
 from schemas.codec import decode_event, decode_job, encode
 from schemas.params import SamplingParams
-from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, Restarted, Token, check_tenant
+from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, check_tenant
 from worker.client.subscriber import RESYNC, Denied, SharedSubscriber
+from worker.client.tracing import ProducerSpans
 from worker.config import KafkaConfig, RedisConfig
 from worker.security import access, probe
 from worker.security.kafka import kafka_security_kwargs, stop_client
@@ -64,6 +65,9 @@ class InflightClient:
         Redis log has shown nothing for this long, and every 10 s after (a Redis that
         restarted empty lost the log of a finished job; its outcome is still there). A
         principal without Read on the results topic just goes without the fallback.
+    tracing, tracer_provider: PRODUCER spans and W3C trace context in the records' headers
+        (`worker.client.tracing`): None while the application has an OpenTelemetry SDK set
+        up, True always, False never; the provider defaults to OpenTelemetry's global one.
 
     Raises:
         ConfigError: a secret, CA, certificate or key file cannot be read or loaded.
@@ -72,7 +76,8 @@ class InflightClient:
     def __init__(self, bootstrap_servers: str | None = None, redis_url: str | None = None, *,
                  kafka: KafkaConfig | None = None, redis: RedisConfig | None = None,
                  topic_prefix: str | None = None, key_prefix: str | None = None, tombstone_ttl_s: int = 3600,
-                 reconnect_s: float = 60.0, results_fallback_s: float = 5.0) -> None:
+                 reconnect_s: float = 60.0, results_fallback_s: float = 5.0, tracing: bool | None = None,
+                 tracer_provider: Any = None) -> None:
         kafka = kafka or KafkaConfig()
         if bootstrap_servers is not None:
             kafka = msgspec.structs.replace(kafka, bootstrap_servers=bootstrap_servers)
@@ -98,6 +103,7 @@ class InflightClient:
         self._results_consumer: AIOKafkaConsumer | None = None
         self._results_lock = asyncio.Lock()
         self._lookups: list[tuple[set[str], asyncio.Future]] = []
+        self._spans = ProducerSpans(tracing, tracer_provider)
 
     async def __aenter__(self) -> InflightClient:
         return self
@@ -120,10 +126,13 @@ class InflightClient:
             self._producer = producer
         return self._producer
 
-    async def _send(self, topic: str, value: bytes, key: bytes) -> None:
+    async def _send(self, topic: str, value: bytes, key: bytes, attributes: dict[str, Any]) -> None:
+        await self._spans.send(self._produce, topic, value, key, attributes)
+
+    async def _produce(self, topic: str, value: bytes, key: bytes, headers: list | None):
         producer = await self._kafka()
         try:
-            await producer.send_and_wait(topic, value, key=key)
+            return await producer.send_and_wait(topic, value, key=key, headers=headers)
         except access.KAFKA_AUTHORIZATION as e:
             raise access.explain_kafka(e, self.kafka_config) from None
 
@@ -190,7 +199,9 @@ class InflightClient:
         Raises:
             AccessError: the principal may not write the job topic (or cannot connect).
         """
-        await self._send(keys.job_topic(self.topic_prefix, priority), encode(job), job.job_id.encode())
+        await self._send(keys.job_topic(self.topic_prefix, priority), encode(job), job.job_id.encode(), {
+            "inflight.job_id": job.job_id, "inflight.priority": priority, **({"inflight.tenant": job.tenant}
+                                                                            if job.tenant else {})})
 
     async def partitions_for(self, topic: str) -> set[int]:
         """The partition ids of `topic` (fetching its metadata; empty if it does not exist).
@@ -217,7 +228,7 @@ class InflightClient:
         with contextlib.suppress(NoPermissionError):  # a reader-only user: the cancel message is enough
             await self.redis.set(keys.cancelled_key(job_id, self.key_prefix), b"1", ex=self.tombstone_ttl_s)
         await self._send(keys.cancel_topic(self.topic_prefix), encode(Cancel(job_id=job_id, reason=reason)),
-                         job_id.encode())
+                         job_id.encode(), {"inflight.job_id": job_id})
 
     async def read_log(self, job_id: str, after_seq: int = -1, *, tenant: str | None = None) -> list[Event]:
         """Events already in the job's log with seq > after_seq, in order. `tenant`: the
@@ -379,21 +390,4 @@ class InflightClient:
         return await fut
 
 
-
-def last_attempt_tokens(events: list[Event]) -> list[Token]:
-    """The `token` events of the last attempt (a `restarted` drops those before it)."""
-    tokens: list[Token] = []
-    for ev in events:
-        if isinstance(ev, Restarted):
-            tokens = []
-        elif isinstance(ev, Token):
-            tokens.append(ev)
-    return tokens
-
-
-def text_of(events: list[Event]) -> str:
-    """Concatenate the token text of the last attempt."""
-    return "".join(t.text for t in last_attempt_tokens(events))
-
-
-__all__ = ["InflightClient", "last_attempt_tokens", "text_of"]
+__all__ = ["InflightClient"]

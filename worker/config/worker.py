@@ -118,6 +118,51 @@ class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"metrics.tenant_labels must be in [0, 1000], got {self.tenant_labels}")
 
 
+TRACING_PROTOCOLS = ("http/protobuf", "grpc")
+
+
+class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces (`worker.obs.tracing`): one trace per job, from the producer
+    or the HTTP request to the last token. Off by default; while off nothing of
+    OpenTelemetry is imported. The standard `OTEL_*` environment variables are honoured
+    where a field is unset: `OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`, `_PROTOCOL`,
+    `_HEADERS`, `_TIMEOUT`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
+    `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`, `OTEL_BSP_*` (the batch processor).
+
+    Attributes:
+        enabled: export spans over OTLP.
+        endpoint: the collector's OTLP base address, e.g. `http://otel-collector:4318`
+            (HTTP; `/v1/traces` is appended) or `http://otel-collector:4317` (gRPC).
+            None: the `OTEL_EXPORTER_OTLP_*` variables, else the SDK default
+            (localhost, 4318 or 4317).
+        protocol: `http/protobuf` or `grpc`; None: `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`,
+            else `http/protobuf`.
+        service_name: `service.name` of the spans when `OTEL_SERVICE_NAME` is unset
+            (None: `inflight-worker` / `inflight-gateway`).
+        sample_ratio: fraction of new traces sampled (jobs whose producer sent a trace
+            context follow its sampled flag: parent-based); None: `OTEL_TRACES_SAMPLER`,
+            else every trace.
+        capture_content: record prompts and completions as span events. Off: no text of a
+            job ever reaches a span.
+    """
+
+    enabled: bool = False
+    endpoint: str | None = None
+    protocol: str | None = None
+    service_name: str | None = None
+    sample_ratio: float | None = None
+    capture_content: bool = False
+
+    def __post_init__(self) -> None:
+        if self.protocol is not None and self.protocol not in TRACING_PROTOCOLS:
+            raise ConfigError(f"tracing.protocol must be one of {list(TRACING_PROTOCOLS)} or null, "
+                              f"got {self.protocol!r}")
+        if self.sample_ratio is not None and not 0.0 <= self.sample_ratio <= 1.0:
+            raise ConfigError(f"tracing.sample_ratio must be in [0, 1] or null, got {self.sample_ratio}")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"tracing.endpoint must start with http:// or https://, got {self.endpoint!r}")
+
+
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole worker configuration file (YAML)."""
 
@@ -127,6 +172,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
     @property
     def engine(self) -> EngineConfig:

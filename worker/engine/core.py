@@ -78,6 +78,7 @@ class EngineCore:
                 enable_prefix_caching=tuning.enable_prefix_caching, namespace=model_id.encode())
         self.scheduler = Scheduler(tuning, self.kv)
         self._new: deque[EngineCoreRequest] = deque()
+        self._traced = False  # a traced request was added: prefill chunks are recorded from then on
         self._aborts: deque[str] = deque()
         self._arrival = itertools.count()
         self._deadlines: list[tuple[float, str]] = []  # (deadline, request id) heap
@@ -287,6 +288,7 @@ class EngineCore:
                 outputs.append(self._final_output(req, [], error=(RejectReason.INVALID_STRUCTURED_OUTPUT, error)))
             else:
                 req.grammar = matcher
+                req.note("grammar_ready")
                 self.scheduler.add(req)
 
     def _await_grammars(self) -> None:
@@ -330,6 +332,8 @@ class EngineCore:
         req.deadline = r.deadline
         if r.deadline is not None:
             heapq.heappush(self._deadlines, (r.deadline, r.request_id))
+        req.trace = [] if r.traced else None
+        self._traced |= r.traced
         return req
 
     def _forward(
@@ -364,6 +368,8 @@ class EngineCore:
         self._mask_s += runner_out.mask_s
         now = time.time()
         logprobs = runner_out.logprobs
+        if self._traced:  # prefill chunks of traced requests (none is looked for before one came)
+            self.scheduler.note_prefill_chunks(sched, now)
         for req in self.scheduler.update_from_output(sched, runner_out):
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -382,7 +388,7 @@ class EngineCore:
         return EngineCoreOutput(
             req.request_id, new_ids, [lp] if lp is not None else None, FINISH_REASONS[req.status],
             req.num_cached_tokens, req.num_preemptions,
-            RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time, time.time()),
+            RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time, time.time(), req.trace),
             str(error[0]) if error else None, error[1] if error else None, req.stop_in_text,
         )
 

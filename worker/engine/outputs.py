@@ -127,6 +127,19 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     cache_salt: str = ""
     tenant: str = ""  # whose fair share and quotas it counts against (`serving_tuning.tenants`)
     grammar: str | None = None  # params.structured as a validated llguidance grammar (structured.py)
+    traced: bool = False  # record `TraceEvent`s for it (its job is traced and sampled)
+
+
+class TraceEvent(msgspec.Struct, frozen=True, array_like=True):
+    """Something the engine did to a traced request (`EngineCoreRequest.traced`), for its
+    trace (`worker.obs.tracing`): `prefill_chunk` (`tokens` computed, at the end of that
+    step's forward), `preempted` (`reason`: `kv_full`, `kv_quota`, `admission`, `oom`;
+    `tokens`: computed tokens dropped), `grammar_ready`. `time`: Unix seconds."""
+
+    name: str
+    time: float
+    tokens: int = 0
+    reason: str = ""
 
 
 class RequestTimes(msgspec.Struct, frozen=True, array_like=True):
@@ -134,12 +147,14 @@ class RequestTimes(msgspec.Struct, frozen=True, array_like=True):
 
     `arrival_time` is what the caller passed to `add_request` (the worker passes the
     Kafka record timestamp), so queue time = `first_scheduled_time - arrival_time`.
+    `events`: what the engine did to it, for a traced request only (else None).
     """
 
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float
+    events: list[TraceEvent] | None = None
 
     @property
     def queue_s(self) -> float | None:

@@ -13,9 +13,11 @@ counters of its rules (`num_preemptions`, `num_skips`, `effective_rank`, `share`
 from __future__ import annotations
 
 import enum
+import time
 from typing import TYPE_CHECKING
 
 from schemas.wire import FinishReason
+from worker.engine.outputs import TraceEvent
 
 if TYPE_CHECKING:
     import torch
@@ -139,6 +141,7 @@ class Request:
         "stop_token_set",
         "grammar",
         "stop_in_text",
+        "trace",
     )
 
     def __init__(
@@ -186,6 +189,12 @@ class Request:
         self.stop_token_set = frozenset(params.stop_token_ids)
         self.grammar = grammar  # params.structured's state (structured.py), None if unconstrained
         self.stop_in_text = False  # ended by its grammar: the last token is part of the text
+        self.trace: list[TraceEvent] | None = None  # what the engine did to it, if traced; None: not traced
+
+    def note(self, name: str, tokens: int = 0, reason: str = "", t: float | None = None) -> None:
+        """Record a `TraceEvent` at `t` (Unix s; None: now) if the request is traced."""
+        if self.trace is not None:
+            self.trace.append(TraceEvent(name, time.time() if t is None else t, tokens, reason))
 
     @property
     def num_tokens(self) -> int:
@@ -229,3 +238,4 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, prio={self.priority.name}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
+

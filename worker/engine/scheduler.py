@@ -140,7 +140,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None or req.status != RequestStatus.RUNNING:
             return False
-        self._preempt(req, {})
+        self._preempt(req, {}, "oom")
         return True
 
     # ---- the step ------------------------------------------------------------------
@@ -176,13 +176,15 @@ class Scheduler:
             while True:
                 if self._kv_quotas and self._over_kv_quota(req, num_new):
                     victim = self._victim_for(req, req.share.tenant)
+                    why = "kv_quota"
                 elif self.kv.allocate(req, num_new, reserve_tokens=self._reserve_tokens(req)):
                     scheduled[req.request_id] = num_new
                     budget -= num_new
                     break
                 else:
                     victim = self._victim_for(req)
-                budget += self._preempt(victim, scheduled)
+                    why = "kv_full"
+                budget += self._preempt(victim, scheduled, why)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
@@ -284,6 +286,14 @@ class Scheduler:
                 self.finish(req.request_id, status)
         return got_token
 
+    def note_prefill_chunks(self, sched: SchedulerOutput, now: float) -> None:
+        """A `prefill_chunk` TraceEvent at `now` (the end of the step's forward, Unix s) for
+        each traced request with a prefill chunk in step `sched` (entries after the decodes)."""
+        for s in sched.scheduled[sched.num_decodes:]:
+            req = self.requests.get(s.request_id)
+            if req is not None:
+                req.note("prefill_chunk", len(s.token_ids), t=now)
+
     # ---- helpers -------------------------------------------------------------------
     def _reserve_tokens(self, req: Request) -> int:
         """Tokens the request's blocks must cover from admission on: prompt + max_tokens
@@ -315,9 +325,11 @@ class Scheduler:
         req.share.tenant.num_running -= 1
         self._num_freed += 1
 
-    def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
+    def _preempt(self, victim: Request, scheduled: dict[str, int], reason: str) -> int:
         """Free the victim's KV and requeue it at its original place. Returns the
-        token budget it gave back if it had been scheduled this step."""
+        token budget it gave back if it had been scheduled this step. `reason` (`kv_full`,
+        `kv_quota`, `admission`, `oom`) goes into a traced request's events."""
+        victim.note("preempted", victim.num_computed_tokens, reason)
         self._remove_running(victim)
         self.kv.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
@@ -353,7 +365,7 @@ class Scheduler:
             return None
         given_back = 0
         for victim in victims:
-            given_back += self._preempt(victim, scheduled)
+            given_back += self._preempt(victim, scheduled, "admission")
             preempted.append(victim.request_id)
         return given_back
 

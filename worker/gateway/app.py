@@ -21,7 +21,6 @@ import time
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from schemas import keys
 from worker.client import InflightClient
@@ -38,6 +37,9 @@ from worker.gateway.files import FileStore
 from worker.gateway.generation import CancelSender
 from worker.gateway.metrics import GatewayMetrics
 from worker.gateway.render import TokenText
+from worker.gateway.tracing import tracing_middleware
+from worker.obs.metrics import exposition
+from worker.obs.tracing import setup_tracing
 
 log = structlog.get_logger(__name__)
 
@@ -85,6 +87,8 @@ class Gateway:
         self.batches: BatchManager | None = None
         self._created = int(time.time())
         self._max_model_len: int | None = cfg.gateway.max_model_len or context_length(cfg.gateway.tokenizer)
+        self.tracing = setup_tracing(cfg.tracing, "inflight-gateway", instance_id=self.gateway_id,
+                                     model=cfg.gateway.model_name)
 
     async def start(self) -> None:
         """Raises:
@@ -98,7 +102,8 @@ class Gateway:
             files = FileStore(g.files_dir)
         except OSError as e:
             raise ConfigError(f"gateway.files_dir: cannot create {g.files_dir!r} ({e.strerror})") from None
-        self.client = InflightClient(kafka=self.cfg.kafka, redis=self.cfg.redis)
+        self.client = InflightClient(kafka=self.cfg.kafka, redis=self.cfg.redis, tracing=self.tracing.enabled,
+                                     tracer_provider=self.tracing.provider)
         await self._check_topics()
         ctx = GatewayContext(cfg=g, client=self.client, keys=keyring, metrics=self.metrics,
                              cancels=CancelSender(self.client, lambda r: self.metrics.cancels.labels(r).inc()),
@@ -108,7 +113,9 @@ class Gateway:
         store = BatchStore(self.client.redis, files, self.cfg.redis.key_prefix, self.gateway_id, g.batch_lease_ms,
                            self.client.topic_prefix)
         self.batches = BatchManager(ctx, store, files)
-        app = web.Application(middlewares=[self._middleware], client_max_size=g.max_body_bytes)
+        middlewares = [tracing_middleware(self.tracing), self._middleware] if self.tracing.enabled else [
+            self._middleware]
+        app = web.Application(middlewares=middlewares, client_max_size=g.max_body_bytes)
         gen, bat = CompletionHandlers(ctx), BatchHandlers(ctx, files, self.batches)
         app.router.add_post("/v1/chat/completions", gen.chat)
         app.router.add_post("/v1/completions", gen.completions)
@@ -182,6 +189,8 @@ class Gateway:
                 await asyncio.wait_for(self.client.close(), 10)
             except Exception as e:  # stopping anyway
                 log.debug("client did not close cleanly", error=repr(e)[:200])
+        if self.tracing.enabled:
+            await asyncio.to_thread(self.tracing.shutdown)
         log.info("gateway stopped", gateway_id=self.gateway_id)
 
     # ---- middleware: errors in OpenAI's format, request metrics -----------------------------
@@ -242,7 +251,8 @@ class Gateway:
         return json_ok(body, status=200 if ready else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body, content_type = exposition(self.metrics.registry, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     # ---- readiness -------------------------------------------------------------------------------
     async def _check(self) -> None:

@@ -11,7 +11,7 @@ import msgspec
 
 from schemas import keys
 from schemas.wire import TENANT_PATTERN
-from worker.config import ConfigError, KafkaConfig, RedisConfig, load_config
+from worker.config import ConfigError, KafkaConfig, RedisConfig, TracingConfig, load_config
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _DURATION = re.compile(r"^(\d+)([smh])$")
@@ -165,11 +165,12 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class GatewayFileConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole gateway config file: `gateway` plus the `kafka` and `redis` connection
-    sections (the same fields, security included, as a worker's)."""
+    sections (the same fields, security included, as a worker's) and `tracing`."""
 
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     kafka: KafkaConfig = msgspec.field(default_factory=KafkaConfig)
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
 def load_gateway_config(path: str | None = None, env: dict[str, str] | None = None) -> GatewayFileConfig:

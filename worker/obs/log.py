@@ -7,6 +7,7 @@ import sys
 
 import structlog
 
+from worker.obs.trace_context import add_trace_ids
 from worker.obs.transient_log import TRANSIENT_GRACE_S, TransientEpisodes, TransientLogFilter, set_active
 
 # Fields a standard-library log call passes in `extra` to name the jobs it is about (the
@@ -28,6 +29,7 @@ def setup_logging(level: str = "INFO", json: bool | None = None, stream=None,
         json = not stream.isatty()
     shared = [
         structlog.contextvars.merge_contextvars,
+        add_trace_ids,  # a line about a traced job carries its trace_id / span_id (nothing while off)
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso"),
     ]

@@ -25,12 +25,30 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from schemas.wire import FINISH_REASONS
 
 if TYPE_CHECKING:
     from worker.engine import KVStats, StepStats
+
+
+def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """(body, Content-Type) of a `/metrics` scrape: the OpenMetrics text format when the
+    scraper asks for it (`Accept: application/openmetrics-text`, as Prometheus does with
+    exemplar storage on), which carries the latency histograms' exemplars (the trace id
+    of a traced job); else Prometheus' text format 0.0.4 (no exemplars)."""
+    if accept and "application/openmetrics-text" in accept:
+        return openmetrics.generate_latest(registry), openmetrics.CONTENT_TYPE_LATEST
+    return generate_latest(registry), CONTENT_TYPE_LATEST
 
 # Bucket upper bounds, seconds. TTFT 1 ms–120 s, TPOT 1 ms–2 s, e2e 10 ms–600 s.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -3,7 +3,7 @@ so whichever worker holds the job sees the cancel, and keeps the ids of every ca
 job in memory: the cancel topic is the durable record of cancels, Redis' tombstones
 only a cache (a Redis that restarts empty loses them; this index does not).
 
-Each valid cancel is handed to `on_cancel(job_id)` (the worker sets the tombstone, so a
+Each valid cancel is handed to `on_cancel(job_id, headers)` (the worker sets the tombstone, so a
 job not consumed yet is dropped on arrival, and aborts the job if it runs here: KV freed
 at the next step boundary, then `finished(cancelled)`) and added to the index, which the
 claim step checks with the tombstone (`is_cancelled`). Cancels for finished or unknown
@@ -49,13 +49,14 @@ class CancelListener:
     """Args:
     cfg: the `kafka` config section.
     client_id: Kafka client id.
-    on_cancel: awaited with the job id of every valid cancel.
+    on_cancel: awaited with the job id of every valid cancel and its record's Kafka
+        headers (the trace context of whoever cancelled).
     partitions_for: returns the partition ids of a topic, fetching its metadata
         (`AIOKafkaProducer.partitions_for`).
     outage: where transient Kafka errors are reported (None: only logged).
     """
 
-    def __init__(self, cfg: KafkaConfig, client_id: str, on_cancel: Callable[[str], Awaitable[None]],
+    def __init__(self, cfg: KafkaConfig, client_id: str, on_cancel: Callable[[str, tuple], Awaitable[None]],
                  partitions_for: Callable[[str], Awaitable[set[int]]], outage: KafkaOutage | None = None) -> None:
         self._partitions_for = partitions_for
         self.cfg = cfg
@@ -159,7 +160,7 @@ class CancelListener:
         batch = await self.consumer.getmany(timeout_ms=200)
         for tp, recs in batch.items():
             for rec in recs:
-                await self.handle(rec.value or b"")
+                await self.handle(rec.value or b"", rec.headers)
             if recs:
                 self._next[tp] = recs[-1].offset + 1
         if not self.caught_up.is_set():
@@ -168,7 +169,7 @@ class CancelListener:
                     self._next[tp] = max(self._next.get(tp, 0), await self.consumer.position(tp))
             self._check_caught_up()
 
-    async def handle(self, data: bytes) -> None:
+    async def handle(self, data: bytes, headers: tuple = ()) -> None:
         try:
             cancel = decode_cancel(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -176,4 +177,4 @@ class CancelListener:
             return
         self.num_cancels += 1
         self._remember(cancel.job_id)
-        await self._on_cancel(cancel.job_id)
+        await self._on_cancel(cancel.job_id, headers)

@@ -110,7 +110,10 @@ class Finalizer:
 
     def add(self, jobs: Iterable[LocalJob]) -> None:
         """Jobs whose terminal event was just published."""
+        now = time.time()
         for held in jobs:
+            if held.trace is not None:
+                held.trace.published_at = now
             self._queue.put_nowait(held)
 
     async def run(self) -> None:
@@ -119,8 +122,12 @@ class Finalizer:
             batch = [await q.get()]
             while not q.empty():
                 batch.append(q.get_nowait())
+            t0 = time.time()
             await _retrying(lambda b=batch: self._record(b), "record outcomes", [j.job_id for j in batch], self.outage)
+            t1 = time.time()
             for held in batch:
+                if held.trace is not None:
+                    held.trace.recorded = (t0, t1)
                 self._done(held)
 
     async def _record(self, batch: list[LocalJob]) -> None:
@@ -147,14 +154,16 @@ class Finalizer:
         reason = held.finish_reason or FinishReason.ERROR
         self._finished[reason].inc()
         summary = held.summary
+        trace = held.trace
         if held.opened:  # it ran in the engine: latency and token metrics
             e2e, tpot, queue = self._priority_metrics(held.priority)
+            exemplar = trace.exemplar if trace is not None else None  # OpenMetrics exemplars: the job's trace
             if summary.get("e2e_s") is not None:
-                e2e.observe(summary["e2e_s"])
+                e2e.observe(summary["e2e_s"], exemplar)
             if summary.get("tpot_s") is not None:
-                tpot.observe(summary["tpot_s"])
+                tpot.observe(summary["tpot_s"], exemplar)
             if summary.get("queue_s") is not None:
-                queue.observe(summary["queue_s"])
+                queue.observe(summary["queue_s"], exemplar)
                 m.observe_tenant_queue_time(held.job.tenant, summary["queue_s"])
             if summary.get("prompt_tokens"):
                 m.prompt_tokens.inc(summary["prompt_tokens"])
@@ -171,6 +180,8 @@ class Finalizer:
         log.info("job finished", job_id=held.job_id, topic=first.tp.topic, partition=first.tp.partition,
                  offset=first.offset, finish_reason=reason.value, attempt=held.attempt, priority=held.priority,
                  tokens=held.num_tokens, **summary)
+        if trace is not None:  # after the line above, which carries its ids
+            trace.end(time.time())
 
 
 async def _retrying(write, what: str, job_ids: list[str], outage: KafkaOutage | None = None) -> None:

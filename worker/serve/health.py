@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from worker.config import ConfigError, MetricsConfig
 from worker.obs.errors import suppressed
+from worker.obs.metrics import exposition
 from worker.security import access, probe
 
 if TYPE_CHECKING:
@@ -200,7 +201,8 @@ class OpsServer:
         await self._runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body, content_type = exposition(self.registry, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _healthz(self, request: web.Request) -> web.Response:
         ok, body = self.health.liveness()
@@ -240,3 +242,19 @@ def nvml_available() -> bool:
         return torch.cuda.is_available()
     except Exception:
         return False
+
+
+def engine_liveness(client: Any, crash: BaseException | None, stall_s: float) -> tuple[bool, dict]:
+    """(alive, details) for /healthz: the engine core (`client`, the worker's engine
+    client; None while starting) runs and ticked within `stall_s` (`metrics.engine_stall_s`)
+    and the worker did not crash (`crash`). True while the model is still loading."""
+    if crash is not None:
+        return False, {"status": "crashed", "error": repr(crash)[:300]}
+    if client is None or client.input is None:
+        return True, {"status": "starting"}
+    since = time.monotonic() - client.last_tick
+    if not client.alive:
+        return False, {"status": "engine stopped"}
+    if since > stall_s:
+        return False, {"status": "engine loop stalled", "since_last_tick_s": round(since, 1)}
+    return True, {"status": "ok", "since_last_tick_s": round(since, 3), "steps": client.num_steps}

@@ -293,6 +293,7 @@ class Intake:
         assigned = self.consumer.assignment()
         tracker = self.tracker
         read_ahead = self.read_ahead
+        now = time.time()
         for tp, recs in got.items():
             prio = self.topics[tp.topic]
             for rec in recs:
@@ -310,7 +311,8 @@ class Intake:
                         job, error = decode_job(value), None
                     except (msgspec.DecodeError, msgspec.ValidationError) as e:
                         job, error = None, str(e)
-                jr = JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key, error)
+                jr = JobRecord(job, prio, tp, rec.offset, rec.timestamp / 1000.0, value, rec.key, error,
+                               headers=rec.headers, read_time=now)
                 (read_ahead.add if job is not None else self.invalid.append)(jr)
 
     async def _fill_slots(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from schemas.codec import encode
@@ -41,23 +41,12 @@ from schemas.wire import (
     Usage,
 )
 from worker.serve.history import Published, RecentHistories
-from worker.serve.local_job import JobState, LocalJob, Offset
+from worker.serve.local_job import Applied, JobState, LocalJob, Offset
 
 if TYPE_CHECKING:
     from worker.engine import RequestOutput
 
 RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
-
-
-@dataclass(slots=True)
-class Applied:
-    """What `apply_outputs` took: jobs whose first token arrived (for TTFT), the number
-    of output tokens drafted (outputs of jobs no longer here are not counted), and that
-    number per tenant (`""`: jobs without one)."""
-
-    first_tokens: list[LocalJob]
-    num_tokens: int
-    tokens_by_tenant: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -204,6 +193,8 @@ class JobTable:
         held.take_drafts()  # the terminal draft too
         self._dirty.pop(held.job_id, None)
         del self._jobs[held.job_id]
+        if held.trace is not None:
+            held.trace.end(self._clock(), "lost")
         return held
 
     def hand_back(self, job_id: str) -> LocalJob | None:
@@ -218,6 +209,8 @@ class JobTable:
         self._dirty.pop(held.job_id, None)
         self._untrack(held)
         del self._jobs[held.job_id]
+        if held.trace is not None:
+            held.trace.end(self._clock(), "handed_back")
         return held
 
     def request_cancel(self, job_id: str, now_mono: float | None = None) -> LocalJob | None:
@@ -281,6 +274,8 @@ class JobTable:
         }
         if error is not None:
             held.summary["error_code"] = error.code
+        if held.trace is not None:
+            held.trace.engine_done(out.times)
         self._terminate(held, reason, error, usage, Timings(queue_s=queue, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e))
 
     def _terminate(self, held: LocalJob, reason: FinishReason, error: ErrorInfo | None, usage: Usage | None,
@@ -290,10 +285,12 @@ class JobTable:
         held.finish_reason = reason
         held.error = error
         # seq is set when the round is drained
-        held.draft_terminal(Finished(job_id=held.job_id, seq=-1, attempt=held.attempt, finish_reason=reason,
-                                     text=held.text, usage=usage, timings=timings, error=error,
-                                     metadata=held.job.metadata))
+        term = Finished(job_id=held.job_id, seq=-1, attempt=held.attempt, finish_reason=reason, text=held.text,
+                        usage=usage, timings=timings, error=error, metadata=held.job.metadata)
+        held.draft_terminal(term)
         self._dirty.setdefault(held.job_id, held)
+        if held.trace is not None:
+            held.trace.terminated(held, term, self._clock())
 
     def _draft(self, held: LocalJob, *, opening: str) -> None:
         if opening == "started":

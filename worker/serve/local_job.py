@@ -1,15 +1,19 @@
-"""One job held by a worker (`LocalJob`), its lifecycle state (`JobState`, ordered) and
-the Kafka records it answers (`Offset`). Only `worker.serve.jobs.JobTable` writes them; the
-lifecycle diagram is in `worker/serve/jobs.py`."""
+"""One job held by a worker (`LocalJob`), its lifecycle state (`JobState`, ordered), the
+Kafka records it answers (`Offset`), and what `JobTable.apply_outputs` took (`Applied`).
+Only `worker.serve.jobs.JobTable` writes them; the lifecycle diagram is in
+`worker/serve/jobs.py`."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from schemas.wire import ErrorInfo, Finished, FinishReason, Job, TokenLogprob
+
+if TYPE_CHECKING:
+    from worker.obs.tracing import JobTrace
 
 
 class JobState(enum.IntEnum):
@@ -35,7 +39,8 @@ class LocalJob:
     __slots__ = ("job", "priority", "offsets", "enqueue_time", "claim_token", "attempt", "next_seq", "raw", "raw_key",
                  "isolated", "state", "claim_time", "first_token_time", "num_tokens", "text_parts",
                  "cancel_time_mono", "_opening", "_delta_text", "_delta_ids", "_delta_logprobs", "_terminal",
-                 "opened", "finish_reason", "error", "dead_letter", "history", "summary", "terminal_published", "prior")
+                 "opened", "finish_reason", "error", "dead_letter", "history", "summary", "terminal_published", "prior",
+                 "trace", "headers")
 
     def __init__(self, job: Job, priority: str, offsets: list[Offset], enqueue_time: float, claim_token: str,
                  attempt: int, next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
@@ -70,6 +75,8 @@ class LocalJob:
         self.summary: dict[str, Any] = {}  # timings for the job's summary log line
         self.terminal_published = False  # the terminal event is numbered (in `history`; being published)
         self.prior: tuple[tuple[int, int, bytes], ...] = ()  # earlier attempts' log entries (seq, attempt, event)
+        self.trace: JobTrace | None = None  # its trace when tracing is on and it is sampled (worker.obs.tracing)
+        self.headers: tuple = ()  # its record's Kafka headers (trace context), kept for a re-take
 
     @property
     def job_id(self) -> str:
@@ -134,3 +141,14 @@ class Drafts(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     terminal: Finished | None
+
+
+@dataclass(slots=True)
+class Applied:
+    """What `apply_outputs` took: jobs whose first token arrived (for TTFT), the number
+    of output tokens drafted (outputs of jobs no longer here are not counted), and that
+    number per tenant (`""`: jobs without one)."""
+
+    first_tokens: list[LocalJob]
+    num_tokens: int
+    tokens_by_tenant: dict[str, int] = field(default_factory=dict)

@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 class JobRecord:
     """A decoded job record with where it came from. `enqueue_time` is the record's
     Kafka timestamp (Unix seconds); `raw`/`key` the original bytes (for the DLQ; `raw`
-    is None for a record whose value is null). A record that is not a valid job has
+    is None for a record whose value is null); `headers` its Kafka headers (the W3C
+    trace context a producer put there, `worker.obs.tracing`). A record that is not a valid job has
     `job` None and the decode `error`."""
 
     job: Job | None
@@ -61,6 +62,8 @@ class JobRecord:
     key: bytes | None
     error: str | None = None
     read_seq: int = 0  # order in which the read-ahead got it (set by ReadAhead.add)
+    headers: tuple = ()  # the record's Kafka headers [(name, value bytes)]: its trace context
+    read_time: float = 0.0  # when this worker read it (Unix s; 0: not from a fetch)
 
     @property
     def tenant(self) -> str:

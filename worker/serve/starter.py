@@ -38,6 +38,7 @@ from schemas.codec import recover_tenant
 from schemas.keys import JobRef
 from schemas.wire import ErrorInfo, FinishReason, Job
 from worker.engine import RequestRejected
+from worker.obs.tracing import OFF, Tracing
 from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN
 from worker.serve.claims import Claimed, ClaimStore, Contested, Done, EpochChanged
@@ -118,11 +119,13 @@ class JobStarter:
         as many again may be finishing.
     max_job_failures: earlier unclean attempts after which a job is poison.
     tokenizer_threads: size of the input-processing pool.
+    tracing: the worker's tracing (`worker.obs.tracing`; default off): each claimed job
+        that is sampled gets its `JobTrace`.
     """
 
     def __init__(self, table: JobTable, claims: ClaimStore, engine: ThreadEngineClient | ProcessEngineClient,
                  finalizer: Finalizer, metrics: Metrics, host: StarterHost, *, max_local_jobs: int,
-                 max_job_failures: int, tokenizer_threads: int = 2) -> None:
+                 max_job_failures: int, tokenizer_threads: int = 2, tracing: Tracing = OFF) -> None:
         self.table = table
         self.claims = claims
         self.engine = engine
@@ -138,6 +141,8 @@ class JobStarter:
         self._alone: str | None = None  # the job running alone, if any
         self._alone_waiting = 0  # jobs waiting to run alone (they hold the gate shut for others)
         self._restoring_logged = 0.0
+        self.tracing = tracing
+        self._claim_times = (0.0, 0.0)  # (start, end) of the last claim batch (Unix s)
 
     def free_slots(self) -> int:
         """Jobs that may be taken now. A slot is a job without its terminal event yet
@@ -168,6 +173,7 @@ class JobStarter:
         if not fresh:
             return []
         refs = [JobRef(r.job.job_id, r.job.tenant) for r in fresh]
+        claim_start = time.time()
         try:
             try:
                 results = await self.claims.take(refs)
@@ -179,6 +185,7 @@ class JobStarter:
                 raise
             log.info("claims unavailable; will retry the batch", error=repr(e)[:200], records=len(fresh))
             return fresh
+        self._claim_times = (claim_start, time.time())
         contested = []
         to_run: list[LocalJob] = []
         num_restoring = 0
@@ -218,6 +225,9 @@ class JobStarter:
         job = rec.job
         held = self.table.open(job, rec.priority, Offset(rec.tp, rec.offset), rec.enqueue_time, c.token, c.attempt,
                              c.next_seq, raw=rec.raw, raw_key=rec.key, isolated=c.failures > 0, prior=c.prior)
+        held.headers = rec.headers
+        if self.tracing.enabled:
+            held.trace = self.tracing.open_job(rec, held, *self._claim_times)
         if c.cancelled or self.host.job_cancelled(job.job_id):
             self.table.finish_local(job.job_id, FinishReason.CANCELLED)
         elif job.deadline is not None and job.deadline < time.time():
@@ -308,6 +318,15 @@ class JobStarter:
         self._hand_to_engine(held, req)
 
     def _process_input(self, held: LocalJob):
+        if held.trace is None:
+            return self._input(held)
+        t0 = time.time()
+        try:
+            return self._input(held)
+        finally:
+            held.trace.tokenize = (t0, time.time())
+
+    def _input(self, held: LocalJob):
         job = held.job
         kwargs: dict[str, Any] = {"params": job.params, "priority": held.priority, "cache_salt": job.tenant or "",
                                   "tenant": job.tenant, "arrival_time": held.enqueue_time, "deadline": job.deadline}
@@ -321,6 +340,9 @@ class JobStarter:
         return self.engine.input.process(job.job_id, **kwargs)
 
     def _hand_to_engine(self, held: LocalJob, req) -> None:
+        if held.trace is not None:
+            req.traced = True
+            held.trace.submitted = time.time()
         try:
             self.engine.submit(req)
         except RequestRejected as e:  # duplicate id, or overloaded (overload_policy: reject)
@@ -350,14 +372,19 @@ class JobStarter:
                     partition=tp.partition, offset=rec.offset, size=len(rec.raw or b""))
         if job_id and job_id not in self.table:
             tenant = recover_tenant(rec.raw or b"")  # its stream is where the producer's reader waits
+            claim_start = time.time()
             try:
                 res = (await self.claims.take([JobRef(job_id, tenant)]))[0]
             except (EpochChanged, *REDIS_DOWN):
                 res = None
             if isinstance(res, Claimed):
-                self.table.open(Job(job_id=job_id, prompt="", tenant=tenant), rec.priority, Offset(tp, rec.offset),
-                                rec.enqueue_time, res.token, res.attempt, res.next_seq)
-                self.table.finish_local(job_id, FinishReason.REJECTED, ErrorInfo(code="invalid_job", message=error))
+                held = self.table.open(Job(job_id=job_id, prompt="", tenant=tenant), rec.priority,
+                                       Offset(tp, rec.offset), rec.enqueue_time, res.token, res.attempt, res.next_seq)
+                if self.tracing.enabled:
+                    held.trace = self.tracing.open_job(rec, held, claim_start, time.time())
+                # the DLQ record is written already (held.raw is None: not again); it marks the trace
+                self.table.finish_local(job_id, FinishReason.REJECTED, ErrorInfo(code="invalid_job", message=error),
+                                        dead_letter=("invalid_job", error))
                 self.host.wake()
                 return
         self.finalizer.release(tp, rec.offset)

@@ -50,6 +50,7 @@ from worker.engine.core_client import ProcessEngineClient, ThreadEngineClient, m
 from worker.engine.core_proc import EngineSpec, PretrainedEngine
 from worker.obs.log import task_stacks
 from worker.obs.metrics import Metrics
+from worker.obs.tracing import setup_tracing
 from worker.security.kafka import kafka_security_kwargs, stop_client
 from worker.security.probe import verify_access
 from worker.security.redis import REDIS_DOWN, redis_client
@@ -58,7 +59,7 @@ from worker.serve.claim_scripts import TAKE_LUA
 from worker.serve.claims import ClaimStore, EpochChanged
 from worker.serve.dlq import DeadLetters
 from worker.serve.finalize import Finalizer
-from worker.serve.health import HealthChecks, OpsServer, loop_lag_monitor, nvml_available
+from worker.serve.health import HealthChecks, OpsServer, engine_liveness, loop_lag_monitor, nvml_available
 from worker.serve.intake import Intake
 from worker.serve.jobs import JobState, JobTable, Round
 from worker.serve.kafka_outage import KafkaOutage
@@ -115,9 +116,13 @@ class Worker:
         self.intake: Intake | None = None
         self.cancels: CancelListener | None = None
         self.kafka_outage = KafkaOutage(cfg.kafka.outage_limit_s, self.metrics)
-        self.health = HealthChecks(self.metrics, liveness=self._liveness, kafka_outage=self.kafka_outage)
+        self.health = HealthChecks(self.metrics, kafka_outage=self.kafka_outage, liveness=lambda: engine_liveness(
+            self.engine, self._crash, cfg.metrics.engine_stall_s))
         self.server = (OpsServer(self.metrics.registry, self.health, cfg.metrics.host, cfg.metrics.port)
                        if cfg.metrics.port is not None else None)
+        self.tracing = setup_tracing(cfg.tracing, "inflight-worker", instance_id=self.worker_id,
+                                     model=os.path.basename(cfg.model.path.rstrip("/")) or None,
+                                     consumer_group=cfg.kafka.group_id)
 
     @property
     def num_local_jobs(self) -> int:
@@ -157,7 +162,7 @@ class Worker:
                                    outage=self.kafka_outage)
         self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self,
                                   max_local_jobs=self.max_local_jobs, max_job_failures=cfg.worker.max_job_failures,
-                                  tokenizer_threads=cfg.worker.tokenizer_threads)
+                                  tokenizer_threads=cfg.worker.tokenizer_threads, tracing=self.tracing)
         tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
         self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
                              read_ahead_per_partition=cfg.worker.read_ahead_per_partition,
@@ -277,6 +282,8 @@ class Worker:
                 log.debug("Redis client did not close cleanly", error=repr(e)[:200])
         if self.server is not None:
             await self.server.stop()
+        if self.tracing.enabled:
+            await asyncio.to_thread(self.tracing.shutdown)
         log.info("worker stopped", worker_id=self.worker_id, finished=self.num_finished)
 
     @property
@@ -289,7 +296,8 @@ class Worker:
         m = self.metrics
         applied = self.table.apply_outputs(outputs)
         for held in applied.first_tokens:
-            m.ttft.labels(held.priority).observe(held.first_token_time - held.enqueue_time)
+            m.ttft.labels(held.priority).observe(held.first_token_time - held.enqueue_time,
+                                                 held.trace.exemplar if held.trace is not None else None)
         if applied.num_tokens:
             m.generation_tokens.inc(applied.num_tokens)
             for tenant, n in applied.tokens_by_tenant.items():
@@ -313,15 +321,18 @@ class Worker:
         self.request_stop()
 
     # ---- cancels, claims, Redis health --------------------------------------------------
-    async def cancel(self, job_id: str) -> None:
+    async def cancel(self, job_id: str, headers: tuple = ()) -> None:
         """A cancel message: tombstone (a job not here yet is dropped on arrival) and, if
-        the job runs here, abort it (KV freed at the next step boundary)."""
+        the job runs here, abort it (KV freed at the next step boundary). `headers`: the
+        cancel record's Kafka headers (its trace context is linked from the job's trace)."""
         self.metrics.cancels.inc()
         try:
             await self.claims.tombstone(job_id)
         except REDIS_DOWN as e:
             log.warning("could not set the cancel tombstone (Redis unreachable)", job_id=job_id, error=repr(e)[:200])
         held = self.table.request_cancel(job_id)
+        if held is not None and held.trace is not None:
+            held.trace.cancel_requested(headers)
         if held is not None and held.state == JobState.IN_ENGINE:
             self.engine.abort(job_id)
 
@@ -358,7 +369,8 @@ class Worker:
                 self.engine.abort(job_id)
             self.metrics.aborted.labels("lease_lost").inc()
             self.intake.add_contested(
-                [JobRecord(held.job, held.priority, o.tp, o.offset, held.enqueue_time, b"", None) for o in held.offsets])
+                [JobRecord(held.job, held.priority, o.tp, o.offset, held.enqueue_time, b"", None, headers=held.headers)
+                 for o in held.offsets])
 
     def _on_redis_outage(self, down: bool) -> None:
         self.metrics.redis_outage.set(1 if down else 0)
@@ -379,19 +391,3 @@ class Worker:
     async def restore_redis(self, stale_epoch: str) -> None:
         """Redis lost its data: the publisher re-claims and re-appends (`Publisher.restore`)."""
         await self.publisher.restore(stale_epoch)
-
-    # ---- health --------------------------------------------------------------------------
-    def _liveness(self) -> tuple[bool, dict]:
-        """(alive, details) for /healthz: the engine core runs and ticked within
-        `metrics.engine_stall_s`. True while the model is still loading."""
-        client = self.engine
-        if self._crash is not None:
-            return False, {"status": "crashed", "error": repr(self._crash)[:300]}
-        if client is None or client.input is None:
-            return True, {"status": "starting"}
-        since = time.monotonic() - client.last_tick
-        if not client.alive:
-            return False, {"status": "engine stopped"}
-        if since > self.cfg.metrics.engine_stall_s:
-            return False, {"status": "engine loop stalled", "since_last_tick_s": round(since, 1)}
-        return True, {"status": "ok", "since_last_tick_s": round(since, 3), "steps": client.num_steps}

@@ -1,0 +1,299 @@
+"""OpenTelemetry traces of jobs across the queue: one trace per job, from the HTTP request
+or the producer to the last token (issue 27; the span layout follows OpenTelemetry's
+messaging and GenAI semantic conventions).
+
+Propagation: W3C trace context (`traceparent`, `tracestate`) travels in the Kafka
+headers of the job record (and of a cancel record), as OpenTelemetry's Kafka
+instrumentations in other languages put it, so a producer in any language that traces
+links its span; a record without them starts a new trace (sampled by the configured
+sampler; one with them follows its sampled flag).
+
+Spans of one job (times are wall clock; a worker builds its phase spans from
+timestamps when the job ends, so no span is opened per step or per token):
+
+    POST /v1/chat/completions        SERVER     gateway (the HTTP request)
+    └─ send inflight.jobs.normal     PRODUCER   gateway or InflightClient.submit
+       └─ process inflight.jobs.normal  CONSUMER worker, one per attempt
+          ├─ read_ahead     record read → claim (waiting in the worker's read-ahead)
+          ├─ claim          the Redis claim (ended and exported at once: a worker
+          │                 killed later still leaves its attempt in the trace)
+          ├─ tokenize       input processing (chat template, tokenizer)
+          ├─ engine.queue   submitted → first scheduled (the engine's waiting queue)
+          ├─ prefill        first scheduled → first token (`prefill_chunk` events)
+          ├─ decode         first token → last token
+          ├─ publish        terminal event drafted → in Redis
+          └─ results.write  results topic (and DLQ) written; the span ends when the
+                            record's offset is done
+          events: restarted, first_token, preempted (reason), cancel_requested,
+                  cancelled, rejected, handed_back, lost
+
+Off (the default) costs nothing: `OFF`'s methods return at once, no job gets a
+`JobTrace`, and nothing of OpenTelemetry is imported (`worker.obs.tracing` itself
+imports it only inside `OtelTracing`). A sampled-out job gets no `JobTrace` either.
+An unreachable collector drops spans (the SDK's batch processor never blocks the
+caller) and logs one warning per episode (`ReportingExporter`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+if TYPE_CHECKING:
+    from worker.config import TracingConfig
+
+from worker.obs.job_trace import JobTrace
+from worker.obs.trace_context import ACTIVE, context_from_headers, ns
+
+log = structlog.get_logger(__name__)
+
+OTLP_DEFAULT_PORTS = {"http/protobuf": 4318, "grpc": 4317}
+
+
+
+class Tracing:
+    """Tracing off: every method does nothing and returns at once (`OFF`). The hot path
+    only asks `open_job`, which returns None here, so jobs carry no trace."""
+
+    enabled = False
+    capture_content = False
+    provider: Any = None  # the SDK TracerProvider when on
+
+    def open_job(self, rec: Any, held: Any, claim_start: float, claim_end: float) -> JobTrace | None:
+        """Start the CONSUMER span of one attempt of a job just claimed (`rec`: its
+        `JobRecord`, `held`: its `LocalJob`; the claim batch ran from `claim_start` to
+        `claim_end`, Unix s). None when off or not sampled."""
+        return None
+
+    def server_span(self, method: str, route: str, headers: Any, attributes: dict[str, Any]):
+        """A SERVER span for an HTTP request (gateway), or None when off."""
+        return None
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Flush what is queued and stop exporting (bounded by `timeout_s`)."""
+
+
+OFF = Tracing()
+
+
+def setup_tracing(cfg: TracingConfig, service: str, *, instance_id: str | None = None, model: str | None = None,
+                  consumer_group: str | None = None, exporter: Any = None, set_global: bool = True) -> Tracing:
+    """`OFF` unless `cfg.enabled`; else an `OtelTracing` exporting over OTLP (or to
+    `exporter`, a SpanExporter: tests pass an in-memory one).
+
+    Args:
+        service: default `service.name` (`OTEL_SERVICE_NAME`, then `cfg.service_name` win).
+        instance_id: `service.instance.id` (the worker id; also `inflight.worker_id`).
+        model: `gen_ai.request.model` of the jobs.
+        consumer_group: `messaging.consumer.group.name` of the jobs' CONSUMER spans.
+        set_global: also make it OpenTelemetry's global tracer provider (so the
+            client's PRODUCER spans and any instrumented library in the process use it).
+    """
+    if not cfg.enabled:
+        return OFF
+    return OtelTracing(cfg, service, instance_id=instance_id, model=model, consumer_group=consumer_group,
+                       exporter=exporter, set_global=set_global)
+
+
+def otlp_exporter(cfg: TracingConfig):
+    """The OTLP span exporter `cfg` and the `OTEL_EXPORTER_OTLP_*` variables describe.
+    Returns (exporter, protocol, endpoint for logs)."""
+    protocol = (cfg.protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        endpoint = cfg.endpoint
+        exporter = GrpcExporter(endpoint=endpoint, insecure=endpoint.startswith("http://") if endpoint else None)
+        shown = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4317"
+        return exporter, protocol, shown
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    endpoint = cfg.endpoint.rstrip("/") + "/v1/traces" if cfg.endpoint else None
+    exporter = HttpExporter(endpoint=endpoint)
+    return exporter, "http/protobuf", exporter._endpoint
+
+
+class ReportingExporter:
+    """Wraps a SpanExporter: a failed export (collector unreachable, refused) drops its
+    batch and logs one warning per episode, with the count dropped when exports work
+    again; the SDK's own per-batch error lines are silenced. Runs in the batch
+    processor's thread, never on the event loop or in the engine."""
+
+    def __init__(self, inner: Any, where: str) -> None:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.inner = inner
+        self.where = where
+        self._ok = SpanExportResult.SUCCESS
+        self._failure = SpanExportResult.FAILURE
+        self.failing = False
+        self.num_exported = 0
+        self.num_dropped = 0
+        self._episode_dropped = 0
+
+    def export(self, spans: Sequence[Any]):
+        try:
+            result = self.inner.export(spans)
+            error = None
+        except Exception as e:  # an exporter bug must not kill the processor's thread
+            result, error = self._failure, e
+        if result == self._ok:
+            self.num_exported += len(spans)
+            if self.failing:
+                self.failing = False
+                log.info("trace export works again", endpoint=self.where, dropped_spans=self._episode_dropped)
+                self._episode_dropped = 0
+            return result
+        self.num_dropped += len(spans)
+        self._episode_dropped += len(spans)
+        if not self.failing:
+            self.failing = True
+            log.warning("trace export failed: spans are dropped until the collector answers; jobs are unaffected",
+                        endpoint=self.where, error=repr(error)[:200] if error else "export refused or unreachable")
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class OtelTracing(Tracing):
+    """Tracing on: an SDK TracerProvider with a batch span processor (queue, export
+    thread; `OTEL_BSP_*` honoured) feeding `ReportingExporter`.
+
+    Raises:
+        ConfigError: the OpenTelemetry packages are missing (the `tracing` extra).
+    """
+
+    enabled = True
+
+    def __init__(self, cfg: TracingConfig, service: str, *, instance_id: str | None = None, model: str | None = None,
+                 consumer_group: str | None = None, exporter: Any = None, set_global: bool = True) -> None:
+        try:
+            from opentelemetry import trace
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        except ImportError as e:
+            from worker.config import ConfigError
+
+            raise ConfigError(f"tracing.enabled needs the OpenTelemetry SDK ({e.name} is missing): "
+                              "pip install 'inflight-worker[tracing]'") from None
+        self._trace = trace
+        self.capture_content = cfg.capture_content
+        self.model = model
+        self.worker_id = instance_id or ""
+        self.consumer_group = consumer_group or ""
+        for name in ("opentelemetry.exporter", "opentelemetry.sdk.trace.export"):  # ReportingExporter reports
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        attrs: dict[str, Any] = {}
+        if not os.environ.get("OTEL_SERVICE_NAME"):
+            attrs["service.name"] = cfg.service_name or service
+        if instance_id:
+            attrs["service.instance.id"] = instance_id
+        sampler = ParentBased(TraceIdRatioBased(cfg.sample_ratio)) if cfg.sample_ratio is not None else None
+        self.provider = TracerProvider(resource=Resource.create(attrs), sampler=sampler)
+        if exporter is None:
+            exporter, protocol, where = otlp_exporter(cfg)
+        else:
+            protocol, where = "custom", type(exporter).__name__
+        self.exporter = ReportingExporter(exporter, where)
+        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
+        self.tracer = self.provider.get_tracer("inflight")
+        if set_global:
+            trace.set_tracer_provider(self.provider)
+        log.info("tracing on", endpoint=where, protocol=protocol, service=attrs.get("service.name")
+                 or os.environ.get("OTEL_SERVICE_NAME"), sample_ratio=cfg.sample_ratio)
+
+    # ---- the worker's jobs ---------------------------------------------------------------
+    def open_job(self, rec: Any, held: Any, claim_start: float, claim_end: float) -> JobTrace | None:
+        trace = self._trace
+        tp = rec.tp
+        job = held.job
+        params = job.params
+        attrs: dict[str, Any] = {
+            "messaging.system": "kafka",
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.destination.name": tp.topic,
+            "messaging.destination.partition.id": str(tp.partition),
+            "messaging.kafka.offset": rec.offset,
+            "messaging.kafka.message.key": job.job_id,
+            "gen_ai.operation.name": "chat" if job.messages is not None else "text_completion",
+            "gen_ai.response.id": job.job_id,
+            "inflight.job_id": job.job_id,
+            "inflight.priority": held.priority,
+            "inflight.attempt": held.attempt,
+            "inflight.worker_id": self.worker_id,
+        }
+        if self.consumer_group:
+            attrs["messaging.consumer.group.name"] = self.consumer_group
+        if self.model:
+            attrs["gen_ai.request.model"] = self.model
+        if params.max_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = params.max_tokens
+        attrs["gen_ai.request.temperature"] = params.temperature
+        if params.top_p is not None and params.top_p < 1.0:
+            attrs["gen_ai.request.top_p"] = params.top_p
+        if params.seed is not None:
+            attrs["gen_ai.request.seed"] = params.seed
+        if job.tenant:
+            attrs["inflight.tenant"] = job.tenant
+        if held.isolated:
+            attrs["inflight.isolated"] = True
+        span = self.tracer.start_span(f"process {tp.topic}", context=context_from_headers(rec.headers),
+                                      kind=trace.SpanKind.CONSUMER, start_time=ns(rec.read_time or claim_start),
+                                      attributes=attrs)
+        if not span.is_recording():  # not sampled: nothing more for this job
+            return None
+        jt = JobTrace(self, span, job.job_id)
+        if held.attempt > 1:
+            span.add_event("restarted", {"inflight.attempt": held.attempt,
+                                         "inflight.reason": "an earlier attempt did not finish"}, ns(claim_end))
+        jt.child("read_ahead", rec.read_time or claim_start, claim_start)
+        jt.child("claim", claim_start, claim_end, {"inflight.attempt": held.attempt})
+        if self.capture_content:
+            import msgspec
+
+            span.set_attribute("gen_ai.input.messages", msgspec.json.encode(
+                job.messages if job.messages is not None else job.prompt
+                if job.prompt is not None else job.prompt_token_ids).decode())
+        ACTIVE[job.job_id] = jt
+        return jt
+
+    # ---- the gateway's requests ----------------------------------------------------------
+    def server_span(self, method: str, route: str, headers: Any, attributes: dict[str, Any]):
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        carrier = {k: headers[k] for k in ("traceparent", "tracestate") if k in headers}
+        parent = TraceContextTextMapPropagator().extract(carrier) if carrier else None
+        return self.tracer.start_span(f"{method} {route}", context=parent, kind=self._trace.SpanKind.SERVER,
+                                      attributes=attributes)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Flush queued spans (bounded), then stop the processor. A collector that does
+        not answer costs at most about `timeout_s`: the final export runs in a daemon
+        thread that is abandoned past it."""
+        done = threading.Event()
+
+        def stop() -> None:
+            try:
+                self.provider.force_flush(int(timeout_s * 1000))
+                self.provider.shutdown()
+            finally:
+                done.set()
+
+        threading.Thread(target=stop, name="inflight-tracing-shutdown", daemon=True).start()
+        if not done.wait(timeout_s + 1.0):
+            log.warning("trace export did not finish at shutdown; queued spans are dropped",
+                        endpoint=self.exporter.where)
