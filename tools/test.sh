@@ -4,18 +4,25 @@
 # unrenderable docstring fails here, before any service starts), starts the dev stack
 # (Redis + Kafka on 127.0.0.1, see tools/devstack.sh) and the secured one beside it
 # (`up --secure`: its own ports and state; about 15 s from nothing) for the integration
-# tests, installs promtool (Debian's prometheus package) for the alert-rule tests when
+# tests, starts Jaeger (tools/jaeger.sh: the tracing back end; built from source through
+# the Go module proxy the first time on a machine, ~9 min, then cached), installs promtool
+# (Debian's prometheus package, the alert-rule tests) and kcat (the tracing tests) when
 # missing and running as root, runs pytest. Extra arguments go to pytest. The stacks keep
-# running afterwards; stop them with tools/devstack.sh down (and down --secure).
+# running afterwards; stop them with tools/devstack.sh down (and down --secure) and
+# tools/jaeger.sh down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_venv.sh
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir .cache/docs-site
 tools/devstack.sh up
 tools/devstack.sh up --secure   # TLS / SASL / ACL Kafka and Redis beside it (tests/integration/test_security.py)
-if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "test: installing promtool (apt package prometheus)" >&2
+tools/jaeger.sh up   # the tracing back end (tests/integration/test_tracing.py); built once per machine
+missing=()
+command -v promtool >/dev/null || missing+=(prometheus)   # promtool: the alert-rule tests
+command -v kcat >/dev/null || missing+=(kcat)              # a non-Python producer: the tracing tests
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "test: installing ${missing[*]} with apt" >&2
   apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -50,6 +50,7 @@ def worker_config(services, prefix: str, **over):
         ModelConfig,
         RedisConfig,
         ServingTuning,
+        TracingConfig,
         WorkerConfig,
         WorkerSettings,
     )
@@ -72,6 +73,7 @@ def worker_config(services, prefix: str, **over):
         redis=RedisConfig(**redis),
         worker=WorkerSettings(**worker),
         metrics=MetricsConfig(**metrics),
+        tracing=TracingConfig(**over.pop("tracing", {})),
     )
 
 

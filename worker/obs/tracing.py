@@ -210,8 +210,8 @@ class OtelTracing(Tracing):
         self.exporter = ReportingExporter(exporter, where)
         self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
         self.tracer = self.provider.get_tracer("inflight")
-        if set_global:
-            trace.set_tracer_provider(self.provider)
+        if set_global and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+            trace.set_tracer_provider(self.provider)  # once per process (a second gateway/worker keeps its own)
         log.info("tracing on", endpoint=where, protocol=protocol, service=attrs.get("service.name")
                  or os.environ.get("OTEL_SERVICE_NAME"), sample_ratio=cfg.sample_ratio)
 
