@@ -219,7 +219,11 @@ async def subscribe(a, prefix: str, n: int, stop: asyncio.Event, counts: list[in
     await asyncio.gather(*(one(k) for k in range(n)))
 
 
-async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, running: int, tmp: Path) -> dict:
+async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, running: int, tmp: Path,
+                         extra_cfg: dict | None = None, tree: Path | None = None) -> dict:
+    """One worker row (see the module docstring). `extra_cfg`: config sections merged into
+    the worker's (e.g. `tracing`); `tree`: run the worker from another checkout of the
+    project (an A/B against older code; its own bench_pipeline serves the subprocess)."""
     import yaml
 
     from schemas import keys
@@ -239,6 +243,7 @@ async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, ru
         "redis": redis_section,
         "worker": {"worker_id": f"{prefix}-w", "engine_process": a.engine_process, "log_level": "WARNING"},
         "metrics": {"port": None},
+        **(extra_cfg or {}),
     }
     cfg_path = tmp / f"{prefix}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
@@ -251,7 +256,8 @@ async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, ru
     with open(log_path, "a") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tools.bench_pipeline", "worker", "--config", str(cfg_path),
                                  "--device-ms", str(device_ms), "--tuning", json.dumps(tuning)],
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **secret_env})
+                                stdout=log, stderr=subprocess.STDOUT, cwd=tree,
+                                env={**os.environ, **secret_env, **({"PYTHONPATH": str(tree)} if tree else {})})
     sampler = CpuSampler(proc.pid)
     r = redis_client(a.redis_cfg)
     try:

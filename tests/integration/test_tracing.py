@@ -3,7 +3,9 @@ OTLP to the Jaeger of tools/jaeger.sh, and each job's trace is read back through
 Jaeger's query API: a chat request through the gateway (official `openai` client), a job
 from `InflightClient` inside the test's own span, jobs produced by `kcat` with and
 without a hand-written `traceparent`, preempted, cancelled and rejected jobs, and a job
-whose worker is killed with SIGKILL (its trace holds both attempts)."""
+whose worker is killed with SIGKILL (its trace holds both attempts). The three OTLP
+encodings are all used: the gateway and the producers send http/protobuf, the first
+worker http/json, the killed worker gRPC."""
 
 from __future__ import annotations
 
@@ -66,8 +68,9 @@ def producer_provider(service: str) -> TracerProvider:
     return provider
 
 
-def tracing_cfg(service: str) -> dict:
-    return {"enabled": True, "endpoint": jaeger.OTLP_HTTP, "service_name": service}
+def tracing_cfg(service: str, protocol: str = "http/protobuf") -> dict:
+    endpoint = jaeger.OTLP_GRPC if protocol == "grpc" else jaeger.OTLP_HTTP
+    return {"enabled": True, "endpoint": endpoint, "service_name": service, "protocol": protocol}
 
 
 def kcat(bootstrap: str, topic: str, key: str, value: bytes, headers: dict[str, str]) -> None:
@@ -95,7 +98,7 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
     wsvc, gsvc, psvc = f"worker-{prefix}", f"gateway-{prefix}", f"producer-{prefix}"
     cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
                         tuning={"max_running_requests": 8, "max_total_tokens": 256, "max_output_tokens": 256},
-                        tracing=tracing_cfg(wsvc))
+                        tracing=tracing_cfg(wsvc, "http/json"))
     gcfg = msgspec.structs.replace(gateway_config(services, prefix, tmp_path / "files", tokenizer=llama_path),
                                    tracing=TracingConfig(**tracing_cfg(gsvc)))
     provider = producer_provider(psvc)
@@ -220,7 +223,7 @@ def test_a_job_restarted_after_kill_9_shows_both_attempts(services, prefix, llam
                                                           fast_export):
     wsvc = f"worker-{prefix}"
     cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
-                        tuning={"max_output_tokens": 1000}, tracing=tracing_cfg(wsvc))
+                        tuning={"max_output_tokens": 1000}, tracing=tracing_cfg(wsvc, "grpc"))
     provider = producer_provider(f"producer-{prefix}")
     a, a_log = spawn_worker(tmp_path, cfg, "worker-a")
     try:
@@ -236,7 +239,8 @@ def test_a_job_restarted_after_kill_9_shows_both_attempts(services, prefix, llam
                 await asyncio.sleep(0.3)  # attempt 1's claim span is exported (100 ms batches)
                 a.send_signal(signal.SIGKILL)
                 a.wait()
-                async with running_worker(cfg):
+                b_cfg = msgspec.structs.replace(cfg, worker=msgspec.structs.replace(cfg.worker, engine_process=False))
+                async with running_worker(b_cfg):  # the engine in a thread: a quicker start
                     events = await collect(c, job, 120)
             return job, format(parent.get_span_context().trace_id, "032x"), events
 

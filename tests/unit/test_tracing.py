@@ -29,6 +29,7 @@ from worker.engine import RequestOutput, Usage
 from worker.engine.outputs import RequestTimes, TraceEvent
 from worker.model.null_runner import null_engine
 from worker.obs.metrics import Metrics, exposition
+from worker.obs.otlp_json import any_value, encode_request
 from worker.obs.trace_context import ACTIVE, add_trace_ids, context_from_headers, headers_for
 from worker.obs.tracing import OFF, setup_tracing
 from worker.serve.jobs import JobTable, Offset
@@ -401,3 +402,35 @@ def test_off_is_the_default_and_config_errors_name_the_field():
         TracingConfig(sample_ratio=1.5)
     with pytest.raises(ConfigError, match="tracing.endpoint"):
         TracingConfig(endpoint="collector:4318")
+
+
+def test_the_otlp_json_encoding_follows_the_proto3_json_mapping():
+    exporter = InMemorySpanExporter()
+    tr = tracing(exporter)
+    table = JobTable("w1", clock=clock)
+    header = (("traceparent", f"00-{PARENT_TRACE}-{PARENT_SPAN}-01".encode()),)
+    job = Job(job_id="json1", prompt="hi")
+    rec = record(job, header)
+    held = table.open(job, "normal", Offset(TP, 42), rec.enqueue_time, "tok", 1, 0, raw=b"raw")
+    held.trace = tr.open_job(rec, held, 1000.1, 1000.2)
+    table.finish_local("json1", FinishReason.REJECTED, ErrorInfo(code="prompt_too_long", message="long"),
+                       dead_letter=("prompt_too_long", "long"))
+    held.trace.end(1000.5)
+    spans = finished(tr, exporter)
+    body = json.loads(encode_request([*spans["process inflight.jobs.normal"], *spans["claim"]]))
+    (rs,) = body["resourceSpans"]
+    assert {"key": "service.name", "value": {"stringValue": "inflight-worker"}} in rs["resource"]["attributes"]
+    (ss,) = rs["scopeSpans"]
+    assert ss["scope"]["name"] == "inflight"
+    root, claim = ss["spans"]
+    assert root["traceId"] == PARENT_TRACE and root["parentSpanId"] == PARENT_SPAN and len(root["spanId"]) == 16
+    assert root["kind"] == 5 and claim["kind"] == 1  # CONSUMER, INTERNAL in OTLP's numbering
+    assert claim["parentSpanId"] == root["spanId"]
+    assert root["startTimeUnixNano"] == str(1000 * 10**9) and root["endTimeUnixNano"] == str(int(1000.5e9))
+    attrs = {a["key"]: a["value"] for a in root["attributes"]}
+    assert attrs["messaging.kafka.offset"] == {"intValue": "42"}
+    assert attrs["gen_ai.response.finish_reasons"] == {"arrayValue": {"values": [{"stringValue": "rejected"}]}}
+    assert root["status"]["code"] == 2 and "prompt_too_long" in root["status"]["message"]
+    assert [e["name"] for e in root["events"]] == ["rejected", "offset_done"]
+    assert {a["key"] for a in root["events"][0]["attributes"]} == {"inflight.error_code", "inflight.error_message"}
+    assert any_value(True) == {"boolValue": True} and any_value(0.5) == {"doubleValue": 0.5}

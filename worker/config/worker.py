@@ -118,7 +118,7 @@ class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"metrics.tenant_labels must be in [0, 1000], got {self.tenant_labels}")
 
 
-TRACING_PROTOCOLS = ("http/protobuf", "grpc")
+TRACING_PROTOCOLS = ("http/protobuf", "http/json", "grpc")
 
 
 class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -135,8 +135,10 @@ class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (HTTP; `/v1/traces` is appended) or `http://otel-collector:4317` (gRPC).
             None: the `OTEL_EXPORTER_OTLP_*` variables, else the SDK default
             (localhost, 4318 or 4317).
-        protocol: `http/protobuf` or `grpc`; None: `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`,
-            else `http/protobuf`.
+        protocol: `http/protobuf`, `http/json` (OTLP's JSON encoding: several times
+            cheaper for the worker to encode, accepted by the OpenTelemetry Collector and
+            Jaeger but not by every vendor's endpoint) or `grpc`; None:
+            `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`, else `http/protobuf`.
         service_name: `service.name` of the spans when `OTEL_SERVICE_NAME` is unset
             (None: `inflight-worker` / `inflight-gateway`).
         sample_ratio: fraction of new traces sampled (jobs whose producer sent a trace

@@ -47,8 +47,8 @@ import structlog
 if TYPE_CHECKING:
     from worker.config import TracingConfig
 
-from worker.obs.job_trace import JobTrace
-from worker.obs.trace_context import ACTIVE, context_from_headers, ns
+from worker.obs.job_trace import JobTrace, SpanKit
+from worker.obs.trace_context import ACTIVE, context_from_headers
 
 log = structlog.get_logger(__name__)
 
@@ -113,6 +113,11 @@ def otlp_exporter(cfg: TracingConfig):
         shown = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
             "OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4317"
         return exporter, protocol, shown
+    if protocol == "http/json":
+        from worker.obs.otlp_json import OtlpJsonExporter
+
+        exporter = OtlpJsonExporter(cfg.endpoint)
+        return exporter, protocol, exporter.url
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
     endpoint = cfg.endpoint.rstrip("/") + "/v1/traces" if cfg.endpoint else None
@@ -208,7 +213,9 @@ class OtelTracing(Tracing):
         else:
             protocol, where = "custom", type(exporter).__name__
         self.exporter = ReportingExporter(exporter, where)
-        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
+        self.processor = BatchSpanProcessor(self.exporter)
+        self.provider.add_span_processor(self.processor)
+        self.kit = SpanKit(self.provider, self.processor)
         self.tracer = self.provider.get_tracer("inflight")
         if set_global and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
             trace.set_tracer_provider(self.provider)  # once per process (a second gateway/worker keeps its own)
@@ -217,7 +224,6 @@ class OtelTracing(Tracing):
 
     # ---- the worker's jobs ---------------------------------------------------------------
     def open_job(self, rec: Any, held: Any, claim_start: float, claim_end: float) -> JobTrace | None:
-        trace = self._trace
         tp = rec.tp
         job = held.job
         params = job.params
@@ -251,23 +257,23 @@ class OtelTracing(Tracing):
             attrs["inflight.tenant"] = job.tenant
         if held.isolated:
             attrs["inflight.isolated"] = True
-        span = self.tracer.start_span(f"process {tp.topic}", context=context_from_headers(rec.headers),
-                                      kind=trace.SpanKind.CONSUMER, start_time=ns(rec.read_time or claim_start),
-                                      attributes=attrs)
-        if not span.is_recording():  # not sampled: nothing more for this job
-            return None
-        jt = JobTrace(self, span, job.job_id)
-        if held.attempt > 1:
-            span.add_event("restarted", {"inflight.attempt": held.attempt,
-                                         "inflight.reason": "an earlier attempt did not finish"}, ns(claim_end))
-        jt.child("read_ahead", rec.read_time or claim_start, claim_start)
-        jt.child("claim", claim_start, claim_end, {"inflight.attempt": held.attempt})
         if self.capture_content:
             import msgspec
 
-            span.set_attribute("gen_ai.input.messages", msgspec.json.encode(
+            attrs["gen_ai.input.messages"] = msgspec.json.encode(
                 job.messages if job.messages is not None else job.prompt
-                if job.prompt is not None else job.prompt_token_ids).decode())
+                if job.prompt is not None else job.prompt_token_ids).decode()
+        read = rec.read_time or claim_start
+        jt = JobTrace.open(self.kit, f"process {tp.topic}", context_from_headers(rec.headers), read, attrs,
+                           job.job_id, self.capture_content)
+        if jt is None:  # not sampled: nothing more for this job
+            return None
+        if held.attempt > 1:
+            jt.event("restarted", {"inflight.attempt": held.attempt,
+                                   "inflight.reason": "an earlier attempt did not finish"}, claim_end)
+        # emitted now, not when the job ends: a worker killed later still shows this attempt
+        jt.child("read_ahead", read, claim_start)
+        jt.child("claim", claim_start, claim_end, {"inflight.attempt": held.attempt})
         ACTIVE[job.job_id] = jt
         return jt
 

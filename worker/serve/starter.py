@@ -342,12 +342,14 @@ class JobStarter:
     def _hand_to_engine(self, held: LocalJob, req) -> None:
         if held.trace is not None:
             req.traced = True
-            held.trace.submitted = time.time()
+        submitted = time.time()
         try:
             self.engine.submit(req)
         except RequestRejected as e:  # duplicate id, or overloaded (overload_policy: reject)
             self._reject(held, e)
             return
+        if held.trace is not None:
+            held.trace.submitted = submitted
         self.table.accepted(held.job_id)
         if held.cancel_time_mono is not None:
             self.engine.abort(held.job_id)
