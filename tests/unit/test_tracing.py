@@ -269,7 +269,7 @@ def test_the_engine_records_chunks_and_preemptions_of_traced_requests_only():
         assert all(times[rid].first_scheduled_time <= e.time <= times[rid].finished_time for e in ev)
 
 
-def test_producer_span_carries_its_context_in_the_record_headers():
+def test_producer_span_carries_its_context_in_the_record_headers(monkeypatch):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -290,7 +290,11 @@ def test_producer_span_carries_its_context_in_the_record_headers():
     (name, value), = sent[0]
     assert name == "traceparent" and value.decode().split("-")[1:3] == [
         format(span.context.trace_id, "032x"), format(span.context.span_id, "016x")]
-    # the default mode without an application tracer provider: no span, no headers
+    # the default mode in a process whose application set up no SDK (an earlier test in
+    # this process may have installed a global provider): no span, no headers
+    from opentelemetry import trace
+
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: trace.ProxyTracerProvider())
     asyncio.run(ProducerSpans(None).send(send, "t", b"v", b"k", {}))
     asyncio.run(ProducerSpans(False, provider).send(send, "t", b"v", b"k", {}))
     assert sent[1:] == [None, None] and len(exporter.get_finished_spans()) == 1
@@ -402,6 +406,18 @@ def test_off_is_the_default_and_config_errors_name_the_field():
         TracingConfig(sample_ratio=1.5)
     with pytest.raises(ConfigError, match="tracing.endpoint"):
         TracingConfig(endpoint="collector:4318")
+
+
+def test_an_unknown_otlp_protocol_in_the_environment_is_refused(monkeypatch):
+    from worker.config import ConfigError
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/jsn")
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_.*PROTOCOL must be one of"):
+        setup_tracing(TracingConfig(enabled=True), "x", set_global=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    tr = setup_tracing(TracingConfig(enabled=True, endpoint="http://127.0.0.1:9"), "x", set_global=False)
+    assert tr.exporter.where == "http://127.0.0.1:9/v1/traces"
+    tr.shutdown(timeout_s=1)
 
 
 def test_the_otlp_json_encoding_follows_the_proto3_json_mapping():

@@ -28,8 +28,10 @@ timestamps when the job ends, so no span is opened per step or per token):
                   cancelled, rejected, handed_back, lost
 
 Off (the default) costs nothing: `OFF`'s methods return at once, no job gets a
-`JobTrace`, and nothing of OpenTelemetry is imported (`worker.obs.tracing` itself
-imports it only inside `OtelTracing`). A sampled-out job gets no `JobTrace` either.
+`JobTrace`, and nothing of OpenTelemetry is imported (this module and `job_trace` import
+it only inside `OtelTracing` / `SpanKit`). A sampled-out job gets no `JobTrace` either.
+The worker's spans are built as finished spans when the job ends (`worker.obs.job_trace`);
+the gateway's and the client's are ordinary SDK spans.
 An unreachable collector drops spans (the SDK's batch processor never blocks the
 caller) and logs one warning per episode (`ReportingExporter`).
 """
@@ -44,16 +46,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-if TYPE_CHECKING:
-    from worker.config import TracingConfig
-
 from worker.obs.job_trace import JobTrace, SpanKit
 from worker.obs.trace_context import ACTIVE, context_from_headers
 
+if TYPE_CHECKING:
+    from worker.config import TracingConfig
+
 log = structlog.get_logger(__name__)
-
-OTLP_DEFAULT_PORTS = {"http/protobuf": 4318, "grpc": 4317}
-
 
 
 class Tracing:
@@ -105,6 +104,11 @@ def otlp_exporter(cfg: TracingConfig):
     Returns (exporter, protocol, endpoint for logs)."""
     protocol = (cfg.protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
+    from worker.config import TRACING_PROTOCOLS, ConfigError
+
+    if protocol not in TRACING_PROTOCOLS:
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL must be one of {list(TRACING_PROTOCOLS)}, "
+                          f"got {protocol!r}")
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
@@ -120,9 +124,10 @@ def otlp_exporter(cfg: TracingConfig):
         return exporter, protocol, exporter.url
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
+    from worker.obs.otlp_json import traces_url
+
     endpoint = cfg.endpoint.rstrip("/") + "/v1/traces" if cfg.endpoint else None
-    exporter = HttpExporter(endpoint=endpoint)
-    return exporter, "http/protobuf", exporter._endpoint
+    return HttpExporter(endpoint=endpoint), "http/protobuf", traces_url(cfg.endpoint)
 
 
 class ReportingExporter:
