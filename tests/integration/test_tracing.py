@@ -113,6 +113,12 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
                 model="tiny-llama", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0)
             chat_job = raw.headers["x-request-id"]
             assert raw.parse().choices[0].message.content is not None
+            # a caller that traces: its traceparent makes the gateway's span its child
+            http_trace, http_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+            raw = await client(gw).chat.completions.with_raw_response.create(
+                model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                extra_headers={"traceparent": f"00-{http_trace}-{http_span}-01"})
+            assert raw.parse().choices[0].message.content is not None
             # 2. a job from InflightClient inside the test's own span
             with provider.get_tracer("test").start_as_current_span("test request") as parent:
                 own_job = await c.submit("a traced producer", params=greedy)
@@ -138,10 +144,11 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
             finals = {j: await c.result(j, timeout_s=180) for j in
                       [own_job, "kcat-traced", "kcat-plain", *pre, cancel_job, rejected]}
             chat_final = await c.result(chat_job, timeout_s=60, tenant="acme")
-            return chat_job, chat_final, own_job, own_trace, hand_trace, hand_span, pre, cancel_job, rejected, finals
+            return (chat_job, chat_final, own_job, own_trace, hand_trace, hand_span, pre, cancel_job, rejected, finals,
+                    http_trace, http_span)
 
-    (chat_job, chat_final, own_job, own_trace, hand_trace, hand_span, pre, cancel_job, rejected,
-     finals) = asyncio.run(main())
+    (chat_job, chat_final, own_job, own_trace, hand_trace, hand_span, pre, cancel_job, rejected, finals,
+     http_trace, http_span) = asyncio.run(main())
     provider.shutdown()
     consumer_name = CONSUMER.format(prefix)
 
@@ -166,6 +173,10 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
         assert first_token - produce.start_s == pytest.approx(t.ttft_s, abs=0.02)  # span clock vs record time
         queue_end = next(s for s in spans if s.name == "engine.queue").end_s
         assert queue_end - produce.start_s == pytest.approx(t.queue_s, abs=0.02)
+
+        spans = await jaeger.trace(http_trace, lambda s: any(x.name == "results.write" for x in s))
+        server = jaeger.by_name(spans, "POST /v1/chat/completions", gsvc)[0]
+        assert server.parent == http_span and jaeger.by_name(spans, consumer_name, wsvc)
 
         # InflightClient in the test's span: one trace, test span -> PRODUCER -> CONSUMER
         spans = await jaeger.trace(own_trace, lambda s: any(x.name == "results.write" for x in s))

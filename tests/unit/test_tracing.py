@@ -219,6 +219,8 @@ def test_trace_context_through_kafka_headers():
     assert context_from_headers([("traceparent", b"00-not-a-trace-01")]) is None  # a new trace, no error
     assert context_from_headers([("traceparent", b"\xff\xfe")]) is None
     assert context_from_headers([("TraceParent", f"00-{PARENT_TRACE}-{PARENT_SPAN}-01".encode())]) is not None
+    http = context_from_headers([("traceparent", f"00-{PARENT_TRACE}-{PARENT_SPAN}-01")])  # HTTP headers: text
+    assert format(trace.get_current_span(http).get_span_context().trace_id, "032x") == PARENT_TRACE
     assert headers_for() == []  # no current span: nothing to carry
 
 

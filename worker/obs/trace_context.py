@@ -35,12 +35,16 @@ def add_trace_ids(logger: Any, method: str, event_dict: dict) -> dict:
     return event_dict
 
 
-def _carrier(headers: Iterable[tuple[str, bytes | None]] | None) -> dict[str, str]:
-    """The trace-context entries of Kafka headers (`[(name, value bytes)]`), as text."""
+def _carrier(headers: Iterable[tuple[str, bytes | str | None]] | None) -> dict[str, str]:
+    """The trace-context entries of Kafka headers (`[(name, value bytes)]`) or HTTP
+    headers (`[(name, value str)]`), as text."""
     found: dict[str, str] = {}
     for name, value in headers or ():
         key = name.lower()
         if key in TRACE_HEADERS and value is not None:
+            if isinstance(value, str):
+                found[key] = value
+                continue
             try:
                 found[key] = value.decode("ascii")
             except (UnicodeDecodeError, AttributeError):
@@ -48,9 +52,10 @@ def _carrier(headers: Iterable[tuple[str, bytes | None]] | None) -> dict[str, st
     return found
 
 
-def context_from_headers(headers: Iterable[tuple[str, bytes | None]] | None):
-    """The OpenTelemetry Context a record's `traceparent` / `tracestate` headers carry,
-    or None (no headers, or an invalid `traceparent`: the job starts a new trace)."""
+def context_from_headers(headers: Iterable[tuple[str, bytes | str | None]] | None):
+    """The OpenTelemetry Context a record's (or an HTTP request's) `traceparent` /
+    `tracestate` headers carry, or None (no headers, or an invalid `traceparent`: the job
+    or request starts a new trace)."""
     carrier = _carrier(headers)
     if TRACEPARENT not in carrier:
         return None

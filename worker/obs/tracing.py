@@ -69,10 +69,6 @@ class Tracing:
         `claim_end`, Unix s). None when off or not sampled."""
         return None
 
-    def server_span(self, method: str, route: str, headers: Any, attributes: dict[str, Any]):
-        """A SERVER span for an HTTP request (gateway), or None when off."""
-        return None
-
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Flush what is queued and stop exporting (bounded by `timeout_s`)."""
 
@@ -284,12 +280,10 @@ class OtelTracing(Tracing):
 
     # ---- the gateway's requests ----------------------------------------------------------
     def server_span(self, method: str, route: str, headers: Any, attributes: dict[str, Any]):
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        carrier = {k: headers[k] for k in ("traceparent", "tracestate") if k in headers}
-        parent = TraceContextTextMapPropagator().extract(carrier) if carrier else None
-        return self.tracer.start_span(f"{method} {route}", context=parent, kind=self._trace.SpanKind.SERVER,
-                                      attributes=attributes)
+        """A started SERVER span for an HTTP request (the gateway's; `headers`: the
+        request's, whose `traceparent` makes it a child of the caller's span)."""
+        return self.tracer.start_span(f"{method} {route}", context=context_from_headers(headers.items()),
+                                      kind=self._trace.SpanKind.SERVER, attributes=attributes)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Flush queued spans (bounded), then stop the processor. A collector that does

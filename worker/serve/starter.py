@@ -142,7 +142,6 @@ class JobStarter:
         self._alone_waiting = 0  # jobs waiting to run alone (they hold the gate shut for others)
         self._restoring_logged = 0.0
         self.tracing = tracing
-        self._claim_times = (0.0, 0.0)  # (start, end) of the last claim batch (Unix s)
 
     def free_slots(self) -> int:
         """Jobs that may be taken now. A slot is a job without its terminal event yet
@@ -185,7 +184,7 @@ class JobStarter:
                 raise
             log.info("claims unavailable; will retry the batch", error=repr(e)[:200], records=len(fresh))
             return fresh
-        self._claim_times = (claim_start, time.time())
+        claimed = (claim_start, time.time())  # the claim batch's span (Unix s), for traced jobs
         contested = []
         to_run: list[LocalJob] = []
         num_restoring = 0
@@ -202,7 +201,7 @@ class JobStarter:
             elif self.table.get(rec.job.job_id) is not None:  # duplicate within the batch
                 self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset))
             else:
-                held = self._open(rec, res)
+                held = self._open(rec, res, claimed)
                 if held is not None:
                     to_run.append(held)
         if num_restoring and time.monotonic() - self._restoring_logged > 5:
@@ -219,7 +218,7 @@ class JobStarter:
         self.host.wake()
         return contested
 
-    def _open(self, rec: JobRecord, c: Claimed) -> LocalJob | None:
+    def _open(self, rec: JobRecord, c: Claimed, claimed: tuple[float, float]) -> LocalJob | None:
         """Open a claimed job; end it at once where a rule says so. Returns it if it
         goes on to the engine."""
         job = rec.job
@@ -227,7 +226,7 @@ class JobStarter:
                              c.next_seq, raw=rec.raw, raw_key=rec.key, isolated=c.failures > 0, prior=c.prior)
         held.headers = rec.headers
         if self.tracing.enabled:
-            held.trace = self.tracing.open_job(rec, held, *self._claim_times)
+            held.trace = self.tracing.open_job(rec, held, *claimed)
         if c.cancelled or self.host.job_cancelled(job.job_id):
             self.table.finish_local(job.job_id, FinishReason.CANCELLED)
         elif job.deadline is not None and job.deadline < time.time():
