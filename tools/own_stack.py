@@ -14,17 +14,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(pair: bool = False) -> int:
-    """A free TCP port on 127.0.0.1 (with `pair`, the next one is free too: Kafka's controller)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair:
+    """A free TCP port on 127.0.0.1 for a server a test starts (with `pair`, the next one
+    is free too: Kafka's controller). Drawn below the kernel's ephemeral range
+    (`ip_local_port_range`, 32768+ here), so no outgoing connection of another client can
+    hold it by the time the server binds (a port 0 pick, or a connect check of the next
+    port, cannot see those: a Kafka controller once failed with "Address already in use"),
+    and checked by binding."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError):
+        low = 32768
+    for _ in range(1000):
+        port = random.randrange(20000, max(low - 2, 20002))
+        if _bindable(port) and (not pair or _bindable(port + 1)):
             return port
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port + 1)) != 0:
-                return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class OwnStack:

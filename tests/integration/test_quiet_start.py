@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,25 +18,9 @@ import uuid
 import pytest
 
 from tests.integration.conftest import ROOT
+from tools.own_stack import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port_pair() -> int:
-    """A port P with P and P + 1 free (devstack's broker and controller listeners)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65535:
-            continue
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free ports")
 
 
 class WorkerProcess:
@@ -81,7 +64,7 @@ class WorkerProcess:
 def test_worker_start_on_a_fresh_broker_and_a_rebalance_log_no_warning_or_error(services, llama_path, tmp_path):
     redis_url = services[1]
     redis_port = redis_url.rsplit(":", 1)[1].split("/")[0]
-    kafka_port = _free_port_pair()
+    kafka_port = free_port(pair=True)
     stack_env = {**os.environ, "INFLIGHT_DEV_KAFKA_PORT": str(kafka_port), "INFLIGHT_DEV_REDIS_PORT": redis_port,
                  "INFLIGHT_DEV_STATE": str(tmp_path / "devstack")}
     devstack = str(ROOT / "tools" / "devstack.sh")
