@@ -56,13 +56,13 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
     )
     engine = Engine.from_pretrained(str(any_arch_path), cfg)
     chunked = []
-    real_execute = engine.runner.execute
+    real_build = engine.runner.build_metadata  # every forward packs its step here (sequential or launched)
 
     def spy(sched):
         chunked.extend(s.request_id for s in sched.scheduled if s.start_pos > 0 and s.num_tokens > 1)
-        return real_execute(sched)
+        return real_build(sched)
 
-    engine.runner.execute = spy
+    engine.runner.build_metadata = spy
     work = staggered_workload(seed=1234)
     tenant = {rid: f"t{i % 3}" for i, (rid, *_) in enumerate(work)}
     tokens: dict[str, list[int]] = {rid: [] for rid, *_ in work}

@@ -10,17 +10,18 @@ touches the scheduler and the KV cache. An aborted request's KV blocks are free 
 `step` that applied the abort returns.
 
 Asynchronous steps (`serving_tuning.async_scheduling`): step N+1 is scheduled and
-launched before step N's outputs are built (the rules: `forward.py`).
+launched behind step N while N runs, its decodes fed N's tokens on the device (the
+rules: `forward.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import time
 from collections import deque
-from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ from worker.engine.outputs import (
     RequestTimes,
     Runner,
     SchedulerOutput,
+    StepHandle,
     StepStats,
 )
 from worker.engine.request import FINISH_REASONS, ErrorCode, Priority, RejectReason, Request, RequestStatus
@@ -87,8 +89,8 @@ class EngineCore:
         self._forward_total_s = 0.0  # device time of runners that do not measure it themselves
         self.async_scheduling = (tuning.async_scheduling if tuning.async_scheduling is not None
                                  else bool(getattr(runner, "overlaps_host", False)))
-        self._in_flight: tuple[SchedulerOutput, Any] | None = None  # launched, not collected (async)
-        self._finishes: deque[tuple[str, RequestStatus]] = deque()  # arrived while a step was in flight
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()  # launched, not applied (async)
+        self.scheduler.copy_block_tables = self.async_scheduling
         self._compiling = PendingGrammars(grammars)  # requests waiting for their grammar
         self._mask_s = 0.0  # this step's structured-output mask seconds
 
@@ -114,15 +116,11 @@ class EngineCore:
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
         """End a request that output processing ended (stop string, output error): its
-        blocks are freed now (with a step in flight: at the next boundary, and that
-        step's token for it is dropped) and no output follows (the caller made the final
-        one). Call from the stepping thread, between steps. Unknown or finished ids are
-        ignored."""
-        if self._compiling.pop(request_id) is not None:
-            return
-        if self._in_flight is not None:
-            self._finishes.append((request_id, status))
-        else:
+        blocks are freed now (a step in flight computes on without it: its token for it
+        is dropped; `forward.py` says why freeing is safe) and no output follows (the
+        caller made the final one). Call from the stepping thread, between steps. Unknown
+        or finished ids are ignored."""
+        if self._compiling.pop(request_id) is None:
             self.scheduler.finish(request_id, status)
 
     @property
@@ -131,7 +129,7 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return (bool(self._new) or bool(self._aborts) or self.scheduler.has_unfinished()
-                or self._in_flight is not None or bool(self._compiling))
+                or bool(self._in_flight) or bool(self._compiling))
 
     def kv_stats(self) -> KVStats:
         """Block counts of the KV cache (a snapshot)."""
@@ -211,53 +209,66 @@ class EngineCore:
             self._await_grammars()
             return None, 0.0
         f0 = time.perf_counter()
-        done = self._forward(sched, outputs, failed)
+        try:  # the forward, under the failure rules of `step`
+            done = sched, self.runner.execute(sched)
+        except Exception as e:
+            done = self.failures.recover(sched, e, outputs, failed)
         forward_s = time.perf_counter() - f0
         if done is None:
             return None, forward_s
-        ok, runner_out = done
-        self._after_forward(ok, runner_out, outputs)
-        return ok, forward_s
+        self._after_forward(done[0], done[1], outputs)
+        return done[0], forward_s
 
     def _step_async(self, outputs: list[EngineCoreOutput], failed: Failures) -> tuple[SchedulerOutput | None, float]:
-        """wait for the step in flight (launching one first if none is) -> finishes and
-        aborts -> update -> adds -> schedule and launch the next (module docstring).
+        """apply queued work -> launch a step if none is in flight -> schedule and launch
+        the next one behind it (its decodes' inputs are placeholders for the tokens the
+        one in flight samples) -> wait for the oldest -> apply it (`forward.py`).
         Returns what `_step_sync` returns; the seconds are those spent waiting."""
-        if self._in_flight is None:
-            self._apply_queued(outputs)
-            self._in_flight = self._launch_next()
-            if self._in_flight is None:
+        self._apply_queued(outputs)
+        in_flight = self._in_flight
+        if not in_flight:
+            launched = self._launch_next()
+            if launched is None:
                 self._await_grammars()
                 return None, 0.0
-        sched, handle = self._in_flight
+            in_flight.append(launched)
+        if len(in_flight) == 1 and getattr(self._runner, "launch", None) is not None:
+            ahead = self._launch_next(after=in_flight[0][1])
+            if ahead is not None:
+                in_flight.append(ahead)
+        sched, handle = in_flight.popleft()
         f0 = time.perf_counter()
         try:
             done = sched, handle.result()
-        except Exception as e:  # the forward failed: the sequential rules, run here
-            done = self.failures.recover(sched, e, outputs, failed)
+        except Exception as e:  # the forward failed: discard what was launched behind it, then the sequential rules
+            self._discard_in_flight()
+            done = self.failures.recover(self.scheduler.resolve_placeholders(sched), e, outputs, failed)
         forward_s = time.perf_counter() - f0
-        self._in_flight = None
-        while self._finishes:
-            self.scheduler.finish(*self._finishes.popleft())
-        # before the update, so an aborted request's last token is dropped; an abort of a
-        # request whose add is still queued waits for that add (in `_apply_queued`)
-        self._apply_aborts(outputs, known_only=True)
-        if done is not None:
-            self._after_forward(done[0], done[1], outputs)
-        self._apply_queued(outputs)
-        self._in_flight = self._launch_next()
-        return (done[0] if done is not None else None), forward_s
+        if done is None:
+            return None, forward_s
+        self._after_forward(done[0], done[1], outputs)
+        return done[0], forward_s
 
-    def _launch_next(self) -> tuple[SchedulerOutput, Any] | None:
+    def _discard_in_flight(self) -> None:
+        """Wait for every launched step and take it back unapplied (after a failure of the
+        one before them: the runner skips them, `StepSkipped`)."""
+        while self._in_flight:
+            sched, handle = self._in_flight.pop()
+            with contextlib.suppress(Exception):
+                handle.result()
+            self.scheduler.unschedule(sched)
+
+    def _launch_next(self, after: StepHandle | None = None) -> tuple[SchedulerOutput, StepHandle] | None:
         """Schedule the next step and start its forward without waiting (`runner.launch`,
-        or a forward run here for a runner without one). None if nothing is scheduled."""
+        or a forward run here for a runner without one), behind the step `after` in
+        flight if any. None if nothing is scheduled."""
         sched_ = self.scheduler
         if not sched_.has_unfinished():
             return None
         sched = sched_.schedule(self.failures.budget_cap)
         if sched.num_scheduled_tokens == 0:
             return None
-        return sched, start_forward(self.runner, sched)
+        return sched, start_forward(self.runner, sched, after)
 
     def _apply_queued(self, outputs: list[EngineCoreOutput]) -> None:
         """New requests (those with a grammar once it is compiled), expired deadlines,
@@ -306,21 +317,16 @@ class EngineCore:
         outputs.append(self._final_output(req, [], error=error))
         return True
 
-    def _apply_aborts(self, outputs: list[EngineCoreOutput], known_only: bool = False) -> None:
-        """Finish the aborted requests. `known_only`: keep queued the aborts of ids the
-        scheduler does not hold yet (their add may still be queued in `_new`)."""
-        kept: list[str] = []
+    def _apply_aborts(self, outputs: list[EngineCoreOutput]) -> None:
+        """Finish the aborted requests (after the queued adds: an abort of a request added
+        in the same window finds it)."""
         while self._aborts:
             rid = self._aborts.popleft()
             if self._compiling and self._end_compiling(rid, RequestStatus.FINISHED_ABORTED, outputs):
                 continue
-            if known_only and rid not in self.scheduler.requests:
-                kept.append(rid)
-                continue
             req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 outputs.append(self._final_output(req, []))
-        self._aborts.extend(kept)
 
     def _make_request(self, r: EngineCoreRequest) -> Request:
         generator = None
@@ -335,16 +341,6 @@ class EngineCore:
         req.trace = [] if r.traced else None
         self._traced |= r.traced
         return req
-
-    def _forward(
-        self, sched: SchedulerOutput, outputs: list[EngineCoreOutput], failed: Failures
-    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
-        """Run the step's forward under the failure rules of `step`. Returns the part of
-        the batch whose forward succeeded and its runner output, or None if none did."""
-        try:
-            return sched, self.runner.execute(sched)
-        except Exception as e:
-            return self.failures.recover(sched, e, outputs, failed)
 
     def _expire_waiting(self, outputs: list[EngineCoreOutput]) -> None:
         """Requests never scheduled yet whose deadline passed end `expired` (KV untouched);

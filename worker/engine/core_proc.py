@@ -119,6 +119,7 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
     """Main of the core process: size its threads (`threads.ThreadBudget`; `engine_threads`
     = `worker.engine_threads`), build the engine, send `Ready`, step until `Shutdown` or
     the front-end goes away. A broken invariant is reported as `Failed` and ends it."""
+    from worker.engine.gc_tuning import tune_gc
     from worker.engine.threads import ThreadBudget
     from worker.obs.log import setup_logging
 
@@ -136,6 +137,7 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
         engine = spec.build_engine()
         core = engine.core
         loaded = engine.loaded
+        tune_gc()  # the model and its imports are loaded: freeze them out of the collector's scans
         conn_out.send_bytes(encode(Ready(loaded.vocab_size, loaded.max_model_len, core.kv.num_blocks,
                                          core.kv.block_size, sorted(loaded.eos_token_ids), loaded.model_id,
                                          str(core.runner.device), loaded.kv_layout.sliding_window,

@@ -80,8 +80,11 @@ class ForwardFailures:
         self, sched: SchedulerOutput, e: Exception, outputs: list[EngineCoreOutput], failed: Failures
     ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
         """The forward of `sched` raised `e`: out of memory -> back off (`_handle_oom`);
-        else each request runs once more alone, here. Returns what `_forward` returns."""
+        else each request runs once more alone, here. `sched` holds no placeholder
+        (`Scheduler.resolve_placeholders`). Returns the part of the batch whose forward
+        succeeded and its output (to apply), or None."""
         failed.num_failed_forwards += 1
+        self.scheduler.unschedule(sched)  # progress back to before the step; retries mark theirs again
         if isinstance(e, OutOfMemoryError):
             self._handle_oom(sched.scheduled, sched.num_scheduled_tokens, e, outputs, failed)
             return None
@@ -92,29 +95,34 @@ class ForwardFailures:
                     sched.step, len(sched.scheduled), sched.num_scheduled_tokens, exc_info=e,
                     extra=job_fields([x.request_id for x in sched.scheduled]))
         ok: list[ScheduledRequest] = []
+        ok_reqs = []
         merged = ModelRunnerOutput(sampled_token_ids={})
         num_decodes = 0
-        for i, s in enumerate(sched.scheduled):
+        for i, (s, req) in enumerate(zip(sched.scheduled, sched.requests)):
             is_decode = i < sched.num_decodes
             alone = SchedulerOutput(step=sched.step, scheduled=[s], num_scheduled_tokens=s.num_tokens,
-                                    num_decodes=int(is_decode))
+                                    num_decodes=int(is_decode), requests=[req])
+            self.scheduler.reschedule(alone)
             try:
                 out = self.runner.execute(alone)
             except OutOfMemoryError as e:
                 failed.num_failed_forwards += 1
+                self.scheduler.unschedule(alone)
                 self._handle_oom([s], s.num_tokens, e, outputs, failed)
             except Exception as e:
                 failed.num_failed_forwards += 1
+                self.scheduler.unschedule(alone)
                 self._fail_internal(s, e, outputs, failed)
             else:
                 ok.append(s)
+                ok_reqs.append(req)
                 num_decodes += is_decode
                 merged.sampled_token_ids.update(out.sampled_token_ids)
                 merged.logprobs.update(out.logprobs)
                 merged.mask_s += out.mask_s
         if not ok:
             return None
-        return SchedulerOutput(sched.step, ok, sum(s.num_tokens for s in ok), num_decodes), merged
+        return SchedulerOutput(sched.step, ok, sum(s.num_tokens for s in ok), num_decodes, ok_reqs), merged
 
     def _fail_internal(
         self, s: ScheduledRequest, exc: Exception, outputs: list[EngineCoreOutput], failed: Failures

@@ -267,11 +267,13 @@ class KVCacheManager:
             self._num_held[req.tenant] = self._num_held.get(req.tenant, 0) + len(table) - num_before
         return True
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's newly computed full blocks in the prefix cache."""
+    def cache_full_blocks(self, req: Request, num_computed: int | None = None) -> None:
+        """Register the request's newly computed full blocks in the prefix cache: those
+        below `num_computed` (tokens whose KV a finished forward wrote; default
+        `req.num_computed_tokens`)."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = (req.num_computed_tokens if num_computed is None else num_computed) // self.block_size
         start = self._num_registered[req.request_id]
         if num_full <= start:
             return

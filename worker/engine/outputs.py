@@ -10,8 +10,8 @@ boundary, which may be a process boundary (msgspec Structs, encoded with msgpack
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -40,16 +40,26 @@ class KVStats(msgspec.Struct, frozen=True):
 
 
 # ---- inside the engine core ---------------------------------------------------------------
+# A decode's input token that the step launched just before it samples (asynchronous
+# steps: the core schedules step N+1 while step N runs). The runner substitutes the id it
+# sampled for that request in its previous step, without a round trip to the host.
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step.
 
     `token_ids` are computed at positions `start_pos … start_pos + len(token_ids) - 1`
-    and their KV written through `block_ids`. When `samples_token` (the chunk reaches
-    the end of the request's known tokens), the step samples the next token from the
-    last position. `all_token_ids` is the request's prompt + output so far (read-only;
-    the repetition penalty uses it). `grammar`: its constraint's state, read (never
-    advanced) by the runner to mask the row it samples.
+    and their KV written through `block_ids`. A decode scheduled while the step before it
+    runs has `[PLACEHOLDER_TOKEN]` as its `token_ids`: its input is the token that step
+    samples for it (`has_placeholder`). When `samples_token` (the chunk reaches the end
+    of the request's tokens), the step samples the next token from the last position.
+    `all_token_ids` is the request's prompt + output so far (read-only; the repetition
+    penalty uses it); of a decode with a placeholder only the first `start_pos` entries
+    are final (the token in flight may be appended while the step runs: `resolved`).
+    `grammar`: its constraint's state, read (never advanced) by the runner to mask the
+    row it samples.
     """
 
     request_id: str
@@ -66,15 +76,31 @@ class ScheduledRequest:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def has_placeholder(self) -> bool:
+        return self.token_ids[-1] == PLACEHOLDER_TOKEN
+
+    def resolved(self, token_id: int) -> ScheduledRequest:
+        """This decode with its placeholder replaced by `token_id` (the token the step
+        before sampled for it), `all_token_ids` a copy ending with it: the history a
+        sampler reads while the step before is being applied on another thread."""
+        return replace(self, token_ids=[token_id], all_token_ids=self.all_token_ids[: self.start_pos] + [token_id])
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """The batch of one step: decodes first, then prefill chunks (packed, no padding)."""
+    """The batch of one step: decodes first, then prefill chunks (packed, no padding).
+
+    `requests`: the scheduler's own handles of the scheduled requests, aligned with
+    `scheduled` (the update after the forward applies the step to exactly these objects,
+    even if a request of the same id was added since); runners never read them.
+    """
 
     step: int
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     num_decodes: int  # the first `num_decodes` entries have exactly one token and start_pos > 0
+    requests: list[Any] = field(default_factory=list)  # engine `Request`s (request.py imports this module)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -103,7 +129,17 @@ class Runner(Protocol):
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the packed batch; a token for every request whose chunk
-        samples one. May raise (out of memory, a kernel failure): see `EngineCore.step`."""
+        samples one. May raise (out of memory, a kernel failure): see `EngineCore.step`.
+        `sched` holds no placeholder (its inputs are all known)."""
+        ...
+
+    def launch(self, sched: SchedulerOutput, after: StepHandle | None = None) -> StepHandle:
+        """Optional (asynchronous steps need it): start the forward of `sched` and return
+        at once. Launches run in order, each after the one before; `after` is the launch
+        still in flight when `sched` was scheduled (None: none was), and a
+        `PLACEHOLDER_TOKEN` input of `sched` is the token `after` samples for that
+        request. If `after` raised, `sched` raises `StepSkipped` without computing
+        anything (the core takes it back and recovers the failed step)."""
         ...
 
     def device_busy_s(self) -> float:
@@ -111,6 +147,18 @@ class Runner(Protocol):
         events on a GPU, the forward's wall time on the CPU, the queue of an emulated
         device. Optional: the core uses its own forward time when a runner lacks it."""
         ...
+
+
+class StepHandle(Protocol):
+    """A launched step (`Runner.launch`)."""
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step; return its output or raise what its forward raised."""
+        ...
+
+
+class StepSkipped(Exception):
+    """A launched step was not computed because the step launched before it raised."""
 
 
 # ---- across the engine core's boundary ------------------------------------------------------

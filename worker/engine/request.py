@@ -1,10 +1,15 @@
 """One engine request: its tokens, its progress, and its lifecycle state.
 
-Lifecycle (an ordered enum; progress inside RUNNING is `num_computed_tokens`):
+Lifecycle (an ordered enum; progress inside RUNNING is `num_computed_tokens`, the
+tokens whose KV is computed or being computed by a scheduled step, as in vLLM V1):
 
     WAITING ──admit──► RUNNING ──finish──► FINISHED_*
        ▲                  │
        └──── PREEMPTED ◄──┘   (KV freed; recomputed from prompt + output on re-admission)
+
+A step in flight (asynchronous steps) may still owe the request a token:
+`num_output_placeholders` counts them, `num_in_flight_steps` the scheduled steps not yet
+applied that hold a chunk of it.
 
 Only the Scheduler writes `status`, `num_computed_tokens`, the token lists and the
 counters of its rules (`num_preemptions`, `num_skips`, `effective_rank`, `share`).
@@ -128,6 +133,8 @@ class Request:
         "all_token_ids",
         "num_prompt_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
+        "num_in_flight_steps",
         "num_cached_tokens",
         "block_hashes",
         "effective_rank",
@@ -177,6 +184,8 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # tokens scheduled steps will sample, not appended yet
+        self.num_in_flight_steps = 0  # scheduled steps holding a chunk of it, not applied yet
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.effective_rank = int(priority)  # rank held while running (aging applied at admission)

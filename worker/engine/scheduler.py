@@ -56,9 +56,10 @@ import time
 from collections.abc import Iterable
 
 from worker.config import ServingTuning
+from worker.engine.batch import apply_batch, build_batch, reschedule, resolve_placeholders, unschedule
 from worker.engine.fair_share import ClassQueue, Tenant, pick_next
 from worker.engine.kv_cache import KVCacheManager
-from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.engine.preemption import RESERVE_AFTER_PREEMPTIONS, room_victims, victim_for
 from worker.engine.request import Priority, Request, RequestStatus
 
@@ -84,6 +85,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions_total = 0
         self._num_freed = 0  # running requests that left the batch since the last schedule()
+        self.copy_block_tables = False  # steps run ahead (EngineCore's asynchronous steps): snapshot tables
         self._may_yield = False  # this step: no slot freed since the last one (fair_share Yield)
 
     # ---- queries -------------------------------------------------------------------
@@ -166,13 +168,23 @@ class Scheduler:
         # 1. running: decodes first, then continuing prefill chunks, each in rank order.
         decodes: list[Request] = []
         prefills: list[Request] = []
+        ending: list[Request] = []
         for r in self.running:
-            (decodes if len(r.all_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+            num_tokens = len(r.all_token_ids) + r.num_output_placeholders
+            if r.num_output_placeholders:  # a step in flight owes it a token
+                if num_tokens - r.num_prompt_tokens >= r.max_tokens:
+                    ending.append(r)  # its last: it ends now, and the step in flight delivers it
+                    continue
+                if r.grammar is not None:
+                    continue  # its mask needs that token: it sits this step out
+            (decodes if num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+        for r in ending:
+            self.finish(r.request_id, RequestStatus.FINISHED_LENGTH)
         running = RequestStatus.RUNNING
         for req in decodes + prefills:
             if req.status != running or budget == 0:
                 continue
-            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            num_new = min(len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens, budget)
             while True:
                 if self._kv_quotas and self._over_kv_quota(req, num_new):
                     victim = self._victim_for(req, req.share.tenant)
@@ -211,6 +223,8 @@ class Scheduler:
             if (len(self.running) >= tuning.max_running_requests and self.running[-1].effective_rank <= rank
                     and not (self._may_yield and self.classes[req.priority].may_yield(req.share))):
                 break  # no slot and none to take: nothing ranked behind can start either
+            if req.num_in_flight_steps:  # preempted while a step computed for it: it holds the
+                break  # reservation until that step is applied (its stream's tokens all known)
             self._pop_waiting(req)  # before any victim is requeued (aging can rank a victim ahead of it)
             cached_blocks = self.kv.find_cached_prefix(req)
             num_computed = len(cached_blocks) * self.kv.block_size
@@ -256,42 +270,27 @@ class Scheduler:
         return self._build_output(scheduled)
 
     def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
-        """Advance progress after a forward; append sampled tokens; finish on EOS /
-        stop token / length (in that precedence). Returns requests that got a token."""
-        sampled = runner_out.sampled_token_ids
-        requests = self.requests
-        cache_full_blocks = self.kv.cache_full_blocks
-        bs = self.kv.block_size
-        running = RequestStatus.RUNNING
-        fair = self.fair
-        got_token = []
-        for s in out.scheduled:
-            req = requests.get(s.request_id)
-            if req is None or req.status != running:
-                continue
-            old = req.num_computed_tokens
-            req.num_computed_tokens = new = old + len(s.token_ids)
-            if new // bs != old // bs:  # a block just filled up: publish it to the prefix cache
-                cache_full_blocks(req)
-            token_id = sampled.get(s.request_id)
-            if token_id is None:
-                continue
-            req.all_token_ids.append(token_id)
-            if fair:
-                share = req.share
-                share.counter += share.decode_cost
-            got_token.append(req)
-            status = req.stop_status(token_id)
-            if status is not None:
-                self.finish(req.request_id, status)
-        return got_token
+        """Apply a step whose forward succeeded (`batch.apply_batch`). Returns requests that
+        got a token."""
+        return apply_batch(out, runner_out, self.kv, self.fair, self.finish)
+
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """Take back a step whose forward will not be applied (`batch.unschedule`)."""
+        unschedule(out)
+
+    def reschedule(self, out: SchedulerOutput) -> None:
+        """Mark a step taken back by `unschedule` as scheduled again (a forward retried)."""
+        reschedule(out)
+
+    def resolve_placeholders(self, out: SchedulerOutput) -> SchedulerOutput:
+        """`out` with its placeholder inputs replaced (`batch.resolve_placeholders`)."""
+        return resolve_placeholders(out)
 
     def note_prefill_chunks(self, sched: SchedulerOutput, now: float) -> None:
         """A `prefill_chunk` TraceEvent at `now` (the end of the step's forward, Unix s) for
         each traced request with a prefill chunk in step `sched` (entries after the decodes)."""
-        for s in sched.scheduled[sched.num_decodes:]:
-            req = self.requests.get(s.request_id)
-            if req is not None:
+        for s, req in zip(sched.scheduled[sched.num_decodes:], sched.requests[sched.num_decodes:]):
+            if not req.is_finished:
                 req.note("prefill_chunk", len(s.token_ids), t=now)
 
     # ---- helpers -------------------------------------------------------------------
@@ -376,23 +375,4 @@ class Scheduler:
         self.classes[req.priority].push(req)
 
     def _build_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
-        decodes: list[ScheduledRequest] = []
-        prefills: list[ScheduledRequest] = []
-        requests = self.requests
-        block_table = self.kv.block_table
-        for request_id, num_new in scheduled.items():
-            req = requests[request_id]
-            start = req.num_computed_tokens
-            end = start + num_new
-            tokens = req.all_token_ids
-            s = ScheduledRequest(
-                request_id, tokens[start:end], start, block_table(request_id), end == len(tokens),
-                req.params, tokens, req.generator, req.grammar,
-            )
-            (decodes if num_new == 1 and start > 0 else prefills).append(s)
-        return SchedulerOutput(
-            step=self.step_count,
-            scheduled=decodes + prefills if prefills else decodes,
-            num_scheduled_tokens=sum(scheduled.values()),
-            num_decodes=len(decodes),
-        )
+        return build_batch(self.step_count, scheduled, self.requests, self.kv.block_table, self.copy_block_tables)

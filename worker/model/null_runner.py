@@ -19,7 +19,11 @@ from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, Scheduler
 def default_next_token(s: ScheduledRequest, vocab_size: int, avoid: frozenset[int]) -> int:
     """A deterministic function of the request's tokens so far (never a token in `avoid`)."""
     ids = s.all_token_ids
-    h = (len(ids) * 1_000_003 + ids[-1] * 7919 + ids[0]) % vocab_size
+    return _hash_token(len(ids), ids[-1], ids[0], vocab_size, avoid)
+
+
+def _hash_token(num_tokens: int, last: int, first: int, vocab_size: int, avoid: frozenset[int]) -> int:
+    h = (num_tokens * 1_000_003 + last * 7919 + first) % vocab_size
     while h in avoid:
         h = (h + 1) % vocab_size
     return h
@@ -94,25 +98,44 @@ class NullRunner:
     ) -> None:
         self.device = torch.device("cpu")
         self.vocab_size = vocab_size
-        self._next = next_token or (lambda s: default_next_token(s, vocab_size, avoid))
+        self._next = next_token
+        self._avoid = avoid
         self.emulated = EmulatedDevice(device_ms / 1000) if device_ms > 0 else None
         self.overlaps_host = self.emulated is not None  # the default of asynchronous steps (EngineCore)
+        self._last_sampled: dict[str, int] = {}  # the previous step's tokens (the "device" memory)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Launch the step on the emulated device (if any), compute its tokens, wait for it."""
         return self._start(sched).result()
 
-    def launch(self, sched: SchedulerOutput) -> _Launched:
+    def launch(self, sched: SchedulerOutput, after: _Launched | None = None) -> _Launched:
         """Start the step without waiting for it (the engine core's asynchronous steps):
         its tokens are computed now, its result is ready when the emulated device has run
-        it (at once without a device)."""
+        it (at once without a device). A placeholder input is the token the previous
+        launch computed for that request (`after`'s; a null step never fails)."""
         return self._start(sched)
 
     def _start(self, sched: SchedulerOutput) -> _Launched:
         ready = self.emulated.launch() if self.emulated is not None else None
-        out = ModelRunnerOutput(
-            sampled_token_ids={s.request_id: self._next(s) for s in sched.scheduled if s.samples_token})
-        return _Launched(out, ready, self.emulated)
+        last = self._last_sampled
+        sampled: dict[str, int] = {}
+        custom = self._next
+        vocab, avoid = self.vocab_size, self._avoid
+        for s in sched.scheduled:
+            if not s.samples_token:
+                continue
+            rid = s.request_id
+            if custom is not None:
+                sampled[rid] = custom(s.resolved(last[rid]) if s.has_placeholder else s)
+            elif s.has_placeholder:  # history = the first start_pos ids + the token in flight
+                ids = s.all_token_ids
+                sampled[rid] = _hash_token(s.start_pos + 1, last[rid], ids[0], vocab, avoid)
+            else:
+                ids = s.all_token_ids
+                end = s.start_pos + len(s.token_ids)
+                sampled[rid] = _hash_token(end, ids[end - 1], ids[0], vocab, avoid)
+        self._last_sampled = sampled
+        return _Launched(ModelRunnerOutput(sampled_token_ids=sampled), ready, self.emulated)
 
     def device_busy_s(self) -> float:
         """Seconds the (emulated) device has been busy; 0 without one."""

@@ -12,11 +12,18 @@ from types import ModuleType
 
 import torch
 
-from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.engine.outputs import (
+    PLACEHOLDER_TOKEN,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepSkipped,
+    TokenLogprobs,
+)
 from worker.engine.structured import start_token_bitmask
 from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, step_metadata
 from worker.model.capability import KVLayout, LayerKV
-from worker.model.sampler import sample
+from worker.model.sampler import sample_on_device
 
 
 class ModelRunner:
@@ -58,6 +65,9 @@ class ModelRunner:
         self._forward_thread: ThreadPoolExecutor | None = None  # made by the first launch
         self._busy_s = 0.0  # device time of the steps measured so far
         self._pending_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: the last step's
+        # the last step's sampled ids (on the device) and their row per request: the next
+        # step's placeholder inputs (written and read on the thread that runs the steps)
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] = (torch.empty(0, dtype=torch.long), {})
 
     @staticmethod
     def allocate_layer(layer: LayerKV, num_blocks: int, block_size: int, device: torch.device,
@@ -94,8 +104,13 @@ class ModelRunner:
         sample_idx: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
+        holes: list[int] = []  # flat positions of placeholder inputs
+        hole_ids: list[str] = []
         for s in packed:
             start, n, table = s.start_pos, s.num_tokens, s.block_ids
+            if s.token_ids[-1] == PLACEHOLDER_TOKEN:
+                holes.append(len(token_ids) + n - 1)
+                hole_ids.append(s.request_id)
             token_ids.extend(s.token_ids)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -150,6 +165,14 @@ class ModelRunner:
             backend=self.backend,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        if holes:  # decodes fed the previous step's tokens, where they are (on the device)
+            prev_ids, prev_rows = self._last_sampled
+            try:
+                rows = [prev_rows[rid] for rid in hole_ids]
+            except KeyError as e:
+                raise RuntimeError(f"placeholder input of request {e.args[0]!r}, which the previous step "
+                                   "did not sample for") from None
+            input_ids[torch.tensor(holes, device=dev)] = prev_ids[torch.tensor(rows, device=prev_ids.device)]
         position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
         return input_ids, position_ids, md, sample_idx, packed
 
@@ -165,19 +188,30 @@ class ModelRunner:
                 self._pending_events = None
         return self._busy_s
 
-    def launch(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Start `execute(sched)` on the runner's forward thread and return at once (the
-        engine core's asynchronous steps). torch releases the GIL inside its kernels, so
-        on the CPU the forward and the host work overlap on different cores; on CUDA the
-        thread queues the kernels and waits in the sampled ids' copy to the host. One
-        forward at a time: the core collects a launch before the next."""
+    def launch(self, sched: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Start the step on the runner's forward thread and return at once (the engine
+        core's asynchronous steps). Steps run one after another on that thread, each fed
+        the ids its predecessor sampled for its placeholder inputs; a step launched
+        `after` one that raised raises `StepSkipped` without computing. torch releases
+        the GIL inside its kernels, so on the CPU the forward and the host work overlap on
+        different cores; on CUDA the thread queues the kernels and goes on to the next
+        step, and the sampled ids reach the host by an asynchronous copy that
+        `result()` waits for (the device never waits for the host)."""
         if self._forward_thread is None:
             self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-forward")
-        return self._forward_thread.submit(self.execute, sched)
+        return LaunchedStep(self._forward_thread.submit(self._run_after, sched, after))
+
+    def _run_after(self, sched: SchedulerOutput, after: LaunchedStep | None) -> SampledStep:
+        if after is not None and after.failed():  # done: launches run in order on this thread
+            raise StepSkipped(f"step {sched.step} was launched behind a step that failed")
+        return self._timed(sched)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the packed batch, then sampling for requests whose chunk ends
         their known tokens (device time accounted for `device_busy_s`)."""
+        return self._timed(sched).output()
+
+    def _timed(self, sched: SchedulerOutput) -> SampledStep:
         if self.device.type == "cuda":
             self.device_busy_s()  # fold the previous step in before its events are replaced
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -194,11 +228,13 @@ class ModelRunner:
             self._busy_s += time.perf_counter() - t0
 
     @torch.inference_mode()
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, sched: SchedulerOutput) -> SampledStep:
         input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
         # A step of only partial prefill chunks still computes one (discarded) logit row.
         keep = torch.tensor(sample_idx or [0], device=self.device)
         sampling_reqs = [s for s in packed if s.samples_token]
+        if any(s.has_placeholder and s.params.repetition_penalty != 1.0 for s in sampling_reqs):
+            sampling_reqs = self._resolve_for_penalty(sampling_reqs)
         # structured-output masks: on CUDA filled on their own thread while this one queues the
         # forward and the device runs it; on the CPU after the forward (a thread beside torch's
         # OpenMP team measured +18-34% step time at 64 constrained rows, vs -4-+20% after it)
@@ -213,12 +249,68 @@ class ModelRunner:
                 inflight_metadata=md,
             )
         if not sample_idx:
-            return ModelRunnerOutput(sampled_token_ids={})
+            self._last_sampled = (input_ids[:0], {})
+            return SampledStep([], None, [], 0.0)
         logits = out.logits[0]  # [num_sampled, vocab]
         timing: dict[str, float] = {}
-        ids, logprobs = sample(logits, sampling_reqs, timing, masks)
+        token_ids, logprobs = sample_on_device(logits, sampling_reqs, timing, masks)
+        self._last_sampled = (token_ids, {s.request_id: i for i, s in enumerate(sampling_reqs)})
+        return SampledStep([s.request_id for s in sampling_reqs], token_ids, logprobs, timing.get("mask_s", 0.0))
+
+    def _resolve_for_penalty(self, reqs: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Rows with a repetition penalty and a placeholder input get their history with the
+        token in flight (`ScheduledRequest.resolved`): the penalty reads the whole history."""
+        prev_ids, prev_rows = self._last_sampled
+        return [s.resolved(int(prev_ids[prev_rows[s.request_id]]))
+                if s.has_placeholder and s.params.repetition_penalty != 1.0 else s for s in reqs]
+
+
+class SampledStep:
+    """A step's sampled ids, still on the device (`token_ids`), with the rows' request ids;
+    `output()` brings them to the host. On CUDA the copy is queued at once, right behind
+    the sampling on the same stream, into pinned memory, and `output()` waits for that copy
+    alone (an event), not for the steps queued after it."""
+
+    __slots__ = ("request_ids", "_ids", "_ready", "logprobs", "mask_s")
+
+    def __init__(self, request_ids: list[str], token_ids: torch.Tensor | None,
+                 logprobs: list[TokenLogprobs | None], mask_s: float) -> None:
+        self.request_ids = request_ids
+        self.logprobs = logprobs
+        self.mask_s = mask_s
+        self._ready = None
+        if token_ids is not None and token_ids.is_cuda:
+            token_ids = token_ids.to("cpu", non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._ids = token_ids
+
+    def output(self) -> ModelRunnerOutput:
+        if self._ids is None:
+            return ModelRunnerOutput(sampled_token_ids={})
+        if self._ready is not None:
+            self._ready.synchronize()  # releases the GIL while it waits
+        ids = self._ids.tolist()
+        rids = self.request_ids
         return ModelRunnerOutput(
-            sampled_token_ids={s.request_id: t for s, t in zip(sampling_reqs, ids)},
-            logprobs={s.request_id: lp for s, lp in zip(sampling_reqs, logprobs) if lp is not None},
-            mask_s=timing.get("mask_s", 0.0),
+            sampled_token_ids=dict(zip(rids, ids)),
+            logprobs={rid: lp for rid, lp in zip(rids, self.logprobs) if lp is not None},
+            mask_s=self.mask_s,
         )
+
+
+class LaunchedStep:
+    """A step on the runner's forward thread (`ModelRunner.launch`)."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[SampledStep]) -> None:
+        self._future = future
+
+    def result(self) -> ModelRunnerOutput:
+        return self._future.result().output()
+
+    def failed(self) -> bool:
+        """Whether the step raised (waits for it), being skipped aside."""
+        e = self._future.exception()
+        return e is not None and not isinstance(e, StepSkipped)

@@ -21,7 +21,15 @@ from worker.engine.outputs import ScheduledRequest, TokenLogprobs
 
 def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], timing: dict[str, float] | None = None,
            masks: Future | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Sample one token per row.
+    """`sample_on_device` with the ids copied to the host: `(token ids, logprobs)`."""
+    token_ids, logprobs = sample_on_device(logits, reqs, timing, masks)
+    return token_ids.tolist(), logprobs
+
+
+def sample_on_device(logits: torch.Tensor, reqs: list[ScheduledRequest], timing: dict[str, float] | None = None,
+                     masks: Future | None = None) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+    """Sample one token per row; the ids stay on the logits' device (no sync unless a row
+    asks for logprobs).
 
     Args:
         logits: `[num_reqs, vocab_size]` raw model logits (any float dtype).
@@ -33,7 +41,8 @@ def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], timing: dict[str,
             for these `reqs`); None: computed here.
 
     Returns:
-        (token ids, per-row TokenLogprobs or None where `params.logprobs` is None).
+        (token ids `[num_reqs]` int64 on the logits' device, per-row TokenLogprobs or
+        None where `params.logprobs` is None).
         Logprobs are taken from the model's distribution before penalties and
         temperature; for a row with a grammar, from that distribution renormalized over
         the tokens the grammar allows (the masked distribution, as vLLM reports it).
@@ -95,9 +104,9 @@ def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], timing: dict[str,
             noise[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
         token_ids[rows] = (probs / noise).argmax(dim=-1)
 
-    ids = token_ids.tolist()
     out_logprobs: list[TokenLogprobs | None] = [None] * n
     if raw_logprobs is not None:
+        ids = token_ids.tolist()
         for i, p in enumerate(params):
             if p.logprobs is None:
                 continue
@@ -112,7 +121,7 @@ def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], timing: dict[str,
                 top_token_ids=top_ids.tolist(),
                 top_logprobs=top_vals.tolist(),
             )
-    return ids, out_logprobs
+    return token_ids, out_logprobs
 
 
 def _apply_repetition_penalty(

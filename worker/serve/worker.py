@@ -48,6 +48,7 @@ from worker.config import WorkerConfig, redacted_config
 from worker.engine import Engine, RequestOutput
 from worker.engine.core_client import ProcessEngineClient, ThreadEngineClient, make_engine_client
 from worker.engine.core_proc import EngineSpec, PretrainedEngine
+from worker.engine.gc_tuning import tune_gc
 from worker.obs.log import task_stacks
 from worker.obs.metrics import Metrics
 from worker.obs.tracing import setup_tracing
@@ -187,6 +188,7 @@ class Worker:
             asyncio.create_task(self.kafka_outage.watch(), name="kafka"),
             asyncio.create_task(loop_lag_monitor(self.metrics, cfg.kafka.session_timeout_ms), name="loop-lag"),
         ]
+        tune_gc()  # start-up's objects (imports, a thread-mode engine's model) frozen out of the collector's scans
         self.started.set()
         log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
                  kv_blocks=self.engine.num_blocks, engine_process=isinstance(self.engine, ProcessEngineClient),

@@ -1,0 +1,146 @@
+"""A step's batch: built from the scheduler's decisions, applied back once its forward
+succeeded, or taken back when it will not be (a failure; asynchronous steps: `forward.py`).
+
+These functions belong to the Scheduler, the only caller: they write request progress
+and token lists, the state it is the only writer of. Progress of one request, a chunk of
+c tokens at positions [p, p + c) in step N:
+
+    built      num_computed_tokens = p + c; num_in_flight_steps += 1; if the chunk
+               reaches the end of the request's tokens (those known plus those owed by
+               steps in flight), it samples one: num_output_placeholders += 1
+    applied    num_in_flight_steps -= 1; the sampled token appended (placeholders -= 1);
+               the blocks full below p + c published to the prefix cache
+    taken back num_in_flight_steps -= 1 (placeholders too); num_computed_tokens = p
+
+A decode built while the step before it is in flight reads the token that step samples:
+its input is `PLACEHOLDER_TOKEN`, resolved by the runner (or by `resolve_placeholders`
+once that step was applied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.engine.request import Request, RequestStatus
+
+
+def mark_scheduled(req: Request, end: int, samples_token: bool) -> None:
+    req.num_computed_tokens = end
+    req.num_in_flight_steps += 1
+    if samples_token:
+        req.num_output_placeholders += 1
+
+
+def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Request],
+                block_table: Callable[[str], list[int]], copy_tables: bool) -> SchedulerOutput:
+    """Step `step`'s batch from `scheduled` (request id -> tokens), decodes first; each
+    request's progress advances to the end of its chunk. `copy_tables`: give the runner
+    copies of the block tables (steps run ahead: a table changed by the next schedule,
+    a sliding window freeing behind, must not reach a step already launched)."""
+    decodes: list[ScheduledRequest] = []
+    prefills: list[ScheduledRequest] = []
+    decode_reqs: list[Request] = []
+    prefill_reqs: list[Request] = []
+    for request_id, num_new in scheduled.items():
+        req = requests[request_id]
+        start = req.num_computed_tokens
+        end = start + num_new
+        tokens = req.all_token_ids
+        num_known = len(tokens)
+        ids = tokens[start:end] if end <= num_known else tokens[start:num_known] + [PLACEHOLDER_TOKEN] * (
+            end - num_known)
+        samples = end == num_known + req.num_output_placeholders
+        table = block_table(request_id)
+        s = ScheduledRequest(request_id, ids, start, table[:] if copy_tables else table, samples,
+                             req.params, tokens, req.generator, req.grammar)
+        mark_scheduled(req, end, samples)
+        if num_new == 1 and start > 0:
+            decodes.append(s)
+            decode_reqs.append(req)
+        else:
+            prefills.append(s)
+            prefill_reqs.append(req)
+    return SchedulerOutput(
+        step=step,
+        scheduled=decodes + prefills if prefills else decodes,
+        num_scheduled_tokens=sum(scheduled.values()),
+        num_decodes=len(decodes),
+        requests=decode_reqs + prefill_reqs if prefill_reqs else decode_reqs,
+    )
+
+
+def apply_batch(out: SchedulerOutput, runner_out: ModelRunnerOutput, kv: KVCacheManager, fair: bool,
+                finish: Callable[[str, RequestStatus], object]) -> list[Request]:
+    """Apply a step whose forward succeeded: publish newly full blocks to the prefix
+    cache, append sampled tokens, `finish` on EOS / stop token / length (in that
+    precedence). A request preempted since the step was built still gets its token
+    (computed on its KV before the blocks were freed), and so does one the scheduler
+    ended because that token is its last by length; one that ended otherwise meanwhile
+    does not (it is dropped: never emitted, never counted). `fair`: charge each token to
+    its tenant's share. Returns requests that got a token."""
+    sampled = runner_out.sampled_token_ids
+    cache_full_blocks = kv.cache_full_blocks
+    bs = kv.block_size
+    running = RequestStatus.RUNNING
+    preempted = RequestStatus.PREEMPTED
+    ended_early = RequestStatus.FINISHED_LENGTH  # only a request ended while its last token was in flight
+    got_token = []
+    for s, req in zip(out.scheduled, out.requests):
+        req.num_in_flight_steps -= 1
+        samples = s.samples_token
+        if samples:
+            req.num_output_placeholders -= 1
+        status = req.status
+        if status == running:
+            done = s.start_pos + len(s.token_ids)
+            if done // bs != s.start_pos // bs:  # a block just filled up: publish it to the prefix cache
+                cache_full_blocks(req, done)
+        elif status != preempted and status != ended_early:
+            continue
+        if not samples:
+            continue
+        token_id = sampled[s.request_id]
+        req.all_token_ids.append(token_id)
+        if fair:
+            share = req.share
+            share.counter += share.decode_cost
+        got_token.append(req)
+        if status == ended_early:  # its last token: EOS or a stop id still wins over length
+            req.status = req.stop_status(token_id)
+            continue
+        status = req.stop_status(token_id)
+        if status is not None:
+            finish(req.request_id, status)
+    return got_token
+
+
+def unschedule(out: SchedulerOutput) -> None:
+    """Take back a step whose forward will not be applied (it failed, or it read the
+    tokens of a step that failed): each request's progress returns to its chunk's start.
+    Steps are taken back newest first."""
+    running = RequestStatus.RUNNING
+    for s, req in zip(reversed(out.scheduled), reversed(out.requests)):
+        req.num_in_flight_steps -= 1
+        if s.samples_token:
+            req.num_output_placeholders -= 1
+        if req.status == running and req.num_computed_tokens > s.start_pos:
+            req.num_computed_tokens = s.start_pos
+
+
+def reschedule(out: SchedulerOutput) -> None:
+    """Mark a step taken back by `unschedule` as built again (its forward retried)."""
+    for s, req in zip(out.scheduled, out.requests):
+        mark_scheduled(req, s.start_pos + len(s.token_ids), s.samples_token)
+
+
+def resolve_placeholders(out: SchedulerOutput) -> SchedulerOutput:
+    """`out` with each placeholder input replaced by the token it stands for; call once
+    the step before `out` has been applied (that token is then appended)."""
+    scheduled = [
+        replace(s, token_ids=req.all_token_ids[s.start_pos: s.start_pos + len(s.token_ids)]) if s.has_placeholder else s
+        for s, req in zip(out.scheduled, out.requests)
+    ]
+    return replace(out, scheduled=scheduled)
