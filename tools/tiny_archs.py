@@ -126,10 +126,11 @@ def staggered_requests(seed: int = 0, lens=((40, 0), (23, 3), (57, 7), (90, 12))
 
 def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch", block_size: int = 16,
                max_batched_tokens: int = 16, max_total_tokens: int = 4096, kv_policy: str = "optimistic",
-               on_step=None, on_forward=None) -> dict:
+               on_step=None, on_forward=None, async_scheduling: bool = False) -> dict:
     """Greedy, EOS ignored, chunked prefill (`max_batched_tokens`). Returns
     request id -> (token ids, finish reason). `on_step(engine)` runs after every step,
-    `on_forward(scheduler_output)` before every forward."""
+    `on_forward(scheduler_output)` at the start of every forward (on the forward thread
+    with `async_scheduling`)."""
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
@@ -138,16 +139,16 @@ def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch",
                        serving_tuning=ServingTuning(max_total_tokens=max_total_tokens, kv_block_size=block_size,
                                                     max_batched_tokens=max_batched_tokens, max_running_requests=8,
                                                     max_output_tokens=max_tokens,
-                                                    kv_policy=kv_policy))
+                                                    kv_policy=kv_policy, async_scheduling=async_scheduling))
     engine = Engine.from_pretrained(str(path), cfg)
     if on_forward is not None:
-        execute = engine.runner.execute
+        build = engine.runner.build_metadata  # every forward packs its step here, launched or not
 
         def spy(sched):
             on_forward(sched)
-            return execute(sched)
+            return build(sched)
 
-        engine.runner.execute = spy
+        engine.runner.build_metadata = spy
     tokens: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
     finals: dict[str, str] = {}
     step = 0

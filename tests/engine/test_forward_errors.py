@@ -4,9 +4,12 @@ everyone else gets the tokens of a clean run, and the engine keeps serving."""
 
 from __future__ import annotations
 
+import pytest
+
 from schemas.params import SamplingParams
 from tests.engine.test_metrics_oom import make_engine, value
 from worker.engine import Engine
+from worker.engine.outputs import StepSkipped
 from worker.obs.metrics import Metrics
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -59,14 +62,30 @@ def run(engine: Engine, m: Metrics, work: list[tuple[str, list[int]]], stagger: 
 PROMPTS = [("a", [5, 17, 33, 101, 7, 250] * 3), ("b", [9, 8, 7, 6] * 5), ("c", [3, 4, 5, 6, 7] * 7)]
 
 
-def test_a_failed_forward_of_two_requests_is_retried_split_and_both_finish(llama_path):
-    # The issue's input: the 4th forward raises while two requests run.
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sequential", "async"])
+
+
+@ASYNC
+def test_a_failed_forward_of_two_requests_is_retried_split_and_both_finish(llama_path, async_scheduling):
+    # The issue's input: the 4th forward raises while two requests run. With asynchronous
+    # steps the step launched behind it is skipped (never computed) and taken back.
     ref = run(make_engine(llama_path), Metrics(), PROMPTS[:2], stagger=1)
-    engine = make_engine(llama_path)
+    engine = make_engine(llama_path, async_scheduling=async_scheduling)
     m = Metrics()
     inj = FailingLayer(engine, fail_on={4})
+    launched = []  # (step, raised) of each launched step
+    real_launch = engine.runner.launch
+
+    def launch(sched, after=None):
+        handle = real_launch(sched, after)
+        launched.append((sched.step, handle))
+        return handle
+
+    engine.runner.launch = launch
     res = run(engine, m, PROMPTS[:2], stagger=1)
     assert inj.calls > 6  # the failed batch, then each request alone, then the rest
+    skipped = [step for step, h in launched if isinstance(h._future.exception(), StepSkipped)]
+    assert len(skipped) == (1 if async_scheduling else 0)  # the step launched behind the failed one
     for rid in ("a", "b"):
         finals, toks = res[rid]
         assert len(finals) == 1 and finals[0].finish_reason == "length"
@@ -76,8 +95,9 @@ def test_a_failed_forward_of_two_requests_is_retried_split_and_both_finish(llama
     assert engine.kv_stats().used_blocks == 0
 
 
-def test_a_forward_that_fails_alone_too_ends_its_requests_and_the_engine_keeps_serving(llama_path):
-    engine = make_engine(llama_path)
+@ASYNC
+def test_a_forward_that_fails_alone_too_ends_its_requests_and_the_engine_keeps_serving(llama_path, async_scheduling):
+    engine = make_engine(llama_path, async_scheduling=async_scheduling)
     m = Metrics()
     FailingLayer(engine, fail_on={4, 5, 6})  # the batch and both lone retries
     res = run(engine, m, PROMPTS[:2], stagger=1)
@@ -96,10 +116,11 @@ def test_a_forward_that_fails_alone_too_ends_its_requests_and_the_engine_keeps_s
     assert after["c"][0][0].finish_reason == "length" and len(after["c"][1]) == 12
 
 
-def test_a_poison_request_does_not_take_its_neighbours_with_it(llama_path):
+@ASYNC
+def test_a_poison_request_does_not_take_its_neighbours_with_it(llama_path, async_scheduling):
     clean = run(make_engine(llama_path), Metrics(), PROMPTS, stagger=2)
     assert all(POISON not in toks for _, toks in clean.values())
-    engine = make_engine(llama_path)
+    engine = make_engine(llama_path, async_scheduling=async_scheduling)
     m = Metrics()
     FailingLayer(engine, poison=POISON)
     poisoned = [PROMPTS[0], ("poison", [11, 12, POISON, 13] * 4), *PROMPTS[1:]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -32,6 +33,40 @@ def test_seeded_sampling_same_alone_and_in_busy_batch(engine):
     assert alone == busy
     other_seed = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.9, seed=99, max_tokens=40, ignore_eos=True))
     assert other_seed[0].token_ids != alone  # the seed matters
+
+
+def test_asynchronous_steps_sample_what_sequential_steps_sample(llama_path):
+    """Steps scheduled one ahead feed each decode the token sampled the step before
+    (placeholders): seeded draws, a repetition penalty over the whole history (the token
+    in flight included) and logprobs come out as sequentially."""
+    prompts = [[(13 * i + j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(8)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.8, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=3, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=2, max_tokens=20, ignore_eos=True),
+    ] * 2
+    outs = {}
+    for mode in (False, True):
+        cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu"),
+                           serving_tuning=ServingTuning(max_total_tokens=4096, max_batched_tokens=64,
+                                                        max_running_requests=6, async_scheduling=mode))
+        eng = Engine.from_pretrained(str(llama_path), cfg)
+        real_update = eng.scheduler.update_from_output
+
+        def late_update(*args, real_update=real_update):  # the step behind samples before this one is applied
+            time.sleep(0.01)
+            return real_update(*args)
+
+        eng.scheduler.update_from_output = late_update
+        outs[mode] = eng.generate(prompts, params)
+    for seq, asy in zip(outs[False], outs[True]):
+        assert asy.token_ids == seq.token_ids
+        assert (asy.logprobs is None) == (seq.logprobs is None)
+        for a, b in zip(asy.logprobs or [], seq.logprobs or []):
+            assert a.top_token_ids == b.top_token_ids and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    penalized = outs[True][1].token_ids
+    assert len(set(penalized)) > len(penalized) // 2  # the penalty bites (greedy alone repeats)
 
 
 def test_text_prompt_chat_messages_and_logprobs(engine):

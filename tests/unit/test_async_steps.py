@@ -150,3 +150,73 @@ def test_a_failing_forward_in_flight_follows_the_sequential_rules():
     ok = [o for o in outs if o.request_id == "ok"]
     assert sum(len(o.new_token_ids) for o in ok) == 4 and ok[-1].finish_reason == "length"
     assert not eng.has_unfinished() and eng.kv_stats().used_blocks == 0
+
+
+def ending_token(s) -> int:
+    """Null-model tokens: "eos" samples EOS (25) once it holds 12 tokens, "stopid" its stop
+    token id 24 once it holds 10; else position mod 20 (never 24 or 25)."""
+    n = len(s.all_token_ids)
+    if s.request_id.startswith("eos") and n == 12:
+        return 25
+    if s.request_id == "stopid" and n == 10:
+        return 24
+    return n % 20
+
+
+def make_ending(async_scheduling: bool):
+    cfg = EngineConfig(serving_tuning=ServingTuning(max_running_requests=4, max_total_tokens=512,
+                                                    max_batched_tokens=32, kv_block_size=4,
+                                                    async_scheduling=async_scheduling))
+    eng = null_engine(cfg, vocab_size=26, eos_token_ids=frozenset({25}), max_model_len=256,
+                      next_token=ending_token, device_ms=1.0)
+    sampled: list[str] = []
+    real = eng.runner._start
+
+    def spy(sched):
+        sampled.extend(s.request_id for s in sched.scheduled if s.samples_token)
+        return real(sched)
+
+    eng.runner._start = spy
+    return eng, sampled
+
+
+def test_eos_and_a_stop_id_one_step_ahead_compute_one_token_more_that_is_never_emitted():
+    runs = {}
+    for mode in (False, True):
+        eng, sampled = make_ending(mode)
+        eng.add_request("eos", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=50))
+        eng.add_request("stopid", prompt_token_ids=[4, 5], params=SamplingParams(max_tokens=50, stop_token_ids=[24]))
+        eng.add_request("len", prompt_token_ids=[6], params=SamplingParams(max_tokens=15, ignore_eos=True))
+        runs[mode] = drain(eng), sampled
+        assert eng.kv_stats().used_blocks == 0
+    flat = lambda outs: sorted(x for step in outs for x in step)  # noqa: E731
+    (seq, seq_sampled), (asy, asy_sampled) = runs[False], runs[True]
+    assert flat(seq) == flat(asy)  # same ids, text, finish reasons and usage
+    finals = {x[0]: x for x in flat(asy) if x[3]}
+    assert finals["eos"][4] == "stop" and finals["eos"][5] == 10 and finals["stopid"][4] == "stop"
+    assert finals["len"][4] == "length" and finals["len"][5] == 15
+    extra = {rid: asy_sampled.count(rid) - seq_sampled.count(rid) for rid in ("eos", "stopid", "len")}
+    assert extra == {"eos": 1, "stopid": 1, "len": 0}  # length is known ahead: nothing extra
+
+
+def test_a_step_in_flight_for_an_ended_request_never_reaches_a_new_request_of_the_same_id():
+    # the request ended by EOS while the step launched behind it computed one more token
+    # for it; a new request with the same id added at once must not receive that token
+    results = {}
+    for mode in (False, True):
+        eng, _ = make_ending(mode)
+        eng.add_request("eos-x", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=50))
+        again: list[tuple[int, ...]] = []
+        added = False
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished and o.request_id == "eos-x" and not added:
+                    added = True
+                    eng.add_request("eos-x", prompt_token_ids=[9, 9, 9, 9, 9], params=SamplingParams(max_tokens=6))
+                elif added and o.request_id == "eos-x":
+                    again.append((tuple(o.new_token_ids), o.finish_reason))
+            eng.check_invariants()
+        results[mode] = again
+        assert eng.kv_stats().used_blocks == 0
+    assert results[True] == results[False]
+    assert [t for ids, _ in results[True] for t in ids] == [n % 20 for n in range(5, 11)]
