@@ -106,12 +106,14 @@ def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, 
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
+    from worker.engine.gc_tuning import tune_gc
 
     cfg = EngineConfig(model=ModelConfig(device=device, attention_backend=backend), serving_tuning=ServingTuning(
         max_running_requests=max_batch, max_total_tokens=kv_tokens, max_batched_tokens=budget,
         enable_prefix_caching=False, async_scheduling=async_scheduling,  # limits: the model's context
     ))
     engine = Engine.from_pretrained(str(path), cfg)
+    tune_gc()  # as the worker's engine process does after start-up
     _sync(device)
     t0 = time.perf_counter()
     for r in work:
@@ -562,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--model", default=None,
                    help=f"HF checkpoint dir (default {DEFAULT_MODEL} on CPU, {GPU_MODEL} on CUDA; made if missing)")
     t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    t.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="Inflight attention back end")
+    t.add_argument("--backend", default="auto", choices=["auto", "torch", "cpu", "triton"], help="Inflight attention back end")
     t.add_argument("--workload", default="mixed", choices=sorted(KINDS))
     t.add_argument("--prompts", default="text", choices=["text", "random"],
                    help="real text through the model's tokenizer, or random token ids")

@@ -89,8 +89,10 @@ def prompt_ids(i: int) -> list[int]:
 def engine_alone(device_ms: float, output_len: int, num_jobs: int, running: int,
                  async_scheduling: bool = False) -> dict:
     from schemas.params import SamplingParams
+    from worker.engine.gc_tuning import tune_gc
 
     eng = sleeping_engine(device_ms, tuning_dict(running, output_len, async_scheduling))
+    tune_gc()  # as the worker's processes do after start-up
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     for i in range(num_jobs):

@@ -110,7 +110,9 @@ def test_write_kv_skips_negative_slots_and_converts_dtype():
 
 
 def test_backend_selection():
-    assert get_backend("auto", "cpu") is torch_ref
+    from worker.model.kernels import cpu_attn
+
+    assert get_backend("auto", "cpu") is (cpu_attn if cpu_attn.available() else torch_ref)
     assert get_backend("torch", "cuda") is torch_ref
     with pytest.raises(ValueError, match="attention_backend"):
         get_backend("flash", "cpu")

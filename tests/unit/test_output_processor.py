@@ -48,3 +48,32 @@ def test_eos_ending_a_merged_chunk_is_not_text():
     outs, finishes = run([[H, E, L, 0]], [], last_reason=FinishReason.STOP)
     assert outs[-1].text == "hel" and outs[-1].new_token_ids == [H, E, L, 0]
     assert outs[-1].usage.completion_tokens == 4 and finishes == []
+
+
+def test_several_steps_in_one_call_are_merged_per_request():
+    """A batch of three steps' outputs for two requests (what the reader gets when it fell
+    behind): one delta per request, the same text, ids, usage and stop as step by step."""
+    steps = [
+        [EngineCoreOutput("a", [H]), EngineCoreOutput("b", [W])],
+        [EngineCoreOutput("a", [E]), EngineCoreOutput("b", [O])],
+        [EngineCoreOutput("b", [R]), EngineCoreOutput("a", [L], finish_reason=FinishReason.LENGTH)],
+    ]
+
+    def processor():
+        p = OutputProcessor(LetterTokenizer())
+        p.add("a", [], num_prompt_tokens=2, arrival_time=0.0)
+        p.add("b", ["or"], num_prompt_tokens=2, arrival_time=0.0)
+        return p
+
+    one_by_one = processor()
+    single = [o for step in steps for o in one_by_one.process(step).outputs]
+    batched = processor().process([o for step in steps for o in step])
+    assert [o.request_id for o in batched.outputs] == ["a", "b"]  # one delta each
+    for rid in ("a", "b"):
+        mine = [o for o in single if o.request_id == rid]
+        got = next(o for o in batched.outputs if o.request_id == rid)
+        assert got.text == "".join(o.text for o in mine)
+        assert got.new_token_ids == [t for o in mine for t in o.new_token_ids]
+        assert (got.finished, got.finish_reason, got.usage) == (mine[-1].finished, mine[-1].finish_reason,
+                                                                mine[-1].usage)
+    assert batched.finish == [("b", RequestStatus.FINISHED_STOPPED)]  # "or" completed by its third token

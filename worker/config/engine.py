@@ -12,7 +12,7 @@ from worker.config.checks import ConfigError, one_of, positive
 
 KV_POLICIES = ("optimistic", "reserve")
 OVERLOAD_POLICIES = ("queue_or_reject", "reject")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -195,7 +195,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         path: local Hugging Face checkpoint directory (config.json, weights, tokenizer).
         dtype: `auto` = bfloat16 on CUDA, float32 on CPU.
         device: `auto` = cuda if available, else cpu.
-        attention_backend: `auto` = Triton on CUDA, the torch reference on CPU.
+        attention_backend: `auto` = Triton on CUDA; on the CPU `cpu` (the torch reference
+            with decodes in a C kernel built at first use) when a C compiler builds it, else
+            `torch` (the reference alone).
         max_model_len: context length; None = the model config's `max_position_embeddings`
             (a sliding window limits what a layer reads, not the context).
         load_check: at load, run the model once through the paged runner and once

@@ -18,6 +18,7 @@ rarer batches (the engine makes few: its per-step objects are acyclic).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 
@@ -30,10 +31,24 @@ def tune_gc() -> bool:
     (module docstring). Call after start-up (model and imports loaded), once per process;
     a later call freezes what start-up added since. Returns False (nothing changed) when
     the `INFLIGHT_GC_DEFAULTS` environment variable is `1`."""
+    global _at_exit
     if os.environ.get(ENV_DISABLE) == "1":
         return False
     gc.collect()
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GEN0_THRESHOLD, gen1, gen2)
+    if not _at_exit:
+        _at_exit = True
+        atexit.register(_thaw)
     return True
+
+
+_at_exit = False
+
+
+def _thaw() -> None:
+    """At exit: the frozen heap back under the collector, collected, so extension modules
+    that check for leaked objects at shutdown (triton's nanobind bindings) find none."""
+    gc.unfreeze()
+    gc.collect()

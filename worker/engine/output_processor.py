@@ -72,9 +72,10 @@ class OutputProcessor:
         self._requests.pop(request_id, None)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        """Turn core outputs (one step's, or several steps' in order) into deltas."""
+        """Turn core outputs (one step's, or several steps' in order) into deltas: one per
+        request, several steps' tokens merged (`merge_steps`)."""
         result = ProcessedOutputs()
-        for out in core_outputs:
+        for out in merge_steps(core_outputs):
             st = self._requests.get(out.request_id)
             if st is None:  # ended here already (stop string), or not ours
                 continue
@@ -137,3 +138,32 @@ class OutputProcessor:
             logprobs=logprobs, num_preemptions=out.num_preemptions, times=times,
             error_code=str(error[0]) if error else None, error_message=error[1] if error else None,
         )
+
+
+def merge_steps(core_outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """Several steps' core outputs (in step order) with each request's merged into one:
+    its tokens and logprobs in order, the rest (finish, times, errors) from its last. A
+    caller that fell behind (the worker's reader found several steps waiting) so turns a
+    request's tokens into text in one detokenizer call and one delta, and catches up.
+    Requests come out in the order of their first output; outputs that name each request
+    once (one step's) come back as they are."""
+    seen: set[str] = set()
+    for out in core_outputs:
+        if out.request_id in seen:
+            break
+        seen.add(out.request_id)
+    else:
+        return core_outputs
+    index: dict[str, int] = {}
+    merged: list[EngineCoreOutput] = []
+    for out in core_outputs:
+        j = index.get(out.request_id)
+        if j is None:
+            index[out.request_id] = len(merged)
+            merged.append(out)
+            continue
+        prev = merged[j]
+        logprobs = (prev.logprobs or []) + (out.logprobs or []) if prev.logprobs or out.logprobs else None
+        merged[j] = msgspec.structs.replace(out, new_token_ids=prev.new_token_ids + out.new_token_ids,
+                                            logprobs=logprobs)
+    return merged

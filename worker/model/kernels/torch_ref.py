@@ -91,6 +91,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     params: AttentionParams | float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed ragged batch over the paged cache (K/V already written).
 
@@ -102,9 +103,11 @@ def paged_attention(
         k_cache, v_cache: see the module docstring.
         md: the step's AttentionMetadata.
         params: the layer's `AttentionParams` (a float: the softmax scale alone).
+        out: where to write the result (rows of sequences not in `md` left as they are);
+            None: a new tensor.
 
     Returns:
-        `[num_tokens, num_heads, v_head_dim]`. Grouped-query attention when num_heads is a
+        `[num_tokens, num_heads, v_head_dim]` (`out` when given). Grouped-query attention when num_heads is a
         multiple of num_kv_heads (query head h reads KV head h // (num_heads / num_kv_heads)).
     """
     p = params if isinstance(params, AttentionParams) else AttentionParams(scale=float(params))
@@ -113,7 +116,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     plain = not p.changes_logits  # SDPA with a mask; else the explicit softmax
     window = p.sliding_window
-    out = query.new_empty(num_tokens, num_heads, v_dim)
+    if out is None:
+        out = query.new_empty(num_tokens, num_heads, v_dim)
     for g in md.decode_groups:
         # Gather whole blocks (contiguous copies), then mask the padding past each context.
         # GQA without repeating K/V: the query heads sharing a KV head act as that head's

@@ -1,0 +1,112 @@
+"""The CPU back end's decode kernel (kernels/cpu_decode.c through cpu_attn.py) against the
+plain-torch reference on randomized packed batches: decodes of context 1, block
+boundaries and random lengths in shuffled blocks, a prefix shared by two sequences, the
+prefill chunks of the batch (the reference path of the same call), GQA ratios 1/2/4/8,
+head dims 32/80/128, block sizes 16/32, a sliding window, a value cache that is a view
+of the key cache (latent attention); the layers and thread counts it leaves to the
+reference; and the fallback when no C compiler can build it."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from tests.kernels.test_triton_attention import NUM_KV_HEADS, make_batch, runner
+from worker.model.kernels import cpu_attn, get_backend, torch_ref
+from worker.model.kernels.params import AttentionParams
+
+pytestmark = pytest.mark.skipif(not cpu_attn.available(), reason=f"no CPU kernel: {cpu_attn.unavailable_reason()}")
+
+CASES = [(hd, bs, g, w) for hd in (32, 80, 128) for bs in (16, 32) for g in (1, 2, 4, 8) for w in (None, 7)]
+
+
+def filled_runners(head_dim: int, block_size: int, sched):
+    """A reference and a CPU-back-end runner whose caches hold the same random K/V."""
+    ref, cpu = runner(torch_ref, block_size, head_dim, torch.float32), runner(cpu_attn, block_size, head_dim,
+                                                                               torch.float32)
+    for a, b in zip(ref.kv_caches[0], cpu.kv_caches[0]):
+        a.copy_(torch.randn_like(a))
+        b.copy_(a)
+    return ref, cpu, ref.build_metadata(sched)[2], cpu.build_metadata(sched)[2]
+
+
+@pytest.mark.parametrize("head_dim,block_size,group,window", CASES)
+def test_decode_kernel_matches_the_reference(head_dim, block_size, group, window):
+    rng = random.Random(hash((head_dim, block_size, group, window)) % 1000)
+    torch.manual_seed(rng.randrange(1 << 30))
+    sched = make_batch(rng, block_size)
+    ref, cpu, md_ref, md_cpu = filled_runners(head_dim, block_size, sched)
+    n, num_heads = sched.num_scheduled_tokens, NUM_KV_HEADS * group
+    q = torch.randn(n, num_heads, head_dim).transpose(0, 1).contiguous().transpose(0, 1)  # strided, as the model's
+    k, v = torch.randn(n, NUM_KV_HEADS, head_dim), torch.randn(n, NUM_KV_HEADS, head_dim)
+    torch_ref.write_kv(k, v, *ref.kv_caches[0], md_ref.slot_mapping)
+    cpu_attn.write_kv(k, v, *cpu.kv_caches[0], md_cpu.slot_mapping)
+    params = AttentionParams(scale=head_dim**-0.5, sliding_window=window)
+    expect = torch_ref.paged_attention(q, k, v, *ref.kv_caches[0], md_ref, params)
+    nd = sched.num_decodes
+    decodes = torch.empty(nd, num_heads, head_dim)
+    assert cpu_attn.paged_decode(q[:nd], *cpu.kv_caches[0], md_cpu.block_tables, md_cpu.seq_lens, params.scale,
+                                 window, decodes)  # the kernel itself, whatever the thread count
+    torch.testing.assert_close(decodes, expect[:nd], atol=2e-5, rtol=2e-5)
+    got = cpu_attn.paged_attention(q, k, v, *cpu.kv_caches[0], md_cpu, params)
+    torch.testing.assert_close(got, expect, atol=2e-5, rtol=2e-5)
+
+
+def test_a_value_cache_inside_the_key_cache_and_a_wider_key():
+    """Latent attention: the value is the first Dv channels of a wider cached key."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    block_size, head_dim, v_dim, num_heads = 16, 72, 64, 8
+    sched = make_batch(rng, block_size)
+    nd = sched.num_decodes
+    ref = runner(torch_ref, block_size, head_dim, torch.float32)
+    md = ref.build_metadata(sched)[2]
+    k_cache = torch.randn(ref.kv_caches[0][0].shape[:2] + (1, head_dim))
+    v_cache = k_cache[..., :v_dim]
+    q = torch.randn(sched.num_scheduled_tokens, num_heads, head_dim)
+    key = torch.randn(sched.num_scheduled_tokens, 1, head_dim)
+    torch_ref.write_kv(key, None, k_cache, v_cache, md.slot_mapping)
+    expect = torch_ref.paged_attention(q, key, key[..., :v_dim], k_cache, v_cache, md, 0.1)
+    got = torch.empty(nd, num_heads, v_dim)
+    assert cpu_attn.paged_decode(q[:nd], k_cache, v_cache, md.block_tables, md.seq_lens, 0.1, None, got)
+    torch.testing.assert_close(got, expect[:nd], atol=2e-5, rtol=2e-5)
+
+
+def test_layers_the_kernel_does_not_cover_take_the_reference_path():
+    rng = random.Random(9)
+    torch.manual_seed(9)
+    sched = make_batch(rng, 16)
+    ref, cpu, md_ref, md_cpu = filled_runners(32, 16, sched)
+    n = sched.num_scheduled_tokens
+    q, k, v = torch.randn(n, 4, 32), torch.randn(n, 2, 32), torch.randn(n, 2, 32)
+    for params in (AttentionParams(scale=0.2, softcap=5.0), AttentionParams(scale=0.2, sinks=torch.randn(4))):
+        expect = torch_ref.paged_attention(q, k, v, *ref.kv_caches[0], md_ref, params)
+        assert torch.equal(cpu_attn.paged_attention(q, k, v, *cpu.kv_caches[0], md_cpu, params), expect)
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpu_attn.MAX_THREADS + 1)  # more threads than the kernel is used with
+    try:
+        params = AttentionParams(scale=0.2)
+        expect = torch_ref.paged_attention(q, k, v, *ref.kv_caches[0], md_ref, params)
+        assert torch.equal(cpu_attn.paged_attention(q, k, v, *cpu.kv_caches[0], md_cpu, params), expect)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):
+    with monkeypatch.context() as m:
+        m.setenv("CC", str(tmp_path / "no-such-compiler"))
+        m.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+        cpu_attn._library.cache_clear()
+        try:
+            with caplog.at_level(logging.WARNING):
+                assert get_backend("auto", "cpu") is torch_ref
+            assert "no-such-compiler" in cpu_attn.unavailable_reason()
+            assert "CPU decode kernel is unavailable" in caplog.text
+            with pytest.raises(ValueError, match="attention_backend='cpu'"):
+                get_backend("cpu", "cpu")
+        finally:
+            cpu_attn._library.cache_clear()
+    assert get_backend("auto", "cpu") is cpu_attn  # the real compiler's build again

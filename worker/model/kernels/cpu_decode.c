@@ -1,0 +1,110 @@
+/* Paged decode attention on the CPU: one query token per sequence against its KV blocks,
+ * read in place through the block table (no gathered copy of the context, which is what
+ * the torch reference does). Built at first use by cpu_attn.py; plain C, no torch headers.
+ *
+ * Layout (the contract of torch_ref.py): k_cache [num_blocks, block_size, num_kv_heads, D],
+ * v_cache [num_blocks, block_size, num_kv_heads, Dv], given by base pointer and strides in
+ * elements (v may be a view of k's first Dv channels). q [rows, H, D] and out [rows, H, Dv]
+ * contiguous; query head i reads KV head i / (H / KVH). Position p of row r lives in block
+ * tables[r * tbl_stride + p / block_size] at offset p % block_size; positions
+ * [max(0, n - window), n) are attended (window <= 0: all n = seq_lens[r]).
+ *
+ * Per row: scores of every position for every head (one pass over K, reading each
+ * position's KV heads together), an exact softmax per head (max, exp, sum), then one pass
+ * over V. fp32 throughout, one thread (cpu_attn.py says when it is used).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    const float *q, *kc, *vc;
+    const int32_t *tables, *seq_lens;
+    float *out;
+    int64_t rows, tbl_stride, H, KVH, D, Dv, bs;
+    int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
+    float scale;
+    int64_t window;
+} Work;
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) {
+        s0 += a[d] * b[d]; s1 += a[d + 1] * b[d + 1]; s2 += a[d + 2] * b[d + 2]; s3 += a[d + 3] * b[d + 3];
+        s4 += a[d + 4] * b[d + 4]; s5 += a[d + 5] * b[d + 5]; s6 += a[d + 6] * b[d + 6]; s7 += a[d + 7] * b[d + 7];
+    }
+    for (; d < n; d++) s0 += a[d] * b[d];
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
+}
+
+static int rows_of(const Work *w) {
+    const int64_t H = w->H, D = w->D, Dv = w->Dv, group = w->H / w->KVH;
+    int64_t max_len = 0;
+    for (int64_t r = 0; r < w->rows; r++)
+        if (w->seq_lens[r] > max_len) max_len = w->seq_lens[r];
+    float *scratch = malloc(sizeof(float) * (size_t)(H + max_len * H));
+    if (scratch == NULL) return 1;
+    float *inv = scratch;     /* [H]: running max, then 1 / sum */
+    float *sc = scratch + H;  /* [len][H]: scores, then weights */
+    for (int64_t r = 0; r < w->rows; r++) {
+        const int64_t n = w->seq_lens[r];
+        const int64_t start = (w->window > 0 && n > w->window) ? n - w->window : 0;
+        const int64_t len = n - start;
+        const int32_t *tbl = w->tables + r * w->tbl_stride;
+        const float *qr = w->q + r * H * D;
+        float *o = w->out + r * H * Dv;
+        for (int64_t i = 0; i < H; i++) inv[i] = -INFINITY;
+        for (int64_t p = start; p < n; p++) {
+            const float *kb = w->kc + (int64_t)tbl[p / w->bs] * w->k_sb + (p % w->bs) * w->k_st;
+            float *sp = sc + (p - start) * H;
+            for (int64_t h = 0; h < w->KVH; h++) {
+                const float *kp = kb + h * w->k_sh;
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t i = h * group + g;
+                    const float s = dot(qr + i * D, kp, D) * w->scale;
+                    sp[i] = s;
+                    if (s > inv[i]) inv[i] = s;
+                }
+            }
+        }
+        for (int64_t i = 0; i < H; i++) {
+            const float m = inv[i];
+            float l = 0;
+            for (int64_t t = 0; t < len; t++) {
+                const float e = expf(sc[t * H + i] - m);
+                sc[t * H + i] = e;
+                l += e;
+            }
+            inv[i] = len > 0 ? 1.0f / l : 0.0f;
+        }
+        for (int64_t i = 0; i < H * Dv; i++) o[i] = 0;
+        for (int64_t p = start; p < n; p++) {
+            const float *vb = w->vc + (int64_t)tbl[p / w->bs] * w->v_sb + (p % w->bs) * w->v_st;
+            const float *wp = sc + (p - start) * H;
+            for (int64_t h = 0; h < w->KVH; h++) {
+                const float *vp = vb + h * w->v_sh;
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t i = h * group + g;
+                    const float wt = wp[i];
+                    float *oi = o + i * Dv;
+                    for (int64_t d = 0; d < Dv; d++) oi[d] += wt * vp[d];
+                }
+            }
+        }
+        for (int64_t i = 0; i < H; i++)
+            for (int64_t d = 0; d < Dv; d++) o[i * Dv + d] *= inv[i];
+    }
+    free(scratch);
+    return 0;
+}
+
+/* Returns 0, or 1 if its scratch memory could not be had (out is then incomplete). */
+int inflight_paged_decode(const float *q, const float *kc, const float *vc, const int32_t *tables,
+                          const int32_t *seq_lens, float *out, int64_t rows, int64_t tbl_stride, int64_t H,
+                          int64_t KVH, int64_t D, int64_t Dv, int64_t bs, int64_t k_sb, int64_t k_st, int64_t k_sh,
+                          int64_t v_sb, int64_t v_st, int64_t v_sh, float scale, int64_t window) {
+    const Work w = {q, kc, vc, tables, seq_lens, out, rows, tbl_stride, H, KVH, D, Dv, bs,
+                    k_sb, k_st, k_sh, v_sb, v_st, v_sh, scale, window};
+    return rows_of(&w);
+}
