@@ -17,7 +17,9 @@ behind the first, waiting sleeps and releases the GIL as a CUDA sync does). For 
      first event any job got to the last terminal event (Redis stream entry ids, ms);
      the worker's CPU seconds in that window are sampled with psutil.
 
-Reported per row: tokens/s, jobs/s, worker / engine-alone ratios, the worker process's
+Reported per row: tokens/s, jobs/s, worker / engine-alone ratios, the worker against the
+device-bound limit (worker tokens/s over the engine alone's tokens/s divided by its device
+busy ratio: what the engine would do were the device never idle), the worker process's
 CPU seconds per 1k tokens and per 1k jobs. `--subscribers N` adds N pattern
 subscribers that read every event live (reported, not part of the goal). Writes
 results/bench_pipeline.json and a PNG, prints a table.
@@ -335,12 +337,16 @@ async def run_grid(a) -> list[dict]:
             other = engine_alone(device_ms, output_len, n, a.running, not a.async_scheduling)
             worker = await run_worker_row(a, device_ms, output_len, n, a.running, Path(tmp))
             seq, asy = (other, alone) if a.async_scheduling else (alone, other)
+            busy = alone["device_busy_ratio"]
             rows.append({"device_ms": device_ms, "output_len": output_len, "prompt_len": PROMPT_LEN,
                          "num_jobs": n, "running": a.running, "async_scheduling": a.async_scheduling,
                          "engine_alone": alone, "engine_alone_sequential": seq, "engine_alone_async": asy,
                          "async_vs_sequential": asy["tokens_per_s"] / seq["tokens_per_s"], "worker": worker,
                          "ratio_tokens": worker["tokens_per_s"] / alone["tokens_per_s"],
-                         "ratio_jobs": worker["jobs_per_s"] / alone["jobs_per_s"]})
+                         "ratio_jobs": worker["jobs_per_s"] / alone["jobs_per_s"],
+                         # the device-bound limit: what the engine alone would do with its device never idle
+                         "worker_vs_device_limit": worker["tokens_per_s"] / alone["tokens_per_s"] * busy if busy
+                         else None})
             bar.update(1)
     return rows
 
@@ -348,14 +354,16 @@ async def run_grid(a) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'dev ms':>6}{'out':>5}{'jobs':>6}{'alone tok/s':>13}{'worker tok/s':>14}{'ratio':>7}"
           f"{'alone job/s':>13}{'worker job/s':>14}{'job ratio':>10}{'host ms/step':>14}{'core ms/step':>14}"
-          f"{'cpu s/1k tok':>14}{'cpu s/1k job':>14}{'dev busy':>9}{'seq tok/s':>11}{'seq busy':>9}{'async/seq':>10}")
+          f"{'cpu s/1k tok':>14}{'cpu s/1k job':>14}{'dev busy':>9}{'w/limit':>8}{'seq tok/s':>11}{'seq busy':>9}"
+          f"{'async/seq':>10}")
     for r in rows:
         e, w = r["engine_alone"], r["worker"]
         print(f"{r['device_ms']:>6g}{r['output_len']:>5}{r['num_jobs']:>6}{e['tokens_per_s']:>13.0f}"
               f"{w['tokens_per_s']:>14.0f}{r['ratio_tokens']:>7.2f}{e['jobs_per_s']:>13.0f}{w['jobs_per_s']:>14.0f}"
               f"{r['ratio_jobs']:>10.2f}{e['host_ms_per_step']:>14.3f}{e['core_host_ms_per_step']:>14.3f}"
               f"{w['cpu_s_per_1k_tokens']:>14.4f}{w['cpu_s_per_1k_jobs']:>14.3f}"
-              f"{e['device_busy_ratio'] or 0:>9.2f}{r['engine_alone_sequential']['tokens_per_s']:>11.0f}"
+              f"{e['device_busy_ratio'] or 0:>9.2f}{r['worker_vs_device_limit'] or 0:>8.2f}"
+              f"{r['engine_alone_sequential']['tokens_per_s']:>11.0f}"
               f"{r['engine_alone_sequential']['device_busy_ratio'] or 0:>9.2f}{r['async_vs_sequential']:>10.2f}")
 
 
