@@ -194,7 +194,7 @@ def prefill_tflops(device: str, smoke: bool) -> list[dict]:
 
 
 def engine_bench(a, device: str) -> dict:
-    from tools.bench_engine import DEFAULT_MODEL, GPU_MODEL, ensure_model, run_inflight
+    from tools.bench_engine import DEFAULT_MODEL, GPU_MODEL, agreement, ensure_model, run_inflight
     from tools.workloads import make_workload
 
     path = ensure_model(Path(a.model) if a.model else (GPU_MODEL if device == "cuda" else DEFAULT_MODEL))
@@ -211,10 +211,18 @@ def engine_bench(a, device: str) -> dict:
         def update(self, n):
             pass
 
-    for backend in ("triton", "torch"):
-        secs, _ = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend)
-        out[backend] = {"seconds": secs, "output_tokens_per_s": total / secs}
+    ids = {}
+    # "triton": asynchronous steps (the CUDA default: scheduled one ahead, sampled ids fed on
+    # the device), forced so the CPU smoke run takes the same path
+    for name, backend, async_steps in (("triton", "triton", True), ("torch", "torch", None),
+                                       ("triton_sequential", "triton", False)):
+        secs, ids[name] = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend, async_steps)
+        out[name] = {"seconds": secs, "output_tokens_per_s": total / secs}
     out["triton_vs_torch"] = out["triton"]["output_tokens_per_s"] / out["torch"]["output_tokens_per_s"]
+    # asynchronous against sequential steps on the same kernels: speed, and how many requests
+    # got the same ids (fp32 on the CPU: all; bf16 on a GPU: batch composition may move a few)
+    out["async_vs_sequential"] = out["triton"]["output_tokens_per_s"] / out["triton_sequential"]["output_tokens_per_s"]
+    out["async_sequential_agreement"] = agreement(ids["triton_sequential"], ids["triton"])
     return out
 
 

@@ -134,6 +134,19 @@ def slow_null_engine(delay_s: float, **tuning):
     return eng
 
 
+async def recorded_outcomes(client, job_ids: list[str], timeout_s: float = 60.0) -> dict:
+    """The results-topic records of `job_ids`, waited for until all are there or `timeout_s`
+    passed (then what was found). A job's record is written by the finalizer after its
+    terminal event reached Redis (and retried through a Kafka outage), so a lookup right
+    after `result()` or a stream's end can run before the write."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await client.lookup_results(list(job_ids), timeout_s=max(5.0, deadline - time.monotonic()))
+        if len(found) == len(set(job_ids)) or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.25)
+
+
 async def read_whole_log(redis_url: str, prefix: str, job_id: str) -> list:
     """Every event of the job's log, from its first entry, decoded."""
     import redis.asyncio as aioredis

@@ -19,6 +19,7 @@ from tests.integration.helpers import (
     assert_well_formed,
     committed_reaches_end,
     read_whole_log,
+    recorded_outcomes,
     slow_null_engine,
     start_worker,
     stop_worker,
@@ -99,7 +100,7 @@ def test_a_90_s_broker_outage_is_ridden_out_while_jobs_stream(own_stack, prefix)
             await asyncio.sleep(max(0.0, 90 - (time.monotonic() - t0)))
             own_stack.up()  # the broker is back after 90 s
             finals = await asyncio.gather(*(client.result(j, 120) for j in ids))
-            recorded = await client.lookup_results(ids, timeout_s=60)
+            recorded = await recorded_outcomes(client, ids, timeout_s=60)
             committed = await committed_reaches_end(own_stack.bootstrap, cfg.kafka.group_id, prefix, timeout=60)
             gauge_after = w.metrics.kafka_outage._value.get()
             episodes = w.kafka_outage.num_episodes

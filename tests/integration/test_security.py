@@ -28,6 +28,7 @@ from tests.integration.helpers import (
     assert_well_formed,
     collect,
     committed_reaches_end,
+    recorded_outcomes,
     start_worker,
     stop_worker,
 )
@@ -132,7 +133,7 @@ def test_main_job_end_to_end_on_the_secured_stack(secure_stack, engine_factory, 
                 dead = await dlq_records_since(stack, ends)
 
                 # the durable outcomes, read back by the producer principal (Read on results)
-                recorded = await client.lookup_results(ids + [cj])
+                recorded = await recorded_outcomes(client, ids + [cj])
 
                 # the CLI with a tenant client's config (producer over mTLS, tenant-a's reader user)
                 cli = await asyncio.to_thread(subprocess.run, [

@@ -23,6 +23,7 @@ from tests.integration.conftest import worker_config
 from tests.integration.helpers import (
     assert_well_formed,
     collect,
+    recorded_outcomes,
     slow_null_engine,
     start_worker,
     stop_worker,
@@ -341,12 +342,7 @@ def test_a_done_job_whose_results_record_was_lost_gets_it_from_its_log(services,
             w, task = await start_worker(cfg, engine)
             try:
                 fresh = await collect(client, "fresh-1", 60)
-                found: dict = {}
-                for _ in range(40):
-                    found = await client.lookup_results(["lost-1", "fresh-1"], timeout_s=5)
-                    if len(found) == 2:
-                        break
-                    await asyncio.sleep(0.25)
+                found = await recorded_outcomes(client, ["lost-1", "fresh-1"], timeout_s=60)
                 committed = await committed_reaches_end(services[0], cfg.kafka.group_id, prefix)
             finally:
                 await stop_worker(w, task)

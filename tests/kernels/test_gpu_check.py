@@ -33,3 +33,6 @@ def test_gpu_check_smoke(tmp_path, llama_path):
     eng = report["engine"]
     assert eng["triton"]["output_tokens_per_s"] > 0 and eng["torch"]["output_tokens_per_s"] > 0
     assert eng["triton_vs_torch"] == eng["triton"]["output_tokens_per_s"] / eng["torch"]["output_tokens_per_s"]
+    assert eng["async_vs_sequential"] > 0
+    agree = eng["async_sequential_agreement"]
+    assert agree["requests"] == 3 and (torch.cuda.is_available() or agree["identical"] == 3)  # fp32 here: exact
