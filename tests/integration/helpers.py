@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import keys
-from schemas.wire import Finished
+from schemas.wire import Finished, Started
 from worker.client import InflightClient, last_attempt_tokens
 from worker.obs.log import task_stacks
 from worker.serve.worker import Worker
@@ -145,6 +145,23 @@ async def recorded_outcomes(client, job_ids: list[str], timeout_s: float = 60.0)
         if len(found) == len(set(job_ids)) or time.monotonic() > deadline:
             return found
         await asyncio.sleep(0.25)
+
+
+async def running_on(client, job_ids: list[str], worker_id: str, tenant: str | None = None,
+                     timeout: float = 60.0) -> str:
+    """Wait until one of `job_ids` runs on `worker_id` (its log's last `started` is that
+    worker's and no terminal event follows); return that job's id. A test that kills a
+    worker to see its jobs re-run elsewhere kills it after this: waiting for a count of
+    started or completed jobs instead raced the CPU model, which may finish a worker's
+    share of short jobs before the count is seen."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for job_id in job_ids:
+            evs = await client.read_log(job_id, tenant=tenant)
+            started = [e for e in evs if isinstance(e, Started)]
+            if started and started[-1].worker_id == worker_id and not any(isinstance(e, Finished) for e in evs):
+                return job_id
+    raise TimeoutError(f"no job ran on {worker_id} within {timeout} s")
 
 
 async def read_whole_log(redis_url: str, prefix: str, job_id: str) -> list:

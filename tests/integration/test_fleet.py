@@ -21,6 +21,7 @@ from tests.integration.helpers import (
     assert_well_formed,
     collect,
     committed_reaches_end,
+    running_on,
     start_worker,
     stop_worker,
     wait_group_members,
@@ -165,6 +166,7 @@ def test_kill_9_one_of_two_workers_loses_nothing(services, prefix, llama_path, t
                 for i, j in enumerate(ids):
                     await client.submit(f"crash test {i}", params=params, job_id=j, priority=("high", "normal", "low")[i % 3])
                 on_a = await wait_for_starts(client, ids, "worker-a", 2)
+                on_a.add(await running_on(client, ids, "worker-a"))  # killed while it holds one
                 a.send_signal(signal.SIGKILL)
                 a.wait()
                 results = await asyncio.gather(*(collect(client, j, 180) for j in ids))
