@@ -140,11 +140,15 @@ class ReportingExporter:
         self._ok = SpanExportResult.SUCCESS
         self._failure = SpanExportResult.FAILURE
         self.failing = False
+        self.closing = False  # shutting down: once the collector failed, the rest is dropped untried
         self.num_exported = 0
         self.num_dropped = 0
         self._episode_dropped = 0
 
     def export(self, spans: Sequence[Any]):
+        if self.closing and self.failing:  # no retry of an unreachable collector at shutdown
+            self.num_dropped += len(spans)
+            return self._failure
         try:
             result = self.inner.export(spans)
             error = None
@@ -288,7 +292,9 @@ class OtelTracing(Tracing):
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Flush queued spans (bounded), then stop the processor. A collector that does
         not answer costs at most about `timeout_s`: the final export runs in a daemon
-        thread that is abandoned past it."""
+        thread that is abandoned past it, and once an export failed the spans still queued
+        are dropped without trying (each try would wait for the exporter's own timeout)."""
+        self.exporter.closing = True
         done = threading.Event()
 
         def stop() -> None:
