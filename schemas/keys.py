@@ -18,14 +18,20 @@ must find its tombstone.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+from schemas.pools import topic_segment
+
+if TYPE_CHECKING:
+    from schemas.pools import Pools
 
 PRIORITIES = ("high", "normal", "low")
 
 
-def job_topic(prefix: str, priority: str) -> str:
-    """`inflight.jobs.high` etc.; the topic decides the priority class."""
-    return f"{prefix}.jobs.{priority}"
+def job_topic(prefix: str, priority: str, pool: str | None = None) -> str:
+    """`inflight.jobs.high` etc.; the topic decides the priority class. A pool other than
+    `default` (schemas/pools.py) has its own: `inflight.jobs.long.high`."""
+    return f"{prefix}.jobs.{topic_segment(pool)}{priority}"
 
 
 def cancel_topic(prefix: str) -> str:
@@ -43,10 +49,16 @@ def results_topic(prefix: str) -> str:
     return f"{prefix}.results"
 
 
-def all_topics(prefix: str) -> list[str]:
-    """Every topic a deployment needs, in creation order."""
-    return [job_topic(prefix, p) for p in PRIORITIES] + [cancel_topic(prefix), dlq_topic(prefix),
-                                                         results_topic(prefix)]
+def job_topics(prefix: str, pool: str | None = None) -> list[str]:
+    """The job topics of one pool, by priority (high, normal, low)."""
+    return [job_topic(prefix, p, pool) for p in PRIORITIES]
+
+
+def all_topics(prefix: str, pools: Pools | None = None) -> list[str]:
+    """Every topic a deployment needs, in creation order: each pool's job topics, then the
+    cancel, dead-letter and results topics all pools share."""
+    names = [n for pool in (pools.names if pools is not None else [None]) for n in job_topics(prefix, pool)]
+    return names + [cancel_topic(prefix), dlq_topic(prefix), results_topic(prefix)]
 
 
 class JobRef(NamedTuple):
