@@ -123,8 +123,8 @@ def _env_sets(section: str) -> bool:
 
 
 def _load_section(path: str | None, section: str):
-    """The `kafka` or `redis` section of a config file (+ env overrides). Raises
-    ConfigError."""
+    """The `kafka` or `redis` section of a config file (+ env overrides), or its pools
+    (`pool_set`). Raises ConfigError."""
     from worker.config import load_config
 
     return getattr(load_config(path), section)
@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("action", choices=["create"])
     t.add_argument("--bootstrap", default=None, help=f"bootstrap servers (default: the config's, else {DEFAULT_KAFKA})")
     t.add_argument("--config", help="YAML file whose `kafka` section gives the connection security (a principal "
-                   "allowed to create topics); INFLIGHT_KAFKA__* env vars override it")
+                   "allowed to create topics) and whose `pools` section the pools' job topics; INFLIGHT_KAFKA__* env "
+                   "vars override it")
     t.add_argument("--prefix", default=None, help="topic prefix (default: the config's, else inflight)")
     t.add_argument("--partitions", type=int, default=6, help="partitions per topic")
     t.add_argument("--replication-factor", type=int, default=1, help="replicas per partition")
@@ -317,12 +318,14 @@ def _dispatch(a: argparse.Namespace) -> int:
         from worker.cli.topics import create_topics
 
         kafka = _load_section(a.config, "kafka") if (a.config or _env_sets("KAFKA")) else None
+        pools = _load_section(a.config, "pool_set") if a.config else None
         bootstrap = a.bootstrap or (kafka.bootstrap_servers if kafka is not None else DEFAULT_KAFKA)
         prefix = a.prefix or (kafka.topic_prefix if kafka is not None else "inflight")
         created: list[str] = []
 
         async def create() -> None:
-            created.extend(await create_topics(bootstrap, prefix, a.partitions, a.replication_factor, kafka=kafka))
+            created.extend(await create_topics(bootstrap, prefix, a.partitions, a.replication_factor, kafka=kafka,
+                                               pools=pools))
 
         try:
             code = run_reported(create(), bad_input="config error", kafka=kafka)

@@ -74,6 +74,7 @@ def worker_config(services, prefix: str, **over):
         worker=WorkerSettings(**worker),
         metrics=MetricsConfig(**metrics),
         tracing=TracingConfig(**over.pop("tracing", {})),
+        pools=over.pop("pools", []),
     )
 
 

@@ -80,17 +80,18 @@ def kinds(events: list) -> list[str]:
 
 
 async def committed_reaches_end(bootstrap: str, group: str, prefix: str, timeout: float = 20.0,
-                                security: dict | None = None) -> dict:
+                                security: dict | None = None, pool: str | None = None) -> dict:
     """Wait until the group's committed offsets equal the end offsets of every job
-    partition; return the last {tp: (committed, end)} seen. `security`: aiokafka
-    security kwargs (a principal allowed to describe the group and topics)."""
-    topics = [keys.job_topic(prefix, p) for p in keys.PRIORITIES]
+    partition (of `pool`'s topics; None: the default pool's); return the last
+    {tp: (committed, end)} seen. `security`: aiokafka security kwargs (a principal
+    allowed to describe the group and topics)."""
+    topics = keys.job_topics(prefix, pool)
     probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, **(security or {}))
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(security or {}))
     await probe.start()
     await admin.start()
     try:
-        tps = [TopicPartition(t, p) for t in topics for p in sorted(await _partitions(probe, t))]
+        tps = [TopicPartition(t, p) for t in topics for p in sorted(await partitions_of(probe, t))]
         ends = await probe.end_offsets(tps)
         deadline = time.monotonic() + timeout
         state = {}
@@ -105,7 +106,8 @@ async def committed_reaches_end(bootstrap: str, group: str, prefix: str, timeout
         await admin.close()
 
 
-async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    """The partition ids of `topic` (waiting for its metadata)."""
     for _ in range(50):
         await consumer.topics()
         parts = consumer.partitions_for_topic(topic)

@@ -32,7 +32,7 @@ from tests.integration.helpers import (
 from worker.client import InflightClient
 from worker.engine import Engine
 from worker.obs.log import setup_logging
-from worker.serve.starter import prompt_byte_limit
+from worker.serve.input_size import prompt_byte_limit
 
 
 async def read_dlq(bootstrap: str, prefix: str, n: int, timeout: float = 30.0) -> list:

@@ -116,7 +116,7 @@ def test_tool_calling_messages_decode_and_count_toward_the_input_bound():
     it decodes, and the input-size bound counts its arguments and tool definitions
     (regression: a null content crashed the intake's byte count and stopped the worker)."""
     from schemas.codec import decode_job
-    from worker.serve.starter import input_bytes
+    from worker.serve.input_size import input_bytes
 
     raw = (b'{"job_id": "t1", "tools": [{"type": "function", "function": {"name": "f"}}], "messages": ['
            b'{"role": "user", "content": "hi"},'

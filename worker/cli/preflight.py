@@ -102,7 +102,7 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
             await asyncio.wait_for(admin.start(), timeout_s)
             cluster = await asyncio.wait_for(admin.describe_cluster(), timeout_s)
             answer_ms = 1000 * (time.perf_counter() - t0)
-            topics = await _visible_topics(admin, keys.all_topics(kc.topic_prefix), timeout_s)
+            topics = await _visible_topics(admin, keys.all_topics(kc.topic_prefix, cfg.pool_set), timeout_s)
         except (KafkaError, OSError, TimeoutError) as e:
             if isinstance(e, KafkaConnectionError):  # aiokafka logged why; connect once more to name it
                 try:
@@ -120,8 +120,8 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
         brokers = len(cluster["brokers"])
         checks = [Check("kafka", "pass", setting, f"{kc.bootstrap_servers}: {brokers} broker(s), cluster "
                         f"{cluster.get('cluster_id')}, answered in {answer_ms:.0f} ms")]
-        partitions = _topics_check(kc.topic_prefix, kc.bootstrap_servers, topics, checks)
-        checks.append(await _group_check(admin, kc.group_id, partitions, timeout_s))
+        partitions = _topics_check(cfg, topics, checks)
+        checks.append(await _group_check(admin, cfg.job_group_id, partitions, timeout_s))
         return checks
     finally:
         with suppressed(log, "closing the admin client"):  # a client that never connected
@@ -142,20 +142,24 @@ async def _visible_topics(admin, wanted: list[str], timeout_s: float) -> list[di
         await asyncio.sleep(0.25)
 
 
-def _topics_check(prefix: str, bootstrap: str, topics: list[dict], checks: list[Check]) -> dict[str, int]:
-    """Appends the `topics` Check; returns {job topic: partition count} of those present."""
+def _topics_check(cfg: WorkerConfig, topics: list[dict], checks: list[Check]) -> dict[str, int]:
+    """Appends the `topics` Check (every pool's job topics: a worker forwards to the other
+    pools); returns {job topic: partition count} of its own pool's that are present."""
+    prefix, bootstrap = cfg.kafka.topic_prefix, cfg.kafka.bootstrap_servers
+    pools = cfg.pool_set
     found = {t["topic"]: len(t["partitions"]) for t in topics if t["error_code"] == 0}
-    names = keys.all_topics(prefix)
+    names = keys.all_topics(prefix, pools)
     missing = [n for n in names if n not in found]
     counts = ", ".join(f"{n} {found[n]}" for n in names if n in found)
+    how = "--config <this file>" if pools.routes else f"--bootstrap {bootstrap} --prefix {prefix}"
     if missing:
         checks.append(Check("topics", "fail", "kafka.topic_prefix",
                             f"{prefix!r}: missing (or not visible to this principal) {', '.join(missing)}"
                             + (f"; present {counts}" if counts else "")
-                            + f"; create them: inflight topics create --bootstrap {bootstrap} --prefix {prefix}"))
+                            + f"; create them: inflight topics create {how}"))
     else:
         checks.append(Check("topics", "pass", "kafka.topic_prefix", f"{prefix!r}: partitions {counts}"))
-    return {n: found[n] for n in names[: len(keys.PRIORITIES)] if n in found}
+    return {n: found[n] for n in keys.job_topics(prefix, cfg.worker.pool) if n in found}
 
 
 async def _group_check(admin, group_id: str, job_partitions: dict[str, int], timeout_s: float) -> Check:

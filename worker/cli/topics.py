@@ -12,21 +12,24 @@ from schemas import keys
 from worker.security.kafka import kafka_security_kwargs
 
 if TYPE_CHECKING:
+    from schemas.pools import Pools
     from worker.config import KafkaConfig
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 async def create_topics(bootstrap_servers: str | None, prefix: str = "inflight", partitions: int = 6,
-                        replication_factor: int = 1, *, kafka: KafkaConfig | None = None) -> list[str]:
-    """Create `<prefix>.jobs.{high,normal,low}`, `<prefix>.cancel`, `<prefix>.dlq` and the
-    compacted `<prefix>.results`. Returns the names that were created (existing ones are
-    left as they are).
+                        replication_factor: int = 1, *, kafka: KafkaConfig | None = None,
+                        pools: Pools | None = None) -> list[str]:
+    """Create `<prefix>.jobs.{high,normal,low}` (and `<prefix>.jobs.<pool>.{...}` of every
+    other pool), `<prefix>.cancel`, `<prefix>.dlq` and the compacted `<prefix>.results`.
+    Returns the names that were created (existing ones are left as they are).
 
     Args:
         bootstrap_servers: the cluster; None takes `kafka.bootstrap_servers`.
         kafka: connection security (SASL, TLS) of a principal allowed to create topics
             (Create on the cluster or the topics); None connects in PLAINTEXT.
+        pools: the deployment's pools (schemas/pools.py); None: the default pool only.
 
     Raises:
         RuntimeError: the broker refused a topic (e.g. replication factor above the
@@ -34,7 +37,7 @@ async def create_topics(bootstrap_servers: str | None, prefix: str = "inflight",
             the broker's reason.
         ConfigError: a secret or certificate file of `kafka` cannot be read.
     """
-    names = keys.all_topics(prefix)
+    names = keys.all_topics(prefix, pools)
     results = keys.results_topic(prefix)
     security = kafka_security_kwargs(kafka) if kafka is not None else {}
     bootstrap = bootstrap_servers or (kafka.bootstrap_servers if kafka is not None else "127.0.0.1:19092")

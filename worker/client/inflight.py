@@ -1,8 +1,6 @@
 """Producer / consumer helpers: submit jobs, stream their events, cancel them.
 
-Imports neither torch nor engine code (`pip install "inflight-worker[client]"`).
-
-`stream()` subscribes to the job's channel first, then replays the job's log, so no
+Imports neither torch nor engine code (`pip install "inflight-worker[client]"`). `stream()` subscribes to the job's channel first, then replays the job's log, so no
 event is missed between the two; it dedupes by `seq`, survives late subscription
 (the log keeps the whole sequence for its TTL), retries connection errors with backoff
 (a Redis restart), re-reads the log from the last seq after a reconnect, and passes
@@ -38,7 +36,9 @@ from redis.exceptions import NoPermissionError
 from schemas import keys
 from schemas.codec import decode_event, decode_job, encode
 from schemas.params import SamplingParams
+from schemas.pools import Pool, Pools
 from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, check_tenant
+from worker.client.routing import load_tokenizer, pool_for
 from worker.client.subscriber import RESYNC, Denied, SharedSubscriber
 from worker.client.tracing import ProducerSpans
 from worker.config import KafkaConfig, RedisConfig
@@ -68,6 +68,9 @@ class InflightClient:
     tracing, tracer_provider: PRODUCER spans and W3C trace context in the records' headers
         (`worker.client.tracing`): None while the application has an OpenTelemetry SDK set
         up, True always, False never; the provider defaults to OpenTelemetry's global one.
+    pools, tokenizer: pools by prompt length (a `Pools` or the `pools` section's list) and the
+        model's tokenizer (an object or a path): each job goes to the pool serving its prompt
+        length, uncounted ones to the default pool (`worker.client.routing`).
 
     Raises:
         ConfigError: a secret, CA, certificate or key file cannot be read or loaded.
@@ -77,7 +80,7 @@ class InflightClient:
                  kafka: KafkaConfig | None = None, redis: RedisConfig | None = None,
                  topic_prefix: str | None = None, key_prefix: str | None = None, tombstone_ttl_s: int = 3600,
                  reconnect_s: float = 60.0, results_fallback_s: float = 5.0, tracing: bool | None = None,
-                 tracer_provider: Any = None) -> None:
+                 tracer_provider: Any = None, pools: Pools | list[Pool] | None = None, tokenizer: Any = None) -> None:
         kafka = kafka or KafkaConfig()
         if bootstrap_servers is not None:
             kafka = msgspec.structs.replace(kafka, bootstrap_servers=bootstrap_servers)
@@ -104,6 +107,8 @@ class InflightClient:
         self._results_lock = asyncio.Lock()
         self._lookups: list[tuple[set[str], asyncio.Future]] = []
         self._spans = ProducerSpans(tracing, tracer_provider)
+        self.pools = pools if isinstance(pools, Pools) else Pools(pools or ())
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
 
     async def __aenter__(self) -> InflightClient:
         return self
@@ -160,7 +165,7 @@ class InflightClient:
         tenant: str | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> str:
-        """Produce a job to `inflight.jobs.<priority>`; returns its job_id.
+        """Produce a job to `inflight.jobs.<priority>` (or its pool's); returns its job_id.
         `messages` are OpenAI-style chat messages (tool calls and results included);
         `tools` OpenAI function definitions for the chat template; `params.structured`
         constrains the output.
@@ -199,7 +204,8 @@ class InflightClient:
         Raises:
             AccessError: the principal may not write the job topic (or cannot connect).
         """
-        await self._send(keys.job_topic(self.topic_prefix, priority), encode(job), job.job_id.encode(), {
+        pool = pool_for(self.pools, job, self.tokenizer)
+        await self._send(keys.job_topic(self.topic_prefix, priority, pool), encode(job), job.job_id.encode(), {
             "inflight.job_id": job.job_id, "inflight.priority": priority, **({"inflight.tenant": job.tenant}
                                                                             if job.tenant else {})})
 

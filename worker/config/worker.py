@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from schemas.pools import DEFAULT_POOL, Pool, Pools
 from worker.config.checks import ConfigError, positive
 from worker.config.engine import EngineConfig, ModelConfig, ServingTuning
 from worker.config.services import KafkaConfig, RedisConfig
@@ -51,9 +52,13 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             response, `kafka.max_partition_fetch_bytes`) or in Kafka.
         read_ahead_bytes: bound on the bytes of all those records together; reaching
             it pauses every partition until records are taken.
+        pool: the pool this worker serves (`pools`, schemas/pools.py): it reads that
+            pool's job topics in that pool's consumer group and forwards a job whose
+            prompt is outside the pool's range to the pool that serves it.
     """
 
     worker_id: str | None = None
+    pool: str = DEFAULT_POOL
     max_local_jobs: int | None = None
     drain_timeout_s: float = 30.0
     max_job_failures: int = 2
@@ -165,8 +170,21 @@ class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"tracing.endpoint must start with http:// or https://, got {self.endpoint!r}")
 
 
+def pool_set(pools: list[Pool]) -> Pools:
+    """The `pools` section as `Pools`.
+
+    Raises:
+        ConfigError: the section is invalid (the message names the pool).
+    """
+    try:
+        return Pools(pools)
+    except ValueError as e:
+        raise ConfigError(f"pools: {e}") from None
+
+
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The whole worker configuration file (YAML)."""
+    """The whole worker configuration file (YAML). `pools`: the fleet's pools by prompt
+    length (schemas/pools.py; empty: one pool, `default`, without a bound)."""
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     serving_tuning: ServingTuning = msgspec.field(default_factory=ServingTuning)
@@ -175,7 +193,28 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    pools: list[Pool] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        pools = pool_set(self.pools)
+        if self.worker.pool not in pools.names:
+            raise ConfigError(f"worker.pool must be one of the declared pools {pools.names}, "
+                              f"got {self.worker.pool!r}")
 
     @property
     def engine(self) -> EngineConfig:
         return EngineConfig(model=self.model, serving_tuning=self.serving_tuning)
+
+    @property
+    def pool_set(self) -> Pools:
+        return Pools(self.pools)  # validated in __post_init__
+
+    @property
+    def pool(self) -> Pool:
+        """The pool this worker serves."""
+        return self.pool_set.get(self.worker.pool)
+
+    @property
+    def job_group_id(self) -> str:
+        """The consumer group of this worker's pool (`kafka.group_id` for `default`)."""
+        return self.pool_set.group_id(self.pool, self.kafka.group_id)

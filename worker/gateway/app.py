@@ -103,7 +103,8 @@ class Gateway:
         except OSError as e:
             raise ConfigError(f"gateway.files_dir: cannot create {g.files_dir!r} ({e.strerror})") from None
         self.client = InflightClient(kafka=self.cfg.kafka, redis=self.cfg.redis, tracing=self.tracing.enabled,
-                                     tracer_provider=self.tracing.provider)
+                                     tracer_provider=self.tracing.provider, pools=self.cfg.pools,
+                                     tokenizer=tokens.tokenizer)
         await self._check_topics()
         ctx = GatewayContext(cfg=g, client=self.client, keys=keyring, metrics=self.metrics,
                              cancels=CancelSender(self.client, lambda r: self.metrics.cancels.labels(r).inc()),
@@ -152,12 +153,13 @@ class Gateway:
 
     async def _check_topics(self) -> None:
         prefix = self.client.topic_prefix
-        wanted = [keys.job_topic(prefix, p) for p in keys.PRIORITIES] + [keys.cancel_topic(prefix),
-                                                                        keys.results_topic(prefix)]
+        pools = self.client.pools
+        wanted = [t for t in keys.all_topics(prefix, pools) if t != keys.dlq_topic(prefix)]
         missing = [t for t in wanted if not await asyncio.wait_for(self.client.partitions_for(t), 15)]
         if missing:
+            how = "--config <a worker's config file>" if pools.routes else f"--prefix {prefix}"
             raise ConfigError(f"kafka.topic_prefix {prefix!r}: missing topics {', '.join(missing)}; create them: "
-                              f"inflight topics create --prefix {prefix}")
+                              f"inflight topics create {how}")
 
     async def run(self, install_signals: bool = True) -> None:
         """Start, serve until SIGTERM/SIGINT (or `request_stop`), then stop."""

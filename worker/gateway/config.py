@@ -10,8 +10,10 @@ import re
 import msgspec
 
 from schemas import keys
+from schemas.pools import Pool
 from schemas.wire import TENANT_PATTERN
 from worker.config import ConfigError, KafkaConfig, RedisConfig, TracingConfig, load_config
+from worker.config.worker import pool_set
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _DURATION = re.compile(r"^(\d+)([smh])$")
@@ -165,12 +167,18 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class GatewayFileConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole gateway config file: `gateway` plus the `kafka` and `redis` connection
-    sections (the same fields, security included, as a worker's) and `tracing`."""
+    sections (the same fields, security included, as a worker's), `tracing`, and the
+    fleet's `pools` (schemas/pools.py: with `gateway.tokenizer` set, each request goes to
+    the pool serving its prompt length; without it, to the default pool's topics)."""
 
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     kafka: KafkaConfig = msgspec.field(default_factory=KafkaConfig)
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    pools: list[Pool] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        pool_set(self.pools)
 
 
 def load_gateway_config(path: str | None = None, env: dict[str, str] | None = None) -> GatewayFileConfig:

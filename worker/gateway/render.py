@@ -52,6 +52,11 @@ class TokenText:
         except Exception as e:  # the library raises its own Exception type
             raise ConfigError(f"gateway.tokenizer: cannot load {file!r} ({e})") from None
 
+    @property
+    def tokenizer(self):
+        """The loaded `tokenizers.Tokenizer` (None without `gateway.tokenizer`)."""
+        return self._tok
+
     def text(self, token_id: int) -> str:
         s = self._cache.get(token_id)
         if s is None:

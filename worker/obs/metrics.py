@@ -162,6 +162,11 @@ class Metrics:
         self.rejected = Counter(
             "request_rejected", "Jobs rejected before running, by reason (engine reject reason or invalid_job)",
             ("reason",), registry=r)
+        self.forwarded = Counter(
+            "jobs_forwarded", "Jobs sent on to the pool that serves their prompt length (schemas/pools.py)",
+            ("pool", "to_pool"), registry=r)
+        self.pool_info = Gauge("worker_pool_info", "1, labelled with the pool this worker serves", ("pool",),
+                               registry=r)
         self.prompt_tokens = Counter(
             "prompt_tokens", "Prompt tokens of finished requests (each counted once)", registry=r)
         self.generation_tokens = Counter(

@@ -34,6 +34,7 @@ from worker.security.access import (
 )
 
 if TYPE_CHECKING:
+    from schemas.pools import Pools
     from worker.config import KafkaConfig, RedisConfig, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -93,12 +94,15 @@ async def _tls_probe(host: str, port: int, ctx: ssl.SSLContext, cfg: KafkaConfig
         return explain_tls(e, "Kafka", "kafka", cfg.ssl_certfile is not None, f" at {where}")
 
 
-async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0) -> None:
+async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0, pools: Pools | None = None) -> None:
     """What a worker's principal must see: its topics (Describe, via metadata). The group
     is not probed here: a FindCoordinator request would create the offsets topic on a
     fresh broker ahead of the consumer, and the consumer's own join reports a refused
     group at once. Read and Write show only when used; the intake and the writers treat
     every refusal as fatal (exit 5).
+
+    `pools`: the deployment's pools: a worker reads its own pool's job topics and forwards
+    to the others', so all of them must exist (None: the default pool's).
 
     Raises:
         AccessError: naming the topics the principal may not use.
@@ -112,13 +116,14 @@ async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0) -> 
                                 request_timeout_ms=int(timeout_s * 1000), **kafka_security_kwargs(cfg))
     try:
         await asyncio.wait_for(admin.start(), timeout_s)
-        wanted = keys.all_topics(cfg.topic_prefix)
+        wanted = keys.all_topics(cfg.topic_prefix, pools)
         denied, missing = await _unusable_topics(admin, wanted, timeout_s)
         if missing and not denied:
             from worker.config import ConfigError
 
+            how = "--config <this file>" if pools is not None and pools.routes else f"--prefix {cfg.topic_prefix}"
             raise ConfigError(f"kafka.topic_prefix {cfg.topic_prefix!r}: topics {', '.join(missing)} do not exist; "
-                              f"create them: inflight topics create --prefix {cfg.topic_prefix}")
+                              f"create them: inflight topics create {how}")
         if len(denied) == 1:
             raise explain_kafka(kerr.TopicAuthorizationFailedError(denied[0]), cfg)
         if denied:
@@ -193,7 +198,7 @@ async def verify_access(cfg: WorkerConfig, timeout_s: float = 10.0, redis_script
         if e.exit_code == EXIT_UNREACHABLE:
             return
         raise
-    await check_kafka_permissions(cfg.kafka, timeout_s)
+    await check_kafka_permissions(cfg.kafka, timeout_s, cfg.pool_set)
 
 
 async def diagnose(e: BaseException, *, kafka: KafkaConfig | None = None, redis: RedisConfig | None = None,

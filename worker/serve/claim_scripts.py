@@ -134,6 +134,25 @@ end
 return #KEYS / 3
 """
 
+# A job forwarded to another pool before it ran here: the claim is given back, the
+# attempt's failure mark cleared and, when nobody claimed since, the attempt counter set
+# back, so the pool that runs it claims the same attempt (its stream shows no restart).
+# KEYS: per job: claim, failures, attempts. ARGV: per job: token, attempt.
+UNCLAIM_LUA = """
+for j = 0, #KEYS / 3 - 1 do
+  local claim, failures, attempts = KEYS[j * 3 + 1], KEYS[j * 3 + 2], KEYS[j * 3 + 3]
+  local token, attempt = ARGV[j * 2 + 1], ARGV[j * 2 + 2]
+  if redis.call('GET', claim) == token then
+    redis.call('DEL', claim)
+    if redis.call('GET', attempts) == attempt then
+      redis.call('SET', attempts, tonumber(attempt) - 1, 'KEEPTTL')
+    end
+  end
+  redis.call('SREM', failures, attempt)
+end
+return #KEYS / 3
+"""
+
 # Restore the held jobs after Redis lost its data. KEYS: epoch, then per job: claim,
 # attempts, failures, done. ARGV: epoch, lease_ms, ttl, then per job: token, attempt.
 # Returns per job 1 if the claim is ours again, 0 if another worker claimed (or ended)

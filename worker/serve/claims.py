@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
 from schemas import keys
-from worker.serve.claim_scripts import ADOPT_LUA, RECLAIM_LUA, RELEASE_LUA, RENEW_LUA, TAKE_LUA
+from worker.serve.claim_scripts import ADOPT_LUA, RECLAIM_LUA, RELEASE_LUA, RENEW_LUA, TAKE_LUA, UNCLAIM_LUA
 
 
 class EpochChanged(Exception):
@@ -113,6 +113,7 @@ class ClaimStore:
         self._num_tokens = 0
         self._scripts = {name: redis.register_script(src) for name, src in (
             ("take", TAKE_LUA), ("renew", RENEW_LUA), ("release", RELEASE_LUA), ("reclaim", RECLAIM_LUA),
+            ("unclaim", UNCLAIM_LUA),
             ("adopt", ADOPT_LUA))}
 
     # ---- the dataset epoch ---------------------------------------------------------
@@ -230,6 +231,20 @@ class ClaimStore:
             ks += [keys.done_key(jid, p), keys.claim_key(jid, p), keys.failures_key(jid, p)]
             args += ["", token, attempt]
         await self._run("release", ks, args)
+
+    async def unclaim(self, claims: list[tuple[str, str, int]]) -> None:
+        """Forwarded to another pool before it ran here: for each (job_id, token, attempt)
+        give the claim back if still ours, clear the attempt's failure mark and undo the
+        attempt (claim_scripts.UNCLAIM_LUA)."""
+        if not claims:
+            return
+        p = self.prefix
+        ks: list[str] = []
+        args: list = []
+        for jid, token, attempt in claims:
+            ks += [keys.claim_key(jid, p), keys.failures_key(jid, p), keys.attempts_key(jid, p)]
+            args += [token, attempt]
+        await self._run("unclaim", ks, args)
 
     async def reclaim(self, held: list[tuple[str, str, int]]) -> list[bool]:
         """After Redis lost its data: hold each (job_id, token, attempt)'s claim again

@@ -5,7 +5,8 @@ leaves the table; its metrics and its one summary log line are written here.
 
 The finalizer is the one writer of the DLQ and the one caller of `OffsetTracker.done`:
 records that never become a job here (undecodable ones, `dead_letter_record` then
-`release`; ones a done mark in Redis already answers, `settle`) end through it too.
+`release`; ones a done mark in Redis already answers, `settle`; jobs of another pool,
+`forward`) end through it too.
 
 Kafka errors are retried with backoff while the offsets stay open; a refusal (missing
 ACL) stops the worker. Jobs are finalized in batches: every job that ended in a publisher
@@ -26,15 +27,19 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import decode_event
 from schemas.wire import Finished, FinishReason
+from worker.security.redis import REDIS_DOWN
 
 if TYPE_CHECKING:
     from aiokafka import TopicPartition
 
+    from schemas.pools import Pool
     from worker.obs.metrics import Metrics
+    from worker.serve.claims import ClaimStore
     from worker.serve.dlq import DeadLetters
     from worker.serve.jobs import JobTable, LocalJob
     from worker.serve.kafka_outage import KafkaOutage
     from worker.serve.offsets import OffsetTracker
+    from worker.serve.pool_router import PoolRouter
     from worker.serve.read_ahead import JobRecord
     from worker.serve.results import ResultsLog
 
@@ -73,6 +78,24 @@ class Finalizer:
         await self.dead_letters.send(rec.raw, rec.key, topic=tp.topic, partition=tp.partition, offset=rec.offset,
                                      reason=reason, error=error, job_id=job_id)
         self.metrics.dlq_records.inc()
+
+    async def forward(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
+        """A claimed job that belongs to another pool (`pool_router.py`), already handed
+        back from the table: its record is produced to `target`'s topic (Kafka errors
+        retried while the offset stays open), its claim given back with the attempt
+        undone, then its offsets are done. A refusal (missing ACL) propagates."""
+        await _retrying(lambda: router.send(held, target), f"forward a job to pool {target.name}", [held.job_id],
+                        self.outage)
+        try:
+            await claims.unclaim([(held.job_id, held.claim_token, held.attempt)])
+        except REDIS_DOWN as e:  # its lease runs out instead: the target pool then runs the next attempt
+            log.info("could not give back a forwarded job's claim", job_id=held.job_id, error=repr(e)[:200])
+        for o in held.offsets:
+            self.tracker.done(o.tp, o.offset)
+        self.metrics.forwarded.labels(router.own.name, target.name).inc()
+        first = held.offsets[0]
+        log.info("job forwarded", job_id=held.job_id, topic=first.tp.topic, partition=first.tp.partition,
+                 offset=first.offset, pool=router.own.name, to_pool=target.name, priority=held.priority)
 
     def release(self, tp: TopicPartition, offset: int) -> None:
         """A record answered without a job held here (dead-lettered with no stream to

@@ -96,6 +96,8 @@ class Intake:
         read order.
     metrics: optional.
     outage: where transient Kafka errors of the consume loop are reported (optional).
+    pool, group_id: the pool whose job topics are read (schemas/pools.py; None: the
+        default pool's) and its consumer group (None: `cfg.group_id`).
     """
 
     def __init__(self, cfg: KafkaConfig, client_id: str, sink: JobSink, tracker: OffsetTracker[TopicPartition], *,
@@ -103,7 +105,7 @@ class Intake:
                  tenant_weight: Callable[[str], float] = lambda t: 1.0,
                  tenant_cap: Callable[[str], int] = lambda t: 1 << 30, fair: bool = True,
                  high_priority_reserve: int = 0, metrics: Metrics | None = None,
-                 outage: KafkaOutage | None = None) -> None:
+                 outage: KafkaOutage | None = None, pool: str | None = None, group_id: str | None = None) -> None:
         self.outage = outage
         self.high_priority_reserve = high_priority_reserve
         self.cfg = cfg
@@ -111,7 +113,8 @@ class Intake:
         self.sink = sink
         self.tracker = tracker
         self.metrics = metrics
-        self.topics = {keys.job_topic(cfg.topic_prefix, p): p for p in keys.PRIORITIES}
+        self.topics = {keys.job_topic(cfg.topic_prefix, p, pool): p for p in keys.PRIORITIES}
+        self.group_id = group_id or cfg.group_id
         self.read_ahead = ReadAhead(read_ahead_per_partition, read_ahead_bytes, fair)
         self.tenant_weight = tenant_weight
         self.tenant_cap = tenant_cap
@@ -133,7 +136,7 @@ class Intake:
         return AIOKafkaConsumer(
             *self.topics,
             bootstrap_servers=cfg.bootstrap_servers,
-            group_id=cfg.group_id,
+            group_id=self.group_id,
             client_id=self.client_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",

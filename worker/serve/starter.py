@@ -31,7 +31,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgspec
 import structlog
 
 from schemas.codec import recover_tenant
@@ -42,7 +41,9 @@ from worker.obs.tracing import OFF, Tracing
 from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN
 from worker.serve.claims import Claimed, ClaimStore, Contested, Done, EpochChanged
+from worker.serve.input_size import INLINE_INPUT_BYTES, input_bytes, prompt_byte_limit
 from worker.serve.jobs import JobState, JobTable, LocalJob, Offset
+from worker.serve.pool_router import MAX_FORWARD_HOPS, Misrouted, PoolRouter
 from worker.serve.read_ahead import JobRecord
 
 if TYPE_CHECKING:
@@ -51,42 +52,6 @@ if TYPE_CHECKING:
     from worker.serve.finalize import Finalizer
 
 log = structlog.get_logger(__name__)
-
-UTF8_MAX_BYTES_PER_CHAR = 4
-INLINE_INPUT_BYTES = 2048  # inputs up to this size are processed on the event loop, larger ones in the pool
-
-
-def max_token_bytes(tokenizer: Any) -> int:
-    """An upper bound of the UTF-8 bytes one token can stand for: the longest vocabulary
-    entry (byte-level BPE and SentencePiece spell each token with at least as many bytes
-    as it decodes to; added tokens are literal text). 4 if the tokenizer has no vocabulary."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return 4
-    return max((len(t.encode("utf-8", "surrogatepass")) for t in get_vocab()), default=4)
-
-
-def prompt_byte_limit(tokenizer: Any, max_input_tokens: int) -> int:
-    """Prompts longer than this many UTF-8 bytes cannot tokenize to `max_input_tokens` or
-    fewer: max tokens x bytes per token x 4 (room for normalizers that fold a multi-byte
-    character into one byte). Refusing them needs no tokenizer work."""
-    return (max_input_tokens + 8) * max_token_bytes(tokenizer) * UTF8_MAX_BYTES_PER_CHAR
-
-
-def input_bytes(job: Job) -> int:
-    """Bytes of the text the chat template or the tokenizer will read: the prompt, or the
-    messages (content, tool calls' names and arguments) and the tool definitions."""
-    if job.prompt is not None:
-        return len(job.prompt.encode("utf-8", "surrogatepass"))
-    if job.messages is not None:
-        n = len(msgspec.json.encode(job.tools)) if job.tools else 0
-        for m in job.messages:
-            n += len(m.role) + len((m.content or "").encode("utf-8", "surrogatepass"))
-            for c in m.tool_calls or ():
-                n += len(c.function.name) + len(c.function.arguments.encode("utf-8", "surrogatepass"))
-        return n
-    return 0
-
 
 class StarterHost(Protocol):
     """What the job starter needs of the worker around it (`worker.serve.worker.Worker`)."""
@@ -121,11 +86,14 @@ class JobStarter:
     tokenizer_threads: size of the input-processing pool.
     tracing: the worker's tracing (`worker.obs.tracing`; default off): each claimed job
         that is sampled gets its `JobTrace`.
+    router: pools by prompt length (`pool_router.py`): a job whose prompt is outside this
+        worker's pool is forwarded to the pool that serves it (None: no pools).
     """
 
     def __init__(self, table: JobTable, claims: ClaimStore, engine: ThreadEngineClient | ProcessEngineClient,
                  finalizer: Finalizer, metrics: Metrics, host: StarterHost, *, max_local_jobs: int,
-                 max_job_failures: int, tokenizer_threads: int = 2, tracing: Tracing = OFF) -> None:
+                 max_job_failures: int, tokenizer_threads: int = 2, tracing: Tracing = OFF,
+                 router: PoolRouter | None = None) -> None:
         self.table = table
         self.claims = claims
         self.engine = engine
@@ -136,7 +104,10 @@ class JobStarter:
         self.max_job_failures = max_job_failures
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="inflight-input")
         self._tasks: set[asyncio.Task] = set()
-        self._byte_limit = prompt_byte_limit(engine.tokenizer, engine.tuning.max_input_tokens)
+        self.router = router if router is not None and router.active else None
+        max_tokens = (self.router.byte_limit_tokens(engine.tuning.max_input_tokens) if self.router
+                      else engine.tuning.max_input_tokens)
+        self._byte_limit = prompt_byte_limit(engine.tokenizer, max_tokens) if max_tokens is not None else None
         self._submitting = 0  # input tasks past the gate, not yet answered by the engine
         self._alone: str | None = None  # the job running alone, if any
         self._alone_waiting = 0  # jobs waiting to run alone (they hold the gate shut for others)
@@ -238,10 +209,12 @@ class JobStarter:
             log.warning("poison job not run again", job_id=job.job_id, attempt=c.attempt, failures=c.failures)
             self.table.finish_local(job.job_id, FinishReason.ERROR, ErrorInfo(code="poison", message=msg),
                                     dead_letter=("poison", msg))
-        elif input_bytes(job) > self._byte_limit:
+        elif self._byte_limit is not None and input_bytes(job) > self._byte_limit:
+            bound = (f"the longest prompt any pool serves, {self.router.pools.max_prompt_tokens} tokens"
+                     if self.router else f"max_input_tokens = {self.engine.tuning.max_input_tokens}")
             self._reject(held, RequestRejected(job.job_id, _prompt_too_long(), (
                 f"prompt is {input_bytes(job)} bytes; more than {self._byte_limit} bytes can never tokenize "
-                f"to max_input_tokens = {self.engine.tuning.max_input_tokens}")))
+                f"to {bound}")))
         else:
             if held.isolated:
                 log.info("an earlier attempt died with its worker; the job runs alone", job_id=job.job_id,
@@ -301,6 +274,9 @@ class JobStarter:
             except RequestRejected as e:
                 self._reject(held, e)
                 return
+            except Misrouted as e:
+                self._misrouted(held, e)
+                return
             if held.state == JobState.CLAIMED:  # not cancelled or handed back meanwhile
                 self._hand_to_engine(held, req)
         finally:
@@ -313,6 +289,9 @@ class JobStarter:
             req = self._process_input(held)
         except RequestRejected as e:
             self._reject(held, e)
+            return
+        except Misrouted as e:
+            self._misrouted(held, e)
             return
         self._hand_to_engine(held, req)
 
@@ -336,6 +315,11 @@ class JobStarter:
             kwargs["tools"] = job.tools
         else:
             kwargs["prompt_token_ids"] = job.prompt_token_ids
+        if self.router is not None:  # the prompt's length decides the pool: count it first
+            ids = self.engine.input.tokenize(job.job_id, kwargs.pop("prompt", None), kwargs.pop("prompt_token_ids", None),
+                                             kwargs.pop("messages", None), kwargs.pop("tools", None))
+            self.router.check(len(ids))
+            kwargs["prompt_token_ids"] = ids
         return self.engine.input.process(job.job_id, **kwargs)
 
     def _hand_to_engine(self, held: LocalJob, req) -> None:
@@ -352,6 +336,24 @@ class JobStarter:
         self.table.accepted(held.job_id)
         if held.cancel_time_mono is not None:
             self.engine.abort(held.job_id)
+        self.host.wake()
+
+    def _misrouted(self, held: LocalJob, e: Misrouted) -> None:
+        """The prompt belongs to another pool: forward the record there (`pool_router.py`),
+        or reject it when no pool serves its length or it was forwarded too often."""
+        pools, hops = self.router.pools, self.router.hops(held.headers)
+        if e.target is None or hops >= MAX_FORWARD_HOPS:
+            why = (f"prompt has {e.num_prompt_tokens} tokens; the longest any pool serves is "
+                   f"{pools.max_prompt_tokens}" if e.target is None else
+                   f"forwarded {hops} times already (pools declared differently across the fleet?)")
+            self._reject(held, RequestRejected(held.job_id, _prompt_too_long(), why))
+            return
+        if self.table.hand_back(held.job_id) is None:  # it ended meanwhile (a cancel)
+            return
+        task = asyncio.create_task(self.finalizer.forward(held, e.target, self.router, self.claims),
+                                   name=f"forward:{held.job_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         self.host.wake()
 
     def _reject(self, held: LocalJob, e: RequestRejected) -> None:

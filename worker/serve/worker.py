@@ -65,6 +65,7 @@ from worker.serve.intake import Intake
 from worker.serve.jobs import JobState, JobTable, Round
 from worker.serve.kafka_outage import KafkaOutage
 from worker.serve.offsets import OffsetTracker
+from worker.serve.pool_router import PoolRouter, check_pool_limits
 from worker.serve.publish import Publisher
 from worker.serve.read_ahead import JobRecord, high_priority_reserve, local_shares
 from worker.serve.results import ResultsLog
@@ -123,7 +124,7 @@ class Worker:
                        if cfg.metrics.port is not None else None)
         self.tracing = setup_tracing(cfg.tracing, "inflight-worker", instance_id=self.worker_id,
                                      model=os.path.basename(cfg.model.path.rstrip("/")) or None,
-                                     consumer_group=cfg.kafka.group_id)
+                                     consumer_group=cfg.job_group_id)
 
     @property
     def num_local_jobs(self) -> int:
@@ -161,9 +162,12 @@ class Worker:
         self.results = ResultsLog(self.producer, kc.topic_prefix)
         self.finalizer = Finalizer(self.table, self.tracker, self.dead_letters, self.results, self.metrics,
                                    outage=self.kafka_outage)
+        router = PoolRouter(cfg.pool_set, cfg.pool, kc.topic_prefix, self.producer)
+        check_pool_limits(cfg, self.engine.tuning.max_input_tokens)
+        self.metrics.pool_info.labels(cfg.worker.pool).set(1)
         self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self,
                                   max_local_jobs=self.max_local_jobs, max_job_failures=cfg.worker.max_job_failures,
-                                  tokenizer_threads=cfg.worker.tokenizer_threads, tracing=self.tracing)
+                                  tokenizer_threads=cfg.worker.tokenizer_threads, tracing=self.tracing, router=router)
         tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
         self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
                              read_ahead_per_partition=cfg.worker.read_ahead_per_partition,
@@ -171,7 +175,7 @@ class Worker:
                              tenant_cap=tenant_cap, fair=cfg.serving_tuning.fair_share,
                              high_priority_reserve=high_priority_reserve(cfg.serving_tuning, cfg.worker,
                                                                            self.max_local_jobs),
-                             outage=self.kafka_outage)
+                             outage=self.kafka_outage, pool=cfg.worker.pool, group_id=cfg.job_group_id)
         await self.intake.start()
         self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for,
                                       outage=self.kafka_outage)
