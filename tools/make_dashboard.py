@@ -49,6 +49,17 @@ ROWS = [
         ("Engine step duration", "s", quantiles("engine_step_duration_seconds")),
         ("Preemptions per second", "short", [q("sum(rate(preemptions_total[$__rate_interval]))", "preemptions")]),
     ]),
+    ("Pools by prompt length (each worker's pool: worker_pool_info)", [
+        ("Consumer lag by pool", "short", [q("sum by (pool) (kafka_consumer_lag * on (instance) group_left (pool) "
+                                             "worker_pool_info)", "{{pool}}")]),
+        ("Finished jobs by pool", "reqps", [q("sum by (pool) (rate(request_finished_total[$__rate_interval]) "
+                                              "* on (instance) group_left (pool) worker_pool_info)", "{{pool}}")]),
+        ("Jobs forwarded between pools", "reqps", [q("sum by (pool, to_pool) (rate(jobs_forwarded_total"
+                                                     "[$__rate_interval]))", "{{pool}} -> {{to_pool}}")]),
+        ("Long-prompt prefill (tiering)", "short", [
+            q("sum(rate(long_prefill_tokens_total[$__rate_interval]))", "long prefill tokens/s"),
+            q("sum(rate(long_prefill_capped_total[$__rate_interval]))", "chunks capped/s")]),
+    ]),
     ("Tenants (top N by tokens served, the rest as `other`)", [
         ("Tokens served per tenant", "short", [q("sum by (tenant) (rate(tenant_tokens_total[$__rate_interval]))",
                                                  "{{tenant}}")]),

@@ -26,9 +26,10 @@ PROMQL_WORDS = {
     "sum", "max", "min", "avg", "count", "by", "without", "rate", "increase", "irate", "deriv", "delta",
     "histogram_quantile", "and", "or", "unless", "on", "ignoring", "offset", "avg_over_time", "max_over_time",
     "min_over_time", "topk", "bottomk", "abs", "clamp_min", "clamp_max", "absent", "humanize", "vector", "scalar",
+    "group_left", "group_right",
 }
 LABELS = {"le", "priority", "instance", "topic", "partition", "outcome", "finish_reason", "reason", "job", "pod",
-          "tenant", "kind"}
+          "tenant", "kind", "pool", "to_pool"}
 
 
 def metric_names_in(expr: str) -> set[str]:

@@ -94,6 +94,15 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             compiled).
         grammar_cache_size: compiled grammars kept, by content (least recently used
             dropped), so jobs sharing a schema compile it once.
+        long_prefill_threshold: prompt-length tiering inside a worker (vLLM's
+            `long_prefill_token_threshold` idea): a request whose prefill covers more than
+            this many tokens (prompt, plus outputs when recomputed after a preemption) is
+            *long*, and one step spends at most `max_long_prefill_tokens` on the prefill
+            chunks of long requests, so a long prompt's chunked prefill never takes the
+            whole step while short prompts wait (scheduler.py). None: no tiering.
+        max_long_prefill_tokens: the per-step cap on long requests' prefill tokens (a
+            long request that gets none this step waits; short ones are admitted past
+            it). Unset: `long_prefill_threshold`. Requires `long_prefill_threshold`.
     """
 
     max_running_requests: int = 64
@@ -118,6 +127,15 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     async_scheduling: bool | None = None
     max_structured_output_bytes: int = 65536
     grammar_cache_size: int = 1024
+    long_prefill_threshold: int | None = None
+    max_long_prefill_tokens: int | None = None
+
+    @property
+    def long_prefill_cap(self) -> int | None:
+        """Tokens one step may spend on long requests' prefill chunks (None: no cap)."""
+        if self.long_prefill_threshold is None:
+            return None
+        return self.max_long_prefill_tokens or self.long_prefill_threshold
 
     def for_model(self, max_model_len: int) -> ServingTuning:
         """This tuning with the limits that follow the model filled in (`max_input_tokens`,
@@ -155,7 +173,12 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             priority_aging_steps=self.priority_aging_steps,
             max_structured_output_bytes=self.max_structured_output_bytes,
             grammar_cache_size=self.grammar_cache_size,
+            long_prefill_threshold=self.long_prefill_threshold,
+            max_long_prefill_tokens=self.max_long_prefill_tokens,
         )
+        if self.max_long_prefill_tokens is not None and self.long_prefill_threshold is None:
+            raise ConfigError("serving_tuning.max_long_prefill_tokens needs serving_tuning.long_prefill_threshold "
+                              "(which prompts count as long); set both, or neither")
         one_of("serving_tuning", "kv_policy", self.kv_policy, KV_POLICIES)
         one_of("serving_tuning", "overload_policy", self.overload_policy, OVERLOAD_POLICIES)
         for name in ("max_oom_retries", "max_admission_skips"):

@@ -163,6 +163,8 @@ class EngineCore:
         failed = Failures()
         self._mask_s = 0.0
         preempted_before = self.scheduler.num_preemptions_total
+        capped_before = self.scheduler.long_prefills.num_capped_total
+        long_before = self.scheduler.long_prefills.num_tokens_total
         if self.async_scheduling:
             done, forward_s = self._step_async(outputs, failed)
         else:
@@ -193,6 +195,8 @@ class EngineCore:
             grammar_cache_hits=hits,
             grammar_cache_misses=misses,
             grammar_compile_s=compile_s,
+            num_long_prefill_capped=sched_.long_prefills.num_capped_total - capped_before,
+            num_long_prefill_tokens=sched_.long_prefills.num_tokens_total - long_before,
         )
         return outputs
 

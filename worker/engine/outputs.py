@@ -264,6 +264,10 @@ class StepStats(msgspec.Struct, frozen=True):
     grammar_cache_hits: int = 0
     grammar_cache_misses: int = 0
     grammar_compile_s: list[float] = []
+    # prompt-length tiering (serving_tuning.long_prefill_threshold): long prefills given fewer
+    # tokens than the step's budget allowed, and tokens spent on long prefills, this step
+    num_long_prefill_capped: int = 0
+    num_long_prefill_tokens: int = 0
 
 
 # ---- after output processing ------------------------------------------------------------------

@@ -8,6 +8,9 @@ Every step builds one packed batch under `max_batched_tokens`:
      (as vLLM V1), so a victim is never re-admitted in the step it lost its blocks.
 A request leaves the batch the step it finishes; its slot is filled the next step.
 
+With `serving_tuning.long_prefill_threshold`, long prompts' prefill chunks share a
+per-step cap in 1 and 2 alike (tiering.py: prompt-length tiering).
+
 Classes, aging and tenants. A class's rank is its priority minus one per
 `priority_aging_steps` its earliest waiting request has waited; the class of best rank
 (then earliest request) admits next, and the request admitted holds that rank while it
@@ -62,6 +65,7 @@ from worker.engine.kv_cache import KVCacheManager
 from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.engine.preemption import RESERVE_AFTER_PREEMPTIONS, room_victims, victim_for
 from worker.engine.request import Priority, Request, RequestStatus
+from worker.engine.tiering import LongPrefillCap
 
 # Blocked waiting requests one step passes over before it stops admitting (bounds its cost).
 MAX_SKIPPED_PER_STEP = 64
@@ -84,6 +88,7 @@ class Scheduler:
             t.max_kv_blocks is not None for t in tuning.tenants.values())
         self.step_count = 0
         self.num_preemptions_total = 0
+        self.long_prefills = LongPrefillCap(tuning)
         self._num_freed = 0  # running requests that left the batch since the last schedule()
         self.copy_block_tables = False  # steps run ahead (EngineCore's asynchronous steps): snapshot tables
         self._may_yield = False  # this step: no slot freed since the last one (fair_share Yield)
@@ -164,6 +169,8 @@ class Scheduler:
         budget = min(max_batched_tokens or tuning.max_batched_tokens, tuning.max_batched_tokens)
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
+        longs = self.long_prefills
+        longs.start_step()
 
         # 1. running: decodes first, then continuing prefill chunks, each in rank order.
         decodes: list[Request] = []
@@ -185,6 +192,11 @@ class Scheduler:
             if req.status != running or budget == 0:
                 continue
             num_new = min(len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens, budget)
+            is_long = num_new > 1 and longs.is_long(req)
+            if is_long:
+                num_new = longs.chunk(num_new)
+                if num_new == 0:
+                    continue  # the cap is spent: it keeps its blocks and goes on next step
             while True:
                 if self._kv_quotas and self._over_kv_quota(req, num_new):
                     victim = self._victim_for(req, req.share.tenant)
@@ -192,6 +204,8 @@ class Scheduler:
                 elif self.kv.allocate(req, num_new, reserve_tokens=self._reserve_tokens(req)):
                     scheduled[req.request_id] = num_new
                     budget -= num_new
+                    if is_long:
+                        longs.spend(num_new)
                     break
                 else:
                     victim = self._victim_for(req)
@@ -208,6 +222,7 @@ class Scheduler:
         skipped_rank: int | None = None
         excluded: set[Tenant] = set()  # at a quota this step: their requests wait
         over_quota: list[Request] = []
+        deferred: list[Request] = []  # long prompts past this step's long-prefill cap
         admitted: set[str] = set()
         while budget > 0:
             found = pick_next(self.classes, excluded, self.effective_rank)
@@ -229,6 +244,10 @@ class Scheduler:
             cached_blocks = self.kv.find_cached_prefix(req)
             num_computed = len(cached_blocks) * self.kv.block_size
             num_prefill = req.num_tokens - num_computed
+            limit = longs.chunk(min(num_prefill, budget)) if longs.is_long(req) else None
+            if limit == 0:
+                deferred.append(req)
+                continue
             reserve = self._reserve_tokens(req)
             if tenant.max_kv_blocks is not None and (self.kv.num_blocks_held(tenant.name) + self.kv.table_growth(
                     req, num_prefill, cached_blocks, reserve) > tenant.max_kv_blocks):
@@ -237,7 +256,8 @@ class Scheduler:
                 continue
             num_blocks = self.kv.num_blocks_to_admit(req, num_prefill, cached_blocks, reserve)
             given_back = self._make_room(req, rank, num_blocks, scheduled, preempted, admitted)
-            num_alloc = self.kv.admission_tokens(num_prefill, budget + (given_back or 0))
+            room = budget + (given_back or 0)
+            num_alloc = self.kv.admission_tokens(num_prefill, min(room, limit) if limit else room)
             if given_back is None or not self.kv.allocate(req, num_alloc, cached_blocks, reserve_tokens=reserve):
                 skipped.append(req)
                 if (req.status == RequestStatus.PREEMPTED or req.num_skips >= tuning.max_admission_skips
@@ -257,15 +277,15 @@ class Scheduler:
             req.num_skips = 0
             self._add_running(req)
             admitted.add(req.request_id)
-            scheduled[req.request_id] = min(num_prefill, budget)
+            scheduled[req.request_id] = min(num_prefill, budget, limit or budget)
             budget -= scheduled[req.request_id]
+            if limit:
+                longs.spend(scheduled[req.request_id])
             for s in skipped:
                 s.num_skips += 1
             if any(s.num_skips >= tuning.max_admission_skips for s in skipped):
                 break
-        for req in skipped:
-            self._push_waiting(req)
-        for req in over_quota:
+        for req in skipped + over_quota + deferred:
             self._push_waiting(req)
         return self._build_output(scheduled)
 

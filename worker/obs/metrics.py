@@ -199,6 +199,12 @@ class Metrics:
                                  "over the recent window (0..1; CUDA events, the CPU forward, or an emulated "
                                  "device's queue): what overlap of host work and forward leaves idle", registry=r)
         self.preemptions = Counter("preemptions", "Requests preempted by recompute (KV blocks ran out)", registry=r)
+        self.long_prefill_capped = Counter(
+            "long_prefill_capped", "Long prompts' prefill chunks cut (or deferred) by the per-step cap "
+            "serving_tuning.max_long_prefill_tokens", registry=r)
+        self.long_prefill_tokens = Counter(
+            "long_prefill_tokens", "Prefill tokens computed for long prompts (serving_tuning.long_prefill_threshold)",
+            registry=r)
         self.oom = Counter("request_oom", "Requests in a step that ran out of memory, by outcome (retried, failed)",
                            ("outcome",), registry=r)
         self.request_errors = Counter(
@@ -299,6 +305,10 @@ class Metrics:
         self._set_kv(s.kv)
         if s.num_preemptions:
             self.preemptions.inc(s.num_preemptions)
+        if s.num_long_prefill_capped:
+            self.long_prefill_capped.inc(s.num_long_prefill_capped)
+        if s.num_long_prefill_tokens:
+            self.long_prefill_tokens.inc(s.num_long_prefill_tokens)
         if s.num_oom_retried:
             self.oom.labels("retried").inc(s.num_oom_retried)
         if s.num_oom_failed:

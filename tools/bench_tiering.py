@@ -1,0 +1,183 @@
+"""Prompt-length tiering inside one engine (worker/engine/tiering.py): short prompts' TTFT
+in a steady open-loop stream, alone, with long prompts among them, and with long prompts
+under the per-step long-prefill cap, on the same engine settings and the same arrivals.
+
+    python -m tools.bench_tiering [--model DIR] [--duration 3] [--out results]
+
+Arrivals are fixed in wall-clock time (one request every `interval_s`, every
+`long_every`-th of them long); TTFT is first token - scheduled arrival, in seconds (so
+queueing behind a slow step counts). Writes `bench_tiering.json` and a plot; the table
+gives p50 / p99 of the short prompts' TTFT and each mix's ratio to the short-only stream.
+tests/engine/test_tiering.py asserts the bound of issue 28 on the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from schemas.params import SamplingParams
+
+
+def short_ttft_stream(engine, *, duration_s: float, interval_s: float, long_every: int | None, short_len: int = 16,
+                      long_len: int = 900, short_out: int = 16, long_out: int = 4, vocab: int = 500,
+                      seed: int = 0) -> dict:
+    """Run one open-loop stream through `engine` (an `Engine`) and return the short
+    prompts' TTFTs (seconds) and the long ones'. `long_every`: every n-th arrival is a
+    long prompt of `long_len` tokens (None: no long prompts). Prompts are random ids in
+    [1, vocab); outputs ignore EOS so every request runs its `max_tokens`."""
+    rng = random.Random(seed)
+    n = int(duration_s / interval_s)
+    start = time.time() + 0.05
+    arrivals = []
+    for i in range(n):
+        is_long = long_every is not None and i % long_every == long_every // 2
+        length = long_len if is_long else short_len
+        arrivals.append((start + i * interval_s, f"{'long' if is_long else 'short'}-{i}",
+                         [rng.randrange(1, vocab) for _ in range(length)], long_out if is_long else short_out))
+    ttft: dict[str, list[float]] = {"short": [], "long": []}
+    nxt = 0
+    while nxt < len(arrivals) or engine.has_unfinished():
+        now = time.time()
+        while nxt < len(arrivals) and arrivals[nxt][0] <= now:
+            at, rid, ids, max_tokens = arrivals[nxt]
+            engine.add_request(rid, prompt_token_ids=ids, arrival_time=at,
+                               params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[nxt][0] - time.time()))
+            continue
+        for out in engine.step():
+            if out.finished and out.times is not None and out.times.first_token_time is not None:
+                ttft[out.request_id.split("-")[0]].append(out.times.first_token_time - out.times.arrival_time)
+    return ttft
+
+
+@contextlib.contextmanager
+def serving_gc():
+    """The collector as a worker's engine process runs it (worker/engine/gc_tuning.py:
+    heap frozen after start-up, young threshold raised), restored afterwards."""
+    from worker.engine.gc_tuning import GEN0_THRESHOLD
+
+    before = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GEN0_THRESHOLD, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
+
+
+def warm_up(engine, long_len: int, vocab: int = 500) -> None:
+    """One short and one long request through `engine` (first calls of each code path)."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+    engine.generate([[1 + i % (vocab - 1) for i in range(n)] for n in (16, long_len)], params)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `xs`, nearest rank."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * len(s)) - 1))]
+
+
+def compare(make_engine: Callable[..., object], *, duration_s: float, interval_s: float, long_every: int,
+            long_len: int, threshold: int, cap: int, repeats: int = 1,
+            only: tuple[str, ...] = ("short_only", "long_mix_no_cap", "long_mix_cap")) -> dict:
+    """The three streams (short only; with long prompts, no cap; with long prompts and
+    the cap; `only` picks some) on engines from `make_engine(**serving_tuning_overrides)`; each stream run
+    `repeats` times after a warm-up, under the serving path's collector settings, TTFTs
+    pooled. Returns {mix: {p50_s, p99_s, num_short, ...}}."""
+    mixes = {"short_only": (None, {}), "long_mix_no_cap": (long_every, {}),
+             "long_mix_cap": (long_every, {"long_prefill_threshold": threshold, "max_long_prefill_tokens": cap})}
+    out = {}
+    for name, (every, over) in mixes.items():
+        if name not in only:
+            continue
+        engine = make_engine(**over)
+        warm_up(engine, long_len)
+        short, long = [], []
+        for r in range(repeats):
+            with serving_gc():
+                t = short_ttft_stream(engine, duration_s=duration_s, interval_s=interval_s, long_every=every,
+                                      long_len=long_len, seed=r)
+            short += t["short"]
+            long += t["long"]
+        out[name] = {"num_short": len(short), "p50_s": statistics.median(short), "p99_s": percentile(short, 0.99),
+                     "num_long": len(long), "long_p50_s": statistics.median(long) if long else None}
+    base = out["short_only"]["p99_s"]
+    for row in out.values():
+        row["p99_vs_short_only"] = row["p99_s"] / base
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from tests.conftest import tiny_checkpoint
+    from worker.config import EngineConfig, ModelConfig, ServingTuning
+    from worker.engine import Engine
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the tests' tiny Llama, made if missing)")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds of arrivals per stream")
+    p.add_argument("--interval", type=float, default=0.004, help="seconds between arrivals")
+    p.add_argument("--long-every", type=int, default=20, help="every n-th arrival is long")
+    p.add_argument("--long-len", type=int, default=900, help="tokens of a long prompt")
+    p.add_argument("--threshold", type=int, default=128, help="serving_tuning.long_prefill_threshold")
+    p.add_argument("--cap", type=int, default=32, help="serving_tuning.max_long_prefill_tokens")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="results")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model = a.model or str(tiny_checkpoint("llama"))
+
+    def make(**over):
+        tuning = ServingTuning(max_batched_tokens=2048, max_running_requests=64, **over)
+        return Engine.from_pretrained(model, EngineConfig(model=ModelConfig(dtype="float32", device="cpu"),
+                                                          serving_tuning=tuning))
+
+    report = {"command": "python -m tools.bench_tiering " + " ".join(argv or []), "model": model,
+              "settings": vars(a), "mixes": compare(make, duration_s=a.duration, interval_s=a.interval,
+                                                    long_every=a.long_every, long_len=a.long_len,
+                                                    threshold=a.threshold, cap=a.cap, repeats=a.repeats)}
+    print(f"{'mix':<18}{'short TTFT p50 ms':>18}{'p99 ms':>10}{'p99 / short only':>18}{'long TTFT p50 ms':>18}")
+    for name, r in report["mixes"].items():
+        lp = f"{r['long_p50_s'] * 1e3:.1f}" if r["long_p50_s"] is not None else "-"
+        print(f"{name:<18}{r['p50_s'] * 1e3:>18.1f}{r['p99_s'] * 1e3:>10.1f}{r['p99_vs_short_only']:>18.2f}{lp:>18}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_tiering.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out / "bench_tiering.png")
+    print(f"wrote {out / 'bench_tiering.json'}")
+    return 0
+
+
+def _plot(report: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["mixes"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [report["mixes"][n]["p50_s"] * 1e3 for n in names], 0.4, label="p50")
+    ax.bar([i + 0.2 for i in x], [report["mixes"][n]["p99_s"] * 1e3 for n in names], 0.4, label="p99")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("short prompts' TTFT (ms)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
