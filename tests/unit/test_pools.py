@@ -57,3 +57,83 @@ def test_invalid_pools_are_refused_naming_the_pool(pools, message):
 def test_an_unknown_pool_name_lists_the_declared_ones():
     with pytest.raises(ValueError, match=r"unknown pool 'huge'.*\['default', 'long'\]"):
         TWO.get("huge")
+
+
+# ---- the worker's side: config, the router's rules -----------------------------------------
+def write_config(tmp_path, text: str) -> str:
+    path = tmp_path / "worker.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+POOLS_YAML = """
+pools:
+  - {name: default, max_prompt_tokens: 256}
+  - {name: long, max_prompt_tokens: 4096}
+"""
+
+
+def test_a_worker_config_names_its_pool_and_gets_its_group(tmp_path):
+    from worker.config import load_config
+
+    cfg = load_config(write_config(tmp_path, POOLS_YAML + "worker: {pool: long}\nkafka: {group_id: fleet}\n"))
+    assert cfg.pool.name == "long" and cfg.job_group_id == "fleet.long"
+    assert load_config(write_config(tmp_path, POOLS_YAML)).job_group_id == "inflight-workers"
+
+
+@pytest.mark.parametrize("text,message", [
+    (POOLS_YAML + "worker: {pool: huge}\n", r"worker.pool must be one of the declared pools \['default', 'long'\]"),
+    ("pools:\n  - {name: long, max_prompt_tokens: 9}\n", "pools: .*one named 'default'"),
+    ("worker: {pool: long}\n", r"worker.pool must be one of the declared pools \['default'\]"),
+])
+def test_pool_config_errors_name_the_field(tmp_path, text, message):
+    from worker.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(write_config(tmp_path, text))
+
+
+def test_a_pools_bound_above_the_engines_max_input_tokens_is_a_config_error(tmp_path):
+    from worker.config import ConfigError, load_config
+    from worker.serve.pool_router import check_pool_limits
+
+    cfg = load_config(write_config(tmp_path, POOLS_YAML + "worker: {pool: long}\n"))
+    check_pool_limits(cfg, 4096)
+    with pytest.raises(ConfigError, match="pool 'long' serves prompts up to 4096 tokens.*max_input_tokens is 2048"):
+        check_pool_limits(cfg, 2048)
+    check_pool_limits(load_config(write_config(tmp_path, "{}\n")), 10)  # one unbounded pool: no routing, no check
+
+
+def test_the_router_forwards_what_its_pool_does_not_hold():
+    from worker.serve.pool_router import FORWARD_HOPS, MAX_FORWARD_HOPS, Misrouted, PoolRouter
+
+    default = PoolRouter(TWO, TWO.get("default"), "p")
+    default.check(256)
+    with pytest.raises(Misrouted) as e:
+        default.check(257)
+    assert e.value.target.name == "long" and e.value.num_prompt_tokens == 257
+    with pytest.raises(Misrouted) as e:
+        default.check(5000)
+    assert e.value.target is None  # longer than every pool: rejected
+    with pytest.raises(Misrouted) as e:
+        PoolRouter(TWO, TWO.get("long"), "p").check(10)
+    assert e.value.target.name == "default"
+    assert default.byte_limit_tokens(256) == 4096  # a prompt too long here may be another pool's
+    assert PoolRouter(Pools(), Pools().get("default"), "p").byte_limit_tokens(256) == 256
+    assert default.hops(()) == 0 and default.hops(((FORWARD_HOPS, b"1"),)) == 1
+    assert default.hops(((FORWARD_HOPS, b"junk"),)) == MAX_FORWARD_HOPS  # a mangled count stops forwarding
+
+
+def test_the_client_routes_by_counted_tokens_else_to_the_default_pool():
+    from schemas.wire import ChatMessage, Job
+    from worker.client.routing import count_prompt_tokens, pool_for
+    from worker.model.null_runner import LetterTokenizer
+
+    tok = LetterTokenizer()
+    assert pool_for(TWO, Job(job_id="a", prompt="x" * 300), tok) == "long"
+    assert pool_for(TWO, Job(job_id="b", prompt="x" * 10), tok) == "default"
+    assert pool_for(TWO, Job(job_id="c", prompt="x" * 300)) == "default"  # cannot count: the default pool forwards
+    assert pool_for(TWO, Job(job_id="d", prompt_token_ids=list(range(1, 301)))) == "long"  # ids count as given
+    assert pool_for(TWO, Job(job_id="e", prompt="x" * 5000), tok) == "default"  # too long for all: rejected there
+    assert pool_for(Pools(), Job(job_id="f", prompt="x" * 5000), tok) == "default"
+    assert count_prompt_tokens(Job(job_id="g", messages=[ChatMessage(role="user", content="hello")]), tok) == 5

@@ -21,7 +21,7 @@ is read again and forwarded again, and the target pool's claims (by job id) run 
 (its second copy finds the job claimed, then done). A job longer than every pool's bound
 is rejected (`prompt_too_long`, DLQ) as before; a record already forwarded
 `MAX_FORWARD_HOPS` times (pools declared differently across the fleet) is rejected too
-(`forward_loop`). Cancels reach every pool: the cancel topic is shared.
+(`prompt_too_long`, the message naming the hops), never passed around forever. Cancels reach every pool: the cancel topic is shared.
 """
 
 from __future__ import annotations
