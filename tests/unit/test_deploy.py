@@ -294,3 +294,47 @@ def test_kubernetes_gateway_manifests():
     from worker.gateway.config import ApiKey
 
     assert [msgspec.convert(k, ApiKey).tenant for k in keys] == ["team-a", "team-b"]
+
+
+def test_the_long_pool_manifests_follow_the_base_and_the_pools_section():
+    """deploy/k8s/pools: the long pool's Deployment is the base one renamed with its pool
+    set by environment; its ScaledObject watches that pool's topics in its consumer group;
+    the ConfigMap patch is the base config plus the pools section (issue 28)."""
+    import copy
+    import tempfile
+
+    pools_dir = DEPLOY / "k8s" / "pools"
+    kust = yaml.safe_load((pools_dir / "kustomization.yaml").read_text())
+    assert kust["resources"] == ["..", "long.yaml"] and kust["patches"] == [{"path": "pools-config.yaml"}]
+    base_cfg = yaml.safe_load(k8s("configmap.yaml")[0]["data"]["config.yaml"])
+    patch = yaml.safe_load((pools_dir / "pools-config.yaml").read_text())
+    assert patch["metadata"]["name"] == k8s("configmap.yaml")[0]["metadata"]["name"]
+    cfg_text = patch["data"]["config.yaml"]
+    pooled = yaml.safe_load(cfg_text)
+    assert {k: v for k, v in pooled.items() if k != "pools"} == base_cfg
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(cfg_text)
+        f.flush()
+        secrets = {"INFLIGHT_KAFKA__SASL_PASSWORD": "x"}  # from the Secret in the cluster
+        default = load_config(f.name, env=secrets)
+        long = load_config(f.name, env={**secrets, "INFLIGHT_WORKER__POOL": "long"})
+    assert default.pool_set.names == ["default", "long"] and long.pool.name == "long"
+
+    dep, so, pdb = [d for d in yaml.safe_load_all((pools_dir / "long.yaml").read_text()) if d]
+    expected = copy.deepcopy(k8s("deployment.yaml")[0])
+    name = "inflight-worker-long"
+    labels = {"app.kubernetes.io/name": name, "inflight.dev/pool": "long"}
+    expected["metadata"].update(name=name, labels=labels)
+    expected["spec"]["selector"]["matchLabels"] = labels
+    expected["spec"]["template"]["metadata"]["labels"] = labels
+    pod = expected["spec"]["template"]["spec"]
+    for c in pod["initContainers"] + pod["containers"]:
+        c["env"].insert(0, {"name": "INFLIGHT_WORKER__POOL", "value": "long"})
+    assert dep == expected
+    assert so["spec"]["scaleTargetRef"]["name"] == name and pdb["spec"]["selector"]["matchLabels"] == labels
+    trig = so["spec"]["triggers"]
+    assert [t["metadata"]["topic"] for t in trig] == keys.job_topics(long.kafka.topic_prefix, "long")
+    assert {t["metadata"]["consumerGroup"] for t in trig} == {long.job_group_id} != {default.job_group_id}
+    base_trig = k8s("scaledobject.yaml")[0]["spec"]["triggers"]
+    assert [{**t["metadata"], "topic": None, "consumerGroup": None} for t in trig] == \
+        [{**t["metadata"], "topic": None, "consumerGroup": None} for t in base_trig]
