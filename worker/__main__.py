@@ -136,8 +136,14 @@ def _acl(a: argparse.Namespace) -> int:
     from worker.security import acl
 
     if a.system == "kafka":
-        for row in acl.kafka_acls(a.prefix, a.group, worker=a.worker_principal, producer=a.producer_principal,
-                                  producer_reads_results=not a.no_results_read):
+        prefix, group, pools = a.prefix, a.group, None
+        if a.config:  # prefix, group and pools of a worker config file
+            from worker.config import load_config
+
+            cfg = load_config(a.config)
+            prefix, group, pools = cfg.kafka.topic_prefix, cfg.kafka.group_id, cfg.pool_set
+        for row in acl.kafka_acls(prefix, group, worker=a.worker_principal, producer=a.producer_principal,
+                                  producer_reads_results=not a.no_results_read, pools=pools):
             print(shlex.join(row.acl_command_args()))
         return 0
     if a.role is None:
@@ -259,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     acl.add_argument("role", nargs="?", choices=["worker", "gateway", "reader"], help="redis: whose rules")
     acl.add_argument("--prefix", default="inflight", help="topic prefix (kafka) or key prefix (redis)")
     acl.add_argument("--group", default="inflight-workers", help="kafka: the workers' group id")
+    acl.add_argument("--config", default=None, help="kafka: take the prefix, group and pools from this worker "
+                     "config (every pool's topics and groups; workers may write other pools' job topics)")
     acl.add_argument("--worker-principal", default="User:inflight-worker")
     acl.add_argument("--producer-principal", default="User:inflight-producer")
     acl.add_argument("--no-results-read", action="store_true",

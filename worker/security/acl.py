@@ -10,6 +10,12 @@ Kafka (StandardAuthorizer, LITERAL resource names):
     producer   Write, Describe            topics <p>.jobs.{high,normal,low}, <p>.cancel
     producer   Read, Describe (optional)  topic <p>.results: the client's results fallback
 
+With pools by prompt length (schemas/pools.py) every pool's job topics take the place of
+<p>.jobs.*: a worker reads them and *writes* them (it forwards a job to the pool that
+serves its prompt), and reads every pool's consumer group; the producer writes them all.
+One worker principal for the fleet keeps that one recipe; a principal per pool would need
+Read on its own pool's topics and group and Write on the others' topics.
+
 Redis (ACL users; key and channel patterns from `schemas.keys`):
 
     worker          every key and channel under `<key_prefix>:*`, only the commands the
@@ -26,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas import keys
+from schemas.pools import Pools
 from schemas.wire import check_tenant
 
 # Every command the worker sends (serve/claims.py, serve/publish.py, cli/preflight.py, serve/worker.py), including
@@ -111,19 +118,25 @@ class KafkaAcl:
 
 def kafka_acls(topic_prefix: str = "inflight", group_id: str = "inflight-workers", *,
                worker: str = "User:inflight-worker", producer: str = "User:inflight-producer",
-               producer_reads_results: bool = True) -> list[KafkaAcl]:
+               producer_reads_results: bool = True, pools: Pools | None = None) -> list[KafkaAcl]:
     """The ACLs a deployment needs (see the module docstring). `worker` and `producer`
-    are principals (`User:<SASL user>` or `User:<name the certificate maps to>`)."""
-    jobs = tuple(keys.job_topic(topic_prefix, p) for p in keys.PRIORITIES)
+    are principals (`User:<SASL user>` or `User:<name the certificate maps to>`);
+    `pools`: the deployment's pools (None: one pool, `default`)."""
+    pool_names = pools.names if pools is not None else [None]
+    jobs = tuple(t for name in pool_names for t in keys.job_topics(topic_prefix, name))
+    groups = tuple(dict.fromkeys(pools.group_id(pools.get(n), group_id) for n in pools.names)) if pools else (group_id,)
     cancel = keys.cancel_topic(topic_prefix)
     out = [
         KafkaAcl(worker, ("Read", "Describe"), "topic", (*jobs, cancel), "consume jobs; read every cancel"),
-        KafkaAcl(worker, ("Read", "Describe"), "group", (group_id,), "join the group, commit offsets"),
+        KafkaAcl(worker, ("Read", "Describe"), "group", groups, "join the group, commit offsets"),
         KafkaAcl(worker, ("Write", "Describe"), "topic", (keys.dlq_topic(topic_prefix),
                                                           keys.results_topic(topic_prefix)),
                  "dead letters; durable outcomes"),
         KafkaAcl(producer, ("Write", "Describe"), "topic", (*jobs, cancel), "submit jobs; send cancels"),
     ]
+    if pools is not None and pools.routes:
+        out.insert(3, KafkaAcl(worker, ("Write", "Describe"), "topic", jobs,
+                               "forward a job to the pool that serves its prompt length"))
     if producer_reads_results:
         out.append(KafkaAcl(producer, ("Read", "Describe"), "topic", (keys.results_topic(topic_prefix),),
                             "InflightClient.result() fallback (every tenant's outcomes: trusted clients only)"))
