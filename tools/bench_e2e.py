@@ -32,6 +32,7 @@ jobs (the worker before fair share). Writes results/bench_e2e_tenants.json.
     python -m tools.bench_e2e                                   # default sweep, ~5 min on 2 CPU cores
     python -m tools.bench_e2e --rates 2 4 8 --duration 20 --consumer result
     python -m tools.bench_e2e --tenant-flood --compare-off      # ~4 min on 2 CPU cores
+    python -m tools.bench_e2e --long-mix                        # pools by prompt length (tools/bench_long_mix.py)
 """
 
 from __future__ import annotations
@@ -585,6 +586,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-jobs", type=int, default=1000,
                    help="flooding tenant's backlog (--tenant-flood); enough to outlast --duration")
     p.add_argument("--compare-off", action="store_true", help="also run with fair share off (--tenant-flood)")
+    p.add_argument("--long-mix", action="store_true",
+                   help="short requests with a share of long ones, one pool vs two pools by prompt length, same "
+                        "workers (tools/bench_long_mix.py) instead of the sweep")
+    p.add_argument("--workers", type=int, default=2, help="workers of each fleet (--long-mix)")
+    p.add_argument("--long-share", type=float, default=0.05, help="share of long requests (--long-mix)")
+    p.add_argument("--long-factor", type=float, default=20.0, help="long prompt / mean short prompt (--long-mix)")
+    p.add_argument("--output", type=int, default=32, help="output tokens per request (--long-mix)")
+    p.add_argument("--short-bound", type=int, default=256, help="the default pool's max_prompt_tokens (--long-mix)")
+    p.add_argument("--load", type=float, default=0.5,
+                   help="offered rate as a fraction of the engine-alone request rate of the mix (--long-mix)")
     add_size_args(p)
     a = p.parse_args(argv)
     a.kafka_cfg, a.redis_cfg = connection_sections(a)
@@ -592,10 +603,20 @@ def main(argv: list[str] | None = None) -> int:
     device = a.device if a.device != "auto" else default_device()
     if a.tenant_flood and a.max_batch is None:
         a.max_batch = 8  # a small batch: the flood holds every slot unless shared
+    if a.long_mix and a.max_input is None:
+        a.max_input = 1536  # room for the long prompts (20 x 64 tokens)
     apply_device_defaults(a, device)
     model = ensure_model(Path(a.model) if a.model else (GPU_MODEL if device == "cuda" else DEFAULT_MODEL))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.long_mix:
+        from tools.bench_long_mix import long_mix
+
+        report = long_mix(a, model, device)
+        path = out / "bench_e2e_long_mix.json"
+        path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+        return 0
     if a.tenant_flood:
         report = tenant_flood(a, model, device)
         path = out / "bench_e2e_tenants.json"

@@ -188,3 +188,41 @@ def test_a_worker_killed_between_a_forward_and_its_commit_loses_nothing_and_runs
     assert fin.finish_reason == "length" and fin.usage.completion_tokens == 16
     for c in committed:
         assert all(a == b for a, b in c.values()), c
+
+
+def test_the_gateway_routes_by_the_tokenizers_count(services, prefix, tmp_path, llama_path):
+    """The gateway with the pools section and the model's tokenizer produces a chat
+    request to the pool that serves its prompt: no worker forwards anything."""
+    from transformers import AutoTokenizer
+
+    from tests.integration.gateway_helpers import client, gateway_config, running_gateway, sample
+
+    asyncio.run(create_topics(services[0], prefix, partitions=3, pools=Pools(POOLS)))
+    cfg_default, cfg_long = pool_configs(services, prefix)
+    tok = AutoTokenizer.from_pretrained(llama_path)
+
+    def engine(cfg):  # the model's tokenizer, so the workers count as the gateway does
+        eng = null_engine(EngineConfig(serving_tuning=cfg.serving_tuning), vocab_size=len(tok), max_model_len=CONTEXT,
+                          tokenizer=tok, device_ms=1.0)
+        eng.runner = NullRunner(len(tok), avoid=frozenset(tok.all_special_ids), device_ms=1.0)
+        return eng
+
+    long_text = "the quick brown fox jumps over the lazy dog " * 60
+    assert len(tok(long_text).input_ids) > 300
+
+    async def main():
+        gcfg = gateway_config(services, prefix, tmp_path / "files", tokenizer=llama_path)
+        gcfg = msgspec.structs.replace(gcfg, pools=POOLS)
+        async with running_worker(cfg_default, engine(cfg_default)) as wd, \
+                running_worker(cfg_long, engine(cfg_long)) as wl, running_gateway(gcfg) as gw:
+            c = client(gw)
+            for text in ("hello there", long_text):
+                r = await c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": text}],
+                                                    max_tokens=4, temperature=0)
+                assert r.choices[0].finish_reason == "length"
+            await asyncio.sleep(1.0)
+            return {w.cfg.worker.pool: (sample(w.metrics.registry, "request_finished_total", finish_reason="length"),
+                                       _forwards(w))
+                    for w in (wd, wl)}
+
+    assert asyncio.run(main()) == {"default": (1.0, {}), "long": (1.0, {})}
