@@ -137,3 +137,56 @@ def test_the_client_routes_by_counted_tokens_else_to_the_default_pool():
     assert pool_for(TWO, Job(job_id="e", prompt="x" * 5000), tok) == "default"  # too long for all: rejected there
     assert pool_for(Pools(), Job(job_id="f", prompt="x" * 5000), tok) == "default"
     assert count_prompt_tokens(Job(job_id="g", messages=[ChatMessage(role="user", content="hello")]), tok) == 5
+
+
+# ---- refusals in the finalizer's background work stop the worker ----------------------------
+def test_a_refused_forward_or_re_record_stops_the_finalizer_loop():
+    """A forward to a pool whose topic the principal may not write, or a done job's
+    outcome re-recorded to a results topic it may not write, raise `Refused` out of
+    `Finalizer.run` (a worker task: the worker stops with exit 5) instead of dying in a
+    task of their own and leaving the offset open for good."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiokafka import TopicPartition
+    from aiokafka.errors import TopicAuthorizationFailedError
+
+    from schemas.codec import encode
+    from schemas.wire import Finished, FinishReason
+    from worker.obs.metrics import Metrics
+    from worker.security.access import Refused
+    from worker.serve.finalize import Finalizer
+    from worker.serve.offsets import OffsetTracker
+    from worker.serve.pool_router import PoolRouter
+
+    class RefusingProducer:
+        async def send_and_wait(self, *args, **kwargs):
+            raise TopicAuthorizationFailedError("inflight.jobs.long.normal")
+
+    class RefusingResults:
+        async def record(self, outcomes):
+            raise Refused(TopicAuthorizationFailedError("inflight.results"))
+
+    def finalizer():
+        return Finalizer(table=None, tracker=OffsetTracker(), dead_letters=None, results=RefusingResults(),
+                         metrics=Metrics())
+
+    tp = TopicPartition("inflight.jobs.normal", 0)
+    held = SimpleNamespace(job_id="j", priority="normal", headers=(), raw=b"{}", raw_key=b"j", claim_token="t",
+                           attempt=1, offsets=[SimpleNamespace(tp=tp, offset=5)])
+    router = PoolRouter(TWO, TWO.get("default"), "inflight", RefusingProducer())
+
+    async def run(setup) -> BaseException:
+        fin = finalizer()
+        setup(fin)
+        try:
+            await asyncio.wait_for(fin.run(), 5)
+        except BaseException as e:  # noqa: BLE001  (what stopped the loop)
+            return e
+        raise AssertionError("the loop did not stop")
+
+    err = asyncio.run(run(lambda fin: fin.forward(held, TWO.get("long"), router, claims=None)))
+    assert isinstance(err, Refused), err
+    done = Finished(job_id="j", seq=3, attempt=1, finish_reason=FinishReason.LENGTH)
+    err = asyncio.run(run(lambda fin: fin.settle(tp, 5, "j", (encode(done),))))
+    assert isinstance(err, Refused), err

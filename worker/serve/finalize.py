@@ -9,8 +9,10 @@ records that never become a job here (undecodable ones, `dead_letter_record` the
 `forward`) end through it too.
 
 Kafka errors are retried with backoff while the offsets stay open; a refusal (missing
-ACL) stops the worker. Jobs are finalized in batches: every job that ended in a publisher
-round goes through one results write.
+ACL) stops the worker: every write, re-recorded outcomes (`settle`) and forwards included,
+runs in the `run` loop (a worker task), never in a task of its own whose failure nobody
+would see (that left offsets open for good). Jobs are finalized in batches: every job that
+ended in a publisher round goes through one results write.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -58,12 +60,13 @@ class Finalizer:
         self.results = results
         self.metrics = metrics
         self.num_finished = 0
-        self._queue: asyncio.Queue[LocalJob] = asyncio.Queue()
+        # jobs whose terminal event was published, and other work for the run loop (callables)
+        self._queue: asyncio.Queue[LocalJob | Callable[[], Awaitable[None]]] = asyncio.Queue()
         # labelled children looked up once (a `labels()` call per job costs more than the observation)
         self._finished = {r: metrics.finished.labels(r.value) for r in FinishReason}
         self._by_priority: dict[str, tuple] = {}
         self._settling: list[tuple[TopicPartition, int, str, bytes]] = []
-        self._settle_task: asyncio.Task | None = None
+        self._settle_queued = False
         self.num_settled = 0  # records of done jobs whose results record was written again
 
     async def dead_letter_record(self, rec: JobRecord, reason: str, error: str, job_id: str | None) -> None:
@@ -79,11 +82,15 @@ class Finalizer:
                                      reason=reason, error=error, job_id=job_id)
         self.metrics.dlq_records.inc()
 
-    async def forward(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
+    def forward(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
         """A claimed job that belongs to another pool (`pool_router.py`), already handed
-        back from the table: its record is produced to `target`'s topic (Kafka errors
-        retried while the offset stays open), its claim given back with the attempt
-        undone, then its offsets are done. A refusal (missing ACL) propagates."""
+        back from the table: in the run loop, its record is produced to `target`'s topic
+        (Kafka errors retried while the offset stays open), its claim given back with the
+        attempt undone, then its offsets are done. A refusal (missing Write ACL on the
+        target's topic) stops the worker."""
+        self._queue.put_nowait(lambda: self._forward(held, target, router, claims))
+
+    async def _forward(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
         await _retrying(lambda: router.send(held, target), f"forward a job to pool {target.name}", [held.job_id],
                         self.outage)
         try:
@@ -116,12 +123,14 @@ class Finalizer:
                 continue
             if isinstance(ev, Finished) and ev.job_id == job_id:
                 self._settling.append((tp, offset, job_id, data))
-                if self._settle_task is None or self._settle_task.done():
-                    self._settle_task = asyncio.create_task(self._settle(), name="finalizer:settle")
+                if not self._settle_queued:
+                    self._settle_queued = True
+                    self._queue.put_nowait(self._settle)
                 return
         self.tracker.done(tp, offset)
 
     async def _settle(self) -> None:
+        self._settle_queued = False
         while self._settling:
             batch, self._settling = self._settling, []
             await _retrying(lambda b=batch: self.results.record([(job_id, data) for _, _, job_id, data in b]),
@@ -140,11 +149,25 @@ class Finalizer:
             self._queue.put_nowait(held)
 
     async def run(self) -> None:
+        """Record outcomes, re-record settled ones and forward jobs until cancelled.
+
+        Raises:
+            worker.security.access.Refused: the principal may not write a topic (the DLQ,
+                the results topic, another pool's job topic): the worker stops (exit 5).
+        """
         q = self._queue
         while True:
-            batch = [await q.get()]
+            items = [await q.get()]
             while not q.empty():
-                batch.append(q.get_nowait())
+                items.append(q.get_nowait())
+            batch = []
+            for item in items:
+                if callable(item):  # settle, forward
+                    await item()
+                else:
+                    batch.append(item)
+            if not batch:
+                continue
             t0 = time.time()
             await _retrying(lambda b=batch: self._record(b), "record outcomes", [j.job_id for j in batch], self.outage)
             t1 = time.time()

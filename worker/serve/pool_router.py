@@ -29,9 +29,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import structlog
+from aiokafka.errors import KafkaError
 
 from schemas import keys
 from schemas.pools import Pool, Pools
+from worker.security.access import raise_if_refused
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -116,9 +118,14 @@ class PoolRouter:
 
         Raises:
             aiokafka.errors.KafkaError: the broker did not take it (the caller retries).
+            worker.security.access.Refused: the principal may not write `topic`.
         """
         topic = keys.job_topic(self.prefix, held.priority, target.name)
         headers = [(k, v) for k, v in held.headers or () if k not in (FORWARDED_FROM, FORWARD_HOPS)]
         headers += [(FORWARDED_FROM, self.own.name.encode()), (FORWARD_HOPS, str(self.hops(held.headers) + 1).encode())]
-        await self.producer.send_and_wait(topic, value=held.raw, key=held.raw_key, headers=headers)
+        try:
+            await self.producer.send_and_wait(topic, value=held.raw, key=held.raw_key, headers=headers)
+        except KafkaError as e:
+            raise_if_refused(e)  # a missing Write ACL: retrying cannot help
+            raise
         return topic

@@ -350,10 +350,7 @@ class JobStarter:
             return
         if self.table.hand_back(held.job_id) is None:  # it ended meanwhile (a cancel)
             return
-        task = asyncio.create_task(self.finalizer.forward(held, e.target, self.router, self.claims),
-                                   name=f"forward:{held.job_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.finalizer.forward(held, e.target, self.router, self.claims)
         self.host.wake()
 
     def _reject(self, held: LocalJob, e: RequestRejected) -> None:
