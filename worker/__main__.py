@@ -19,7 +19,13 @@ import json
 import os
 import sys
 
-from worker.cli.commands import STREAM_TIMEOUT_S, client_command, client_sections, run_reported
+from worker.cli.commands import (
+    STREAM_TIMEOUT_S,
+    client_command,
+    client_routing,
+    client_sections,
+    run_reported,
+)
 
 DEFAULT_KAFKA = "127.0.0.1:19092"  # also INFLIGHT_KAFKA__BOOTSTRAP_SERVERS, read by the config loader
 DEFAULT_REDIS = "redis://127.0.0.1:6390/0"  # also INFLIGHT_REDIS__URL
@@ -315,8 +321,10 @@ def _dispatch(a: argparse.Namespace) -> int:
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a refusal is explained in one line instead
     if a.cmd in ("submit", "stream", "cancel"):
         kafka, redis = client_sections(a)
+        pools, tokenizer = client_routing(a) if a.cmd == "submit" else (None, None)
         # bad input: job id, tenant, sampling values
-        return run_reported(client_command(a, kafka, redis), bad_input="error", kafka=kafka, redis=redis)
+        return run_reported(client_command(a, kafka, redis, pools, tokenizer), bad_input="error", kafka=kafka,
+                            redis=redis)
     if a.cmd == "dlq":
         from worker.cli.commands import dlq_command
 

@@ -16,9 +16,11 @@ import asyncio
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import msgspec
+import yaml
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import keys
@@ -190,9 +192,10 @@ def test_a_worker_killed_between_a_forward_and_its_commit_loses_nothing_and_runs
         assert all(a == b for a, b in c.values()), c
 
 
-def test_the_gateway_routes_by_the_tokenizers_count(services, prefix, tmp_path, llama_path):
+def test_the_gateway_and_the_cli_route_by_the_tokenizers_count(services, prefix, tmp_path, llama_path):
     """The gateway with the pools section and the model's tokenizer produces a chat
-    request to the pool that serves its prompt: no worker forwards anything."""
+    request to the pool that serves its prompt, and so does `inflight submit --config` with
+    the pools section and `model.path`: no worker forwards anything."""
     from transformers import AutoTokenizer
 
     from tests.integration.gateway_helpers import client, gateway_config, running_gateway, sample
@@ -220,9 +223,20 @@ def test_the_gateway_routes_by_the_tokenizers_count(services, prefix, tmp_path, 
                 r = await c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": text}],
                                                     max_tokens=4, temperature=0)
                 assert r.choices[0].finish_reason == "length"
+            # the CLI with the pools section and the model's path: the same routing
+            cfg_file = tmp_path / "cli.yaml"
+            cfg_file.write_text(yaml.safe_dump({
+                "model": {"path": str(llama_path)}, "pools": [msgspec.to_builtins(p) for p in POOLS],
+                "kafka": {"bootstrap_servers": services[0], "topic_prefix": prefix},
+                "redis": {"url": services[1], "key_prefix": prefix}}))
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "worker", "submit", "--config", str(cfg_file), "--prompt", long_text,
+                "--max-tokens", "4", "--stream", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            _, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert proc.returncode == 0 and b"[finished: length" in err, err.decode()[-2000:]
             await asyncio.sleep(1.0)
             return {w.cfg.worker.pool: (sample(w.metrics.registry, "request_finished_total", finish_reason="length"),
                                        _forwards(w))
                     for w in (wd, wl)}
 
-    assert asyncio.run(main()) == {"default": (1.0, {}), "long": (1.0, {})}
+    assert asyncio.run(main()) == {"default": (1.0, {}), "long": (2.0, {})}

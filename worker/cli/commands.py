@@ -136,6 +136,26 @@ def client_sections(a: argparse.Namespace):
     return kafka, redis
 
 
+def client_routing(a: argparse.Namespace):
+    """(pools, tokenizer) for `submit`: the `pools` section of `--config` and, when it routes
+    and `model.path` holds a `tokenizer.json`, that tokenizer (the job goes to the pool
+    serving its prompt's length; without one, to the default pool, whose workers forward).
+    Raises ConfigError."""
+    from worker.client.routing import load_tokenizer
+    from worker.config import load_config
+
+    cfg = load_config(a.config)
+    pools = cfg.pool_set
+    if not pools.routes or not cfg.model.path:
+        return pools, None
+    try:
+        return pools, load_tokenizer(cfg.model.path)
+    except Exception as e:  # noqa: BLE001  (no tokenizer: routing falls back to the default pool)
+        print(f"warning: cannot load the tokenizer of model.path ({e}); the job goes to the default pool, whose "
+              f"workers forward it", file=sys.stderr)
+        return pools, None
+
+
 def _inline_or_file(value: str) -> str:
     if value.startswith("@"):
         with open(value[1:], encoding="utf-8") as f:
@@ -176,11 +196,11 @@ def structured_arg(a: argparse.Namespace):
     return None
 
 
-async def client_command(a: argparse.Namespace, kafka, redis) -> int:
+async def client_command(a: argparse.Namespace, kafka, redis, pools=None, tokenizer=None) -> int:
     from schemas.params import SamplingParams
     from worker.client import InflightClient
 
-    async with InflightClient(kafka=kafka, redis=redis) as client:
+    async with InflightClient(kafka=kafka, redis=redis, pools=pools, tokenizer=tokenizer) as client:
         if a.cmd == "submit":
             params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
                                     structured=structured_arg(a))
