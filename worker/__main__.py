@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     def client_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--config", help="YAML file whose `kafka` and `redis` sections give addresses, prefixes and "
                         "connection security (SASL, TLS, client certificates, Redis ACL user); INFLIGHT_KAFKA__* / "
-                        "INFLIGHT_REDIS__* env vars override it")
+                        "INFLIGHT_REDIS__* env vars override it. submit: its `pools` section and the tokenizer of "
+                        "`model.path` route the job to the pool serving its prompt length")
         sp.add_argument("--kafka", default=None, help=f"bootstrap servers (default: the config's, else {DEFAULT_KAFKA})")
         sp.add_argument("--redis", default=None, help=f"Redis URL (default: the config's, else {DEFAULT_REDIS})")
         sp.add_argument("--prefix", default=None, help="topic and key prefix (default: the config's, else inflight)")

@@ -186,3 +186,17 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("INFLIGHT_")} | {"PYTHONPATH": str(ROOT)}
+
+
+def test_a_pool_bound_above_what_the_worker_can_run_fails_the_limits_check(good, services, prefix):
+    """The worker refuses to start when its pool serves longer prompts than its
+    `max_input_tokens`; the preflight (the Kubernetes initContainer) must fail there too."""
+    from schemas.pools import Pool, Pools
+    from worker.cli.topics import create_topics
+
+    pools = [Pool(name="default", max_prompt_tokens=256), Pool(name="long", max_prompt_tokens=5000)]
+    asyncio.run(create_topics(services[0], prefix, partitions=3, pools=Pools(pools)))
+    cfg = msgspec.structs.replace(good, pools=pools, worker=msgspec.structs.replace(good.worker, pool="long"))
+    fail = only_failure(run_preflight(cfg), "limits", "pools")
+    assert "pool 'long' serves prompts up to 5000 tokens" in fail.detail
+    assert "the model's context (1024 tokens) cannot hold such prompts" in fail.detail

@@ -185,8 +185,24 @@ def test_a_refused_forward_or_re_record_stops_the_finalizer_loop():
             return e
         raise AssertionError("the loop did not stop")
 
-    err = asyncio.run(run(lambda fin: fin.forward(held, TWO.get("long"), router, claims=None)))
+    class Claims:
+        async def unclaim(self, claims):
+            pass
+
+    err = asyncio.run(run(lambda fin: fin.forward(held, TWO.get("long"), router, claims=Claims())))
     assert isinstance(err, Refused), err
     done = Finished(job_id="j", seq=3, attempt=1, finish_reason=FinishReason.LENGTH)
     err = asyncio.run(run(lambda fin: fin.settle(tp, 5, "j", (encode(done),))))
     assert isinstance(err, Refused), err
+
+
+def test_a_pool_bound_the_models_context_cannot_hold_says_so(tmp_path):
+    from worker.config import ConfigError, load_config
+    from worker.serve.pool_router import check_pool_limits
+
+    cfg = load_config(write_config(tmp_path, POOLS_YAML + "worker: {pool: long}\n"))
+    with pytest.raises(ConfigError, match=r"max_input_tokens is 2047; the model's context \(2048 tokens\) cannot "
+                                          r"hold such prompts: lower the pool's max_prompt_tokens to 2047"):
+        check_pool_limits(cfg, 2047, 2048)
+    with pytest.raises(ConfigError, match="max_input_tokens is 1024; raise serving_tuning.max_input_tokens"):
+        check_pool_limits(cfg, 1024, 8192)

@@ -48,12 +48,20 @@ def _skipped(why: str) -> list[Check]:
 
 def limits_check(cfg: WorkerConfig, loaded) -> Check:
     """The request limits in force: configured, or following the model's context
-    (`ServingTuning.for_model`); one above the context fails."""
+    (`ServingTuning.for_model`); one above the context fails, and so does a pool bound
+    (`pools`) above the resolved `max_input_tokens` (the worker would refuse to start)."""
     t = cfg.serving_tuning
     try:
         limits = t.for_model(loaded.max_model_len)
     except ValueError as e:  # ConfigError
         return Check("limits", "fail", "serving_tuning." + str(e).split()[0].split(".")[-1], str(e))
+    from worker.config import ConfigError
+    from worker.serve.pool_router import check_pool_limits
+
+    try:
+        check_pool_limits(cfg, limits.max_input_tokens, loaded.max_model_len)
+    except ConfigError as e:
+        return Check("limits", "fail", "pools", str(e))
     origin = {n: "set" if getattr(t, n) is not None else f"from the context of {loaded.max_model_len}"
               for n in ("max_input_tokens", "max_output_tokens")}
     return Check("limits", "pass", "serving_tuning.max_input_tokens",

@@ -84,19 +84,23 @@ class Finalizer:
 
     def forward(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
         """A claimed job that belongs to another pool (`pool_router.py`), already handed
-        back from the table: in the run loop, its record is produced to `target`'s topic
-        (Kafka errors retried while the offset stays open), its claim given back with the
-        attempt undone, then its offsets are done. A refusal (missing Write ACL on the
+        back from the table: in the run loop, its claim is given back with the attempt
+        undone, its record produced to `target`'s topic (Kafka errors retried while the
+        offset stays open), then its offsets are done. A refusal (missing Write ACL on the
         target's topic) stops the worker."""
         self._queue.put_nowait(lambda: self._forward(held, target, router, claims))
 
     async def _forward(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
-        await _retrying(lambda: router.send(held, target), f"forward a job to pool {target.name}", [held.job_id],
-                        self.outage)
+        # The claim first: the target pool's worker then finds the job free when the
+        # record reaches it (given back after the send, it found the job claimed and
+        # waited). A crash after this leaves the offset open: the record is read again
+        # here, claimed again as the same attempt, and forwarded again.
         try:
             await claims.unclaim([(held.job_id, held.claim_token, held.attempt)])
         except REDIS_DOWN as e:  # its lease runs out instead: the target pool then runs the next attempt
             log.info("could not give back a forwarded job's claim", job_id=held.job_id, error=repr(e)[:200])
+        await _retrying(lambda: router.send(held, target), f"forward a job to pool {target.name}", [held.job_id],
+                        self.outage)
         for o in held.offsets:
             self.tracker.done(o.tp, o.offset)
         self.metrics.forwarded.labels(router.own.name, target.name).inc()

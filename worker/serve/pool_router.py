@@ -7,18 +7,19 @@ right pool's topics already; the rest write to the default pool's, and its worke
 forward. For a claimed job whose tokenized prompt belongs elsewhere (`Misrouted`), the
 starter hands it here:
 
-    1. the original record (value, key, headers, plus `inflight-forwarded-from: <pool>`
+    1. the claim is given back with its attempt undone (`ClaimStore.unclaim`), so the
+       target pool's worker claims the job as the same attempt when the record reaches it;
+    2. the original record (value, key, headers, plus `inflight-forwarded-from: <pool>`
        and `inflight-forward-hops: n`) is produced to the target pool's topic of the same
        priority, and acknowledged (`acks=all`; Kafka errors retried while the offset stays
        open, as every final write);
-    2. the claim is given back with its attempt undone (`ClaimStore.unclaim`), so the
-       target pool's worker claims it at once as the same attempt;
     3. the record's offset is done (committed by the intake).
 
 Nothing was published for the job here (no `started`), so its stream shows only the
 target pool's run. A worker that dies between 1 and 3 leaves the offset open: the record
-is read again and forwarded again, and the target pool's claims (by job id) run it once
-(its second copy finds the job claimed, then done). A job longer than every pool's bound
+is read again, claimed again and forwarded again, and the target pool's claims (by job
+id) run it once (a second copy finds the job claimed, then done). The order runs all of
+this in the finalizer's loop (`Finalizer.forward`), where a refusal stops the worker. A job longer than every pool's bound
 is rejected (`prompt_too_long`, DLQ) as before; a record already forwarded
 `MAX_FORWARD_HOPS` times (pools declared differently across the fleet) is rejected too
 (`prompt_too_long`, the message naming the hops), never passed around forever. Cancels reach every pool: the cancel topic is shared.
@@ -48,22 +49,28 @@ FORWARD_HOPS = "inflight-forward-hops"
 MAX_FORWARD_HOPS = 2  # a well-declared fleet forwards a record at most once
 
 
-def check_pool_limits(cfg: WorkerConfig, max_input_tokens: int) -> None:
+def check_pool_limits(cfg: WorkerConfig, max_input_tokens: int, max_model_len: int | None = None) -> None:
     """A worker must run every prompt its pool serves: its pool's bound may not exceed the
-    engine's `max_input_tokens` (resolved from the model's context when unset).
+    engine's `max_input_tokens` (resolved from the model's context when unset). Called
+    at start and by `inflight check` (its `limits` line).
 
     Raises:
-        ConfigError: naming both numbers.
+        ConfigError: naming both numbers and what can be changed.
     """
     from worker.config import ConfigError
 
     pool = cfg.pool
     bound = pool.max_prompt_tokens
     if cfg.pool_set.routes and (bound is None or bound > max_input_tokens):
+        longest = max_model_len - 1 if max_model_len else None
+        if longest is not None and (bound is None or bound > longest):
+            fix = (f"the model's context ({max_model_len} tokens) cannot hold such prompts: lower the pool's "
+                   f"max_prompt_tokens to {longest} at most, or serve the pool with a longer-context model")
+        else:
+            fix = "raise serving_tuning.max_input_tokens to the pool's bound (or unset it: the model's context - 1)"
         raise ConfigError(f"pools: pool {pool.name!r} serves prompts up to "
                           f"{'any length' if bound is None else f'{bound} tokens'}, but this worker's "
-                          f"serving_tuning.max_input_tokens is {max_input_tokens}; raise it (the model's context "
-                          f"allows) or give worker.pool a pool with a bound it can run")
+                          f"serving_tuning.max_input_tokens is {max_input_tokens}; {fix}")
 
 
 class Misrouted(Exception):

@@ -163,7 +163,7 @@ class Worker:
         self.finalizer = Finalizer(self.table, self.tracker, self.dead_letters, self.results, self.metrics,
                                    outage=self.kafka_outage)
         router = PoolRouter(cfg.pool_set, cfg.pool, kc.topic_prefix, self.producer)
-        check_pool_limits(cfg, self.engine.tuning.max_input_tokens)
+        check_pool_limits(cfg, self.engine.tuning.max_input_tokens, self.engine.input.facts.max_model_len)
         self.metrics.pool_info.labels(cfg.worker.pool).set(1)
         self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self,
                                   max_local_jobs=self.max_local_jobs, max_job_failures=cfg.worker.max_job_failures,
@@ -194,9 +194,9 @@ class Worker:
         ]
         tune_gc()  # start-up's objects (imports, a thread-mode engine's model) frozen out of the collector's scans
         self.started.set()
-        log.info("worker started", worker_id=self.worker_id, max_local_jobs=self.max_local_jobs,
-                 kv_blocks=self.engine.num_blocks, engine_process=isinstance(self.engine, ProcessEngineClient),
-                 engine_threads=self.engine.engine_threads)
+        log.info("worker started", worker_id=self.worker_id, pool=cfg.worker.pool, group_id=cfg.job_group_id,
+                 max_local_jobs=self.max_local_jobs, kv_blocks=self.engine.num_blocks,
+                 engine_process=isinstance(self.engine, ProcessEngineClient), engine_threads=self.engine.engine_threads)
 
     def request_stop(self) -> None:
         self._stop_requested.set()
