@@ -240,3 +240,42 @@ def test_the_gateway_and_the_cli_route_by_the_tokenizers_count(services, prefix,
                     for w in (wd, wl)}
 
     assert asyncio.run(main()) == {"default": (1.0, {}), "long": (2.0, {})}
+
+
+def test_a_worker_stopped_while_forwarding_hands_every_job_on_as_attempt_1(services, prefix):
+    """SIGTERM (a drain) of a default worker with forwards still queued: the drain waits
+    for them (and gives back the claims of any it could not send), so every job runs once
+    on the long pool as attempt 1 — none waits out a lease and runs alone as if its worker
+    had crashed (the drain used to stop with forwards queued: their claims ran out)."""
+    from tests.integration.helpers import start_worker, stop_worker
+
+    asyncio.run(create_topics(services[0], prefix, partitions=3, pools=Pools(POOLS)))
+    cfg_default, cfg_long = pool_configs(services, prefix)
+    ids = [f"drain-{i}" for i in range(30)]
+
+    async def main():
+        async with running_worker(cfg_long, pool_engine(cfg_long)), \
+                InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            w, task = await start_worker(cfg_default, pool_engine(cfg_default))
+            producer = AIOKafkaProducer(bootstrap_servers=services[0], acks="all")
+            await producer.start()
+            try:
+                for j in ids:
+                    await producer.send(keys.job_topic(prefix, "normal"), msgspec.json.encode(job(j, 300)),
+                                        key=j.encode())
+                await producer.flush()
+            finally:
+                await producer.stop()
+            deadline = time.monotonic() + 30
+            while not _forwards(w) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            await stop_worker(w, task)  # forwards queued behind the first
+            # records it never read go to the next default worker
+            async with running_worker(cfg_default, pool_engine(cfg_default)):
+                return {j: await collect(client, j, 90) for j in ids}
+
+    events = asyncio.run(main())
+    for j, evs in events.items():
+        fin = ran_once_on(evs, j, "w-long")
+        assert fin.attempt == 1 and fin.finish_reason == "length", (j, fin)
+        assert not any(isinstance(e, Restarted) for e in evs), j

@@ -121,7 +121,15 @@ def test_the_router_forwards_what_its_pool_does_not_hold():
     assert default.byte_limit_tokens(256) == 4096  # a prompt too long here may be another pool's
     assert PoolRouter(Pools(), Pools().get("default"), "p").byte_limit_tokens(256) == 256
     assert default.hops(()) == 0 and default.hops(((FORWARD_HOPS, b"1"),)) == 1
-    assert default.hops(((FORWARD_HOPS, b"junk"),)) == MAX_FORWARD_HOPS  # a mangled count stops forwarding
+    assert default.hops(((FORWARD_HOPS, b"junk"),)) is None and default.hops(((FORWARD_HOPS, b"-10"),)) is None
+    to_long = Misrouted(300, TWO.get("long"))
+    assert default.why_not_forward(to_long, ()) is None
+    assert default.why_not_forward(to_long, ((FORWARD_HOPS, b"1"),)) is None
+    assert "forwarded 2 times already" in default.why_not_forward(to_long, ((FORWARD_HOPS, str(MAX_FORWARD_HOPS).encode()),))
+    # a mangled or negative count never forwards again (a negative one let a record ping-pong)
+    for bad in (b"junk", b"-10"):
+        assert "header is not a count of forwards" in default.why_not_forward(to_long, ((FORWARD_HOPS, bad),))
+    assert "longest any pool serves is 4096" in default.why_not_forward(Misrouted(5000, None), ())
 
 
 def test_the_client_routes_by_counted_tokens_else_to_the_default_pool():

@@ -18,6 +18,7 @@ ended in a publisher round goes through one results write.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -67,6 +68,7 @@ class Finalizer:
         self._by_priority: dict[str, tuple] = {}
         self._settling: list[tuple[TopicPartition, int, str, bytes]] = []
         self._settle_queued = False
+        self._forwarding: dict[str, LocalJob] = {}  # forwards queued or under way, by job id
         self.num_settled = 0  # records of done jobs whose results record was written again
 
     async def dead_letter_record(self, rec: JobRecord, reason: str, error: str, job_id: str | None) -> None:
@@ -88,9 +90,32 @@ class Finalizer:
         undone, its record produced to `target`'s topic (Kafka errors retried while the
         offset stays open), then its offsets are done. A refusal (missing Write ACL on the
         target's topic) stops the worker."""
+        self._forwarding[held.job_id] = held
         self._queue.put_nowait(lambda: self._forward(held, target, router, claims))
 
+    @property
+    def num_forwarding(self) -> int:
+        """Forwards queued or under way (a draining worker waits for them: `Worker.drain`)."""
+        return len(self._forwarding)
+
+    async def give_back_forwards(self, claims: ClaimStore) -> None:
+        """At the end of a drain: the claims of forwards not done yet are given back with
+        their attempts undone (their offsets stay open: the records are read again and
+        forwarded by another worker, as attempt 1), not left to run out as a crash would."""
+        pending = list(self._forwarding.values())
+        if pending:
+            with contextlib.suppress(*REDIS_DOWN, TimeoutError):
+                await asyncio.wait_for(claims.unclaim([(h.job_id, h.claim_token, h.attempt) for h in pending]), 5)
+            log.info("gave back the claims of jobs not forwarded yet", job_ids=[h.job_id for h in pending][:20],
+                     count=len(pending))
+
     async def _forward(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
+        try:
+            await self._forward_one(held, target, router, claims)
+        finally:
+            self._forwarding.pop(held.job_id, None)
+
+    async def _forward_one(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
         # The claim first: the target pool's worker then finds the job free when the
         # record reaches it (given back after the send, it found the job claimed and
         # waited). A crash after this leaves the offset open: the record is read again

@@ -109,15 +109,33 @@ class PoolRouter:
         pool serves (a prompt too long for this pool may be another's; None: no bound)."""
         return self.pools.max_prompt_tokens if self.active else max_input_tokens
 
-    def hops(self, headers: tuple) -> int:
-        """How many times the record was forwarded already (its `inflight-forward-hops`)."""
+    def hops(self, headers: tuple) -> int | None:
+        """How many times the record was forwarded already (its `inflight-forward-hops`;
+        0 without one); None when the header is not a count (not a number, or negative)."""
         for k, v in headers or ():
             if k == FORWARD_HOPS:
                 try:
-                    return int(v)
+                    n = int(v)
                 except (TypeError, ValueError):
-                    return MAX_FORWARD_HOPS
+                    return None
+                return n if n >= 0 else None
         return 0
+
+    def why_not_forward(self, e: Misrouted, headers: tuple) -> str | None:
+        """The rejection message (`prompt_too_long`) when the misrouted job must not be
+        forwarded: no pool serves its length, its hop header is not a count, or it was
+        forwarded `MAX_FORWARD_HOPS` times already. None: forward it."""
+        if e.target is None:
+            return (f"prompt has {e.num_prompt_tokens} tokens; the longest any pool serves is "
+                    f"{self.pools.max_prompt_tokens}")
+        hops = self.hops(headers)
+        if hops is None:
+            return (f"its prompt of {e.num_prompt_tokens} tokens belongs to pool {e.target.name!r}, but its "
+                    f"{FORWARD_HOPS} header is not a count of forwards, so it is not forwarded")
+        if hops >= MAX_FORWARD_HOPS:
+            return (f"its prompt of {e.num_prompt_tokens} tokens belongs to pool {e.target.name!r}, but it was "
+                    f"forwarded {hops} times already (pools declared differently across the fleet?)")
+        return None
 
     async def send(self, held: LocalJob, target: Pool) -> str:
         """Produce `held`'s original record to `target`'s job topic of its priority and
@@ -129,7 +147,8 @@ class PoolRouter:
         """
         topic = keys.job_topic(self.prefix, held.priority, target.name)
         headers = [(k, v) for k, v in held.headers or () if k not in (FORWARDED_FROM, FORWARD_HOPS)]
-        headers += [(FORWARDED_FROM, self.own.name.encode()), (FORWARD_HOPS, str(self.hops(held.headers) + 1).encode())]
+        hops = (self.hops(held.headers) or 0) + 1
+        headers += [(FORWARDED_FROM, self.own.name.encode()), (FORWARD_HOPS, str(hops).encode())]
         try:
             await self.producer.send_and_wait(topic, value=held.raw, key=held.raw_key, headers=headers)
         except KafkaError as e:

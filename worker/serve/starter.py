@@ -43,7 +43,7 @@ from worker.security.redis import REDIS_DOWN
 from worker.serve.claims import Claimed, ClaimStore, Contested, Done, EpochChanged
 from worker.serve.input_size import INLINE_INPUT_BYTES, input_bytes, prompt_byte_limit
 from worker.serve.jobs import JobState, JobTable, LocalJob, Offset
-from worker.serve.pool_router import MAX_FORWARD_HOPS, Misrouted, PoolRouter
+from worker.serve.pool_router import Misrouted, PoolRouter
 from worker.serve.read_ahead import JobRecord
 
 if TYPE_CHECKING:
@@ -340,12 +340,9 @@ class JobStarter:
 
     def _misrouted(self, held: LocalJob, e: Misrouted) -> None:
         """The prompt belongs to another pool: forward the record there (`pool_router.py`),
-        or reject it when no pool serves its length or it was forwarded too often."""
-        pools, hops = self.router.pools, self.router.hops(held.headers)
-        if e.target is None or hops >= MAX_FORWARD_HOPS:
-            why = (f"prompt has {e.num_prompt_tokens} tokens; the longest any pool serves is "
-                   f"{pools.max_prompt_tokens}" if e.target is None else
-                   f"forwarded {hops} times already (pools declared differently across the fleet?)")
+        or reject it (`PoolRouter.why_not_forward`)."""
+        why = self.router.why_not_forward(e, held.headers)
+        if why is not None:
             self._reject(held, RequestRejected(held.job_id, _prompt_too_long(), why))
             return
         if self.table.hand_back(held.job_id) is None:  # it ended meanwhile (a cancel)

@@ -243,7 +243,7 @@ class Worker:
         self.draining = True
         deadline = time.monotonic() + self.cfg.worker.drain_timeout_s
         log.info("draining", running=len(self.table), deadline_s=self.cfg.worker.drain_timeout_s)
-        while len(self.table) and time.monotonic() < deadline and self._crash is None:
+        while (len(self.table) or self.finalizer.num_forwarding) and time.monotonic() < deadline and not self._crash:
             await asyncio.sleep(0.05)
         handed = [held for held in (self.table.hand_back(j.job_id) for j in self.table.running()) if held is not None]
         for held in handed:
@@ -253,6 +253,7 @@ class Worker:
             with contextlib.suppress(*REDIS_DOWN):
                 await asyncio.wait_for(self.claims.release([(j.job_id, j.claim_token, j.attempt) for j in handed]), 5)
             log.info("handed back unfinished jobs", job_ids=[held.job_id for held in handed], count=len(handed))
+        await self.finalizer.give_back_forwards(self.claims)
         await self.publisher.flush(timeout_s=5)
         deadline = time.monotonic() + 10
         while any(j.state == JobState.FINISHING for j in self.table) and time.monotonic() < deadline:
