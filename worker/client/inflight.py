@@ -1,6 +1,7 @@
 """Producer / consumer helpers: submit jobs, stream their events, cancel them.
 
-Imports neither torch nor engine code (`pip install "inflight-worker[client]"`). `stream()` subscribes to the job's channel first, then replays the job's log, so no
+Imports neither torch nor engine code (`pip install "inflight-worker[client]"`).
+`stream()` subscribes to the job's channel first, then replays the job's log, so no
 event is missed between the two; it dedupes by `seq`, survives late subscription
 (the log keeps the whole sequence for its TTL), retries connection errors with backoff
 (a Redis restart), re-reads the log from the last seq after a reconnect, and passes

@@ -100,8 +100,10 @@ class PoolRouter:
 
     def check(self, num_prompt_tokens: int) -> None:
         """Raises Misrouted when this pool does not serve a prompt of that length."""
-        if self.active and not self.pools.holds(self.own, num_prompt_tokens):
-            raise Misrouted(num_prompt_tokens, self.pools.route(num_prompt_tokens))
+        if self.active:
+            target = self.pools.route(num_prompt_tokens)
+            if target is not self.own:
+                raise Misrouted(num_prompt_tokens, target)
 
     def byte_limit_tokens(self, max_input_tokens: int) -> int | None:
         """The prompt length (tokens) whose byte bound refuses a job before tokenizing it:
