@@ -305,7 +305,9 @@ def test_the_long_pool_manifests_follow_the_base_and_the_pools_section():
 
     pools_dir = DEPLOY / "k8s" / "pools"
     kust = yaml.safe_load((pools_dir / "kustomization.yaml").read_text())
-    assert kust["resources"] == ["..", "long.yaml"] and kust["patches"] == [{"path": "pools-config.yaml"}]
+    assert kust["resources"] == ["..", "long.yaml"]
+    assert [p["path"] for p in kust["patches"]] == ["pools-config.yaml", "gateway-pools-config.yaml",
+                                                    "gateway-models.yaml"]
     base_cfg = yaml.safe_load(k8s("configmap.yaml")[0]["data"]["config.yaml"])
     patch = yaml.safe_load((pools_dir / "pools-config.yaml").read_text())
     assert patch["metadata"]["name"] == k8s("configmap.yaml")[0]["metadata"]["name"]
@@ -335,6 +337,27 @@ def test_the_long_pool_manifests_follow_the_base_and_the_pools_section():
     trig = so["spec"]["triggers"]
     assert [t["metadata"]["topic"] for t in trig] == keys.job_topics(long.kafka.topic_prefix, "long")
     assert {t["metadata"]["consumerGroup"] for t in trig} == {long.job_group_id} != {default.job_group_id}
+    # the gateway: the base config plus the same pools and the model's tokenizer, read from
+    # the models volume the workers mount
+    from worker.gateway.config import load_gateway_config
+
+    gw_base = yaml.safe_load(next(d for d in k8s("gateway.yaml") if d["kind"] == "ConfigMap")["data"]["gateway.yaml"])
+    gw_patch = yaml.safe_load((pools_dir / "gateway-pools-config.yaml").read_text())
+    gw_text = gw_patch["data"]["gateway.yaml"]
+    gw = yaml.safe_load(gw_text)
+    assert gw["pools"] == pooled["pools"] and gw["gateway"].pop("tokenizer") == "/models/model"
+    assert {k: v for k, v in gw.items() if k != "pools"} == gw_base
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(gw_text)
+        f.flush()
+        assert load_gateway_config(f.name, env={"INFLIGHT_KAFKA__SASL_PASSWORD": "x"}).pools[1].name == "long"
+    mounts = yaml.safe_load((pools_dir / "gateway-models.yaml").read_text())["spec"]["template"]["spec"]
+    (worker_models,) = [v for v in k8s("deployment.yaml")[0]["spec"]["template"]["spec"]["volumes"]
+                        if v["name"] == "models"]
+    assert mounts["volumes"] == [worker_models]
+    assert mounts["containers"][0]["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True}]
+    assert mounts["containers"][0]["name"] == next(d for d in k8s("gateway.yaml") if d["kind"] == "Deployment")[
+        "spec"]["template"]["spec"]["containers"][0]["name"]
     base_trig = k8s("scaledobject.yaml")[0]["spec"]["triggers"]
     assert [{**t["metadata"], "topic": None, "consumerGroup": None} for t in trig] == \
         [{**t["metadata"], "topic": None, "consumerGroup": None} for t in base_trig]
