@@ -93,24 +93,28 @@ def compare(make_engine: Callable[..., object], *, duration_s: float, interval_s
             long_len: int, threshold: int, cap: int, repeats: int = 1,
             only: tuple[str, ...] = ("short_only", "long_mix_no_cap", "long_mix_cap")) -> dict:
     """The three streams (short only; with long prompts, no cap; with long prompts and
-    the cap; `only` picks some) on engines from `make_engine(**serving_tuning_overrides)`; each stream run
-    `repeats` times after a warm-up, under the serving path's collector settings, TTFTs
-    pooled. Returns {mix: {p50_s, p99_s, num_short, ...}}."""
+    the cap; `only` picks some) on engines from `make_engine(**serving_tuning_overrides)`, each
+    warmed up; `repeats` rounds, each running every mix once in turn (so a slow moment
+    of the machine falls on all of them alike), under the serving path's collector
+    settings; TTFTs pooled per mix. Returns {mix: {p50_s, p99_s, num_short, ...}}."""
     mixes = {"short_only": (None, {}), "long_mix_no_cap": (long_every, {}),
              "long_mix_cap": (long_every, {"long_prefill_threshold": threshold, "max_long_prefill_tokens": cap})}
-    out = {}
-    for name, (every, over) in mixes.items():
-        if name not in only:
-            continue
-        engine = make_engine(**over)
-        warm_up(engine, long_len)
-        short, long = [], []
-        for r in range(repeats):
+    mixes = {k: v for k, v in mixes.items() if k in only}
+    engines = {}
+    for name, (_, over) in mixes.items():
+        engines[name] = make_engine(**over)
+        warm_up(engines[name], long_len)
+    ttfts = {name: {"short": [], "long": []} for name in mixes}
+    for r in range(repeats):  # rounds interleave the mixes: a slow moment of the machine hits them alike
+        for name, (every, _) in mixes.items():
             with serving_gc():
-                t = short_ttft_stream(engine, duration_s=duration_s, interval_s=interval_s, long_every=every,
+                t = short_ttft_stream(engines[name], duration_s=duration_s, interval_s=interval_s, long_every=every,
                                       long_len=long_len, seed=r)
-            short += t["short"]
-            long += t["long"]
+            for kind in ("short", "long"):
+                ttfts[name][kind] += t[kind]
+    out = {}
+    for name, t in ttfts.items():
+        short, long = t["short"], t["long"]
         out[name] = {"num_short": len(short), "p50_s": statistics.median(short), "p99_s": percentile(short, 0.99),
                      "num_long": len(long), "long_p50_s": statistics.median(long) if long else None}
     base = out["short_only"]["p99_s"]
