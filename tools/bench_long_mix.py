@@ -54,21 +54,15 @@ def long_mix_workload(n: int, *, vocab_size: int, long_share: float, long_factor
     return out
 
 
-def _pcts(xs: list[float]) -> dict | None:
-    if not xs:
-        return None
-    arr = np.asarray(xs, dtype=float)
-    return {"p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99)), "n": len(xs)}
-
-
 async def run_fleet(a, model: Path, device: str, two_pools: bool, work, arrivals) -> dict:
     """Start the fleet, offer `work` at `arrivals` (seconds), return its summary."""
+    import msgspec
     import yaml
 
     from schemas.params import SamplingParams
     from schemas.pools import Pool, Pools
     from schemas.wire import Finished, Token
-    from tools.bench_e2e import WorkerProcess
+    from tools.bench_e2e import WorkerProcess, percentiles
     from worker.cli.topics import create_topics
     from worker.client import InflightClient
 
@@ -83,7 +77,7 @@ async def run_fleet(a, model: Path, device: str, two_pools: bool, work, arrivals
     env = {"INFLIGHT_SERVING_TUNING__MAX_INPUT_TOKENS": str(a.max_input)}
     for i, pool in enumerate(names):
         cfg = out_dir / f"bench_long_mix_{prefix}_{i}.yaml"
-        cfg.write_text(yaml.safe_dump({**base, "pools": [msgspec_to_dict(p) for p in pools.pools] if pools else [],
+        cfg.write_text(yaml.safe_dump({**base, "pools": [msgspec.to_builtins(p) for p in pools.pools] if pools else [],
                                        "worker": {**base.get("worker", {}), "pool": pool,
                                                   "worker_id": f"{prefix}-{pool}-{i}"}}))
         a_i = _with_config(a, str(cfg))
@@ -127,14 +121,8 @@ async def run_fleet(a, model: Path, device: str, two_pools: bool, work, arrivals
             for k in ("short", "long")}
     span = max(r["finish_s"] for r in ok) - min(r["submit_s"] for r in ok) if ok else 1e-9
     return {"fleet": "two pools" if two_pools else "one pool", "workers": names, "requests": len(records),
-            "completed": len(ok), "forwarded": forwarded, "short_ttft_s": _pcts(ttft["short"]),
-            "long_ttft_s": _pcts(ttft["long"]), "output_tokens_per_s": sum(r["output_tokens"] for r in ok) / span}
-
-
-def msgspec_to_dict(pool) -> dict:
-    import msgspec
-
-    return msgspec.to_builtins(pool)
+            "completed": len(ok), "forwarded": forwarded, "short_ttft_s": percentiles(ttft["short"]),
+            "long_ttft_s": percentiles(ttft["long"]), "output_tokens_per_s": sum(r["output_tokens"] for r in ok) / span}
 
 
 def _with_config(a, path: str):
