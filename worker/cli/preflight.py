@@ -33,10 +33,10 @@ from worker.cli.checks import short as _short
 from worker.cli.model_checks import model_checks
 from worker.config import WorkerConfig, redacted_config
 from worker.obs.errors import suppressed
+from worker.security.probe import TOPIC_SETTLE_S
 
 log = logging.getLogger(__name__)
 
-TOPIC_SETTLE_S = 3.0
 REPORT_ONLY = frozenset({"redis persistence"})  # lines that report (`info`, or `skip`), never fail
 
 

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import ssl
 import struct
+import time
 from typing import TYPE_CHECKING
 
 from aiokafka import errors as kerr
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from worker.config import KafkaConfig, RedisConfig, WorkerConfig
 
 log = logging.getLogger(__name__)
+
+TOPIC_SETTLE_S = 3.0  # how long a topic missing from the metadata is looked up again (it may be new)
 
 
 async def probe_kafka(cfg: KafkaConfig, timeout_s: float = 10.0) -> None:
@@ -117,7 +120,12 @@ async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0, poo
     try:
         await asyncio.wait_for(admin.start(), timeout_s)
         wanted = keys.all_topics(cfg.topic_prefix, pools)
-        denied, missing = await _unusable_topics(admin, wanted, timeout_s)
+        deadline = time.monotonic() + min(TOPIC_SETTLE_S, timeout_s)
+        while True:  # topics created a moment ago reach a broker's metadata shortly after (as in the preflight)
+            denied, missing = await _unusable_topics(admin, wanted, timeout_s)
+            if denied or not missing or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.25)
         if missing and not denied:
             from worker.config import ConfigError
 
