@@ -136,6 +136,8 @@ def make_checkpoint(
         do_sample=False,
     )
     model.save_pretrained(out, safe_serialization=True)
+    for f in Path(out).iterdir():  # world-readable (the weights are written 0600): the
+        f.chmod(0o644)               # checkpoint is mounted into containers that run as another user
     n_params = sum(p.numel() for p in model.parameters())
     log(f"wrote {arch} checkpoint ({n_params / 1e6:.2f}M params, vocab {len(tokenizer)}) to {out}")
     return out

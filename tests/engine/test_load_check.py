@@ -6,6 +6,8 @@ call disagree on. And what it measures is what the engine allocates."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -87,3 +89,22 @@ def test_latent_kv_layout_is_measured_not_guessed():
     assert (layer.num_kv_heads, layer.head_dim, layer.v_head_dim, layer.value_in_key) == (1, 40, 32, True)
     assert loaded.kv_layout.bytes_per_token(torch.float32) == 2 * 40 * 4
     assert "latent KV cache (40 values per token per layer)" in loaded.features
+
+
+def test_an_unreadable_weights_file_is_named_with_its_mode_not_reported_missing(tmp_path, monkeypatch):
+    """safetensors says "No such file or directory" for a weights file it may not read (a
+    0600 checkpoint mounted into a container running as another user): the loader says
+    what it is. Root reads everything, so the access check is what the test narrows."""
+    import os
+
+    from worker.model import loader
+
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    weights.chmod(0o600)
+    real_access = os.access
+    monkeypatch.setattr(loader.os, "access", lambda p, mode: Path(p) != weights and real_access(p, mode))
+    with pytest.raises(PermissionError, match=r"not readable by this process \(uid \d+\): model\.safetensors "
+                                              r"\(mode -rw-------, owner uid \d+\); .*chmod -R a\+rX"):
+        load_model(ModelConfig(path=str(tmp_path), device="cpu"))

@@ -52,7 +52,7 @@ def run_reported(coro, *, bad_input: str, kafka=None, redis=None, log_errors: bo
     except TimeoutError as e:
         print(f"\n[timeout: {e}]", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+    except (ValueError, FileNotFoundError, PermissionError) as e:  # ConfigError is a ValueError
         report(f"{bad_input}: {e}", exit_code=2)
         return 2
     except (RedisUnavailable, KafkaUnavailable) as e:

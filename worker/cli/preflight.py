@@ -164,25 +164,35 @@ def _topics_check(cfg: WorkerConfig, topics: list[dict], checks: list[Check]) ->
 
 async def _group_check(admin, group_id: str, job_partitions: dict[str, int], timeout_s: float) -> Check:
     """Describe the group and fetch its committed offsets for the job partitions: the
-    requests `kafka-consumer-groups --describe` makes; neither joins the group."""
+    requests `kafka-consumer-groups --describe` makes; neither joins the group. Retriable
+    answers (a fresh broker still creating `__consumer_offsets`: no coordinator, "not
+    coordinator", "loading") are asked again for up to `timeout_s`; a retriable answer
+    still there by then fails as such, not as a missing permission."""
     from aiokafka.errors import KafkaError, for_code
     from aiokafka.structs import TopicPartition
 
-    try:
-        coordinator = await _retry_retriable(lambda: admin.find_coordinator(group_id), timeout_s)
-        resp = await asyncio.wait_for(admin.describe_consumer_groups([group_id], group_coordinator_id=coordinator),
-                                      timeout_s)
+    tps = [TopicPartition(t, p) for t, n in job_partitions.items() for p in range(n)]
+
+    async def describe():
+        coordinator = await admin.find_coordinator(group_id)
+        resp = await admin.describe_consumer_groups([group_id], group_coordinator_id=coordinator)
         group = resp[0].to_object()["groups"][0]
         if group["error_code"]:
             raise for_code(group["error_code"])(group_id)
-        tps = [TopicPartition(t, p) for t, n in job_partitions.items() for p in range(n)]
-        offsets = await asyncio.wait_for(
-            admin.list_consumer_group_offsets(group_id, group_coordinator_id=coordinator, partitions=tps), timeout_s)
+        return group, await admin.list_consumer_group_offsets(group_id, group_coordinator_id=coordinator,
+                                                              partitions=tps)
+
+    try:
+        group, offsets = await _retry_retriable(describe, timeout_s)
     except (KafkaError, TimeoutError) as e:
         why = "no answer" if isinstance(e, TimeoutError) else _short(e)
-        return Check("consumer group", "fail", "kafka.group_id",
-                     f"{group_id!r}: cannot describe the group or fetch its offsets ({why}); the worker's principal "
-                     "needs Describe and Read on the group")
+        if isinstance(e, KafkaError) and e.retriable:
+            detail = (f"{group_id!r}: the group coordinator was not ready within {timeout_s:g} s ({why}): a broker "
+                      "still starting, or its __consumer_offsets topic unavailable; run the check again")
+        else:
+            detail = (f"{group_id!r}: cannot describe the group or fetch its offsets ({why}); the worker's principal "
+                      "needs Describe and Read on the group")
+        return Check("consumer group", "fail", "kafka.group_id", detail)
     committed = sum(1 for o in offsets.values() if o.offset >= 0)
     state = "Dead (no member yet)" if group["state"] == "Dead" else group["state"]
     return Check("consumer group", "pass", "kafka.group_id",
@@ -192,13 +202,13 @@ async def _group_check(admin, group_id: str, job_partitions: dict[str, int], tim
 
 async def _retry_retriable(call: Callable[[], Awaitable], timeout_s: float):
     """`call()`, retried while it raises a retriable Kafka error (a fresh broker's group
-    coordinator is not available for its first second), for up to `timeout_s`."""
+    coordinator is not available for its first seconds), for up to `timeout_s` in all."""
     from aiokafka.errors import KafkaError
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return await asyncio.wait_for(call(), timeout_s)
+            return await asyncio.wait_for(call(), max(deadline - time.monotonic(), 0.1))
         except KafkaError as e:
             if not e.retriable or time.monotonic() > deadline:
                 raise

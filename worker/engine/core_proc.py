@@ -142,7 +142,7 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
                                          core.kv.block_size, sorted(loaded.eos_token_ids), loaded.model_id,
                                          str(core.runner.device), loaded.kv_layout.sliding_window,
                                          budget.threads)))
-    except (ValueError, FileNotFoundError) as e:  # UnsupportedModel and ConfigError are ValueErrors
+    except (ValueError, FileNotFoundError, PermissionError) as e:  # UnsupportedModel and ConfigError are ValueErrors
         log.error("engine core cannot start: %s", e)
         conn_out.send_bytes(encode(Failed(str(e)[:2000], is_config_error=True)))
         return

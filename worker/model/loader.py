@@ -5,6 +5,8 @@ a model the paged runner cannot run exactly is refused here, never per request."
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -104,12 +106,32 @@ def eos_token_ids(path: Path, hf_config: PretrainedConfig, tokenizer: PreTrained
     return frozenset(eos)
 
 
+def check_readable(path: Path) -> None:
+    """Every file of the checkpoint directory readable by this process: safetensors reports
+    an unreadable weights file as "No such file or directory", which sends an operator
+    looking for a missing file (seen with a 0600 model.safetensors mounted into a
+    container that runs as another user).
+
+    Raises:
+        PermissionError: the files (mode, owner) and this process's uid, with the fix.
+    """
+    unreadable = [f for f in sorted(path.iterdir()) if f.is_file() and not os.access(f, os.R_OK)]
+    if unreadable:
+        st = unreadable[0].stat()
+        names = ", ".join(f.name for f in unreadable[:5]) + (" ..." if len(unreadable) > 5 else "")
+        raise PermissionError(
+            f"model.path {str(path)!r}: not readable by this process (uid {os.getuid()}): {names} "
+            f"(mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}); make the checkpoint world-readable "
+            f"(chmod -R a+rX) or run the worker as its owner")
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load model + tokenizer from `cfg.path` (offline; nothing is downloaded), install
     it for the engine and run the load check.
 
     Raises:
         FileNotFoundError: `cfg.path` is not a directory with a config.json.
+        PermissionError: files of the checkpoint this process may not read.
         UnsupportedModel: the engine cannot reproduce this model (one line: architecture,
             feature, config field); a subclass of ValueError.
         ValueError: device or back end not available.
@@ -117,6 +139,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     path = Path(cfg.path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path {str(path)!r} is not a Hugging Face checkpoint directory (no config.json)")
+    check_readable(path)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     backend = get_backend(cfg.attention_backend, device.type)
