@@ -7,7 +7,9 @@
 # tests, starts Jaeger (tools/jaeger.sh: the tracing back end; built from source through
 # the Go module proxy the first time on a machine, ~9 min, then cached), installs promtool
 # (Debian's prometheus package, the alert-rule tests) and kcat (the tracing tests) when
-# missing and running as root, runs pytest. Extra arguments go to pytest. The stacks keep
+# missing and running as root, runs pytest, then tools/deploy_check.sh --cached (the
+# images and containers, only where they were built before). Extra arguments go to pytest
+# (and skip the deploy check). The stacks keep
 # running afterwards; stop them with tools/devstack.sh down (and down --secure) and
 # tools/jaeger.sh down.
 set -euo pipefail
@@ -25,4 +27,10 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
   apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-exec .venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q "$@"
+# The whole suite also runs the deployment in containers (tests/deploy, podman + runc)
+# when this machine has built its images before; from nothing it builds for ~20 min,
+# so then it says so and leaves it to `tools/deploy_check.sh` by hand.
+if [ $# -eq 0 ]; then
+  tools/deploy_check.sh --cached
+fi
