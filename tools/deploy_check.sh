@@ -43,8 +43,8 @@ done
 if [ $cached = 1 ]; then
   for image in "${IMAGES[@]}"; do
     if ! command -v podman >/dev/null || ! podman image exists "$image" 2>/dev/null; then
-      echo "deploy_check: skipped: $image is not built on this machine (a fresh run builds for" \
-        "~9 min; run tools/deploy_check.sh by hand)" >&2
+      echo "deploy_check: skipped: $image is not built on this machine (a fresh run takes" \
+        "~14 min; run tools/deploy_check.sh by hand)" >&2
       exit 0
     fi
   done
@@ -128,7 +128,8 @@ cat "$CACHE/images.json"
 # A tiny real checkpoint for the worker and the gateway's tokenizer.
 if [ ! -f "$CACHE/models/model/config.json" ]; then
   tools/setup_venv.sh
-  .venv/bin/python -m tools.make_model "$CACHE/models/model" --arch llama --train-steps 100 >/dev/null
+  .venv/bin/python -m tools.make_model "$CACHE/models/model" --arch llama --train-steps 100 >"$CACHE/make_model.log" 2>&1 \
+    || { tail -n 20 "$CACHE/make_model.log" >&2; exit 1; }
 fi
 export INFLIGHT_MODELS_DIR=$CACHE/models INFLIGHT_DEPLOY_CHECK=1
 tools/setup_venv.sh

@@ -50,10 +50,14 @@ def run(*cmd: str, check: bool = True, timeout: float = 300, **kw) -> subprocess
     return p
 
 
+DRAIN_TIMEOUT_S = 2  # the worker's drain here (compose.local.yaml): a stop hands running jobs back
+
+
 def compose(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     exe = os.environ.get("PODMAN_COMPOSE", "podman-compose")
     files = ["-f", str(ROOT / "deploy" / "compose.yaml"), "-f", str(ROOT / "deploy" / "compose.local.yaml")]
-    return run(exe, *files, *args, check=check, timeout=timeout)
+    env = {**os.environ, "INFLIGHT_LOCAL_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S)}
+    return run(exe, *files, *args, check=check, timeout=timeout, env=env)
 
 
 def container(service: str) -> str:
