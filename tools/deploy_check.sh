@@ -82,14 +82,11 @@ if ! podman image exists "$BASE"; then
   podman import --quiet "$CACHE/debian-bookworm-min.tar" "$BASE" >/dev/null
 fi
 
-# Kafka's jars, as the dev stack resolves them (tools/kafka/pom.xml), in a build context of their own.
-LIBS=$ROOT/.cache/kafka/libs
-if [ ! -f "$LIBS/.complete" ]; then
-  echo "deploy_check: resolving Kafka jars from Maven Central into $LIBS" >&2
-  rm -rf "$LIBS"
-  mvn -q -B -f tools/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory="$LIBS" -DincludeScope=runtime
-  touch "$LIBS/.complete"
-fi
+# Kafka's jars, resolved by the dev stack's own helper (tools/kafka/pom.xml), in a build context of their own.
+STATE=$CACHE
+# shellcheck source=devstack_lib.sh
+source tools/devstack_lib.sh
+kafka_libs
 rm -rf "$CACHE/kafka-context" && cp -r deploy/local/kafka "$CACHE/kafka-context" && cp -r "$LIBS" "$CACHE/kafka-context/libs"
 
 # pip inside the builds trusts what the host's pip trusts (a TLS-intercepting proxy's CA).
