@@ -148,6 +148,45 @@ def test_without_fair_share_the_light_tenant_waits_for_a_slot():
     assert b not in load.first_token  # arrival order: 492 A requests go first
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sequential", "async"])
+def test_a_tenant_behind_a_flood_holds_its_half_while_the_floods_victim_waits(async_scheduling):
+    """Regression (CI, stop 40: tests/integration/test_fairness.py): R = 4 slots, the
+    worker's defaults feeding the engine: A keeps 5 requests of 200 tokens here, B
+    arrives with 8 of 20 tokens, at most 2 here at a time. B's first takes a slot at once
+    by Yield; A's victim then resumed first whenever a slot freed and stood before B's
+    next request, which never got the second slot the lag rule (b) owes it: B ran one
+    request at a time (its 8th started 140 steps after arrival; 90 with 2 local). Now a
+    preempted request whose tenant would yield the resumed slot at once waits behind
+    Pick, so B holds 2 of the 4 slots: its requests start in pairs, the 8th within 4
+    rounds of 20 steps, at no more than one preemption per B request (3 / 8 here,
+    sequential / async; 3 / 7 before)."""
+    eng = engine(max_running_requests=4, async_scheduling=async_scheduling)
+    load = Load(eng)
+    a_live = set(load.add("A", 5, 2, 200))
+
+    def refill(live: set, tenant: str, max_tokens: int, keep: int, budget: int | None = None) -> list[str]:
+        for r in [r for r in live if load.finals.get(r)]:
+            live.discard(r)
+        n = keep - len(live) if budget is None else min(keep - len(live), budget)
+        ids = load.add(tenant, n, 2, max_tokens) if n > 0 else []
+        live.update(ids)
+        return ids
+
+    for _ in range(150):
+        load.step()
+        refill(a_live, "A", 200, 5)
+    preemptions_before = eng.scheduler.num_preemptions_total
+    arrival, b_live, b_ids = load.step_no + load.lag, set(), []
+    while len(b_ids) < 8 or b_live:
+        b_ids += refill(b_live, "B", 20, 2, budget=8 - len(b_ids))
+        load.step()
+        refill(a_live, "A", 200, 5)
+    starts = [load.first_token[r] - arrival for r in b_ids]
+    assert starts[0] <= 1 and max(starts) <= 4 * 20 + 2, starts
+    assert all(len(load.finals[r]) == 1 and load.finals[r][0].finished for r in b_ids)
+    assert eng.scheduler.num_preemptions_total - preemptions_before <= len(b_ids), starts
+
+
 @pytest.mark.parametrize("weights", [(1, 1), (3, 1)])
 def test_backlogged_tenants_converge_to_their_weights(weights, make_engine=engine):
     """A (64-token prompts, 64 out) and B (16, 16) both backlogged; over steps 200-1500

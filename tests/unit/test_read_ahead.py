@@ -21,7 +21,7 @@ from schemas.wire import Job
 from worker.config import KafkaConfig, ServingTuning, TenantPolicy, WorkerSettings
 from worker.serve.intake import Intake
 from worker.serve.offsets import OffsetTracker
-from worker.serve.read_ahead import JobRecord, ReadAhead, local_shares
+from worker.serve.read_ahead import JobRecord, ReadAhead, high_priority_reserve, local_shares
 from worker.serve.rebalance import Rebalance
 
 NORMAL = TopicPartition("t.jobs.normal", 0)
@@ -87,6 +87,22 @@ def test_local_shares_default_cap_leaves_room_for_other_tenants():
     assert (cap("q"), weight("q")) == (2, 2.0)  # twice its running quota
     _, cap = local_shares(tuning, WorkerSettings(max_local_jobs_per_tenant=8), max_local_jobs=8)
     assert cap("any") == 8
+
+
+@pytest.mark.parametrize("running,local", [(4, None), (4, 8), (4, 12), (256, None), (8, 9), (1, None)])
+def test_a_newcomer_finds_half_a_batch_of_normal_slots_beside_a_flood(running, local):
+    """Regression (CI, stop 40): with the worker's defaults (max_running 4, 8 local jobs,
+    a high-priority reserve of 1) the default cap let a normal-class flood hold 6 of the
+    7 slots a normal job may take, so a tenant behind it held one job at a time and its
+    8 short jobs ran one after another (TTFT p99 5.8x its value alone). The cap counts
+    the slots left after the reserve: a flood leaves running // 2 of them (at least one)."""
+    tuning = ServingTuning(max_running_requests=running)
+    max_local = local or 2 * running
+    reserve = high_priority_reserve(tuning, WorkerSettings(max_local_jobs=local), max_local)
+    _, cap = local_shares(tuning, WorkerSettings(max_local_jobs=local), max_local, reserve)
+    normal_slots = max_local - reserve
+    assert normal_slots - cap("flood") >= min(max(1, running // 2), normal_slots - 1)
+    assert cap("flood") >= 1
 
 
 # ---- the tracker: out-of-order takes and completions ----------------------------------

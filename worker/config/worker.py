@@ -45,7 +45,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_local_jobs_per_tenant: most of `max_local_jobs` one tenant holds; the rest
             stays open for other tenants, so a tenant that appears behind a flooding one
             starts without waiting for one of the flood's jobs to end. Default
-            max_local_jobs - max_running_requests // 2 (at least 1).
+            max_local_jobs - high_priority_reserve - max_running_requests // 2 (at
+            least 1): half a running batch of normal-class slots stays open.
         read_ahead_per_partition: fetched records not yet taken kept per partition,
             among which free slots are given by priority, then tenant share; beyond it a
             partition's records stay in the consumer's fetch buffer (at most one fetch

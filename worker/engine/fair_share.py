@@ -18,6 +18,11 @@ the tenant asked for. The rules built on the counters:
     preempted first, whatever its tenant's counter: its recompute is the engine's debt,
     and its client is reading a stream that stalled (vLLM puts preempted requests back
     at the head of its waiting queue). Quotas still hold: a tenant at a cap waits.
+    Except for a tenant owing a slot: if resuming would give its tenant a slot the
+    Yield rule below hands at once to a waiting tenant, the preempted request waits
+    behind Pick (resumed, it would block that tenant's Yield, and be preempted again:
+    a tenant that arrived behind a flood would otherwise get one slot, its next request
+    starting only when its last ended and the resumed victim's slot went back).
   - Pick: among the class's tenants with waiting requests that are under their quotas,
     the one with the least counter starts its earliest request (ties: fewer running
     requests per weight, then earliest request).
@@ -225,6 +230,8 @@ class ClassQueue:
                 resume = req
         if resume is not None:
             oldest_seq, oldest = resume.arrival_seq, resume
+            if fair and self._would_yield_resumed(resume.share, excluded):
+                resume = self._resumable(excluded)
         for tq in self.backlogged.values():
             if excluded and tq.tenant in excluded:
                 continue
@@ -240,6 +247,28 @@ class ClassQueue:
         if resume is not None:
             return resume, oldest
         return (best if fair else oldest), oldest
+
+    def _resumable(self, excluded: set[Tenant]) -> Request | None:
+        """The earliest preempted request (not excluded) whose tenant owes no slot; the
+        slow path of `pick`, when the earliest of all does (O(P log P))."""
+        owes: dict[str, bool] = {}
+        for _, req in sorted(self.preempted):
+            tq = req.share
+            if excluded and tq.tenant in excluded:
+                continue
+            if tq.tenant.name not in owes:
+                owes[tq.tenant.name] = self._would_yield_resumed(tq, excluded)
+            if not owes[tq.tenant.name]:
+                return req
+        return None
+
+    def _would_yield_resumed(self, v: TenantQueue, excluded: set[Tenant]) -> bool:
+        """Whether tenant `v`, with one more running request, would yield it by the
+        Yield rule to a tenant waiting here (not excluded): then its preempted request
+        does not resume first (the slot would be taken back at once, a recompute wasted,
+        and the resumed request would stand before the waiting tenant's Yield)."""
+        n = len(v.running) + 1
+        return any(_yields(v, n, w) for w in self.backlogged.values() if not (excluded and w.tenant in excluded))
 
     # ---- yielding --------------------------------------------------------------------
     def may_yield(self, tq: TenantQueue) -> bool:

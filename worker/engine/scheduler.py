@@ -35,7 +35,8 @@ Rules under KV pressure (each one closes a loop seen in practice):
     those that hold prompt + max_tokens; a waiting request may preempt requests of a
     strictly worse rank, then by fair share's Yield, only when that makes it fit.
   - Preempted first: a preempted request is picked before every request of its class
-    that has not started (fair_share.py: Resume first) and, when it cannot get its slot
+    that has not started (fair_share.py: Resume first, unless its tenant owes the slot
+    to a waiting tenant by Yield) and, when it cannot get its slot
     or blocks back, holds the reservation at once (no skips): nothing ranked behind it
     is admitted until it is. So it resumes in the first step whose admission phase
     finds its blocks free (the next one if that step preempted: none is admitted then),

@@ -72,14 +72,21 @@ class JobRecord:
 
 
 
-def local_shares(tuning: ServingTuning, settings: WorkerSettings,
-                 max_local_jobs: int) -> tuple[Callable[[str], float], Callable[[str], int]]:
+def local_shares(tuning: ServingTuning, settings: WorkerSettings, max_local_jobs: int,
+                 reserve: int = 0) -> tuple[Callable[[str], float], Callable[[str], int]]:
     """(weight, cap) of each tenant for the choice of records: its fair-share weight,
     and the most local jobs it may hold: `worker.max_local_jobs_per_tenant` (default
-    max_local_jobs - max_running_requests // 2, at least 1), and no more than twice its
-    running quota when it has one (more would only wait in the engine, holding slots
-    other tenants could use)."""
-    default_cap = settings.max_local_jobs_per_tenant or max(1, max_local_jobs - tuning.max_running_requests // 2)
+    max_local_jobs - reserve - max_running_requests // 2, at least 1), and no more than
+    twice its running quota when it has one (more would only wait in the engine, holding
+    slots other tenants could use).
+
+    `reserve` is the high-priority reserve (`high_priority_reserve`): the default cap is
+    counted from the slots a normal job may take, so a tenant that appears behind a
+    flood of its own class finds half a running batch of slots open, not that half less
+    the reserve (with the defaults, a quarter: one slot at max_running_requests 4, and
+    its 8 short jobs then ran one after another)."""
+    default_cap = settings.max_local_jobs_per_tenant or max(
+        1, max_local_jobs - reserve - tuning.max_running_requests // 2)
 
     def weight(tenant: str) -> float:
         return tuning.tenant_policy(tenant).weight

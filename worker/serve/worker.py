@@ -168,13 +168,13 @@ class Worker:
         self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self,
                                   max_local_jobs=self.max_local_jobs, max_job_failures=cfg.worker.max_job_failures,
                                   tokenizer_threads=cfg.worker.tokenizer_threads, tracing=self.tracing, router=router)
-        tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
+        reserve = high_priority_reserve(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
+        tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs, reserve)
         self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
                              read_ahead_per_partition=cfg.worker.read_ahead_per_partition,
                              read_ahead_bytes=cfg.worker.read_ahead_bytes, tenant_weight=tenant_weight,
                              tenant_cap=tenant_cap, fair=cfg.serving_tuning.fair_share,
-                             high_priority_reserve=high_priority_reserve(cfg.serving_tuning, cfg.worker,
-                                                                           self.max_local_jobs),
+                             high_priority_reserve=reserve,
                              outage=self.kafka_outage, pool=cfg.worker.pool, group_id=cfg.job_group_id)
         await self.intake.start()
         self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for,
