@@ -103,6 +103,9 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_long_prefill_tokens: the per-step cap on long requests' prefill tokens (a
             long request that gets none this step waits; short ones are admitted past
             it). Unset: `long_prefill_threshold`. Requires `long_prefill_threshold`.
+        max_loras_per_batch: most distinct LoRA adapters among the running requests
+            (S-LoRA / SGLang's `--max-loras-per-batch`); a request of another adapter
+            waits (bounded skipping: it is not starved). Unset: `model.max_loras`.
     """
 
     max_running_requests: int = 64
@@ -128,6 +131,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_structured_output_bytes: int = 65536
     grammar_cache_size: int = 1024
     long_prefill_threshold: int | None = None
+    max_loras_per_batch: int | None = None
     max_long_prefill_tokens: int | None = None
 
     @property
@@ -173,6 +177,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             priority_aging_steps=self.priority_aging_steps,
             max_structured_output_bytes=self.max_structured_output_bytes,
             grammar_cache_size=self.grammar_cache_size,
+            max_loras_per_batch=self.max_loras_per_batch,
             long_prefill_threshold=self.long_prefill_threshold,
             max_long_prefill_tokens=self.max_long_prefill_tokens,
         )
@@ -227,6 +232,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             through transformers' eager attention and refuse it unless they agree
             (`worker.model.load_check`; a few forwards of 11 tokens). Turning it off keeps
             only the config and module checks.
+        lora_dir: directory of LoRA adapters in PEFT's format, one subdirectory per
+            adapter name (`adapter_config.json` + `adapter_model.safetensors`); read when
+            a job first names an adapter, so adapters added later are served without a
+            restart. None: jobs naming an adapter are rejected (`unknown_adapter`).
+        max_loras: adapters resident on the device at once (least recently used ones
+            not in use are evicted); their buffers come out of the KV cache's memory.
+        max_lora_rank: largest adapter rank served (`invalid_adapter` above it); sizes
+            the buffers: max_loras x max_lora_rank x (in + out features) per projection.
     """
 
     path: str = ""
@@ -235,13 +248,17 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     attention_backend: str = "auto"
     max_model_len: int | None = None
     load_check: bool = True
+    lora_dir: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         one_of("model", "dtype", self.dtype, DTYPES)
         one_of("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"model.device must be one of ['auto', 'cpu', 'cuda', 'cuda:N'], got {self.device!r}")
-        positive("model", max_model_len=self.max_model_len)
+        positive("model", max_model_len=self.max_model_len, max_loras=self.max_loras,
+                 max_lora_rank=self.max_lora_rank)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -249,3 +266,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     serving_tuning: ServingTuning = msgspec.field(default_factory=ServingTuning)
+
+    def __post_init__(self) -> None:
+        per_batch = self.serving_tuning.max_loras_per_batch
+        if per_batch is not None and per_batch > self.model.max_loras:
+            raise ConfigError(f"serving_tuning.max_loras_per_batch ({per_batch}) must be <= model.max_loras "
+                              f"({self.model.max_loras}): only resident adapters can run")

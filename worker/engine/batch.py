@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -35,15 +36,19 @@ def mark_scheduled(req: Request, end: int, samples_token: bool) -> None:
 
 
 def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Request],
-                block_table: Callable[[str], list[int]], copy_tables: bool) -> SchedulerOutput:
+                block_table: Callable[[str], list[int]], copy_tables: bool,
+                resident: dict[str, Any] | None = None) -> SchedulerOutput:
     """Step `step`'s batch from `scheduled` (request id -> tokens), decodes first; each
     request's progress advances to the end of its chunk. `copy_tables`: give the runner
     copies of the block tables (steps run ahead: a table changed by the next schedule,
-    a sliding window freeing behind, must not reach a step already launched)."""
+    a sliding window freeing behind, must not reach a step already launched).
+    `resident`: the LoRA adapters resident (name -> `ResidentAdapter`); those of the
+    scheduled requests go with the step, for the runner to fill their slots first."""
     decodes: list[ScheduledRequest] = []
     prefills: list[ScheduledRequest] = []
     decode_reqs: list[Request] = []
     prefill_reqs: list[Request] = []
+    loras: dict[int, Any] = {}
     for request_id, num_new in scheduled.items():
         req = requests[request_id]
         start = req.num_computed_tokens
@@ -55,7 +60,9 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
         samples = end == num_known + req.num_output_placeholders
         table = block_table(request_id)
         s = ScheduledRequest(request_id, ids, start, table[:] if copy_tables else table, samples,
-                             req.params, tokens, req.generator, req.grammar)
+                             req.params, tokens, req.generator, req.grammar, req.lora_slot)
+        if req.lora_slot >= 0:
+            loras[req.lora_slot] = resident[req.adapter]
         mark_scheduled(req, end, samples)
         if num_new == 1 and start > 0:
             decodes.append(s)
@@ -69,6 +76,7 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
         num_scheduled_tokens=sum(scheduled.values()),
         num_decodes=len(decodes),
         requests=decode_reqs + prefill_reqs if prefill_reqs else decode_reqs,
+        loras=loras,
     )
 
 
@@ -144,3 +152,11 @@ def resolve_placeholders(out: SchedulerOutput) -> SchedulerOutput:
         for s, req in zip(out.scheduled, out.requests)
     ]
     return replace(out, scheduled=scheduled)
+
+
+def note_prefill_chunks(sched: SchedulerOutput, now: float) -> None:
+    """A `prefill_chunk` TraceEvent at `now` (the end of the step's forward, Unix s) for
+    each traced request with a prefill chunk in step `sched` (entries after the decodes)."""
+    for s, req in zip(sched.scheduled[sched.num_decodes:], sched.requests[sched.num_decodes:]):
+        if not req.is_finished:
+            req.note("prefill_chunk", len(s.token_ids), t=now)

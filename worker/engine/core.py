@@ -110,16 +110,14 @@ class EngineCore:
         self._new.append(req)
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request: blocks freed and a `cancelled` output at the next step.
-        Unknown or finished ids are ignored."""
+        """Cancel a request: blocks freed, a `cancelled` output next step (unknown ids: no-op)."""
         self._aborts.append(request_id)
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
-        """End a request that output processing ended (stop string, output error): its
-        blocks are freed now (a step in flight computes on without it: its token for it
-        is dropped; `forward.py` says why freeing is safe) and no output follows (the
-        caller made the final one). Call from the stepping thread, between steps. Unknown
-        or finished ids are ignored."""
+        """End a request that output processing ended (stop string, output error): blocks
+        freed now (a step in flight computes on without it, its token dropped: forward.py
+        says why that is safe), no output follows (the caller made the final one). From the
+        stepping thread, between steps; unknown or finished ids are ignored."""
         if self._compiling.pop(request_id) is None:
             self.scheduler.finish(request_id, status)
 
@@ -190,13 +188,13 @@ class EngineCore:
             num_failed_forwards=failed.num_failed_forwards,
             forward_s=forward_s,
             device_busy_s=busy() if (busy := getattr(self._runner, "device_busy_s", None)) else self._forward_total_s,
-            num_constrained=num_constrained,
-            mask_s=self._mask_s,
+            num_constrained=num_constrained, mask_s=self._mask_s,
             grammar_cache_hits=hits,
             grammar_cache_misses=misses,
             grammar_compile_s=compile_s,
             num_long_prefill_capped=sched_.long_prefills.num_capped_total - capped_before,
             num_long_prefill_tokens=sched_.long_prefills.num_tokens_total - long_before,
+            lora=sched_.loras.step_stats() if sched_.loras is not None else None,
         )
         return outputs
 
@@ -291,6 +289,8 @@ class EngineCore:
         if self._deadlines and self._deadlines[0][0] < time.time():
             self._expire_waiting(outputs)
         self._apply_aborts(outputs)
+        if sched_.loras is not None and sched_.loras.has_failures:  # waiting requests of an adapter that failed to load
+            sched_.loras.end_failed(sched_, lambda req, err: outputs.append(self._final_output(req, [], error=err)))
 
     # ---- structured outputs: requests waiting for their grammar ---------------------------------
     def _admit_compiled(self, outputs: list[EngineCoreOutput]) -> None:
@@ -340,6 +340,7 @@ class EngineCore:
                       eos_token_ids=self.eos_token_ids, arrival_seq=next(self._arrival), arrival_time=r.arrival_time,
                       cache_salt=r.cache_salt.encode(), tenant=r.tenant, generator=generator)
         req.deadline = r.deadline
+        req.adapter = r.adapter
         if r.deadline is not None:
             heapq.heappush(self._deadlines, (r.deadline, r.request_id))
         req.trace = [] if r.traced else None

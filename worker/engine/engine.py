@@ -12,6 +12,7 @@ boundary; an aborted request's KV blocks are free when that `step` returns.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,9 +22,11 @@ import torch
 
 from schemas.params import SamplingParams
 from schemas.wire import Usage
-from worker.config import EngineConfig, ModelConfig, ServingTuning
+from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
+from worker.engine.adapters import AdapterCatalog, LoRAFacts
 from worker.engine.core import EngineCore
 from worker.engine.input_processor import InputProcessor, ModelFacts
+from worker.engine.lora_slots import LoRASlots
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import (
     CompletionOutput,
@@ -82,15 +85,24 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         window = loaded.kv_layout.sliding_window
+        lora = getattr(runner, "lora", None)
+        lora_facts = None if lora is None else LoRAFacts(config.model.lora_dir, lora.max_rank, lora.shapes())
         self.facts = ModelFacts(vocab_size=loaded.vocab_size, max_model_len=loaded.max_model_len,
                                 kv_capacity_tokens=num_blocks * self.tuning.kv_block_size,
                                 eos_token_ids=loaded.eos_token_ids, model_id=loaded.model_id,
-                                block_size=self.tuning.kv_block_size, sliding_window=window)
+                                block_size=self.tuning.kv_block_size, sliding_window=window, lora=lora_facts)
         grammars = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids,
                                    cache_size=self.tuning.grammar_cache_size)
         self.core = EngineCore(runner, self.tuning, num_blocks, loaded.eos_token_ids, loaded.model_id, window,
                                grammars)
         self.input = InputProcessor(loaded.tokenizer, self.facts, self.tuning)
+        if lora_facts is not None:  # adapters load on the loader thread (lora_slots.py)
+            from worker.model.lora import read_adapter
+
+            catalog, dtype = AdapterCatalog.from_facts(lora_facts), loaded.dtype
+            self.core.scheduler.loras = LoRASlots(config.model.max_loras, self.tuning.max_loras_per_batch,
+                                                  lambda name: read_adapter(catalog.resolve(name), dtype),
+                                                  self.tuning.max_admission_skips)
         self.output = OutputProcessor(loaded.tokenizer)
         self._live_ids: set[str] = set()
         self._live_lock = threading.Lock()
@@ -134,6 +146,14 @@ class Engine:
         config = EngineConfig(model=model_cfg, serving_tuning=config.serving_tuning)
         loaded = load_model(model_cfg)
         tuning = config.serving_tuning
+        lora = None
+        if model_cfg.lora_dir is not None:  # the adapters' slots, allocated before the KV cache takes the rest
+            from worker.model.lora import LoRAWeights, lora_modules
+
+            if not os.path.isdir(model_cfg.lora_dir):
+                raise ConfigError(f"model.lora_dir {model_cfg.lora_dir!r} is not a directory")
+            lora = LoRAWeights(lora_modules(loaded.model), model_cfg.max_loras, model_cfg.max_lora_rank,
+                               loaded.device, loaded.dtype)
         num_blocks = kv_cache_blocks(loaded, tuning)
         runner = ModelRunner(
             loaded.model,
@@ -144,6 +164,7 @@ class Engine:
             dtype=loaded.dtype,
             backend=loaded.backend,
         )
+        runner.lora = lora
         return cls(loaded, runner, config, num_blocks)
 
     # ---- requests in (any thread) ----------------------------------------------------
@@ -161,6 +182,7 @@ class Engine:
         arrival_time: float | None = None,
         deadline: float | None = None,
         tools: list[dict[str, Any]] | None = None,
+        adapter: str | None = None,
     ) -> int:
         """Validate, tokenize and queue a request; it joins the batch at the next step.
 
@@ -178,7 +200,8 @@ class Engine:
         leading duplicates are dropped and one BOS is kept (logged at debug level); the
         same holds for a chat template whose output starts with repeated BOS.
         `prompt_token_ids` are used exactly as given. `tools`: OpenAI function
-        definitions passed to the chat template with `messages`.
+        definitions passed to the chat template with `messages`. `adapter`: the name of a
+        LoRA adapter under `model.lora_dir` (lora_slots.py); None: the base model.
 
         Returns:
             the number of prompt tokens (after the BOS rule).
@@ -188,7 +211,7 @@ class Engine:
         """
         req = self.input.process(request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                                  params=params, priority=priority, cache_salt=cache_salt, tenant=tenant,
-                                 arrival_time=arrival_time, deadline=deadline, tools=tools)
+                                 arrival_time=arrival_time, deadline=deadline, tools=tools, adapter=adapter)
         self.submit(req)
         return len(req.prompt_token_ids)
 

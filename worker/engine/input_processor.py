@@ -15,6 +15,7 @@ from typing import Any
 
 from schemas.params import SamplingParams
 from worker.config import ServingTuning
+from worker.engine.adapters import AdapterCatalog, AdapterError, LoRAFacts
 from worker.engine.kv_window import peak_blocks
 from worker.engine.outputs import EngineCoreRequest
 from worker.engine.request import Priority, RejectReason, RequestRejected
@@ -30,7 +31,8 @@ class ModelFacts:
     `kv_capacity_tokens` is the whole KV cache (blocks × block size); `model_id`
     namespaces prefix-cache hashes; `eos_token_ids` every id that ends generation;
     `sliding_window` W when every layer reads only the last W positions (a request then
-    holds at most `kv_window.peak_blocks` of KV, whatever its length).
+    holds at most `kv_window.peak_blocks` of KV, whatever its length); `lora` what the
+    adapter checks need (adapters.py).
     """
 
     vocab_size: int
@@ -40,6 +42,7 @@ class ModelFacts:
     model_id: str
     block_size: int = 16
     sliding_window: int | None = None
+    lora: LoRAFacts | None = None  # LoRA adapters served (model.lora_dir); None: none
 
 
 class InputProcessor:
@@ -57,6 +60,7 @@ class InputProcessor:
         self.grammars = GrammarValidator(tokenizer, facts.vocab_size, facts.eos_token_ids,
                                          max_bytes=tuning.max_structured_output_bytes,
                                          cache_size=tuning.grammar_cache_size)
+        self.adapters = AdapterCatalog.from_facts(facts.lora) if facts.lora is not None else None
 
     def process(
         self,
@@ -72,6 +76,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         deadline: float | None = None,
         tools: list[dict[str, Any]] | None = None,
+        adapter: str | None = None,
     ) -> EngineCoreRequest:
         """Tokenize and validate one request (see `Engine.add_request` for the rules).
 
@@ -92,9 +97,23 @@ class InputProcessor:
             except StructuredOutputError as e:
                 raise RequestRejected(request_id, RejectReason.INVALID_STRUCTURED_OUTPUT,
                                       f"params.structured ({params.structured.__struct_config__.tag}): {e}") from None
+        if adapter is not None:
+            self.check_adapter(request_id, adapter)
+            cache_salt = f"{cache_salt}\x00lora:{adapter}"  # two adapters never share KV
         return EngineCoreRequest(request_id, ids, params, max_tokens, int(prio),
                                  time.time() if arrival_time is None else arrival_time, deadline, cache_salt,
-                                 tenant or "", grammar)
+                                 tenant or "", grammar, adapter=adapter)
+
+    def check_adapter(self, request_id: str, adapter: str) -> None:
+        """RequestRejected (`unknown_adapter`, `invalid_adapter`) unless `adapter` can be
+        served: its config and safetensors header are read once, cached until they change."""
+        if self.adapters is None:
+            raise RequestRejected(request_id, RejectReason.UNKNOWN_ADAPTER,
+                                  f"adapter {adapter!r}: this worker serves no LoRA adapters (model.lora_dir unset)")
+        try:
+            self.adapters.resolve(adapter)
+        except AdapterError as e:
+            raise RequestRejected(request_id, RejectReason(e.code), e.message) from None
 
     def tokenize(
         self,

@@ -71,6 +71,7 @@ class ScheduledRequest:
     all_token_ids: list[int]
     generator: torch.Generator | None = None
     grammar: Matcher | None = None  # its structured-output state: the sampler masks its row
+    lora_slot: int = -1  # its LoRA adapter's slot (`SchedulerOutput.loras`), -1: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +102,7 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     num_decodes: int  # the first `num_decodes` entries have exactly one token and start_pos > 0
     requests: list[Any] = field(default_factory=list)  # engine `Request`s (request.py imports this module)
+    loras: dict[int, Any] = field(default_factory=dict)  # slot -> ResidentAdapter of the requests' adapters
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -176,6 +178,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     tenant: str = ""  # whose fair share and quotas it counts against (`serving_tuning.tenants`)
     grammar: str | None = None  # params.structured as a validated llguidance grammar (structured.py)
     traced: bool = False  # record `TraceEvent`s for it (its job is traced and sampled)
+    adapter: str | None = None  # its LoRA adapter (checked by input processing), None: the base model
 
 
 class TraceEvent(msgspec.Struct, frozen=True, array_like=True):
@@ -268,6 +271,20 @@ class StepStats(msgspec.Struct, frozen=True):
     # tokens than the step's budget allowed, and tokens spent on long prefills, this step
     num_long_prefill_capped: int = 0
     num_long_prefill_tokens: int = 0
+    lora: LoRAStepStats | None = None  # LoRA adapters (model.lora_dir), None when none are served
+
+
+class LoRAStepStats(msgspec.Struct, frozen=True):
+    """LoRA adapters after a step: resident now (loaded, in a slot), pinned by running
+    requests now; loads, evictions and failed loads since the last step, with each
+    load's seconds (disk to host memory, on the loader thread)."""
+
+    resident: int
+    active: int
+    loads: int = 0
+    evictions: int = 0
+    failures: int = 0
+    load_s: list[float] = []
 
 
 # ---- after output processing ------------------------------------------------------------------

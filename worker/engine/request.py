@@ -89,6 +89,8 @@ class RejectReason(enum.StrEnum):
     INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # params.structured cannot be served
     DUPLICATE_REQUEST_ID = "duplicate_request_id"
     OVERLOADED = "overloaded"  # overload_policy=reject and no room now
+    UNKNOWN_ADAPTER = "unknown_adapter"  # no such LoRA adapter (model.lora_dir), or none served
+    INVALID_ADAPTER = "invalid_adapter"  # the adapter cannot be served on this model (adapters.py)
 
 
 class ErrorCode(enum.StrEnum):
@@ -97,6 +99,7 @@ class ErrorCode(enum.StrEnum):
     OOM = "oom"  # finished(error): out of memory in more than max_oom_retries steps
     INTERNAL = "internal"  # finished(error): its forward (alone) or its output processing raised
     DEADLINE_PASSED = "deadline_passed"  # finished(expired): still waiting at its deadline
+    ADAPTER_LOAD_FAILED = "adapter_load_failed"  # finished(error): its LoRA adapter's weights did not load
 
 
 class RequestRejected(Exception):
@@ -149,6 +152,8 @@ class Request:
         "grammar",
         "stop_in_text",
         "trace",
+        "adapter",
+        "lora_slot",
     )
 
     def __init__(
@@ -198,6 +203,8 @@ class Request:
         self.stop_token_set = frozenset(params.stop_token_ids)
         self.grammar = grammar  # params.structured's state (structured.py), None if unconstrained
         self.stop_in_text = False  # ended by its grammar: the last token is part of the text
+        self.adapter: str | None = None  # its LoRA adapter's name (lora_slots.py); None: the base model
+        self.lora_slot = -1  # the adapter's device slot while it runs
         self.trace: list[TraceEvent] | None = None  # what the engine did to it, if traced; None: not traced
 
     def note(self, name: str, tokens: int = 0, reason: str = "", t: float | None = None) -> None:

@@ -36,18 +36,19 @@ Rules under KV pressure (each one closes a loop seen in practice):
     strictly worse rank, then by fair share's Yield, only when that makes it fit.
   - Preempted first: a preempted request is picked before every request of its class
     that has not started (fair_share.py: Resume first, unless its tenant owes the slot
-    to a waiting tenant by Yield) and, when it cannot get its slot
-    or blocks back, holds the reservation at once (no skips): nothing ranked behind it
-    is admitted until it is. So it resumes in the first step whose admission phase
-    finds its blocks free (the next one if that step preempted: none is admitted then),
-    and no later arrival of its class starts before it.
+    by Yield) and, when it cannot get its slot or blocks back, holds the reservation at
+    once (no skips): nothing ranked behind it is admitted until it is. So it resumes in
+    the first step whose admission phase finds its blocks free (the next one if that
+    step preempted), and no later arrival of its class starts before it.
   - Bounded skipping: a waiting request that cannot get a slot or its blocks is
     passed by requests of the *same* rank picked after it that can, at most
     `max_admission_skips` admissions in all; then it holds a reservation and nothing
     ranked behind it is admitted until it is. Nothing of a worse rank passes it: it
     would preempt such a request as soon as preempting could make it fit, wasting the
     work. With N = max_admission_skips, a blocked request starts once the requests
-    running when its N-th pass happened have freed enough blocks.
+    running when its N-th pass happened have freed enough blocks. A request whose LoRA
+    adapter is loading waits without a skip; one kept out by `max_loras_per_batch`
+    counts skips alike (lora_slots.py).
 
 The Scheduler is the only writer of request status and progress, and the only caller
 of the KVCacheManager. The engine thread owns it.
@@ -60,9 +61,11 @@ import time
 from collections.abc import Iterable
 
 from worker.config import ServingTuning
-from worker.engine.batch import apply_batch, build_batch, reschedule, resolve_placeholders, unschedule
+from worker.engine import batch
+from worker.engine.batch import apply_batch, build_batch
 from worker.engine.fair_share import ClassQueue, Tenant, pick_next
 from worker.engine.kv_cache import KVCacheManager
+from worker.engine.lora_slots import LoRASlots
 from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.engine.preemption import RESERVE_AFTER_PREEMPTIONS, room_victims, victim_for
 from worker.engine.request import Priority, Request, RequestStatus
@@ -77,9 +80,10 @@ def _rank_key(req: Request) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, tuning: ServingTuning, kv: KVCacheManager) -> None:
+    def __init__(self, tuning: ServingTuning, kv: KVCacheManager, loras: LoRASlots | None = None) -> None:
         self.tuning = tuning
         self.kv = kv
+        self.loras = loras  # LoRA adapters: resident, pinned, loading (lora_slots.py); None: no LoRA
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # sorted by (effective_rank, arrival_seq)
         self.classes = [ClassQueue(p, tuning) for p in Priority]
@@ -241,6 +245,11 @@ class Scheduler:
                 break  # no slot and none to take: nothing ranked behind can start either
             if req.num_in_flight_steps:  # preempted while a step computed for it: it holds the
                 break  # reservation until that step is applied (its stream's tokens all known)
+            if req.adapter is not None and (held := self.loras.hold(req, skipped, deferred)) is not None:
+                self._pop_waiting(req)  # its adapter is loading, or blocked (lora_slots.py)
+                if held:
+                    break  # it holds the reservation: the batch's adapters drain until it fits
+                continue
             self._pop_waiting(req)  # before any victim is requeued (aging can rank a victim ahead of it)
             cached_blocks = self.kv.find_cached_prefix(req)
             num_computed = len(cached_blocks) * self.kv.block_size
@@ -295,24 +304,12 @@ class Scheduler:
         got a token."""
         return apply_batch(out, runner_out, self.kv, self.fair, self.finish)
 
-    def unschedule(self, out: SchedulerOutput) -> None:
-        """Take back a step whose forward will not be applied (`batch.unschedule`)."""
-        unschedule(out)
+    # a step whose forward will not be applied taken back; marked scheduled again (retried);
+    # with its placeholder inputs replaced (batch.py)
+    unschedule, reschedule = staticmethod(batch.unschedule), staticmethod(batch.reschedule)
+    resolve_placeholders = staticmethod(batch.resolve_placeholders)
 
-    def reschedule(self, out: SchedulerOutput) -> None:
-        """Mark a step taken back by `unschedule` as scheduled again (a forward retried)."""
-        reschedule(out)
-
-    def resolve_placeholders(self, out: SchedulerOutput) -> SchedulerOutput:
-        """`out` with its placeholder inputs replaced (`batch.resolve_placeholders`)."""
-        return resolve_placeholders(out)
-
-    def note_prefill_chunks(self, sched: SchedulerOutput, now: float) -> None:
-        """A `prefill_chunk` TraceEvent at `now` (the end of the step's forward, Unix s) for
-        each traced request with a prefill chunk in step `sched` (entries after the decodes)."""
-        for s, req in zip(sched.scheduled[sched.num_decodes:], sched.requests[sched.num_decodes:]):
-            if not req.is_finished:
-                req.note("prefill_chunk", len(s.token_ids), t=now)
+    note_prefill_chunks = staticmethod(batch.note_prefill_chunks)  # traced requests' prefill chunks (batch.py)
 
     # ---- helpers -------------------------------------------------------------------
     def _reserve_tokens(self, req: Request) -> int:
@@ -332,6 +329,8 @@ class Scheduler:
         return growth > 0 and self.kv.num_blocks_held(tenant.name) + growth > tenant.max_kv_blocks
 
     def _add_running(self, req: Request) -> None:
+        if req.adapter is not None:
+            req.lora_slot = self.loras.pin(req.adapter)
         bisect.insort(self.running, req, key=_rank_key)
         req.share.running[req.request_id] = req
         req.share.tenant.num_running += 1
@@ -341,6 +340,9 @@ class Scheduler:
         while self.running[i] is not req:
             i += 1
         del self.running[i]
+        if req.adapter is not None:
+            self.loras.unpin(req.adapter)
+            req.lora_slot = -1
         del req.share.running[req.request_id]
         req.share.tenant.num_running -= 1
         self._num_freed += 1
@@ -359,11 +361,8 @@ class Scheduler:
         self._push_waiting(victim)
         return scheduled.pop(victim.request_id, 0)
 
-    def _holds_reserve(self, req: Request) -> bool:
-        return bool(self._reserve_tokens(req))
-
     def _victim_for(self, req: Request, tenant: Tenant | None = None) -> Request:
-        return victim_for(self.running, req, self._holds_reserve, self.fair, tenant)
+        return victim_for(self.running, req, lambda r: bool(self._reserve_tokens(r)), self.fair, tenant)
 
     def _make_room(self, req: Request, rank: int, num_blocks: int, scheduled: dict[str, int],
                    preempted: list[str], admitted: set[str]) -> int | None:
@@ -396,4 +395,5 @@ class Scheduler:
         self.classes[req.priority].push(req)
 
     def _build_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
-        return build_batch(self.step_count, scheduled, self.requests, self.kv.block_table, self.copy_block_tables)
+        return build_batch(self.step_count, scheduled, self.requests, self.kv.block_table, self.copy_block_tables,
+                           self.loras.resident if self.loras else None)

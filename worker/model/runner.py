@@ -23,6 +23,7 @@ from worker.engine.outputs import (
 from worker.engine.structured import start_token_bitmask
 from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, step_metadata
 from worker.model.capability import KVLayout, LayerKV
+from worker.model.lora import LoRAWeights, build_step, lora_step
 from worker.model.sampler import sample_on_device
 
 
@@ -68,6 +69,7 @@ class ModelRunner:
         # the last step's sampled ids (on the device) and their row per request: the next
         # step's placeholder inputs (written and read on the thread that runs the steps)
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] = (torch.empty(0, dtype=torch.long), {})
+        self.lora: LoRAWeights | None = None  # the adapters' slots (model.lora_dir), set by the Engine
 
     @staticmethod
     def allocate_layer(layer: LayerKV, num_blocks: int, block_size: int, device: torch.device,
@@ -240,7 +242,12 @@ class ModelRunner:
         # OpenMP team measured +18-34% step time at 64 constrained rows, vs -4-+20% after it)
         masks = (start_token_bitmask(sampling_reqs, self._vocab_size, self.device)
                  if sample_idx and self.overlaps_host else None)
-        with step_metadata(md):
+        lora = None
+        if sched.loras:  # slots first filled with their adapters' weights, then the tokens' grouping
+            for slot, adapter in sched.loras.items():
+                self.lora.fill(slot, adapter.load_id, adapter.weights)
+            lora = build_step([s.lora_slot for s in packed for _ in range(s.num_tokens)], self.device)
+        with step_metadata(md), lora_step(lora):
             out = self.model(
                 input_ids=input_ids.unsqueeze(0),
                 position_ids=position_ids.unsqueeze(0),
