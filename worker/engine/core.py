@@ -306,9 +306,9 @@ class EngineCore:
                 req.note("grammar_ready")
                 self.scheduler.add(req)
 
-    def _await_grammars(self) -> None:
-        if self._compiling:  # nothing else to run: wait for a compile (bounded) instead of spinning
-            self._compiling.wait(0.005)
+    def _await_grammars(self) -> None:  # nothing else to run: wait (bounded) for a compile or an adapter's load
+        if (pending := self._compiling or self.scheduler.loras) is not None:
+            pending.wait(0.005)
 
     def _end_compiling(self, rid: str, status: RequestStatus, outputs: list[EngineCoreOutput],
                        error: tuple[str, str] | None = None) -> bool:

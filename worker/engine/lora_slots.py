@@ -32,7 +32,7 @@ import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,13 @@ class LoRASlots:
         for req in [r for r in scheduler.requests.values() if r.adapter in failures and r.status != RequestStatus.RUNNING]:
             scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
             emit(req, (ErrorCode.ADAPTER_LOAD_FAILED, f"adapter {req.adapter!r} did not load: {failures[req.adapter]}"))
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a load ends or `timeout_s` passed (the engine has nothing else to
+        run: it waits instead of spinning)."""
+        futures = [f for _, f, _ in self._loading.values()]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def wait_loads(self, timeout: float | None = None) -> None:
         """Block until the loads under way end (tests, tools; never the step path)."""
