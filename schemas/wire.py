@@ -26,6 +26,9 @@ JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=JOB_ID_MAX_LENGTH, 
 TENANT_PATTERN = r"^[A-Za-z0-9._@/+=-]+$"
 TENANT_MAX_LENGTH = 200
 TenantId = Annotated[str, msgspec.Meta(min_length=1, max_length=TENANT_MAX_LENGTH, pattern=TENANT_PATTERN)]
+# A LoRA adapter is a directory name under the worker's model.lora_dir: no separators.
+ADAPTER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+AdapterName = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=ADAPTER_PATTERN)]
 
 
 def check_tenant(tenant: str | None) -> str | None:
@@ -128,7 +131,9 @@ class Job(msgspec.Struct, kw_only=True):
     a job still waiting after its deadline ends as `finished(expired)`. `metadata` is
     echoed back on the `started` and `finished` events. A job with a `tenant` streams on
     `inflight:t:<tenant>:job:<id>` (and `…:log`), so Redis ACLs can confine each tenant's
-    readers to its own jobs; without one, on `inflight:job:<id>`.
+    readers to its own jobs; without one, on `inflight:job:<id>`. `adapter` names a LoRA
+    adapter of the worker's `model.lora_dir` (none: the base model); a name the worker
+    cannot serve ends `finished(rejected)`, code `unknown_adapter` or `invalid_adapter`.
     """
 
     v: Literal[1] = 1
@@ -142,6 +147,7 @@ class Job(msgspec.Struct, kw_only=True):
     deadline: float | None = None
     created_at: float | None = None
     metadata: dict[str, Any] | None = None
+    adapter: AdapterName | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))

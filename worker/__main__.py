@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seed", type=int, default=None, help="sampling seed (none: random)")
     s.add_argument("--job-id", default=None, help="the job's id (none: a random one)")
     s.add_argument("--tenant", default=None, help="the job's tenant: its stream goes to the tenant's Redis keys")
+    s.add_argument("--adapter", default=None, help="a LoRA adapter of the workers' model.lora_dir (default: the base model)")
     s.add_argument("--stream", action="store_true", help="stream the tokens to stdout")
     fmt = s.add_argument_group("structured output (params.structured; at most one)").add_mutually_exclusive_group()
     fmt.add_argument("--json-schema", metavar="SCHEMA", default=None,

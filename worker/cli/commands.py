@@ -205,7 +205,7 @@ async def client_command(a: argparse.Namespace, kafka, redis, pools=None, tokeni
             params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
                                     structured=structured_arg(a))
             job_id = await client.submit(a.prompt, params=params, priority=a.priority, job_id=a.job_id,
-                                         tenant=a.tenant)
+                                         tenant=a.tenant, adapter=a.adapter)
             if a.stream:  # stdout carries the text alone
                 print(f"[job {job_id}]", file=sys.stderr)
                 return await print_stream(client, job_id, a.timeout, a.tenant, kafka.topic_prefix)

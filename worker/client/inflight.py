@@ -165,11 +165,12 @@ class InflightClient:
         deadline: float | None = None,
         tenant: str | None = None,
         metadata: dict[str, Any] | None = None,
+        adapter: str | None = None,
     ) -> str:
         """Produce a job to `inflight.jobs.<priority>` (or its pool's); returns its job_id.
         `messages` are OpenAI-style chat messages (tool calls and results included);
         `tools` OpenAI function definitions for the chat template; `params.structured`
-        constrains the output.
+        constrains the output; `adapter` a LoRA adapter of the workers' `model.lora_dir`.
 
         Raises:
             ValueError: invalid priority or job fields.
@@ -191,6 +192,7 @@ class InflightClient:
             tenant=tenant,
             created_at=time.time(),
             metadata=metadata,
+            adapter=adapter,
         )
         try:  # the checks a worker applies (id pattern and length, field constraints)
             decode_job(encode(job))

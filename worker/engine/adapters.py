@@ -33,9 +33,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from schemas.wire import ADAPTER_PATTERN
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NAME = re.compile(ADAPTER_PATTERN.strip("^$"))
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 

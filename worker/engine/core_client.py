@@ -211,7 +211,7 @@ class ProcessEngineClient:
         facts = ModelFacts(vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
                            kv_capacity_tokens=ready.num_blocks * ready.block_size,
                            eos_token_ids=frozenset(ready.eos_token_ids), model_id=ready.model_id,
-                           block_size=ready.block_size, sliding_window=ready.sliding_window)
+                           block_size=ready.block_size, sliding_window=ready.sliding_window, lora=ready.lora)
         self.tuning = self.tuning.for_model(ready.max_model_len)  # the core resolved the same limits
         self.input = InputProcessor(tokenizer, facts, self.tuning)
         self.output = OutputProcessor(tokenizer)

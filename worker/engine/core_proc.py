@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import msgspec
 
 from worker.config import EngineConfig
+from worker.engine.adapters import LoRAFacts
 from worker.engine.outputs import EngineCoreOutput, EngineCoreRequest, KVStats, StepStats
 from worker.engine.request import RequestStatus
 
@@ -63,6 +64,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     device: str
     sliding_window: int | None = None
     engine_threads: int = 0  # torch intra-op threads the core uses (threads.py)
+    lora: LoRAFacts | None = None  # LoRA adapters served (adapters.py)
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):
@@ -141,7 +143,7 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
         conn_out.send_bytes(encode(Ready(loaded.vocab_size, loaded.max_model_len, core.kv.num_blocks,
                                          core.kv.block_size, sorted(loaded.eos_token_ids), loaded.model_id,
                                          str(core.runner.device), loaded.kv_layout.sliding_window,
-                                         budget.threads)))
+                                         budget.threads, engine.facts.lora)))
     except (ValueError, FileNotFoundError, PermissionError) as e:  # UnsupportedModel and ConfigError are ValueErrors
         log.error("engine core cannot start: %s", e)
         conn_out.send_bytes(encode(Failed(str(e)[:2000], is_config_error=True)))

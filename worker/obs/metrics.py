@@ -36,6 +36,7 @@ from prometheus_client import (
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from schemas.wire import FINISH_REASONS
+from worker.obs.lora_metrics import LoRAMetrics
 
 if TYPE_CHECKING:
     from worker.engine import KVStats, StepStats
@@ -186,6 +187,8 @@ class Metrics:
             "tenant_queue_time_seconds", "Enqueue (Kafka record timestamp) to first scheduled in the engine, per "
             "tenant (top N by traffic, the rest as `other`)", ("tenant",), buckets=QUEUE_BUCKETS, registry=r)
         self.tenants = TenantLabels(tenant_labels, tenant_rank_interval_s, self._evict_tenant, clock=clock)
+        self.lora = LoRAMetrics(r, TenantLabels(tenant_labels, tenant_rank_interval_s, lambda a: self.lora.evict(a),
+                                                clock=clock))  # LoRA adapters (lora_metrics.py)
         # ---- per step (engine thread) ----------------------------------------------------
         self.running = Gauge("running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("waiting_requests", "Requests waiting for admission (incl. preempted)", registry=r)
@@ -323,6 +326,8 @@ class Metrics:
         self._add_tokens(s.time, s.num_prefill_tokens, s.num_decode_tokens)
         self._add_busy(time.monotonic(), s.device_busy_s)
         self.structured_requests.set(s.num_constrained)
+        if s.lora is not None:
+            self.lora.observe(s.lora)
         if s.mask_s:
             self.grammar_mask.observe(s.mask_s)
         for c in s.grammar_compile_s:

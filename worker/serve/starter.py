@@ -307,7 +307,8 @@ class JobStarter:
     def _input(self, held: LocalJob):
         job = held.job
         kwargs: dict[str, Any] = {"params": job.params, "priority": held.priority, "cache_salt": job.tenant or "",
-                                  "tenant": job.tenant, "arrival_time": held.enqueue_time, "deadline": job.deadline}
+                                  "tenant": job.tenant, "arrival_time": held.enqueue_time, "deadline": job.deadline,
+                                  "adapter": job.adapter}
         if job.prompt is not None:
             kwargs["prompt"] = job.prompt
         elif job.messages is not None:
@@ -334,6 +335,8 @@ class JobStarter:
         if held.trace is not None:
             held.trace.submitted = submitted
         self.table.accepted(held.job_id)
+        if req.adapter is not None:
+            self.metrics.lora.request(req.adapter)
         if held.cancel_time_mono is not None:
             self.engine.abort(held.job_id)
         self.host.wake()
