@@ -69,3 +69,54 @@ def test_jobs_of_several_adapters_stream_the_merged_models_tokens(services, pref
     assert registry.get_sample_value("lora_loads_total") >= 4  # a4 b8 c16 late through 2 slots
     assert registry.get_sample_value("lora_evictions_total") >= 2
     assert registry.get_sample_value("lora_requests_total", {"adapter": "a4"}) == 2
+
+
+def test_the_gateway_serves_adapters_as_models_and_keys_limit_them(services, prefix, llama_path, lora_dir, tmp_path):
+    """`<model>:<adapter>` through the official openai client equals the merged model;
+    `GET /v1/models` lists the adapters a key may use; a key limited to one adapter gets
+    404 for another, and every key 404 for an adapter the gateway does not serve."""
+    import openai
+
+    from tests.integration.gateway_helpers import MODEL, client, gateway_config, running_gateway
+    from worker.gateway.config import ApiKey
+
+    own = "sk-test-only-b8-adapter"
+    cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu",
+                                                 "lora_dir": str(lora_dir)})
+    gcfg = gateway_config(services, prefix, tmp_path / "files", adapters=["a4"], lora_dir=str(lora_dir))
+    gcfg.gateway.api_keys.append(ApiKey(key=own, tenant="b", adapters=["b8"]))
+    prompt = [1, 20, 30, 40]
+
+    async def main():
+        from worker.engine import Engine
+
+        engine = Engine.from_pretrained(str(llama_path), cfg.engine)
+        async with running_worker(cfg, engine), running_gateway(gcfg) as gw:
+            c, mine = client(gw), client(gw, own)
+            listed = sorted(m.id for m in (await c.models.list()).data)
+            mine_listed = sorted(m.id for m in (await mine.models.list()).data)
+            out = {}
+            for key_client, model in ((c, f"{MODEL}:a4"), (c, f"{MODEL}:c16"), (mine, f"{MODEL}:b8"), (c, MODEL)):
+                r = await key_client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                                        extra_body={"ignore_eos": True})
+                out[model] = r.choices[0].text
+            stream = await c.chat.completions.create(model=f"{MODEL}:a4", stream=True, max_tokens=4,
+                                                     messages=[{"role": "user", "content": "hi"}])
+            chunks = [ch async for ch in stream]
+            errors = {}
+            for key_client, model in ((mine, f"{MODEL}:a4"), (c, f"{MODEL}:nope"), (c, "other:a4")):
+                with pytest.raises(openai.NotFoundError) as e:
+                    await key_client.completions.create(model=model, prompt=prompt, max_tokens=2)
+                errors[model] = e.value.code
+            return listed, mine_listed, out, chunks, errors, engine.tokenizer
+
+    listed, mine_listed, out, chunks, errors, tok = asyncio.run(main())
+    names = [d.name for d in lora_dir.iterdir() if (d / "adapter_config.json").is_file()]  # + the gateway's a4
+    assert listed == sorted([MODEL] + [f"{MODEL}:{a}" for a in names]), listed
+    assert mine_listed == [MODEL, f"{MODEL}:b8"]
+    work = [(m, prompt, 8, m.partition(":")[2] or None) for m in out]
+    refs = references(llama_path, lora_dir, work)
+    for model, text in out.items():
+        assert text == tok.decode(refs[model]), (model, text)
+    assert chunks and chunks[0].model == f"{MODEL}:a4"
+    assert set(errors.values()) == {"model_not_found"} and len(errors) == 3

@@ -182,17 +182,13 @@ class InflightClient:
         except msgspec.ValidationError as e:
             raise ValueError(f"invalid messages: {e}") from None
         job = Job(
-            job_id=job_id or uuid.uuid4().hex,
-            prompt=prompt,
-            messages=chat,
-            prompt_token_ids=prompt_token_ids,
+            job_id=job_id or uuid.uuid4().hex, prompt=prompt, messages=chat, prompt_token_ids=prompt_token_ids,
             params=params or SamplingParams(),
             tools=tools,
             deadline=deadline,
             tenant=tenant,
             created_at=time.time(),
-            metadata=metadata,
-            adapter=adapter,
+            metadata=metadata, adapter=adapter,
         )
         try:  # the checks a worker applies (id pattern and length, field constraints)
             decode_job(encode(job))

@@ -31,7 +31,7 @@ from worker.gateway.batch.manager import BatchManager
 from worker.gateway.batch.state import BatchStore
 from worker.gateway.completions import CompletionHandlers
 from worker.gateway.config import GatewayFileConfig
-from worker.gateway.context import CLIENT_GONE, GatewayContext, error_response, json_ok
+from worker.gateway.context import CLIENT_GONE, AdapterNames, GatewayContext, error_response, json_ok
 from worker.gateway.errors import ApiError
 from worker.gateway.files import FileStore
 from worker.gateway.generation import CancelSender
@@ -108,7 +108,7 @@ class Gateway:
         await self._check_topics()
         ctx = GatewayContext(cfg=g, client=self.client, keys=keyring, metrics=self.metrics,
                              cancels=CancelSender(self.client, lambda r: self.metrics.cancels.labels(r).inc()),
-                             tokens=tokens)
+                             tokens=tokens, adapters=AdapterNames(g.adapters, g.lora_dir))
         self.ctx = ctx
         self.files = files
         store = BatchStore(self.client.redis, files, self.cfg.redis.key_prefix, self.gateway_id, g.batch_lease_ms,
@@ -225,20 +225,23 @@ class Gateway:
             self.metrics.duration.labels(endpoint).observe(time.monotonic() - t0)
 
     # ---- small routes ------------------------------------------------------------------------
-    def _model_obj(self) -> dict:
-        obj = {"id": self.cfg.gateway.model_name, "object": "model", "created": self._created, "owned_by": "inflight"}
+    def _model_obj(self, model: str) -> dict:
+        obj = {"id": model, "object": "model", "created": self._created, "owned_by": "inflight"}
+        base = self.cfg.gateway.model_name
+        if model != base:  # a LoRA adapter: vLLM's fields
+            obj.update(root=model.partition(":")[2], parent=base)
         if self._max_model_len is not None:
             obj["max_model_len"] = self._max_model_len
         return obj
 
     async def _models(self, request: web.Request) -> web.Response:
-        self.ctx.grant(request)
-        return json_ok({"object": "list", "data": [self._model_obj()]})
+        grant = self.ctx.grant(request)
+        return json_ok({"object": "list", "data": [self._model_obj(m) for m in self.ctx.models(grant)]})
 
     async def _model(self, request: web.Request) -> web.Response:
-        self.ctx.grant(request)
-        self.ctx.check_model(request.match_info["model"])
-        return json_ok(self._model_obj())
+        model = request.match_info["model"]
+        self.ctx.check_model(model, self.ctx.grant(request))
+        return json_ok(self._model_obj(model))
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return json_ok({"status": "ok", "gateway_id": self.gateway_id})

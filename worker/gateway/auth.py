@@ -18,11 +18,15 @@ from worker.gateway.errors import ApiError
 
 class Grant(NamedTuple):
     """What one key may do: run jobs as `tenant` (None: no tenant) at `max_priority` or
-    below. `name` labels it in logs."""
+    below, on the base model and `adapters`. `name` labels it in logs."""
 
     tenant: str | None
     max_priority: str
     name: str | None = None
+    adapters: frozenset[str] | None = None  # the LoRA adapters it may use; None: all
+
+    def may_use(self, adapter: str) -> bool:
+        return self.adapters is None or adapter in self.adapters
 
 
 def rank(priority: str) -> int:
@@ -45,7 +49,8 @@ class KeyRing:
     def __init__(self, entries: list[ApiKey], anonymous: Grant | None = None) -> None:
         self._grants: dict[str, Grant] = {}
         for e in entries:
-            self._grants[e.key_sha256 or digest(e.key or "")] = Grant(e.tenant, e.max_priority, e.name)
+            self._grants[e.key_sha256 or digest(e.key or "")] = Grant(
+                e.tenant, e.max_priority, e.name, None if e.adapters is None else frozenset(e.adapters))
         self.anonymous = anonymous
 
     @classmethod

@@ -31,11 +31,12 @@ log = structlog.get_logger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def build_job(req: GenRequest, job_id: str, tenant: str | None, deadline: float | None) -> Job:
+def build_job(req: GenRequest, job_id: str, tenant: str | None, deadline: float | None,
+              adapter: str | None = None) -> Job:
     """The job a validated request becomes (seeded: see `generation.seeded`)."""
     return seeded(Job(job_id=job_id, prompt=req.prompt, messages=req.messages, prompt_token_ids=req.prompt_token_ids,
                       params=req.params, tools=req.tools, tenant=tenant, deadline=deadline, created_at=time.time(),
-                      metadata=req.metadata))
+                      metadata=req.metadata, adapter=adapter))
 
 
 class CompletionHandlers:
@@ -59,13 +60,13 @@ class CompletionHandlers:
             raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes (gateway.max_body_bytes)",
                            code="request_too_large")
         req = parse_request(kind, await request.read())
-        ctx.check_model(req.model)
+        adapter = ctx.check_model(req.model, grant)
         priority = effective_priority(grant, req.priority, cfg.default_priority)
         if self._in_flight >= cfg.max_concurrent_requests:
             raise overloaded(cfg.retry_after_s, "too many requests in flight on this gateway "
                              "(gateway.max_concurrent_requests); retry later")
         job_id = uuid.uuid4().hex
-        job = build_job(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s)
+        job = build_job(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s, adapter)
         gen = Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
                          retry_after_s=cfg.retry_after_s, cancels=ctx.cancels)
         prefix = "chatcmpl-" if kind == Kind.CHAT else "cmpl-"

@@ -11,11 +11,17 @@ import msgspec
 
 from schemas import keys
 from schemas.pools import Pool
-from schemas.wire import TENANT_PATTERN
+from schemas.wire import ADAPTER_PATTERN, TENANT_PATTERN
 from worker.config import ConfigError, KafkaConfig, RedisConfig, TracingConfig, load_config
 from worker.config.worker import pool_set
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_adapters(field: str, names: list[str]) -> None:
+    for name in names:
+        if not re.fullmatch(ADAPTER_PATTERN, name):
+            raise ConfigError(f"{field}: {name!r} is not an adapter name (A-Z a-z 0-9 . _ -, at most 128)")
 _DURATION = re.compile(r"^(\d+)([smh])$")
 
 
@@ -29,6 +35,8 @@ class ApiKey(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             tenant's fair share); None: jobs without a tenant.
         max_priority: the highest priority class it may ask for (`high`, `normal`, `low`).
         name: a label for logs (never the key).
+        adapters: the LoRA adapters it may use (a tenant's own fine-tunes); others are
+            404 and missing from its `GET /v1/models`. None: every adapter served.
     """
 
     key: str | None = None
@@ -36,6 +44,7 @@ class ApiKey(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tenant: str | None = None
     max_priority: str = "normal"
     name: str | None = None
+    adapters: list[str] | None = None
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.key_sha256 is None):
@@ -50,6 +59,7 @@ class ApiKey(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.max_priority not in keys.PRIORITIES:
             raise ConfigError(f"gateway.api_keys: max_priority must be one of {list(keys.PRIORITIES)}, "
                               f"got {self.max_priority!r}")
+        check_adapters("gateway.api_keys: adapters", self.adapters or [])
 
     def __repr__(self) -> str:  # never print the key
         return f"ApiKey(name={self.name!r}, tenant={self.tenant!r}, max_priority={self.max_priority!r})"
@@ -61,6 +71,11 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     Attributes:
         host, port: listen address of the API and of /metrics /healthz /readyz.
         model_name: the model id clients name in `model` (`GET /v1/models` lists it).
+        adapters: LoRA adapters served as models `<model_name>:<adapter>` (the jobs carry
+            `adapter`; workers load it from their `model.lora_dir`).
+        lora_dir: also serve every adapter found in this directory (the workers'
+            `model.lora_dir`, mounted here too), listed again every 10 s: an adapter
+            copied there is served by gateways and workers without a restart.
         tokenizer: a `tokenizer.json` file or a checkpoint directory holding one: logprob
             tokens are shown as text. None: as `token_id:<id>` (vLLM's spelling).
         max_model_len: the model's context in tokens, reported by `GET /v1/models` as
@@ -96,6 +111,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "0.0.0.0"
     port: int = 8080
     model_name: str = "inflight"
+    adapters: list[str] = []
+    lora_dir: str | None = None
     tokenizer: str | None = None
     max_model_len: int | None = None
     api_keys: list[ApiKey] = []
@@ -134,6 +151,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"gateway.{name} must be >= 1, got {getattr(self, name)}")
         if not self.model_name:
             raise ConfigError("gateway.model_name must not be empty")
+        check_adapters("gateway.adapters", self.adapters)
         if not self.files_dir:
             raise ConfigError("gateway.files_dir must not be empty")
 

@@ -5,11 +5,16 @@ ring, metrics, the cancel sender (one `GatewayContext` per process, built by
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
+import time
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from schemas.wire import ADAPTER_PATTERN
 from worker.client import InflightClient
 from worker.gateway.auth import Grant, KeyRing
 from worker.gateway.config import GatewayConfig
@@ -40,11 +45,49 @@ class GatewayContext:
         """The caller's grant. Raises ApiError 401."""
         return self.keys.authenticate(request.headers.get("Authorization"))
 
-    def check_model(self, model: str) -> None:
-        """Raises ApiError 404 (OpenAI's `model_not_found`) for a model not served here."""
-        if model != self.cfg.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
-                           param="model", code="model_not_found")
+    adapters: AdapterNames = dataclasses.field(default_factory=lambda: AdapterNames([], None))
+
+    def check_model(self, model: str, grant: Grant | None = None) -> str | None:
+        """The LoRA adapter `model` names (`<model_name>:<adapter>`), None for the base
+        model. Raises ApiError 404 (OpenAI's `model_not_found`) for a model not served
+        here, or an adapter the caller's key may not use (not told apart)."""
+        if model == self.cfg.model_name:
+            return None
+        base, sep, adapter = model.partition(":")
+        if sep and base == self.cfg.model_name and adapter in self.adapters.names() and (
+                grant is None or grant.may_use(adapter)):
+            return adapter
+        raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")
+
+    def models(self, grant: Grant) -> list[str]:
+        """The model ids `grant` may use: the base model, then its adapters."""
+        name = self.cfg.model_name
+        return [name] + [f"{name}:{a}" for a in self.adapters.names() if grant.may_use(a)]
+
+
+class AdapterNames:
+    """The adapters a gateway serves: `gateway.adapters`, plus those found in
+    `gateway.lora_dir` (an adapter_config.json in a subdirectory), listed at most every
+    `ttl_s`."""
+
+    def __init__(self, configured: list[str], lora_dir: str | None, ttl_s: float = 10.0) -> None:
+        self.configured = list(configured)
+        self.lora_dir = lora_dir
+        self.ttl_s = ttl_s
+        self._found: list[str] = []
+        self._listed_at = -math.inf
+
+    def names(self) -> list[str]:
+        if self.lora_dir is not None and time.monotonic() - self._listed_at > self.ttl_s:
+            self._listed_at = time.monotonic()
+            try:
+                entries = sorted(os.listdir(self.lora_dir))
+            except OSError:
+                entries = []
+            self._found = [n for n in entries if re.fullmatch(ADAPTER_PATTERN, n)
+                           and os.path.isfile(os.path.join(self.lora_dir, n, "adapter_config.json"))]
+        return sorted(set(self.configured) | set(self._found))
 
 
 def json_ok(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
