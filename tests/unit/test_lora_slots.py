@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.engine.lora_slots import Admission, LoRASlots
-from worker.model.lora import build_step, lora_delta
+from worker.model.lora import add_lora_delta, build_step
 
 
 class Loader:
@@ -115,20 +115,16 @@ def test_the_grouped_delta_equals_a_per_token_loop(token_slots, seed):
     g = torch.Generator().manual_seed(seed)
     n_in, n_out, rank, loras = 12, 10, 5, 4
     x = torch.randn(len(token_slots), n_in, generator=g, dtype=torch.float64)
-    a = torch.randn(loras, rank, n_in, generator=g, dtype=torch.float64)
-    b = torch.randn(loras, n_out, rank, generator=g, dtype=torch.float64)
+    a = torch.randn(loras, n_in, rank, generator=g, dtype=torch.float64)  # A^T per slot
+    b = torch.randn(loras, rank, n_out, generator=g, dtype=torch.float64)  # B^T per slot
     want = torch.zeros(len(token_slots), n_out, dtype=torch.float64)
     for i, s in enumerate(token_slots):
         if s >= 0:
-            want[i] = b[s] @ (a[s] @ x[i])
-    step = build_step(token_slots, torch.device("cpu"))
+            want[i] = b[s].T @ (a[s].T @ x[i])
+    step = build_step(token_slots, torch.device("cpu"), max_loras=loras if seed % 2 else None)
     got = torch.zeros_like(want)
     if step is not None:
-        d = lora_delta(x, a, b, step)
-        if step.single is not None:
-            got += d
-        else:
-            got.index_add_(0, step.rows, d)
+        add_lora_delta(x, got, a, b, step)
     torch.testing.assert_close(got, want)
 
 
@@ -140,4 +136,5 @@ def test_build_step_shapes(token_slots):
     elif len(set(token_slots)) == 1:
         assert step.single == token_slots[0]
     else:
-        assert step.single is None and step.rows.tolist() == [0, 3, 2] and step.max_n == 2
+        assert step.single is None and step.src.tolist() == [0, 3, 2, 4] and step.max_n == 2
+        assert step.dst.tolist() == [0, 3, 2, 0]

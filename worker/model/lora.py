@@ -5,11 +5,11 @@ S-LoRA, Sheng et al. 2023): the weights are never merged, so one step mixes requ
 different adapters and of the base model.
 
 Device buffers (`LoRAWeights`), per projection with `in` -> `out` features:
-    a[m]: [max_loras, max_rank, in]    each slot's A, rows past its rank zero
-    b[m]: [max_loras, out, max_rank]   each slot's B x scale (scale folded in at load)
+    a[m]: [max_loras, in, max_rank]    each slot's A^T, columns past its rank zero
+    b[m]: [max_loras, max_rank, out]   each slot's (B x scale)^T (scale folded in at load)
 Zero padding makes a rank-r adapter exact in a max_rank buffer (the extra terms are 0).
 
-The delta (torch reference, `lora_delta`): the step's tokens with an adapter are
+The delta (torch reference, `add_lora_delta`): the step's tokens with an adapter are
 gathered, grouped by slot into a zero-padded [slots, max_n, in] block, and multiplied
 by the slots' A and B with two batched matmuls (Punica's SGMV as two `bmm`s); a step
 whose tokens all use one adapter takes two plain matmuls. A forward hook on each
@@ -48,47 +48,52 @@ def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 class LoRAStep:
     """The step's token -> adapter slot grouping, shared by every projection.
 
-    `rows` [M]: packed positions of the tokens that have an adapter, grouped by slot;
-    `slots` [S]: the slots in use; `gather` [S * max_n]: for each padded position the
-    index into `rows` (M: a zero row); `scatter` [M]: each row's padded position;
-    `single`: the slot when every token of the step uses it (no gather needed).
+    The tokens with an adapter are laid out in a zero-padded block of G groups of
+    `max_n` rows, one group per slot: `src` [G * max_n] is each padded position's packed
+    token (N, one past the last, for padding: a zero row), `dst` the same with padding
+    sent to row 0 (padding rows of the delta are exact zeros). `slots` [G]: the slots of
+    the groups, or None when the block spans every slot in order (weights used in
+    place). `single`: the slot when every token of the step uses it (no gather at all).
+    `last_x` / `last_xp`: the padded input of the last projection, reused by the next
+    one with the same input (q, k, v; gate, up).
     """
 
-    rows: torch.Tensor
-    slots: torch.Tensor
-    gather: torch.Tensor
-    scatter: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    slots: torch.Tensor | None
     max_n: int
     single: int | None
+    last_x: torch.Tensor | None = None
+    last_xp: torch.Tensor | None = None
 
 
-def build_step(token_slots: list[int], device: torch.device) -> LoRAStep | None:
+def build_step(token_slots: list[int], device: torch.device, max_loras: int | None = None) -> LoRAStep | None:
     """The grouping of a step whose packed tokens have `token_slots` (-1: the base
-    model); None when no token has an adapter."""
+    model); None when no token has an adapter. With `max_loras` and at least half the
+    slots in use, the padded block spans every slot (weights used in place)."""
     groups: dict[int, list[int]] = {}
     for i, s in enumerate(token_slots):
         if s >= 0:
             groups.setdefault(s, []).append(i)
     if not groups:
         return None
-    if len(groups) == 1 and len(next(iter(groups.values()))) == len(token_slots):
+    n = len(token_slots)
+    if len(groups) == 1 and len(next(iter(groups.values()))) == n:
         empty = torch.empty(0, dtype=torch.long, device=device)
-        return LoRAStep(empty, empty, empty, empty, 0, next(iter(groups)))
+        return LoRAStep(empty, empty, None, 0, next(iter(groups)))
+    full = max_loras is not None and 2 * len(groups) >= max_loras
+    order = list(range(max_loras)) if full else sorted(groups)
     max_n = max(len(g) for g in groups.values())
-    rows: list[int] = []
-    gather: list[int] = []
-    scatter: list[int] = []
-    m = sum(len(g) for g in groups.values())
-    for k, g in enumerate(groups.values()):
-        scatter.extend(range(k * max_n, k * max_n + len(g)))
-        gather.extend(range(len(rows), len(rows) + len(g)))
-        gather.extend([m] * (max_n - len(g)))
-        rows.extend(g)
+    src: list[int] = []
+    for slot in order:
+        g = groups.get(slot, [])
+        src.extend(g)
+        src.extend([n] * (max_n - len(g)))
 
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
-    return LoRAStep(t(rows), t(list(groups)), t(gather), t(scatter), max_n, None)
+    return LoRAStep(t(src), t([0 if i == n else i for i in src]), None if full else t(order), max_n, None)
 
 
 @contextlib.contextmanager
@@ -101,31 +106,33 @@ def lora_step(step: LoRAStep | None) -> Iterator[None]:
         _STEP.reset(token)
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step: LoRAStep) -> torch.Tensor:
-    """The adapters' delta for the tokens `step` names.
+def add_lora_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step: LoRAStep) -> None:
+    """Add the adapters' delta of the tokens `step` names to `y` in place.
 
     Args:
         x: `[N, in]` the projection's input (packed tokens).
-        a: `[max_loras, r, in]`, b: `[max_loras, out, r]` the slots' weights (B scaled).
-
-    Returns:
-        `[N, out]` when `step.single` (every token, one adapter); else `[M, out]`, the
-        rows `step.rows` in order.
+        y: `[N, out]` its output.
+        a: `[max_loras, in, r]`, b: `[max_loras, r, out]` the slots' weights (B scaled).
     """
     if step.single is not None:
-        return (x @ a[step.single].T) @ b[step.single].T
-    xs = x.index_select(0, step.rows)
-    xs = torch.cat([xs, xs.new_zeros(1, xs.shape[1])])
-    n_slots = step.slots.numel()
-    xp = xs.index_select(0, step.gather).view(n_slots, step.max_n, -1)
-    h = torch.bmm(xp, a.index_select(0, step.slots).transpose(1, 2))  # [S, max_n, r]
-    d = torch.bmm(h, b.index_select(0, step.slots).transpose(1, 2))  # [S, max_n, out]
-    return d.view(n_slots * step.max_n, -1).index_select(0, step.scatter)
+        y += (x @ a[step.single]) @ b[step.single]
+        return
+    if step.last_x is x:
+        xp = step.last_xp
+    else:
+        xp = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, step.src).view(-1, step.max_n, x.shape[1])
+        step.last_x, step.last_xp = x, xp
+    if step.slots is not None:
+        a, b = a.index_select(0, step.slots), b.index_select(0, step.slots)
+    d = torch.bmm(torch.bmm(xp, a), b)  # [G, max_n, out]; padding rows are zeros
+    y.index_add_(0, step.dst, d.view(-1, d.shape[-1]))
 
 
 class LoRAWeights:
     """The slots' device buffers for every LoRA-capable projection, and which load each
     slot holds. Written only by the runner's forward thread (`fill`), between forwards.
+    The hooks are attached only while steps have tokens with an adapter (`attach`), so a
+    batch of the base model alone runs transformers' modules untouched.
 
     Args:
         modules: `lora_modules(model)`.
@@ -137,20 +144,30 @@ class LoRAWeights:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
-        self.a = {n: torch.zeros(max_loras, max_rank, m.in_features, device=device, dtype=dtype)
+        self.modules = modules
+        self.a = {n: torch.zeros(max_loras, m.in_features, max_rank, device=device, dtype=dtype)
                   for n, m in modules.items()}
-        self.b = {n: torch.zeros(max_loras, m.out_features, max_rank, device=device, dtype=dtype)
+        self.b = {n: torch.zeros(max_loras, max_rank, m.out_features, device=device, dtype=dtype)
                   for n, m in modules.items()}
         self.load_ids = [0] * max_loras  # the load each slot holds (0: none)
-        self._hooks = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+        self._hooks: list | None = None
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """Projection name -> (in_features, out_features)."""
-        return {n: (a.shape[2], self.b[n].shape[1]) for n, a in self.a.items()}
+        return {n: (a.shape[1], self.b[n].shape[2]) for n, a in self.a.items()}
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+
+    def attach(self, on: bool) -> None:
+        """Hooks on (a step with adapters) or off (the base model alone); no-op if so."""
+        if on and self._hooks is None:
+            self._hooks = [m.register_forward_hook(self._hook(n)) for n, m in self.modules.items()]
+        elif not on and self._hooks is not None:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = None
 
     def fill(self, slot: int, load_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy an adapter's weights (`read_adapter`) into `slot` unless it holds them."""
@@ -163,12 +180,12 @@ class LoRAWeights:
                 a[slot].zero_()
                 b[slot].zero_()
                 continue
-            wa, wb = pair
+            wa, wb = pair  # [r, in], [out, r]
             r = wa.shape[0]
-            a[slot, :r].copy_(wa)
-            a[slot, r:].zero_()
-            b[slot, :, :r].copy_(wb)
-            b[slot, :, r:].zero_()
+            a[slot, :, :r].copy_(wa.T)
+            a[slot, :, r:].zero_()
+            b[slot, :r].copy_(wb.T)
+            b[slot, r:].zero_()
         self.load_ids[slot] = load_id
 
     def _hook(self, name: str):
@@ -179,20 +196,10 @@ class LoRAWeights:
             if step is None:
                 return None
             x = args[0]
-            x2 = x.reshape(-1, x.shape[-1])
-            y2 = out.view(-1, out.shape[-1])
-            d = lora_delta(x2, a, b, step)
-            if step.single is not None:
-                y2 += d
-            else:
-                y2.index_add_(0, step.rows, d)
+            add_lora_delta(x.view(-1, x.shape[-1]), out.view(-1, out.shape[-1]), a, b, step)
             return out
 
         return add_delta
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
 
 
 def read_adapter(spec: AdapterSpec, dtype: torch.dtype) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:

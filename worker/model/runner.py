@@ -246,7 +246,10 @@ class ModelRunner:
         if sched.loras:  # slots first filled with their adapters' weights, then the tokens' grouping
             for slot, adapter in sched.loras.items():
                 self.lora.fill(slot, adapter.load_id, adapter.weights)
-            lora = build_step([s.lora_slot for s in packed for _ in range(s.num_tokens)], self.device)
+            lora = build_step([s.lora_slot for s in packed for _ in range(s.num_tokens)], self.device,
+                              self.lora.max_loras)
+        if self.lora is not None:
+            self.lora.attach(lora is not None)
         with step_metadata(md), lora_step(lora):
             out = self.model(
                 input_ids=input_ids.unsqueeze(0),
