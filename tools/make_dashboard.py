@@ -70,6 +70,17 @@ ROWS = [
                                               "(rate(tenant_queue_time_seconds_bucket[$__rate_interval])))",
                                               "{{tenant}}")]),
     ]),
+    ("LoRA adapters (model.lora_dir)", [
+        ("Adapters resident and in the batch", "short", [q("lora_adapters_resident", "resident {{instance}}"),
+                                                         q("lora_adapters_active", "in the batch {{instance}}")]),
+        ("Loads and evictions per second", "short", [
+            q("sum(rate(lora_loads_total[$__rate_interval]))", "loads"),
+            q("sum(rate(lora_evictions_total[$__rate_interval]))", "evictions"),
+            q("sum(rate(lora_load_failures_total[$__rate_interval]))", "failed loads")]),
+        ("Adapter load time", "s", quantiles("lora_load_seconds")),
+        ("Jobs per adapter", "reqps", [q("sum by (adapter) (rate(lora_requests_total[$__rate_interval]))",
+                                         "{{adapter}}")]),
+    ]),
     ("Outcomes", [
         ("Finished jobs by reason", "reqps", [q("sum by (finish_reason) (rate(request_finished_total[$__rate_interval]))",
                                                 "{{finish_reason}}")]),

@@ -72,7 +72,7 @@ PRIORITIES = ("high", "normal", "low")
 ABORT_REASONS = ("cancelled", "handed_back", "lease_lost")
 REJECT_REASONS = ("empty_prompt", "prompt_too_long", "exceeds_context", "exceeds_kv_capacity", "invalid_params",
                   "invalid_prompt", "invalid_structured_output", "duplicate_request_id", "overloaded",
-                  "invalid_job")
+                  "unknown_adapter", "invalid_adapter", "invalid_job")
 OOM_OUTCOMES = ("retried", "failed")
 ERROR_CODES = ("internal", "oom")
 OTHER_TENANTS = "other"  # the label of every tenant outside the top N
