@@ -211,6 +211,8 @@ def test_unknown_and_invalid_adapters_are_rejected(base_and_loras, tmp_path):
     save_file({k: torch.zeros(t.shape[0] * (k.endswith("lora_B.weight") + 1), t.shape[1] * (
         k.endswith("lora_A.weight") + 1)) for k, t in tensors.items()}, wider / "adapter_model.safetensors")
     eng = engine(base, root)
+    verdicts = eng.input.adapters.scan()  # what the engine logs at start
+    assert verdicts["a4"] is None and "max_lora_rank" in verdicts["big"] and "pickled" in verdicts
     sp = SamplingParams(max_tokens=2)
     cases = {"nope": RejectReason.UNKNOWN_ADAPTER, "../a4": RejectReason.UNKNOWN_ADAPTER,
              "big": RejectReason.INVALID_ADAPTER, "dora": RejectReason.INVALID_ADAPTER,

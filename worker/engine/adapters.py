@@ -23,6 +23,7 @@ adapter replaced on disk is checked again); any thread may call it (a lock).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -40,6 +41,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _NAME = re.compile(ADAPTER_PATTERN.strip("^$"))
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+log = logging.getLogger(__name__)
 
 
 class LoRAFacts(msgspec.Struct, frozen=True, array_like=True):
@@ -136,6 +138,22 @@ class AdapterCatalog:
         except OSError:
             return []
         return [n for n in entries if _NAME.fullmatch(n) and os.path.isfile(os.path.join(self.lora_dir, n, CONFIG_FILE))]
+
+    def scan(self) -> dict[str, str | None]:
+        """Check every adapter present now (at the engine's start): name -> None when it
+        can be served, else why not. Logged: one line for all, one per invalid adapter."""
+        verdicts: dict[str, str | None] = {}
+        for name in self.names():
+            try:
+                self.resolve(name)
+                verdicts[name] = None
+            except AdapterError as e:
+                verdicts[name] = e.message
+                log.warning("LoRA adapter cannot be served (%s): %s", e.code, e.message)
+        ok = [n for n, why in verdicts.items() if why is None]
+        log.info("LoRA adapters in %s: %d servable%s, %d not", self.lora_dir, len(ok),
+                 f" ({', '.join(ok[:20])}{', ...' if len(ok) > 20 else ''})" if ok else "", len(verdicts) - len(ok))
+        return verdicts
 
     def resolve(self, name: str) -> AdapterSpec:
         """The checked spec of adapter `name` (cached until its files change).

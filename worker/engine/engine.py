@@ -100,6 +100,7 @@ class Engine:
             from worker.model.lora import read_adapter
 
             catalog, dtype = AdapterCatalog.from_facts(lora_facts), loaded.dtype
+            catalog.scan()  # every adapter present now checked and logged; later ones on first use
             self.core.scheduler.loras = LoRASlots(config.model.max_loras, self.tuning.max_loras_per_batch,
                                                   lambda name: read_adapter(catalog.resolve(name), dtype),
                                                   self.tuning.max_admission_skips)
