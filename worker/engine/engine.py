@@ -23,7 +23,7 @@ import torch
 from schemas.params import SamplingParams
 from schemas.wire import Usage
 from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
-from worker.engine.adapters import AdapterCatalog, LoRAFacts
+from worker.engine.adapters import LoRAFacts
 from worker.engine.core import EngineCore
 from worker.engine.input_processor import InputProcessor, ModelFacts
 from worker.engine.lora_slots import LoRASlots
@@ -99,7 +99,7 @@ class Engine:
         if lora_facts is not None:  # adapters load on the loader thread (lora_slots.py)
             from worker.model.lora import read_adapter
 
-            catalog, dtype = AdapterCatalog.from_facts(lora_facts), loaded.dtype
+            catalog, dtype = self.input.adapters, loaded.dtype  # one cache for the checks and the loads
             catalog.scan()  # every adapter present now checked and logged; later ones on first use
             self.core.scheduler.loras = LoRASlots(config.model.max_loras, self.tuning.max_loras_per_batch,
                                                   lambda name: read_adapter(catalog.resolve(name), dtype),
