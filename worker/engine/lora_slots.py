@@ -19,7 +19,7 @@ Admission (`admit`), for a waiting request of adapter X:
            makes it hold the admission reservation in time: the batch's adapters drain
            and X gets its turn (never starved).
   FAILED   X's load raised: the engine ends its waiting requests with an error
-           (`take_failures`); a later request tries again.
+           (`end_failed`); a later request tries again.
 
 Writer: the Scheduler (engine thread); the loader thread only fills futures.
 """
