@@ -157,7 +157,7 @@ def test_lru_with_a_slow_loader_never_stalls_a_step(base_and_loras, monkeypatch)
     real_step = eng.step
 
     def step():
-        loading = bool(eng.scheduler.loras._loading)
+        loading = eng.scheduler.loras.loading
         t0 = time.perf_counter()
         outs = real_step()
         s = eng.last_step_stats

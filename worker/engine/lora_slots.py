@@ -88,12 +88,9 @@ class LoRASlots:
 
     # ---- queries ---------------------------------------------------------------------
     @property
-    def num_active(self) -> int:
-        """Distinct adapters pinned by running requests."""
-        return len(self._pins)
-
-    def is_loading(self, name: str) -> bool:
-        return name in self._loading
+    def loading(self) -> bool:
+        """Whether a load is under way."""
+        return bool(self._loading)
 
     def step_stats(self) -> LoRAStepStats:
         """Resident and active adapters now; loads, evictions, failures since the last call."""

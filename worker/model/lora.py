@@ -143,7 +143,6 @@ class LoRAWeights:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.dtype = dtype
         self.modules = modules
         self.a = {n: torch.zeros(max_loras, m.in_features, max_rank, device=device, dtype=dtype)
                   for n, m in modules.items()}
