@@ -13,7 +13,7 @@
 #                                         # is already built: what tools/test.sh (CI) runs
 #   tools/deploy_check.sh -- -k drain     # extra pytest arguments after --
 #
-# Needs root and apt (podman, runc, debootstrap, Java for nothing: Kafka runs in its
+# Needs root and apt (podman, runc, debootstrap, catatonit, Java for nothing: Kafka runs in its
 # image), the ports of deploy/compose.local.yaml free (9092, 9093, 19192, 6379, 8000,
 # 8080, 9090). Caches: the Debian root file system under .cache/deploy/ (debootstrap
 # takes ~1 min), the images in podman's store, pip's downloads in a build cache mount.
@@ -51,7 +51,9 @@ if [ $cached = 1 ]; then
 fi
 
 missing=()
-for cmd in podman runc debootstrap; do command -v $cmd >/dev/null || missing+=($cmd); done
+# catatonit: podman builds the pod's pause image around it (`kube play`); it is only a
+# Recommends of Debian's podman, which --no-install-recommends leaves out.
+for cmd in podman runc debootstrap catatonit; do command -v $cmd >/dev/null || missing+=($cmd); done
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     echo "deploy_check: needs ${missing[*]} (apt-get install ${missing[*]}, as root)" >&2; exit 1

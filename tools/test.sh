@@ -7,7 +7,8 @@
 # tests, starts Jaeger (tools/jaeger.sh: the tracing back end; built from source through
 # the Go module proxy the first time on a machine, ~9 min, then cached), installs promtool
 # (Debian's prometheus package, the alert-rule tests) and kcat (the tracing tests) when
-# missing and running as root, runs pytest, then tools/deploy_check.sh --cached (the
+# missing and running as root, runs pytest (listing the 25 slowest tests, and the
+# seconds of set-up and of pytest), then tools/deploy_check.sh --cached (the
 # images and containers, only where they were built before). Extra arguments go to pytest
 # (and skip the deploy check). The stacks keep
 # running afterwards; stop them with tools/devstack.sh down (and down --secure) and
@@ -27,7 +28,9 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
   apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-.venv/bin/python -m pytest -q "$@"
+setup_s=$SECONDS
+.venv/bin/python -m pytest -q --durations=25 "$@"
+echo "test: set-up (venv, docs, stacks, Jaeger) $setup_s s, pytest $((SECONDS - setup_s)) s" >&2
 # The whole suite also runs the deployment in containers (tests/deploy, podman + runc)
 # when this machine has built its images before (~4 min); from nothing it takes ~14 min,
 # so then it says so and leaves it to `tools/deploy_check.sh` by hand.

@@ -86,7 +86,8 @@ def http_get(url: str, timeout: float = 3) -> tuple[int, bytes]:
 
 def wait_for(what: str, probe, timeout: float, every: float = 1.0, logs_of: str | None = None):
     """Poll `probe()` until it returns a truthy value; on timeout, or as soon as the
-    container `logs_of` is no longer running, fail with that container's log."""
+    container `logs_of` is no longer running, fail with that container's log. An
+    AssertionError from the probe fails at once; any other exception is retried."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
@@ -97,6 +98,8 @@ def wait_for(what: str, probe, timeout: float, every: float = 1.0, logs_of: str 
             last = probe()
             if last:
                 return last
+        except AssertionError:  # a probe's verdict that waiting cannot change
+            raise
         except Exception as e:  # noqa: BLE001 - a probe of a service still starting fails in many ways
             last = e
         time.sleep(every)

@@ -131,6 +131,8 @@ def test_bad_config_blocks_the_worker_in_its_preflight(tmp_path):
     proc = play(tmp_path, kube, secret, wait=False)
     try:
         def failed():
+            if proc.poll():  # the play itself failed: the pod never came up, say why at once
+                raise AssertionError(f"podman kube play exited {proc.returncode}: {proc.stdout.read()}")
             logs = podman("logs", f"{POD}-preflight", check=False)
             return "FAIL" in logs.stdout and logs.stdout
 
