@@ -195,8 +195,12 @@ def test_kill_9_one_of_two_workers_loses_nothing(services, prefix, llama_path, t
 
 def test_sigterm_under_load_drains_or_hands_back(services, prefix, llama_path, tmp_path):
     cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
-                        tuning={"max_running_requests": 2}, worker={"max_local_jobs": 4, "drain_timeout_s": 0.3})
-    params = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
+                        tuning={"max_running_requests": 2, "max_output_tokens": 1000},
+                        worker={"max_local_jobs": 4, "drain_timeout_s": 0.3})
+    # 1000 tokens (the tiny model's context is 1024): a job must outlast the 0.3 s drain on
+    # any machine; 250 tokens took 0.15 s in the engine alone on a fast box and then the
+    # running jobs finished inside the drain, with nothing to hand back
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     proc, log = spawn_worker(tmp_path, cfg, "worker-t")
     try:
         async def main():
@@ -229,7 +233,7 @@ def test_sigterm_under_load_drains_or_hands_back(services, prefix, llama_path, t
     handed = 0
     for j, evs in zip(ids, results):
         fin = assert_well_formed(evs, j)
-        assert fin.finish_reason == "length" and fin.usage.completion_tokens == 250
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == 1000
         handed += any(isinstance(e, Restarted) for e in evs)
     assert handed >= 1
     assert all(c == e for c, e in committed.values()), committed
