@@ -44,7 +44,7 @@ if [ $cached = 1 ]; then
   for image in "${IMAGES[@]}"; do
     if ! command -v podman >/dev/null || ! podman image exists "$image" 2>/dev/null; then
       echo "deploy_check: skipped: $image is not built on this machine (a fresh run takes" \
-        "~14 min; run tools/deploy_check.sh by hand)" >&2
+        "6-14 min; run tools/deploy_check.sh by hand)" >&2
       exit 0
     fi
   done

@@ -32,7 +32,7 @@ setup_s=$SECONDS
 .venv/bin/python -m pytest -q --durations=25 "$@"
 echo "test: set-up (venv, docs, stacks, Jaeger) $setup_s s, pytest $((SECONDS - setup_s)) s" >&2
 # The whole suite also runs the deployment in containers (tests/deploy, podman + runc)
-# when this machine has built its images before (~4 min); from nothing it takes ~14 min,
+# when this machine has built its images before (2-4 min); from nothing it takes 6-14 min,
 # so then it says so and leaves it to `tools/deploy_check.sh` by hand.
 if [ $# -eq 0 ]; then
   tools/deploy_check.sh --cached
