@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# the per-test timeout's dump of what a hung test waited on (tests/timeouts.py); pytester
+# runs a pytest inside a test (tests/unit/test_timeouts.py)
+pytest_plugins = ["tests.timeouts", "pytester"]
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -64,3 +68,15 @@ def arch_checkpoint(family: str) -> Path:
     if not (out / "config.json").is_file():
         make_tiny(model_type, out, tiny_checkpoint("llama"), overrides)
     return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The modules over the size to look at (tests/unit/test_import_graph.py: a list, not
+    a failure; 600 lines fails)."""
+    from tests.unit.test_import_graph import MODULE_WARN_LINES, module_sizes
+
+    long = module_sizes(MODULE_WARN_LINES)
+    if long:
+        terminalreporter.section(f"modules over {MODULE_WARN_LINES} lines (look for a seam)", sep="-")
+        for path, n in long.items():
+            terminalreporter.line(f"{n:5d}  {path}")

@@ -63,7 +63,8 @@ async def replay(bootstrap: str, prefix: str) -> dict:
         await listener.start()
         stopping = asyncio.Event()
         task = asyncio.create_task(listener.run(stopping))
-        await asyncio.wait_for(listener.caught_up.wait(), 600)
+        async with asyncio.timeout(600):
+            await listener.caught_up.wait()
         stopping.set()
         await task
     finally:

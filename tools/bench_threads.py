@@ -58,7 +58,8 @@ async def run_engines(model: Path, k: int, engine_threads: int | None, requests:
             for r in range(requests):
                 c.submit(c.input.process(f"e{i}-r{r}", prompt_token_ids=[(7 * r + j) % 2000 + 3 for j in range(32)],
                                          params=SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)))
-        await asyncio.wait_for(asyncio.gather(*(d.wait() for d in done)), 1800)
+        async with asyncio.timeout(1800):
+            await asyncio.gather(*(d.wait() for d in done))
         rates = [round(counts[i] / (ends[i] - t0), 1) for i in range(k)]
         return {"engines": k, "threads_setting": engine_threads, "threads": [c.engine_threads for c in clients],
                 "tokens_per_s": rates, "total_tokens_per_s": round(sum(rates), 1)}

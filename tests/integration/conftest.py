@@ -25,6 +25,18 @@ def _port_open(hostport: str) -> bool:
         return s.connect_ex((host, int(port))) == 0
 
 
+@pytest.fixture(autouse=True)
+def reap_spawned():
+    """Every process a test started through `tests.integration.processes.spawn` is stopped
+    (SIGTERM, SIGKILL after 20 s) and reaped when the test ends, passed, failed or timed
+    out; the ones still running then are printed (the test's captured output)."""
+    from tests.integration.processes import reap
+
+    yield
+    for line in reap():
+        print("stopped after the test:", line)
+
+
 @pytest.fixture(scope="session")
 def services() -> tuple[str, str]:
     redis_port = REDIS.rsplit(":", 1)[1].split("/")[0]
@@ -118,6 +130,7 @@ class OwnRedis:
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
+            self.proc.wait(30)
             self.proc.wait()
         self.proc = None
 

@@ -12,7 +12,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from schemas import keys
 from schemas.wire import Finished, Started
 from worker.client import InflightClient, last_attempt_tokens
-from worker.obs.log import task_stacks
+from worker.obs.stacks import task_stacks
 from worker.serve.worker import Worker
 
 
@@ -32,7 +32,19 @@ async def start_worker(cfg, engine, timeout: float = 30.0) -> tuple[Worker, asyn
 
 async def stop_worker(w: Worker, task: asyncio.Task) -> None:
     w.request_stop()
-    await asyncio.wait_for(task, 60)
+    await finished_within(task, 60, f"worker {w.worker_id}'s stop")
+
+
+async def finished_within(task: asyncio.Task, timeout_s: float, what: str):
+    """`task`'s result (its exception raised) once it is done; after `timeout_s` seconds,
+    every task's await chain printed and TimeoutError naming `what`, the task left as it
+    is. Bounded whatever the task does with a cancellation (`asyncio.wait`; Python 3.11's
+    `wait_for` waits for a cancelled task to finish, so a stop that never returns hung it)."""
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        dump_tasks()
+        raise TimeoutError(f"{what} did not end within {timeout_s} s")
+    return task.result()
 
 
 @contextlib.asynccontextmanager
@@ -163,6 +175,7 @@ async def running_on(client, job_ids: list[str], worker_id: str, tenant: str | N
             started = [e for e in evs if isinstance(e, Started)]
             if started and started[-1].worker_id == worker_id and not any(isinstance(e, Finished) for e in evs):
                 return job_id
+        await asyncio.sleep(0.02)  # a round of reads per 20 ms, not a busy loop against the workers
     raise TimeoutError(f"no job ran on {worker_id} within {timeout} s")
 
 

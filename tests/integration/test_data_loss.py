@@ -22,7 +22,7 @@ from tests.integration.helpers import (
     stop_worker,
     wait_group_members,
 )
-from tests.integration.test_fleet import spawn_worker, wait_started
+from tests.integration.processes import spawn_worker, wait_started
 from worker.client import InflightClient, text_of
 
 

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import msgspec
 import pytest
-import yaml
 
 from schemas.params import SamplingParams
-from schemas.wire import Restarted, Started
-from tests.integration.conftest import ROOT, worker_config
+from schemas.wire import Restarted
+from tests.integration.conftest import worker_config
 from tests.integration.helpers import (
     assert_well_formed,
     collect,
@@ -26,6 +20,7 @@ from tests.integration.helpers import (
     stop_worker,
     wait_group_members,
 )
+from tests.integration.processes import spawn_worker, wait_for_starts, wait_started
 from worker.client import InflightClient
 from worker.config import EngineConfig, ServingTuning
 from worker.engine import Engine
@@ -110,47 +105,6 @@ def test_job_longer_than_max_poll_interval_keeps_the_worker_in_the_group(service
 
 
 # ---- worker processes -----------------------------------------------------------------------
-def spawn_worker(tmp_path: Path, cfg, worker_id: str, command: tuple[str, ...] = ("worker", "worker"),
-                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
-    """`python -m <command> --config <cfg as YAML> <extra>` in its own process, stderr to a
-    log file; `command` defaults to the CLI's `inflight worker`."""
-    data = msgspec.to_builtins(cfg)
-    data["worker"]["worker_id"] = worker_id
-    path = tmp_path / f"{worker_id}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    log = tmp_path / f"{worker_id}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log, "w") as err:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, "-m", *command, "--config", str(path), *extra],
-                                stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
-    return proc, log
-
-
-async def wait_started(log: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited: {log.read_text()[-3000:]}")
-        if "worker started" in log.read_text():
-            return
-        await asyncio.sleep(0.2)
-    raise TimeoutError(log.read_text()[-3000:])
-
-
-async def wait_for_starts(client, ids, worker_id: str, n: int, timeout: float = 60.0) -> set[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        on = set()
-        for j in ids:
-            evs = await client.read_log(j)
-            if any(isinstance(e, Started) and e.worker_id == worker_id for e in evs):
-                on.add(j)
-        if len(on) >= n:
-            return on
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"{worker_id} started fewer than {n} jobs")
-
-
 def test_kill_9_one_of_two_workers_loses_nothing(services, prefix, llama_path, tmp_path):
     cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
                         tuning={"max_running_requests": 2}, worker={"max_local_jobs": 4})

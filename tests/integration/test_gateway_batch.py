@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import statistics
 import time
@@ -189,43 +188,35 @@ def test_cancelling_a_running_batch_stops_its_remaining_jobs(services, prefix, t
 
 
 def test_a_batch_survives_kill_9_of_a_worker(services, prefix, llama_path, tmp_path):
-    from tests.integration.test_fleet import spawn_worker, wait_started
+    from tests.integration.processes import kill_9, spawn_worker, wait_started
 
     cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
                         tuning={"max_running_requests": 2}, worker={"max_local_jobs": 4})
     n = 48
     lines = [batch_line(f"k-{i}", **{**chat_body(i), "max_tokens": 40, "ignore_eos": True}) for i in range(n)]
-    procs = [spawn_worker(tmp_path, cfg, f"w{k}") for k in "ab"]
-    try:
-        async def main():
-            await asyncio.gather(*(wait_started(log, p) for p, log in procs))
-            async with running_gateway(gateway_config(services, prefix, tmp_path / "files")) as gw:
-                c = client(gw)
-                batch = await submit_batch(c, lines)
-                # killed while it runs a line (waiting for a count of completed lines first
-                # raced: on the CPU model a worker's share of lines can all be done by then)
-                await running_on(gw.client, [line_job_id(batch.id, f"k-{i}") for i in range(n)], "wa", tenant="acme")
-                os.kill(procs[0][0].pid, signal.SIGKILL)
-                done = await wait_batch(c, batch.id, timeout=300)
-                out = await read_file(c, done.output_file_id)
-                restarted = 0  # lines the killed worker was running: re-run elsewhere
-                for i in range(n):
-                    evs = await gw.client.read_log(line_job_id(batch.id, f"k-{i}"), tenant="acme")
-                    restarted += any(isinstance(e, Restarted) for e in evs)
-                direct = {f"k-{i}": (await c.chat.completions.create(
-                    model=MODEL, **{**chat_body(i), "max_tokens": 40}, extra_body={"ignore_eos": True}))
-                    .choices[0].message.content for i in range(0, n, 5)}
-                return done, out, direct, restarted
+    procs = [spawn_worker(tmp_path, cfg, f"w{k}") for k in "ab"]  # stopped and reaped when the test ends
 
-        done, out, direct, restarted = asyncio.run(main())
-    finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(60)
-                except Exception:
-                    p.kill()
+    async def main():
+        await asyncio.gather(*(wait_started(log, p) for p, log in procs))
+        async with running_gateway(gateway_config(services, prefix, tmp_path / "files")) as gw:
+            c = client(gw)
+            batch = await submit_batch(c, lines)
+            # killed while it runs a line (waiting for a count of completed lines first
+            # raced: on the CPU model a worker's share of lines can all be done by then)
+            await running_on(gw.client, [line_job_id(batch.id, f"k-{i}") for i in range(n)], "wa", tenant="acme")
+            kill_9(procs[0][0])
+            done = await wait_batch(c, batch.id, timeout=300)
+            out = await read_file(c, done.output_file_id)
+            restarted = 0  # lines the killed worker was running: re-run elsewhere
+            for i in range(n):
+                evs = await gw.client.read_log(line_job_id(batch.id, f"k-{i}"), tenant="acme")
+                restarted += any(isinstance(e, Restarted) for e in evs)
+            direct = {f"k-{i}": (await c.chat.completions.create(
+                model=MODEL, **{**chat_body(i), "max_tokens": 40}, extra_body={"ignore_eos": True}))
+                .choices[0].message.content for i in range(0, n, 5)}
+            return done, out, direct, restarted
+
+    done, out, direct, restarted = asyncio.run(main())
     assert procs[0][0].returncode == -signal.SIGKILL
     assert done.status == "completed" and done.request_counts.completed == n and restarted >= 1
     assert sorted(r["custom_id"] for r in out) == sorted(f"k-{i}" for i in range(n))

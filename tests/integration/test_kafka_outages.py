@@ -24,7 +24,7 @@ from tests.integration.helpers import (
     start_worker,
     stop_worker,
 )
-from tests.integration.test_fleet import spawn_worker, wait_started
+from tests.integration.processes import spawn_worker, wait_started
 from worker.cli.topics import create_topics
 from worker.client import InflightClient, text_of
 

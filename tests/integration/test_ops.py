@@ -22,7 +22,7 @@ from schemas import keys
 from schemas.params import SamplingParams
 from schemas.wire import Finished, Token
 from tests.integration.conftest import ROOT, worker_config
-from tests.integration.helpers import assert_well_formed, collect, start_worker, stop_worker
+from tests.integration.helpers import assert_well_formed, collect, finished_within, start_worker, stop_worker
 from worker.client import InflightClient
 from worker.engine import Engine
 from worker.obs.log import setup_logging
@@ -236,7 +236,7 @@ def test_readyz_follows_kafka_redis_and_drain(services, prefix, llama_path):
             draining = await wait_ready(w, False, timeout=5)
             status, live = await get_json(w, "/healthz")
             events = await collect(client, jid)
-        await asyncio.wait_for(task, 60)
+        await finished_within(task, 60, "the draining worker")
         return ready, redis_down, kafka_down, draining, status, events
 
     w = None
@@ -301,7 +301,8 @@ def test_cli_streams_text_alone_on_stdout_and_a_tenant_miss_gets_a_hint(services
     async def cli(*args):
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "worker", *args, cwd=ROOT,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        async with asyncio.timeout(120):
+            out, err = await proc.communicate()
         return proc.returncode, out.decode(), err.decode()
 
     async def main():

@@ -15,6 +15,7 @@ from tests.integration.conftest import worker_config
 from tests.integration.helpers import (
     assert_well_formed,
     collect,
+    finished_within,
     read_whole_log,
     slow_null_engine,
     start_worker,
@@ -90,7 +91,7 @@ def test_an_outage_longer_than_the_limit_stops_the_worker_and_the_job_moves(serv
             own_redis.stop(keep_data=True)
             t0 = time.monotonic()
             try:
-                await asyncio.wait_for(task, 30)
+                await finished_within(task, 30, "the worker past the Redis outage limit")
                 stopped_with = None
             except RedisUnavailable as e:
                 stopped_with = e

@@ -159,7 +159,7 @@ def _forwards(w) -> dict:
 
 def test_a_worker_killed_between_a_forward_and_its_commit_loses_nothing_and_runs_nothing_twice(
         services, prefix, tmp_path):
-    from tests.integration.test_fleet import spawn_worker, wait_started
+    from tests.integration.processes import spawn_worker, wait_started
 
     asyncio.run(create_topics(services[0], prefix, partitions=3, pools=Pools(POOLS)))
     cfg_default, cfg_long = pool_configs(services, prefix)
@@ -185,6 +185,7 @@ def test_a_worker_killed_between_a_forward_and_its_commit_loses_nothing_and_runs
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(30)
     assert proc.returncode == -signal.SIGKILL, log.read_text()[-2000:]
     fin = ran_once_on(events, "crash-fwd", "w-long")
     assert fin.finish_reason == "length" and fin.usage.completion_tokens == 16
@@ -232,7 +233,8 @@ def test_the_gateway_and_the_cli_route_by_the_tokenizers_count(services, prefix,
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "worker", "submit", "--config", str(cfg_file), "--prompt", long_text,
                 "--max-tokens", "4", "--stream", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            _, err = await asyncio.wait_for(proc.communicate(), 120)
+            async with asyncio.timeout(120):
+                _, err = await proc.communicate()
             assert proc.returncode == 0 and b"[finished: length" in err, err.decode()[-2000:]
             await asyncio.sleep(1.0)
             return {w.cfg.worker.pool: (sample(w.metrics.registry, "request_finished_total", finish_reason="length"),

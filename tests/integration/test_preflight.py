@@ -124,7 +124,7 @@ def test_an_architecture_the_engine_cannot_reproduce_fails_the_model_check(good)
 
 @pytest.mark.parametrize("engine_process", [True, False])
 def test_the_worker_refuses_it_at_start_with_exit_2(good, tmp_path, engine_process):
-    from tests.integration.test_fleet import spawn_worker
+    from tests.integration.processes import spawn_worker
 
     path = arch_checkpoint("Jamba")
     cfg = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, path=str(path)),

@@ -18,6 +18,7 @@ import uuid
 import pytest
 
 from tests.integration.conftest import ROOT
+from tests.integration.processes import spawn
 from tools.own_stack import free_port
 
 pytestmark = pytest.mark.slow
@@ -28,8 +29,8 @@ class WorkerProcess:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.lines: list[str] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker", "worker"], cwd=ROOT, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = spawn([sys.executable, "-m", "worker", "worker"], cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

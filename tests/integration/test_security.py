@@ -28,10 +28,12 @@ from tests.integration.helpers import (
     assert_well_formed,
     collect,
     committed_reaches_end,
+    finished_within,
     recorded_outcomes,
     start_worker,
     stop_worker,
 )
+from tests.integration.processes import spawn
 from worker.client import InflightClient
 from worker.engine import Engine
 from worker.security.access import EXIT_AUTHENTICATION, EXIT_AUTHORIZATION, EXIT_TLS, AccessError
@@ -260,9 +262,9 @@ def test_refused_credentials_certificates_and_acls_exit_with_one_line(secure_sta
         env = {k: v for k, v in os.environ.items() if not k.startswith("INFLIGHT_")}
         env.update({k: v.format(certs=stack.certs, secrets=stack.secrets) for k, v in env_over.items()},
                    PYTHONPATH=str(ROOT), INFLIGHT_MODEL__PATH=str(llama_path), INFLIGHT_METRICS__PORT="")
-        procs[case] = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--config",
-                                        str(stack.config_path(principal, mode))], env=env, cwd=ROOT,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[case] = spawn([sys.executable, "-m", "worker", "worker", "--config",
+                             str(stack.config_path(principal, mode))], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for case, proc in procs.items():
         out, err = proc.communicate(timeout=180)
         code, words = FAILURES[case][2], FAILURES[case][3]
@@ -377,7 +379,8 @@ def test_producer_principal_cannot_read_job_topics(secure_stack):
             else:
                 consumer.assign([TopicPartition(topic, 0)])
             try:
-                await asyncio.wait_for(consumer.getmany(timeout_ms=2000), 20)
+                async with asyncio.timeout(20):
+                    await consumer.getmany(timeout_ms=2000)
                 return "read"
             except (TopicAuthorizationFailedError, GroupAuthorizationFailedError) as e:
                 return type(e).__name__
@@ -481,7 +484,7 @@ def test_redis_password_rotation_and_a_refusal_at_runtime(secure_stack, engine_f
                     async with InflightClient(kafka=kafka, redis=redis) as client:
                         await client.submit("after rotation", job_id=f"rot-{user}")
                     try:
-                        await asyncio.wait_for(task, 60)
+                        await finished_within(task, 60, "the worker after its credentials were rotated away")
                         stopped = None
                     except Exception as e:  # the worker's crash, as Worker.run raises it
                         stopped = await diagnose(e, kafka=cfg.kafka, redis=cfg.redis)

@@ -32,7 +32,7 @@ from tests.integration import jaeger
 from tests.integration.conftest import worker_config
 from tests.integration.gateway_helpers import client, gateway_config, running_gateway
 from tests.integration.helpers import assert_well_formed, collect, running_worker, wait_group_members
-from tests.integration.test_fleet import spawn_worker, wait_for_starts, wait_started
+from tests.integration.processes import spawn_worker, wait_for_starts, wait_started
 from worker.client import InflightClient
 from worker.config import TracingConfig
 

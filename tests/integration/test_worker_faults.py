@@ -274,13 +274,13 @@ def test_a_job_that_kills_its_workers_becomes_poison(services, prefix, llama_pat
     record to the DLQ. Every other job finishes exactly once; none is poisoned."""
     cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"})
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    from tests.integration.test_fleet import spawn_worker
+    from tests.integration.processes import spawn_worker
 
     procs = [spawn_worker(tmp_path, cfg, f"crash-{k}", ("tests.integration.crashing_worker",),
                           ("--crash-token", str(POISON_TOKEN))) for k in "abc"]
     try:
         async def main():
-            from tests.integration.test_fleet import wait_started
+            from tests.integration.processes import wait_started
 
             await asyncio.gather(*(wait_started(log, p) for p, log in procs))
             await wait_group_members(services[0], cfg.kafka.group_id, 3)

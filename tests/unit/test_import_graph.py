@@ -120,10 +120,21 @@ def test_the_layer_rules_catch_a_bad_edge():
     assert not layer_violations({"worker.gateway.app": {"worker.client.inflight", "schemas.wire"}})
 
 
-def test_no_module_over_400_lines():
-    long = {str(p.relative_to(ROOT)): n for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
-    assert not long, long
+MODULE_WARN_LINES = 400  # listed at the end of every test run (tests/conftest.py): a smell to look at
+MODULE_MAX_LINES = 600  # a failure: split the module along a seam (a piece of state and its owner)
+
+
+def module_sizes(min_lines: int) -> dict[str, int]:
+    """{path: lines} of every module of `worker/` and `schemas/` over `min_lines`, longest first."""
+    sizes = {str(p.relative_to(ROOT)): n for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+             if (n := len(p.read_text().splitlines())) > min_lines}
+    return dict(sorted(sizes.items(), key=lambda kv: -kv[1]))
+
+
+def test_no_module_over_600_lines():
+    """A size is a smell, not a target: modules over 400 lines are only listed (by the
+    test run's summary); over 600 fails."""
+    assert not module_sizes(MODULE_MAX_LINES), module_sizes(MODULE_MAX_LINES)
 
 
 def test_no_private_names_imported_across_modules():

@@ -188,7 +188,8 @@ def test_a_refused_forward_or_re_record_stops_the_finalizer_loop():
         fin = finalizer()
         setup(fin)
         try:
-            await asyncio.wait_for(fin.run(), 5)
+            async with asyncio.timeout(5):
+                await fin.run()
         except BaseException as e:  # noqa: BLE001  (what stopped the loop)
             return e
         raise AssertionError("the loop did not stop")

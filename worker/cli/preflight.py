@@ -99,8 +99,10 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
     try:
         try:
             t0 = time.perf_counter()
-            await asyncio.wait_for(admin.start(), timeout_s)
-            cluster = await asyncio.wait_for(admin.describe_cluster(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await admin.start()
+            async with asyncio.timeout(timeout_s):
+                cluster = await admin.describe_cluster()
             answer_ms = 1000 * (time.perf_counter() - t0)
             topics = await _visible_topics(admin, keys.all_topics(kc.topic_prefix, cfg.pool_set), timeout_s)
         except (KafkaError, OSError, TimeoutError) as e:
@@ -135,7 +137,8 @@ async def _visible_topics(admin, wanted: list[str], timeout_s: float) -> list[di
     again for up to `TOPIC_SETTLE_S`."""
     deadline = time.monotonic() + min(TOPIC_SETTLE_S, timeout_s)
     while True:
-        topics = await asyncio.wait_for(admin.describe_topics(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            topics = await admin.describe_topics()
         found = {t["topic"] for t in topics if t["error_code"] == 0}
         if set(wanted) <= found or time.monotonic() > deadline:
             return topics
@@ -208,7 +211,8 @@ async def _retry_retriable(call: Callable[[], Awaitable], timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return await asyncio.wait_for(call(), max(deadline - time.monotonic(), 0.1))
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.1)):
+                return await call()
         except KafkaError as e:
             if not e.retriable or time.monotonic() > deadline:
                 raise

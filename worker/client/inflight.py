@@ -43,6 +43,7 @@ from worker.client.routing import load_tokenizer, pool_for
 from worker.client.subscriber import RESYNC, Denied, SharedSubscriber
 from worker.client.tracing import ProducerSpans
 from worker.config import KafkaConfig, RedisConfig
+from worker.obs.stopping import stop_within
 from worker.security import access, probe
 from worker.security.kafka import kafka_security_kwargs, stop_client
 from worker.security.redis import REDIS_DOWN, redis_pool
@@ -143,14 +144,17 @@ class InflightClient:
             raise access.explain_kafka(e, self.kafka_config) from None
 
     async def close(self) -> None:
+        """Stop the producer and the results reader and close the Redis connections,
+        each step bounded (`stop_client`, `worker.obs.stopping`): at most about 60 s in
+        all, whatever a connection waits on."""
         if self._producer is not None:
-            await stop_client(self._producer, "producer")
+            await stop_client(self._producer, "producer", timeout_s=10)
             self._producer = None
         if self._results_consumer is not None:
-            await stop_client(self._results_consumer, "results")
+            await stop_client(self._results_consumer, "results", timeout_s=10)
             self._results_consumer = None
-        await self._subscriber.close()
-        await self.redis.aclose()
+        await stop_within("client: pub/sub reader", self._subscriber.close(), 5)
+        await stop_within("client: Redis connections", self.redis.aclose(), 5)
 
     async def submit(
         self,
@@ -329,7 +333,8 @@ class InflightClient:
                         yield found[job_id]
                         return
                 try:
-                    data = await asyncio.wait_for(queue.get(), poll_s)
+                    async with asyncio.timeout(poll_s):
+                        data = await queue.get()
                 except TimeoutError:  # quiet: check the log in case a live message was lost
                     data = RESYNC
                 if data is RESYNC:

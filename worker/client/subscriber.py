@@ -90,7 +90,8 @@ class SharedSubscriber:
                 if not self._pubsub.subscribed:
                     self._has_channels.clear()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._has_channels.wait(), 1.0)
+                        async with asyncio.timeout(1.0):
+                            await self._has_channels.wait()
                     continue
                 msg = await self._pubsub.get_message(timeout=1.0)
                 delay = 0.05

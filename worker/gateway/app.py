@@ -39,6 +39,7 @@ from worker.gateway.metrics import GatewayMetrics
 from worker.gateway.render import TokenText
 from worker.gateway.tracing import tracing_middleware
 from worker.obs.metrics import exposition
+from worker.obs.stopping import stop_within
 from worker.obs.tracing import setup_tracing
 
 log = structlog.get_logger(__name__)
@@ -155,7 +156,11 @@ class Gateway:
         prefix = self.client.topic_prefix
         pools = self.client.pools
         wanted = [t for t in keys.all_topics(prefix, pools) if t != keys.dlq_topic(prefix)]
-        missing = [t for t in wanted if not await asyncio.wait_for(self.client.partitions_for(t), 15)]
+        missing = []
+        for t in wanted:
+            async with asyncio.timeout(15):
+                if not await self.client.partitions_for(t):
+                    missing.append(t)
         if missing:
             how = "--config <a worker's config file>" if pools.routes else f"--prefix {prefix}"
             raise ConfigError(f"kafka.topic_prefix {prefix!r}: missing topics {', '.join(missing)}; create them: "
@@ -177,22 +182,25 @@ class Gateway:
         self._stop.set()
 
     async def stop(self) -> None:
-        """Stop accepting, let open requests finish (bounded), stop drivers, close."""
-        if self._runner is not None:
-            await self._runner.cleanup()
+        """Stop accepting, let open requests finish (bounded by `gateway.drain_timeout_s`),
+        stop the scan, the checks and the batch drivers, send the cancels still queued,
+        close the clients. Every step is bounded (`worker.obs.stopping`): at most
+        2 × `drain_timeout_s` + about 60 s in all, whatever a step waits on."""
+        drain_s = self.cfg.gateway.drain_timeout_s
+        if self._runner is not None:  # aiohttp bounds its own wait for handlers by 2 x drain_s
+            await stop_within("gateway: HTTP server", self._runner.cleanup(), 2 * drain_s + 5)
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            await stop_within("gateway: batch scan and readiness checks",
+                              asyncio.gather(*self._tasks, return_exceptions=True), 10)
         if self.batches is not None:
             await self.batches.stop()
             await self.ctx.cancels.drain()
         if self.client is not None:
-            try:
-                await asyncio.wait_for(self.client.close(), 10)
-            except Exception as e:  # stopping anyway
-                log.debug("client did not close cleanly", error=repr(e)[:200])
+            await stop_within("gateway: Kafka and Redis clients", self.client.close(), 20)
         if self.tracing.enabled:
-            await asyncio.to_thread(self.tracing.shutdown)
+            await stop_within("gateway: trace export", asyncio.to_thread(self.tracing.shutdown), 10)
         log.info("gateway stopped", gateway_id=self.gateway_id)
 
     # ---- middleware: errors in OpenAI's format, request metrics -----------------------------
@@ -263,7 +271,8 @@ class Gateway:
     async def _check(self) -> None:
         async def probe(name: str, coro) -> None:
             try:
-                await asyncio.wait_for(coro, CHECK_TIMEOUT_S)
+                async with asyncio.timeout(CHECK_TIMEOUT_S):
+                    await coro
                 self._checks[name] = None
             except Exception as e:
                 cause = repr(e)[:200] or type(e).__name__

@@ -112,7 +112,8 @@ class Generation:
             raise
         wait_s = max(0.0, (self.job.deadline or time.time()) - time.time()) + START_GRACE_S
         try:
-            ev = await asyncio.wait_for(first, wait_s)
+            async with asyncio.timeout(wait_s):
+                ev = await first
             while isinstance(ev, Started | Restarted):  # in an engine: its own deadline check ends it
                 ev = await self._next()
         except TimeoutError:

@@ -56,20 +56,3 @@ def setup_logging(level: str = "INFO", json: bool | None = None, stream=None,
         # not cached: module-level loggers follow a later setup_logging (tests, embedding)
         cache_logger_on_first_use=False,
     )
-
-
-def task_stacks() -> dict[str, list[str]]:
-    """Every asyncio task's await chain, innermost last (to diagnose a stuck worker)."""
-    import asyncio
-
-    out = {}
-    for t in asyncio.all_tasks():
-        frames = []
-        coro = t.get_coro()
-        while coro is not None:
-            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-            if frame is not None:
-                frames.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
-            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-        out[t.get_name()] = frames
-    return out

@@ -61,8 +61,9 @@ async def probe_kafka(cfg: KafkaConfig, timeout_s: float = 10.0) -> None:
         host, _, port = hostport.strip().rpartition(":")
         where = f"{host}:{port}"
         try:
-            conn = await asyncio.wait_for(create_conn(host, int(port), request_timeout_ms=int(timeout_s * 1000),
-                                                      client_id="inflight-probe", **security), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                conn = await create_conn(host, int(port), request_timeout_ms=int(timeout_s * 1000),
+                                         client_id="inflight-probe", **security)
             conn.close()
             return
         except Exception as e:  # each failure is classified below
@@ -85,12 +86,13 @@ async def _tls_probe(host: str, port: int, ctx: ssl.SSLContext, cfg: KafkaConfig
     """Handshake, send ApiVersions v0 and read: a broker that rejects the client
     certificate (TLS 1.3 sends that alert after the handshake) shows it here."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ctx, server_hostname=host),
-                                                timeout_s)
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port, ssl=ctx, server_hostname=host)
         body = struct.pack(">hhih", 18, 0, 1, 5) + b"probe"
         writer.write(struct.pack(">i", len(body)) + body)
         await writer.drain()
-        await asyncio.wait_for(reader.readexactly(4), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await reader.readexactly(4)
         writer.close()
         return None
     except Exception as e:  # classified; None when it says nothing more
@@ -118,7 +120,8 @@ async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0, poo
     admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers, client_id="inflight-probe",
                                 request_timeout_ms=int(timeout_s * 1000), **kafka_security_kwargs(cfg))
     try:
-        await asyncio.wait_for(admin.start(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
         wanted = keys.all_topics(cfg.topic_prefix, pools)
         deadline = time.monotonic() + min(TOPIC_SETTLE_S, timeout_s)
         while True:  # topics created a moment ago reach a broker's metadata shortly after (as in the preflight)
@@ -152,12 +155,15 @@ async def _unusable_topics(admin, wanted: list[str], timeout_s: float) -> tuple[
     missing topic could create it on a broker with `auto.create.topics.enable`)."""
     from aiokafka.protocol.metadata import MetadataRequest
 
-    visible = {t["topic"] for t in await asyncio.wait_for(admin.describe_topics(), timeout_s) if t["error_code"] == 0}
+    async with asyncio.timeout(timeout_s):
+        topics = await admin.describe_topics()
+    visible = {t["topic"] for t in topics if t["error_code"] == 0}
     absent = [t for t in wanted if t not in visible]
     send = getattr(admin, "_send_request", None)
     if not absent or send is None:  # (aiokafka changed: cannot tell; a refusal is reported when met)
         return [], []
-    resp = await asyncio.wait_for(send(MetadataRequest(absent, allow_auto_topic_creation=False)), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        resp = await send(MetadataRequest(absent, allow_auto_topic_creation=False))
     codes = {t["topic"]: t["error_code"] for t in resp.to_object()["topics"]}
     return ([t for t in absent if codes.get(t) == kerr.TopicAuthorizationFailedError.errno],
             [t for t in absent if codes.get(t) == kerr.UnknownTopicOrPartitionError.errno])

@@ -86,7 +86,8 @@ class CancelListener:
         self._t0 = time.monotonic()
         await self.consumer.start()
         try:
-            parts = await asyncio.wait_for(self._partitions_for(self.topic), 15)
+            async with asyncio.timeout(15):
+                parts = await self._partitions_for(self.topic)
         except (TimeoutError, KafkaError) as e:
             if is_fatal_kafka(e):  # not visible to this principal: say so, not "does not exist"
                 raise

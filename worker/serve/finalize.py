@@ -18,7 +18,6 @@ ended in a publisher round goes through one results write.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -30,6 +29,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import decode_event
 from schemas.wire import Finished, FinishReason
+from worker.obs.stopping import stop_within
 from worker.security.redis import REDIS_DOWN
 
 if TYPE_CHECKING:
@@ -104,8 +104,8 @@ class Finalizer:
         forwarded by another worker, as attempt 1), not left to run out as a crash would."""
         pending = list(self._forwarding.values())
         if pending:
-            with contextlib.suppress(*REDIS_DOWN, TimeoutError):
-                await asyncio.wait_for(claims.unclaim([(h.job_id, h.claim_token, h.attempt) for h in pending]), 5)
+            await stop_within("drain: give back the claims of unforwarded jobs",
+                              claims.unclaim([(h.job_id, h.claim_token, h.attempt) for h in pending]), 5)
             log.info("gave back the claims of jobs not forwarded yet", job_ids=[h.job_id for h in pending][:20],
                      count=len(pending))
 

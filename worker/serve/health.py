@@ -90,9 +90,6 @@ class HealthChecks:
                 await self.check(cfg.check_timeout_s)
             except Exception as e:  # e.g. the consumer being recreated
                 log.warning("health check failed", error=repr(e)[:300])
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # Python 3.11's wait_for can swallow a cancel
-                raise asyncio.CancelledError
             await asyncio.sleep(cfg.check_interval_s)
 
     async def _kafka_cause(self, e: Exception, cfg, timeout: float) -> str:
@@ -101,7 +98,8 @@ class HealthChecks:
         err = access.explain_kafka(e, cfg)
         if err is None:
             try:
-                await asyncio.wait_for(probe.probe_kafka(cfg, timeout), timeout)
+                async with asyncio.timeout(timeout):
+                    await probe.probe_kafka(cfg, timeout)
             except access.AccessError as found:
                 if found.exit_code != access.EXIT_UNREACHABLE:
                     err = found
@@ -126,10 +124,13 @@ class HealthChecks:
         lag / partition / local-job / GPU gauges."""
         p, m = self._parts, self.metrics
         try:
-            await asyncio.wait_for(p["redis"].ping(), timeout)
+            async with asyncio.timeout(timeout):
+                await p["redis"].ping()
             self.redis_ok, self.redis_error = True, None
             epoch = p["claims"].epoch
-            if not await asyncio.wait_for(p["claims"].epoch_intact(), timeout):
+            async with asyncio.timeout(timeout):
+                intact = await p["claims"].epoch_intact()
+            if not intact:
                 await p["publisher"].restore(epoch)
         except Exception as e:
             err = access.explain_redis(e, p["publisher"].cfg)
@@ -140,14 +141,17 @@ class HealthChecks:
         assigned = sorted(consumer.assignment(), key=lambda tp: (tp.topic, tp.partition))
         try:
             if assigned:
-                ends = await asyncio.wait_for(consumer.end_offsets(assigned), timeout)
-                starts = await asyncio.wait_for(consumer.beginning_offsets(assigned), timeout)
+                async with asyncio.timeout(timeout):
+                    ends = await consumer.end_offsets(assigned)
+                async with asyncio.timeout(timeout):
+                    starts = await consumer.beginning_offsets(assigned)
                 intake.log_start.update(starts)
                 m.consumer_lag.clear()
                 for tp, lag in intake.lag(ends).items():
                     m.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
             else:
-                await asyncio.wait_for(consumer.topics(), timeout)
+                async with asyncio.timeout(timeout):
+                    await consumer.topics()
                 m.consumer_lag.clear()
             self.kafka_ok, self.kafka_error = True, None
             if self.kafka_outage is not None:

@@ -57,9 +57,12 @@ class StallWatchdog:
         if not assigned:
             return []
         try:
-            ends = await asyncio.wait_for(consumer.end_offsets(assigned), 10)
-            starts = await asyncio.wait_for(consumer.beginning_offsets(assigned), 10)
-            committed = await asyncio.wait_for(asyncio.gather(*(consumer.committed(tp) for tp in assigned)), 10)
+            async with asyncio.timeout(10):
+                ends = await consumer.end_offsets(assigned)
+            async with asyncio.timeout(10):
+                starts = await consumer.beginning_offsets(assigned)
+            async with asyncio.timeout(10):
+                committed = await asyncio.gather(*(consumer.committed(tp) for tp in assigned))
         except (TimeoutError, KafkaError, IllegalStateError) as e:
             # A fresh consumer would not fetch either. Quiet while it may be a broker
             # restart (kafka.transient_grace_s).

@@ -30,7 +30,6 @@ the Intake (`intake.py`) the consumer and commits; the OffsetTracker the commit 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
@@ -49,8 +48,9 @@ from worker.engine import Engine, RequestOutput
 from worker.engine.core_client import ProcessEngineClient, ThreadEngineClient, make_engine_client
 from worker.engine.core_proc import EngineSpec, PretrainedEngine
 from worker.engine.gc_tuning import tune_gc
-from worker.obs.log import task_stacks
 from worker.obs.metrics import Metrics
+from worker.obs.stacks import task_stacks
+from worker.obs.stopping import stop_within
 from worker.obs.tracing import setup_tracing
 from worker.security.kafka import kafka_security_kwargs, stop_client
 from worker.security.probe import verify_access
@@ -250,8 +250,8 @@ class Worker:
             self.engine.abort(held.job_id)
             self.metrics.aborted.labels("handed_back").inc()
         if handed:
-            with contextlib.suppress(*REDIS_DOWN):
-                await asyncio.wait_for(self.claims.release([(j.job_id, j.claim_token, j.attempt) for j in handed]), 5)
+            await stop_within("drain: release the claims of handed-back jobs",
+                              self.claims.release([(j.job_id, j.claim_token, j.attempt) for j in handed]), 5)
             log.info("handed back unfinished jobs", job_ids=[held.job_id for held in handed], count=len(handed))
         await self.finalizer.give_back_forwards(self.claims)
         await self.publisher.flush(timeout_s=5)
@@ -260,8 +260,8 @@ class Worker:
             await asyncio.sleep(0.02)
 
     async def close(self) -> None:
-        """Stop every component; each step is bounded, and a Kafka client is closed even
-        when its own stop fails (`security.kafka.stop_client`)."""
+        """Stop every component; each step is bounded (`worker.obs.stopping`), and a Kafka
+        client is closed even when its own stop fails (`security.kafka.stop_client`)."""
         self._stopping.set()
         for t in self._tasks:
             t.cancel()
@@ -271,26 +271,20 @@ class Worker:
                 log.warning("tasks did not stop within 10 s", tasks=sorted(t.get_name() for t in pending))
         if self.starter is not None:
             self.starter.close()
-        if self.intake is not None:
-            try:
-                await asyncio.wait_for(self.intake.commit(), 10)
-            except Exception as e:  # Kafka away: the next owner re-reads from the last commit
-                log.warning("final offset commit failed", error=repr(e)[:200])
+        if self.intake is not None:  # Kafka away: the next owner re-reads from the last commit
+            await stop_within("worker: final offset commit", self.intake.commit(), 10)
         for name, client in (("intake", self.intake and self.intake.consumer),
                              ("cancels", self.cancels and self.cancels.consumer), ("producer", self.producer)):
             if client is not None:
                 await stop_client(client, name)
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop)
+        if self.engine is not None:  # its own joins are bounded (about 20 s)
+            await stop_within("worker: engine", asyncio.to_thread(self.engine.stop), 30)
         if self.redis is not None:
-            try:
-                await asyncio.wait_for(self.redis.aclose(), 5)
-            except Exception as e:  # closing anyway
-                log.debug("Redis client did not close cleanly", error=repr(e)[:200])
+            await stop_within("worker: Redis connections", self.redis.aclose(), 5)
         if self.server is not None:
-            await self.server.stop()
+            await stop_within("worker: HTTP endpoint", self.server.stop(), 10)
         if self.tracing.enabled:
-            await asyncio.to_thread(self.tracing.shutdown)
+            await stop_within("worker: trace export", asyncio.to_thread(self.tracing.shutdown), 10)
         log.info("worker stopped", worker_id=self.worker_id, finished=self.num_finished)
 
     @property

@@ -44,6 +44,7 @@ from worker.gateway.batch.state import BatchStore, Manifest
 from worker.gateway.context import GatewayContext
 from worker.gateway.files import FileStore
 from worker.gateway.protocol import ENDPOINT_KINDS
+from worker.obs.stopping import stop_within
 from worker.security.kafka import kafka_security_kwargs, stop_client
 
 log = structlog.get_logger(__name__)
@@ -95,9 +96,10 @@ class BatchDriver:
         finally:
             renew.cancel()
             if self._consumer is not None:
-                await stop_client(self._consumer, "batch results")
+                await stop_client(self._consumer, "batch results", timeout_s=10)
             if not self._lost:
-                await self.store.release_lease(self.batch_id, self.token)
+                await stop_within(f"batch {self.batch_id}: release its lease",
+                                  self.store.release_lease(self.batch_id, self.token), 5)
 
     async def _renew_loop(self) -> None:
         while True:

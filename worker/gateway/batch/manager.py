@@ -8,7 +8,6 @@ stopped): that is how a batch outlives the gateway that created it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from typing import Any
@@ -23,10 +22,12 @@ from worker.gateway.context import GatewayContext
 from worker.gateway.errors import ApiError, bad_request
 from worker.gateway.files import FileStore
 from worker.gateway.protocol import ENDPOINT_KINDS
+from worker.obs.stopping import stop_within
 
 log = structlog.get_logger(__name__)
 
 MAX_METADATA = 16
+DRIVER_STOP_S = 30.0  # BatchManager.stop: every driver's clean-up (results consumer, lease), seconds
 
 
 class BatchManager:
@@ -169,10 +170,11 @@ class BatchManager:
             await asyncio.sleep(self.ctx.cfg.batch_scan_interval_s)
 
     async def stop(self) -> None:
-        """Stop every driver (their leases are released; another gateway resumes them)."""
+        """Stop every driver (their leases are released; another gateway resumes them),
+        within `DRIVER_STOP_S` seconds in all (a driver's own clean-up is bounded tighter)."""
         tasks = list(self._drivers.values())
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        if tasks:
+            await stop_within(f"gateway: {len(tasks)} batch driver(s)", asyncio.gather(*tasks, return_exceptions=True),
+                              DRIVER_STOP_S)

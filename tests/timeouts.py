@@ -1,0 +1,162 @@
+"""The suite's per-test timeout: pytest-timeout's settings (`timeout` in pyproject.toml,
+`@pytest.mark.timeout(N)` where a test needs longer, `--timeout` / `PYTEST_TIMEOUT`),
+with a timer of our own (pytest-timeout's `pytest_timeout_set_timer` hook) that says what
+a hung test waited on before it fails it.
+
+When a test runs past its timeout, SIGALRM on the main thread:
+
+  1. writes a dump to the terminal (so into the CI log, past pytest's capture): every
+     asyncio task of the running event loop with its await chain down to the await that
+     never returned (`worker.obs.stacks.task_stacks`), every thread's stack, and the child
+     processes still alive;
+  2. raises `TestHung` there. It derives from SystemExit, the one exception (with
+     KeyboardInterrupt, which would end the whole session) that asyncio lets out of a
+     task step or a callback instead of storing it, so it stops `asyncio.run` wherever
+     the loop was; pytest reports it as the test's failure;
+  3. arms a last resort: cleaning up after the failure can hang too (`asyncio.run`
+     cancels every task and waits for them: a task that swallows its cancellation, or a
+     thread of the default executor that never returns, waits for ever). If the test
+     has not ended `timeout_grace_s` seconds later (ini, default 60), the dump is written again and the process
+     exits with status 1, as pytest-timeout's `thread` method does.
+
+With `timeout_method = thread`, or off the main thread, pytest-timeout's own timer runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import pytest
+
+GRACE_S = 60.0  # the ini option timeout_grace_s sets another
+
+
+def pytest_addoption(parser):
+    parser.addini("timeout_grace_s", f"seconds a timed-out test may take to clean up before the process exits "
+                                     f"(default {GRACE_S:g})", default=str(GRACE_S))
+
+
+class TestHung(SystemExit):
+    """A test ran past its timeout (raised on the main thread by SIGALRM)."""
+
+    __test__ = False  # not a test class, whatever its name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
+        return None  # pytest-timeout's own timer
+    last_resort: list[threading.Timer] = []
+    grace_s = float(item.config.getini("timeout_grace_s"))
+
+    def on_alarm(signum, frame):
+        write_dump(item, f"{item.nodeid} did not end within {settings.timeout:g} s")
+        timer = threading.Timer(grace_s, give_up, (item, settings.timeout, grace_s))
+        timer.daemon = True
+        timer.start()
+        last_resort.append(timer)
+        raise TestHung(f"Timeout: the test did not end within {settings.timeout:g} s; the dump above "
+                       f"names what it waited on (asyncio tasks innermost last, threads, child processes)")
+
+    def cancel():
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        for timer in last_resort:
+            timer.cancel()
+
+    item.cancel_timeout = cancel  # called by pytest-timeout's pytest_timeout_cancel_timer
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+    return True
+
+
+def give_up(item, timeout: float, grace_s: float) -> None:
+    write_dump(item, f"{item.nodeid} still had not ended {grace_s:g} s after its {timeout:g} s timeout "
+                     f"(its clean-up hangs too); exiting")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def write_dump(item, title: str) -> None:
+    """The dump of steps 1 and 3, written to pytest's terminal (not captured)."""
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:  # straight to the terminal, whatever becomes of the test's report
+        capture.suspend_global_capture(in_=True)
+    terminal = item.config.get_terminal_writer()
+    terminal.line()
+    terminal.sep("+", title=f"Timeout: {title}")
+    for line in dump_lines():
+        terminal.line(line)
+    terminal.sep("+", title="end of the timeout dump")
+    terminal.flush()
+    if capture is not None:
+        capture.resume_global_capture()
+
+
+def dump_lines() -> list[str]:
+    """Every asyncio task of every loop that runs in this process, every thread's stack,
+    the children still alive (lines of text)."""
+    from worker.obs.stacks import task_stacks
+
+    lines: list[str] = []
+    for loop, thread_name in running_loops():
+        try:
+            stacks = task_stacks(loop)
+        except Exception as e:  # the task set changed under us (another thread's loop)
+            lines.append(f"asyncio tasks of the loop in {thread_name}: unreadable ({e!r})")
+            continue
+        lines.append(f"asyncio tasks of the loop in thread {thread_name!r}: {len(stacks)}, each await chain "
+                     f"outermost first, the await that has not returned last")
+        for name, frames in sorted(stacks.items()):
+            lines.append(f"  task {name}")
+            lines += [f"      {f}" for f in frames]
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()
+    lines.append(f"threads: {len(frames)}")
+    for ident, frame in frames.items():
+        lines.append(f"  thread {names.get(ident, ident)!r}")
+        lines += ["    " + ln for entry in traceback.format_stack(frame) for ln in entry.rstrip().splitlines()]
+    lines += children_lines()
+    return lines
+
+
+def running_loops() -> list[tuple[object, str]]:
+    """(loop, thread name) for each event loop running now: the main thread's (we run on
+    it, in a signal handler) and any other thread's found in its frames."""
+    import asyncio
+
+    found = []
+    main = asyncio._get_running_loop() if threading.current_thread() is threading.main_thread() else None
+    if main is not None:
+        found.append((main, "MainThread"))
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        f = frame
+        while f is not None:
+            loop = f.f_locals.get("self")
+            if isinstance(loop, asyncio.AbstractEventLoop) and f.f_code.co_name == "run_forever":
+                if all(loop is not seen for seen, _ in found):
+                    found.append((loop, names.get(ident, str(ident))))
+                break
+            f = f.f_back
+    return found
+
+
+def children_lines() -> list[str]:
+    try:
+        import psutil
+    except ImportError:
+        return []
+    lines = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            lines.append(f"child process {child.pid} ({child.status()}, up {time.time() - child.create_time():.0f} s): "
+                         f"{' '.join(child.cmdline())[:300]}")
+        except psutil.Error:
+            continue
+    return [f"child processes: {len(lines)}", *("  " + ln for ln in lines)]

@@ -1,0 +1,203 @@
+"""Bounded stops (worker/obs/stopping.py): a stop step that returns, fails, hangs, or
+swallows its cancellation ends within its bound; the gateway's stop, the worker's close,
+the client's close and `stop_client` end in bounded time with a planted component that
+never stops; and no `asyncio.wait_for` is left in the tree (its Python 3.11 behaviour is
+the rule this replaces)."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import structlog
+
+from worker.obs import stopping
+from worker.obs.stopping import stop_within
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+RELEASED = asyncio.Event()  # set by `timed` after the test's coroutine: stubborn waits give up
+
+
+async def forever(swallow: bool) -> None:
+    """Waits for ever; with `swallow`, ignores every cancellation until `RELEASED`."""
+    while True:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if not swallow or RELEASED.is_set():
+                raise
+
+
+async def stuck_close(*_args, **_kw) -> None:
+    """A close that never returns and swallows every cancellation (the worst case)."""
+    await forever(swallow=True)
+
+
+def timed(coro):
+    """(result, seconds) of running `coro`; then what it left behind is let go, so that
+    `asyncio.run` (which cancels and awaits every task) can end."""
+    async def main():
+        RELEASED.clear()
+        t0 = time.monotonic()
+        try:
+            return await coro, time.monotonic() - t0
+        finally:
+            RELEASED.set()
+    return asyncio.run(main())
+
+
+def test_a_step_that_returns_is_awaited():
+    async def ok():
+        await asyncio.sleep(0.01)
+        return 1
+
+    assert timed(stop_within("ok", ok(), 5))[0] is True
+
+
+def test_a_failing_step_is_logged_and_the_stop_goes_on():
+    async def fails():
+        raise ConnectionError("broker gone")
+
+    with structlog.testing.capture_logs() as logs:
+        out, took = timed(stop_within("client close", fails(), 5))
+    assert out is False and took < 1
+    assert logs[-1]["event"] == "stop step failed; stopping anyway" and logs[-1]["step"] == "client close"
+    assert "ConnectionError: broker gone" in logs[-1]["error"]
+
+
+def test_a_hanging_step_is_cancelled_at_its_bound():
+    with structlog.testing.capture_logs() as logs:
+        out, took = timed(stop_within("hangs", forever(swallow=False), 0.3))
+    assert out is False and 0.3 <= took < 1.0
+    assert logs[-1]["event"] == "stop step did not end within its bound; cancelled"
+
+
+def test_a_step_that_swallows_its_cancellation_is_left_behind_and_named():
+    with structlog.testing.capture_logs() as logs:
+        out, took = timed(stop_within("swallows", forever(swallow=True), 0.3))
+    assert out is False and 0.3 + stopping.CANCEL_GRACE_S <= took < 0.3 + stopping.CANCEL_GRACE_S + 1.0
+    line = logs[-1]
+    assert line["event"] == "stop step did not end within its bound; left behind" and line["step"] == "swallows"
+    assert "forever" in line["waiting_in"]  # the coroutine it waits in is named
+
+
+def test_the_callers_cancellation_propagates_and_cancels_the_step():
+    async def main():
+        step = asyncio.ensure_future(forever(swallow=False))
+        outer = asyncio.ensure_future(stop_within("step", step, 30))
+        await asyncio.sleep(0.05)
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        await asyncio.sleep(0)
+        return step.cancelled()
+
+    assert asyncio.run(main()) is True
+
+
+def test_stop_client_closes_the_connections_of_a_client_whose_stop_never_returns():
+    class Inner:
+        closed = False
+
+        async def close(self):
+            Inner.closed = True
+
+    class Client:
+        _client = Inner()
+        stop = staticmethod(stuck_close)
+
+    from worker.security.kafka import stop_client
+
+    _, took = timed(stop_client(Client(), "intake", timeout_s=0.3))
+    assert Inner.closed and took < 0.3 + stopping.CANCEL_GRACE_S + 1.0
+
+
+def test_the_gateway_stops_in_bounded_time_with_components_that_never_stop(monkeypatch, tmp_path):
+    """Planted: an HTTP runner, a readiness task, a batch driver and a client whose stops
+    never return and swallow their cancellations."""
+    monkeypatch.setattr(stopping, "CANCEL_GRACE_S", 0.1)
+    from tests.integration.gateway_helpers import gateway_config
+    from worker.gateway.app import Gateway
+    from worker.gateway.batch import manager
+
+    monkeypatch.setattr(manager, "DRIVER_STOP_S", 0.3)
+    cfg = gateway_config(("127.0.0.1:1", "redis://127.0.0.1:1/0"), "p", tmp_path, drain_timeout_s=0.1)
+
+    class Stuck:
+        cleanup = close = staticmethod(stuck_close)
+
+    class Cancels:
+        async def drain(self):
+            return None
+
+    async def main():
+        gw = Gateway(cfg)
+        gw._runner = Stuck()
+        gw._tasks = [asyncio.ensure_future(forever(swallow=True))]
+        gw.batches = manager.BatchManager.__new__(manager.BatchManager)
+        gw.batches._drivers = {"b": asyncio.ensure_future(forever(swallow=True))}
+        gw.ctx = type("Ctx", (), {"cancels": Cancels()})()
+        gw.client = Stuck()
+        monkeypatch.setattr("worker.gateway.app.stop_within", _scaled(stop_within, 0.02))
+        with structlog.testing.capture_logs() as logs:
+            await gw.stop()
+        return [line["step"] for line in logs if line["event"].startswith("stop step")]
+
+    steps, took = timed(main())
+    assert steps == ["gateway: HTTP server", "gateway: batch scan and readiness checks", "gateway: 1 batch driver(s)",
+                     "gateway: Kafka and Redis clients"]
+    assert took < 5
+
+
+def test_the_worker_closes_in_bounded_time_with_components_that_never_stop(monkeypatch):
+    monkeypatch.setattr(stopping, "CANCEL_GRACE_S", 0.1)
+    from tests.integration.conftest import worker_config
+    from worker.serve import worker as worker_module
+    from worker.serve.worker import Worker
+
+    cfg = worker_config(("127.0.0.1:1", "redis://127.0.0.1:1/0"), "p", metrics={"port": None})
+
+    class Stuck:
+        commit = aclose = close = staticmethod(stuck_close)
+        consumer = None
+
+    async def main():
+        monkeypatch.setattr(worker_module, "stop_within", _scaled(stop_within, 0.02))
+        w = Worker(cfg)
+        w.intake = Stuck()
+        w.redis = Stuck()
+        with structlog.testing.capture_logs() as logs:
+            await w.close()
+        return [line["step"] for line in logs if line["event"].startswith("stop step")]
+
+    steps, took = timed(main())
+    assert steps == ["worker: final offset commit", "worker: Redis connections"]
+    assert took < 5
+
+
+def _scaled(fn, factor: float):
+    """`stop_within` with every bound multiplied by `factor` (seconds become tens of ms)."""
+    async def scaled(what, aw, timeout_s):
+        return await fn(what, aw, timeout_s * factor)
+    return scaled
+
+
+def test_no_asyncio_wait_for_in_the_tree():
+    """Python 3.11's `asyncio.wait_for` waits for a cancelled call to finish (a stop that
+    swallows its cancellation hangs it for ever) and can lose a cancellation that arrives
+    as the call completes (a loop around it may never stop; python/cpython#86296).
+    Reads use `asyncio.timeout`, stop steps `worker.obs.stopping.stop_within`, tests
+    waiting for a task `tests.integration.helpers.finished_within`."""
+    bad = []
+    for folder in ("worker", "schemas", "tools", "tests"):
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "wait_for" and isinstance(node.value, ast.Name) \
+                        and node.value.id == "asyncio":
+                    bad.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, bad

@@ -1,0 +1,74 @@
+"""The suite's per-test timeout (tests/timeouts.py): a test double whose stop never
+returns fails its test within the timeout, with a dump that names the awaiting coroutine,
+and the session goes on; a stop that also swallows its cancellation (so `asyncio.run`'s
+clean-up hangs too) ends the process after the grace period, dump written twice."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STUCK = '''
+import asyncio
+
+class StuckGateway:
+    """A test double: its stop waits on an event nobody sets."""
+    def __init__(self, swallow):
+        self.swallow = swallow
+
+    async def stop(self):
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if not self.swallow:
+                    raise
+
+async def serve_then_stop(gw):
+    await asyncio.sleep(0)
+    await gw.stop()
+
+def test_stuck_stop():
+    asyncio.run(serve_then_stop(StuckGateway(SWALLOW)))
+
+def test_after_it():
+    assert True
+'''
+
+
+def run_inner(pytester, swallow: bool):
+    pytester.makepyfile(test_inner=STUCK.replace("SWALLOW", str(swallow)))
+    pytester.makeini("[pytest]\ntimeout = 2\ntimeout_grace_s = 3\n")
+    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    t0 = time.monotonic()
+    result = pytester.runpytest_subprocess("-p", "tests.timeouts", "-p", "no:cacheprovider", timeout=120)
+    return result, time.monotonic() - t0
+
+
+def test_a_stop_that_never_returns_fails_its_test_with_a_dump_naming_the_await(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    result, took = run_inner(pytester, swallow=False)
+    out = result.stdout.str()
+    result.assert_outcomes(failed=1, passed=1)  # the session went on to the next test
+    assert "Timeout: test_inner.py::test_stuck_stop did not end within 2 s" in out
+    # the main task's await chain, outermost first, down to the Event's future
+    chain = out[out.index("task Task-1 (serve_then_stop)"):]
+    assert chain.index("serve_then_stop") < chain.index(" StuckGateway.stop") < chain.index(" Event.wait")
+    assert "waits on Future pending" in chain
+    assert "thread 'MainThread'" in out and "TestHung: Timeout: the test did not end within 2 s" in out
+    assert took < 60
+
+
+def test_a_stop_that_swallows_its_cancellation_ends_the_process_after_the_grace(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    result, took = run_inner(pytester, swallow=True)
+    out = result.stdout.str()
+    assert result.ret == 1
+    assert "did not end within 2 s" in out
+    assert "still had not ended 3 s after its 2 s timeout (its clean-up hangs too); exiting" in out
+    assert out.count("StuckGateway.stop") >= 2  # named in both dumps
+    assert " passed" not in out  # the process ended: the next test never ran
+    assert took < 60

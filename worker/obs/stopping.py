@@ -1,0 +1,83 @@
+"""Bounded stops: every step of a `stop()` / `close()` of the worker, the gateway and the
+clients ends within a stated time, whatever the awaited call does, and one log line names
+a step that did not. Imports only the standard library and structlog (the client and the
+gateway use it too).
+
+Why not `asyncio.wait_for`: on Python 3.11, when its time is up it cancels the inner call
+and then waits for that call to finish, so a call that swallows or delays its
+cancellation (a `finally:` that awaits a dead connection, a library that catches
+`CancelledError`) holds the stop for ever; and a cancellation of the caller that arrives
+as the inner call completes is lost (python/cpython#86296), so a loop around it may never
+stop. `stop_within` waits on its own task with `asyncio.wait`, which returns at the
+deadline whatever the task does; a task that still runs after its cancellation and a
+short grace is left behind, referenced in `ABANDONED` and named in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+CANCEL_GRACE_S = 1.0  # after the cancel, how long a step may take to unwind, seconds
+
+ABANDONED: set[asyncio.Task] = set()  # steps left running past their bound (kept referenced)
+
+
+async def stop_within(what: str, aw: Awaitable[Any], timeout_s: float) -> bool:
+    """Await `aw` (a coroutine or future) for at most `timeout_s` seconds, then cancel it
+    and wait at most `CANCEL_GRACE_S` seconds more; what still runs after that is left
+    behind. An exception raised by `aw` is logged and swallowed: a stop goes on with its
+    next step. `what` names the step in the log (`"gateway: Redis client close"`).
+
+    Returns:
+        True when `aw` completed without an exception within `timeout_s`.
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled (`aw` is cancelled too).
+    """
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+        if not done:
+            ABANDONED.add(task)
+            task.add_done_callback(ABANDONED.discard)
+            log.warning("stop step did not end within its bound; left behind", step=what, bound_s=timeout_s,
+                        waiting_in=_innermost(task))
+            return False
+        log.warning("stop step did not end within its bound; cancelled", step=what, bound_s=timeout_s)
+        _retrieve(task)
+        return False
+    if task.cancelled():
+        log.warning("stop step was cancelled from inside", step=what)
+        return False
+    exc = task.exception()
+    if exc is not None:
+        log.warning("stop step failed; stopping anyway", step=what, error=f"{type(exc).__name__}: {exc}"[:300])
+        return False
+    return True
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # marks it retrieved: no "exception was never retrieved" at exit
+
+
+def _innermost(fut: asyncio.Future) -> str:
+    """The last three awaits of a task's chain, innermost first; a gather's pending tasks."""
+    from worker.obs.stacks import await_chain, describe_future
+
+    if not isinstance(fut, asyncio.Task):
+        return describe_future(fut)
+    chain = await_chain(fut.get_coro(), getattr(fut, "_fut_waiter", None))
+    return " <- ".join(reversed(chain[-3:])) if chain else repr(fut)
