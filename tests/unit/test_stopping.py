@@ -193,11 +193,81 @@ def test_no_asyncio_wait_for_in_the_tree():
     as the call completes (a loop around it may never stop; python/cpython#86296).
     Reads use `asyncio.timeout`, stop steps `worker.obs.stopping.stop_within`, tests
     waiting for a task `tests.integration.helpers.finished_within`."""
-    bad = []
-    for folder in ("worker", "schemas", "tools", "tests"):
-        for p in sorted((ROOT / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(p.read_text())):
-                if isinstance(node, ast.Attribute) and node.attr == "wait_for" and isinstance(node.value, ast.Name) \
-                        and node.value.id == "asyncio":
-                    bad.append(f"{p.relative_to(ROOT)}:{node.lineno}")
-    assert not bad, bad
+    assert not code_matching(lambda node: isinstance(node, ast.Attribute) and node.attr == "wait_for"
+                             and isinstance(node.value, ast.Name) and node.value.id == "asyncio")
+
+
+def test_no_cancellation_is_suppressed():
+    """`with suppress(asyncio.CancelledError): await task` (after `task.cancel()`) also
+    swallows a cancellation of the caller itself, whose stop then never ends: wait for
+    the cancelled task with `asyncio.wait({task})` instead."""
+    def suppresses_cancel(node) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "suppress"
+                and any(isinstance(a, ast.Attribute) and a.attr == "CancelledError"
+                        or isinstance(a, ast.Name) and a.id == "BaseException" for a in node.args))
+
+    assert not code_matching(suppresses_cancel)
+
+
+def code_matching(predicate) -> list[str]:
+    """`path:line` of every AST node of the tree's Python files for which `predicate` holds."""
+    return [f"{p.relative_to(ROOT)}:{node.lineno}" for folder in ("worker", "schemas", "tools", "tests")
+            for p in sorted((ROOT / folder).rglob("*.py")) for node in ast.walk(ast.parse(p.read_text()))
+            if predicate(node)]
+
+
+class PlantedPing:
+    """A `ping()` that completes exactly when the test cancels the task awaiting it: the
+    reply and the cancel land in the same turn of the event loop. Python 3.11's
+    `asyncio.wait_for` around such a call returned its result and dropped the
+    cancellation, so a readiness loop built on it never stopped and the gateway's stop
+    (which waits for that loop) hung for ever: the CI hang of issue 55."""
+
+    def __init__(self) -> None:
+        self.awaited = asyncio.Event()
+        self.reply: asyncio.Future | None = None
+
+    async def ping(self) -> bool:
+        self.reply = asyncio.get_running_loop().create_future()
+        self.awaited.set()
+        return await self.reply
+
+    async def cancel_as_it_replies(self, task: asyncio.Task) -> bool:
+        """True when `task` ended cancelled within 2 s of the cancel."""
+        await self.awaited.wait()
+        self.reply.set_result(True)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2)
+        return bool(done) and task.cancelled()
+
+
+def test_the_gateways_readiness_loop_stops_when_cancelled_as_a_check_replies(monkeypatch, tmp_path):
+    from tests.integration.gateway_helpers import gateway_config
+    from worker.gateway import app
+    from worker.gateway.files import FileStore
+
+    monkeypatch.setattr(app, "CHECK_INTERVAL_S", 0.0)
+    planted = PlantedPing()
+
+    async def main():
+        gw = app.Gateway(gateway_config(("127.0.0.1:1", "redis://127.0.0.1:1/0"), "p", tmp_path))
+        gw.client = type("Client", (), {"redis": planted})()
+        gw.files = FileStore(str(tmp_path))
+        return await planted.cancel_as_it_replies(asyncio.ensure_future(gw._check_loop()))
+
+    assert asyncio.run(main())
+
+
+def test_the_workers_health_loop_stops_when_cancelled_as_a_check_replies():
+    from worker.config import MetricsConfig
+    from worker.obs.metrics import Metrics
+    from worker.serve.health import HealthChecks
+
+    planted = PlantedPing()
+
+    async def main():
+        checks = HealthChecks(Metrics(), liveness=lambda: (True, {}))
+        checks._parts = {"redis": planted}
+        return await planted.cancel_as_it_replies(asyncio.ensure_future(checks.run(MetricsConfig(check_interval_s=0.001))))
+
+    assert asyncio.run(main())

@@ -99,8 +99,9 @@ class InflightClient:
         self.results_fallback_s = results_fallback_s
         self._kafka_security = kafka_security_kwargs(kafka)
         self._results_denied = False
-        # Blocking pool: many concurrent streams wait for a connection instead of failing.
-        pool = redis_pool(redis, max_connections=32, timeout=None, health_check_interval=15,
+        # Blocking pool: many concurrent streams wait for a connection (for a bounded
+        # time: then a ConnectionError, retried as an outage) instead of failing at once.
+        pool = redis_pool(redis, max_connections=32, health_check_interval=15,
                           retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), retry_on_error=list(REDIS_DOWN))
         self.redis = aioredis.Redis(connection_pool=pool)
         self._subscriber = SharedSubscriber(self.redis)

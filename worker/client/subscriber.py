@@ -137,8 +137,7 @@ class SharedSubscriber:
         self._closed = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task})  # not `await task` under suppress: that swallows our own cancel
         if self._pubsub is not None:
             with suppressed(log, "closing the pub/sub connection"):
                 await self._pubsub.aclose()

@@ -172,6 +172,10 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
         publish_interval_ms: least time between two publisher rounds; > 0 merges each
             job's tokens of several steps into one event (fewer Redis writes, coarser
             streaming, as vLLM's `stream_interval`); 0 publishes as fast as Redis takes it.
+        command_timeout_s: how long a Redis command (and a connect) may wait for its
+            answer before it fails as an outage, seconds: a Redis that accepts
+            connections but never answers (frozen, a half-open connection) is then an
+            outage, not a wait for ever. Pub/sub reads use their own short polls.
     """
 
     SECTION: ClassVar[str] = "redis"
@@ -187,6 +191,7 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     tombstone_ttl_s: int = 3600
     outage_limit_s: float = 60.0
     publish_interval_ms: float = 0.0
+    command_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -195,6 +200,8 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
                   tombstone_ttl_s=self.tombstone_ttl_s)
         if not self.outage_limit_s > 0:
             raise ConfigError(f"redis.outage_limit_s must be > 0, got {self.outage_limit_s}")
+        if not self.command_timeout_s > 0:
+            raise ConfigError(f"redis.command_timeout_s must be > 0, got {self.command_timeout_s}")
         if not 0 <= self.publish_interval_ms <= 10_000:
             raise ConfigError(f"redis.publish_interval_ms must be in [0, 10000], got {self.publish_interval_ms}")
         one_secret("redis", "password", self.password, self.password_file)

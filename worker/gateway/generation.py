@@ -17,7 +17,6 @@ on (a mismatch ends the request with an error instead of duplicated text).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -104,8 +103,7 @@ class Generation:
             self.submit_s = time.perf_counter() - t0
         except (KafkaError, AccessError, OSError) as e:
             first.cancel()
-            with contextlib.suppress(BaseException):
-                await first
+            await asyncio.wait({first})
             raise ApiError(503, f"could not queue the request: {type(e).__name__}", code="queue_unavailable") from None
         except BaseException:
             first.cancel()

@@ -88,17 +88,26 @@ def redis_security_kwargs(cfg: RedisConfig) -> dict[str, Any]:
 
 
 def redis_client(cfg: RedisConfig, **kwargs: Any) -> aioredis.Redis:
-    """`redis.asyncio.Redis` for `cfg` (URL + ACL user + TLS); `kwargs` go to `from_url`
-    (timeouts, retries, health checks).
+    """`redis.asyncio.Redis` for `cfg` (URL + ACL user + TLS); every command and connect
+    fails after `cfg.command_timeout_s` without an answer; `kwargs` go to `from_url`
+    (other timeouts, retries, health checks).
 
     Raises:
         ConfigError: see `redis_security_kwargs`.
     """
-    return aioredis.from_url(cfg.url, **redis_security_kwargs(cfg), **_connection_class(cfg.url), **kwargs)
+    return aioredis.from_url(cfg.url, **redis_security_kwargs(cfg), **_connection_class(cfg.url),
+                             **{**_timeouts(cfg), **kwargs})
 
 
 def redis_pool(cfg: RedisConfig, **kwargs: Any) -> aioredis.BlockingConnectionPool:
     """A blocking connection pool for `cfg` (many concurrent callers wait for a
-    connection instead of failing); `kwargs` go to `BlockingConnectionPool.from_url`."""
+    connection instead of failing, up to `timeout` seconds, default `cfg.command_timeout_s`
+    × 3); commands time out as in `redis_client`; `kwargs` go to
+    `BlockingConnectionPool.from_url`."""
+    kwargs = {**_timeouts(cfg), "timeout": 3 * cfg.command_timeout_s, **kwargs}
     return aioredis.BlockingConnectionPool.from_url(cfg.url, **redis_security_kwargs(cfg), **_connection_class(cfg.url),
                                                     **kwargs)
+
+
+def _timeouts(cfg: RedisConfig) -> dict[str, float]:
+    return {"socket_timeout": cfg.command_timeout_s, "socket_connect_timeout": cfg.command_timeout_s}
