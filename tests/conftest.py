@@ -71,9 +71,9 @@ def arch_checkpoint(family: str) -> Path:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The modules over the size to look at (tests/unit/test_import_graph.py: a list, not
+    """The modules over the size to look at (tests/repo/test_code_shape.py: a list, not
     a failure; 600 lines fails)."""
-    from tests.unit.test_import_graph import MODULE_WARN_LINES, module_sizes
+    from tests.repo.test_code_shape import MODULE_WARN_LINES, module_sizes
 
     long = module_sizes(MODULE_WARN_LINES)
     if long:

@@ -31,6 +31,7 @@ async def run_engines(model: Path, k: int, engine_threads: int | None, requests:
     from worker.config import EngineConfig, ServingTuning
     from worker.engine.core_client import ProcessEngineClient
     from worker.engine.core_proc import PretrainedEngine
+    from worker.engine.inputs import RequestInput
 
     tuning = ServingTuning(max_running_requests=32, max_total_tokens=32768, max_batched_tokens=512,
                            max_input_tokens=512)
@@ -56,8 +57,9 @@ async def run_engines(model: Path, k: int, engine_threads: int | None, requests:
         t0 = time.perf_counter()
         for i, c in enumerate(clients):
             for r in range(requests):
-                c.submit(c.input.process(f"e{i}-r{r}", prompt_token_ids=[(7 * r + j) % 2000 + 3 for j in range(32)],
-                                         params=SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)))
+                c.submit(c.input.process(RequestInput.of(
+                    f"e{i}-r{r}", prompt_token_ids=[(7 * r + j) % 2000 + 3 for j in range(32)],
+                    params=SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))))
         async with asyncio.timeout(1800):
             await asyncio.gather(*(d.wait() for d in done))
         rates = [round(counts[i] / (ends[i] - t0), 1) for i in range(k)]

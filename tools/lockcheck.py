@@ -1,7 +1,7 @@
 """Compare the running interpreter's installed distributions with requirements.lock.
 
 Used by tools/setup_venv.sh (any difference: sync .venv to the lock) and by
-tests/unit/test_lock.py. Reads only; installs nothing. Stdlib + `packaging` (locked, so
+tests/repo/test_lock.py. Reads only; installs nothing. Stdlib + `packaging` (locked, so
 present in a synced venv; in an empty one its absence itself means "not synced").
 
     python tools/lockcheck.py [requirements.lock] [--quiet]    exit 0: equal, 1: differs

@@ -11,8 +11,6 @@
     obs/       metrics, logging
     gateway/   the OpenAI-compatible HTTP front door (and `batch/`, the Batch API)
 
-Layer rules (tests/unit/test_import_graph.py): `engine` and `model` import none of
-`serve`, `client`, `gateway`; `client` imports neither `serve` nor `engine`; `gateway`
-imports only `client`, `security`, `config`, `obs` and `schemas`; `security` does not
-import `serve`.
+Which room may import which: docs/architecture.md#layer-rules, the table of
+tests/repo/test_import_graph.py, which holds them.
 """

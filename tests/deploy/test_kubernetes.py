@@ -19,7 +19,7 @@ what a laptop lacks changed:
   where podman's `secretKeyRef` looks.
 
 What podman cannot run (the KEDA ScaledObject, the PodDisruptionBudget, Services) stays
-validated by tests/unit/test_deploy.py. Runs after test_compose.py (the stack's Kafka and
+validated by tests/repo/test_deploy.py. Runs after test_compose.py (the stack's Kafka and
 Redis), with the Compose worker stopped (it holds port 8000 and the consumer group).
 """
 

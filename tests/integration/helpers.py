@@ -67,6 +67,22 @@ async def collect(client: InflightClient, job_id: str, timeout: float = 120.0, t
         raise
 
 
+async def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll `predicate()` (a function, or one returning an awaitable) every `interval_s`
+    seconds until it returns something true, and return that; after `timeout_s` seconds,
+    TimeoutError naming `what`. The way a test waits for a state instead of sleeping."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = predicate()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(interval_s)
+
+
 def dump_tasks() -> None:
     """Print every asyncio task's await chain (to diagnose a hang)."""
     for name, frames in task_stacks().items():

@@ -29,11 +29,16 @@ from tests.integration.gateway_helpers import (
     running_gateway,
     sample,
 )
-from tests.integration.helpers import running_worker, slow_null_engine
+from tests.integration.helpers import running_worker, slow_null_engine, wait_until
 from worker.client import InflightClient
 from worker.engine import Engine
 
 MESSAGES = [{"role": "user", "content": "Return the number of"}]
+
+
+async def started(client: InflightClient, job_id: str) -> bool:
+    """The job's log holds its `started` event."""
+    return any(isinstance(e, Started) for e in await client.read_log(job_id))
 
 
 async def stream_text(stream) -> tuple[str, list, object, str | None]:
@@ -241,7 +246,7 @@ def test_a_request_that_cannot_start_in_time_gets_429_and_its_job_expires(servic
                 InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as direct:
             blocker = await direct.submit("block", params=SamplingParams(max_tokens=400, ignore_eos=True),
                                           priority="high", job_id="blocker")
-            await asyncio.sleep(1.0)  # it runs and holds the only slot
+            await wait_until(lambda: started(direct, blocker), 30, "the blocker runs (it holds the only slot)")
             t0 = time.monotonic()
             try:
                 await client(gw).completions.create(model=MODEL, prompt="late", max_tokens=5)
@@ -307,9 +312,9 @@ def test_the_gateway_runs_as_its_own_redis_acl_user(services, prefix, tmp_path, 
                 await asyncio.sleep(0.3)
                 b = await c.batches.retrieve(b.id)
             listed = [x.id for x in (await c.batches.list()).data]
-            await asyncio.sleep(0.5)
-            return text, b, listed, sample(gw.metrics.registry, "gateway_cancels_sent_total",
-                                           reason="client_disconnect")
+            cancels = await wait_until(lambda: sample(gw.metrics.registry, "gateway_cancels_sent_total",
+                                                      reason="client_disconnect"), 10, "the disconnect's cancel")
+            return text, b, listed, cancels
 
     text, b, listed, cancels = asyncio.run(main())
     assert len(text) == 5 and cancels == 1

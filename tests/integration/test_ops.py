@@ -22,7 +22,14 @@ from schemas import keys
 from schemas.params import SamplingParams
 from schemas.wire import Finished, Token
 from tests.integration.conftest import ROOT, worker_config
-from tests.integration.helpers import assert_well_formed, collect, finished_within, start_worker, stop_worker
+from tests.integration.helpers import (
+    assert_well_formed,
+    collect,
+    finished_within,
+    start_worker,
+    stop_worker,
+    wait_until,
+)
 from worker.client import InflightClient
 from worker.engine import Engine
 from worker.obs.log import setup_logging
@@ -38,6 +45,13 @@ async def scrape(w) -> dict[tuple[str, tuple], float]:
         for smp in fam.samples:
             out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
     return out
+
+
+async def finished_both(w) -> dict | None:
+    """The scrape once it counts two finished jobs (None before)."""
+    m = await scrape(w)
+    done = sum(v for (name, _), v in m.items() if name == "request_finished_total")
+    return m if done >= 2 else None
 
 
 def val(samples, name: str, **labels) -> float:
@@ -165,8 +179,7 @@ def test_injected_oom_fails_the_job_and_the_worker_keeps_serving(services, prefi
             params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
             first = await collect(client, await client.submit("victim", job_id="victim", params=params))
             after = await collect(client, await client.submit("next one", job_id="after", params=params))
-        await asyncio.sleep(1.0)
-        m = await scrape(w)
+        m = await wait_until(lambda: finished_both(w), 10, "both jobs counted as finished")
         await stop_worker(w, task)
         return first, after, m
 

@@ -33,6 +33,7 @@ from tests.integration.helpers import (
     committed_reaches_end,
     partitions_of,
     running_worker,
+    wait_until,
 )
 from tests.integration.test_worker_faults import read_dlq
 from worker.cli.topics import create_topics
@@ -236,7 +237,8 @@ def test_the_gateway_and_the_cli_route_by_the_tokenizers_count(services, prefix,
             async with asyncio.timeout(120):
                 _, err = await proc.communicate()
             assert proc.returncode == 0 and b"[finished: length" in err, err.decode()[-2000:]
-            await asyncio.sleep(1.0)
+            await wait_until(lambda: sum(sample(w.metrics.registry, "request_finished_total", finish_reason="length")
+                                         for w in (wd, wl)) >= 3, 10, "the three jobs counted as finished")
             return {w.cfg.worker.pool: (sample(w.metrics.registry, "request_finished_total", finish_reason="length"),
                                        _forwards(w))
                     for w in (wd, wl)}

@@ -14,9 +14,10 @@ from schemas.codec import decode_event
 from schemas.wire import Job
 from worker.config import RedisConfig
 from worker.engine import RequestOutput
-from worker.serve.claims import ClaimStore
-from worker.serve.jobs import JobTable, Offset, Round
+from worker.serve.claims import Claimed, ClaimStore
+from worker.serve.jobs import JobTable, Round
 from worker.serve.publish import Publisher
+from worker.serve.read_ahead import JobRecord
 
 
 def test_resent_events_are_dropped(services, prefix):
@@ -32,7 +33,7 @@ def test_resent_events_are_dropped(services, prefix):
         await ps.subscribe(keys.channel("j", prefix))
         await ps.get_message(timeout=1)  # subscribe confirmation
         (c,) = await claims.take(["j"])
-        job = table.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, c.token, c.attempt, c.next_seq)
+        job = table.open(JobRecord(Job(job_id="j", prompt="x"), "normal", None, 0, 0.0, None, None), Claimed(c.token, c.attempt, c.next_seq, 0, False))
         table.accepted("j")
         table.apply_outputs([RequestOutput("j", [1], "a")])
         first = table.drain()  # started (seq 0), token (seq 1)
@@ -43,11 +44,11 @@ def test_resent_events_are_dropped(services, prefix):
         await pub.send(Round(first.events[1:] + second.events, first.encoded[1:] + second.encoded, [],
                              tokens=first.tokens[1:] + second.tokens))
         zombie = JobTable("w0")  # a worker that lost the claim, behind: its seq 1 is stale
-        zombie.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, "old-claim", 1, 1)
+        zombie.open(JobRecord(Job(job_id="j", prompt="x"), "normal", None, 0, 0.0, None, None), Claimed("old-claim", 1, 1, 0, False))
         zombie.apply_outputs([RequestOutput("j", [9], "x")])
         assert await pub.send(zombie.drain()) == {"j"}  # refused: it learns the job is another worker's
         ahead = JobTable("w0")  # ... and one ahead of the holder: refused
-        ahead.open(Job(job_id="j", prompt="x"), "normal", Offset(None, 0), 0.0, "old-claim", 1, 3)
+        ahead.open(JobRecord(Job(job_id="j", prompt="x"), "normal", None, 0, 0.0, None, None), Claimed("old-claim", 1, 3, 0, False))
         ahead.apply_outputs([RequestOutput("j", [9], "x", finished=True, finish_reason="stop")])
         assert await pub.send(ahead.drain()) == {"j"}
         assert await r.get(keys.done_key("j", prefix)) is None  # its terminal event ended nothing
@@ -55,10 +56,10 @@ def test_resent_events_are_dropped(services, prefix):
         # stale holder's token + terminal events are (its terminal never counts)
         holder, stale = JobTable("w2"), JobTable("w1")
         (old,) = await claims.take(["k"])
-        stale.open(Job(job_id="k", prompt="x"), "normal", Offset(None, 0), 0.0, old.token, old.attempt, 0)
+        stale.open(JobRecord(Job(job_id="k", prompt="x"), "normal", None, 0, 0.0, None, None), Claimed(old.token, old.attempt, 0, 0, False))
         await r.delete(keys.claim_key("k", prefix))  # the stale holder's lease lapses...
         (new,) = await claims.take(["k"])  # ...and another worker claims the job
-        holder.open(Job(job_id="k", prompt="x"), "normal", Offset(None, 0), 0.0, new.token, new.attempt, 0)
+        holder.open(JobRecord(Job(job_id="k", prompt="x"), "normal", None, 0, 0.0, None, None), Claimed(new.token, new.attempt, 0, 0, False))
         for t in (holder, stale):
             t.accepted("k")
             t.apply_outputs([RequestOutput("k", [4, 5], "yz", finished=True, finish_reason="length")])
@@ -74,7 +75,7 @@ def test_resent_events_are_dropped(services, prefix):
         await claims.release([("m", m2.token, m2.attempt)])
         assert await claims.renew({"m": (m1.token, m1.attempt)}) == {"m"}
         first_holder = JobTable("w1")
-        first_holder.open(Job(job_id="m", prompt="x"), "normal", Offset(None, 0), 0.0, m1.token, m1.attempt, 0)
+        first_holder.open(JobRecord(Job(job_id="m", prompt="x"), "normal", None, 0, 0.0, None, None), Claimed(m1.token, m1.attempt, 0, 0, False))
         first_holder.accepted("m")
         assert await pub.send(first_holder.drain()) == {"m"}
         k_log = [decode_event(f[b"e"]) for _, f in await r.xrange(keys.log_key("k", prefix))]

@@ -28,6 +28,7 @@ from tests.integration.helpers import (
     start_worker,
     stop_worker,
     wait_group_members,
+    wait_until,
 )
 from worker.client import InflightClient
 from worker.engine import Engine
@@ -129,7 +130,7 @@ def test_a_freed_slot_goes_to_high_priority_first(services, prefix):
         async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
             low = [await client.submit(f"low {i}", params=params, job_id=f"low-{i}", priority="low")
                    for i in range(40)]
-            await asyncio.sleep(1.0)
+            await wait_until(lambda: any(j.priority == "low" for j in w.table), 30, "the worker holds low jobs")
             watcher = asyncio.create_task(watch())
             high = [await client.submit(f"high {i}", params=params, job_id=f"high-{i}", priority="high")
                     for i in range(4)]

@@ -7,6 +7,8 @@ flight (the next step boundary)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from schemas.params import SamplingParams
@@ -142,8 +144,8 @@ def test_a_failing_forward_in_flight_follows_the_sequential_rules():
             raise RuntimeError("kernel failed\nsecond line")
         return real(sched)
 
-    eng.runner.execute = execute  # launch (the null runner computes at launch) goes through the fallback
-    eng.runner.launch = None
+    eng.runner.execute = execute  # a runner without launch (the null runner computes at launch): the fallback
+    eng.runner.capabilities = dataclasses.replace(eng.runner.capabilities, async_launch=False)
     outs = [o for _ in range(8) for o in eng.step()]
     bad = [o for o in outs if o.request_id == "bad"]
     assert bad[-1].finish_reason == "error" and len(bad) == 1

@@ -8,7 +8,9 @@ import pytest
 
 from schemas.wire import ErrorInfo, Finished, FinishReason, Job, Restarted, Started, Token
 from worker.engine import RequestOutput, Usage
-from worker.serve.jobs import JobState, JobTable, Offset
+from worker.serve.claims import Claimed
+from worker.serve.jobs import JobState, JobTable
+from worker.serve.read_ahead import JobRecord
 
 
 def out(rid: str, ids: list[int], text: str, reason: str | None = None) -> RequestOutput:
@@ -18,8 +20,8 @@ def out(rid: str, ids: list[int], text: str, reason: str | None = None) -> Reque
 
 
 def open_job(table: JobTable, job_id: str = "j", attempt: int = 1, next_seq: int = 0):
-    return table.open(Job(job_id=job_id, prompt="hi", metadata={"m": 1}), "high", Offset("tp", 7), 100.0,
-                      "token", attempt, next_seq)
+    return table.open(JobRecord(Job(job_id=job_id, prompt="hi", metadata={"m": 1}), "high", "tp", 7, 100.0, None, None),
+                      Claimed("token", attempt, next_seq, 0, False))
 
 
 def kinds(events) -> list[str]:
@@ -131,7 +133,7 @@ def test_histories_hold_what_redis_must_hold_after_data_loss():
     old = open_job(t, "old")
     open_job(t, "running")
     prior = ((0, 1, b"started"), (1, 1, b"token"))  # attempt 1's entries, found at the claim
-    t.open(Job(job_id="finishing", prompt="hi"), "high", Offset("tp", 7), 100.0, "token", 2, 5, prior=prior)
+    t.open(JobRecord(Job(job_id="finishing", prompt="hi"), "high", "tp", 7, 100.0, None, None), Claimed("token", 2, 5, 0, False, prior))
     for jid in ("done", "old", "running", "finishing"):
         t.accepted(jid)
         t.apply_outputs([out(jid, [1], "x")])
@@ -186,7 +188,7 @@ def test_terminal_event_carries_usage_timings_and_error():
 
 def test_jobs_held_per_tenant_count_until_the_terminal_event():
     t = JobTable("w1", clock=lambda: 101.0)
-    jobs = [t.open(Job(job_id=f"j{i}", prompt="hi", tenant=tenant), "normal", Offset("tp", i), 100.0, "tok", 1, 0)
+    jobs = [t.open(JobRecord(Job(job_id=f"j{i}", prompt="hi", tenant=tenant), "normal", "tp", i, 100.0, None, None), Claimed("tok", 1, 0, 0, False))
             for i, tenant in enumerate(["a", "a", "b", None, "b"])]
     assert t.held_by_tenant() == {"a": 2, "b": 2, "": 1}
     t.hand_back("j0")

@@ -261,7 +261,7 @@ def preemption_scenario(policy: str = "optimistic", async_scheduling: bool = Fal
                            key=lambda req: req.arrival_seq)
         need, state = 0, {}
         for req in preempted:
-            need += kv.num_blocks_to_admit(req, req.num_tokens, [], sched._reserve_tokens(req))
+            need += kv.num_blocks_to_admit(req, req.num_tokens, [], sched.reserve_tokens(req))
             state[req.request_id] = kv.num_free_blocks >= need and sched.num_running < 8
         waiting.append(state)
         assert r.step_no < 2000

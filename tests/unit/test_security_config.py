@@ -168,9 +168,10 @@ def test_publisher_builds_each_events_keys_with_its_jobs_tenant():
     data loss finds the tenant of held and recently finished jobs (JobTable.tenant_of)."""
     from schemas.wire import Job
     from worker.engine import RequestOutput
-    from worker.serve.claims import ClaimStore
-    from worker.serve.jobs import JobTable, Offset
+    from worker.serve.claims import Claimed, ClaimStore
+    from worker.serve.jobs import JobTable
     from worker.serve.publish import Publisher
+    from worker.serve.read_ahead import JobRecord
 
     class FakeRedis:
         def register_script(self, src):
@@ -178,7 +179,7 @@ def test_publisher_builds_each_events_keys_with_its_jobs_tenant():
 
     table = JobTable("w1")
     for jid, tenant in (("a1", "acme"), ("n1", None)):
-        table.open(Job(job_id=jid, prompt="x", tenant=tenant), "normal", Offset("tp", 0), 0.0, "tok", 1, 0)
+        table.open(JobRecord(Job(job_id=jid, prompt="x", tenant=tenant), "normal", "tp", 0, 0.0, None, None), Claimed("tok", 1, 0, 0, False))
         table.accepted(jid)
         table.apply_outputs([RequestOutput(jid, [5], "y", finished=True, finish_reason="length")])
     rnd = table.drain()

@@ -26,13 +26,15 @@ from schemas.wire import ErrorInfo, FinishReason, Job
 from worker.client.tracing import ProducerSpans
 from worker.config import EngineConfig, ServingTuning, TracingConfig
 from worker.engine import RequestOutput, Usage
+from worker.engine.inputs import RequestInput
 from worker.engine.outputs import RequestTimes, TraceEvent
 from worker.model.null_runner import null_engine
 from worker.obs.metrics import Metrics, exposition
 from worker.obs.otlp_json import any_value, encode_request
 from worker.obs.trace_context import ACTIVE, add_trace_ids, context_from_headers, headers_for
 from worker.obs.tracing import OFF, setup_tracing
-from worker.serve.jobs import JobTable, Offset
+from worker.serve.claims import Claimed
+from worker.serve.jobs import JobTable
 from worker.serve.read_ahead import JobRecord
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +66,7 @@ def run_job(tr, table: JobTable, job: Job, headers=(), attempt: int = 1, times: 
     submitted at 1000.3, first token at 1000.6, finished at 1001.0, published, recorded,
     offset done at 1001.2."""
     rec = record(job, headers)
-    held = table.open(job, "normal", Offset(TP, 42), rec.enqueue_time, "tok", attempt, 0, raw=b"raw")
+    held = table.open(JobRecord(job, "normal", TP, 42, rec.enqueue_time, b"raw", None), Claimed("tok", attempt, 0, 0, False))
     held.trace = tr.open_job(rec, held, 1000.1, 1000.2)
     if held.trace is None:
         return held
@@ -162,14 +164,14 @@ def test_rejected_cancelled_restarted_and_handed_back_jobs_say_so():
     # rejected before the engine (DLQ)
     job = Job(job_id="rej", prompt="x" * 10)
     rec = record(job)
-    held = table.open(job, "normal", Offset(TP, 1), 999.0, "tok", 1, 0, raw=b"raw")
+    held = table.open(JobRecord(job, "normal", TP, 1, 999.0, b"raw", None), Claimed("tok", 1, 0, 0, False))
     held.trace = tr.open_job(rec, held, 1000.1, 1000.2)
     table.finish_local("rej", FinishReason.REJECTED, ErrorInfo(code="prompt_too_long", message="too long"),
                        dead_letter=("prompt_too_long", "too long"))
     held.trace.end(1000.5)
     # a later attempt, cancelled while it runs
     job2 = Job(job_id="can", messages=[{"role": "user", "content": "hi"}])
-    held2 = table.open(job2, "normal", Offset(TP, 2), 999.0, "tok", 2, 3)
+    held2 = table.open(JobRecord(job2, "normal", TP, 2, 999.0, None, None), Claimed("tok", 2, 3, 0, False))
     held2.trace = tr.open_job(record(job2), held2, 1000.1, 1000.2)
     table.accepted("can")
     table.request_cancel("can")
@@ -183,7 +185,7 @@ def test_rejected_cancelled_restarted_and_handed_back_jobs_say_so():
     held2.trace.end(1000.5)
     # handed back at drain
     job3 = Job(job_id="back", prompt="hi")
-    held3 = table.open(job3, "normal", Offset(TP, 3), 999.0, "tok", 1, 0)
+    held3 = table.open(JobRecord(job3, "normal", TP, 3, 999.0, None, None), Claimed("tok", 1, 0, 0, False))
     held3.trace = tr.open_job(record(job3), held3, 1000.1, 1000.2)
     table.accepted("back")
     table.hand_back("back")
@@ -247,9 +249,8 @@ def test_the_engine_records_chunks_and_preemptions_of_traced_requests_only():
         max_output_tokens=64)), vocab_size=100, max_model_len=2048)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for rid, traced in (("a", True), ("b", False), ("c", True)):
-        req = eng.input.process(rid, prompt_token_ids=list(range(1, 41)), params=params)
-        req.traced = traced
-        eng.submit(req)
+        eng.submit(eng.input.process(RequestInput.of(rid, prompt_token_ids=list(range(1, 41)), params=params,
+                                                     traced=traced)))
     times = {}
     for _ in range(2000):
         for o in eng.step():
@@ -307,7 +308,7 @@ def test_log_lines_and_exemplars_carry_the_trace_of_their_job():
     tr = tracing(exporter)
     table = JobTable("w1", clock=clock)
     job = Job(job_id="logged", prompt="hi")
-    held = table.open(job, "normal", Offset(TP, 1), 999.0, "tok", 1, 0)
+    held = table.open(JobRecord(job, "normal", TP, 1, 999.0, None, None), Claimed("tok", 1, 0, 0, False))
     held.trace = tr.open_job(record(job), held, 1000.1, 1000.2)
     line = add_trace_ids(None, "info", {"event": "job finished", "job_id": "logged"})
     assert line["trace_id"] == held.trace.trace_id and line["span_id"] == held.trace.span_id
@@ -369,7 +370,9 @@ def test_tracing_off_imports_no_opentelemetry_on_the_job_path():
         from worker.model.null_runner import null_engine
         from worker.obs.log import setup_logging
         from worker.obs.tracing import setup_tracing
-        from worker.serve.jobs import JobTable, Offset
+        from worker.serve.claims import Claimed
+        from worker.serve.jobs import JobTable
+        from worker.serve.read_ahead import JobRecord
         import worker.serve.worker, worker.gateway.app, worker.serve.starter, worker.serve.finalize
         finder.phase = "run"
         setup_logging("INFO", json=True, stream=io.StringIO())
@@ -382,7 +385,7 @@ def test_tracing_off_imports_no_opentelemetry_on_the_job_path():
             outs += eng.step()
         assert outs[-1].finished and outs[-1].times.events is None
         t = JobTable("w")
-        t.open(Job(job_id="r", prompt="hi"), "normal", Offset("tp", 1), 1.0, "tok", 1, 0)
+        t.open(JobRecord(Job(job_id="r", prompt="hi"), "normal", "tp", 1, 1.0, None, None), Claimed("tok", 1, 0, 0, False))
         t.accepted("r")
         t.apply_outputs(outs)
         held = t.drain().finished[0]
@@ -429,7 +432,7 @@ def test_the_otlp_json_encoding_follows_the_proto3_json_mapping():
     header = (("traceparent", f"00-{PARENT_TRACE}-{PARENT_SPAN}-01".encode()),)
     job = Job(job_id="json1", prompt="hi")
     rec = record(job, header)
-    held = table.open(job, "normal", Offset(TP, 42), rec.enqueue_time, "tok", 1, 0, raw=b"raw")
+    held = table.open(JobRecord(job, "normal", TP, 42, rec.enqueue_time, b"raw", None), Claimed("tok", 1, 0, 0, False))
     held.trace = tr.open_job(rec, held, 1000.1, 1000.2)
     table.finish_local("json1", FinishReason.REJECTED, ErrorInfo(code="prompt_too_long", message="long"),
                        dead_letter=("prompt_too_long", "long"))

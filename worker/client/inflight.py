@@ -40,7 +40,8 @@ from schemas.params import SamplingParams
 from schemas.pools import Pool, Pools
 from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, check_tenant
 from worker.client.routing import load_tokenizer, pool_for
-from worker.client.subscriber import RESYNC, Denied, SharedSubscriber
+from worker.client.stream import JobStream
+from worker.client.subscriber import SharedSubscriber
 from worker.client.tracing import ProducerSpans
 from worker.config import KafkaConfig, RedisConfig
 from worker.obs.stopping import stop_within
@@ -52,27 +53,34 @@ log = logging.getLogger(__name__)
 
 
 class InflightClient:
-    """Args:
-    bootstrap_servers: Kafka bootstrap servers (None: `kafka.bootstrap_servers`).
-    redis_url: Redis URL the workers publish to (None: `redis.url`).
-    kafka: Kafka connection settings (security protocol, SASL, TLS and client
-        certificate; also the default bootstrap servers and topic prefix). None: PLAINTEXT.
-    redis: Redis connection settings (ACL user, TLS and client certificate; also the
-        default URL and key prefix). None: `redis_url` as it is.
-    topic_prefix, key_prefix: must match the workers' `kafka.topic_prefix` /
-        `redis.key_prefix` (default: the configs', else `inflight`).
-    reconnect_s: how long Redis may stay unreachable before `stream` gives up (when no
-        `timeout_s` bounds it), seconds.
-    results_fallback_s: `result()` looks the job up in the durable results topic once the
-        Redis log has shown nothing for this long, and every 10 s after (a Redis that
-        restarted empty lost the log of a finished job; its outcome is still there). A
-        principal without Read on the results topic just goes without the fallback.
-    tracing, tracer_provider: PRODUCER spans and W3C trace context in the records' headers
-        (`worker.client.tracing`): None while the application has an OpenTelemetry SDK set
-        up, True always, False never; the provider defaults to OpenTelemetry's global one.
-    pools, tokenizer: pools by prompt length (a `Pools` or the `pools` section's list) and the
-        model's tokenizer (an object or a path): each job goes to the pool serving its prompt
-        length, uncounted ones to the default pool (`worker.client.routing`).
+    """The producers' and readers' client: submits jobs to Kafka, cancels them, streams
+    their events from Redis, reads their recorded outcomes.
+
+    Args:
+        bootstrap_servers: Kafka bootstrap servers (None: `kafka.bootstrap_servers`).
+        redis_url: Redis URL the workers publish to (None: `redis.url`).
+        kafka: Kafka connection settings (security protocol, SASL, TLS and client
+            certificate; also the default bootstrap servers and topic prefix). None: PLAINTEXT.
+        redis: Redis connection settings (ACL user, TLS and client certificate; also the
+            default URL and key prefix). None: `redis_url` as it is.
+        topic_prefix: must match the workers' `kafka.topic_prefix` (default: the config's,
+            else `inflight`).
+        key_prefix: must match the workers' `redis.key_prefix` (default: the config's, else
+            `inflight`).
+        reconnect_s: how long Redis may stay unreachable before `stream` gives up (when no
+            `timeout_s` bounds it), seconds.
+        results_fallback_s: `result()` looks the job up in the durable results topic once the
+            Redis log has shown nothing for this long, and every 10 s after (a Redis that
+            restarted empty lost the log of a finished job; its outcome is still there). A
+            principal without Read on the results topic just goes without the fallback.
+        tracing: PRODUCER spans and W3C trace context in the records' headers
+            (`worker.client.tracing`): None while the application has an OpenTelemetry SDK set
+            up, True always, False never.
+        tracer_provider: the spans' provider (None: OpenTelemetry's global one).
+        pools: pools by prompt length (a `Pools` or the `pools` section's list): each job goes
+            to the pool serving its prompt length (`worker.client.routing`), counted with
+            `tokenizer`; uncounted ones to the default pool.
+        tokenizer: the model's tokenizer (an object or a path), for `pools`.
 
     Raises:
         ConfigError: a secret, CA, certificate or key file cannot be read or loaded.
@@ -98,13 +106,13 @@ class InflightClient:
         self.reconnect_s = reconnect_s
         self.results_fallback_s = results_fallback_s
         self._kafka_security = kafka_security_kwargs(kafka)
-        self._results_denied = False
+        self.results_denied = False
         # Blocking pool: many concurrent streams wait for a connection (for a bounded
         # time: then a ConnectionError, retried as an outage) instead of failing at once.
         pool = redis_pool(redis, max_connections=32, health_check_interval=15,
                           retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), retry_on_error=list(REDIS_DOWN))
         self.redis = aioredis.Redis(connection_pool=pool)
-        self._subscriber = SharedSubscriber(self.redis)
+        self.subscriber = SharedSubscriber(self.redis)
         self._producer: AIOKafkaProducer | None = None
         self._results_consumer: AIOKafkaConsumer | None = None
         self._results_lock = asyncio.Lock()
@@ -154,7 +162,7 @@ class InflightClient:
         if self._results_consumer is not None:
             await stop_client(self._results_consumer, "results", timeout_s=10)
             self._results_consumer = None
-        await stop_within("client: pub/sub reader", self._subscriber.close(), 5)
+        await stop_within("client: pub/sub reader", self.subscriber.close(), 5)
         await stop_within("client: Redis connections", self.redis.aclose(), 5)
 
     async def submit(
@@ -259,8 +267,8 @@ class InflightClient:
                 out.append(ev)
         return out
 
-    async def stream(self, job_id: str, *, tenant: str | None = None, timeout_s: float | None = None,
-                     poll_s: float = 1.0, fallback: bool = False) -> AsyncIterator[Event]:
+    def stream(self, job_id: str, *, tenant: str | None = None, timeout_s: float | None = None,
+               poll_s: float = 1.0, fallback: bool = False) -> AsyncIterator[Event]:
         """Yield the job's events in `seq` order, each once, ending with `finished`.
         `tenant`: the job's tenant (submitted with one, it streams on the tenant's keys).
 
@@ -277,79 +285,7 @@ class InflightClient:
             AccessError: wrong credentials, an untrusted certificate, or this Redis user
                 may not subscribe to / read the job's channel and log (NOPERM).
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        tenant = check_tenant(tenant)
-        channel = keys.channel(job_id, self.key_prefix, tenant).encode()
-        try:
-            queue = await self._subscriber.add(channel)
-        except NoPermissionError as e:
-            raise access.explain_redis(e, self.redis_config) from None
-        last = -1
-        started = time.monotonic()
-        next_lookup = started + self.results_fallback_s
-        down_since: float | None = None
-        delay = 0.05
-        try:
-            need_log = True  # replay after subscribing: no gap
-            while True:
-                try:
-                    if need_log:
-                        evs = await self.read_log(job_id, last, tenant=tenant)
-                        need_log = False
-                    down_since, delay = None, 0.05
-                except REDIS_DOWN as e:
-                    if access.is_fatal_redis(e):  # refused, not down: retrying cannot help
-                        raise access.explain_redis(e, self.redis_config) or e from None
-                    now = time.monotonic()
-                    down_since = down_since or now
-                    if deadline is not None and now > deadline:
-                        raise TimeoutError(
-                            f"job {job_id} did not finish within {timeout_s} s (Redis unreachable)") from None
-                    if deadline is None and now - down_since > self.reconnect_s:
-                        raise
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-                    continue
-                for ev in evs:
-                    if ev.seq > last:
-                        last = ev.seq
-                        yield ev
-                        if isinstance(ev, Finished):
-                            return
-                evs = []
-                now = time.monotonic()
-                if deadline is not None and now > deadline:
-                    raise TimeoutError(f"job {job_id} did not finish within {timeout_s} s")
-                if fallback and last < 0 and now >= next_lookup and not self._results_denied:
-                    next_lookup = now + 10.0
-                    try:
-                        found = await self.lookup_results([job_id])
-                    except access.AccessError as e:
-                        if e.exit_code != access.EXIT_AUTHORIZATION:
-                            raise
-                        self._results_denied = True  # this principal may not read outcomes: Redis only
-                        log.warning("results fallback disabled: %s", e)
-                        found = {}
-                    if job_id in found:
-                        yield found[job_id]
-                        return
-                try:
-                    async with asyncio.timeout(poll_s):
-                        data = await queue.get()
-                except TimeoutError:  # quiet: check the log in case a live message was lost
-                    data = RESYNC
-                if data is RESYNC:
-                    need_log = True
-                elif isinstance(data, Denied):
-                    raise access.explain_redis(data.error, self.redis_config) from None
-                else:
-                    ev = decode_event(data)
-                    if ev.seq > last + 1:  # a gap: fill it from the log
-                        need_log = True
-                    else:
-                        evs = [ev]
-        finally:
-            await self._subscriber.remove(channel, queue)
+        return JobStream(self, job_id, tenant=tenant, timeout_s=timeout_s, poll_s=poll_s, fallback=fallback).events()
 
     async def result(self, job_id: str, timeout_s: float | None = None, *, tenant: str | None = None) -> Finished:
         """Wait for the job's terminal event; falls back to the durable results topic when

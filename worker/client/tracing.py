@@ -35,8 +35,10 @@ def _otel_trace() -> Any:
 
 
 class ProducerSpans:
-    """Args: tracing (None: while the application traces; True; False), tracer_provider
-    (None: OpenTelemetry's global one).
+    """PRODUCER spans and W3C trace context for the records a client produces (nothing while tracing is off).
+
+    Args: tracing (None: while the application traces; True; False), tracer_provider
+        (None: OpenTelemetry's global one).
 
     Raises:
         RuntimeError: `tracing=True` without the OpenTelemetry API installed.

@@ -87,7 +87,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (`EngineCore` docstring; vLLM's async scheduling). Same tokens either way.
             Unset (None): on where the forward thread mostly waits for a device (CUDA,
             the emulated device of `null_engine(device_ms=...)`: the runner's
-            `overlaps_host`), off on the CPU, where both threads run Python and share
+            `capabilities.overlaps_host`), off on the CPU, where both threads run Python and share
             the GIL (measured 0.42-1.05x of sequential steps: docs/benchmarks.md).
         max_structured_output_bytes: largest `params.structured` constraint accepted, in
             bytes of its JSON (a larger one is rejected `invalid_structured_output`, not

@@ -8,11 +8,12 @@ Map (one line per module):
     kv_window.py         SlidingWindowKVCacheManager: blocks behind an all-layer window are freed
     scheduler.py         Scheduler: per-step batch under a token budget; admission, priority, preemption
     fair_share.py        per-tenant virtual token counters inside a priority class, quotas
+    inputs.py            RequestInput (one request as callers hand it in) and its prompt kinds
     outputs.py           contract objects between scheduler, model runner, engine core and callers
-    input_processor.py   InputProcessor: tokenize + validate -> EngineCoreRequest (caller's thread)
+    input_processor.py   InputProcessor: RequestInput -> tokenize + validate -> EngineCoreRequest
     core.py              EngineCore: the step loop (forward failures, deadlines) -> token ids only
     output_processor.py  OutputProcessor: token ids -> text deltas, stop strings, final outputs
-    engine.py            Engine: the three together, the public API (add_request / abort / step)
+    engine.py            Engine: the three together, the public API (add / abort / step)
     core_proc.py         the engine core in its own process (vLLM V1's EngineCoreProc)
     core_client.py       how the worker talks to its engine: thread or process, one interface
 """
@@ -21,6 +22,7 @@ from schemas.wire import Usage
 from worker.engine.core import EngineCore
 from worker.engine.engine import Engine
 from worker.engine.input_processor import InputProcessor, ModelFacts
+from worker.engine.inputs import ChatPrompt, RequestInput, TextPrompt, TokenPrompt
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import (
     CompletionOutput,
@@ -34,6 +36,7 @@ from worker.engine.outputs import (
 from worker.engine.request import ErrorCode, Priority, RejectReason, RequestRejected
 
 __all__ = [
+    "ChatPrompt",
     "CompletionOutput",
     "Engine",
     "EngineCore",
@@ -47,8 +50,11 @@ __all__ = [
     "Priority",
     "RejectReason",
     "RequestOutput",
+    "RequestInput",
     "RequestRejected",
     "RequestTimes",
     "StepStats",
+    "TextPrompt",
+    "TokenPrompt",
     "Usage",
 ]

@@ -113,11 +113,13 @@ def safetensors_header(path: str) -> dict:
 
 
 class AdapterCatalog:
-    """Args:
-    lora_dir: the adapters' directory (`model.lora_dir`).
-    max_rank: `model.max_lora_rank`.
-    modules: the base model's LoRA-capable linear modules: name -> (in_features,
-        out_features) (`worker.model.lora.lora_modules`).
+    """The LoRA adapters under `model.lora_dir`, each checked once (config and safetensors header) and cached until its files change.
+
+    Args:
+        lora_dir: the adapters' directory (`model.lora_dir`).
+        max_rank: `model.max_lora_rank`.
+        modules: the base model's LoRA-capable linear modules: name -> (in_features,
+            out_features) (`worker.model.lora.lora_modules`).
     """
 
     @classmethod

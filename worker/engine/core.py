@@ -26,6 +26,7 @@ from collections import deque
 import torch
 
 from worker.config import ServingTuning
+from worker.engine import batch
 from worker.engine.failures import Failures, ForwardFailures
 from worker.engine.forward import start_forward
 from worker.engine.kv_cache import KVCacheManager
@@ -41,7 +42,7 @@ from worker.engine.outputs import (
     StepHandle,
     StepStats,
 )
-from worker.engine.request import FINISH_REASONS, ErrorCode, Priority, RejectReason, Request, RequestStatus
+from worker.engine.request import FINISH_REASONS, ErrorCode, RejectReason, Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.structured import GrammarCompiler, PendingGrammars
 
@@ -49,21 +50,23 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Args:
-    runner: the model runner (`Runner` protocol), owner of the KV tensors.
-    tuning: `serving_tuning`.
-    num_blocks: KV blocks of the cache.
-    eos_token_ids: ids that end generation (unless `ignore_eos`).
-    model_id: namespace of prefix-cache hashes.
-    sliding_window: W when every layer of the model reads only the last W positions
-        (blocks behind it are freed: `kv_window.py`); None otherwise.
-    grammars: compiles the grammars of constrained requests (`structured.py`); None:
-        a request with a grammar ends `rejected`.
+    """The step loop: schedule, run the forward, apply its tokens; validated requests in, token ids out (no text).
 
-    Structured outputs: a request with a grammar waits outside the scheduler until its
-    grammar is compiled (on the compiler's thread; cached by content), then joins it like
-    any new request; so a step never waits for a compile. Aborts and deadlines reach it
-    while it waits.
+    Args:
+        runner: the model runner (`Runner` protocol), owner of the KV tensors.
+        tuning: `serving_tuning`.
+        num_blocks: KV blocks of the cache.
+        eos_token_ids: ids that end generation (unless `ignore_eos`).
+        model_id: namespace of prefix-cache hashes.
+        sliding_window: W when every layer of the model reads only the last W positions
+            (blocks behind it are freed: `kv_window.py`); None otherwise.
+        grammars: compiles the grammars of constrained requests (`structured.py`); None:
+            a request with a grammar ends `rejected`.
+
+        Structured outputs: a request with a grammar waits outside the scheduler until its
+        grammar is compiled (on the compiler's thread; cached by content), then joins it like
+        any new request; so a step never waits for a compile. Aborts and deadlines reach it
+        while it waits.
     """
 
     def __init__(self, runner: Runner, tuning: ServingTuning, num_blocks: int, eos_token_ids: frozenset[int],
@@ -88,7 +91,7 @@ class EngineCore:
         self.last_step_stats: StepStats | None = None
         self._forward_total_s = 0.0  # device time of runners that do not measure it themselves
         self.async_scheduling = (tuning.async_scheduling if tuning.async_scheduling is not None
-                                 else bool(getattr(runner, "overlaps_host", False)))
+                                 else runner.capabilities.overlaps_host)
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()  # launched, not applied (async)
         self.scheduler.copy_block_tables = self.async_scheduling
         self._compiling = PendingGrammars(grammars)  # requests waiting for their grammar
@@ -187,7 +190,8 @@ class EngineCore:
             num_internal_errors=failed.num_internal_errors,
             num_failed_forwards=failed.num_failed_forwards,
             forward_s=forward_s,
-            device_busy_s=busy() if (busy := getattr(self._runner, "device_busy_s", None)) else self._forward_total_s,
+            device_busy_s=(self._runner.device_busy_s() if self._runner.capabilities.device_time
+                           else self._forward_total_s),
             num_constrained=num_constrained, mask_s=self._mask_s,
             grammar_cache_hits=hits,
             grammar_cache_misses=misses,
@@ -234,7 +238,7 @@ class EngineCore:
                 self._await_grammars()
                 return None, 0.0
             in_flight.append(launched)
-        if len(in_flight) == 1 and getattr(self._runner, "launch", None) is not None:
+        if len(in_flight) == 1 and self._runner.capabilities.async_launch:
             ahead = self._launch_next(after=in_flight[0][1])
             if ahead is not None:
                 in_flight.append(ahead)
@@ -244,7 +248,7 @@ class EngineCore:
             done = sched, handle.result()
         except Exception as e:  # the forward failed: discard what was launched behind it, then the sequential rules
             self._discard_in_flight()
-            done = self.failures.recover(self.scheduler.resolve_placeholders(sched), e, outputs, failed)
+            done = self.failures.recover(batch.resolve_placeholders(sched), e, outputs, failed)
         forward_s = time.perf_counter() - f0
         if done is None:
             return None, forward_s
@@ -258,7 +262,7 @@ class EngineCore:
             sched, handle = self._in_flight.pop()
             with contextlib.suppress(Exception):
                 handle.result()
-            self.scheduler.unschedule(sched)
+            batch.unschedule(sched)
 
     def _launch_next(self, after: StepHandle | None = None) -> tuple[SchedulerOutput, StepHandle] | None:
         """Schedule the next step and start its forward without waiting (`runner.launch`,
@@ -336,14 +340,10 @@ class EngineCore:
         generator = None
         if r.params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(r.params.seed)
-        req = Request(r.request_id, r.prompt_token_ids, r.params, max_tokens=r.max_tokens, priority=Priority(r.priority),
-                      eos_token_ids=self.eos_token_ids, arrival_seq=next(self._arrival), arrival_time=r.arrival_time,
-                      cache_salt=r.cache_salt.encode(), tenant=r.tenant, generator=generator)
-        req.deadline = r.deadline
-        req.adapter = r.adapter
+        req = Request.from_core_request(r, eos_token_ids=self.eos_token_ids, arrival_seq=next(self._arrival),
+                                        generator=generator)
         if r.deadline is not None:
             heapq.heappush(self._deadlines, (r.deadline, r.request_id))
-        req.trace = [] if r.traced else None
         self._traced |= r.traced
         return req
 
@@ -370,7 +370,7 @@ class EngineCore:
         now = time.time()
         logprobs = runner_out.logprobs
         if self._traced:  # prefill chunks of traced requests (none is looked for before one came)
-            self.scheduler.note_prefill_chunks(sched, now)
+            batch.note_prefill_chunks(sched, now)
         for req in self.scheduler.update_from_output(sched, runner_out):
             if req.first_token_time is None:
                 req.first_token_time = now

@@ -22,7 +22,7 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import structlog
@@ -64,6 +64,48 @@ OnCrash = Callable[[BaseException], None]
 class EngineCrashed(RuntimeError):
     """The engine core died (its process exited, or a step broke an invariant); the
     worker stops without committing the affected offsets, so its jobs are redelivered."""
+
+
+class EngineClient(Protocol):
+    """What the worker uses of its engine, whichever client runs it (`ThreadEngineClient`,
+    `ProcessEngineClient`; `make_engine_client` picks one). The attributes are set once
+    `start` returned; `submit`, `abort` and `wake` are called on the event loop."""
+
+    input: InputProcessor | None  # validates and tokenizes requests (the caller's threads)
+    tuning: ServingTuning  # the limits in force (resolved for the model once started)
+    tokenizer: Any
+    num_blocks: int  # KV blocks of the engine's cache
+    device: str
+    engine_threads: int  # torch threads the engine steps with
+    num_steps: int  # steps done so far
+    last_tick: float  # time.monotonic() of the step loop's last turn (liveness)
+
+    async def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs, on_crash: OnCrash) -> None:
+        """Start stepping; each step's outputs reach `on_outputs` on `loop`, a crash
+        `on_crash`. Raises EngineCrashed when the engine cannot start."""
+        ...
+
+    def submit(self, req: EngineCoreRequest) -> None:
+        """Queue a request made by `input.process`. Raises RequestRejected (duplicate id,
+        overloaded)."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """End a request: its KV cache is free at the next step boundary."""
+        ...
+
+    def wake(self) -> None:
+        """New work: the step loop looks now."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """The step loop (thread or process) runs."""
+        ...
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop stepping (blocking; bounded by `timeout` and a few seconds more)."""
+        ...
 
 
 class ThreadEngineClient:
@@ -330,7 +372,7 @@ class ProcessEngineClient:
 
 async def make_engine_client(engine: Any, spec: EngineSpec | None, tuning: ServingTuning, metrics: Metrics,
                              use_process: bool, log_level: str = "INFO",
-                             engine_threads: int | None = None) -> ThreadEngineClient | ProcessEngineClient:
+                             engine_threads: int | None = None) -> EngineClient:
     """The client for a worker: an injected `Engine` steps in a thread (its threads are
     the caller's business); else the spec's engine runs in its own process (`use_process`)
     or is built here (off the loop) and stepped in a thread, with its torch threads sized

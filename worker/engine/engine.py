@@ -1,10 +1,10 @@
 """Engine: the public API every other part (benchmarks, demo, tests, the worker's thread
 mode) uses — input processing, the engine core and output processing in one object.
 
-    add_request ──► InputProcessor (caller's thread) ──► EngineCore.add
-    step        ──► EngineCore.step ──► OutputProcessor ──► RequestOutput deltas
+    add(RequestInput) ──► InputProcessor (caller's thread) ──► EngineCore.add
+    step              ──► EngineCore.step ──► OutputProcessor ──► RequestOutput deltas
 
-Threading: `add_request` and `abort` may be called from any thread; `step` runs on one
+Threading: `add` (`add_request`, its keyword form) and `abort` may be called from any thread; `step` runs on one
 thread (the engine thread). New requests and aborts take effect at the next step
 boundary; an aborted request's KV blocks are free when that `step` returns.
 """
@@ -26,6 +26,7 @@ from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
 from worker.engine.adapters import LoRAFacts
 from worker.engine.core import EngineCore
 from worker.engine.input_processor import InputProcessor, ModelFacts
+from worker.engine.inputs import RequestInput, TextPrompt, TokenPrompt
 from worker.engine.lora_slots import LoRASlots
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import (
@@ -69,7 +70,7 @@ class Engine:
 
     Build with `Engine.from_pretrained(path, config)`. Typical loop:
 
-        engine.add_request("a", prompt="Hello", params=SamplingParams(max_tokens=8))
+        engine.add(RequestInput.of("a", "Hello", params=SamplingParams(max_tokens=8)))
         while engine.has_unfinished():
             for out in engine.step():
                 print(out.request_id, out.text, out.finish_reason)
@@ -85,7 +86,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         window = loaded.kv_layout.sliding_window
-        lora = getattr(runner, "lora", None)
+        lora = runner.lora
         lora_facts = None if lora is None else LoRAFacts(config.model.lora_dir, lora.max_rank, lora.shapes())
         self.facts = ModelFacts(vocab_size=loaded.vocab_size, max_model_len=loaded.max_model_len,
                                 kv_capacity_tokens=num_blocks * self.tuning.kv_block_size,
@@ -169,40 +170,20 @@ class Engine:
         return cls(loaded, runner, config, num_blocks)
 
     # ---- requests in (any thread) ----------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        params: SamplingParams | None = None,
-        priority: Priority | str = Priority.NORMAL,
-        cache_salt: str = "",
-        tenant: str | None = None,
-        arrival_time: float | None = None,
-        deadline: float | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        adapter: str | None = None,
-    ) -> int:
+    def add(self, inp: RequestInput) -> int:
         """Validate, tokenize and queue a request; it joins the batch at the next step.
 
-        Exactly one of `prompt` (text), `prompt_token_ids`, `messages` (chat, rendered
-        with the tokenizer's chat template). `cache_salt` (e.g. the tenant) keeps its
-        prefix-cache blocks apart from other salts. `tenant` is whose share and quotas the
-        request counts against (`serving_tuning.tenants`; None: the tenant `""`).
-        `arrival_time` and `deadline` are wall-clock seconds (`time.time()`); a request
-        still waiting (never scheduled) at its deadline ends with `finish_reason="expired"`,
-        `error_code="deadline_passed"`.
+        `inp.cache_salt` (e.g. the tenant) keeps its prefix-cache blocks apart from other
+        salts; `inp.tenant` is whose share and quotas it counts against
+        (`serving_tuning.tenants`). A request still waiting (never scheduled) at its
+        `deadline` ends with `finish_reason="expired"`, `error_code="deadline_passed"`.
 
         BOS: the ids of a text prompt or of chat messages never start with more than one
         BOS id. A text that already begins with the BOS text (`"<s>Paris…"`), tokenized by
         a tokenizer that prepends BOS, gives two (as transformers' `encode` does): the
         leading duplicates are dropped and one BOS is kept (logged at debug level); the
-        same holds for a chat template whose output starts with repeated BOS.
-        `prompt_token_ids` are used exactly as given. `tools`: OpenAI function
-        definitions passed to the chat template with `messages`. `adapter`: the name of a
-        LoRA adapter under `model.lora_dir` (lora_slots.py); None: the base model.
+        same holds for a chat template whose output starts with repeated BOS. A
+        `TokenPrompt`'s ids are used exactly as given.
 
         Returns:
             the number of prompt tokens (after the BOS rule).
@@ -210,11 +191,19 @@ class Engine:
         Raises:
             RequestRejected: with a `RejectReason`; the request was not queued.
         """
-        req = self.input.process(request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-                                 params=params, priority=priority, cache_salt=cache_salt, tenant=tenant,
-                                 arrival_time=arrival_time, deadline=deadline, tools=tools, adapter=adapter)
+        req = self.input.process(inp)
         self.submit(req)
         return len(req.prompt_token_ids)
+
+    def add_request(self, request_id: str, prompt: str | None = None, **fields: Any) -> int:
+        """`add(RequestInput.of(request_id, prompt, **fields))`: the keyword form (exactly
+        one of `prompt`, `prompt_token_ids`, `messages` with `tools`; the other fields of
+        `RequestInput` by name).
+
+        Raises:
+            RequestRejected: as `add`, and `invalid_prompt` when not exactly one prompt is given.
+        """
+        return self.add(RequestInput.of(request_id, prompt, **fields))
 
     def submit(self, req: EngineCoreRequest) -> None:
         """Queue a request already made by `self.input.process` (thread-safe).
@@ -289,10 +278,8 @@ class Engine:
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             rid = f"{base}-{i}"
-            if isinstance(p, str):
-                reqs.append(self.input.process(rid, p, params=sp, priority=priority))
-            else:
-                reqs.append(self.input.process(rid, prompt_token_ids=list(p), params=sp, priority=priority))
+            prompt = TextPrompt(p) if isinstance(p, str) else TokenPrompt(list(p))
+            reqs.append(self.input.process(RequestInput(rid, prompt, sp, priority)))
         for r in reqs:
             self.submit(r)
         ids = [r.request_id for r in reqs]

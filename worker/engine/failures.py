@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.config import ServingTuning
+from worker.engine import batch
 from worker.engine.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -81,10 +82,10 @@ class ForwardFailures:
     ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
         """The forward of `sched` raised `e`: out of memory -> back off (`_handle_oom`);
         else each request runs once more alone, here. `sched` holds no placeholder
-        (`Scheduler.resolve_placeholders`). Returns the part of the batch whose forward
+        (`batch.resolve_placeholders`). Returns the part of the batch whose forward
         succeeded and its output (to apply), or None."""
         failed.num_failed_forwards += 1
-        self.scheduler.unschedule(sched)  # progress back to before the step; retries mark theirs again
+        batch.unschedule(sched)  # progress back to before the step; retries mark theirs again
         if isinstance(e, OutOfMemoryError):
             self._handle_oom(sched.scheduled, sched.num_scheduled_tokens, e, outputs, failed)
             return None
@@ -102,16 +103,16 @@ class ForwardFailures:
             is_decode = i < sched.num_decodes
             alone = SchedulerOutput(step=sched.step, scheduled=[s], num_scheduled_tokens=s.num_tokens,
                                     num_decodes=int(is_decode), requests=[req])
-            self.scheduler.reschedule(alone)
+            batch.reschedule(alone)
             try:
                 out = self.runner.execute(alone)
             except OutOfMemoryError as e:
                 failed.num_failed_forwards += 1
-                self.scheduler.unschedule(alone)
+                batch.unschedule(alone)
                 self._handle_oom([s], s.num_tokens, e, outputs, failed)
             except Exception as e:
                 failed.num_failed_forwards += 1
-                self.scheduler.unschedule(alone)
+                batch.unschedule(alone)
                 self._fail_internal(s, e, outputs, failed)
             else:
                 ok.append(s)

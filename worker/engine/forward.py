@@ -44,7 +44,7 @@ Where it pays: when the forward runs on a device (CUDA; the emulated device) the
 work runs beside it. On the CPU the forward of a small model is Python module calls on
 the runner's forward thread, which trades the GIL with the host work, so there it
 gained little or lost when measured (0.42-1.05x of sequential steps); unset, the setting
-follows the runner's `overlaps_host` (`ServingTuning.async_scheduling`).
+follows the runner's `capabilities.overlaps_host` (`ServingTuning.async_scheduling`).
 """
 
 from __future__ import annotations
@@ -55,9 +55,8 @@ from worker.engine.outputs import ModelRunnerOutput, Runner, SchedulerOutput, St
 def start_forward(runner: Runner, sched: SchedulerOutput, after: StepHandle | None = None) -> StepHandle:
     """`runner.launch(sched, after)`, or `execute` run now for a runner without `launch`;
     an exception either raises is kept for `result()`, where the failure rules handle it."""
-    launch = getattr(runner, "launch", None)
     try:
-        return launch(sched, after) if launch is not None else Ran(runner.execute(sched), None)
+        return runner.launch(sched, after) if runner.capabilities.async_launch else Ran(runner.execute(sched), None)
     except Exception as e:
         return Ran(None, e)
 

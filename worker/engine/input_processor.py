@@ -1,5 +1,5 @@
-"""Input processing: prompt (text, chat messages or token ids) + parameters → a validated
-`EngineCoreRequest`, or `RequestRejected` with a reason. Runs in the caller's thread
+"""Input processing: a `RequestInput` (its prompt text, chat messages or token ids, and
+parameters) → a validated `EngineCoreRequest`, or `RequestRejected` with a reason. Runs in the caller's thread
 (the worker runs it in a small thread pool); stateless apart from the tokenizer, so any
 number of threads may call it. The admission checks that do not depend on load live
 here (vLLM V1's `Processor`); the engine core never sees a request that cannot run.
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from schemas.params import SamplingParams
 from worker.config import ServingTuning
 from worker.engine.adapters import AdapterCatalog, AdapterError, LoRAFacts
+from worker.engine.inputs import ChatPrompt, Prompt, RequestInput, TextPrompt, TokenPrompt
 from worker.engine.kv_window import peak_blocks
 from worker.engine.outputs import EngineCoreRequest
 from worker.engine.request import Priority, RejectReason, RequestRejected
@@ -46,11 +46,13 @@ class ModelFacts:
 
 
 class InputProcessor:
-    """Args:
-    tokenizer: a transformers tokenizer (or anything with `encode`,
-        `apply_chat_template` and `bos_token_id`).
-    facts: the model and engine facts the checks use.
-    tuning: `serving_tuning` (max_input_tokens, max_output_tokens).
+    """Tokenizes and validates requests (`RequestInput` -> `EngineCoreRequest`) in the caller's thread.
+
+    Args:
+        tokenizer: a transformers tokenizer (or anything with `encode`,
+            `apply_chat_template` and `bos_token_id`).
+        facts: the model and engine facts the checks use.
+        tuning: `serving_tuning` (max_input_tokens, max_output_tokens).
     """
 
     def __init__(self, tokenizer: Any, facts: ModelFacts, tuning: ServingTuning) -> None:
@@ -62,34 +64,19 @@ class InputProcessor:
                                          cache_size=tuning.grammar_cache_size)
         self.adapters = AdapterCatalog.from_facts(facts.lora) if facts.lora is not None else None
 
-    def process(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        params: SamplingParams | None = None,
-        priority: Priority | str = Priority.NORMAL,
-        cache_salt: str = "",
-        tenant: str | None = None,
-        arrival_time: float | None = None,
-        deadline: float | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        adapter: str | None = None,
-    ) -> EngineCoreRequest:
-        """Tokenize and validate one request (see `Engine.add_request` for the rules).
+    def process(self, inp: RequestInput) -> EngineCoreRequest:
+        """Tokenize and validate one request (see `Engine.add` for the rules).
 
         Raises:
             RequestRejected: with a `RejectReason`; nothing was queued anywhere.
         """
-        params = params or SamplingParams()
+        request_id, params = inp.request_id, inp.params
         try:
-            prio = Priority.parse(priority)
+            prio = Priority.parse(inp.priority)
         except ValueError as e:
             raise RequestRejected(request_id, RejectReason.INVALID_PARAMS, str(e)) from None
-        ids = self.tokenize(request_id, prompt, prompt_token_ids, messages, tools)
-        max_tokens = self.check_limits(request_id, ids, params, tenant or "")
+        ids = self.tokenize(request_id, inp.prompt)
+        max_tokens = self.check_limits(request_id, ids, params, inp.tenant or "")
         grammar = None
         if params.structured is not None:
             try:
@@ -97,12 +84,13 @@ class InputProcessor:
             except StructuredOutputError as e:
                 raise RequestRejected(request_id, RejectReason.INVALID_STRUCTURED_OUTPUT,
                                       f"params.structured ({params.structured.__struct_config__.tag}): {e}") from None
-        if adapter is not None:
-            self.check_adapter(request_id, adapter)
-            cache_salt = f"{cache_salt}\x00lora:{adapter}"  # two adapters never share KV
+        cache_salt = inp.cache_salt
+        if inp.adapter is not None:
+            self.check_adapter(request_id, inp.adapter)
+            cache_salt = f"{cache_salt}\x00lora:{inp.adapter}"  # two adapters never share KV
         return EngineCoreRequest(request_id, ids, params, max_tokens, int(prio),
-                                 time.time() if arrival_time is None else arrival_time, deadline, cache_salt,
-                                 tenant or "", grammar, adapter=adapter)
+                                 time.time() if inp.arrival_time is None else inp.arrival_time, inp.deadline,
+                                 cache_salt, inp.tenant or "", grammar, inp.traced, inp.adapter)
 
     def check_adapter(self, request_id: str, adapter: str) -> None:
         """RequestRejected (`unknown_adapter`, `invalid_adapter`) unless `adapter` can be
@@ -115,39 +103,32 @@ class InputProcessor:
         except AdapterError as e:
             raise RequestRejected(request_id, RejectReason(e.code), e.message) from None
 
-    def tokenize(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: Sequence[int] | None,
-        messages: list[dict[str, Any]] | None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        """Prompt ids: exactly one of the three inputs; token ids in the vocabulary; not
-        empty; at most one leading BOS for text and chat (see `Engine.add_request`).
-        `tools` (OpenAI function definitions) go to the chat template with `messages`."""
-        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
-        if sum(given) != 1:
-            raise RequestRejected(
-                request_id, RejectReason.INVALID_PROMPT, "give exactly one of prompt, prompt_token_ids, messages"
-            )
-        if prompt is not None:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
-        elif messages is not None:
-            if not messages:
+    def tokenize(self, request_id: str, prompt: Prompt) -> list[int]:
+        """Prompt ids: token ids in the vocabulary; not empty; at most one leading BOS for
+        text and chat (see `Engine.add`). A chat prompt's `tools` (OpenAI function
+        definitions) go to the chat template with its messages.
+
+        Raises:
+            RequestRejected: `invalid_prompt` (ids out of the vocabulary, a chat template
+                that fails), `empty_prompt`.
+        """
+        if isinstance(prompt, TextPrompt):
+            ids = self.tokenizer.encode(prompt.text, add_special_tokens=True) if prompt.text else []
+        elif isinstance(prompt, ChatPrompt):
+            if not prompt.messages:
                 ids = []
             else:
                 try:
                     ids = list(
                         self.tokenizer.apply_chat_template(
-                            messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                            prompt.messages, tools=prompt.tools or None, add_generation_prompt=True, tokenize=True,
                             return_dict=False,
                         )
                     )
                 except Exception as e:  # template errors are the producer's input errors
                     raise RequestRejected(request_id, RejectReason.INVALID_PROMPT, f"chat template failed: {e}") from e
         else:
-            ids = list(prompt_token_ids or [])
+            ids = list(prompt.token_ids)
             vocab = self.facts.vocab_size
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 bad = [t for t in ids if not 0 <= t < vocab]
@@ -157,7 +138,7 @@ class InputProcessor:
         if not ids:
             raise RequestRejected(request_id, RejectReason.EMPTY_PROMPT, "the prompt has no tokens")
         bos = getattr(self.tokenizer, "bos_token_id", None)
-        if prompt_token_ids is None and bos is not None and len(ids) > 1 and ids[1] == bos and ids[0] == bos:
+        if not isinstance(prompt, TokenPrompt) and bos is not None and len(ids) > 1 and ids[1] == bos and ids[0] == bos:
             n = next((i for i, t in enumerate(ids) if t != bos), len(ids))
             log.debug("request %s: prompt starts with %d BOS ids; keeping one", request_id, n,
                       extra={"job_id": request_id})

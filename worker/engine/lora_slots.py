@@ -61,12 +61,14 @@ class ResidentAdapter:
 
 
 class LoRASlots:
-    """Args:
-    max_loras: device slots (`model.max_loras`).
-    max_per_batch: distinct adapters in the running batch (`max_loras_per_batch`).
-    max_admission_skips: `serving_tuning.max_admission_skips` (see `hold`).
-    load: adapter name -> (weights, num_params); runs on the loader thread; raises on
-        a bad adapter (its message ends the waiting requests).
+    """The device slots of LoRA adapters: which are resident, pinned by running requests, loading; LRU eviction.
+
+    Args:
+        max_loras: device slots (`model.max_loras`).
+        max_per_batch: distinct adapters in the running batch (`max_loras_per_batch`).
+        max_admission_skips: `serving_tuning.max_admission_skips` (see `hold`).
+        load: adapter name -> (weights, num_params); runs on the loader thread; raises on
+            a bad adapter (its message ends the waiting requests).
     """
 
     def __init__(self, max_loras: int, max_per_batch: int | None, load: Callable[[str], tuple[Any, int]],

@@ -47,9 +47,11 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    """Args:
-    tokenizer: a transformers tokenizer (its fast backend decodes) or anything with
-        `decode(ids, skip_special_tokens=...)`.
+    """Turns each step's token ids into text deltas per request: incremental detokenization, stop strings, final outputs.
+
+    Args:
+        tokenizer: a transformers tokenizer (its fast backend decodes) or anything with
+            `decode(ids, skip_special_tokens=...)`.
     """
 
     def __init__(self, tokenizer: Any) -> None:

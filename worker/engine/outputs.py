@@ -121,13 +121,32 @@ class ModelRunnerOutput:
     mask_s: float = 0.0  # seconds spent computing and applying structured-output masks
 
 
+@dataclass(slots=True, frozen=True)
+class RunnerCapabilities:
+    """What a model runner can do beyond `execute`, declared by the runner itself (the
+    engine reads these, it never probes for methods).
+
+    Attributes:
+        async_launch: it has `launch` (asynchronous steps need it).
+        device_time: it measures the device's busy time (`device_busy_s`); else the
+            core counts its own forward wall time.
+        overlaps_host: the forward thread mostly waits for a device (kernels queued, the
+            GIL released in the sync), so asynchronous steps pay: the default of
+            `serving_tuning.async_scheduling`.
+    """
+
+    async_launch: bool = False
+    device_time: bool = False
+    overlaps_host: bool = False
+
+
 class Runner(Protocol):
-    """What the engine core needs of a model runner (`ModelRunner`, `NullRunner`)."""
+    """What the engine core needs of a model runner (`ModelRunner`, `NullRunner`). The
+    methods after `execute` exist where `capabilities` says so."""
 
     device: torch.device
-    # optional: True when the forward thread mostly waits for a device, so asynchronous
-    # steps pay (the default of `serving_tuning.async_scheduling`); absent = False
-    overlaps_host: bool
+    capabilities: RunnerCapabilities
+    lora: Any  # the adapters' slots (`worker.model.lora.LoRAWeights`) when model.lora_dir is set, else None
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the packed batch; a token for every request whose chunk
@@ -136,7 +155,7 @@ class Runner(Protocol):
         ...
 
     def launch(self, sched: SchedulerOutput, after: StepHandle | None = None) -> StepHandle:
-        """Optional (asynchronous steps need it): start the forward of `sched` and return
+        """Where `capabilities.async_launch`: start the forward of `sched` and return
         at once. Launches run in order, each after the one before; `after` is the launch
         still in flight when `sched` was scheduled (None: none was), and a
         `PLACEHOLDER_TOKEN` input of `sched` is the token `after` samples for that
@@ -147,7 +166,7 @@ class Runner(Protocol):
     def device_busy_s(self) -> float:
         """Seconds the device has spent on this runner's steps so far (monotonic): CUDA
         events on a GPU, the forward's wall time on the CPU, the queue of an emulated
-        device. Optional: the core uses its own forward time when a runner lacks it."""
+        device. Where `capabilities.device_time`."""
         ...
 
 

@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from schemas.wire import FinishReason
-from worker.engine.outputs import TraceEvent
+from worker.engine.outputs import EngineCoreRequest, TraceEvent
 
 if TYPE_CHECKING:
     import torch
@@ -206,6 +206,20 @@ class Request:
         self.adapter: str | None = None  # its LoRA adapter's name (lora_slots.py); None: the base model
         self.lora_slot = -1  # the adapter's device slot while it runs
         self.trace: list[TraceEvent] | None = None  # what the engine did to it, if traced; None: not traced
+
+    @classmethod
+    def from_core_request(cls, r: EngineCoreRequest, *, eos_token_ids: frozenset[int], arrival_seq: int,
+                          generator: torch.Generator | None) -> Request:
+        """The scheduler's request for a validated `EngineCoreRequest` (vLLM V1's
+        `Request.from_engine_core_request`): the engine core adds its arrival order, the
+        model's EOS ids and the seeded generator (None: unseeded)."""
+        req = cls(r.request_id, r.prompt_token_ids, r.params, max_tokens=r.max_tokens, priority=Priority(r.priority),
+                  eos_token_ids=eos_token_ids, arrival_seq=arrival_seq, arrival_time=r.arrival_time,
+                  cache_salt=r.cache_salt.encode(), tenant=r.tenant, generator=generator)
+        req.deadline = r.deadline
+        req.adapter = r.adapter
+        req.trace = [] if r.traced else None
+        return req
 
     def note(self, name: str, tokens: int = 0, reason: str = "", t: float | None = None) -> None:
         """Record a `TraceEvent` at `t` (Unix s; None: now) if the request is traced."""

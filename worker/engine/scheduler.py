@@ -57,22 +57,18 @@ of the KVCacheManager. The engine thread owns it.
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Iterable
 
 from worker.config import ServingTuning
-from worker.engine import batch
+from worker.engine.admission import AdmissionPass, StepPlan
 from worker.engine.batch import apply_batch, build_batch
-from worker.engine.fair_share import ClassQueue, Tenant, pick_next
+from worker.engine.fair_share import ClassQueue, Tenant
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.lora_slots import LoRASlots
 from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.engine.preemption import RESERVE_AFTER_PREEMPTIONS, room_victims, victim_for
 from worker.engine.request import Priority, Request, RequestStatus
 from worker.engine.tiering import LongPrefillCap
-
-# Blocked waiting requests one step passes over before it stops admitting (bounds its cost).
-MAX_SKIPPED_PER_STEP = 64
 
 
 def _rank_key(req: Request) -> tuple[int, int]:
@@ -96,7 +92,7 @@ class Scheduler:
         self.long_prefills = LongPrefillCap(tuning)
         self._num_freed = 0  # running requests that left the batch since the last schedule()
         self.copy_block_tables = False  # steps run ahead (EngineCore's asynchronous steps): snapshot tables
-        self._may_yield = False  # this step: no slot freed since the last one (fair_share Yield)
+        self.may_yield = False  # this step: no slot freed since the last one (fair_share Yield)
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -122,7 +118,7 @@ class Scheduler:
             tenant = self.tenants[req.tenant] = Tenant(req.tenant, self.tuning.tenant_policy(req.tenant))
         tenant.num_requests += 1
         req.share = self.classes[req.priority].join(tenant, self.step_count)
-        self._push_waiting(req)
+        self.push_waiting(req)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string, error): free its blocks now.
@@ -162,22 +158,28 @@ class Scheduler:
         return int(req.priority) - (self.step_count - req.arrival_step) // self.tuning.priority_aging_steps
 
     def schedule(self, max_batched_tokens: int | None = None) -> SchedulerOutput:
-        """Build the next step's batch (rules in the module docstring). `max_batched_tokens`
-        lowers the step's token budget below `tuning.max_batched_tokens` (the engine's
-        back-off after an OOM)."""
+        """Build the next step's batch (rules in the module docstring): the running
+        requests first, then, unless that preempted, the waiting ones (`AdmissionPass`).
+        `max_batched_tokens` lowers the step's token budget below
+        `tuning.max_batched_tokens` (the engine's back-off after an OOM)."""
         self.step_count += 1
         # A Yield only in a step after one that freed no slot: while requests end, Pick
         # hands the next free slot to the tenant behind within a step, without recompute.
-        self._may_yield = self.fair and self._num_freed == 0
+        self.may_yield = self.fair and self._num_freed == 0
         self._num_freed = 0
-        tuning = self.tuning
-        budget = min(max_batched_tokens or tuning.max_batched_tokens, tuning.max_batched_tokens)
-        scheduled: dict[str, int] = {}
-        preempted: list[str] = []
-        longs = self.long_prefills
-        longs.start_step()
+        limit = self.tuning.max_batched_tokens
+        plan = StepPlan(min(max_batched_tokens or limit, limit))
+        self.long_prefills.start_step()
+        self._schedule_running(plan)
+        if not plan.preempted:  # as vLLM V1: a victim is never re-admitted in the step it lost its blocks
+            AdmissionPass(self, plan).run()
+        return build_batch(self.step_count, plan.scheduled, self.requests, self.kv.block_table,
+                           self.copy_block_tables, self.loras.resident if self.loras else None)
 
-        # 1. running: decodes first, then continuing prefill chunks, each in rank order.
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Phase 1: decodes first, then continuing prefill chunks, each in rank order; a
+        request that finds no free block preempts a victim (`preemption.victim_for`), and
+        one over its tenant's KV quota preempts inside that tenant."""
         decodes: list[Request] = []
         prefills: list[Request] = []
         ending: list[Request] = []
@@ -192,127 +194,41 @@ class Scheduler:
             (decodes if num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
         for r in ending:
             self.finish(r.request_id, RequestStatus.FINISHED_LENGTH)
-        running = RequestStatus.RUNNING
+        longs = self.long_prefills
         for req in decodes + prefills:
-            if req.status != running or budget == 0:
-                continue
-            num_new = min(len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens, budget)
+            if req.status != RequestStatus.RUNNING or plan.budget == 0:
+                continue  # preempted by one ranked before it this step, or no budget left
+            num_new = min(len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens, plan.budget)
             is_long = num_new > 1 and longs.is_long(req)
             if is_long:
                 num_new = longs.chunk(num_new)
                 if num_new == 0:
                     continue  # the cap is spent: it keeps its blocks and goes on next step
-            while True:
+            while True:  # only a decode asks for a new block: admission allocated the whole prefill
                 if self._kv_quotas and self._over_kv_quota(req, num_new):
                     victim = self._victim_for(req, req.share.tenant)
                     why = "kv_quota"
-                elif self.kv.allocate(req, num_new, reserve_tokens=self._reserve_tokens(req)):
-                    scheduled[req.request_id] = num_new
-                    budget -= num_new
+                elif self.kv.allocate(req, num_new, reserve_tokens=self.reserve_tokens(req)):
+                    plan.scheduled[req.request_id] = num_new
+                    plan.budget -= num_new
                     if is_long:
                         longs.spend(num_new)
                     break
                 else:
                     victim = self._victim_for(req)
                     why = "kv_full"
-                budget += self._preempt(victim, scheduled, why)
-                preempted.append(victim.request_id)
+                plan.budget += self._preempt(victim, plan.scheduled, why)
+                plan.preempted.append(victim.request_id)
                 if victim is req:
                     break
-        if preempted:
-            return self._build_output(scheduled)
-
-        # 2. waiting: best class rank, tenant share inside it, bounded skipping.
-        skipped: list[Request] = []
-        skipped_rank: int | None = None
-        excluded: set[Tenant] = set()  # at a quota this step: their requests wait
-        over_quota: list[Request] = []
-        deferred: list[Request] = []  # long prompts past this step's long-prefill cap
-        admitted: set[str] = set()
-        while budget > 0:
-            found = pick_next(self.classes, excluded, self.effective_rank)
-            if found is None:
-                break
-            req, rank = found
-            if skipped_rank is not None and rank > skipped_rank:
-                break  # nothing passes a blocked request of a better rank
-            tenant = req.share.tenant
-            if tenant.is_at_running_cap:
-                excluded.add(tenant)
-                continue
-            if (len(self.running) >= tuning.max_running_requests and self.running[-1].effective_rank <= rank
-                    and not (self._may_yield and self.classes[req.priority].may_yield(req.share))):
-                break  # no slot and none to take: nothing ranked behind can start either
-            if req.num_in_flight_steps:  # preempted while a step computed for it: it holds the
-                break  # reservation until that step is applied (its stream's tokens all known)
-            if req.adapter is not None and (held := self.loras.hold(req, skipped, deferred)) is not None:
-                self._pop_waiting(req)  # its adapter is loading, or blocked (lora_slots.py)
-                if held:
-                    break  # it holds the reservation: the batch's adapters drain until it fits
-                continue
-            self._pop_waiting(req)  # before any victim is requeued (aging can rank a victim ahead of it)
-            cached_blocks = self.kv.find_cached_prefix(req)
-            num_computed = len(cached_blocks) * self.kv.block_size
-            num_prefill = req.num_tokens - num_computed
-            limit = longs.chunk(min(num_prefill, budget)) if longs.is_long(req) else None
-            if limit == 0:
-                deferred.append(req)
-                continue
-            reserve = self._reserve_tokens(req)
-            if tenant.max_kv_blocks is not None and (self.kv.num_blocks_held(tenant.name) + self.kv.table_growth(
-                    req, num_prefill, cached_blocks, reserve) > tenant.max_kv_blocks):
-                excluded.add(tenant)
-                over_quota.append(req)
-                continue
-            num_blocks = self.kv.num_blocks_to_admit(req, num_prefill, cached_blocks, reserve)
-            given_back = self._make_room(req, rank, num_blocks, scheduled, preempted, admitted)
-            room = budget + (given_back or 0)
-            num_alloc = self.kv.admission_tokens(num_prefill, min(room, limit) if limit else room)
-            if given_back is None or not self.kv.allocate(req, num_alloc, cached_blocks, reserve_tokens=reserve):
-                skipped.append(req)
-                if (req.status == RequestStatus.PREEMPTED or req.num_skips >= tuning.max_admission_skips
-                        or len(skipped) > MAX_SKIPPED_PER_STEP):
-                    break  # it holds a reservation: nothing ranked behind it is admitted
-                skipped_rank = rank
-                continue
-            budget += given_back
-            if req.status == RequestStatus.WAITING:  # first admission (not a re-admission)
-                req.num_cached_tokens = num_computed
-                req.first_scheduled_time = time.time()
-                if self.fair:  # VTC charges the prompt at admission (its computed tokens only)
-                    req.share.counter += (req.num_prompt_tokens - num_computed) * req.share.prefill_cost
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_computed
-            req.effective_rank = rank
-            req.num_skips = 0
-            self._add_running(req)
-            admitted.add(req.request_id)
-            scheduled[req.request_id] = min(num_prefill, budget, limit or budget)
-            budget -= scheduled[req.request_id]
-            if limit:
-                longs.spend(scheduled[req.request_id])
-            for s in skipped:
-                s.num_skips += 1
-            if any(s.num_skips >= tuning.max_admission_skips for s in skipped):
-                break
-        for req in skipped + over_quota + deferred:
-            self._push_waiting(req)
-        return self._build_output(scheduled)
 
     def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
         """Apply a step whose forward succeeded (`batch.apply_batch`). Returns requests that
         got a token."""
         return apply_batch(out, runner_out, self.kv, self.fair, self.finish)
 
-    # a step whose forward will not be applied taken back; marked scheduled again (retried);
-    # with its placeholder inputs replaced (batch.py)
-    unschedule, reschedule = staticmethod(batch.unschedule), staticmethod(batch.reschedule)
-    resolve_placeholders = staticmethod(batch.resolve_placeholders)
-
-    note_prefill_chunks = staticmethod(batch.note_prefill_chunks)  # traced requests' prefill chunks (batch.py)
-
     # ---- helpers -------------------------------------------------------------------
-    def _reserve_tokens(self, req: Request) -> int:
+    def reserve_tokens(self, req: Request) -> int:
         """Tokens the request's blocks must cover from admission on: prompt + max_tokens
         under `kv_policy: reserve` or once it has been preempted RESERVE_AFTER_PREEMPTIONS
         times; else 0 (optimistic)."""
@@ -325,10 +241,11 @@ class Scheduler:
         tenant = req.share.tenant
         if tenant.max_kv_blocks is None:
             return False
-        growth = self.kv.table_growth(req, num_new, reserve_tokens=self._reserve_tokens(req))
+        growth = self.kv.table_growth(req, num_new, reserve_tokens=self.reserve_tokens(req))
         return growth > 0 and self.kv.num_blocks_held(tenant.name) + growth > tenant.max_kv_blocks
 
-    def _add_running(self, req: Request) -> None:
+    def add_running(self, req: Request) -> None:
+        """`req` joins the running batch (rank order; its adapter pinned; its tenant's count)."""
         if req.adapter is not None:
             req.lora_slot = self.loras.pin(req.adapter)
         bisect.insort(self.running, req, key=_rank_key)
@@ -358,22 +275,22 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
-        self._push_waiting(victim)
+        self.push_waiting(victim)
         return scheduled.pop(victim.request_id, 0)
 
     def _victim_for(self, req: Request, tenant: Tenant | None = None) -> Request:
-        return victim_for(self.running, req, lambda r: bool(self._reserve_tokens(r)), self.fair, tenant)
+        return victim_for(self.running, req, lambda r: bool(self.reserve_tokens(r)), self.fair, tenant)
 
-    def _make_room(self, req: Request, rank: int, num_blocks: int, scheduled: dict[str, int],
-                   preempted: list[str], admitted: set[str]) -> int | None:
+    def make_room(self, req: Request, rank: int, num_blocks: int, plan: StepPlan) -> int | None:
         """Give waiting `req` (of `rank`) a slot and `num_blocks` free blocks by
-        preempting what `preemption.room_victims` chooses. Preempts nothing and returns
-        None if that cannot be done; else the token budget the victims gave back."""
+        preempting what `preemption.room_victims` chooses (never a request `plan`
+        admitted this step). Preempts nothing and returns None if that cannot be done;
+        else the token budget the victims gave back."""
         cq = self.classes[req.priority]
         yield_victims = None
-        if self._may_yield and cq.may_yield(req.share):
+        if self.may_yield and cq.may_yield(req.share):
             def can_yield(r: Request) -> bool:
-                return r.effective_rank == rank and r.request_id not in admitted and not self._reserve_tokens(r)
+                return r.effective_rank == rank and r.request_id not in plan.admitted and not self.reserve_tokens(r)
 
             def yield_victims() -> Iterable[Request]:
                 return cq.yield_victims(req.share, can_yield)
@@ -384,16 +301,14 @@ class Scheduler:
             return None
         given_back = 0
         for victim in victims:
-            given_back += self._preempt(victim, scheduled, "admission")
-            preempted.append(victim.request_id)
+            given_back += self._preempt(victim, plan.scheduled, "admission")
+            plan.preempted.append(victim.request_id)
         return given_back
 
-    def _pop_waiting(self, req: Request) -> None:
+    def pop_waiting(self, req: Request) -> None:
+        """`req` leaves its class's waiting queue (admission is trying it)."""
         self.classes[req.priority].pop(req)
 
-    def _push_waiting(self, req: Request) -> None:
+    def push_waiting(self, req: Request) -> None:
+        """`req` waits (again) in its class's queue, at its place."""
         self.classes[req.priority].push(req)
-
-    def _build_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
-        return build_batch(self.step_count, scheduled, self.requests, self.kv.block_table, self.copy_block_tables,
-                           self.loras.resident if self.loras else None)

@@ -57,7 +57,9 @@ def new_file_id() -> str:
 
 
 class FileStore:
-    """Args: root: the directory (created if missing).
+    """The Files API's files on a local or shared directory, with their metadata and owners.
+
+    Args: root: the directory (created if missing).
 
     Raises:
         OSError: the directory cannot be created.

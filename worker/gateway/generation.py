@@ -53,13 +53,15 @@ class Delta(msgspec.Struct):
 
 
 class Generation:
-    """Args:
-    client: the gateway's InflightClient (Kafka producer, Redis streams).
-    job: the job to run (with `deadline` set, `seeded`).
-    priority: its priority class (topic).
-    request_timeout_s: the whole request's bound (the stream gives up after it).
-    retry_after_s: `Retry-After` of a 429.
-    cancels: sends this job's cancel if the request ends before the job.
+    """One interactive request's job, from submit to its terminal event (or the cancel that ends it).
+
+    Args:
+        client: the gateway's InflightClient (Kafka producer, Redis streams).
+        job: the job to run (with `deadline` set, `seeded`).
+        priority: its priority class (topic).
+        request_timeout_s: the whole request's bound (the stream gives up after it).
+        retry_after_s: `Retry-After` of a 429.
+        cancels: sends this job's cancel if the request ends before the job.
     """
 
     def __init__(self, client: InflightClient, job: Job, priority: str, *, request_timeout_s: float,

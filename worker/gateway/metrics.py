@@ -14,7 +14,9 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class GatewayMetrics:
-    """Args: registry: where to register (a fresh one if None)."""
+    """Every Prometheus series of the gateway.
+
+    Args: registry: where to register (a fresh one if None)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.engine.outputs import ModelRunnerOutput, RunnerCapabilities, ScheduledRequest, SchedulerOutput
 
 
 def default_next_token(s: ScheduledRequest, vocab_size: int, avoid: frozenset[int]) -> int:
@@ -101,7 +101,10 @@ class NullRunner:
         self._next = next_token
         self._avoid = avoid
         self.emulated = EmulatedDevice(device_ms / 1000) if device_ms > 0 else None
-        self.overlaps_host = self.emulated is not None  # the default of asynchronous steps (EngineCore)
+        # asynchronous steps pay only with an emulated device (the default of async_scheduling)
+        self.capabilities = RunnerCapabilities(async_launch=True, device_time=True,
+                                               overlaps_host=self.emulated is not None)
+        self.lora = None  # no adapters
         self._last_sampled: dict[str, int] = {}  # the previous step's tokens (the "device" memory)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

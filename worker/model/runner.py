@@ -15,6 +15,7 @@ import torch
 from worker.engine.outputs import (
     PLACEHOLDER_TOKEN,
     ModelRunnerOutput,
+    RunnerCapabilities,
     ScheduledRequest,
     SchedulerOutput,
     StepSkipped,
@@ -54,6 +55,7 @@ class ModelRunner:
         # the forward thread mostly waits for the device (kernels queued, the GIL released
         # in the sync), so the engine core's asynchronous steps overlap host work with it
         self.overlaps_host = device.type == "cuda"
+        self.capabilities = RunnerCapabilities(async_launch=True, device_time=True, overlaps_host=self.overlaps_host)
         self.backend = backend
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         # logit rows of the vocabulary (structured-output masks are sized before the forward)
@@ -126,33 +128,10 @@ class ModelRunner:
             [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in packed], dtype=torch.int64
         ).clamp_(min=0)  # blocks freed behind a sliding window (-1) read as block 0, masked out
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-
-        decode_groups = []
-        prefills = []
-        dense = getattr(self.backend, "USES_DENSE_METADATA", True)  # kernel back ends need only the tables
-        first = 0 if dense else nd
-        while first < nd:
-            nb = -(-seq_lens[first] // bs)
-            last = first + 1
-            while last < nd and (last - first < 4 or -(-seq_lens[last] // bs) * 2 > nb):
-                last += 1
-            pos = torch.arange(nb * bs)
-            mask = pos.unsqueeze(0) < seq_lens_t[first:last].unsqueeze(1)
-            decode_groups.append(
-                DecodeGroup(first, last, block_tables[first:last, :nb].to(dev), mask.view(last - first, 1, 1, -1).to(dev))
-            )
-            first = last
-        for i in range(nd, len(packed) if dense else nd):
-            s = packed[i]
-            q0, q1 = query_start[i], query_start[i + 1]
-            if s.start_pos == 0:
-                prefills.append(PrefillSpan(q0, q1, None, None))
-                continue
-            ctx = seq_lens[i]
-            ctx_blocks = block_tables[i, : -(-ctx // bs)].to(dev)
-            mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(s.start_pos, ctx).unsqueeze(1)
-            prefills.append(PrefillSpan(q0, q1, ctx_blocks, mask.to(dev)))
-
+        if getattr(self.backend, "USES_DENSE_METADATA", True):  # kernel back ends need only the tables
+            decode_groups, prefills = self._dense_spans(packed, nd, seq_lens_t, query_start, block_tables)
+        else:
+            decode_groups, prefills = [], []
         md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decodes=nd,
@@ -168,15 +147,57 @@ class ModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         if holes:  # decodes fed the previous step's tokens, where they are (on the device)
-            prev_ids, prev_rows = self._last_sampled
-            try:
-                rows = [prev_rows[rid] for rid in hole_ids]
-            except KeyError as e:
-                raise RuntimeError(f"placeholder input of request {e.args[0]!r}, which the previous step "
-                                   "did not sample for") from None
-            input_ids[torch.tensor(holes, device=dev)] = prev_ids[torch.tensor(rows, device=prev_ids.device)]
+            self._fill_placeholders(input_ids, holes, hole_ids)
         position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
         return input_ids, position_ids, md, sample_idx, packed
+
+    def _dense_spans(self, packed: list[ScheduledRequest], nd: int, seq_lens: torch.Tensor, query_start: list[int],
+                     block_tables: torch.Tensor) -> tuple[list[DecodeGroup], list[PrefillSpan]]:
+        """The reference back end's gathers: decodes (the first `nd` of `packed`, longest
+        context first) in groups whose padded context is at most twice the shortest one
+        (at least 4 a group), each with its tables and `[rows, 1, 1, context]` mask; each
+        prefill chunk's span of the packed queries, with its context blocks and causal
+        mask when it continues a request. `seq_lens` `[num_reqs]`: context per request."""
+        bs, dev = self.block_size, self.device
+        decode_groups = []
+        first = 0
+        while first < nd:
+            nb = -(-int(seq_lens[first]) // bs)
+            last = first + 1
+            while last < nd and (last - first < 4 or -(-int(seq_lens[last]) // bs) * 2 > nb):
+                last += 1
+            mask = torch.arange(nb * bs).unsqueeze(0) < seq_lens[first:last].unsqueeze(1)
+            decode_groups.append(
+                DecodeGroup(first, last, block_tables[first:last, :nb].to(dev), mask.view(last - first, 1, 1, -1).to(dev))
+            )
+            first = last
+        prefills = []
+        for i in range(nd, len(packed)):
+            s = packed[i]
+            q0, q1 = query_start[i], query_start[i + 1]
+            if s.start_pos == 0:
+                prefills.append(PrefillSpan(q0, q1, None, None))
+                continue
+            ctx = int(seq_lens[i])
+            ctx_blocks = block_tables[i, : -(-ctx // bs)].to(dev)
+            mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(s.start_pos, ctx).unsqueeze(1)
+            prefills.append(PrefillSpan(q0, q1, ctx_blocks, mask.to(dev)))
+        return decode_groups, prefills
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, holes: list[int], hole_ids: list[str]) -> None:
+        """Write into `input_ids` at flat positions `holes` the tokens the previous step
+        sampled (on the device) for the requests `hole_ids`.
+
+        Raises:
+            RuntimeError: the previous step did not sample for one of them (a broken
+                invariant of asynchronous steps)."""
+        prev_ids, prev_rows = self._last_sampled
+        try:
+            rows = [prev_rows[rid] for rid in hole_ids]
+        except KeyError as e:
+            raise RuntimeError(f"placeholder input of request {e.args[0]!r}, which the previous step "
+                               "did not sample for") from None
+        input_ids[torch.tensor(holes, device=self.device)] = prev_ids[torch.tensor(rows, device=prev_ids.device)]
 
     def device_busy_s(self) -> float:
         """Seconds the device spent on this runner's steps (forward + sampling): CUDA

@@ -48,42 +48,56 @@ def sample_on_device(logits: torch.Tensor, reqs: list[ScheduledRequest], timing:
         the tokens the grammar allows (the masked distribution, as vLLM reports it).
     """
     logits = logits.float()
-    n, vocab = logits.shape
-    device = logits.device
     params = [r.params for r in reqs]
-
-    grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-    if grammar_rows:
-        from worker.engine.structured import token_bitmask
-
-        fill_s = 0.0  # the fill's own time on the mask thread (hidden behind the forward or not)
-        allowed = None
-        if masks is not None:
-            allowed, fill_s = masks.result()
-            if allowed.shape != (len(grammar_rows), vocab):  # the runner guessed the vocabulary wrong
-                allowed = None
-        t1 = time.perf_counter()
-        if allowed is None:
-            allowed = token_bitmask([reqs[i].grammar for i in grammar_rows], vocab, device)
-        if len(grammar_rows) == n:
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        else:
-            rows = torch.tensor(grammar_rows, device=device)
-            logits = logits.clone()
-            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-        if timing is not None:
-            timing["mask_s"] = fill_s + (time.perf_counter() - t1)
-
-    raw_logprobs = None
-    if any(p.logprobs is not None for p in params):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-
+    if any(r.grammar is not None for r in reqs):
+        logits = _mask_grammars(logits, reqs, masks, timing)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
     penalties = [p.repetition_penalty for p in params]
     if any(x != 1.0 for x in penalties):
         logits = _apply_repetition_penalty(logits, reqs, penalties)
+    token_ids = _draw(logits, reqs, params)
+    if raw_logprobs is None:
+        return token_ids, [None] * len(reqs)
+    return token_ids, _logprobs(raw_logprobs, token_ids, reqs, params)
 
-    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
+
+def _mask_grammars(logits: torch.Tensor, reqs: list[ScheduledRequest], masks: Future | None,
+                   timing: dict[str, float] | None) -> torch.Tensor:
+    """`logits` `[num_reqs, vocab]` with every token its row's grammar forbids at -inf
+    (rows without a grammar unchanged); the masks' seconds into `timing["mask_s"]`."""
+    from worker.engine.structured import token_bitmask
+
+    n, vocab = logits.shape
+    grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    fill_s = 0.0  # the fill's own time on the mask thread (hidden behind the forward or not)
+    allowed = None
+    if masks is not None:
+        allowed, fill_s = masks.result()
+        if allowed.shape != (len(grammar_rows), vocab):  # the runner guessed the vocabulary wrong
+            allowed = None
+    t1 = time.perf_counter()
+    if allowed is None:
+        allowed = token_bitmask([reqs[i].grammar for i in grammar_rows], vocab, logits.device)
+    if len(grammar_rows) == n:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    else:
+        rows = torch.tensor(grammar_rows, device=logits.device)
+        logits = logits.clone()
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    if timing is not None:
+        timing["mask_s"] = fill_s + (time.perf_counter() - t1)
+    return logits
+
+
+def _draw(logits: torch.Tensor, reqs: list[ScheduledRequest], params: list) -> torch.Tensor:
+    """One token id per row `[num_reqs]` on the logits' device: argmax where the
+    temperature is 0; else temperature, top-k / top-p / min-p, and an exponential race
+    (Gumbel-max) drawn from the row's own generator when seeded, so a seeded row draws
+    the same whatever else is in the batch."""
+    n, vocab = logits.shape
+    device = logits.device
     token_ids = torch.empty(n, dtype=torch.long, device=device)
+    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
     if greedy_rows:
         rows = torch.tensor(greedy_rows, device=device)
         token_ids[rows] = logits[rows].argmax(dim=-1)
@@ -103,25 +117,26 @@ def sample_on_device(logits: torch.Tensor, reqs: list[ScheduledRequest], timing:
             idx = torch.tensor(unseeded, device=device)
             noise[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
         token_ids[rows] = (probs / noise).argmax(dim=-1)
+    return token_ids
 
-    out_logprobs: list[TokenLogprobs | None] = [None] * n
-    if raw_logprobs is not None:
-        ids = token_ids.tolist()
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            row = raw_logprobs[i]
-            top_vals, top_ids = row.topk(p.logprobs) if p.logprobs > 0 else (row[:0], row[:0].long())
-            if reqs[i].grammar is not None:  # fewer allowed tokens than asked for: no -inf entries
-                keep = top_vals > float("-inf")
-                top_vals, top_ids = top_vals[keep], top_ids[keep]
-            out_logprobs[i] = TokenLogprobs(
-                token_id=ids[i],
-                logprob=float(row[ids[i]]),
-                top_token_ids=top_ids.tolist(),
-                top_logprobs=top_vals.tolist(),
-            )
-    return token_ids, out_logprobs
+
+def _logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, reqs: list[ScheduledRequest],
+              params: list) -> list[TokenLogprobs | None]:
+    """Per row: the drawn token's logprob and the top `params.logprobs` (None where not
+    asked), from `raw_logprobs` `[num_reqs, vocab]` (before penalties and temperature)."""
+    out: list[TokenLogprobs | None] = [None] * len(reqs)
+    ids = token_ids.tolist()
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            continue
+        row = raw_logprobs[i]
+        top_vals, top_ids = row.topk(p.logprobs) if p.logprobs > 0 else (row[:0], row[:0].long())
+        if reqs[i].grammar is not None:  # fewer allowed tokens than asked for: no -inf entries
+            keep = top_vals > float("-inf")
+            top_vals, top_ids = top_vals[keep], top_ids[keep]
+        out[i] = TokenLogprobs(token_id=ids[i], logprob=float(row[ids[i]]), top_token_ids=top_ids.tolist(),
+                               top_logprobs=top_vals.tolist())
+    return out
 
 
 def _apply_repetition_penalty(

@@ -46,14 +46,16 @@ log = structlog.get_logger(__name__)
 
 
 class CancelListener:
-    """Args:
-    cfg: the `kafka` config section.
-    client_id: Kafka client id.
-    on_cancel: awaited with the job id of every valid cancel and its record's Kafka
-        headers (the trace context of whoever cancelled).
-    partitions_for: returns the partition ids of a topic, fetching its metadata
-        (`AIOKafkaProducer.partitions_for`).
-    outage: where transient Kafka errors are reported (None: only logged).
+    """Reads every partition of the cancel topic (no group) and hands each cancel to the worker.
+
+    Args:
+        cfg: the `kafka` config section.
+        client_id: Kafka client id.
+        on_cancel: awaited with the job id of every valid cancel and its record's Kafka
+            headers (the trace context of whoever cancelled).
+        partitions_for: returns the partition ids of a topic, fetching its metadata
+            (`AIOKafkaProducer.partitions_for`).
+        outage: where transient Kafka errors are reported (None: only logged).
     """
 
     def __init__(self, cfg: KafkaConfig, client_id: str, on_cancel: Callable[[str, tuple], Awaitable[None]],

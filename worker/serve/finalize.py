@@ -50,7 +50,9 @@ log = structlog.get_logger(__name__)
 
 
 class Finalizer:
-    """Args: the worker's job table, offset tracker, DLQ and results writers, metrics."""
+    """Ends what the table finished: DLQ records, the results topic, offsets done; the only DLQ writer.
+
+    Args: the worker's job table, offset tracker, DLQ and results writers, metrics."""
 
     def __init__(self, table: JobTable, tracker: OffsetTracker, dead_letters: DeadLetters, results: ResultsLog,
                  metrics: Metrics, outage: KafkaOutage | None = None) -> None:
@@ -239,10 +241,10 @@ class Finalizer:
                 tpot.observe(summary["tpot_s"], exemplar)
             if summary.get("queue_s") is not None:
                 queue.observe(summary["queue_s"], exemplar)
-                m.observe_tenant_queue_time(held.job.tenant, summary["queue_s"])
+                m.observe_tenant_queue_time(held.tenant, summary["queue_s"])
             if summary.get("prompt_tokens"):
                 m.prompt_tokens.inc(summary["prompt_tokens"])
-                m.observe_tenant_tokens(held.job.tenant, "prompt", summary["prompt_tokens"])
+                m.observe_tenant_tokens(held.tenant, "prompt", summary["prompt_tokens"])
             if reason == FinishReason.CANCELLED:
                 m.aborted.labels("cancelled").inc()
                 if held.cancel_time_mono is not None:

@@ -32,6 +32,7 @@ from worker.obs.metrics import exposition
 from worker.security import access, probe
 
 if TYPE_CHECKING:
+    from worker.engine.core_client import EngineClient
     from worker.obs.metrics import Metrics
     from worker.serve.kafka_outage import KafkaOutage
 
@@ -248,7 +249,7 @@ def nvml_available() -> bool:
         return False
 
 
-def engine_liveness(client: Any, crash: BaseException | None, stall_s: float) -> tuple[bool, dict]:
+def engine_liveness(client: EngineClient | None, crash: BaseException | None, stall_s: float) -> tuple[bool, dict]:
     """(alive, details) for /healthz: the engine core (`client`, the worker's engine
     client; None while starting) runs and ticked within `stall_s` (`metrics.engine_stall_s`)
     and the worker did not crash (`crash`). True while the model is still loading."""

@@ -82,22 +82,24 @@ class JobSink(Protocol):
 
 
 class Intake:
-    """Args:
-    cfg: the `kafka` config section.
-    client_id: this worker's id (Kafka client id).
-    sink: the worker (free slots, jobs held per tenant, take, reject invalid).
-    tracker: the per-partition commit points: the intake registers reads and commits;
-        the finalizer (finalize.py) marks records done.
-    read_ahead_per_partition, read_ahead_bytes: bounds of the read-ahead.
-    tenant_weight: a tenant's weight (`serving_tuning.tenants`), for the choice.
-    tenant_cap: the most local jobs a tenant may hold.
-    high_priority_reserve: free slots lower classes leave to high-priority jobs.
-    fair: choose by tenant share inside a class (`serving_tuning.fair_share`); else by
-        read order.
-    metrics: optional.
-    outage: where transient Kafka errors of the consume loop are reported (optional).
-    pool, group_id: the pool whose job topics are read (schemas/pools.py; None: the
-        default pool's) and its consumer group (None: `cfg.group_id`).
+    """The job consumer: fetches, decodes, reads ahead, hands records to free slots by priority and tenant share, commits.
+
+    Args:
+        cfg: the `kafka` config section.
+        client_id: this worker's id (Kafka client id).
+        sink: the worker (free slots, jobs held per tenant, take, reject invalid).
+        tracker: the per-partition commit points: the intake registers reads and commits;
+            the finalizer (finalize.py) marks records done.
+        read_ahead_per_partition, read_ahead_bytes: bounds of the read-ahead.
+        tenant_weight: a tenant's weight (`serving_tuning.tenants`), for the choice.
+        tenant_cap: the most local jobs a tenant may hold.
+        high_priority_reserve: free slots lower classes leave to high-priority jobs.
+        fair: choose by tenant share inside a class (`serving_tuning.fair_share`); else by
+            read order.
+        metrics: optional.
+        outage: where transient Kafka errors of the consume loop are reported (optional).
+        pool, group_id: the pool whose job topics are read (schemas/pools.py; None: the
+            default pool's) and its consumer group (None: `cfg.group_id`).
     """
 
     def __init__(self, cfg: KafkaConfig, client_id: str, sink: JobSink, tracker: OffsetTracker[TopicPartition], *,

@@ -32,7 +32,6 @@ from schemas.wire import (
     Event,
     Finished,
     FinishReason,
-    Job,
     Restarted,
     Started,
     Timings,
@@ -45,6 +44,8 @@ from worker.serve.local_job import Applied, JobState, LocalJob, Offset
 
 if TYPE_CHECKING:
     from worker.engine import RequestOutput
+    from worker.serve.claims import Claimed
+    from worker.serve.read_ahead import JobRecord
 
 RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
 
@@ -127,25 +128,33 @@ class JobTable:
         return len(self._dirty)
 
     # ---- transitions -----------------------------------------------------------------
-    def open(self, job: Job, priority: str, offset: Offset, enqueue_time: float, claim_token: str, attempt: int,
-             next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
-             isolated: bool = False, prior: tuple[tuple[int, int, bytes], ...] = ()) -> LocalJob:
-        """A job claimed by this worker (CLAIMED). `next_seq` continues the job's log;
-        `prior` holds its entries so far (earlier attempts), kept for a restore.
+    def open(self, record: JobRecord, claim: Claimed) -> LocalJob:
+        """The job of `record`, claimed by this worker (`claim`): CLAIMED. The claim's
+        `next_seq` continues the job's log; its `prior` entries (earlier attempts) are kept
+        for a restore.
 
         Raises:
             ValueError: the job is already held here (attach the offset instead).
         """
-        if job.job_id in self._jobs:
-            raise ValueError(f"job {job.job_id!r} is already held by this worker")
-        held = LocalJob(job, priority, [offset], enqueue_time, claim_token, attempt, next_seq, raw, raw_key,
-                        isolated, claim_time=self._clock())
-        held.prior = prior
-        self._jobs[job.job_id] = held
-        tenant = job.tenant or ""
+        return self._hold(LocalJob(record, claim, self._clock()))
+
+    def open_rejected(self, record: JobRecord, claim: Claimed, job_id: str, tenant: str | None) -> LocalJob:
+        """A record that is not a valid job, held under the job id (and tenant) recovered
+        from its bytes only to end it: `finish_local(REJECTED)` follows at once.
+
+        Raises:
+            ValueError: a job with that id is already held here.
+        """
+        return self._hold(LocalJob(record, claim, self._clock(), job_id=job_id, tenant=tenant))
+
+    def _hold(self, held: LocalJob) -> LocalJob:
+        if held.job_id in self._jobs:
+            raise ValueError(f"job {held.job_id!r} is already held by this worker")
+        self._jobs[held.job_id] = held
+        tenant = held.tenant or ""
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         self._num_unfinished += 1
-        if attempt > 1:
+        if held.attempt > 1:
             self._draft(held, opening="restarted")
         return held
 
@@ -243,7 +252,7 @@ class JobTable:
                     first_tokens.append(held)
                 held.num_tokens += len(out.new_token_ids)
                 num_tokens += len(out.new_token_ids)
-                tenant = held.job.tenant or ""
+                tenant = held.tenant or ""
                 by_tenant[tenant] = by_tenant.get(tenant, 0) + len(out.new_token_ids)
                 held.text_parts.append(out.text)
                 held.draft_delta(out.text, out.new_token_ids, [
@@ -286,7 +295,7 @@ class JobTable:
         held.error = error
         # seq is set when the round is drained
         term = Finished(job_id=held.job_id, seq=-1, attempt=held.attempt, finish_reason=reason, text=held.text,
-                        usage=usage, timings=timings, error=error, metadata=held.job.metadata)
+                        usage=usage, timings=timings, error=error, metadata=held.metadata)
         held.draft_terminal(term)
         self._dirty.setdefault(held.job_id, held)
         if held.trace is not None:
@@ -318,7 +327,7 @@ class JobTable:
                     ev: Event = Restarted(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, reason=RESTART_REASON)
                 else:
                     ev = Started(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, worker_id=self.worker_id,
-                                 queue_time_s=max(0.0, held.claim_time - held.enqueue_time), metadata=held.job.metadata)
+                                 queue_time_s=max(0.0, held.claim_time - held.enqueue_time), metadata=held.metadata)
                 self._add(held, ev, events, encoded, tenants)
             if drafts.text is not None:
                 ev = Token(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, text=drafts.text,
@@ -356,7 +365,7 @@ class JobTable:
     def _untrack(self, held: LocalJob) -> None:
         """The job leaves CLAIMED / IN_ENGINE: it no longer counts in `held_by_tenant`
         nor in `num_unfinished`."""
-        _decrement(self._per_tenant, held.job.tenant or "")
+        _decrement(self._per_tenant, held.tenant or "")
         self._num_unfinished -= 1
 
     def histories(self) -> Iterator[tuple[str, int, str, list[tuple[int, bytes]], str | None,

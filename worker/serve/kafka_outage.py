@@ -35,8 +35,10 @@ log = structlog.get_logger(__name__)
 
 
 class KafkaOutage:
-    """Args: limit_s: `kafka.outage_limit_s`; metrics: sets `kafka_outage` (optional);
-    clock: monotonic seconds (tests)."""
+    """Transient Kafka errors of every part, reported in one place; the `kafka.outage_limit_s` stop.
+
+    Args: limit_s: `kafka.outage_limit_s`; metrics: sets `kafka_outage` (optional);
+        clock: monotonic seconds (tests)."""
 
     def __init__(self, limit_s: float, metrics: Metrics | None = None, clock=time.monotonic) -> None:
         self.limit_s = limit_s

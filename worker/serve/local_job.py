@@ -10,10 +10,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from schemas.wire import ErrorInfo, Finished, FinishReason, Job, TokenLogprob
+from schemas.wire import ErrorInfo, Finished, FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from worker.obs.tracing import JobTrace
+    from worker.serve.claims import Claimed
+    from worker.serve.read_ahead import JobRecord
 
 
 class JobState(enum.IntEnum):
@@ -33,28 +35,37 @@ class Offset:
 
 
 class LocalJob:
-    """One job held by this worker. Times are Unix seconds unless named `*_mono`.
-    Written only by JobTable. (A plain slotted class: one is made per job on the hot path.)"""
+    """One job held by this worker, opened from the Kafka record it came in and the claim
+    this worker holds on it. Times are Unix seconds unless named `*_mono`. Written only by
+    JobTable. (A plain slotted class: one is made per job on the hot path.)
 
-    __slots__ = ("job", "priority", "offsets", "enqueue_time", "claim_token", "attempt", "next_seq", "raw", "raw_key",
-                 "isolated", "state", "claim_time", "first_token_time", "num_tokens", "text_parts",
-                 "cancel_time_mono", "_opening", "_delta_text", "_delta_ids", "_delta_logprobs", "_terminal",
-                 "opened", "finish_reason", "error", "dead_letter", "history", "summary", "terminal_published", "prior",
-                 "trace", "headers")
+    A record that is not a valid job (`record.job` None) is held too, under the job id
+    and tenant recovered from its bytes, only to publish its `finished(rejected)`.
+    """
 
-    def __init__(self, job: Job, priority: str, offsets: list[Offset], enqueue_time: float, claim_token: str,
-                 attempt: int, next_seq: int, raw: bytes | None = None, raw_key: bytes | None = None,
-                 isolated: bool = False, claim_time: float = 0.0) -> None:
-        self.job = job
-        self.priority = priority
-        self.offsets = offsets
-        self.enqueue_time = enqueue_time  # the Kafka record timestamp
-        self.claim_token = claim_token
-        self.attempt = attempt
-        self.next_seq = next_seq
-        self.raw = raw  # the record's original bytes until the engine accepts the job (DLQ)
-        self.raw_key = raw_key
-        self.isolated = isolated  # an earlier attempt died with its worker: run it alone
+    __slots__ = ("job", "job_id", "tenant", "priority", "offsets", "enqueue_time", "claim_token", "attempt",
+                 "next_seq", "raw", "raw_key", "isolated", "state", "claim_time", "first_token_time", "num_tokens",
+                 "text_parts", "cancel_time_mono", "_opening", "_delta_text", "_delta_ids", "_delta_logprobs",
+                 "_terminal", "opened", "finish_reason", "error", "dead_letter", "history", "summary",
+                 "terminal_published", "prior", "trace", "headers")
+
+    def __init__(self, record: JobRecord, claim: Claimed, claim_time: float, *, job_id: str | None = None,
+                 tenant: str | None = None) -> None:
+        job = record.job
+        self.job = job  # None: a record that is not a job (then `job_id` is the recovered one)
+        self.job_id: str = job.job_id if job is not None else job_id
+        self.tenant: str | None = job.tenant if job is not None else tenant  # its stream keys carry it
+        self.priority = record.priority
+        self.offsets = [Offset(record.tp, record.offset)]
+        self.enqueue_time = record.enqueue_time  # the Kafka record timestamp
+        self.headers: tuple = record.headers  # its record's Kafka headers (trace context), kept for a re-take
+        self.raw = record.raw  # the record's original bytes until the engine accepts the job (DLQ)
+        self.raw_key = record.key
+        self.claim_token = claim.token
+        self.attempt = claim.attempt
+        self.next_seq = claim.next_seq
+        self.isolated = claim.failures > 0  # an earlier attempt died with its worker: run it alone
+        self.prior = claim.prior  # earlier attempts' log entries (seq, attempt, event)
         self.state = JobState.CLAIMED
         self.claim_time = claim_time
         self.first_token_time: float | None = None
@@ -74,18 +85,20 @@ class LocalJob:
         self.history: list[tuple[int, bytes]] = []  # published (seq, event) of this attempt
         self.summary: dict[str, Any] = {}  # timings for the job's summary log line
         self.terminal_published = False  # the terminal event is numbered (in `history`; being published)
-        self.prior: tuple[tuple[int, int, bytes], ...] = ()  # earlier attempts' log entries (seq, attempt, event)
         self.trace: JobTrace | None = None  # its trace when tracing is on and it is sampled (worker.obs.tracing)
-        self.headers: tuple = ()  # its record's Kafka headers (trace context), kept for a re-take
 
     @property
-    def job_id(self) -> str:
-        return self.job.job_id
+    def metadata(self) -> dict[str, Any] | None:
+        """The job's `metadata`, echoed in `started` and `finished`."""
+        return self.job.metadata if self.job is not None else None
 
-    @property
-    def tenant(self) -> str | None:
-        """The job's tenant: its stream keys carry it (`schemas.keys`)."""
-        return self.job.tenant
+    def retake_records(self) -> list[JobRecord]:
+        """Its records as the intake re-takes them when another worker holds the job now
+        (one per offset it answers; the original bytes are gone once it ran)."""
+        from worker.serve.read_ahead import JobRecord
+
+        return [JobRecord(self.job, self.priority, o.tp, o.offset, self.enqueue_time, b"", None, headers=self.headers)
+                for o in self.offsets]
 
     @property
     def text(self) -> str:

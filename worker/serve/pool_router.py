@@ -85,10 +85,12 @@ class Misrouted(Exception):
 
 
 class PoolRouter:
-    """Args:
-    pools: the deployment's pools; own: this worker's pool.
-    prefix: `kafka.topic_prefix`.
-    producer: the worker's producer (`acks=all`).
+    """Forwards a job whose prompt length belongs to another pool to that pool's topic.
+
+    Args:
+        pools: the deployment's pools; own: this worker's pool.
+        prefix: `kafka.topic_prefix`.
+        producer: the worker's producer (`acks=all`).
     """
 
     def __init__(self, pools: Pools, own: Pool, prefix: str, producer: AIOKafkaProducer | None = None) -> None:

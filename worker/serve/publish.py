@@ -111,20 +111,22 @@ return {appended, refused}
 
 
 class Publisher:
-    """Args:
-    redis: the worker's client.
-    cfg: `redis` config (prefix, TTL, maxlen, outage limit, minimum round interval).
-    claims: the claim store (epoch, reclaim after data loss).
-    table: the job table whose drafts are published.
-    on_outage: called with True when Redis becomes unreachable and False when it is
-        back (the worker pauses intake meanwhile).
-    on_backlog: called before each round with the number of jobs it will carry.
-    on_lost: called with the ids of held jobs another worker holds now: their events
-        were refused (a round) or their claim went to another worker while Redis had lost
-        its data (a restore). The worker hands them back; nothing more of theirs is
-        published, and a refused terminal event is not recorded.
-    on_restore: called after Redis lost its data and the logs were restored (metrics; the
-        cancels whose tombstones were lost still answer from the cancel index).
+    """Writes each round of drafted events to Redis in one script call; holds them through an outage and restores after a data loss.
+
+    Args:
+        redis: the worker's client.
+        cfg: `redis` config (prefix, TTL, maxlen, outage limit, minimum round interval).
+        claims: the claim store (epoch, reclaim after data loss).
+        table: the job table whose drafts are published.
+        on_outage: called with True when Redis becomes unreachable and False when it is
+            back (the worker pauses intake meanwhile).
+        on_backlog: called before each round with the number of jobs it will carry.
+        on_lost: called with the ids of held jobs another worker holds now: their events
+            were refused (a round) or their claim went to another worker while Redis had lost
+            its data (a restore). The worker hands them back; nothing more of theirs is
+            published, and a refused terminal event is not recorded.
+        on_restore: called after Redis lost its data and the logs were restored (metrics; the
+            cancels whose tombstones were lost still answer from the cancel index).
     """
 
     def __init__(self, redis: aioredis.Redis, cfg: RedisConfig, claims: ClaimStore, table: JobTable, *,

@@ -118,10 +118,12 @@ def high_priority_reserve(tuning: ServingTuning, settings: WorkerSettings, max_l
 
 
 class ReadAhead:
-    """Args:
-    per_partition: most records kept per partition.
-    max_bytes: most bytes of record values kept in all.
-    fair: choose by tenant share inside a class (else by read order).
+    """Records fetched but not yet taken, bounded per partition and in bytes, handed out by priority and tenant share.
+
+    Args:
+        per_partition: most records kept per partition.
+        max_bytes: most bytes of record values kept in all.
+        fair: choose by tenant share inside a class (else by read order).
     """
 
     def __init__(self, per_partition: int, max_bytes: int, fair: bool = True) -> None:

@@ -35,7 +35,9 @@ class RebalanceHost(Protocol):
 
 
 class Rebalance(ConsumerRebalanceListener):
-    """Args: intake: the intake whose consumer this listens for."""
+    """The intake consumer's rebalance listener: revoked partitions are finished or handed back, assigned ones start fresh.
+
+    Args: intake: the intake whose consumer this listens for."""
 
     def __init__(self, intake: RebalanceHost) -> None:
         self.intake = intake

@@ -26,8 +26,10 @@ log = structlog.get_logger(__name__)
 
 
 class StallWatchdog:
-    """Args: stall_timeout_s: seconds without progress before the partitions are checked
-    (then at most every half of it)."""
+    """Recreates a consumer that silently stopped fetching although its partitions hold records.
+
+    Args: stall_timeout_s: seconds without progress before the partitions are checked
+        (then at most every half of it)."""
 
     def __init__(self, stall_timeout_s: float) -> None:
         self.stall_timeout_s = stall_timeout_s

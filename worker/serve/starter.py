@@ -27,27 +27,30 @@ is refused before any tokenizer work (`prompt_byte_limit`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from schemas.codec import recover_tenant
 from schemas.keys import JobRef
 from schemas.wire import ErrorInfo, FinishReason, Job
-from worker.engine import RequestRejected
+from worker.engine import EngineCoreRequest, RequestRejected
+from worker.engine.inputs import RequestInput, TokenPrompt
 from worker.obs.tracing import OFF, Tracing
 from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN
 from worker.serve.claims import Claimed, ClaimStore, Contested, Done, EpochChanged
 from worker.serve.input_size import INLINE_INPUT_BYTES, input_bytes, prompt_byte_limit
+from worker.serve.isolation import IsolationGate
 from worker.serve.jobs import JobState, JobTable, LocalJob, Offset
 from worker.serve.pool_router import Misrouted, PoolRouter
 from worker.serve.read_ahead import JobRecord
 
 if TYPE_CHECKING:
-    from worker.engine.core_client import ProcessEngineClient, ThreadEngineClient
+    from worker.engine.core_client import EngineClient
     from worker.obs.metrics import Metrics
     from worker.serve.finalize import Finalizer
 
@@ -90,7 +93,7 @@ class JobStarter:
         worker's pool is forwarded to the pool that serves it (None: no pools).
     """
 
-    def __init__(self, table: JobTable, claims: ClaimStore, engine: ThreadEngineClient | ProcessEngineClient,
+    def __init__(self, table: JobTable, claims: ClaimStore, engine: EngineClient,
                  finalizer: Finalizer, metrics: Metrics, host: StarterHost, *, max_local_jobs: int,
                  max_job_failures: int, tokenizer_threads: int = 2, tracing: Tracing = OFF,
                  router: PoolRouter | None = None) -> None:
@@ -108,9 +111,7 @@ class JobStarter:
         max_tokens = (self.router.byte_limit_tokens(engine.tuning.max_input_tokens) if self.router
                       else engine.tuning.max_input_tokens)
         self._byte_limit = prompt_byte_limit(engine.tokenizer, max_tokens) if max_tokens is not None else None
-        self._submitting = 0  # input tasks past the gate, not yet answered by the engine
-        self._alone: str | None = None  # the job running alone, if any
-        self._alone_waiting = 0  # jobs waiting to run alone (they hold the gate shut for others)
+        self.gate = IsolationGate(table)
         self._restoring_logged = 0.0
         self.tracing = tracing
 
@@ -180,8 +181,9 @@ class JobStarter:
             log.info("Redis lost its data less than a claim lease ago: claiming nothing until the holders "
                      "re-claim their jobs", records=num_restoring)
         for held in to_run:
-            if not held.isolated and not self._gated() and input_bytes(held.job) <= INLINE_INPUT_BYTES:
-                self._add_inline(held)
+            if not self.gate.must_wait(held) and input_bytes(held.job) <= INLINE_INPUT_BYTES:
+                with self.gate.entering():  # small inputs: on the loop, cheaper than a thread hop
+                    self._settle(held, self._prepare(held))
             else:
                 task = asyncio.create_task(self._submit(held), name=f"input:{held.job_id}")
                 self._tasks.add(task)
@@ -192,140 +194,82 @@ class JobStarter:
     def _open(self, rec: JobRecord, c: Claimed, claimed: tuple[float, float]) -> LocalJob | None:
         """Open a claimed job; end it at once where a rule says so. Returns it if it
         goes on to the engine."""
-        job = rec.job
-        held = self.table.open(job, rec.priority, Offset(rec.tp, rec.offset), rec.enqueue_time, c.token, c.attempt,
-                             c.next_seq, raw=rec.raw, raw_key=rec.key, isolated=c.failures > 0, prior=c.prior)
-        held.headers = rec.headers
+        held = self.table.open(rec, c)
         if self.tracing.enabled:
             held.trace = self.tracing.open_job(rec, held, *claimed)
+        ending = self._ending(rec.job, c)
+        if ending is None:
+            if held.isolated:
+                log.info("an earlier attempt died with its worker; the job runs alone", job_id=held.job_id,
+                         attempt=c.attempt, failures=c.failures)
+            return held
+        if isinstance(ending, RequestRejected):
+            self._reject(held, ending)
+        else:
+            self.table.finish_local(held.job_id, *ending)
+        return None
+
+    def _ending(self, job: Job, c: Claimed) -> RequestRejected | tuple | None:
+        """The first rule of the module docstring that ends the job before any input
+        processing: (finish reason, error, dead letter), or the rejection; None: it runs."""
         if c.cancelled or self.host.job_cancelled(job.job_id):
-            self.table.finish_local(job.job_id, FinishReason.CANCELLED)
-        elif job.deadline is not None and job.deadline < time.time():
-            self.table.finish_local(job.job_id, FinishReason.EXPIRED, ErrorInfo(
-                code="deadline_passed", message=f"deadline {job.deadline} passed before the job started"))
-        elif c.failures >= self.max_job_failures:
+            return FinishReason.CANCELLED, None, None
+        if job.deadline is not None and job.deadline < time.time():
+            return FinishReason.EXPIRED, ErrorInfo(code="deadline_passed", message=(
+                f"deadline {job.deadline} passed before the job started")), None
+        if c.failures >= self.max_job_failures:
             msg = (f"{c.failures} earlier attempts never ended (a worker died running it); not run again "
                    f"(worker.max_job_failures = {self.max_job_failures})")
             log.warning("poison job not run again", job_id=job.job_id, attempt=c.attempt, failures=c.failures)
-            self.table.finish_local(job.job_id, FinishReason.ERROR, ErrorInfo(code="poison", message=msg),
-                                    dead_letter=("poison", msg))
-        elif self._byte_limit is not None and input_bytes(job) > self._byte_limit:
+            return FinishReason.ERROR, ErrorInfo(code="poison", message=msg), ("poison", msg)
+        if self._byte_limit is not None and (n := input_bytes(job)) > self._byte_limit:
             bound = (f"the longest prompt any pool serves, {self.router.pools.max_prompt_tokens} tokens"
                      if self.router else f"max_input_tokens = {self.engine.tuning.max_input_tokens}")
-            self._reject(held, RequestRejected(job.job_id, _prompt_too_long(), (
-                f"prompt is {input_bytes(job)} bytes; more than {self._byte_limit} bytes can never tokenize "
-                f"to {bound}")))
-        else:
-            if held.isolated:
-                log.info("an earlier attempt died with its worker; the job runs alone", job_id=job.job_id,
-                         attempt=c.attempt, failures=c.failures)
-            return held
+            return RequestRejected(job.job_id, _prompt_too_long(), (
+                f"prompt is {n} bytes; more than {self._byte_limit} bytes can never tokenize to {bound}"))
         return None
 
-    def _engine_busy(self) -> bool:
-        return self._submitting > 0 or any(j.state == JobState.IN_ENGINE for j in self.table)
-
-    def _alone_active(self) -> bool:
-        """A job runs alone now (clears the mark once it has left the engine)."""
-        if self._alone is None:
-            return False
-        alone = self.table.get(self._alone)
-        if alone is None or alone.state not in (JobState.CLAIMED, JobState.IN_ENGINE):
-            self._alone = None
-            return False
-        return True
-
-    async def _gate(self, held: LocalJob) -> bool:
-        """Wait for this job's turn in the engine (see the module docstring). False if the
-        job ended meanwhile (cancel, drain)."""
+    async def _submit(self, held: LocalJob) -> None:
+        """An input processed in the thread pool, after its turn at the gate."""
+        if self.gate.must_wait(held) and not await self.gate.wait_turn(held):
+            return
         if held.isolated:
-            self._alone_waiting += 1
-            try:
-                while self._alone_active() or self._engine_busy():
-                    if held.state != JobState.CLAIMED:
-                        return False
-                    await asyncio.sleep(0.02)
-                self._alone = held.job_id
-            finally:
-                self._alone_waiting -= 1
             try:
                 await self.claims.mark_running([(held.job_id, held.attempt)])
             except REDIS_DOWN:
-                self._alone = None
-                return False
-            return held.state == JobState.CLAIMED
-        while self._alone_active() or self._alone_waiting:
+                self.gate.release(held)
+                return
             if held.state != JobState.CLAIMED:
-                return False
-            await asyncio.sleep(0.02)
-        return held.state == JobState.CLAIMED
-
-    def _gated(self) -> bool:
-        return bool(self._alone_waiting) or self._alone_active()
-
-    async def _submit(self, held: LocalJob) -> None:
-        if (held.isolated or self._gated()) and not await self._gate(held):
-            return
-        self._submitting += 1
-        try:
-            loop = asyncio.get_running_loop()
-            try:
-                req = await loop.run_in_executor(self._pool, self._process_input, held)
-            except RequestRejected as e:
-                self._reject(held, e)
                 return
-            except Misrouted as e:
-                self._misrouted(held, e)
-                return
-            if held.state == JobState.CLAIMED:  # not cancelled or handed back meanwhile
-                self._hand_to_engine(held, req)
-        finally:
-            self._submitting -= 1
+        with self.gate.entering():
+            prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, held)
+            self._settle(held, prepared)
 
-    def _add_inline(self, held: LocalJob) -> None:
-        """Small inputs (token ids, short prompts) are processed on the loop: cheaper than
-        a round trip through the thread pool."""
-        try:
-            req = self._process_input(held)
-        except RequestRejected as e:
-            self._reject(held, e)
-            return
-        except Misrouted as e:
-            self._misrouted(held, e)
-            return
-        self._hand_to_engine(held, req)
-
-    def _process_input(self, held: LocalJob):
-        if held.trace is None:
-            return self._input(held)
+    def _prepare(self, held: LocalJob) -> EngineCoreRequest | RequestRejected | Misrouted:
+        """The job's engine request, or why it cannot have one here (any thread)."""
         t0 = time.time()
         try:
-            return self._input(held)
+            inp = RequestInput.from_job(held.job, held.priority, held.enqueue_time, traced=held.trace is not None)
+            if self.router is not None:  # the prompt's length decides the pool: count it first
+                ids = self.engine.input.tokenize(inp.request_id, inp.prompt)
+                self.router.check(len(ids))
+                inp = dataclasses.replace(inp, prompt=TokenPrompt(ids))
+            return self.engine.input.process(inp)
+        except (RequestRejected, Misrouted) as e:
+            return e
         finally:
-            held.trace.tokenize = (t0, time.time())
+            if held.trace is not None:
+                held.trace.tokenize = (t0, time.time())
 
-    def _input(self, held: LocalJob):
-        job = held.job
-        kwargs: dict[str, Any] = {"params": job.params, "priority": held.priority, "cache_salt": job.tenant or "",
-                                  "tenant": job.tenant, "arrival_time": held.enqueue_time, "deadline": job.deadline,
-                                  "adapter": job.adapter}
-        if job.prompt is not None:
-            kwargs["prompt"] = job.prompt
-        elif job.messages is not None:
-            kwargs["messages"] = [m.template_dict() for m in job.messages]
-            kwargs["tools"] = job.tools
-        else:
-            kwargs["prompt_token_ids"] = job.prompt_token_ids
-        if self.router is not None:  # the prompt's length decides the pool: count it first
-            ids = self.engine.input.tokenize(job.job_id, kwargs.pop("prompt", None), kwargs.pop("prompt_token_ids", None),
-                                             kwargs.pop("messages", None), kwargs.pop("tools", None))
-            self.router.check(len(ids))
-            kwargs["prompt_token_ids"] = ids
-        return self.engine.input.process(job.job_id, **kwargs)
+    def _settle(self, held: LocalJob, prepared: EngineCoreRequest | RequestRejected | Misrouted) -> None:
+        if isinstance(prepared, RequestRejected):
+            self._reject(held, prepared)
+        elif isinstance(prepared, Misrouted):
+            self._misrouted(held, prepared)
+        elif held.state == JobState.CLAIMED:  # not cancelled or handed back meanwhile
+            self._hand_to_engine(held, prepared)
 
-    def _hand_to_engine(self, held: LocalJob, req) -> None:
-        if held.trace is not None:
-            req.traced = True
+    def _hand_to_engine(self, held: LocalJob, req: EngineCoreRequest) -> None:
         submitted = time.time()
         try:
             self.engine.submit(req)
@@ -378,8 +322,8 @@ class JobStarter:
             except (EpochChanged, *REDIS_DOWN):
                 res = None
             if isinstance(res, Claimed):
-                held = self.table.open(Job(job_id=job_id, prompt="", tenant=tenant), rec.priority,
-                                       Offset(tp, rec.offset), rec.enqueue_time, res.token, res.attempt, res.next_seq)
+                held = self.table.open_rejected(rec, res, job_id, tenant)
+                held.raw = None  # the DLQ record is written already
                 if self.tracing.enabled:
                     held.trace = self.tracing.open_job(rec, held, claim_start, time.time())
                 # the DLQ record is written already (held.raw is None: not again); it marks the trace

@@ -45,7 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.config import WorkerConfig, redacted_config
 from worker.engine import Engine, RequestOutput
-from worker.engine.core_client import ProcessEngineClient, ThreadEngineClient, make_engine_client
+from worker.engine.core_client import EngineClient, ProcessEngineClient, make_engine_client
 from worker.engine.core_proc import EngineSpec, PretrainedEngine
 from worker.engine.gc_tuning import tune_gc
 from worker.obs.metrics import Metrics
@@ -67,7 +67,7 @@ from worker.serve.kafka_outage import KafkaOutage
 from worker.serve.offsets import OffsetTracker
 from worker.serve.pool_router import PoolRouter, check_pool_limits
 from worker.serve.publish import Publisher
-from worker.serve.read_ahead import JobRecord, high_priority_reserve, local_shares
+from worker.serve.read_ahead import high_priority_reserve, local_shares
 from worker.serve.results import ResultsLog
 from worker.serve.starter import JobStarter
 
@@ -99,7 +99,7 @@ class Worker:
         self.metrics = Metrics(gpu=nvml_available(), tenant_labels=cfg.metrics.tenant_labels,
                                tenant_rank_interval_s=cfg.metrics.tenant_rank_interval_s)
         self.draining = False
-        self.engine: ThreadEngineClient | ProcessEngineClient | None = None
+        self.engine: EngineClient | None = None
         self._stop_requested = asyncio.Event()
         self._stopping = asyncio.Event()
         self.started = asyncio.Event()  # set once every component runs
@@ -369,9 +369,7 @@ class Worker:
             if was_running:
                 self.engine.abort(job_id)
             self.metrics.aborted.labels("lease_lost").inc()
-            self.intake.add_contested(
-                [JobRecord(held.job, held.priority, o.tp, o.offset, held.enqueue_time, b"", None, headers=held.headers)
-                 for o in held.offsets])
+            self.intake.add_contested(held.retake_records())
 
     def _on_redis_outage(self, down: bool) -> None:
         self.metrics.redis_outage.set(1 if down else 0)

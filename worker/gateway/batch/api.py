@@ -21,7 +21,9 @@ UPLOAD_CHUNK = 1 << 20
 
 
 class BatchHandlers:
-    """Args: ctx: the gateway context; files: the file store; batches: the manager."""
+    """The HTTP handlers of the Files and Batch endpoints.
+
+    Args: ctx: the gateway context; files: the file store; batches: the manager."""
 
     def __init__(self, ctx: GatewayContext, files: FileStore, batches: BatchManager) -> None:
         self.ctx = ctx

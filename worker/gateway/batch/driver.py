@@ -59,12 +59,14 @@ class LeaseLost(Exception):
 
 
 class BatchDriver:
-    """Args:
-    ctx: the gateway context (Kafka/Redis client, settings, metrics, cancel sender).
-    store: batch state.
-    files: file store.
-    manifest: the batch's manifest as loaded.
-    token: this driver's lease token.
+    """Drives one batch to a terminal status while this gateway holds its lease.
+
+    Args:
+        ctx: the gateway context (Kafka/Redis client, settings, metrics, cancel sender).
+        store: batch state.
+        files: file store.
+        manifest: the batch's manifest as loaded.
+        token: this driver's lease token.
     """
 
     def __init__(self, ctx: GatewayContext, store: BatchStore, files: FileStore, manifest: Manifest,

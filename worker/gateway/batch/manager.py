@@ -31,10 +31,12 @@ DRIVER_STOP_S = 30.0  # BatchManager.stop: every driver's clean-up (results cons
 
 
 class BatchManager:
-    """Args:
-    ctx: the gateway context.
-    store: batch state (Redis + manifests).
-    files: the file store.
+    """The batches of one gateway process: creates them, answers reads and cancels, drives those it leases.
+
+    Args:
+        ctx: the gateway context.
+        store: batch state (Redis + manifests).
+        files: the file store.
     """
 
     def __init__(self, ctx: GatewayContext, store: BatchStore, files: FileStore) -> None:

@@ -112,12 +112,14 @@ return 0
 
 
 class BatchStore:
-    """Args:
-    redis: the gateway's Redis client.
-    files: the file store holding the manifests.
-    key_prefix: `redis.key_prefix`.
-    owner_id: this gateway process (lease values).
-    lease_ms: `gateway.batch_lease_ms`.
+    """Batch state: objects and counts in Redis, manifests on the file store, leases, the index rebuilt after a data loss.
+
+    Args:
+        redis: the gateway's Redis client.
+        files: the file store holding the manifests.
+        key_prefix: `redis.key_prefix`.
+        owner_id: this gateway process (lease values).
+        lease_ms: `gateway.batch_lease_ms`.
     """
 
     def __init__(self, redis, files: FileStore, key_prefix: str, owner_id: str, lease_ms: int,

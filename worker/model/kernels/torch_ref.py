@@ -111,63 +111,79 @@ def paged_attention(
         multiple of num_kv_heads (query head h reads KV head h // (num_heads / num_kv_heads)).
     """
     p = params if isinstance(params, AttentionParams) else AttentionParams(scale=float(params))
-    num_tokens, num_heads, head_dim = query.shape
+    if out is None:
+        out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
+    for g in md.decode_groups:
+        out[g.row_start : g.row_end] = _decode_group(query, k_cache, v_cache, md, g, p)
+    for span in md.prefills:
+        out[span.q_start : span.q_end] = _prefill_span(query, key, value, k_cache, v_cache, span, p)
+    return out
+
+
+def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                  g, p: AttentionParams) -> torch.Tensor:
+    """One group of decodes (`md.decode_groups`): `[rows, num_heads, v_head_dim]`. Whole
+    blocks are gathered (contiguous copies), then the padding past each context is
+    masked. GQA without repeating K/V: the query heads sharing a KV head act as that
+    head's `group` query rows (head h = kv_head * group + i)."""
+    num_heads, head_dim = query.shape[1:]
     num_kv_heads, v_dim = k_cache.shape[2], v_cache.shape[-1]
     group = num_heads // num_kv_heads
-    plain = not p.changes_logits  # SDPA with a mask; else the explicit softmax
-    window = p.sliding_window
-    if out is None:
-        out = query.new_empty(num_tokens, num_heads, v_dim)
-    for g in md.decode_groups:
-        # Gather whole blocks (contiguous copies), then mask the padding past each context.
-        # GQA without repeating K/V: the query heads sharing a KV head act as that head's
-        # `group` query rows (head h = kv_head * group + i).
-        rows = g.row_end - g.row_start
-        k = _gather(k_cache, g.block_ids).transpose(1, 2)  # [rows, KVH, ctx, D]
-        v = _gather(v_cache, g.block_ids).transpose(1, 2)
-        q = query[g.row_start : g.row_end].reshape(rows, num_kv_heads, group, head_dim)
-        allowed = g.mask  # [rows, 1, 1, ctx]
+    rows = g.row_end - g.row_start
+    k = _gather(k_cache, g.block_ids).transpose(1, 2)  # [rows, KVH, ctx, D]
+    v = _gather(v_cache, g.block_ids).transpose(1, 2)
+    q = query[g.row_start : g.row_end].reshape(rows, num_kv_heads, group, head_dim)
+    allowed = g.mask  # [rows, 1, 1, ctx]
+    if p.sliding_window is not None:
         seq_lens = md.seq_lens[g.row_start : g.row_end].view(rows, 1, 1, 1).long()
+        pos = torch.arange(allowed.shape[-1], device=query.device)
+        allowed = allowed & (pos >= seq_lens - p.sliding_window)
+    if not p.changes_logits:  # SDPA with a mask; else the explicit softmax
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=p.scale)
+    else:
+        heads = torch.arange(num_heads, device=query.device).view(1, num_kv_heads, group, 1)
+        k_pos = torch.arange(allowed.shape[-1], device=query.device).view(1, 1, 1, -1)
+        o = _attend(q, k, v, allowed, p, k_pos, heads)
+    return o.reshape(rows, num_heads, v_dim)
+
+
+def _prefill_span(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, span, p: AttentionParams) -> torch.Tensor:
+    """One prefill chunk (`md.prefills`): `[q_len, num_heads, v_head_dim]`, causal over
+    its earlier context in the cache (or this chunk's own K/V when it has none)."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, v_dim = k_cache.shape[2], v_cache.shape[-1]
+    group = num_heads // num_kv_heads
+    window = p.sliding_window
+    q_len = span.q_end - span.q_start
+    q = query[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+    if span.ctx_block_ids is None:  # no earlier context: attend to this chunk only
+        k = key[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
+        v = value[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
+        start, ctx = 0, q_len
+        allowed = None
+    else:
+        ctx = span.mask.shape[1]
+        start = ctx - q_len
+        k = _gather(k_cache, span.ctx_block_ids)[:ctx].transpose(0, 1).unsqueeze(0)
+        v = _gather(v_cache, span.ctx_block_ids)[:ctx].transpose(0, 1).unsqueeze(0)
+        allowed = span.mask
+    plain = not p.changes_logits
+    if plain and window is None and allowed is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=p.scale, enable_gqa=group > 1)
+    else:
+        q_pos = torch.arange(start, ctx, device=query.device).view(-1, 1)
+        k_pos = torch.arange(ctx, device=query.device).view(1, -1)
+        if allowed is None:
+            allowed = k_pos <= q_pos
         if window is not None:
-            pos = torch.arange(allowed.shape[-1], device=query.device)
-            allowed = allowed & (pos >= seq_lens - window)
+            allowed = allowed & (k_pos > q_pos - window)
         if plain:
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=p.scale)
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed,
+                                               scale=p.scale, enable_gqa=group > 1)
         else:
-            heads = torch.arange(num_heads, device=query.device).view(1, num_kv_heads, group, 1)
-            k_pos = torch.arange(allowed.shape[-1], device=query.device).view(1, 1, 1, -1)
-            o = _attend(q, k, v, allowed, p, k_pos, heads)
-        out[g.row_start : g.row_end] = o.reshape(rows, num_heads, v_dim)
-    for span in md.prefills:
-        q_len = span.q_end - span.q_start
-        q = query[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if span.ctx_block_ids is None:  # no earlier context: attend to this chunk only
-            k = key[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
-            v = value[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
-            start, ctx = 0, q_len
-            allowed = None
-        else:
-            ctx = span.mask.shape[1]
-            start = ctx - q_len
-            k = _gather(k_cache, span.ctx_block_ids)[:ctx].transpose(0, 1).unsqueeze(0)
-            v = _gather(v_cache, span.ctx_block_ids)[:ctx].transpose(0, 1).unsqueeze(0)
-            allowed = span.mask
-        if plain and window is None and allowed is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=p.scale, enable_gqa=group > 1)
-        else:
-            q_pos = torch.arange(start, ctx, device=query.device).view(-1, 1)
-            k_pos = torch.arange(ctx, device=query.device).view(1, -1)
-            if allowed is None:
-                allowed = k_pos <= q_pos
-            if window is not None:
-                allowed = allowed & (k_pos > q_pos - window)
-            if plain:
-                o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed,
-                                                   scale=p.scale, enable_gqa=group > 1)
-            else:
-                qg = q.reshape(num_kv_heads, group, q_len, head_dim)  # the query heads of one KV head together
-                heads = torch.arange(num_heads, device=query.device).view(num_kv_heads, group, 1, 1)
-                o = _attend(qg, k[0].unsqueeze(1), v[0].unsqueeze(1), allowed, p, k_pos, heads)
-                o = o.view(1, num_heads, q_len, v_dim)
-        out[span.q_start : span.q_end] = o[0].transpose(0, 1)
-    return out
+            qg = q.reshape(num_kv_heads, group, q_len, head_dim)  # the query heads of one KV head together
+            heads = torch.arange(num_heads, device=query.device).view(num_kv_heads, group, 1, 1)
+            o = _attend(qg, k[0].unsqueeze(1), v[0].unsqueeze(1), allowed, p, k_pos, heads)
+            o = o.view(1, num_heads, q_len, v_dim)
+    return o[0].transpose(0, 1)

@@ -120,23 +120,6 @@ def test_the_layer_rules_catch_a_bad_edge():
     assert not layer_violations({"worker.gateway.app": {"worker.client.inflight", "schemas.wire"}})
 
 
-MODULE_WARN_LINES = 400  # listed at the end of every test run (tests/conftest.py): a smell to look at
-MODULE_MAX_LINES = 600  # a failure: split the module along a seam (a piece of state and its owner)
-
-
-def module_sizes(min_lines: int) -> dict[str, int]:
-    """{path: lines} of every module of `worker/` and `schemas/` over `min_lines`, longest first."""
-    sizes = {str(p.relative_to(ROOT)): n for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
-             if (n := len(p.read_text().splitlines())) > min_lines}
-    return dict(sorted(sizes.items(), key=lambda kv: -kv[1]))
-
-
-def test_no_module_over_600_lines():
-    """A size is a smell, not a target: modules over 400 lines are only listed (by the
-    test run's summary); over 600 fails."""
-    assert not module_sizes(MODULE_MAX_LINES), module_sizes(MODULE_MAX_LINES)
-
-
 def test_no_private_names_imported_across_modules():
     """`from worker.x import _name` couples one module to another's internals."""
     bad = []
@@ -188,3 +171,22 @@ def test_every_attribute_exists_from_init():
 def test_the_attribute_check_catches_a_late_attribute():
     src = "class A:\n    def __init__(self):\n        self.a = 1\n    async def start(self):\n        self.b = 2\n"
     assert attributes_set_outside_init(src) == ["A.start sets self.b"]
+
+
+def layer_rules_markdown() -> str:
+    """The layer rules as the architecture page states them (generated from the tables above)."""
+    lines = [f"- `{src}` imports none of " + ", ".join(f"`{r}`" for r in sorted(banned)) + ";"
+             for src, banned in FORBIDDEN.items()]
+    lines.append("- `gateway` imports only " + ", ".join(f"`{r}`" for r in sorted(GATEWAY_MAY_IMPORT - {"gateway"}))
+                 + " (and itself).")
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- layer rules: tests/repo/test_import_graph.py -->", "<!-- end of the layer rules -->"
+
+
+def test_the_architecture_page_states_these_rules():
+    """docs/architecture.md shows the rules this test holds (one source: the tables above)."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    shown = page[page.index(BEGIN) + len(BEGIN):page.index(END)].strip()
+    assert shown == layer_rules_markdown(), f"put this between the markers:\n{layer_rules_markdown()}"

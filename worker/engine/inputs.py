@@ -1,0 +1,114 @@
+"""What a caller hands the engine for one request: `RequestInput`, with its prompt as one
+tagged value (`TextPrompt`, `ChatPrompt`, `TokenPrompt`). It is built once, from a Kafka
+job (`RequestInput.from_job`, the worker) or from keywords (`RequestInput.of`, tests,
+tools, the CLI), and taken whole by `InputProcessor.process` and `Engine.add`; input
+processing turns it into the tokenized `EngineCoreRequest`, and the core that into the
+scheduler's `Request` (`Request.from_core_request`). One object per door, as vLLM's
+prompt value into its input processor and `EngineCoreRequest` →
+`Request.from_engine_core_request`. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from schemas.params import SamplingParams
+from worker.engine.request import Priority, RejectReason, RequestRejected
+
+if TYPE_CHECKING:
+    from schemas.wire import Job
+
+
+@dataclass(slots=True, frozen=True)
+class TextPrompt:
+    """A text prompt, tokenized with the tokenizer's special tokens (one leading BOS kept)."""
+
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ChatPrompt:
+    """OpenAI-style chat messages rendered with the tokenizer's chat template (generation
+    prompt added); `tools`: OpenAI function definitions passed to the template."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class TokenPrompt:
+    """Prompt token ids, used exactly as given (checked against the vocabulary)."""
+
+    token_ids: Sequence[int]
+
+
+Prompt = TextPrompt | ChatPrompt | TokenPrompt
+
+
+@dataclass(slots=True, frozen=True)
+class RequestInput:
+    """One request before tokenization. Times are Unix seconds (`time.time()`).
+
+    Attributes:
+        request_id: unique among unfinished requests (the worker uses the job id).
+        prompt: the prompt, one of the three kinds.
+        params: sampling parameters (`max_tokens` None: resolved by input processing).
+        priority: a `Priority` or its name (`"high"`, `"normal"`, `"low"`).
+        tenant: whose fair share and quotas it counts against (None: the tenant `""`).
+        cache_salt: keeps its prefix-cache blocks apart from other salts (the worker
+            salts by tenant).
+        arrival_time: when it arrived (None: now, at input processing); queue time
+            starts here (the worker passes the Kafka record's timestamp).
+        deadline: a request still waiting then ends `expired` (`deadline_passed`).
+        adapter: a LoRA adapter under `model.lora_dir` (None: the base model).
+        traced: record what the engine does to it (its job's trace is sampled).
+    """
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: Priority | str = Priority.NORMAL
+    tenant: str | None = None
+    cache_salt: str = ""
+    arrival_time: float | None = None
+    deadline: float | None = None
+    adapter: str | None = None
+    traced: bool = False
+
+    @classmethod
+    def of(cls, request_id: str, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+           messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
+           **fields: Any) -> RequestInput:
+        """The keyword form: exactly one of `prompt` (text), `prompt_token_ids`,
+        `messages` (with `tools`); `fields` are the other attributes by name.
+
+        Raises:
+            RequestRejected: `invalid_prompt` when not exactly one prompt is given.
+            TypeError: an unknown field.
+        """
+        if sum(x is not None for x in (prompt, prompt_token_ids, messages)) != 1:
+            raise RequestRejected(request_id, RejectReason.INVALID_PROMPT,
+                                  "give exactly one of prompt, prompt_token_ids, messages")
+        if prompt is not None:
+            value: Prompt = TextPrompt(prompt)
+        elif messages is not None:
+            value = ChatPrompt(messages, tools)
+        else:
+            value = TokenPrompt(prompt_token_ids)
+        return cls(request_id, value, **fields)
+
+    @classmethod
+    def from_job(cls, job: Job, priority: str, arrival_time: float, *, traced: bool = False) -> RequestInput:
+        """The request of a Kafka job: its prompt (exactly one is set: the wire schema
+        checks it), params, tenant (also its cache salt), deadline and adapter;
+        `priority` is its topic's class, `arrival_time` the record's timestamp."""
+        if job.prompt is not None:
+            prompt: Prompt = TextPrompt(job.prompt)
+        elif job.messages is not None:
+            prompt = ChatPrompt([m.template_dict() for m in job.messages], job.tools)
+        else:
+            prompt = TokenPrompt(job.prompt_token_ids or [])
+        return cls(job.job_id, prompt, job.params, priority, job.tenant, job.tenant or "", arrival_time,
+                   job.deadline, job.adapter, traced)
