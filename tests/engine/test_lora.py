@@ -136,6 +136,7 @@ def test_prefix_cache_is_salted_by_adapter(base_and_loras):
     assert cached["same"] == 64 and cached["other"] == 0 and cached["base"] == 0, cached
 
 
+@pytest.mark.timing
 def test_lru_with_a_slow_loader_never_stalls_a_step(base_and_loras, monkeypatch):
     """max_loras 2, three adapters in use, each load slowed to 1 s: every request is
     right, loads and evictions are counted, and the engine keeps stepping while loads

@@ -5,6 +5,7 @@ long prompts. The stream and the figures are tools/bench_tiering.py's (its READM
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tools.bench_tiering import compare
@@ -12,6 +13,7 @@ from worker.config import EngineConfig, ModelConfig, ServingTuning
 from worker.engine import Engine
 
 
+@pytest.mark.timing
 def test_short_ttft_p99_under_the_long_prefill_cap_is_within_2x_of_short_prompts_alone(llama_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a worker's engine with a neighbour on the cores (its thread budget)

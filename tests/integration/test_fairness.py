@@ -43,6 +43,7 @@ def ttft_p99(results) -> float:
     return float(np.percentile([assert_well_formed(evs, evs[0].job_id).timings.ttft_s for evs in results], 99))
 
 
+@pytest.mark.timing
 def test_a_light_tenant_behind_a_flood_keeps_its_ttft_and_the_flood_finishes_once(services, prefix, llama_path):
     """B alone (8 jobs x 20 tokens), then A floods (60 x 200) and B sends 8 more two
     seconds later: B's TTFT p99 (the worker's, from the Kafka timestamp) stays within
@@ -80,6 +81,7 @@ def test_a_light_tenant_behind_a_flood_keeps_its_ttft_and_the_flood_finishes_onc
     assert all(c == e for c, e in committed.values()), committed
 
 
+@pytest.mark.timing
 def test_backlogged_tenants_each_get_40_to_60_percent_of_tokens_in_every_10s_window(services, prefix, llama_path):
     """A (100 jobs x 200 tokens) and B (400 x 50) submitted together, A's first: while
     both are backlogged (until the last job of one of them has started), each gets

@@ -236,6 +236,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_at_the_next_step(serv
     assert freed - t_cancel <= step_s + 0.1, f"KV back to baseline {freed - t_cancel:.3f} s after the cancel arrived"
 
 
+@pytest.mark.timing
 def test_a_request_that_cannot_start_in_time_gets_429_and_its_job_expires(services, prefix, tmp_path):
     cfg = worker_config(services, prefix, tuning={"max_running_requests": 1}, worker={"max_local_jobs": 1})
     engine = slow_null_engine(0.05, max_running_requests=1)

@@ -14,6 +14,7 @@ import statistics
 import time
 
 import openai
+import pytest
 from aiokafka import AIOKafkaConsumer
 
 from schemas import keys
@@ -87,6 +88,7 @@ async def ttft(c: openai.AsyncOpenAI, n: int) -> list[float]:
     return out
 
 
+@pytest.mark.timing
 def test_a_500_line_batch_completes_once_per_custom_id_while_interactive_ttft_holds(
         services, prefix, llama_path, tmp_path):
     cfg = worker_config(services, prefix)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 import torch
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
@@ -52,6 +53,7 @@ async def read_dlq(bootstrap: str, prefix: str, n: int, timeout: float = 30.0) -
     return out
 
 
+@pytest.mark.timing
 def test_every_record_that_never_runs_is_a_dead_letter_and_big_input_never_blocks_intake(
         services, prefix, llama_path):
     cfg = worker_config(services, prefix)

@@ -57,17 +57,18 @@ from worker.security.probe import verify_access
 from worker.security.redis import REDIS_DOWN, redis_client
 from worker.serve.cancels import CancelListener
 from worker.serve.claim_scripts import TAKE_LUA
-from worker.serve.claims import ClaimStore, EpochChanged
+from worker.serve.claims import ClaimStore
 from worker.serve.dlq import DeadLetters
 from worker.serve.finalize import Finalizer
 from worker.serve.health import HealthChecks, OpsServer, engine_liveness, loop_lag_monitor, nvml_available
 from worker.serve.intake import Intake
 from worker.serve.jobs import JobState, JobTable, Round
 from worker.serve.kafka_outage import KafkaOutage
+from worker.serve.leases import ClaimLeases
 from worker.serve.offsets import OffsetTracker
 from worker.serve.pool_router import PoolRouter, check_pool_limits
 from worker.serve.publish import Publisher
-from worker.serve.read_ahead import high_priority_reserve, local_shares
+from worker.serve.read_ahead import JobRecord, high_priority_reserve, local_shares
 from worker.serve.results import ResultsLog
 from worker.serve.starter import JobStarter
 
@@ -105,7 +106,7 @@ class Worker:
         self.started = asyncio.Event()  # set once every component runs
         self._crash: BaseException | None = None
         self._tasks: list[asyncio.Task] = []
-        self._redis_warned = 0.0
+        self.leases: ClaimLeases | None = None
         # built by start(), in this order; None until then (close() stops what exists)
         self.redis: Redis | None = None
         self.claims: ClaimStore | None = None
@@ -145,8 +146,10 @@ class Worker:
         self.claims = ClaimStore(self.redis, rc.key_prefix, self.worker_id, lease_ms=rc.claim_lease_ms,
                                  ttl_s=rc.log_ttl_s, tombstone_ttl_s=rc.tombstone_ttl_s)
         await self.claims.adopt_epoch()
+        self.leases = ClaimLeases(self.table, self.claims, self.metrics, rc.claim_lease_ms, self)
         self.publisher = Publisher(self.redis, rc, self.claims, self.table, on_outage=self._on_redis_outage,
-                                   on_lost=self._hand_back_lost_jobs, on_restore=self._on_restored,
+                                   on_lost=self.leases.hand_back_lost,
+                                   on_restore=self._on_restored,
                                    on_backlog=self.metrics.publish_backlog.set)
         loop = asyncio.get_running_loop()
         self.engine = await make_engine_client(self._engine, self._engine_spec, cfg.serving_tuning, self.metrics,
@@ -187,7 +190,7 @@ class Worker:
             asyncio.create_task(self.finalizer.run(), name="finalize"),
             asyncio.create_task(self.intake.run(self._stopping), name="intake"),
             asyncio.create_task(self.cancels.run(self._stopping), name="cancels"),
-            asyncio.create_task(self._renew_loop(), name="claims"),
+            asyncio.create_task(self.leases.run(), name="claims"),
             asyncio.create_task(self.health.run(cfg.metrics), name="checks"),
             asyncio.create_task(self.kafka_outage.watch(), name="kafka"),
             asyncio.create_task(loop_lag_monitor(self.metrics, cfg.kafka.session_timeout_ms), name="loop-lag"),
@@ -337,39 +340,12 @@ class Worker:
         if held is not None and held.state == JobState.IN_ENGINE:
             self.engine.abort(job_id)
 
-    async def _renew_loop(self) -> None:
-        lease = self.cfg.redis.claim_lease_ms
-        while True:
-            await asyncio.sleep(lease / 3000)
-            held = {held.job_id: (held.claim_token, held.attempt) for held in self.table.holding_claims()}
-            try:
-                try:
-                    lost = await self.claims.renew(held)
-                except EpochChanged as e:  # Redis lost its data: restore (claims first), renew next time
-                    await self.publisher.restore(e.epoch)
-                    continue
-            except REDIS_DOWN as e:
-                if time.monotonic() - self._redis_warned > 10:
-                    self._redis_warned = time.monotonic()
-                    log.warning("claim renewal failed (Redis unreachable); retrying", error=repr(e)[:200])
-                continue
-            self._hand_back_lost_jobs(sorted(lost))
+    # ---- the leases' host (leases.LeaseHost) -------------------------------------------
+    def abort_in_engine(self, job_id: str) -> None:
+        self.engine.abort(job_id)
 
-    def _hand_back_lost_jobs(self, job_ids: list[str]) -> None:
-        """Another worker holds these jobs' claims now (we stalled past the lease, or Redis
-        lost them): stop running them, publish and record nothing more of theirs (a
-        terminal event not yet published is dropped: the holder's counts), and keep their
-        offsets open until the holder's terminal event appears (retried as contested)."""
-        for job_id in job_ids:
-            was_running = (held := self.table.get(job_id)) is not None and held.state != JobState.FINISHING
-            held = self.table.disown(job_id)
-            if held is None:
-                continue
-            log.warning("claim lost; handing the job back", job_id=job_id, attempt=held.attempt)
-            if was_running:
-                self.engine.abort(job_id)
-            self.metrics.aborted.labels("lease_lost").inc()
-            self.intake.add_contested(held.retake_records())
+    def retake(self, records: list[JobRecord]) -> None:
+        self.intake.add_contested(records)
 
     def _on_redis_outage(self, down: bool) -> None:
         self.metrics.redis_outage.set(1 if down else 0)
