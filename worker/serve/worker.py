@@ -7,24 +7,8 @@ without a terminal event, claims released, offsets left uncommitted so another w
 re-runs them with `restarted`), commit, leave the group, close. Every wait in drain and
 close is bounded, so a broken connection can delay shutdown but never hang it.
 
-Who owns what: the JobTable (`jobs.py`) every local job and its events; the ClaimStore
-(`claims.py`) Redis claims and marks; the Publisher (`publish.py`) the writes of events;
-the Intake (`intake.py`) the consumer and commits; the OffsetTracker the commit points
-(marked done here, once a job's outcome is recorded). A job's path, numbered:
-
-  1. Intake fetches and decodes the record into its read-ahead (DLQ if invalid); a
-     free slot takes it by priority, then tenant share.
-  2. JobStarter claims a batch in one round trip and opens the jobs in the table.
-  3. Its input task tokenizes off the loop (InputProcessor) and submits the request to
-     the engine client.
-  4. The engine core steps — in its own process by default (`worker.engine_process`),
-     else in a thread here; output processing (detokenization, stop strings) runs off
-     the loop, and each step's deltas reach `_on_step` on the loop, which drafts events
-     in the table.
-  5. The Publisher sends every draft of a round in one script call to Redis.
-  6. `_finalize`: DLQ record if the job never ran, the terminal event to the durable
-     results topic, then the offsets are done (committed by the intake) and the job
-     leaves the table.
+Who owns what, and a job's path through these parts step by step:
+docs/concepts.md#how-a-job-flows (told there once).
 """
 
 from __future__ import annotations
