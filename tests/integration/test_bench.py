@@ -8,7 +8,8 @@ import json
 import matplotlib.image as mpimg
 import pytest
 
-from tools import bench_e2e, bench_engine
+from tools.bench import bench_engine
+from tools.bench import e2e as bench_e2e
 
 
 def ordered(p: dict | None) -> None:

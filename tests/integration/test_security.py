@@ -435,7 +435,7 @@ def test_pipeline_benchmark_runs_on_the_secured_stack(secure_stack, tmp_path):
     """tools/bench_pipeline with `--config` (the admin principal over mutual TLS: the
     benchmark creates its own topics): producer, worker subprocess and Redis reads all
     connect secured, and every job finishes."""
-    from tools import bench_pipeline
+    from tools.bench import pipeline as bench_pipeline
 
     config = str(secure_stack.config_path("admin", "mtls"))
     assert bench_pipeline.main(["--config", config, "--device-ms", "0", "--output-lens", "4", "--running", "8",

@@ -7,7 +7,7 @@ an older one every 10 of those; an engine step at 256 running requests allocates
 thousands of short-lived containers (scheduled requests, outputs, deltas), and after
 importing torch and transformers the heap holds about a million long-lived objects that
 every full collection walks again. The collector then ran inside most steps: measured
-with `tools.bench_pipeline`'s engine-alone rows (2 ms emulated device, 256 running,
+with `tools.bench.pipeline`'s engine-alone rows (2 ms emulated device, 256 running,
 asynchronous steps), the device was busy 0.37 of the time with 4-token jobs and 0.67
 with 64-token jobs under the default settings, 0.49 and 0.77 with these, the same as with
 the collector off. `gc.freeze()` moves every object alive at that point to a permanent

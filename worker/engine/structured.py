@@ -15,7 +15,7 @@ for LLMs", 2023).
         Request.stop_status: the matcher consumes every token the request keeps; grammar done = stop
 
 The library is llguidance (Rust core, Python bindings; vLLM's and TensorRT-LLM's
-second backend), chosen over xgrammar by `tools/bench_structured.py` (docs/engine.md,
+second backend), chosen over xgrammar by `tools/bench/structured.py` (docs/engine.md,
 docs/benchmarks.md): it compiles a 10-field schema in ~1.4 ms (xgrammar ~6 ms) and shares
 it by deep copy, implements the schema keywords xgrammar ignores (`multipleOf` on
 numbers) or refuses the schema, drops the GIL while it builds a grammar and fills masks,

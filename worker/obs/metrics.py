@@ -13,7 +13,7 @@ worker's `/metrics`. Several worker processes on one host each serve their own p
 no multiprocess aggregation is done or needed, since one process owns one engine.
 
 Writers: `observe_step` / `observe_idle` run on the engine thread after each step
-(cost: 0.014–0.04 ms per step on the 2-core CPU box, `tools/bench_engine.py scheduler`);
+(cost: 0.014–0.04 ms per step on the 2-core CPU box, `tools/bench/engine.py scheduler`);
 everything else runs on the worker's asyncio loop. prometheus-client is thread-safe.
 """
 

@@ -4,7 +4,7 @@ ids, enum values as integers, 64-bit integers as decimal strings), encoded with 
 
 Why our own: the OpenTelemetry Python SDK ships exporters for `http/protobuf` and `grpc`
 only, and its protobuf encoder costs about 8 µs per attribute or event in Python (some
-500 µs for the ten spans of one job, `tools/bench_tracing.py`), on a thread that shares
+500 µs for the ten spans of one job, `tools/bench/tracing.py`), on a thread that shares
 the worker's GIL; this one builds plain dicts and lets msgspec encode them (see
 docs/tracing.md for the measured difference). The OTLP spec makes JSON a MAY for
 receivers: the OpenTelemetry Collector and Jaeger accept it, some vendors' endpoints do

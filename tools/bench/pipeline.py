@@ -12,7 +12,7 @@ behind the first, waiting sleeps and releases the GIL as a CUDA sync does). For 
      which the engine core's own share — scheduling and bookkeeping, without input and
      output processing — from its StepStats);
   2. worker: the jobs are produced to fresh topics first, then one worker process is
-     started on them (`python -m tools.bench_pipeline worker ...`, a real `Worker` on the
+     started on them (`python -m tools.bench.pipeline worker ...`, a real `Worker` on the
      dev stack's Kafka and Redis around the same null engine); the clock runs from the
      first event any job got to the last terminal event (Redis stream entry ids, ms);
      the worker's CPU seconds in that window are sampled with psutil.
@@ -25,8 +25,8 @@ subscribers that read every event live (reported, not part of the goal). Writes
 results/bench_pipeline.json and a PNG, prints a table.
 
     tools/devstack.sh up
-    python -m tools.bench_pipeline                                    # default grid, ~5 min here
-    python -m tools.bench_pipeline --device-ms 2 --output-lens 64 4   # the goal rows
+    python -m tools.bench.pipeline                                    # default grid, ~5 min here
+    python -m tools.bench.pipeline --device-ms 2 --output-lens 64 4   # the goal rows
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.connections import add_connection_args, connection_sections, worker_sections
+from tools.bench.connections import add_connection_args, connection_sections, worker_sections
 
 PROMPT_LEN = 32
 BLOCK = 16
@@ -258,7 +258,7 @@ async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, ru
     if subs is not None:
         await asyncio.sleep(0.5)
     with open(log_path, "a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tools.bench_pipeline", "worker", "--config", str(cfg_path),
+        proc = subprocess.Popen([sys.executable, "-m", "tools.bench.pipeline", "worker", "--config", str(cfg_path),
                                  "--device-ms", str(device_ms), "--tuning", json.dumps(tuning)],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=tree,
                                 env={**os.environ, **secret_env, **({"PYTHONPATH": str(tree)} if tree else {})})
@@ -429,15 +429,15 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(a)
     import logging
 
-    from tools.bench_engine import _machine
+    from tools.bench.harness import machine
 
     logging.getLogger("aiokafka").setLevel(logging.ERROR)  # produce retries while new topics elect leaders
 
     a.kafka_cfg, a.redis_cfg = connection_sections(a)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     rows = asyncio.run(run_grid(a))
-    report = {"mode": "pipeline", "command": "python -m tools.bench_pipeline " + " ".join(argv or sys.argv[1:]),
-              "machine": _machine(), "kafka": a.kafka, "redis": a.redis, "rows": rows}
+    report = {"mode": "pipeline", "command": "python -m tools.bench.pipeline " + " ".join(argv or sys.argv[1:]),
+              "machine": machine(), "kafka": a.kafka, "redis": a.redis, "rows": rows}
     out = Path(a.out) / "bench_pipeline.json"
     out.write_text(json.dumps(report, indent=2))
     plot(rows, Path(a.out) / "bench_pipeline.png")

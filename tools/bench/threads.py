@@ -7,8 +7,8 @@ Each engine runs in its own core process through the worker's client
 model, greedy, EOS ignored. What is measured is the collapse OpenMP threads cause when
 engines (or an engine and anything busy) share cores.
 
-    python -m tools.bench_threads                       # K = 1 and 2, default vs budget
-    python -m tools.bench_threads --engines 1 2 3 --requests 4 --tokens 500 --json out.json
+    python -m tools.bench.threads                       # K = 1 and 2, default vs budget
+    python -m tools.bench.threads --engines 1 2 3 --requests 4 --tokens 500 --json out.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench_engine import DEFAULT_MODEL, ensure_model
+from tools.bench.harness import DEFAULT_MODEL, ensure_model
 
 
 async def run_engines(model: Path, k: int, engine_threads: int | None, requests: int, tokens: int) -> dict:

@@ -2,7 +2,7 @@
 in a steady open-loop stream, alone, with long prompts among them, and with long prompts
 under the per-step long-prefill cap, on the same engine settings and the same arrivals.
 
-    python -m tools.bench_tiering [--model DIR] [--duration 3] [--out results]
+    python -m tools.bench.tiering [--model DIR] [--duration 3] [--out results]
 
 Arrivals are fixed in wall-clock time (one request every `interval_s`, every
 `long_every`-th of them long); TTFT is first token - scheduled arrival, in seconds (so
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return Engine.from_pretrained(model, EngineConfig(model=ModelConfig(dtype="float32", device="cpu"),
                                                           serving_tuning=tuning))
 
-    report = {"command": "python -m tools.bench_tiering " + " ".join(argv or []), "model": model,
+    report = {"command": "python -m tools.bench.tiering " + " ".join(argv or []), "model": model,
               "settings": vars(a), "mixes": compare(make, duration_s=a.duration, interval_s=a.interval,
                                                     long_every=a.long_every, long_len=a.long_len,
                                                     threshold=a.threshold, cap=a.cap, repeats=a.repeats)}

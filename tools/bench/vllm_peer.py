@@ -1,9 +1,9 @@
 """Run one benchmark workload through vLLM's offline `LLM.generate`, as the peer row of
-`tools.bench_engine throughput`. Runs under vLLM's own interpreter
+`tools.bench.engine throughput`. Runs under vLLM's own interpreter
 (`.cache/vllm-venv/bin/python`, made by `tools/setup_vllm.sh`), never the project's
 `.venv`: it imports nothing from this repository.
 
-    .cache/vllm-venv/bin/python tools/vllm_peer.py JOB.json RESULT.json
+    .cache/vllm-venv/bin/python tools/bench/vllm_peer.py JOB.json RESULT.json
 
 JOB.json: {"model": path, "dtype": "float32", "max_batch": running requests,
 "budget": batched tokens per step, "kv_tokens": Inflight's KV cache tokens (for the record:

@@ -3,7 +3,7 @@ the path a producer with a Redis subscription already has, and how many streamed
 one gateway process carries per core of its own CPU.
 
 Setup: the dev stack, fresh topics, one worker process around the model-less sleeping
-engine (`tools.bench_pipeline`'s: `--device-ms` per step stands in for a GPU), one
+engine (`tools.bench.pipeline`'s: `--device-ms` per step stands in for a GPU), one
 gateway process (`python -m worker gateway`), and this load generator.
 
   1. overhead: Poisson arrivals at `--rate` requests/s for `--duration` s, alternately
@@ -20,7 +20,7 @@ gateway process (`python -m worker gateway`), and this load generator.
 Writes results/bench_gateway.json and prints both tables.
 
     tools/devstack.sh up
-    python -m tools.bench_gateway                 # ~1.5 minutes here
+    python -m tools.bench.gateway                 # ~1.5 minutes here
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,17 +37,12 @@ import time
 import uuid
 from pathlib import Path
 
-from tools.bench_pipeline import CpuSampler, prompt_ids, tuning_dict
-from tools.connections import add_connection_args, connection_sections, worker_sections
+from tools.bench.connections import add_connection_args, connection_sections, worker_sections
+from tools.bench.harness import free_port
+from tools.bench.pipeline import CpuSampler, prompt_ids, tuning_dict
 
 KEY = "sk-bench-gateway-key"
 TENANT = "bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -69,7 +63,7 @@ def write_configs(a, prefix: str, tmp: Path, worker: dict, gateway: dict) -> tup
     wcfg = {**worker, "kafka": kafka, "redis": redis,
             "worker": {"worker_id": f"{prefix}-w", "log_level": "WARNING"}, "metrics": {"port": None}}
     (tmp / "worker.yaml").write_text(yaml.safe_dump(wcfg))
-    port = _free_port()
+    port = free_port()
     gcfg = {"gateway": {"host": "127.0.0.1", "port": port, "model_name": "bench", "files_dir": str(tmp / "files"),
                         "api_keys": [{"key": KEY, "tenant": TENANT, "max_priority": "high"}],
                         "max_concurrent_requests": 100_000, **gateway},
@@ -88,7 +82,7 @@ def start_processes(a, prefix: str, tmp: Path) -> tuple[subprocess.Popen, subpro
     tuning = tuning_dict(a.running, max(a.output_len, a.stream_tokens))
     port, env = write_configs(a, prefix, tmp, {"serving_tuning": tuning}, {})
     out = open(Path(a.out) / "bench_gateway_processes.log", "a")  # noqa: SIM115 (outlives this function)
-    worker = subprocess.Popen([sys.executable, "-m", "tools.bench_pipeline", "worker", "--config",
+    worker = subprocess.Popen([sys.executable, "-m", "tools.bench.pipeline", "worker", "--config",
                                str(tmp / "worker.yaml"), "--device-ms", str(a.device_ms), "--tuning",
                                json.dumps(tuning)], stdout=out, stderr=subprocess.STDOUT, env=env)
     return worker, start_gateway(tmp, out, env), port
@@ -269,13 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partitions", type=int, default=3)
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
-    from tools.bench_engine import _machine
+    from tools.bench.harness import machine
 
     a.kafka_cfg, a.redis_cfg = connection_sections(a)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     res = asyncio.run(run(a))
-    report = {"mode": "gateway", "command": "python -m tools.bench_gateway " + " ".join(argv or sys.argv[1:]),
-              "machine": _machine(), "device_ms": a.device_ms, "output_len": a.output_len, **res}
+    report = {"mode": "gateway", "command": "python -m tools.bench.gateway " + " ".join(argv or sys.argv[1:]),
+              "machine": machine(), "device_ms": a.device_ms, "output_len": a.output_len, **res}
     out = Path(a.out) / "bench_gateway.json"
     out.write_text(json.dumps(report, indent=2))
     o, t = res["overhead"], res["throughput"]

@@ -14,8 +14,8 @@
 
 Writes bench_structured.json and bench_structured.png under --out, prints a table.
 
-    python -m tools.bench_structured                  # ~2 min on the 2-core CPU box
-    python -m tools.bench_structured --jobs 1000 --batch 64
+    python -m tools.bench.structured                  # ~2 min on the 2-core CPU box
+    python -m tools.bench.structured --jobs 1000 --batch 64
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.bench_engine import DEFAULT_MODEL, ensure_model, report_header
+from tools.bench.harness import DEFAULT_MODEL, ensure_model, report_header
 
 # 10 fields: strings (bounded), bounded integers, enums, an array, a nested object, a boolean
 TEN_FIELDS = {
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="alternating constrained / unconstrained engine rounds")
     p.add_argument("--out", default="results", help="folder for JSON and PNG results")
     a = p.parse_args(argv)
-    a.command_line = " ".join(["python -m tools.bench_structured", *(argv if argv is not None else sys.argv[1:])])
+    a.command_line = " ".join(["python -m tools.bench.structured", *(argv if argv is not None else sys.argv[1:])])
     model = ensure_model(a.model)
     report = report_header("structured", a, model, "cpu")
     report["batch"] = a.batch

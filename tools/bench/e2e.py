@@ -29,10 +29,10 @@ the same again with `serving_tuning.fair_share: false` and no per-tenant cap on 
 jobs (the worker before fair share). Writes results/bench_e2e_tenants.json.
 
     tools/devstack.sh up
-    python -m tools.bench_e2e                                   # default sweep, ~5 min on 2 CPU cores
-    python -m tools.bench_e2e --rates 2 4 8 --duration 20 --consumer result
-    python -m tools.bench_e2e --tenant-flood --compare-off      # ~4 min on 2 CPU cores
-    python -m tools.bench_e2e --long-mix                        # pools by prompt length (tools/bench_long_mix.py)
+    python -m tools.bench.e2e                                   # default sweep, ~5 min on 2 CPU cores
+    python -m tools.bench.e2e --rates 2 4 8 --duration 20 --consumer result
+    python -m tools.bench.e2e --tenant-flood --compare-off      # ~4 min on 2 CPU cores
+    python -m tools.bench.e2e --long-mix                        # pools by prompt length (tools/bench/long_mix.py)
 """
 
 from __future__ import annotations
@@ -41,10 +41,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -53,134 +49,22 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from tools.bench_engine import (
+from tools.bench.connections import add_connection_args, connection_sections
+from tools.bench.engine import add_size_args, run_inflight
+from tools.bench.harness import (
     DEFAULT_MODEL,
     GPU_MODEL,
-    add_size_args,
+    WorkerProcess,
     apply_device_defaults,
     default_device,
     ensure_model,
+    kv_tokens,
+    percentiles,
     report_header,
-    run_inflight,
 )
-from tools.connections import add_connection_args, connection_sections, worker_sections
-from tools.workloads import KINDS, TextTokens, make_workload, poisson_arrivals
-
-PCTS = (50, 95, 99)
+from tools.bench.workloads import KINDS, TextTokens, make_workload, poisson_arrivals
 
 
-def percentiles(values: list[float]) -> dict | None:
-    """{p50, p95, p99, mean} (linear interpolation), or None for no values."""
-    if not values:
-        return None
-    arr = np.asarray(values, dtype=float)
-    out = {f"p{p}": float(np.percentile(arr, p)) for p in PCTS}
-    out["mean"] = float(arr.mean())
-    return out
-
-
-# ---- the worker process -------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class WorkerProcess:
-    """`python -m worker worker` configured through INFLIGHT_* variables; logs to a file.
-    `env` adds or overrides variables."""
-
-    def __init__(self, a, model: Path, device: str, prefix: str, log_path: Path,
-                 env_over: dict[str, str] | None = None) -> None:
-        self.port = _free_port()
-        env = dict(os.environ)
-        env.update({
-            "INFLIGHT_MODEL__PATH": str(model),
-            "INFLIGHT_MODEL__DEVICE": device,
-            "INFLIGHT_MODEL__ATTENTION_BACKEND": a.backend,
-            "INFLIGHT_KAFKA__BOOTSTRAP_SERVERS": a.kafka,
-            "INFLIGHT_KAFKA__TOPIC_PREFIX": prefix,
-            "INFLIGHT_KAFKA__GROUP_ID": f"{prefix}-workers",
-            "INFLIGHT_KAFKA__COMMIT_INTERVAL_MS": "200",
-            "INFLIGHT_REDIS__URL": a.redis,
-            "INFLIGHT_REDIS__KEY_PREFIX": prefix,
-            "INFLIGHT_SERVING_TUNING__MAX_RUNNING_REQUESTS": str(a.max_batch),
-            "INFLIGHT_SERVING_TUNING__MAX_BATCHED_TOKENS": str(a.budget),
-            "INFLIGHT_SERVING_TUNING__MAX_TOTAL_TOKENS": str(kv_tokens(a)),
-            "INFLIGHT_SERVING_TUNING__ENABLE_PREFIX_CACHING": "false",
-            "INFLIGHT_METRICS__PORT": str(self.port),
-            "INFLIGHT_METRICS__HOST": "127.0.0.1",
-            "INFLIGHT_METRICS__CHECK_INTERVAL_S": "1",
-        })
-        env.update(env_over or {})
-        argv = [sys.executable, "-m", "worker", "worker"]
-        if a.config:  # connection security of the file; the INFLIGHT_* variables above override the rest
-            argv += ["--config", a.config]
-            env.update(worker_sections(a.kafka_cfg, a.redis_cfg)[2])  # secret values given inline, if any
-        self.log = open(log_path, "w")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    async def metrics_by_tenant(self) -> dict[str, float]:
-        """Output tokens served per `tenant` label (tenant_tokens_total, kind generation)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = await asyncio.to_thread(_get, f"http://127.0.0.1:{self.port}/metrics")
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == "tenant_tokens_total" and s.labels.get("kind") == "generation":
-                    out[s.labels["tenant"]] = out.get(s.labels["tenant"], 0.0) + s.value
-        return out
-
-    async def metrics(self) -> dict[str, float]:
-        """Scrape /metrics: {name{labels}: value} summed over label sets by bare name too."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = await asyncio.to_thread(_get, f"http://127.0.0.1:{self.port}/metrics")
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-        return out
-
-    async def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the worker exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                await asyncio.to_thread(_get, f"http://127.0.0.1:{self.port}/readyz")
-                m = await self.metrics()
-                if m.get("kafka_assigned_partitions", 0) > 0:
-                    return
-            except OSError:
-                pass
-            await asyncio.sleep(0.5)
-        raise TimeoutError(f"the worker was not ready within {timeout} s; see {self.log.name}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def _get(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return r.read().decode()
-
-
-def kv_tokens(a) -> int:
-    return a.max_batch * (a.max_input + a.max_output)
-
-
-# ---- one rate -----------------------------------------------------------------------------
 async def run_rate(a, client, worker: WorkerProcess, rate: float, work, arrivals: list[float], tag: str) -> dict:
     from schemas.params import SamplingParams
     from schemas.wire import Finished, Token
@@ -588,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-off", action="store_true", help="also run with fair share off (--tenant-flood)")
     p.add_argument("--long-mix", action="store_true",
                    help="short requests with a share of long ones, one pool vs two pools by prompt length, same "
-                        "workers (tools/bench_long_mix.py) instead of the sweep")
+                        "workers (tools/bench/long_mix.py) instead of the sweep")
     p.add_argument("--workers", type=int, default=2, help="workers of each fleet (--long-mix)")
     p.add_argument("--long-share", type=float, default=0.05, help="share of long requests (--long-mix)")
     p.add_argument("--long-factor", type=float, default=20.0, help="long prompt / mean short prompt (--long-mix)")
@@ -599,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     add_size_args(p)
     a = p.parse_args(argv)
     a.kafka_cfg, a.redis_cfg = connection_sections(a)
-    a.command_line = "python -m tools.bench_e2e " + " ".join(argv if argv is not None else sys.argv[1:])
+    a.command_line = "python -m tools.bench.e2e " + " ".join(argv if argv is not None else sys.argv[1:])
     device = a.device if a.device != "auto" else default_device()
     if a.tenant_flood and a.max_batch is None:
         a.max_batch = 8  # a small batch: the flood holds every slot unless shared
@@ -610,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.long_mix:
-        from tools.bench_long_mix import long_mix
+        from tools.bench.long_mix import long_mix
 
         report = long_mix(a, model, device)
         path = out / "bench_e2e_long_mix.json"

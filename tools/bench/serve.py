@@ -18,8 +18,8 @@ rate) and results/bench_serve.png, and prints the table: output tokens/s, TTFT /
 ITL p50 and p99 (ms), and Inflight's ratio to vLLM per rate.
 
     tools/setup_vllm.sh && tools/devstack.sh up
-    python -m tools.bench_serve                          # ~10 minutes here
-    python -m tools.bench_serve --rates 4 --num-prompts 40 --systems inflight
+    python -m tools.bench.serve                          # ~10 minutes here
+    python -m tools.bench.serve --rates 4 --num-prompts 40 --systems inflight
 """
 
 from __future__ import annotations
@@ -37,16 +37,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from tools.bench_engine import (
-    DEFAULT_MODEL,
-    VLLM_PYTHON,
-    _machine,
-    default_device,
-    ensure_model,
-    vllm_missing,
-)
-from tools.bench_gateway import KEY, _free_port, start_gateway, write_configs
-from tools.connections import add_connection_args, connection_sections
+from tools.bench.connections import add_connection_args, connection_sections
+from tools.bench.engine import VLLM_PYTHON, vllm_missing
+from tools.bench.gateway import KEY, start_gateway, write_configs
+from tools.bench.harness import DEFAULT_MODEL, default_device, ensure_model, free_port, machine
 
 SERVED_NAME = "bench"
 METRICS = ("ttft", "tpot", "itl")
@@ -110,7 +104,7 @@ def start_inflight(a, model: Path, device: str, tmp: Path) -> Server:
 
 
 def start_vllm(a, model: Path, device: str) -> Server:
-    port = _free_port()
+    port = free_port()
     log = open(Path(a.out) / "bench_serve_vllm.log", "w")  # noqa: SIM115 (closed in Server.stop)
     vllm = Path(a.vllm_python).with_name("vllm")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
@@ -223,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             i, v = results["inflight"][rate], results["vllm"][rate]
             ratios[rate] = {"output_tokens_per_s": i["output_tokens_per_s"] / v["output_tokens_per_s"],
                             "ttft_p50": i["ttft_p50_ms"] / v["ttft_p50_ms"]}
-    report = {"mode": "serve", "command": "python -m tools.bench_serve " + " ".join(argv or sys.argv[1:]),
-              "machine": _machine(), "model": str(model), "device": device, "input_len": a.input_len,
+    report = {"mode": "serve", "command": "python -m tools.bench.serve " + " ".join(argv or sys.argv[1:]),
+              "machine": machine(), "model": str(model), "device": device, "input_len": a.input_len,
               "output_len": a.output_len, "num_prompts": a.num_prompts, "max_batch": a.max_batch, "budget": a.budget,
               "results": results, "ratios_inflight_vs_vllm": ratios, "vllm_bench_serve": raw}
     out = Path(a.out) / "bench_serve.json"

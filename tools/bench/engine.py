@@ -23,15 +23,14 @@
 
 Writes JSON (and a PNG for throughput) under --out, prints a table.
 
-    python -m tools.bench_engine throughput --num-requests 256 --max-batch 32
-    python -m tools.bench_engine scheduler
+    python -m tools.bench.engine throughput --num-requests 256 --max-batch 32
+    python -m tools.bench.engine scheduler
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -39,65 +38,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tools.workloads import KINDS, TextTokens, make_workload
-
-DEFAULT_MODEL = Path(".cache/models/bench-llama")
-GPU_MODEL = Path(".cache/models/bench-llama-1b")
-# random-init Llama shapes: small for the CPU, ~1.1B parameters for a GPU
-MODEL_SHAPES = {
-    DEFAULT_MODEL: dict(arch="llama", vocab_size=2048, hidden=256, layers=4, heads=8, kv_heads=4, max_len=2048),
-    GPU_MODEL: dict(arch="llama", vocab_size=32000, hidden=2048, layers=20, heads=32, kv_heads=8, max_len=4096),
-}
-
-
-def report_header(mode: str, a, model: Path, device: str) -> dict:
-    """The fields every result file starts with: what ran, where, on which model."""
-    return {"mode": mode, "command": a.command_line, "machine": _machine(), "model": str(model), "device": device,
-            "dtype": str(torch_dtype(device)).removeprefix("torch.")}
-
-
-def _machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
-def ensure_model(path: Path) -> Path:
-    """Make the benchmark checkpoint at `path` if missing (shapes in MODEL_SHAPES;
-    other paths must already exist)."""
-    if not (path / "config.json").is_file():
-        from tools.make_model import make_checkpoint
-
-        shape = MODEL_SHAPES.get(Path(path), MODEL_SHAPES[DEFAULT_MODEL])
-        make_checkpoint(path, corpus_chars=600_000, **shape)
-    return path
-
-
-# Sizes per device; a full run of each benchmark fits in ~5 minutes on the 2-core CPU box
-# (scaled-down lengths) and on one H100/H200 (real ShareGPT lengths, ~1.1B model, bf16).
-DEVICE_DEFAULTS = {
-    "cpu": dict(scale=4.0, max_batch=32, budget=512, max_input=512, max_output=512),
-    "cuda": dict(scale=1.0, max_batch=64, budget=2048, max_input=1024, max_output=512),
-}
-
-
-def apply_device_defaults(a, device: str) -> None:
-    """Fill the size arguments left unset (None) with DEVICE_DEFAULTS[device]."""
-    for k, v in DEVICE_DEFAULTS[device].items():
-        if getattr(a, k, None) is None:
-            setattr(a, k, v)
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def torch_dtype(device: str) -> torch.dtype:
-    return torch.bfloat16 if device == "cuda" else torch.float32
+from tools.bench.harness import (
+    DEFAULT_MODEL,
+    DEVICE_DEFAULTS,
+    GPU_MODEL,
+    apply_device_defaults,
+    default_device,
+    ensure_model,
+    machine,
+    report_header,
+    torch_dtype,
+)
+from tools.bench.workloads import KINDS, TextTokens, make_workload
 
 
 # ---- throughput ---------------------------------------------------------------------------
@@ -218,7 +170,7 @@ def vllm_missing(python: Path) -> str | None:
 def run_vllm(python: Path, path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar,
              device: str = "cpu") -> tuple[float, dict[str, list[int]]]:
     """vLLM's offline engine on the same requests and limits, in its own interpreter
-    (`tools/vllm_peer.py`). Raises RuntimeError with vLLM's last output if it fails."""
+    (`tools/bench/vllm_peer.py`). Raises RuntimeError with vLLM's last output if it fails."""
     import subprocess
     import tempfile
 
@@ -424,7 +376,7 @@ def scheduler_overhead(a) -> dict:
     for r in fairness:
         print(f"{'':<12}{r['running_requests']:>8}{r['tenants']:>8}{r['off_ms']:>9.3f}{r['on_ms']:>9.3f}"
               f"{r['ratio']:>8.2f}{r['admitted_per_step']:>15.1f}{r['preemptions_on']:>16}")
-    return {"mode": "scheduler", "command": a.command_line, "machine": _machine(), "rows": rows,
+    return {"mode": "scheduler", "command": a.command_line, "machine": machine(), "rows": rows,
             "kv_pressure": pressure, "fair_share": fairness}
 
 
@@ -586,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--fair-running", type=int, nargs="+", default=[256, 1024],
                    help="running requests of the fair-share rows")
     a = p.parse_args(argv)
-    a.command_line = "python -m tools.bench_engine " + " ".join(argv if argv is not None else sys.argv[1:])
+    a.command_line = "python -m tools.bench.engine " + " ".join(argv if argv is not None else sys.argv[1:])
     torch.manual_seed(0)
     report = throughput(a) if a.mode == "throughput" else scheduler_overhead(a)
     out = Path(a.out) / f"bench_engine_{a.mode}.json"

@@ -2,8 +2,8 @@
 without adapters, side by side in one run (issue 30's goal: 8 adapters of rank 16 mixed
 uniformly in a batch of 32 at >= 0.8x the base model alone).
 
-    python -m tools.bench_lora                  # CPU: the bench model (hidden 256, 4 layers)
-    python -m tools.bench_lora --device cuda    # GPU: the ~1.1B bench model, bf16
+    python -m tools.bench.lora                  # CPU: the bench model (hidden 256, 4 layers)
+    python -m tools.bench.lora --device cuda    # GPU: the ~1.1B bench model, bf16
 
 Modes, each a fresh batch of `--batch` requests (`--prompt` tokens in, `--max-tokens`
 out, ignore_eos), run `--repeats` times interleaved, median output tokens/s:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from schemas.params import SamplingParams
-    from tools.bench_engine import DEFAULT_MODEL, GPU_MODEL, ensure_model, report_header, torch_dtype
+    from tools.bench.harness import DEFAULT_MODEL, GPU_MODEL, ensure_model, report_header, torch_dtype
     from tools.make_lora import make_adapter
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
-    a.command_line = "python -m tools.bench_lora " + " ".join(argv or [])
+    a.command_line = "python -m tools.bench.lora " + " ".join(argv or [])
     model = ensure_model(Path(a.model) if a.model else (GPU_MODEL if a.device == "cuda" else DEFAULT_MODEL))
     lora_dir = Path(".cache/bench-loras") / f"{model.name}-r{a.rank}"
     names = [f"ad{i}" for i in range(a.adapters)]

@@ -1,10 +1,10 @@
-"""`python -m tools.bench_e2e --long-mix` (issue 28): short chat requests at medium load
+"""`python -m tools.bench.e2e --long-mix` (issue 28): short chat requests at medium load
 plus a share of requests with prompts many times longer, through the same number of
 `inflight worker` processes arranged as one pool and as two pools by prompt length.
 
     tools/devstack.sh up
-    python -m tools.bench_e2e --long-mix                        # ~4 min on 2 CPU cores
-    python -m tools.bench_e2e --long-mix --workers 2 --long-share 0.05 --long-factor 20
+    python -m tools.bench.e2e --long-mix                        # ~4 min on 2 CPU cores
+    python -m tools.bench.e2e --long-mix --workers 2 --long-share 0.05 --long-factor 20
 
 Workload: short prompts of 32-96 tokens (uniform), long ones `--long-factor` times the
 short mean (every request is long with probability `--long-share`), `--output` tokens each,
@@ -41,7 +41,7 @@ def long_mix_workload(n: int, *, vocab_size: int, long_share: float, long_factor
                       seed: int = 0, avoid: int = 5):
     """`n` BenchRequests: short prompts in SHORT_RANGE tokens, long ones `long_factor`
     times the short mean with probability `long_share`; random ids in [avoid, vocab)."""
-    from tools.workloads import BenchRequest
+    from tools.bench.workloads import BenchRequest
 
     rng = random.Random(seed)
     long_len = int(long_factor * sum(SHORT_RANGE) / 2)
@@ -62,7 +62,7 @@ async def run_fleet(a, model: Path, device: str, two_pools: bool, work, arrivals
     from schemas.params import SamplingParams
     from schemas.pools import Pool, Pools
     from schemas.wire import Finished, Token
-    from tools.bench_e2e import WorkerProcess, percentiles
+    from tools.bench.harness import WorkerProcess, percentiles
     from worker.cli.topics import create_topics
     from worker.client import InflightClient
 
@@ -138,9 +138,9 @@ def long_mix(a, model: Path, device: str) -> dict:
     from tqdm import tqdm
     from transformers import AutoConfig
 
-    from tools.bench_e2e import kv_tokens
-    from tools.bench_engine import report_header, run_inflight
-    from tools.workloads import poisson_arrivals
+    from tools.bench.engine import run_inflight
+    from tools.bench.harness import kv_tokens, report_header
+    from tools.bench.workloads import poisson_arrivals
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
     long_len = int(a.long_factor * sum(SHORT_RANGE) / 2)

@@ -1,4 +1,4 @@
-"""What tracing costs a worker: the pipeline benchmark's worker row (`tools.bench_pipeline`:
+"""What tracing costs a worker: the pipeline benchmark's worker row (`tools.bench.pipeline`:
 one real worker on the dev stack's Kafka and Redis around the model-less engine over an
 emulated device, every job produced before it starts) with tracing off, and on at 100%
 sampling with the default protobuf encoding (`on`), with JSON (`on-json`,
@@ -16,8 +16,8 @@ on-10%/off and off/baseline; the worker CPU per traced job (µs, on minus off). 
 results/bench_tracing.json and a PNG, prints a table.
 
     tools/devstack.sh up
-    python -m tools.bench_tracing                         # 2 ms device, 256 running, 64-token jobs, 3 rounds (~10 min)
-    git worktree add /tmp/pre-tracing <commit> && python -m tools.bench_tracing --baseline /tmp/pre-tracing
+    python -m tools.bench.tracing                         # 2 ms device, 256 running, 64-token jobs, 3 rounds (~10 min)
+    git worktree add /tmp/pre-tracing <commit> && python -m tools.bench.tracing --baseline /tmp/pre-tracing
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tools.bench_pipeline import jobs_for, run_worker_row
-from tools.connections import add_connection_args, connection_sections
+from tools.bench.connections import add_connection_args, connection_sections
+from tools.bench.pipeline import jobs_for, run_worker_row
 
 JAEGER_OTLP = f"http://127.0.0.1:{os.environ.get('INFLIGHT_DEV_JAEGER_OTLP_HTTP_PORT', '14318')}"
 
@@ -122,7 +122,7 @@ def discard_sink():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tools.bench_tracing", "sink", "--port", str(port)])
+    proc = subprocess.Popen([sys.executable, "-m", "tools.bench.tracing", "sink", "--port", str(port)])
     try:
         for _ in range(100):
             with socket.socket() as s:
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     import logging
 
-    from tools.bench_engine import _machine
+    from tools.bench.harness import machine
 
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
     if a.endpoint is None:
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             report = asyncio.run(run(a))
     else:
         report = asyncio.run(run(a))
-    report.update(mode="tracing", command="python -m tools.bench_tracing " + " ".join(argv or sys.argv[1:]),
-                  machine=_machine(), device_ms=a.device_ms, output_len=a.output_len, running=a.running,
+    report.update(mode="tracing", command="python -m tools.bench.tracing " + " ".join(argv or sys.argv[1:]),
+                  machine=machine(), device_ms=a.device_ms, output_len=a.output_len, running=a.running,
                   collector=a.endpoint)
     out = Path(a.out) / "bench_tracing.json"
     out.write_text(json.dumps(report, indent=2))

@@ -1,0 +1,197 @@
+"""What the benchmarks share: the benchmark checkpoints and per-device sizes, the header
+every result file starts with (what ran, on which machine and model), percentiles, and a
+worker started as its own process with its metrics scraped. The benchmarks of this
+folder import from here; none imports another benchmark's internals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tools.bench.connections import worker_sections
+
+DEFAULT_MODEL = Path(".cache/models/bench-llama")
+GPU_MODEL = Path(".cache/models/bench-llama-1b")
+# random-init Llama shapes: small for the CPU, ~1.1B parameters for a GPU
+MODEL_SHAPES = {
+    DEFAULT_MODEL: dict(arch="llama", vocab_size=2048, hidden=256, layers=4, heads=8, kv_heads=4, max_len=2048),
+    GPU_MODEL: dict(arch="llama", vocab_size=32000, hidden=2048, layers=20, heads=32, kv_heads=8, max_len=4096),
+}
+
+
+def report_header(mode: str, a, model: Path, device: str) -> dict:
+    """The fields every result file starts with: what ran, where, on which model."""
+    return {"mode": mode, "command": a.command_line, "machine": machine(), "model": str(model), "device": device,
+            "dtype": str(torch_dtype(device)).removeprefix("torch.")}
+
+
+def machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def ensure_model(path: Path) -> Path:
+    """Make the benchmark checkpoint at `path` if missing (shapes in MODEL_SHAPES;
+    other paths must already exist)."""
+    if not (path / "config.json").is_file():
+        from tools.make_model import make_checkpoint
+
+        shape = MODEL_SHAPES.get(Path(path), MODEL_SHAPES[DEFAULT_MODEL])
+        make_checkpoint(path, corpus_chars=600_000, **shape)
+    return path
+
+
+# Sizes per device; a full run of each benchmark fits in ~5 minutes on the 2-core CPU box
+# (scaled-down lengths) and on one H100/H200 (real ShareGPT lengths, ~1.1B model, bf16).
+DEVICE_DEFAULTS = {
+    "cpu": dict(scale=4.0, max_batch=32, budget=512, max_input=512, max_output=512),
+    "cuda": dict(scale=1.0, max_batch=64, budget=2048, max_input=1024, max_output=512),
+}
+
+
+def apply_device_defaults(a, device: str) -> None:
+    """Fill the size arguments left unset (None) with DEVICE_DEFAULTS[device]."""
+    for k, v in DEVICE_DEFAULTS[device].items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+# ---- results ------------------------------------------------------------------------------
+PCTS = (50, 95, 99)
+
+
+def percentiles(values: list[float]) -> dict | None:
+    """{p50, p95, p99, mean} (linear interpolation), or None for no values."""
+    if not values:
+        return None
+    arr = np.asarray(values, dtype=float)
+    out = {f"p{p}": float(np.percentile(arr, p)) for p in PCTS}
+    out["mean"] = float(arr.mean())
+    return out
+
+
+# ---- the worker process -------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    """`python -m worker worker` configured through INFLIGHT_* variables; logs to a file.
+    `env` adds or overrides variables."""
+
+    def __init__(self, a, model: Path, device: str, prefix: str, log_path: Path,
+                 env_over: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        env = dict(os.environ)
+        env.update({
+            "INFLIGHT_MODEL__PATH": str(model),
+            "INFLIGHT_MODEL__DEVICE": device,
+            "INFLIGHT_MODEL__ATTENTION_BACKEND": a.backend,
+            "INFLIGHT_KAFKA__BOOTSTRAP_SERVERS": a.kafka,
+            "INFLIGHT_KAFKA__TOPIC_PREFIX": prefix,
+            "INFLIGHT_KAFKA__GROUP_ID": f"{prefix}-workers",
+            "INFLIGHT_KAFKA__COMMIT_INTERVAL_MS": "200",
+            "INFLIGHT_REDIS__URL": a.redis,
+            "INFLIGHT_REDIS__KEY_PREFIX": prefix,
+            "INFLIGHT_SERVING_TUNING__MAX_RUNNING_REQUESTS": str(a.max_batch),
+            "INFLIGHT_SERVING_TUNING__MAX_BATCHED_TOKENS": str(a.budget),
+            "INFLIGHT_SERVING_TUNING__MAX_TOTAL_TOKENS": str(kv_tokens(a)),
+            "INFLIGHT_SERVING_TUNING__ENABLE_PREFIX_CACHING": "false",
+            "INFLIGHT_METRICS__PORT": str(self.port),
+            "INFLIGHT_METRICS__HOST": "127.0.0.1",
+            "INFLIGHT_METRICS__CHECK_INTERVAL_S": "1",
+        })
+        env.update(env_over or {})
+        argv = [sys.executable, "-m", "worker", "worker"]
+        if a.config:  # connection security of the file; the INFLIGHT_* variables above override the rest
+            argv += ["--config", a.config]
+            env.update(worker_sections(a.kafka_cfg, a.redis_cfg)[2])  # secret values given inline, if any
+        self.log = open(log_path, "w")  # noqa: SIM115  (closed in stop)
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    async def metrics_by_tenant(self) -> dict[str, float]:
+        """Output tokens served per `tenant` label (tenant_tokens_total, kind generation)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = await asyncio.to_thread(http_get, f"http://127.0.0.1:{self.port}/metrics")
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "tenant_tokens_total" and s.labels.get("kind") == "generation":
+                    out[s.labels["tenant"]] = out.get(s.labels["tenant"], 0.0) + s.value
+        return out
+
+    async def metrics(self) -> dict[str, float]:
+        """Scrape /metrics: {name{labels}: value} summed over label sets by bare name too."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = await asyncio.to_thread(http_get, f"http://127.0.0.1:{self.port}/metrics")
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    async def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the worker exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                await asyncio.to_thread(http_get, f"http://127.0.0.1:{self.port}/readyz")
+                m = await self.metrics()
+                if m.get("kafka_assigned_partitions", 0) > 0:
+                    return
+            except OSError:
+                pass
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"the worker was not ready within {timeout} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def http_get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read().decode()
+
+
+def kv_tokens(a) -> int:
+    return a.max_batch * (a.max_input + a.max_output)
+
+
+# ---- one rate -----------------------------------------------------------------------------
