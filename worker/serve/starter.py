@@ -12,10 +12,10 @@ For each claimed job, in this order (the first that applies wins):
 Poison jobs (a forward that kills the process, as a crashing kernel would): the failure
 mark of an attempt is set when it is claimed (a suspect's, only when it enters the
 engine alone) and cleared when it ends cleanly, so a worker that dies leaves a mark on
-every job it held — the culprit and its innocent neighbours alike. A job with a mark therefore runs *alone*: it waits
-until this worker's engine is empty, and no other job enters the engine until it ends.
-If it kills that worker too, the death is its own; at `worker.max_job_failures` marks
-(default 2: one crash among neighbours, one alone) it is not run again.
+every job it held — the culprit and its innocent neighbours alike. A job with a mark
+therefore runs *alone* (`worker.serve.isolation.IsolationGate`). If it kills that worker
+too, the death is its own; at `worker.max_job_failures` marks (default 2: one crash
+among neighbours, one alone) it is not run again.
 
 Small inputs (token ids, prompts up to `INLINE_INPUT_BYTES`) are processed on the event
 loop, cheaper than a thread hop; larger ones are tokenized (chat templates rendered) in
@@ -30,7 +30,7 @@ import asyncio
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import structlog
 
@@ -55,6 +55,15 @@ if TYPE_CHECKING:
     from worker.serve.finalize import Finalizer
 
 log = structlog.get_logger(__name__)
+
+
+class Ending(NamedTuple):
+    """How a start rule ends a job before it runs: its finish reason, error, and the DLQ
+    record's (reason code, message) when the record goes there."""
+
+    reason: FinishReason
+    error: ErrorInfo | None = None
+    dead_letter: tuple[str, str] | None = None
 
 class StarterHost(Protocol):
     """What the job starter needs of the worker around it (`worker.serve.worker.Worker`)."""
@@ -206,22 +215,22 @@ class JobStarter:
         if isinstance(ending, RequestRejected):
             self._reject(held, ending)
         else:
-            self.table.finish_local(held.job_id, *ending)
+            self.table.finish_local(held.job_id, ending.reason, ending.error, ending.dead_letter)
         return None
 
-    def _ending(self, job: Job, c: Claimed) -> RequestRejected | tuple | None:
+    def _ending(self, job: Job, c: Claimed) -> Ending | RequestRejected | None:
         """The first rule of the module docstring that ends the job before any input
-        processing: (finish reason, error, dead letter), or the rejection; None: it runs."""
+        processing, or the rejection; None: it runs."""
         if c.cancelled or self.host.job_cancelled(job.job_id):
-            return FinishReason.CANCELLED, None, None
+            return Ending(FinishReason.CANCELLED)
         if job.deadline is not None and job.deadline < time.time():
-            return FinishReason.EXPIRED, ErrorInfo(code="deadline_passed", message=(
-                f"deadline {job.deadline} passed before the job started")), None
+            return Ending(FinishReason.EXPIRED, ErrorInfo(code="deadline_passed", message=(
+                f"deadline {job.deadline} passed before the job started")))
         if c.failures >= self.max_job_failures:
             msg = (f"{c.failures} earlier attempts never ended (a worker died running it); not run again "
                    f"(worker.max_job_failures = {self.max_job_failures})")
             log.warning("poison job not run again", job_id=job.job_id, attempt=c.attempt, failures=c.failures)
-            return FinishReason.ERROR, ErrorInfo(code="poison", message=msg), ("poison", msg)
+            return Ending(FinishReason.ERROR, ErrorInfo(code="poison", message=msg), ("poison", msg))
         if self._byte_limit is not None and (n := input_bytes(job)) > self._byte_limit:
             bound = (f"the longest prompt any pool serves, {self.router.pools.max_prompt_tokens} tokens"
                      if self.router else f"max_input_tokens = {self.engine.tuning.max_input_tokens}")
