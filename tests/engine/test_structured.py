@@ -227,7 +227,7 @@ def test_steps_go_on_while_a_grammar_compiles_and_the_cache_compiles_once(llama_
     eng = make_engine(llama_path)
     loaded = eng.loaded
     gated = _GatedCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
-    eng.core._compiling.compiler = gated
+    eng.core.arrivals.compiling.compiler = gated
     schema = SCHEMAS["enum"]
     eng.add_request("plain", prompt="hello", params=SamplingParams(max_tokens=20, ignore_eos=True))
     for i in range(10):
@@ -264,7 +264,7 @@ def test_abort_and_deadline_reach_a_request_waiting_for_its_grammar(llama_path):
     eng = make_engine(llama_path)
     loaded = eng.loaded
     gated = _GatedCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
-    eng.core._compiling.compiler = gated
+    eng.core.arrivals.compiling.compiler = gated
     eng.add_request("cancel-me", prompt="x", params=constrained(SCHEMAS["enum"]))
     eng.add_request("expire-me", prompt="x", params=constrained(SCHEMAS["enum"]), deadline=time.time() + 0.05)
     outs = eng.step()

@@ -11,7 +11,9 @@ Map (one line per module):
     inputs.py            RequestInput (one request as callers hand it in) and its prompt kinds
     outputs.py           contract objects between scheduler, model runner, engine core and callers
     input_processor.py   InputProcessor: RequestInput -> tokenize + validate -> EngineCoreRequest
-    core.py              EngineCore: the step loop (forward failures, deadlines) -> token ids only
+    core.py              EngineCore: the step loop (forward failures) -> token ids only
+    arrivals.py          Arrivals: requests on their way in (queued, compiling a grammar, deadlines)
+    admission.py         AdmissionPass: the scheduler's phase 2, waiting requests into the batch
     output_processor.py  OutputProcessor: token ids -> text deltas, stop strings, final outputs
     engine.py            Engine: the three together, the public API (add / abort / step)
     core_proc.py         the engine core in its own process (vLLM V1's EngineCoreProc)

@@ -17,7 +17,6 @@ rules: `forward.py`).
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import logging
 import time
@@ -27,6 +26,7 @@ import torch
 
 from worker.config import ServingTuning
 from worker.engine import batch
+from worker.engine.arrivals import Arrivals
 from worker.engine.failures import Failures, ForwardFailures
 from worker.engine.forward import start_forward
 from worker.engine.kv_cache import KVCacheManager
@@ -42,9 +42,9 @@ from worker.engine.outputs import (
     StepHandle,
     StepStats,
 )
-from worker.engine.request import FINISH_REASONS, ErrorCode, RejectReason, Request, RequestStatus
+from worker.engine.request import FINISH_REASONS, ErrorCode, Request, RequestStatus
 from worker.engine.scheduler import Scheduler
-from worker.engine.structured import GrammarCompiler, PendingGrammars
+from worker.engine.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,9 @@ class EngineCore:
                 num_blocks, tuning.kv_block_size, sliding_window=sliding_window, max_chunk=tuning.max_batched_tokens,
                 enable_prefix_caching=tuning.enable_prefix_caching, namespace=model_id.encode())
         self.scheduler = Scheduler(tuning, self.kv)
-        self._new: deque[EngineCoreRequest] = deque()
         self._traced = False  # a traced request was added: prefill chunks are recorded from then on
         self._aborts: deque[str] = deque()
         self._arrival = itertools.count()
-        self._deadlines: list[tuple[float, str]] = []  # (deadline, request id) heap
         self.failures = ForwardFailures(self.scheduler, runner, tuning, self._final_output)
         self.last_step_stats: StepStats | None = None
         self._forward_total_s = 0.0  # device time of runners that do not measure it themselves
@@ -94,7 +92,7 @@ class EngineCore:
                                  else runner.capabilities.overlaps_host)
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()  # launched, not applied (async)
         self.scheduler.copy_block_tables = self.async_scheduling
-        self._compiling = PendingGrammars(grammars)  # requests waiting for their grammar
+        self.arrivals = Arrivals(self.scheduler, grammars, self._make_request, self._final_output)
         self._mask_s = 0.0  # this step's structured-output mask seconds
 
     @property
@@ -110,7 +108,7 @@ class EngineCore:
     # ---- requests in (any thread) ----------------------------------------------------
     def add(self, req: EngineCoreRequest) -> None:
         """Queue a validated request; it joins the batch at the next step."""
-        self._new.append(req)
+        self.arrivals.add(req)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: blocks freed, a `cancelled` output next step (unknown ids: no-op)."""
@@ -121,16 +119,16 @@ class EngineCore:
         freed now (a step in flight computes on without it, its token dropped: forward.py
         says why that is safe), no output follows (the caller made the final one). From the
         stepping thread, between steps; unknown or finished ids are ignored."""
-        if self._compiling.pop(request_id) is None:
+        if self.arrivals.compiling.pop(request_id) is None:
             self.scheduler.finish(request_id, status)
 
     @property
     def num_queued(self) -> int:
-        return len(self._new)
+        return self.arrivals.num_queued
 
     def has_unfinished(self) -> bool:
-        return (bool(self._new) or bool(self._aborts) or self.scheduler.has_unfinished()
-                or bool(self._in_flight) or bool(self._compiling))
+        return (bool(self.arrivals) or bool(self._aborts) or self.scheduler.has_unfinished()
+                or bool(self._in_flight))
 
     def kv_stats(self) -> KVStats:
         """Block counts of the KV cache (a snapshot)."""
@@ -174,13 +172,13 @@ class EngineCore:
         num_prefill = done.num_scheduled_tokens - num_decode if done is not None else 0
         self._forward_total_s += forward_s
         sched_ = self.scheduler
-        hits, misses, compile_s, num_constrained = self._compiling.stats(sched_.requests.values())
+        hits, misses, compile_s, num_constrained = self.arrivals.compiling.stats(sched_.requests.values())
         self.last_step_stats = StepStats(
             step=sched_.step_count,
             time=time.time(),
             duration_s=time.perf_counter() - t0,
             num_running=sched_.num_running,
-            num_waiting=sched_.num_waiting + len(self._new) + len(self._compiling),
+            num_waiting=sched_.num_waiting + len(self.arrivals),
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
             num_preemptions=sched_.num_preemptions_total - preempted_before - failed.num_oom_retried,
@@ -277,91 +275,38 @@ class EngineCore:
         return sched, start_forward(self.runner, sched, after)
 
     def _apply_queued(self, outputs: list[EngineCoreOutput]) -> None:
-        """New requests (those with a grammar once it is compiled), expired deadlines,
-        aborts (in that order)."""
+        """New requests (those with a grammar once it is compiled), expired deadlines
+        (`arrivals.py`), aborts (in that order)."""
         sched_ = self.scheduler
-        while self._new:
-            r = self._new.popleft()
-            if r.grammar is None:
-                sched_.add(self._make_request(r))
-            else:  # joins the scheduler once its grammar is compiled
-                self._compiling.add(r)
-                if r.deadline is not None:  # expires while it waits too
-                    heapq.heappush(self._deadlines, (r.deadline, r.request_id))
-        if self._compiling:
-            self._admit_compiled(outputs)
-        if self._deadlines and self._deadlines[0][0] < time.time():
-            self._expire_waiting(outputs)
+        self.arrivals.move_on(outputs)
         self._apply_aborts(outputs)
         if sched_.loras is not None and sched_.loras.has_failures:  # waiting requests of an adapter that failed to load
             sched_.loras.end_failed(sched_, lambda req, err: outputs.append(self._final_output(req, [], error=err)))
 
-    # ---- structured outputs: requests waiting for their grammar ---------------------------------
-    def _admit_compiled(self, outputs: list[EngineCoreOutput]) -> None:
-        """Requests whose grammar is ready join the scheduler (in arrival order); one whose
-        grammar failed to compile ends `rejected` (`invalid_structured_output`)."""
-        for r, matcher, error in self._compiling.take_ready():
-            req = self._make_request(r)
-            if matcher is None:
-                req.status = RequestStatus.FINISHED_REJECTED
-                outputs.append(self._final_output(req, [], error=(RejectReason.INVALID_STRUCTURED_OUTPUT, error)))
-            else:
-                req.grammar = matcher
-                req.note("grammar_ready")
-                self.scheduler.add(req)
-
     def _await_grammars(self) -> None:  # nothing else to run: wait (bounded) for a compile or an adapter's load
-        if (pending := self._compiling or self.scheduler.loras) is not None:
+        if (pending := self.arrivals.compiling or self.scheduler.loras) is not None:
             pending.wait(0.005)
-
-    def _end_compiling(self, rid: str, status: RequestStatus, outputs: list[EngineCoreOutput],
-                       error: tuple[str, str] | None = None) -> bool:
-        """End a request still waiting for its grammar (abort, deadline); False if none."""
-        r = self._compiling.pop(rid)
-        if r is None:
-            return False
-        req = self._make_request(r)
-        req.status = status
-        outputs.append(self._final_output(req, [], error=error))
-        return True
 
     def _apply_aborts(self, outputs: list[EngineCoreOutput]) -> None:
         """Finish the aborted requests (after the queued adds: an abort of a request added
         in the same window finds it)."""
         while self._aborts:
             rid = self._aborts.popleft()
-            if self._compiling and self._end_compiling(rid, RequestStatus.FINISHED_ABORTED, outputs):
+            if self.arrivals.end_compiling(rid, RequestStatus.FINISHED_ABORTED, outputs):
                 continue
             req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 outputs.append(self._final_output(req, []))
 
     def _make_request(self, r: EngineCoreRequest) -> Request:
+        """The scheduler's request for `r`: arrival order, EOS ids, a generator on the
+        runner's device when seeded."""
         generator = None
         if r.params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(r.params.seed)
-        req = Request.from_core_request(r, eos_token_ids=self.eos_token_ids, arrival_seq=next(self._arrival),
-                                        generator=generator)
-        if r.deadline is not None:
-            heapq.heappush(self._deadlines, (r.deadline, r.request_id))
         self._traced |= r.traced
-        return req
-
-    def _expire_waiting(self, outputs: list[EngineCoreOutput]) -> None:
-        """Requests never scheduled yet whose deadline passed end `expired` (KV untouched);
-        a deadline does not cut a request that has started."""
-        now = time.time()
-        while self._deadlines and self._deadlines[0][0] < now:
-            deadline, rid = heapq.heappop(self._deadlines)
-            message = f"deadline {deadline} passed while the request waited"
-            if self._compiling and self._end_compiling(rid, RequestStatus.FINISHED_EXPIRED, outputs,
-                                                       (ErrorCode.DEADLINE_PASSED, message)):
-                continue
-            req = self.scheduler.requests.get(rid)
-            if req is None or req.status != RequestStatus.WAITING:
-                continue
-            self.scheduler.finish(rid, RequestStatus.FINISHED_EXPIRED)
-            outputs.append(self._final_output(req, [], error=(ErrorCode.DEADLINE_PASSED, message)))
+        return Request.from_core_request(r, eos_token_ids=self.eos_token_ids, arrival_seq=next(self._arrival),
+                                         generator=generator)
 
     def _after_forward(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput,
                        outputs: list[EngineCoreOutput]) -> None:
