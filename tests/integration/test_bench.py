@@ -8,7 +8,7 @@ import json
 import matplotlib.image as mpimg
 import pytest
 
-from tools.bench import bench_engine
+from tools.bench import engine as bench_engine
 from tools.bench import e2e as bench_e2e
 
 
