@@ -41,7 +41,7 @@ else
   # TTFT or a share of time), alone. The tiny checkpoints both need are made first (a
   # checkpoint written by two processes at once would be torn).
   .venv/bin/python -c "from tests.conftest import TINY, tiny_checkpoint; [tiny_checkpoint(a) for a in TINY]"
-  mkdir -p .cache/test-logs
+  mkdir -p .cache/test-logs .cache/test-tmp  # pytest makes each --basetemp, not its parent
   pytest_phase() {  # name, pytest arguments: report to .cache/test-logs/<name>.log, status to <name>.rc
     local name=$1; shift
     set +e
