@@ -63,10 +63,10 @@ class EngineCore:
         grammars: compiles the grammars of constrained requests (`structured.py`); None:
             a request with a grammar ends `rejected`.
 
-        Structured outputs: a request with a grammar waits outside the scheduler until its
-        grammar is compiled (on the compiler's thread; cached by content), then joins it like
-        any new request; so a step never waits for a compile. Aborts and deadlines reach it
-        while it waits.
+    Structured outputs: a request with a grammar waits outside the scheduler until its
+    grammar is compiled (on the compiler's thread; cached by content), then joins it like
+    any new request; so a step never waits for a compile. Aborts and deadlines reach it
+    while it waits (`arrivals.py`).
     """
 
     def __init__(self, runner: Runner, tuning: ServingTuning, num_blocks: int, eos_token_ids: frozenset[int],
