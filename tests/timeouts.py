@@ -5,7 +5,8 @@ a hung test waited on before it fails it.
 
 When a test runs past its timeout, SIGALRM on the main thread:
 
-  1. writes a dump to the terminal (so into the CI log, past pytest's capture): every
+  1. writes a dump to the terminal (so into the CI log, past pytest's capture; from a
+     pytest-xdist worker, to its standard error, which is the controller's): every
      asyncio task of the running event loop with its await chain down to the await that
      never returned (`worker.obs.stacks.task_stacks`), every thread's stack, and the child
      processes still alive;
@@ -83,17 +84,23 @@ def give_up(item, timeout: float, grace_s: float) -> None:
 
 
 def write_dump(item, title: str) -> None:
-    """The dump of steps 1 and 3, written to pytest's terminal (not captured)."""
+    """The dump of steps 1 and 3, written to pytest's terminal (not captured). In a
+    pytest-xdist worker, whose terminal goes nowhere, to the standard error it inherited
+    from the controller (so into the same CI log)."""
     capture = item.config.pluginmanager.getplugin("capturemanager")
     if capture is not None:  # straight to the terminal, whatever becomes of the test's report
         capture.suspend_global_capture(in_=True)
-    terminal = item.config.get_terminal_writer()
-    terminal.line()
-    terminal.sep("+", title=f"Timeout: {title}")
-    for line in dump_lines():
-        terminal.line(line)
-    terminal.sep("+", title="end of the timeout dump")
-    terminal.flush()
+    lines = [f"{'+' * 20} Timeout: {title} {'+' * 20}", *dump_lines(), f"{'+' * 20} end of the timeout dump {'+' * 20}"]
+    workerinput = getattr(item.config, "workerinput", None)  # set in an xdist worker only (not inherited)
+    if workerinput is not None:
+        worker = workerinput.get("workerid", "xdist")
+        os.write(2, "".join(f"[{worker}] {line}\n" for line in ["", *lines]).encode(errors="replace"))
+    else:
+        terminal = item.config.get_terminal_writer()
+        terminal.line()
+        for line in lines:
+            terminal.line(line)
+        terminal.flush()
     if capture is not None:
         capture.resume_global_capture()
 

@@ -224,3 +224,23 @@ async def wait_group_members(bootstrap: str, group: str, n: int, timeout: float 
         raise TimeoutError(f"group {group} did not reach {n} stable members in {timeout} s")
     finally:
         await admin.close()
+
+
+async def create_and_see_topics(bootstrap: str, prefix: str) -> None:
+    """Create the prefix's topics on a broker a test started (`own_stack`) and wait until
+    its metadata shows them (a broker just started answers before it does)."""
+    from worker.cli.topics import create_topics
+    from worker.security.probe import _unusable_topics
+
+    await create_topics(bootstrap, prefix, partitions=3)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            _, missing = await _unusable_topics(admin, keys.all_topics(prefix), 5.0)
+            if not missing or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.3)
+    finally:
+        await admin.close()

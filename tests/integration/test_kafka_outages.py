@@ -18,6 +18,7 @@ from tests.integration.conftest import worker_config
 from tests.integration.helpers import (
     assert_well_formed,
     committed_reaches_end,
+    create_and_see_topics,
     read_whole_log,
     recorded_outcomes,
     slow_null_engine,
@@ -25,30 +26,7 @@ from tests.integration.helpers import (
     stop_worker,
 )
 from tests.integration.processes import spawn_worker, wait_started
-from worker.cli.topics import create_topics
 from worker.client import InflightClient, text_of
-
-
-async def create_and_see_topics(bootstrap: str, prefix: str) -> None:
-    """Create the prefix's topics on the module's broker and wait until its metadata
-    shows them (a broker just started answers before it does)."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    from schemas import keys
-    from worker.security.probe import _unusable_topics
-
-    await create_topics(bootstrap, prefix, partitions=3)
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            _, missing = await _unusable_topics(admin, keys.all_topics(prefix), 5.0)
-            if not missing or time.monotonic() > deadline:
-                return
-            await asyncio.sleep(0.3)
-    finally:
-        await admin.close()
 
 
 def stack_config(stack, prefix, **over):

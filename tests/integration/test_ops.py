@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -25,6 +24,7 @@ from tests.integration.conftest import ROOT, worker_config
 from tests.integration.helpers import (
     assert_well_formed,
     collect,
+    create_and_see_topics,
     finished_within,
     start_worker,
     stop_worker,
@@ -193,18 +193,6 @@ def test_injected_oom_fails_the_job_and_the_worker_keeps_serving(services, prefi
     assert isinstance(after[-1], Finished) and after[-1].usage.completion_tokens == 8
 
 
-def _devstack_pid(name: str) -> int:
-    pidfile = Path(ROOT) / ".cache" / "devstack" / f"{name}.pid"
-    if not pidfile.is_file():
-        pytest.skip(f"{name} was not started by tools/devstack.sh here; cannot freeze it")
-    pid = int(pidfile.read_text().strip())
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        pytest.skip(f"{name} pid {pid} is not running")
-    return pid
-
-
 async def wait_ready(w, want: bool, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -216,11 +204,15 @@ async def wait_ready(w, want: bool, timeout: float = 20.0) -> dict:
         await asyncio.sleep(0.2)
 
 
-def test_readyz_follows_kafka_redis_and_drain(services, prefix, llama_path):
+def test_readyz_follows_kafka_redis_and_drain(own_stack, prefix, llama_path):
+    # Freezes (SIGSTOP) a broker and a Redis server of its own, never the dev stack that
+    # tests running beside it share.
+    services = (own_stack.bootstrap, own_stack.redis_url)
+    asyncio.run(create_and_see_topics(own_stack.bootstrap, prefix))
     cfg = worker_config(services, prefix, metrics=dict(check_interval_s=0.3, check_timeout_s=1.0),
                         worker=dict(drain_timeout_s=20.0))
     engine = Engine.from_pretrained(str(llama_path), cfg.engine)
-    redis_pid, kafka_pid = _devstack_pid("redis"), _devstack_pid("kafka")
+    redis_pid, kafka_pid = own_stack.pid("redis"), own_stack.pid("kafka")
 
     async def freeze(pid: int, what: str) -> tuple[dict, dict]:
         os.kill(pid, signal.SIGSTOP)

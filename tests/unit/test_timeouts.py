@@ -1,6 +1,6 @@
 """The suite's per-test timeout (tests/timeouts.py): a test double whose stop never
 returns fails its test within the timeout, with a dump that names the awaiting coroutine,
-and the session goes on; a stop that also swallows its cancellation (so `asyncio.run`'s
+and the session goes on (in one process and in pytest-xdist workers); a stop that also swallows its cancellation (so `asyncio.run`'s
 clean-up hangs too) ends the process after the grace period, dump written twice."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,19 +41,20 @@ def test_after_it():
 '''
 
 
-def run_inner(pytester, swallow: bool):
+def run_inner(pytester, swallow: bool, *args: str):
     pytester.makepyfile(test_inner=STUCK.replace("SWALLOW", str(swallow)))
     pytester.makeini("[pytest]\ntimeout = 2\ntimeout_grace_s = 3\n")
     os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     t0 = time.monotonic()
-    result = pytester.runpytest_subprocess("-p", "tests.timeouts", "-p", "no:cacheprovider", timeout=120)
+    result = pytester.runpytest_subprocess("-p", "tests.timeouts", "-p", "no:cacheprovider", *args, timeout=120)
     return result, time.monotonic() - t0
 
 
-def test_a_stop_that_never_returns_fails_its_test_with_a_dump_naming_the_await(pytester, monkeypatch):
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["one-process", "xdist-workers"])
+def test_a_stop_that_never_returns_fails_its_test_with_a_dump_naming_the_await(pytester, monkeypatch, xdist):
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    result, took = run_inner(pytester, swallow=False)
-    out = result.stdout.str()
+    result, took = run_inner(pytester, False, *xdist)
+    out = result.stdout.str() + result.stderr.str()  # an xdist worker writes its dump to standard error
     result.assert_outcomes(failed=1, passed=1)  # the session went on to the next test
     assert "Timeout: test_inner.py::test_stuck_stop did not end within 2 s" in out
     # the main task's await chain, outermost first, down to the Event's future

@@ -8,7 +8,8 @@ Map (one line per module):
     kv_window.py         SlidingWindowKVCacheManager: blocks behind an all-layer window are freed
     scheduler.py         Scheduler: per-step batch under a token budget; admission, priority, preemption
     fair_share.py        per-tenant virtual token counters inside a priority class, quotas
-    inputs.py            RequestInput (one request as callers hand it in) and its prompt kinds
+    inputs.py            RequestInput (one request as callers hand it in) and its prompt kinds;
+                         its RequestOptions (outputs.py) ride along to the scheduler's Request
     outputs.py           contract objects between scheduler, model runner, engine core and callers
     input_processor.py   InputProcessor: RequestInput -> tokenize + validate -> EngineCoreRequest
     core.py              EngineCore: the step loop (forward failures) -> token ids only
@@ -31,6 +32,7 @@ from worker.engine.outputs import (
     EngineCoreOutput,
     EngineCoreRequest,
     KVStats,
+    RequestOptions,
     RequestOutput,
     RequestTimes,
     StepStats,
@@ -53,6 +55,7 @@ __all__ = [
     "RejectReason",
     "RequestOutput",
     "RequestInput",
+    "RequestOptions",
     "RequestRejected",
     "RequestTimes",
     "StepStats",

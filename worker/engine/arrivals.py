@@ -71,8 +71,8 @@ class Arrivals:
                 self.scheduler.add(self._request(r))
             else:  # joins the scheduler once its grammar is compiled
                 self.compiling.add(r)
-                if r.deadline is not None:  # expires while it waits too
-                    heapq.heappush(self._deadlines, (r.deadline, r.request_id))
+                if r.options.deadline is not None:  # expires while it waits too
+                    heapq.heappush(self._deadlines, (r.options.deadline, r.request_id))
         if self.compiling:
             self._admit_compiled(outputs)
         if self._deadlines and self._deadlines[0][0] < time.time():
@@ -93,8 +93,8 @@ class Arrivals:
 
     def _request(self, r: EngineCoreRequest) -> Request:
         req = self._new_request(r)
-        if r.deadline is not None:
-            heapq.heappush(self._deadlines, (r.deadline, r.request_id))
+        if r.options.deadline is not None:
+            heapq.heappush(self._deadlines, (r.options.deadline, r.request_id))
         return req
 
     def _admit_compiled(self, outputs: list[EngineCoreOutput]) -> None:

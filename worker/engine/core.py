@@ -304,7 +304,7 @@ class EngineCore:
         generator = None
         if r.params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(r.params.seed)
-        self._traced |= r.traced
+        self._traced |= r.options.traced
         return Request.from_core_request(r, eos_token_ids=self.eos_token_ids, arrival_seq=next(self._arrival),
                                          generator=generator)
 

@@ -275,7 +275,7 @@ class ProcessEngineClient:
 
     def submit(self, req: EngineCoreRequest) -> None:
         """Queue a request for the core (sent once per loop iteration, batched). Call on the loop."""
-        self.output.add(req.request_id, req.params.stop, len(req.prompt_token_ids), req.arrival_time)
+        self.output.add(req.request_id, req.params.stop, len(req.prompt_token_ids), req.options.arrival_time)
         self._pending_adds.append(req)
         if not self._flush_scheduled:
             self._flush_scheduled = True

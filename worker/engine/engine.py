@@ -33,6 +33,7 @@ from worker.engine.outputs import (
     CompletionOutput,
     EngineCoreRequest,
     KVStats,
+    RequestOptions,
     RequestOutput,
     StepStats,
     TokenLogprobs,
@@ -222,7 +223,7 @@ class Engine:
                     raise RequestRejected(req.request_id, RejectReason.OVERLOADED,
                                           f"{busy} requests in flight, no free slot")
             self._live_ids.add(req.request_id)
-            self.output.add(req.request_id, req.params.stop, len(req.prompt_token_ids), req.arrival_time)
+            self.output.add(req.request_id, req.params.stop, len(req.prompt_token_ids), req.options.arrival_time)
             self.core.add(req)
 
     def abort(self, request_id: str) -> None:
@@ -279,7 +280,7 @@ class Engine:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             rid = f"{base}-{i}"
             prompt = TextPrompt(p) if isinstance(p, str) else TokenPrompt(list(p))
-            reqs.append(self.input.process(RequestInput(rid, prompt, sp, priority)))
+            reqs.append(self.input.process(RequestInput(rid, prompt, sp, RequestOptions(priority))))
         for r in reqs:
             self.submit(r)
         ids = [r.request_id for r in reqs]

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from schemas.params import SamplingParams
 from worker.config import ServingTuning
 from worker.engine.adapters import AdapterCatalog, AdapterError, LoRAFacts
@@ -70,13 +72,13 @@ class InputProcessor:
         Raises:
             RequestRejected: with a `RejectReason`; nothing was queued anywhere.
         """
-        request_id, params = inp.request_id, inp.params
+        request_id, params, options = inp.request_id, inp.params, inp.options
         try:
-            prio = Priority.parse(inp.priority)
+            prio = Priority.parse(options.priority)
         except ValueError as e:
             raise RequestRejected(request_id, RejectReason.INVALID_PARAMS, str(e)) from None
         ids = self.tokenize(request_id, inp.prompt)
-        max_tokens = self.check_limits(request_id, ids, params, inp.tenant or "")
+        max_tokens = self.check_limits(request_id, ids, params, options.tenant or "")
         grammar = None
         if params.structured is not None:
             try:
@@ -84,13 +86,13 @@ class InputProcessor:
             except StructuredOutputError as e:
                 raise RequestRejected(request_id, RejectReason.INVALID_STRUCTURED_OUTPUT,
                                       f"params.structured ({params.structured.__struct_config__.tag}): {e}") from None
-        cache_salt = inp.cache_salt
-        if inp.adapter is not None:
-            self.check_adapter(request_id, inp.adapter)
-            cache_salt = f"{cache_salt}\x00lora:{inp.adapter}"  # two adapters never share KV
-        return EngineCoreRequest(request_id, ids, params, max_tokens, int(prio),
-                                 time.time() if inp.arrival_time is None else inp.arrival_time, inp.deadline,
-                                 cache_salt, inp.tenant or "", grammar, inp.traced, inp.adapter)
+        cache_salt = options.cache_salt
+        if options.adapter is not None:
+            self.check_adapter(request_id, options.adapter)
+            cache_salt = f"{cache_salt}\x00lora:{options.adapter}"  # two adapters never share KV
+        arrival_time = time.time() if options.arrival_time is None else options.arrival_time
+        options = msgspec.structs.replace(options, priority=int(prio), cache_salt=cache_salt, arrival_time=arrival_time)
+        return EngineCoreRequest(request_id, ids, params, max_tokens, options, grammar)
 
     def check_adapter(self, request_id: str, adapter: str) -> None:
         """RequestRejected (`unknown_adapter`, `invalid_adapter`) unless `adapter` can be

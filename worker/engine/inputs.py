@@ -3,7 +3,8 @@ tagged value (`TextPrompt`, `ChatPrompt`, `TokenPrompt`). It is built once, from
 job (`RequestInput.from_job`, the worker) or from keywords (`RequestInput.of`, tests,
 tools, the CLI), and taken whole by `InputProcessor.process` and `Engine.add`; input
 processing turns it into the tokenized `EngineCoreRequest`, and the core that into the
-scheduler's `Request` (`Request.from_core_request`). One object per door, as vLLM's
+scheduler's `Request` (`Request.from_core_request`); its `RequestOptions` ride along
+whole. One object per door, as vLLM's
 prompt value into its input processor and `EngineCoreRequest` →
 `Request.from_engine_core_request`. No torch here.
 """
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from schemas.params import SamplingParams
-from worker.engine.request import Priority, RejectReason, RequestRejected
+from worker.engine.outputs import RequestOptions
+from worker.engine.request import RejectReason, RequestRejected
 
 if TYPE_CHECKING:
     from schemas.wire import Job
@@ -49,40 +51,27 @@ Prompt = TextPrompt | ChatPrompt | TokenPrompt
 
 @dataclass(slots=True, frozen=True)
 class RequestInput:
-    """One request before tokenization. Times are Unix seconds (`time.time()`).
+    """One request before tokenization.
 
     Attributes:
         request_id: unique among unfinished requests (the worker uses the job id).
         prompt: the prompt, one of the three kinds.
         params: sampling parameters (`max_tokens` None: resolved by input processing).
-        priority: a `Priority` or its name (`"high"`, `"normal"`, `"low"`).
-        tenant: whose fair share and quotas it counts against (None: the tenant `""`).
-        cache_salt: keeps its prefix-cache blocks apart from other salts (the worker
-            salts by tenant).
-        arrival_time: when it arrived (None: now, at input processing); queue time
-            starts here (the worker passes the Kafka record's timestamp).
-        deadline: a request still waiting then ends `expired` (`deadline_passed`).
-        adapter: a LoRA adapter under `model.lora_dir` (None: the base model).
-        traced: record what the engine does to it (its job's trace is sampled).
+        options: priority, tenant, cache salt, arrival time, deadline, adapter, tracing
+            (`RequestOptions`: they pass to the scheduler's `Request` unchanged).
     """
 
     request_id: str
     prompt: Prompt
     params: SamplingParams = field(default_factory=SamplingParams)
-    priority: Priority | str = Priority.NORMAL
-    tenant: str | None = None
-    cache_salt: str = ""
-    arrival_time: float | None = None
-    deadline: float | None = None
-    adapter: str | None = None
-    traced: bool = False
+    options: RequestOptions = field(default_factory=RequestOptions)
 
     @classmethod
     def of(cls, request_id: str, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
            messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
-           **fields: Any) -> RequestInput:
+           params: SamplingParams | None = None, **options: Any) -> RequestInput:
         """The keyword form: exactly one of `prompt` (text), `prompt_token_ids`,
-        `messages` (with `tools`); `fields` are the other attributes by name.
+        `messages` (with `tools`); `options` are `RequestOptions` fields by name.
 
         Raises:
             RequestRejected: `invalid_prompt` when not exactly one prompt is given.
@@ -97,18 +86,17 @@ class RequestInput:
             value = ChatPrompt(messages, tools)
         else:
             value = TokenPrompt(prompt_token_ids)
-        return cls(request_id, value, **fields)
+        return cls(request_id, value, SamplingParams() if params is None else params, RequestOptions(**options))
 
     @classmethod
     def from_job(cls, job: Job, priority: str, arrival_time: float, *, traced: bool = False) -> RequestInput:
         """The request of a Kafka job: its prompt (exactly one is set: the wire schema
-        checks it), params, tenant (also its cache salt), deadline and adapter;
-        `priority` is its topic's class, `arrival_time` the record's timestamp."""
+        checks it), params and options (`RequestOptions.from_job`: `priority` is its
+        topic's class, `arrival_time` the record's timestamp)."""
         if job.prompt is not None:
             prompt: Prompt = TextPrompt(job.prompt)
         elif job.messages is not None:
             prompt = ChatPrompt([m.template_dict() for m in job.messages], job.tools)
         else:
             prompt = TokenPrompt(job.prompt_token_ids or [])
-        return cls(job.job_id, prompt, job.params, priority, job.tenant, job.tenant or "", arrival_time,
-                   job.deadline, job.adapter, traced)
+        return cls(job.job_id, prompt, job.params, RequestOptions.from_job(job, priority, arrival_time, traced=traced))

@@ -4,7 +4,7 @@ build them by hand.
 Inside the engine core (one thread): `ScheduledRequest` / `SchedulerOutput` (scheduler →
 model runner), `ModelRunnerOutput` (runner → scheduler). Across the engine core's
 boundary, which may be a process boundary (msgspec Structs, encoded with msgpack):
-`EngineCoreRequest` in, `EngineCoreOutput` + `StepStats` out. After output processing
+`EngineCoreRequest` (with its `RequestOptions`) in, `EngineCoreOutput` + `StepStats` out. After output processing
 (detokenization, stop strings): `RequestOutput` deltas and `CompletionOutput` results.
 """
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from schemas.params import SamplingParams
-from schemas.wire import FinishReason, Usage
+from schemas.wire import FinishReason, Job, Usage
 
 if TYPE_CHECKING:
     import torch
@@ -183,25 +183,55 @@ class StepSkipped(Exception):
 
 
 # ---- across the engine core's boundary ------------------------------------------------------
+class RequestOptions(msgspec.Struct, frozen=True, array_like=True):
+    """What a request asks for beyond its prompt and sampling parameters: the values that
+    pass from the caller (a Kafka job: `RequestOptions.from_job`) to the scheduler's
+    `Request.options` unchanged, across the core's boundary inside `EngineCoreRequest`.
+    A new per-request field is added here (and to `from_job` when jobs carry it) and read
+    where it is used; nothing between copies it. Times are Unix seconds (`time.time()`).
+
+    Attributes:
+        priority: a `Priority` or its name (`"high"`, `"normal"`, `"low"`); input
+            processing resolves it to the `Priority` value (an int).
+        tenant: whose fair share and quotas it counts against (None: the tenant `""`).
+        cache_salt: keeps its prefix-cache blocks apart from other salts (the worker
+            salts by tenant; input processing appends the adapter's name).
+        arrival_time: when it arrived (None: now, at input processing, which sets it);
+            queue time starts here (the worker passes the Kafka record's timestamp).
+        deadline: a request still waiting then ends `expired` (`deadline_passed`).
+        adapter: a LoRA adapter under `model.lora_dir` (None: the base model).
+        traced: record `TraceEvent`s for it (its job's trace is sampled).
+    """
+
+    priority: int | str = 1  # Priority.NORMAL
+    tenant: str | None = None
+    cache_salt: str = ""
+    arrival_time: float | None = None
+    deadline: float | None = None
+    adapter: str | None = None
+    traced: bool = False
+
+    @classmethod
+    def from_job(cls, job: Job, priority: str, arrival_time: float, *, traced: bool = False) -> RequestOptions:
+        """A Kafka job's options: its tenant (also its cache salt), deadline and adapter;
+        `priority` is its topic's class, `arrival_time` the record's timestamp."""
+        return cls(priority, job.tenant, job.tenant or "", arrival_time, job.deadline, job.adapter, traced)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True):
-    """A validated, tokenized request (made by `InputProcessor`). Times are Unix seconds."""
+    """A validated, tokenized request (made by `InputProcessor`); `options` resolved
+    (`priority` an int, `arrival_time` set)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved: never None here
-    priority: int  # Priority value
-    arrival_time: float
-    deadline: float | None = None
-    cache_salt: str = ""
-    tenant: str = ""  # whose fair share and quotas it counts against (`serving_tuning.tenants`)
+    options: RequestOptions
     grammar: str | None = None  # params.structured as a validated llguidance grammar (structured.py)
-    traced: bool = False  # record `TraceEvent`s for it (its job is traced and sampled)
-    adapter: str | None = None  # its LoRA adapter (checked by input processing), None: the base model
 
 
 class TraceEvent(msgspec.Struct, frozen=True, array_like=True):
-    """Something the engine did to a traced request (`EngineCoreRequest.traced`), for its
+    """Something the engine did to a traced request (`RequestOptions.traced`), for its
     trace (`worker.obs.tracing`): `prefill_chunk` (`tokens` computed, at the end of that
     step's forward), `preempted` (`reason`: `kv_full`, `kv_quota`, `admission`, `oom`;
     `tokens`: computed tokens dropped), `grammar_ready`. `time`: Unix seconds."""

@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from schemas.wire import FinishReason
-from worker.engine.outputs import EngineCoreRequest, TraceEvent
+from worker.engine.outputs import EngineCoreRequest, RequestOptions, TraceEvent
 
 if TYPE_CHECKING:
     import torch
@@ -146,7 +146,7 @@ class Request:
         "num_ooms",
         "first_scheduled_time",
         "first_token_time",
-        "deadline",
+        "options",
         "generator",
         "stop_token_set",
         "grammar",
@@ -199,7 +199,7 @@ class Request:
         self.num_ooms = 0  # steps of this request that failed with out-of-memory
         self.first_scheduled_time: float | None = None  # wall clock (s) of first admission
         self.first_token_time: float | None = None  # wall clock (s) the first output token was sampled
-        self.deadline: float | None = None  # wall clock (s): still waiting then -> expired
+        self.options = RequestOptions()  # what its caller asked beyond prompt and params (outputs.py)
         self.stop_token_set = frozenset(params.stop_token_ids)
         self.grammar = grammar  # params.structured's state (structured.py), None if unconstrained
         self.stop_in_text = False  # ended by its grammar: the last token is part of the text
@@ -213,12 +213,13 @@ class Request:
         """The scheduler's request for a validated `EngineCoreRequest` (vLLM V1's
         `Request.from_engine_core_request`): the engine core adds its arrival order, the
         model's EOS ids and the seeded generator (None: unseeded)."""
-        req = cls(r.request_id, r.prompt_token_ids, r.params, max_tokens=r.max_tokens, priority=Priority(r.priority),
-                  eos_token_ids=eos_token_ids, arrival_seq=arrival_seq, arrival_time=r.arrival_time,
-                  cache_salt=r.cache_salt.encode(), tenant=r.tenant, generator=generator)
-        req.deadline = r.deadline
-        req.adapter = r.adapter
-        req.trace = [] if r.traced else None
+        o = r.options
+        req = cls(r.request_id, r.prompt_token_ids, r.params, max_tokens=r.max_tokens, priority=Priority(o.priority),
+                  eos_token_ids=eos_token_ids, arrival_seq=arrival_seq, arrival_time=o.arrival_time,
+                  cache_salt=o.cache_salt.encode(), tenant=o.tenant or "", generator=generator)
+        req.options = o
+        req.adapter = o.adapter
+        req.trace = [] if o.traced else None
         return req
 
     def note(self, name: str, tokens: int = 0, reason: str = "", t: float | None = None) -> None:

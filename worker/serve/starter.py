@@ -288,8 +288,8 @@ class JobStarter:
         if held.trace is not None:
             held.trace.submitted = submitted
         self.table.accepted(held.job_id)
-        if req.adapter is not None:
-            self.metrics.lora.request(req.adapter)
+        if req.options.adapter is not None:
+            self.metrics.lora.request(req.options.adapter)
         if held.cancel_time_mono is not None:
             self.engine.abort(held.job_id)
         self.host.wake()
