@@ -7,9 +7,9 @@
 # tests, starts Jaeger (tools/jaeger.sh: the tracing back end; built from source through
 # the Go module proxy the first time on a machine, ~9 min, then cached), installs promtool
 # (Debian's prometheus package, the alert-rule tests) and kcat (the tracing tests) when
-# missing and running as root, runs pytest (in two phases: the suites without services
-# beside the integration suite, then the `timing` tests alone; each lists its slowest
-# tests; the seconds of set-up and of pytest at the end), then tools/deploy_check.sh --cached (the
+# missing and running as root, runs pytest (in two phases: every test but the `timing`
+# ones in three pytest-xdist workers, then the `timing` tests alone; each lists its
+# slowest tests; the seconds of set-up and of pytest at the end), then tools/deploy_check.sh --cached (the
 # images and containers, only where they were built before). Extra arguments go to pytest
 # (and skip the deploy check). The stacks keep
 # running afterwards; stop them with tools/devstack.sh down (and down --secure) and
@@ -34,38 +34,27 @@ if [ $# -gt 0 ]; then
   .venv/bin/python -m pytest -q --durations=25 "$@"
   echo "test: set-up (venv, docs, stacks, Jaeger) $setup_s s, pytest $((SECONDS - setup_s)) s" >&2
 else
-  # The whole suite in two phases. 1: the suites without services (unit, repo, engine,
-  # kernels) and the integration suite side by side, in two pytest processes (the
-  # integration tests wait on brokers and worker processes much of their time); each
-  # one's report is printed when both are done. 2: the tests marked `timing` (they assert
-  # TTFT or a share of time), alone. The tiny checkpoints both need are made first (a
-  # checkpoint written by two processes at once would be torn).
+  # The whole suite in two phases. 1: every test not marked `timing`, in
+  # $INFLIGHT_TEST_WORKERS pytest-xdist worker processes (default 3 on any box: the
+  # integration tests wait on brokers and worker processes most of their time, so a third
+  # worker fills the two cores of the development box); `--dist loadfile` keeps a file's
+  # tests in one worker, so its module fixtures (a broker of its own) start once; the
+  # integration files are handed out first (tests/conftest.py sorts them first: the
+  # longest waits), the rest fill around them. 2: the
+  # tests marked `timing` (they assert TTFT or a share of time), alone in one process.
+  # The tiny checkpoints the tests share are made first (a checkpoint written by two
+  # workers at once would be torn).
   .venv/bin/python -c "from tests.conftest import TINY, tiny_checkpoint; [tiny_checkpoint(a) for a in TINY]"
-  mkdir -p .cache/test-logs .cache/test-tmp  # pytest makes each --basetemp, not its parent
-  pytest_phase() {  # name, pytest arguments: report to .cache/test-logs/<name>.log, status to <name>.rc
-    local name=$1; shift
-    set +e
-    .venv/bin/python -m pytest -q --durations=15 --basetemp ".cache/test-tmp/$name" "$@" \
-      > ".cache/test-logs/$name.log" 2>&1
-    echo $? > ".cache/test-logs/$name.rc"
-    set -e
-  }
-  pytest_phase services-free -m "not integration and not timing" &
-  pytest_phase integration -m "integration and not timing" tests/integration &
-  wait
-  for name in services-free integration; do
-    echo "===== pytest: $name =====" && cat ".cache/test-logs/$name.log"
-  done
+  rc=0
+  .venv/bin/python -m pytest -q --durations=25 -n "${INFLIGHT_TEST_WORKERS:-3}" --dist loadfile -m "not timing" \
+    || rc=$?
   parallel_s=$((SECONDS - setup_s))
   echo "===== pytest: timing (alone) ====="
   timing_rc=0
   .venv/bin/python -m pytest -q --durations=10 -m timing || timing_rc=$?
   echo "test: set-up (venv, docs, stacks, Jaeger) $setup_s s, pytest $((SECONDS - setup_s)) s" \
-    "(side by side $parallel_s s, timing tests $((SECONDS - setup_s - parallel_s)) s)" >&2
-  for name in services-free integration; do
-    rc=$(cat ".cache/test-logs/$name.rc")
-    [ "$rc" = 0 ] || [ "$rc" = 5 ] || { echo "test: the $name tests failed (exit $rc)" >&2; exit "$rc"; }
-  done
+    "(in workers $parallel_s s, timing tests $((SECONDS - setup_s - parallel_s)) s)" >&2
+  [ "$rc" = 0 ] || { echo "test: the tests failed (exit $rc)" >&2; exit "$rc"; }
   [ "$timing_rc" = 0 ] || { echo "test: the timing tests failed (exit $timing_rc)" >&2; exit "$timing_rc"; }
 fi
 # The whole suite also runs the deployment in containers (tests/deploy, podman + runc)

@@ -76,7 +76,11 @@ def kill_9(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
-async def wait_started(log: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+async def wait_started(log: Path, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    """Until the worker's log says "worker started" (RuntimeError if it exits first,
+    TimeoutError after `timeout` seconds). A start takes 5-10 s on an idle 2-core box and
+    has taken over 60 s there while the suite's other pytest-xdist workers load models
+    too: the bound is for a start that never ends, not a measure of its speed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -84,7 +88,7 @@ async def wait_started(log: Path, proc: subprocess.Popen, timeout: float = 60.0)
         if "worker started" in log.read_text():
             return
         await asyncio.sleep(0.2)
-    raise TimeoutError(log.read_text()[-3000:])
+    raise TimeoutError(f"no 'worker started' within {timeout:g} s; its log ends: {log.read_text()[-3000:]}")
 
 
 async def wait_for_starts(client, ids, worker_id: str, n: int, timeout: float = 60.0) -> set[str]:
