@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from schemas.wire import ErrorInfo, Finished, FinishReason, TokenLogprob
+from worker.serve.input_size import input_bytes
 
 if TYPE_CHECKING:
     from worker.obs.tracing import JobTrace
@@ -47,7 +48,7 @@ class LocalJob:
                  "next_seq", "raw", "raw_key", "isolated", "state", "claim_time", "first_token_time", "num_tokens",
                  "text_parts", "cancel_time_mono", "_opening", "_delta_text", "_delta_ids", "_delta_logprobs",
                  "_terminal", "opened", "finish_reason", "error", "dead_letter", "history", "summary",
-                 "terminal_published", "prior", "trace", "headers")
+                 "terminal_published", "prior", "trace", "headers", "input_bytes")
 
     def __init__(self, record: JobRecord, claim: Claimed, claim_time: float, *, job_id: str | None = None,
                  tenant: str | None = None) -> None:
@@ -60,6 +61,7 @@ class LocalJob:
         self.enqueue_time = record.enqueue_time  # the Kafka record timestamp
         self.headers: tuple = record.headers  # its record's Kafka headers (trace context), kept for a re-take
         self.raw = record.raw  # the record's original bytes until the engine accepts the job (DLQ)
+        self.input_bytes = input_bytes(job) if job is not None else 0  # the text its tokenizer will read
         self.raw_key = record.key
         self.claim_token = claim.token
         self.attempt = claim.attempt

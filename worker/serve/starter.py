@@ -36,14 +36,14 @@ import structlog
 
 from schemas.codec import recover_tenant
 from schemas.keys import JobRef
-from schemas.wire import ErrorInfo, FinishReason, Job
+from schemas.wire import ErrorInfo, FinishReason
 from worker.engine import EngineCoreRequest, RequestRejected
 from worker.engine.inputs import RequestInput, TokenPrompt
 from worker.obs.tracing import OFF, Tracing
 from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN
 from worker.serve.claims import Claimed, ClaimStore, Contested, Done, EpochChanged
-from worker.serve.input_size import INLINE_INPUT_BYTES, input_bytes, prompt_byte_limit
+from worker.serve.input_size import INLINE_INPUT_BYTES, prompt_byte_limit
 from worker.serve.isolation import IsolationGate
 from worker.serve.jobs import JobState, JobTable, LocalJob, Offset
 from worker.serve.pool_router import Misrouted, PoolRouter
@@ -190,7 +190,7 @@ class JobStarter:
             log.info("Redis lost its data less than a claim lease ago: claiming nothing until the holders "
                      "re-claim their jobs", records=num_restoring)
         for held in to_run:
-            if not self.gate.must_wait(held) and input_bytes(held.job) <= INLINE_INPUT_BYTES:
+            if not self.gate.must_wait(held) and held.input_bytes <= INLINE_INPUT_BYTES:
                 with self.gate.entering():  # small inputs: on the loop, cheaper than a thread hop
                     self._settle(held, self._prepare(held))
             else:
@@ -206,21 +206,19 @@ class JobStarter:
         held = self.table.open(rec, c)
         if self.tracing.enabled:
             held.trace = self.tracing.open_job(rec, held, *claimed)
-        ending = self._ending(rec.job, c)
-        if ending is None:
-            if held.isolated:
-                log.info("an earlier attempt died with its worker; the job runs alone", job_id=held.job_id,
-                         attempt=c.attempt, failures=c.failures)
-            return held
-        if isinstance(ending, RequestRejected):
-            self._reject(held, ending)
-        else:
-            self.table.finish_local(held.job_id, ending.reason, ending.error, ending.dead_letter)
-        return None
+        ending = self._ending(held, c)
+        if ending is not None:
+            self._end(held, ending)
+            return None
+        if held.isolated:
+            log.info("an earlier attempt died with its worker; the job runs alone", job_id=held.job_id,
+                     attempt=c.attempt, failures=c.failures)
+        return held
 
-    def _ending(self, job: Job, c: Claimed) -> Ending | RequestRejected | None:
+    def _ending(self, held: LocalJob, c: Claimed) -> Ending | RequestRejected | None:
         """The first rule of the module docstring that ends the job before any input
         processing, or the rejection; None: it runs."""
+        job = held.job
         if c.cancelled or self.host.job_cancelled(job.job_id):
             return Ending(FinishReason.CANCELLED)
         if job.deadline is not None and job.deadline < time.time():
@@ -231,11 +229,12 @@ class JobStarter:
                    f"(worker.max_job_failures = {self.max_job_failures})")
             log.warning("poison job not run again", job_id=job.job_id, attempt=c.attempt, failures=c.failures)
             return Ending(FinishReason.ERROR, ErrorInfo(code="poison", message=msg), ("poison", msg))
-        if self._byte_limit is not None and (n := input_bytes(job)) > self._byte_limit:
+        if self._byte_limit is not None and held.input_bytes > self._byte_limit:
             bound = (f"the longest prompt any pool serves, {self.router.pools.max_prompt_tokens} tokens"
                      if self.router else f"max_input_tokens = {self.engine.tuning.max_input_tokens}")
             return RequestRejected(job.job_id, _prompt_too_long(), (
-                f"prompt is {n} bytes; more than {self._byte_limit} bytes can never tokenize to {bound}"))
+                f"prompt is {held.input_bytes} bytes; more than {self._byte_limit} bytes can never tokenize to "
+                f"{bound}"))
         return None
 
     async def _submit(self, held: LocalJob) -> None:
@@ -272,7 +271,7 @@ class JobStarter:
 
     def _settle(self, held: LocalJob, prepared: EngineCoreRequest | RequestRejected | Misrouted) -> None:
         if isinstance(prepared, RequestRejected):
-            self._reject(held, prepared)
+            self._end(held, prepared)
         elif isinstance(prepared, Misrouted):
             self._misrouted(held, prepared)
         elif held.state == JobState.CLAIMED:  # not cancelled or handed back meanwhile
@@ -283,7 +282,7 @@ class JobStarter:
         try:
             self.engine.submit(req)
         except RequestRejected as e:  # duplicate id, or overloaded (overload_policy: reject)
-            self._reject(held, e)
+            self._end(held, e)
             return
         if held.trace is not None:
             held.trace.submitted = submitted
@@ -299,17 +298,22 @@ class JobStarter:
         or reject it (`PoolRouter.why_not_forward`)."""
         why = self.router.why_not_forward(e, held.headers)
         if why is not None:
-            self._reject(held, RequestRejected(held.job_id, _prompt_too_long(), why))
+            self._end(held, RequestRejected(held.job_id, _prompt_too_long(), why))
             return
         if self.table.hand_back(held.job_id) is None:  # it ended meanwhile (a cancel)
             return
         self.finalizer.forward(held, e.target, self.router, self.claims)
         self.host.wake()
 
-    def _reject(self, held: LocalJob, e: RequestRejected) -> None:
-        self.metrics.rejected.labels(e.reason.value).inc()
-        self.table.finish_local(held.job_id, FinishReason.REJECTED, ErrorInfo(code=e.reason.value, message=e.message),
-                                dead_letter=(e.reason.value, e.message))
+    def _end(self, held: LocalJob, ending: Ending | RequestRejected) -> None:
+        """End a job that never runs here: its terminal event, and its record to the DLQ
+        where the ending says so (every rejection does)."""
+        if isinstance(ending, RequestRejected):
+            code = ending.reason.value
+            self.metrics.rejected.labels(code).inc()
+            ending = Ending(FinishReason.REJECTED, ErrorInfo(code=code, message=ending.message),
+                            (code, ending.message))
+        self.table.finish_local(held.job_id, *ending)
         self.host.wake()
 
     # ---- records that are not jobs ---------------------------------------------------------
