@@ -1,6 +1,6 @@
 """The main job end to end: Kafka in, continuous batching, Redis token streams out.
 
-Uses the dev stack (tools/devstack.sh up, done by tools/demo.sh), makes a small Llama
+Uses the dev stack (tools/stack/devstack.sh up, done by tools/demo.sh), makes a small Llama
 checkpoint on first run (tokenizer trained on the Python standard library's
 docstrings, model trained for 400 steps: about two minutes on 2 CPU cores, cached in
 .cache/models/demo-llama), runs a worker in this process, submits six jobs of the three

@@ -84,10 +84,10 @@ if ! podman image exists "$BASE"; then
   podman import --quiet "$CACHE/debian-bookworm-min.tar" "$BASE" >/dev/null
 fi
 
-# Kafka's jars, resolved by the dev stack's own helper (tools/kafka/pom.xml), in a build context of their own.
+# Kafka's jars, resolved by the dev stack's own helper (tools/stack/kafka/pom.xml), in a build context of their own.
 STATE=$CACHE
 # shellcheck source=devstack_lib.sh
-source tools/devstack_lib.sh
+source tools/stack/devstack_lib.sh
 kafka_libs
 rm -rf "$CACHE/kafka-context" && cp -r deploy/local/kafka "$CACHE/kafka-context" && cp -r "$LIBS" "$CACHE/kafka-context/libs"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make .venv hold exactly requirements.lock plus this project (editable). Sourced by
-# tools/test.sh (so CI) and tools/demo.sh; tools/devstack.sh runs it too.
+# tools/test.sh (so CI) and tools/demo.sh; tools/stack/devstack.sh runs it too.
 #
 # Every run compares the installed versions with the lock (tools/lockcheck.py, well
 # under a second, installs nothing); on any difference (a fresh clone, a refreshed lock,

@@ -1,6 +1,6 @@
 """A randomized soak of a worker fleet under faults, as an operator would run it: worker
 processes (model-less engines over an emulated device, so the delivery path is what is
-tested) on their own Kafka broker and Redis server (tools/devstack.sh on other ports),
+tested) on their own Kafka broker and Redis server (tools/stack/devstack.sh on other ports),
 jobs of 150-400 tokens arriving at --rate per second, some cancelled, and a nemesis:
 SIGSTOP of a worker past its leases (x2), kill -9 of a worker (x2, replaced as an
 orchestrator would), a Redis outage, a broker outage of 55 s, and a Redis restart that
@@ -38,7 +38,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tools.own_stack import ROOT, OwnStack
+from tools.stack.own_stack import ROOT, OwnStack
 
 
 class Fleet:

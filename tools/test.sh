@@ -2,9 +2,9 @@
 # Run the whole test suite (what CI runs): creates .venv on a fresh clone, builds the
 # docs (`mkdocs build --strict` into .cache/docs-site: a broken link, a missing page or an
 # unrenderable docstring fails here, before any service starts), starts the dev stack
-# (Redis + Kafka on 127.0.0.1, see tools/devstack.sh) and the secured one beside it
+# (Redis + Kafka on 127.0.0.1, see tools/stack/devstack.sh) and the secured one beside it
 # (`up --secure`: its own ports and state; about 15 s from nothing) for the integration
-# tests, starts Jaeger (tools/jaeger.sh: the tracing back end; built from source through
+# tests, starts Jaeger (tools/stack/jaeger.sh: the tracing back end; built from source through
 # the Go module proxy the first time on a machine, ~9 min, then cached), installs promtool
 # (Debian's prometheus package, the alert-rule tests) and kcat (the tracing tests) when
 # missing and running as root, runs pytest (in two phases: every test but the `timing`
@@ -12,15 +12,15 @@
 # slowest tests; the seconds of set-up and of pytest at the end), then tools/deploy_check.sh --cached (the
 # images and containers, only where they were built before). Extra arguments go to pytest
 # (and skip the deploy check). The stacks keep
-# running afterwards; stop them with tools/devstack.sh down (and down --secure) and
-# tools/jaeger.sh down.
+# running afterwards; stop them with tools/stack/devstack.sh down (and down --secure) and
+# tools/stack/jaeger.sh down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_venv.sh
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir .cache/docs-site
-tools/devstack.sh up
-tools/devstack.sh up --secure   # TLS / SASL / ACL Kafka and Redis beside it (tests/integration/test_security.py)
-tools/jaeger.sh up   # the tracing back end (tests/integration/test_tracing.py); built once per machine
+tools/stack/devstack.sh up
+tools/stack/devstack.sh up --secure   # TLS / SASL / ACL Kafka and Redis beside it (tests/integration/test_security.py)
+tools/stack/jaeger.sh up   # the tracing back end (tests/integration/test_tracing.py); built once per machine
 missing=()
 command -v promtool >/dev/null || missing+=(prometheus)   # promtool: the alert-rule tests
 command -v kcat >/dev/null || missing+=(kcat)              # a non-Python producer: the tracing tests

@@ -1,4 +1,4 @@
-"""Integration tests against the real Kafka and Redis of tools/devstack.sh (started here
+"""Integration tests against the real Kafka and Redis of tools/stack/devstack.sh (started here
 if they are not running)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def reap_spawned():
 def services() -> tuple[str, str]:
     redis_port = REDIS.rsplit(":", 1)[1].split("/")[0]
     if not (_port_open(KAFKA) and _port_open(f"127.0.0.1:{redis_port}")):
-        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "up"], check=True, cwd=ROOT)
+        subprocess.run([str(ROOT / "tools" / "stack" / "devstack.sh"), "up"], check=True, cwd=ROOT)
     return KAFKA, REDIS
 
 
@@ -143,7 +143,7 @@ def own_redis(services, tmp_path):
     r.kill()
 
 
-# ---- the secured stack (tools/devstack.sh up --secure) -----------------------------------
+# ---- the secured stack (tools/stack/devstack.sh up --secure) -----------------------------------
 SECURE_STATE = Path(os.environ.get("INFLIGHT_TEST_SECURE_STATE", ROOT / ".cache" / "devstack-secure"))
 
 
@@ -198,7 +198,7 @@ def secure_stack() -> SecureStack:
         m = json.loads(manifest_path.read_text())
         ready = _port_open(m["kafka"]["sasl_ssl"]) and _port_open(m["redis"].split("//")[1].split("/")[0])
     if not ready:
-        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "up", "--secure"], check=True, cwd=ROOT)
+        subprocess.run([str(ROOT / "tools" / "stack" / "devstack.sh"), "up", "--secure"], check=True, cwd=ROOT)
     return SecureStack(json.loads(manifest_path.read_text()))
 
 
@@ -222,8 +222,8 @@ def secure_worker_config(stack: SecureStack, mode: str, principal: str = "worker
 
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory):
-    """A Kafka broker and a Redis server this module stops and starts (`tools.own_stack`)."""
-    from tools.own_stack import OwnStack
+    """A Kafka broker and a Redis server this module stops and starts (`tools.stack.own_stack`)."""
+    from tools.stack.own_stack import OwnStack
 
     stack = OwnStack(tmp_path_factory.mktemp("own-stack"))
     stack.up()

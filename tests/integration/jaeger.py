@@ -1,4 +1,4 @@
-"""Reading traces back from the Jaeger of tools/jaeger.sh (its HTTP query API, as the UI
+"""Reading traces back from the Jaeger of tools/stack/jaeger.sh (its HTTP query API, as the UI
 does), for the tracing tests: one trace as a list of spans with parent links, tags
 and events."""
 

@@ -1,7 +1,7 @@
 """A healthy start logs no warning or error: `inflight worker` against a Kafka broker
 started a moment before (its group coordinator still being created, as in the demo and
 on a fresh cluster), then a second worker joining (a rebalance). Uses a throwaway
-broker of tools/devstack.sh on free ports with its own state directory, beside the dev
+broker of tools/stack/devstack.sh on free ports with its own state directory, beside the dev
 stack's Redis; `down` stops only that broker."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from tests.integration.conftest import ROOT
 from tests.integration.processes import spawn
-from tools.own_stack import free_port
+from tools.stack.own_stack import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_worker_start_on_a_fresh_broker_and_a_rebalance_log_no_warning_or_error(
     kafka_port = free_port(pair=True)
     stack_env = {**os.environ, "INFLIGHT_DEV_KAFKA_PORT": str(kafka_port), "INFLIGHT_DEV_REDIS_PORT": redis_port,
                  "INFLIGHT_DEV_STATE": str(tmp_path / "devstack")}
-    devstack = str(ROOT / "tools" / "devstack.sh")
+    devstack = str(ROOT / "tools" / "stack" / "devstack.sh")
     prefix = f"q{uuid.uuid4().hex[:8]}"
     worker_env = {**os.environ, "PYTHONPATH": str(ROOT), "INFLIGHT_MODEL__PATH": str(llama_path),
                   "INFLIGHT_MODEL__DEVICE": "cpu", "INFLIGHT_KAFKA__BOOTSTRAP_SERVERS": f"127.0.0.1:{kafka_port}",

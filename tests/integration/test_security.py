@@ -1,5 +1,5 @@
 """Secured transports and tenant isolation, on the real secured stack of
-`tools/devstack.sh up --secure` (Kafka SASL_SSL / mTLS / SASL_PLAINTEXT with
+`tools/stack/devstack.sh up --secure` (Kafka SASL_SSL / mTLS / SASL_PLAINTEXT with
 StandardAuthorizer ACLs, TLS-only Redis with client certificates and ACL users)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Traces through the real back end (issue 27): a worker, a gateway and a producer export
-OTLP to the Jaeger of tools/jaeger.sh, and each job's trace is read back through
+OTLP to the Jaeger of tools/stack/jaeger.sh, and each job's trace is read back through
 Jaeger's query API: a chat request through the gateway (official `openai` client), a job
 from `InflightClient` inside the test's own span, jobs produced by `kcat` with and
 without a hand-written `traceparent`, preempted, cancelled and rejected jobs, and a job
@@ -44,7 +44,7 @@ CONSUMER = "process {}.jobs.normal"
 @pytest.fixture(scope="module")
 def jaeger_up():
     if not jaeger_port_open():
-        subprocess.run([str(ROOT / "tools" / "jaeger.sh"), "up"], check=True, cwd=ROOT)
+        subprocess.run([str(ROOT / "tools" / "stack" / "jaeger.sh"), "up"], check=True, cwd=ROOT)
 
 
 def jaeger_port_open() -> bool:

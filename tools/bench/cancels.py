@@ -7,7 +7,7 @@ and times it until it has caught up with the end offsets: replay seconds, cancel
 the memory the index holds (the dict and its id strings, bytes per id). Writes
 bench_cancels.json under --out (results/).
 
-    tools/devstack.sh up && python -m tools.bench.cancels --cancels 200000
+    tools/stack/devstack.sh up && python -m tools.bench.cancels --cancels 200000
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ of output tokens while the flood was there; with `--compare-off`,
 the same again with `serving_tuning.fair_share: false` and no per-tenant cap on local
 jobs (the worker before fair share). Writes results/bench_e2e_tenants.json.
 
-    tools/devstack.sh up
+    tools/stack/devstack.sh up
     python -m tools.bench.e2e                                   # default sweep, ~5 min on 2 CPU cores
     python -m tools.bench.e2e --rates 2 4 8 --duration 20 --consumer result
     python -m tools.bench.e2e --tenant-flood --compare-off      # ~4 min on 2 CPU cores

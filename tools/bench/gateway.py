@@ -19,7 +19,7 @@ gateway process (`python -m worker gateway`), and this load generator.
 
 Writes results/bench_gateway.json and prints both tables.
 
-    tools/devstack.sh up
+    tools/stack/devstack.sh up
     python -m tools.bench.gateway                 # ~1.5 minutes here
 """
 

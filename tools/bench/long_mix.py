@@ -2,7 +2,7 @@
 plus a share of requests with prompts many times longer, through the same number of
 `inflight worker` processes arranged as one pool and as two pools by prompt length.
 
-    tools/devstack.sh up
+    tools/stack/devstack.sh up
     python -m tools.bench.e2e --long-mix                        # ~4 min on 2 CPU cores
     python -m tools.bench.e2e --long-mix --workers 2 --long-share 0.05 --long-factor 20
 

@@ -24,7 +24,7 @@ CPU seconds per 1k tokens and per 1k jobs. `--subscribers N` adds N pattern
 subscribers that read every event live (reported, not part of the goal). Writes
 results/bench_pipeline.json and a PNG, prints a table.
 
-    tools/devstack.sh up
+    tools/stack/devstack.sh up
     python -m tools.bench.pipeline                                    # default grid, ~5 min here
     python -m tools.bench.pipeline --device-ms 2 --output-lens 64 4   # the goal rows
 """

@@ -17,7 +17,7 @@ Writes results/bench_serve.json (every metric `vllm bench serve` saved, per syst
 rate) and results/bench_serve.png, and prints the table: output tokens/s, TTFT / TPOT /
 ITL p50 and p99 (ms), and Inflight's ratio to vLLM per rate.
 
-    tools/setup_vllm.sh && tools/devstack.sh up
+    tools/setup_vllm.sh && tools/stack/devstack.sh up
     python -m tools.bench.serve                          # ~10 minutes here
     python -m tools.bench.serve --rates 4 --num-prompts 40 --systems inflight
 """

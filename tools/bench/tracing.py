@@ -5,7 +5,7 @@ sampling with the default protobuf encoding (`on`), with JSON (`on-json`,
 `tracing.protocol: http/json`) and at 10% sampling (`on-10%`), in alternating rounds of
 one invocation. Spans go over OTLP/HTTP to a collector stand-in in its own process that
 reads and discards them (`--endpoint` names a real collector instead, e.g.
-tools/jaeger.sh's, whose ingest then shares the box's cores with the worker); the batch
+tools/stack/jaeger.sh's, whose ingest then shares the box's cores with the worker); the batch
 processor's queue is raised to 65536 spans (`OTEL_BSP_MAX_QUEUE_SIZE`) so every span is
 exported, not dropped. `--baseline PATH` adds the same row run from another checkout
 (e.g. a `git worktree` of the commit before tracing): what the off path costs.
@@ -15,7 +15,7 @@ and engine processes) per 1k jobs; the ratios on/off (goal >= 0.97), on-json/off
 on-10%/off and off/baseline; the worker CPU per traced job (µs, on minus off). Writes
 results/bench_tracing.json and a PNG, prints a table.
 
-    tools/devstack.sh up
+    tools/stack/devstack.sh up
     python -m tools.bench.tracing                         # 2 ms device, 256 running, 64-token jobs, 3 rounds (~10 min)
     git worktree add /tmp/pre-tracing <commit> && python -m tools.bench.tracing --baseline /tmp/pre-tracing
 """

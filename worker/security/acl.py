@@ -1,6 +1,6 @@
 """The ACL recipe: which principal needs which operation on which resource, as data, so
 the ACL tables of docs/security.md, `inflight acl` (for operators) and the secured dev stack
-(`tools/devstack.sh up --secure`) all come from here.
+(`tools/stack/devstack.sh up --secure`) all come from here.
 
 Kafka (StandardAuthorizer, LITERAL resource names):
 

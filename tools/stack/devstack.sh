@@ -4,24 +4,24 @@
 # (combined broker + controller; jars resolved from Maven Central with mvn into
 # .cache/kafka/libs; storage formatted with Kafka's StorageTool), then the topics.
 #
-#   tools/devstack.sh up       start what is not running, wait until both answer, create topics
-#   tools/devstack.sh down     stop only the processes this script started (by PID)
-#   tools/devstack.sh status
-#   tools/devstack.sh up|down|status --secure
+#   tools/stack/devstack.sh up       start what is not running, wait until both answer, create topics
+#   tools/stack/devstack.sh down     stop only the processes this script started (by PID)
+#   tools/stack/devstack.sh status
+#   tools/stack/devstack.sh up|down|status --secure
 #                              the secured stack beside the open one (its own ports and state):
-#                              TLS, SASL/SCRAM, mutual TLS and ACLs; see tools/devstack_secure.sh
+#                              TLS, SASL/SCRAM, mutual TLS and ACLs; see tools/stack/devstack_secure.sh
 #
 # Ports: INFLIGHT_DEV_KAFKA_PORT (19092), INFLIGHT_DEV_REDIS_PORT (6390).
 # State (pid files, logs, Kafka's data): INFLIGHT_DEV_STATE, default .cache/devstack for
 # the default ports and .cache/devstack-<kafka port>-<redis port> for others, so a second
 # stack on other ports never mistakes the first one's processes for its own (nor stops them).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 ACTION=${1:-up}
 if [ "${2:-}" = "--secure" ] || [ "${1:-}" = "--secure" ]; then
   [ "${1:-}" = "--secure" ] && ACTION=${2:-up}
-  exec tools/devstack_secure.sh "$ACTION"
+  exec tools/stack/devstack_secure.sh "$ACTION"
 fi
 KAFKA_PORT=${INFLIGHT_DEV_KAFKA_PORT:-19092}
 CONTROLLER_PORT=$((KAFKA_PORT + 1))
@@ -32,7 +32,7 @@ else
   STATE=${INFLIGHT_DEV_STATE:-$ROOT/.cache/devstack-$KAFKA_PORT-$REDIS_PORT}
 fi
 mkdir -p "$STATE"
-source tools/devstack_lib.sh
+source tools/stack/devstack_lib.sh
 
 redis_up() {
   if alive "$STATE/redis.pid"; then return 0; fi
@@ -95,5 +95,5 @@ case "$ACTION" in
     alive "$STATE/kafka.pid" && echo "kafka: running (pid $(cat "$STATE/kafka.pid"), port $KAFKA_PORT)" || echo "kafka: stopped"
     alive "$STATE/redis.pid" && echo "redis: running (pid $(cat "$STATE/redis.pid"), port $REDIS_PORT)" || echo "redis: stopped"
     ;;
-  *) echo "usage: tools/devstack.sh up|down|status [--secure]" >&2; exit 2 ;;
+  *) echo "usage: tools/stack/devstack.sh up|down|status [--secure]" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The secured dev stack (`tools/devstack.sh up|down|status --secure`), beside the open one,
+# The secured dev stack (`tools/stack/devstack.sh up|down|status --secure`), beside the open one,
 # with its own ports and state: what production Kafka and Redis look like, so the tests
 # prove every component connects to them.
 #
@@ -31,7 +31,7 @@
 # Kafka's data. Ports: INFLIGHT_DEV_SECURE_KAFKA_PORT (29092; +1, +2, +3 as above),
 # INFLIGHT_DEV_SECURE_REDIS_PORT (6393).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 KPORT=${INFLIGHT_DEV_SECURE_KAFKA_PORT:-29092}
 SSL_PORT=$((KPORT + 1))
@@ -49,7 +49,7 @@ PRINCIPALS="inflight-admin inflight-worker inflight-producer inflight-noacl"
 TENANTS="tenant-a tenant-b"
 CERTS=$STATE/certs
 SECRETS=$STATE/secrets
-source tools/devstack_lib.sh
+source tools/stack/devstack_lib.sh
 PY=(env "PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$ROOT/.venv/bin/python")
 
 # ---- certificates and secrets (once per state dir) -------------------------------------
@@ -354,5 +354,5 @@ case "${1:-up}" in
     alive "$STATE/kafka/kafka.pid" && echo "kafka (secure): running (pid $(cat "$STATE/kafka/kafka.pid"), ports $KPORT-$CONTROLLER_PORT)" || echo "kafka (secure): stopped"
     alive "$STATE/redis/redis.pid" && echo "redis (secure): running (pid $(cat "$STATE/redis/redis.pid"), TLS port $RPORT)" || echo "redis (secure): stopped"
     ;;
-  *) echo "usage: tools/devstack.sh up|down|status --secure" >&2; exit 2 ;;
+  *) echo "usage: tools/stack/devstack.sh up|down|status --secure" >&2; exit 2 ;;
 esac

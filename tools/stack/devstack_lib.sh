@@ -1,4 +1,4 @@
-# Helpers shared by tools/devstack.sh and tools/devstack_secure.sh (sourced; needs ROOT
+# Helpers shared by tools/stack/devstack.sh and tools/stack/devstack_secure.sh (sourced; needs ROOT
 # and STATE set).
 LIBS=$ROOT/.cache/kafka/libs
 
@@ -18,7 +18,7 @@ kafka_libs() {
   if [ ! -f "$LIBS/.complete" ]; then
     echo "devstack: resolving Kafka jars from Maven Central into $LIBS" >&2
     rm -rf "$LIBS"
-    if ! mvn -q -B -f tools/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory="$LIBS" \
+    if ! mvn -q -B -f tools/stack/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory="$LIBS" \
         -DincludeScope=runtime >"$STATE/mvn.log" 2>&1; then
       cat "$STATE/mvn.log" >&2
       echo "devstack: mvn could not resolve Kafka's jars (log above)" >&2

@@ -1,4 +1,4 @@
-"""A Kafka broker and a Redis server of tools/devstack.sh on free ports and their own
+"""A Kafka broker and a Redis server of tools/stack/devstack.sh on free ports and their own
 state (never the shared dev stack), for code that stops and starts them as processes:
 the outage tests (tests/integration/test_kafka_outages.py) and the soak (tools/soak.py)."""
 
@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bindable(port: int) -> bool:
@@ -44,7 +44,7 @@ def free_port(pair: bool = False) -> int:
 
 
 class OwnStack:
-    """Kafka + Redis of tools/devstack.sh on free ports, state (pid files, logs, Kafka's
+    """Kafka + Redis of tools/stack/devstack.sh on free ports, state (pid files, logs, Kafka's
     data) under `state`."""
 
     def __init__(self, state: Path) -> None:
@@ -62,11 +62,11 @@ class OwnStack:
 
     def up(self) -> None:
         """Start whatever is not running; returns when both answer."""
-        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "up"], env=self.env, cwd=ROOT, check=True,
+        subprocess.run([str(ROOT / "tools" / "stack" / "devstack.sh"), "up"], env=self.env, cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
 
     def down(self) -> None:
-        subprocess.run([str(ROOT / "tools" / "devstack.sh"), "down"], env=self.env, cwd=ROOT,
+        subprocess.run([str(ROOT / "tools" / "stack" / "devstack.sh"), "down"], env=self.env, cwd=ROOT,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def pid(self, name: str) -> int:
