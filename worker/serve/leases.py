@@ -86,9 +86,18 @@ class ClaimLeases:
 
     def hand_back_lost(self, job_ids: list[str]) -> None:
         """Another worker holds these jobs' claims now: stop running them, publish and
-        record nothing more of theirs, retake their records as contested."""
+        record nothing more of theirs, retake their records as contested.
+
+        A job whose terminal event is already numbered is not lost, whatever the renewal
+        said: the renewal's snapshot was taken before that event's publish script ended
+        the claim (the claim deleted, the done mark set), so a renewal that runs after it
+        finds no claim of ours. Its fate is the publisher's: published, it is recorded as
+        usual; refused (the claim really was taken), the publisher hands it back itself."""
         for job_id in job_ids:
-            was_running = (held := self.table.get(job_id)) is not None and held.state != JobState.FINISHING
+            held = self.table.get(job_id)
+            if held is None or held.terminal_published:
+                continue
+            was_running = held.state != JobState.FINISHING
             held = self.table.disown(job_id)
             if held is None:
                 continue
