@@ -43,14 +43,10 @@ def tiny_checkpoint(arch: str) -> Path:
 
 def pytest_collection_modifyitems(config, items):
     """Tests under tests/integration need the dev stack: mark them `integration`, so
-    `pytest -m "not integration"` runs everything that needs no services. They are also
-    put first (a stable sort: each folder's order is kept), so pytest-xdist
-    (`tools/test.sh`) hands out the files with the longest waits first and the CPU-bound
-    suites fill around them instead of leaving them for the end."""
+    `pytest -m "not integration"` runs everything that needs no services."""
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
-    items.sort(key=lambda item: "integration" not in item.path.parts)
 
 
 @pytest.fixture(scope="session")

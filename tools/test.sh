@@ -38,9 +38,9 @@ else
   # $INFLIGHT_TEST_WORKERS pytest-xdist worker processes (default 3 on any box: the
   # integration tests wait on brokers and worker processes most of their time, so a third
   # worker fills the two cores of the development box); `--dist loadfile` keeps a file's
-  # tests in one worker, so its module fixtures (a broker of its own) start once; the
-  # integration files are handed out first (tests/conftest.py sorts them first: the
-  # longest waits), the rest fill around them. 2: the
+  # tests in one worker, so its module fixtures (a broker of its own) start once. Files go
+  # out in collection order, so the integration files come between the CPU-bound suites
+  # (put first, their worker starts all competed at once: slower). 2: the
   # tests marked `timing` (they assert TTFT or a share of time), alone in one process.
   # The tiny checkpoints the tests share are made first (a checkpoint written by two
   # workers at once would be torn).
