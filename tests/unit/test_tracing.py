@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from schemas.params import SamplingParams
-from schemas.wire import ErrorInfo, FinishReason, Job
+from schemas.wire import ChatMessage, ErrorInfo, FinishReason, Job
 from worker.client.tracing import ProducerSpans
 from worker.config import EngineConfig, ServingTuning, TracingConfig
 from worker.engine import RequestOutput, Usage
@@ -170,7 +170,7 @@ def test_rejected_cancelled_restarted_and_handed_back_jobs_say_so():
                        dead_letter=("prompt_too_long", "too long"))
     held.trace.end(1000.5)
     # a later attempt, cancelled while it runs
-    job2 = Job(job_id="can", messages=[{"role": "user", "content": "hi"}])
+    job2 = Job(job_id="can", messages=[ChatMessage(role="user", content="hi")])
     held2 = table.open(JobRecord(job2, "normal", TP, 2, 999.0, None, None), Claimed("tok", 2, 3, 0, False))
     held2.trace = tr.open_job(record(job2), held2, 1000.1, 1000.2)
     table.accepted("can")
