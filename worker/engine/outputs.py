@@ -4,8 +4,9 @@ build them by hand.
 Inside the engine core (one thread): `ScheduledRequest` / `SchedulerOutput` (scheduler →
 model runner), `ModelRunnerOutput` (runner → scheduler). Across the engine core's
 boundary, which may be a process boundary (msgspec Structs, encoded with msgpack):
-`EngineCoreRequest` (with its `RequestOptions`) in, `EngineCoreOutput` + `StepStats` out. After output processing
-(detokenization, stop strings): `RequestOutput` deltas and `CompletionOutput` results.
+`EngineCoreRequest` (with its `RequestOptions`) in, `EngineCoreOutput` + `StepStats`
+out. After output processing (detokenization, stop strings): `RequestOutput` deltas and
+`CompletionOutput` results.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ class RequestOptions(msgspec.Struct, frozen=True, array_like=True):
         traced: record `TraceEvent`s for it (its job's trace is sampled).
     """
 
-    priority: int | str = 1  # Priority.NORMAL
+    priority: int | str = "normal"
     tenant: str | None = None
     cache_salt: str = ""
     arrival_time: float | None = None
