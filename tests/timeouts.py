@@ -90,7 +90,8 @@ def write_dump(item, title: str) -> None:
     capture = item.config.pluginmanager.getplugin("capturemanager")
     if capture is not None:  # straight to the terminal, whatever becomes of the test's report
         capture.suspend_global_capture(in_=True)
-    lines = [f"{'+' * 20} Timeout: {title} {'+' * 20}", *dump_lines(), f"{'+' * 20} end of the timeout dump {'+' * 20}"]
+    rule = "+" * 20
+    lines = [f"{rule} Timeout: {title} {rule}", *dump_lines(), f"{rule} end of the timeout dump {rule}"]
     workerinput = getattr(item.config, "workerinput", None)  # set in an xdist worker only (not inherited)
     if workerinput is not None:
         worker = workerinput.get("workerid", "xdist")

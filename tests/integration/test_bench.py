@@ -8,8 +8,8 @@ import json
 import matplotlib.image as mpimg
 import pytest
 
-from tools.bench import engine as bench_engine
 from tools.bench import e2e as bench_e2e
+from tools.bench import engine as bench_engine
 
 
 def ordered(p: dict | None) -> None:

@@ -7,6 +7,7 @@ jobs that then finished, their traces ending `lost` without `results.write`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from schemas.wire import Job
 from tests.unit.test_jobs import out
@@ -33,8 +34,9 @@ class Host:
 
 
 class Claims:
-    """Renewal answers: every claim asked for is lost, after the publisher (the test's
-    `meanwhile`) ran while the renewal was in flight."""
+    """One renewal: every claim asked for is lost, after the publisher (the test's
+    `meanwhile`) ran while the renewal was in flight; then the lease loop is cancelled
+    (at its next sleep), so exactly one renewal runs."""
 
     def __init__(self, meanwhile) -> None:
         self.meanwhile = meanwhile
@@ -43,6 +45,7 @@ class Claims:
     async def renew(self, claims: dict[str, tuple[str, int]]) -> set[str]:
         self.asked = sorted(claims)
         self.meanwhile()
+        asyncio.current_task().cancel()
         return set(claims)
 
 
@@ -61,20 +64,13 @@ def held_jobs():
 def run_one_renewal(table: JobTable, meanwhile) -> tuple[Host, Metrics, Claims]:
     host, metrics, claims = Host(), Metrics(), Claims(meanwhile)
     leases = ClaimLeases(table, claims, metrics, lease_ms=30, host=host)
-
-    async def main():
-        task = asyncio.create_task(leases.run())
-        while not claims.asked:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.001)
-        task.cancel()
-
-    asyncio.run(main())
+    with contextlib.suppress(asyncio.CancelledError):
+        asyncio.run(leases.run())
     return host, metrics, claims
 
 
 def lost_count(metrics: Metrics) -> float:
-    return metrics.aborted.labels("lease_lost")._value.get()
+    return metrics.registry.get_sample_value("request_abort_total", {"reason": "lease_lost"})
 
 
 def test_a_renewal_that_raced_the_jobs_own_terminal_event_hands_it_not_back():

@@ -1,7 +1,8 @@
 """The suite's per-test timeout (tests/timeouts.py): a test double whose stop never
 returns fails its test within the timeout, with a dump that names the awaiting coroutine,
-and the session goes on (in one process and in pytest-xdist workers); a stop that also swallows its cancellation (so `asyncio.run`'s
-clean-up hangs too) ends the process after the grace period, dump written twice."""
+and the session goes on (in one process and in pytest-xdist workers); a stop that also
+swallows its cancellation (so `asyncio.run`'s clean-up hangs too) ends the process after
+the grace period, dump written twice."""
 
 from __future__ import annotations
 
