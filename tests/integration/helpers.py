@@ -15,9 +15,18 @@ from worker.client import InflightClient, last_attempt_tokens
 from worker.obs.stacks import task_stacks
 from worker.serve.worker import Worker
 
+# How long a test waits for a worker to start (its engine built, its partitions assigned),
+# in-process or spawned. A start takes 5-10 s on an idle 2-core box and has taken over
+# 60 s there while the suite's other pytest-xdist workers load models too (a worker
+# without an `engine` spawns an engine process that imports torch and transformers and
+# loads the checkpoint): the bound is for a start that never ends, not a measure of its
+# speed, and one value serves every start a test waits for.
+START_S = 180.0
 
-async def start_worker(cfg, engine, timeout: float = 30.0) -> tuple[Worker, asyncio.Task]:
-    """Run a Worker in this loop; return once it owns partitions."""
+
+async def start_worker(cfg, engine, timeout: float = START_S) -> tuple[Worker, asyncio.Task]:
+    """Run a Worker in this loop; return once it owns partitions (TimeoutError after
+    `timeout` seconds, saying how far the start got)."""
     w = Worker(cfg, engine=engine)
     task = asyncio.create_task(w.run(install_signals=False))
     deadline = time.monotonic() + timeout
@@ -27,7 +36,8 @@ async def start_worker(cfg, engine, timeout: float = 30.0) -> tuple[Worker, asyn
         if w.started.is_set() and w.intake.consumer.assignment():
             return w, task
         await asyncio.sleep(0.1)
-    raise TimeoutError("worker did not get partitions")
+    stage = "no partitions assigned" if w.started.is_set() else "not started (engine or connections)"
+    raise TimeoutError(f"worker {w.worker_id} did not start within {timeout:g} s: {stage}")
 
 
 async def stop_worker(w: Worker, task: asyncio.Task) -> None:

@@ -18,6 +18,7 @@ import msgspec
 import yaml
 
 from schemas.wire import Started
+from tests.integration.helpers import START_S
 
 ROOT = Path(__file__).resolve().parents[2]
 SPAWNED: list[subprocess.Popen] = []  # every process started through `spawn` since the last `reap`
@@ -76,11 +77,9 @@ def kill_9(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
-async def wait_started(log: Path, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+async def wait_started(log: Path, proc: subprocess.Popen, timeout: float = START_S) -> None:
     """Until the worker's log says "worker started" (RuntimeError if it exits first,
-    TimeoutError after `timeout` seconds). A start takes 5-10 s on an idle 2-core box and
-    has taken over 60 s there while the suite's other pytest-xdist workers load models
-    too: the bound is for a start that never ends, not a measure of its speed."""
+    TimeoutError after `timeout` seconds; the bound is `helpers.START_S`'s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

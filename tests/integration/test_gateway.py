@@ -342,7 +342,7 @@ def test_the_gateway_on_the_secured_stack(secure_stack, llama_path, tmp_path):
     gcfg = msgspec.structs.replace(gcfg, kafka=kafka, redis=redis)
 
     async def main():
-        async with running_worker(cfg, engine, timeout=90), running_gateway(gcfg) as gw:
+        async with running_worker(cfg, engine), running_gateway(gcfg) as gw:
             c = client(gw)
             text = "".join([ch.choices[0].delta.content or "" async for ch in await c.chat.completions.create(
                 model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True) if ch.choices])

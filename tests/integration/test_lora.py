@@ -36,7 +36,7 @@ def test_jobs_of_several_adapters_stream_the_merged_models_tokens(services, pref
             for i, adapter in enumerate([None, "a4", "b8", "c16", "a4", None, "c16", "b8", "late"])]
 
     async def main():
-        async with running_worker(cfg, timeout=120) as w, InflightClient(
+        async with running_worker(cfg) as w, InflightClient(
                 services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
             make_adapter(llama_path, lora_dir / "late", 8, seed=9)  # added while the worker runs
             for rid, prompt, _, adapter in work:

@@ -18,6 +18,7 @@ import uuid
 import pytest
 
 from tests.integration.conftest import ROOT
+from tests.integration.helpers import START_S
 from tests.integration.processes import spawn
 from tools.stack.own_stack import free_port
 
@@ -81,10 +82,10 @@ def test_worker_start_on_a_fresh_broker_and_a_rebalance_log_no_warning_or_error(
         subprocess.run([devstack, "up"], env=stack_env, cwd=ROOT, check=True, capture_output=True, timeout=180)
         first = WorkerProcess(worker_env)  # at once: the broker has no __consumer_offsets yet
         workers.append(first)
-        first.wait_for("partitions assigned", 120)
+        first.wait_for("partitions assigned", START_S)
         second = WorkerProcess(worker_env)
         workers.append(second)
-        second.wait_for("partitions assigned", 120)
+        second.wait_for("partitions assigned", START_S)
         first.wait_for("partitions revoked", 30)
     finally:
         for w in workers:

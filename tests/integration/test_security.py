@@ -99,7 +99,7 @@ def test_main_job_end_to_end_on_the_secured_stack(secure_stack, engine_factory, 
 
     async def main():
         ends = await dlq_ends(stack)
-        w, task = await start_worker(cfg, engine, timeout=90)
+        w, task = await start_worker(cfg, engine)
         try:
             async with InflightClient(kafka=kafka, redis=redis) as client:
                 params = [SamplingParams(temperature=0, max_tokens=2 + 3 * i) for i in range(6)]
@@ -465,7 +465,7 @@ def test_redis_password_rotation_and_a_refusal_at_runtime(secure_stack, engine_f
         async with redis_client(admin_redis) as admin:
             await admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{old_pw}", *redis_worker_rules(p))
             try:
-                w, task = await start_worker(cfg, engine, timeout=90)
+                w, task = await start_worker(cfg, engine)
                 try:
                     await admin.execute_command("ACL", "SETUSER", user, f">{new_pw}")  # 1. add the new password
                     rotated = msgspec.structs.replace(cfg.redis, password=new_pw)

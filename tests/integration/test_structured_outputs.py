@@ -83,7 +83,7 @@ def test_structured_jobs_through_kafka_and_the_openai_client(services, prefix, l
 
     async def main():
         out = {}
-        async with running_worker(cfg, None, timeout=90) as w, \
+        async with running_worker(cfg, None) as w, \
                 running_gateway(gateway_config(services, prefix, tmp_path / "files", tokenizer=llama_path)) as gw:
             async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as direct:
                 p = SamplingParams(max_tokens=120, temperature=1.0, seed=5, structured=JsonSchemaOutput(schema=SCHEMA))
