@@ -3,6 +3,13 @@
 Without CUDA, Triton kernels run only in Triton's interpreter, and Triton reads
 TRITON_INTERPRET once, when it is first imported, which any test module may cause
 (transformers and torch import it): so it is set here, before collection starts.
+
+The suite's engines run eagerly unless a test asks for `model.compile: on`: compiling a
+tiny model's forward costs 5-15 CPU-seconds at every engine start on the 2-core box,
+and the suite starts a few hundred engines. `auto` (on for the CPU) is tested by the
+unit tests of `worker.engine.compile.wanted`; compiled forwards by the tests that ask
+for them (tests/engine/test_compiled.py). Engines built in this process see `auto` as
+off; worker processes the tests start see `INFLIGHT_MODEL__COMPILE=off`.
 """
 
 from __future__ import annotations
@@ -13,12 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from worker.engine import compile as compile_rules
+
 # the per-test timeout's dump of what a hung test waited on (tests/timeouts.py); pytester
 # runs a pytest inside a test (tests/unit/test_timeouts.py)
 pytest_plugins = ["tests.timeouts", "pytester"]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+os.environ.setdefault("INFLIGHT_MODEL__COMPILE", "off")
+compile_rules.AUTO_DEVICES = frozenset()
 
 MODEL_CACHE = Path(os.environ.get("INFLIGHT_TEST_MODELS", Path(__file__).resolve().parents[1] / ".cache" / "test-models"))
 

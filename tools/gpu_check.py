@@ -9,7 +9,9 @@
      which takes the split-K (flash-decoding) path;
   3. prefill attention TFLOP/s at a few (batch, length) sizes (causal, 4·H·D·L(L+1)/2 FLOPs);
   4. the engine benchmark with a random-init ~1.1B-parameter Llama in bf16: Inflight with
-     Triton vs Inflight with the torch reference back end (tokens/s and ratio).
+     Triton vs Inflight with the torch reference back end (tokens/s and ratio), and
+     Triton with the forward compiled (`model.compile: on`) vs eager (ratio, greedy
+     agreement). CUDA graphs are not built yet (issue 44): this measures compile alone.
 
 Prints one JSON object (also written to results/gpu_check.json).
 
@@ -215,15 +217,21 @@ def engine_bench(a, device: str) -> dict:
     ids = {}
     # "triton": asynchronous steps (the CUDA default: scheduled one ahead, sampled ids fed on
     # the device), forced so the CPU smoke run takes the same path
-    for name, backend, async_steps in (("triton", "triton", True), ("torch", "torch", None),
-                                       ("triton_sequential", "triton", False)):
-        secs, ids[name] = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend, async_steps)
+    # "triton_compiled": the same with the forward under torch.compile (model.compile: on),
+    # against the eager forward of the other runs
+    for name, backend, async_steps, compiled in (("triton", "triton", True, "off"), ("torch", "torch", None, "off"),
+                                                 ("triton_sequential", "triton", False, "off"),
+                                                 ("triton_compiled", "triton", True, "on")):
+        secs, ids[name] = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend, async_steps,
+                                       compile_mode=compiled)
         out[name] = {"seconds": secs, "output_tokens_per_s": total / secs}
     out["triton_vs_torch"] = out["triton"]["output_tokens_per_s"] / out["torch"]["output_tokens_per_s"]
     # asynchronous against sequential steps on the same kernels: speed, and how many requests
     # got the same ids (fp32 on the CPU: all; bf16 on a GPU: batch composition may move a few)
     out["async_vs_sequential"] = out["triton"]["output_tokens_per_s"] / out["triton_sequential"]["output_tokens_per_s"]
     out["async_sequential_agreement"] = agreement(ids["triton_sequential"], ids["triton"])
+    out["compiled_vs_eager"] = out["triton_compiled"]["output_tokens_per_s"] / out["triton"]["output_tokens_per_s"]
+    out["compiled_eager_agreement"] = agreement(ids["triton"], ids["triton_compiled"])
     return out
 
 

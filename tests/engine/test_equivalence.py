@@ -3,7 +3,9 @@
 fp32, CPU, greedy: every request inside a busy, changing batch — chunked prefill,
 preemption by recompute, prefix-cache hits, three tenants under fair share (weights,
 a running quota, Yields) — yields exactly the token ids of transformers' own
-`generate` for that request alone.
+`generate` for that request alone. With the forward compiled (`model.compile: on`,
+both KV policies and both kinds of steps between the cases) too, and its warm-up
+built every graph the workload needs: serving it compiles nothing more.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import random
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from schemas.params import SamplingParams
@@ -38,11 +41,18 @@ def staggered_workload(seed: int, n: int = 24, vocab: int = 512):
     return reqs
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sequential", "async"])
-@pytest.mark.parametrize("kv_policy", ["optimistic", "reserve"])
-def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_scheduling):
+CASES = [  # (kv_policy, async_scheduling, model.compile)
+    ("optimistic", False, "off"), ("optimistic", True, "off"), ("reserve", False, "off"), ("reserve", True, "off"),
+    ("optimistic", True, "on"), ("reserve", False, "on"),
+]
+
+
+@pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode"), CASES,
+                         ids=[f"{p}-{'async' if a else 'sequential'}{'-compiled' if c == 'on' else ''}"
+                              for p, a, c in CASES])
+def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_scheduling, compile_mode):
     cfg = EngineConfig(
-        model=ModelConfig(dtype="float32", device="cpu"),
+        model=ModelConfig(dtype="float32", device="cpu", compile=compile_mode),
         serving_tuning=ServingTuning(
             max_total_tokens=1024,  # 64 blocks: far less than 24 x (prompt + output) -> preemption
             max_batched_tokens=64,  # prompts up to 300 tokens -> multi-chunk prefill
@@ -55,6 +65,8 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
         ),
     )
     engine = Engine.from_pretrained(str(any_arch_path), cfg)
+    assert engine.compile_report.compiled == (compile_mode == "on"), engine.compile_report
+    graphs_after_warm_up = counters["stats"]["unique_graphs"]
     chunked = []
     real_build = engine.runner.build_metadata  # every forward packs its step here (sequential or launched)
 
@@ -87,6 +99,7 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
         assert engine.scheduler.num_preemptions_total == 0
     assert chunked, "workload must force multi-chunk prefill"
     assert engine.kv_stats().used_blocks == 0
+    assert counters["stats"]["unique_graphs"] == graphs_after_warm_up, "the workload compiled a graph"
 
     hf = AutoModelForCausalLM.from_pretrained(str(any_arch_path), dtype=torch.float32, attn_implementation="sdpa").eval()
     mismatches = []

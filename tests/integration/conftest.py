@@ -79,7 +79,7 @@ def worker_config(services, prefix: str, **over):
     metrics.update(over.pop("metrics", {}))
     worker.update(over.pop("worker", {}))
     return WorkerConfig(
-        model=ModelConfig(**over.pop("model", {"dtype": "float32", "device": "cpu"})),
+        model=ModelConfig(**{"compile": "off", **over.pop("model", {"dtype": "float32", "device": "cpu"})}),
         serving_tuning=ServingTuning(**tuning),
         kafka=KafkaConfig(**kafka),
         redis=RedisConfig(**redis),

@@ -261,7 +261,8 @@ def test_refused_credentials_certificates_and_acls_exit_with_one_line(secure_sta
         principal, _, mode = config.partition("-")
         env = {k: v for k, v in os.environ.items() if not k.startswith("INFLIGHT_")}
         env.update({k: v.format(certs=stack.certs, secrets=stack.secrets) for k, v in env_over.items()},
-                   PYTHONPATH=str(ROOT), INFLIGHT_MODEL__PATH=str(llama_path), INFLIGHT_METRICS__PORT="")
+                   PYTHONPATH=str(ROOT), INFLIGHT_MODEL__PATH=str(llama_path), INFLIGHT_METRICS__PORT="",
+                   INFLIGHT_MODEL__COMPILE="off")
         procs[case] = spawn([sys.executable, "-m", "worker", "worker", "--config",
                              str(stack.config_path(principal, mode))], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -36,3 +36,6 @@ def test_gpu_check_smoke(tmp_path, llama_path):
     assert eng["async_vs_sequential"] > 0
     agree = eng["async_sequential_agreement"]
     assert agree["requests"] == 3 and (torch.cuda.is_available() or agree["identical"] == 3)  # fp32 here: exact
+    assert eng["compiled_vs_eager"] > 0
+    compiled = eng["compiled_eager_agreement"]
+    assert compiled["requests"] == 3 and (torch.cuda.is_available() or compiled["identical"] == 3)

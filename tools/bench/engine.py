@@ -1,7 +1,8 @@
 """Engine benchmarks, each reporting ratios measured in one run on one machine.
 
-  throughput  Inflight's engine (default settings, and with the other kind of steps) vs
-              vLLM's offline engine (its CPU or CUDA build in its own venv,
+  throughput  Inflight's engine (default settings, with the other kind of steps, and
+              with its forward eager: `model.compile: off`; the engines compile before
+              the clock starts) vs vLLM's offline engine (its CPU or CUDA build in its own venv,
               tools/setup_vllm.sh; skipped with a message when absent) vs transformers
               `generate` in static batches of the same size vs transformers' own
               continuous batching manager: same model, same requests (all submitted at
@@ -54,13 +55,15 @@ from tools.bench.workloads import KINDS, TextTokens, make_workload
 
 # ---- throughput ---------------------------------------------------------------------------
 def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar, device: str = "cpu",
-                 backend: str = "auto", async_scheduling: bool | None = None) -> tuple[float, dict[str, list[int]]]:
+                 backend: str = "auto", async_scheduling: bool | None = None,
+                 compile_mode: str = "auto") -> tuple[float, dict[str, list[int]]]:
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
     from worker.engine.gc_tuning import tune_gc
 
-    cfg = EngineConfig(model=ModelConfig(device=device, attention_backend=backend), serving_tuning=ServingTuning(
+    cfg = EngineConfig(model=ModelConfig(device=device, attention_backend=backend, compile=compile_mode),
+                       serving_tuning=ServingTuning(
         max_running_requests=max_batch, max_total_tokens=kv_tokens, max_batched_tokens=budget,
         enable_prefix_caching=False, async_scheduling=async_scheduling,  # limits: the model's context
     ))
@@ -229,6 +232,8 @@ def throughput(a) -> dict:
                                                  a.backend, async_scheduling=True),
         "inflight_sequential": lambda p: run_inflight(path, work, a.max_batch, kv_tokens, a.budget, p, device,
                                                       a.backend, async_scheduling=False),
+        "inflight_eager": lambda p: run_inflight(path, work, a.max_batch, kv_tokens, a.budget, p, device,
+                                                 a.backend, compile_mode="off"),
         "vllm": lambda p: run_vllm(Path(a.vllm_python), path, work, a.max_batch, kv_tokens, a.budget, p, device),
         "hf_static_batching": lambda p: run_hf_static(path, work, a.max_batch, p, device),
         "hf_continuous_batching": lambda p: run_hf_continuous(path, work, a.max_batch, kv_tokens, a.budget, p,
@@ -236,7 +241,7 @@ def throughput(a) -> dict:
     }
     if a.systems is None:  # Inflight as configured by default, and with the other kind of steps
         other = "inflight_sequential" if device == "cuda" else "inflight_async"
-        a.systems = ["inflight", other, "vllm", "hf_static_batching", "hf_continuous_batching"]
+        a.systems = ["inflight", other, "inflight_eager", "vllm", "hf_static_batching", "hf_continuous_batching"]
     results, skipped, output_ids = {}, {}, {}
     for name in a.systems:
         if name == "vllm" and (why := vllm_missing(Path(a.vllm_python))):
@@ -524,11 +529,12 @@ def main(argv: list[str] | None = None) -> int:
     add_size_args(t)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--systems", nargs="+", default=None,
-                   choices=["inflight", "inflight_async", "inflight_sequential", "vllm", "hf_static_batching",
-                            "hf_continuous_batching"],
-                   help="default: inflight (default settings), inflight_async on the CPU / inflight_sequential on "
-                        "CUDA (serving_tuning.async_scheduling forced on / off: the non-default), vllm (skipped when "
-                        "--vllm-python is absent), hf_static_batching, hf_continuous_batching")
+                   choices=["inflight", "inflight_async", "inflight_sequential", "inflight_eager", "vllm",
+                            "hf_static_batching", "hf_continuous_batching"],
+                   help="default: inflight (default settings: model.compile auto), inflight_async on the CPU / "
+                        "inflight_sequential on CUDA (serving_tuning.async_scheduling forced on / off: the "
+                        "non-default), inflight_eager (model.compile off), vllm (skipped when --vllm-python is "
+                        "absent), hf_static_batching, hf_continuous_batching")
     t.add_argument("--vllm-python", default=str(VLLM_PYTHON),
                    help="interpreter of vLLM's venv (tools/setup_vllm.sh makes the default)")
     s = sub.add_parser("scheduler")

@@ -77,6 +77,7 @@ class EngineClient(Protocol):
     num_blocks: int  # KV blocks of the engine's cache
     device: str
     engine_threads: int  # torch threads the engine steps with
+    forward: str  # how the engine's forward runs: compiled or eager, and why
     num_steps: int  # steps done so far
     last_tick: float  # time.monotonic() of the step loop's last turn (liveness)
 
@@ -134,6 +135,8 @@ class ThreadEngineClient:
         self._on_crash: OnCrash | None = None
         self.budget: ThreadBudget | None = None  # set when this client sized the process's threads
         self.engine_threads = 0
+        report = getattr(engine, "compile_report", None)
+        self.forward = report.describe() if report is not None else "eager"
 
     async def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs, on_crash: OnCrash) -> None:
         self._loop, self._on_outputs, self._on_crash = loop, on_outputs, on_crash
@@ -206,6 +209,7 @@ class ProcessEngineClient:
         self.spec = spec
         self._engine_threads = engine_threads
         self.engine_threads = 0  # what the core chose (Ready)
+        self.forward = ""  # Ready's
         self.tuning = tuning
         self._metrics = metrics
         self._log_level = log_level
@@ -250,6 +254,7 @@ class ProcessEngineClient:
         self.num_blocks = ready.num_blocks
         self.device = ready.device
         self.engine_threads = ready.engine_threads
+        self.forward = ready.forward
         facts = ModelFacts(vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
                            kv_capacity_tokens=ready.num_blocks * ready.block_size,
                            eos_token_ids=frozenset(ready.eos_token_ids), model_id=ready.model_id,

@@ -65,6 +65,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     sliding_window: int | None = None
     engine_threads: int = 0  # torch intra-op threads the core uses (threads.py)
     lora: LoRAFacts | None = None  # LoRA adapters served (adapters.py)
+    forward: str = ""  # how the forward runs: compiled or eager and why (`CompileReport.describe`)
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):
@@ -143,7 +144,7 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
         conn_out.send_bytes(encode(Ready(loaded.vocab_size, loaded.max_model_len, core.kv.num_blocks,
                                          core.kv.block_size, sorted(loaded.eos_token_ids), loaded.model_id,
                                          str(core.runner.device), loaded.kv_layout.sliding_window,
-                                         budget.threads, engine.facts.lora)))
+                                         budget.threads, engine.facts.lora, engine.compile_report.describe())))
     except (ValueError, FileNotFoundError, PermissionError) as e:  # UnsupportedModel and ConfigError are ValueErrors
         log.error("engine core cannot start: %s", e)
         conn_out.send_bytes(encode(Failed(str(e)[:2000], is_config_error=True)))

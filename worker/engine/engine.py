@@ -24,6 +24,7 @@ from schemas.params import SamplingParams
 from schemas.wire import Usage
 from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
 from worker.engine.adapters import LoRAFacts
+from worker.engine.compile import CompileReport, compile_engine
 from worker.engine.core import EngineCore
 from worker.engine.input_processor import InputProcessor, ModelFacts
 from worker.engine.inputs import RequestInput, TextPrompt, TokenPrompt
@@ -110,6 +111,7 @@ class Engine:
         self._live_ids: set[str] = set()
         self._live_lock = threading.Lock()
         self._generate_ids = itertools.count()
+        self.compile_report = CompileReport(False, "not built by from_pretrained")  # how the forward runs
 
     # ---- the parts, for tests and tools ------------------------------------------------
     @property
@@ -168,7 +170,9 @@ class Engine:
             backend=loaded.backend,
         )
         runner.lora = lora
-        return cls(loaded, runner, config, num_blocks)
+        engine = cls(loaded, runner, config, num_blocks)
+        engine.compile_report = compile_engine(runner, model_cfg.compile, engine.generate)
+        return engine
 
     # ---- requests in (any thread) ----------------------------------------------------
     def add(self, inp: RequestInput) -> int:

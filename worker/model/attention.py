@@ -11,12 +11,18 @@ no dense mask is built. What a layer asks for beyond the causal softmax arrives 
 call's keyword arguments (`sliding_window`, `softcap`, `s_aux` = sinks) and becomes
 that call's `AttentionParams`. Latent attention (MLA) arrives already compressed: see
 `worker.model.latent`.
+
+Under `torch.compile` (`worker.model.compiled`) the same function is traced by Dynamo,
+and there it only calls `torch.ops.inflight.attention` (`attention_op`), an opaque op
+that runs the eager path above when the compiled graph runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -181,12 +187,19 @@ def paged_attention_forward(
     Raises:
         RuntimeError: called without `inflight_metadata` (the model was run outside the engine).
     """
+    latent = getattr(module, "inflight_latent", None)
+    if torch.compiler.is_compiling():  # traced by Dynamo: one opaque op (worker.model.compiled)
+        out = torch.ops.inflight.attention(
+            query, key, value, module.inflight_op_key, float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
+            int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux"),
+            latent.v_dim if latent is not None else value.shape[-1])
+        return out, None
+    register(module)
     md = inflight_metadata if inflight_metadata is not None else _STEP.get()
     if md is None:
         raise RuntimeError(
             f"attention '{ATTN_IMPLEMENTATION}' needs inflight_metadata; run this model through the Inflight engine"
         )
-    latent = getattr(module, "inflight_latent", None)
     params = _params(module, scaling, query.shape[-1], kwargs)
     if md.trace is not None:
         extra = tuple(sorted(k for k, v in kwargs.items()
@@ -213,3 +226,52 @@ def paged_attention_forward(
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+# ---- attention as one opaque op of a compiled forward (worker.model.compiled) --------------
+_MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+def register(module: torch.nn.Module) -> None:
+    """Give an attention module its key for the op (`module.inflight_op_key`), once. Done
+    by every eager attention call, so by the load check's shape pass for every attention
+    module of a loaded model before anything is compiled (Dynamo reads the key as a
+    constant; it cannot trace the table's weak references)."""
+    key = getattr(module, "inflight_op_key", None)
+    if key is None or _MODULES.get(key) is not module:
+        key = next(_KEYS)
+        module.inflight_op_key = key
+        _MODULES[key] = module
+
+
+@torch.library.custom_op("inflight::attention", mutates_args=())
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, module: int, scaling: float,
+              sliding_window: int, softcap: float, sinks: torch.Tensor | None, v_head_dim: int) -> torch.Tensor:
+    """One attention layer of the step over the paged cache (its K/V written first).
+
+    Args:
+        query: `[1, num_heads, num_tokens, head_dim]`; key, value: `[1, num_kv_heads,
+            num_tokens, head_dim]` (transformers' layout; latent attention: the latent).
+        module: `module_key` of the attention module.
+        scaling: the softmax scale; sliding_window, softcap: 0 = none; sinks: per head or None.
+        v_head_dim: the output's last dimension (what the fake implementation returns).
+
+    Returns:
+        `[1, num_tokens, num_heads, v_head_dim]`.
+
+    Raises:
+        RuntimeError: no step metadata is current, or the module is gone.
+    """
+    owner = _MODULES.get(module)
+    if owner is None:
+        raise RuntimeError(f"inflight::attention: attention module {module} is not registered (or was freed)")
+    out, _ = paged_attention_forward(owner, query, key, value, None, scaling, inflight_metadata=current_metadata(),
+                                     sliding_window=sliding_window or None, softcap=softcap or None, s_aux=sinks)
+    return out
+
+
+@attention_op.register_fake
+def _(query, key, value, module, scaling, sliding_window, softcap, sinks, v_head_dim):
+    return query.new_empty(1, query.shape[2], query.shape[1], v_head_dim)
+

@@ -72,6 +72,21 @@ class ModelRunner:
         # step's placeholder inputs (written and read on the thread that runs the steps)
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] = (torch.empty(0, dtype=torch.long), {})
         self.lora: LoRAWeights | None = None  # the adapters' slots (model.lora_dir), set by the Engine
+        self.forward_fn = model  # what a step calls: the model, or its compiled forward (`compile`)
+        self.compiled = False
+
+    def compile(self) -> None:
+        """Run the forward compiled from now on (`worker.model.compiled`); the graph is
+        built by the next step (the warm-up of `worker.engine.compile.compile_engine`)."""
+        from worker.model.compiled import compile_forward
+
+        self.forward_fn = compile_forward(self.model, self.device.type)
+        self.compiled = True
+
+    def uncompile(self) -> None:
+        """Back to the eager forward."""
+        self.forward_fn = self.model
+        self.compiled = False
 
     @staticmethod
     def allocate_layer(layer: LayerKV, num_blocks: int, block_size: int, device: torch.device,
@@ -271,14 +286,17 @@ class ModelRunner:
                               self.lora.max_loras)
         if self.lora is not None:
             self.lora.attach(lora is not None)
+        # the compiled forward reads the metadata in its attention ops (an argument would be a graph input)
+        extra = {} if self.compiled else {"inflight_metadata": md}
+        ids2d, pos2d = input_ids.unsqueeze(0), position_ids.unsqueeze(0)
+        if self.compiled:  # sizes without a value Dynamo may specialize on (0 and 1 would be): one graph for all
+            from torch._dynamo.decorators import mark_unbacked
+
+            mark_unbacked(ids2d, 1)
+            mark_unbacked(pos2d, 1)
+            mark_unbacked(keep, 0)
         with step_metadata(md), lora_step(lora):
-            out = self.model(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=position_ids.unsqueeze(0),
-                use_cache=False,
-                logits_to_keep=keep,
-                inflight_metadata=md,
-            )
+            out = self.forward_fn(input_ids=ids2d, position_ids=pos2d, use_cache=False, logits_to_keep=keep, **extra)
         if not sample_idx:
             self._last_sampled = (input_ids[:0], {})
             return SampledStep([], None, [], 0.0)

@@ -183,7 +183,8 @@ class Worker:
         self.started.set()
         log.info("worker started", worker_id=self.worker_id, pool=cfg.worker.pool, group_id=cfg.job_group_id,
                  max_local_jobs=self.max_local_jobs, kv_blocks=self.engine.num_blocks,
-                 engine_process=isinstance(self.engine, ProcessEngineClient), engine_threads=self.engine.engine_threads)
+                 engine_process=isinstance(self.engine, ProcessEngineClient), engine_threads=self.engine.engine_threads,
+                 forward=self.engine.forward)
 
     def request_stop(self) -> None:
         self._stop_requested.set()

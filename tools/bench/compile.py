@@ -1,0 +1,118 @@
+"""The compiled forward vs the eager one (`model.compile`), measured in one run on one box.
+
+  decode    one decode step of `--running` requests (contexts of 64-192 tokens):
+            `ModelRunner.execute` (packing, forward, sampling) timed `--iterations`
+            times on the same step, eager then compiled; median milliseconds and the
+            ratio. Greedy ids of the step compared.
+  start-up  `Engine.from_pretrained` in a fresh process: eager, compiled, compiled
+            again (Inductor's cache as the first compiled start left it); seconds and
+            the ratios to the eager start.
+
+Offline throughput with and without compile is `tools.bench.engine throughput`
+(`inflight` vs `inflight_eager`). Writes `bench_compile.json` under --out and prints a table.
+
+    python -m tools.bench.compile --running 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tools.bench.harness import DEFAULT_MODEL, ensure_model, machine
+
+START_SCRIPT = """
+import time, sys
+t0 = time.perf_counter()
+from worker.config import EngineConfig, ModelConfig
+from worker.engine import Engine
+e = Engine.from_pretrained(sys.argv[1], EngineConfig(model=ModelConfig(device="cpu", compile=sys.argv[2])))
+print(time.perf_counter() - t0, e.compile_report.describe(), sep="\\t")
+"""
+
+
+def decode_step(path: Path, mode: str, running: int, iterations: int) -> tuple[float, list[int], str]:
+    """Median ms of one decode step at `running` requests, its sampled ids, and how the
+    forward ran."""
+    from schemas.params import SamplingParams
+    from worker.config import EngineConfig, ModelConfig, ServingTuning
+    from worker.engine import Engine
+
+    cfg = EngineConfig(model=ModelConfig(device="cpu", compile=mode), serving_tuning=ServingTuning(
+        max_running_requests=running, max_total_tokens=running * 400, max_batched_tokens=4096,
+        enable_prefix_caching=False, async_scheduling=False))
+    engine = Engine.from_pretrained(str(path), cfg)
+    runner = engine.runner
+    steps = []
+    real = runner.execute
+
+    def spy(sched):
+        steps.append(sched)
+        return real(sched)
+
+    runner.execute = spy
+    rng = random.Random(0)
+    for i in range(running):
+        prompt = [rng.randrange(5, 2000) for _ in range(rng.randrange(64, 193))]
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=64,
+                                                                                  ignore_eos=True))
+    while not steps or steps[-1].num_decodes < running:
+        engine.step()
+    sched = steps[-1]
+    ids = list(real(sched).sampled_token_ids.values())
+    times = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        real(sched)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000, ids, engine.compile_report.describe()
+
+
+def start_up(path: Path, mode: str) -> tuple[float, str]:
+    out = subprocess.run([sys.executable, "-c", START_SCRIPT, str(path), mode], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    seconds, forward = out.split("\t")
+    return float(seconds), forward
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (the CPU benchmark model is made "
+                                                               "if missing)")
+    p.add_argument("--running", type=int, default=32, help="decoding requests in the timed step")
+    p.add_argument("--iterations", type=int, default=50)
+    p.add_argument("--skip-start-up", action="store_true", help="only the decode step")
+    p.add_argument("--out", default="results")
+    a = p.parse_args(argv)
+    path = ensure_model(Path(a.model))
+    eager_ms, eager_ids, _ = decode_step(path, "off", a.running, a.iterations)
+    compiled_ms, compiled_ids, forward = decode_step(path, "on", a.running, a.iterations)
+    report = {"machine": machine(), "model": str(path), "running": a.running, "iterations": a.iterations,
+              "decode_step_ms": {"eager": eager_ms, "compiled": compiled_ms},
+              "decode_speedup": eager_ms / compiled_ms, "compiled_forward": forward,
+              "greedy_ids_identical": eager_ids == compiled_ids}
+    print(f"decode step at {a.running} running: eager {eager_ms:.2f} ms, compiled {compiled_ms:.2f} ms "
+          f"({eager_ms / compiled_ms:.2f}x; {forward}); greedy ids identical: {eager_ids == compiled_ids}")
+    if not a.skip_start_up:
+        starts = {name: start_up(path, mode) for name, mode in
+                  [("eager", "off"), ("compiled", "on"), ("compiled_again", "on")]}
+        base = starts["eager"][0]
+        report["start_up_s"] = {k: v[0] for k, v in starts.items()}
+        report["start_up_vs_eager"] = {k: v[0] / base for k, v in starts.items() if k != "eager"}
+        for name, (seconds, how) in starts.items():
+            print(f"start-up {name:<15}{seconds:7.1f} s  ({seconds / base:.2f}x eager; {how})")
+    out = Path(a.out) / "bench_compile.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
