@@ -41,12 +41,12 @@ def test_an_unknown_setting_names_the_field_and_the_values():
 
 
 def test_a_forward_that_does_not_compile_stays_eager_with_the_reason(llama_path, monkeypatch, caplog):
-    def broken(model, device_type):
+    def broken(model):
         def forward(**kw):
             raise RuntimeError("inductor: no kernel for this op")
         return forward
 
-    monkeypatch.setattr(compiled, "compile_forward", broken)
+    monkeypatch.setattr(compiled, "CompiledForward", broken)
     eng = engine(llama_path, "on")
     report = eng.compile_report
     assert not report.compiled and not eng.runner.compiled
@@ -57,25 +57,34 @@ def test_a_forward_that_does_not_compile_stays_eager_with_the_reason(llama_path,
 
 
 def test_a_compiled_forward_that_changes_the_tokens_stays_eager(llama_path, monkeypatch):
-    def wrong(model, device_type):
+    def wrong(model):
         def forward(**kw):
             out = model(**kw)
             out.logits = torch.flip(out.logits, dims=[-1])  # another argmax
             return out
         return forward
 
-    monkeypatch.setattr(compiled, "compile_forward", wrong)
+    monkeypatch.setattr(compiled, "CompiledForward", wrong)
     report = engine(llama_path, "on").compile_report
     assert report == compile_rules.CompileReport(False, "compiled greedy ids differ from eager ones")
 
 
-def test_the_compiled_forward_reports_its_graph(llama_path):
+def test_the_compiled_forward_reports_its_graph_and_goes_eager_if_it_fails_later(llama_path, caplog):
     eng = engine(llama_path, "on")
     report = eng.compile_report
     assert report.compiled and eng.runner.compiled and report.graphs == 1 and report.seconds > 0
     assert report.describe().startswith("compiled (1 graphs in ")
-    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == \
-        [o.token_ids for o in engine(llama_path, "off").generate(PROMPTS, GREEDY)]
+    assert eng.runner.forward_fn.warm  # guards skipped from now on
+    eager = [o.token_ids for o in engine(llama_path, "off").generate(PROMPTS, GREEDY)]
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == eager
+
+    def fails(**kw):  # what a call needing another graph does with the guards skipped
+        raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance")
+
+    eng.runner.forward_fn._fn = fails
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == eager  # the failed step ran again, eagerly
+    assert not eng.runner.compiled
+    assert "the compiled forward failed (RuntimeError: Recompilation triggered" in caplog.text
 
 
 def test_inductors_cache_is_ours_unless_set(tmp_path, monkeypatch):

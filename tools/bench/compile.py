@@ -1,9 +1,10 @@
 """The compiled forward vs the eager one (`model.compile`), measured in one run on one box.
 
   decode    one decode step of `--running` requests (contexts of 64-192 tokens):
-            `ModelRunner.execute` (packing, forward, sampling) timed `--iterations`
-            times on the same step, eager then compiled; median milliseconds and the
-            ratio. Greedy ids of the step compared.
+            `ModelRunner.execute` (packing, forward, sampling) on the same step, an
+            eager and a compiled engine taking turns (`--rounds` of `--iterations`
+            steps each); median milliseconds and the median of the per-round ratios.
+            Greedy ids of the step compared.
   start-up  `Engine.from_pretrained` in a fresh process: eager, compiled, compiled
             again (Inductor's cache as the first compiled start left it); seconds and
             the ratios to the eager start.
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tools.bench.harness import DEFAULT_MODEL, ensure_model, machine
@@ -37,9 +39,9 @@ print(time.perf_counter() - t0, e.compile_report.describe(), sep="\\t")
 """
 
 
-def decode_step(path: Path, mode: str, running: int, iterations: int) -> tuple[float, list[int], str]:
-    """Median ms of one decode step at `running` requests, its sampled ids, and how the
-    forward ran."""
+def decode_step(path: Path, mode: str, running: int) -> tuple[Callable[[], object], list[int], str]:
+    """An engine's decode step at `running` requests, ready to run again and again (its
+    `ModelRunner.execute` on the same step), the ids it samples, and how the forward runs."""
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
@@ -66,12 +68,23 @@ def decode_step(path: Path, mode: str, running: int, iterations: int) -> tuple[f
         engine.step()
     sched = steps[-1]
     ids = list(real(sched).sampled_token_ids.values())
-    times = []
-    for _ in range(iterations):
-        t0 = time.perf_counter()
-        real(sched)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000, ids, engine.compile_report.describe()
+    return (lambda: real(sched)), ids, engine.compile_report.describe()
+
+
+def interleaved_ms(steps: dict[str, Callable[[], object]], rounds: int, per_round: int) -> dict[str, list[float]]:
+    """Median ms of each step per round, the steps taking turns round after round (this
+    box moves a step's time by up to 2x between minutes: only steps timed side by side
+    compare)."""
+    out: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times = []
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            out[name].append(statistics.median(times) * 1000)
+    return out
 
 
 def start_up(path: Path, mode: str) -> tuple[float, str]:
@@ -86,19 +99,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (the CPU benchmark model is made "
                                                                "if missing)")
     p.add_argument("--running", type=int, default=32, help="decoding requests in the timed step")
-    p.add_argument("--iterations", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=20, help="turns each step takes")
+    p.add_argument("--iterations", type=int, default=10, help="steps timed per turn")
     p.add_argument("--skip-start-up", action="store_true", help="only the decode step")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
     path = ensure_model(Path(a.model))
-    eager_ms, eager_ids, _ = decode_step(path, "off", a.running, a.iterations)
-    compiled_ms, compiled_ids, forward = decode_step(path, "on", a.running, a.iterations)
-    report = {"machine": machine(), "model": str(path), "running": a.running, "iterations": a.iterations,
-              "decode_step_ms": {"eager": eager_ms, "compiled": compiled_ms},
-              "decode_speedup": eager_ms / compiled_ms, "compiled_forward": forward,
-              "greedy_ids_identical": eager_ids == compiled_ids}
-    print(f"decode step at {a.running} running: eager {eager_ms:.2f} ms, compiled {compiled_ms:.2f} ms "
-          f"({eager_ms / compiled_ms:.2f}x; {forward}); greedy ids identical: {eager_ids == compiled_ids}")
+    eager, eager_ids, _ = decode_step(path, "off", a.running)
+    compiled, compiled_ids, forward = decode_step(path, "on", a.running)
+    ms = interleaved_ms({"eager": eager, "compiled": compiled}, a.rounds, a.iterations)
+    ratios = [e / c for e, c in zip(ms["eager"], ms["compiled"])]
+    speedup = statistics.median(ratios)
+    report = {"machine": machine(), "model": str(path), "running": a.running, "rounds": a.rounds,
+              "iterations_per_round": a.iterations, "decode_step_ms": ms, "decode_speedup_per_round": ratios,
+              "decode_speedup": speedup, "compiled_forward": forward, "greedy_ids_identical": eager_ids == compiled_ids}
+    print(f"decode step at {a.running} running: eager {statistics.median(ms['eager']):.2f} ms, compiled "
+          f"{statistics.median(ms['compiled']):.2f} ms (medians of {a.rounds} rounds); compiled / eager per round: "
+          f"median {speedup:.2f}x, {min(ratios):.2f}-{max(ratios):.2f}x; {forward}; greedy ids identical: "
+          f"{eager_ids == compiled_ids}")
     if not a.skip_start_up:
         starts = {name: start_up(path, mode) for name, mode in
                   [("eager", "off"), ("compiled", "on"), ("compiled_again", "on")]}

@@ -243,8 +243,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             the buffers: max_loras x max_lora_rank x (in + out features) per projection.
         compile: run the model's forward under `torch.compile` (`worker.model.compiled`):
             `on`, `off`, or `auto` = on where it was measured faster (the CPU: decode steps
-            1.5x, offline throughput 1.2-1.4x on the benchmark model), off on CUDA until a
-            GPU measures it. The graphs are built at start-up (15-30 s on a 2-core box);
+            1.16x, offline throughput 1.01x on the benchmark model, docs/benchmarks.md),
+            off on CUDA until a GPU measures it. The graph is built at start-up (7-30 s
+            on a 2-core box);
             a model with LoRA adapters, or whose compiled forward fails its warm-up, runs
             eagerly with one log line saying why.
     """

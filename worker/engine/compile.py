@@ -145,6 +145,7 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate) -> Com
             why = "Dynamo built no graph (its recompile limit reached in this process?)"
         log.warning("model.compile: the forward stays eager: %s", why)
         return CompileReport(False, why)
+    compiled_forward.warm = True  # the graph is built: no more guard checks (worker.model.compiled)
     report = CompileReport(True, reason, seconds, graphs)
     log.info("model.compile: %s", report.describe())
     return report

@@ -6,6 +6,7 @@ the engine thread only.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
@@ -26,6 +27,10 @@ from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, 
 from worker.model.capability import KVLayout, LayerKV
 from worker.model.lora import LoRAWeights, build_step, lora_step
 from worker.model.sampler import sample_on_device
+
+log = logging.getLogger(__name__)
+# torch >= 2.5 exposes the CUDA OOM as torch.OutOfMemoryError (alias of torch.cuda.OutOfMemoryError)
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class ModelRunner:
@@ -78,9 +83,9 @@ class ModelRunner:
     def compile(self) -> None:
         """Run the forward compiled from now on (`worker.model.compiled`); the graph is
         built by the next step (the warm-up of `worker.engine.compile.compile_engine`)."""
-        from worker.model.compiled import compile_forward
+        from worker.model.compiled import CompiledForward
 
-        self.forward_fn = compile_forward(self.model, self.device.type)
+        self.forward_fn = CompiledForward(self.model)
         self.compiled = True
 
     def uncompile(self) -> None:
@@ -296,7 +301,19 @@ class ModelRunner:
             mark_unbacked(pos2d, 1)
             mark_unbacked(keep, 0)
         with step_metadata(md), lora_step(lora):
-            out = self.forward_fn(input_ids=ids2d, position_ids=pos2d, use_cache=False, logits_to_keep=keep, **extra)
+            try:
+                out = self.forward_fn(input_ids=ids2d, position_ids=pos2d, use_cache=False, logits_to_keep=keep,
+                                      **extra)
+            except Exception as e:
+                if not self.compiled or isinstance(e, OutOfMemoryError):
+                    raise
+                # the compiled forward failed while serving: eager for good, and this step again (the
+                # layers that ran wrote the same K/V the eager forward writes)
+                log.error("the compiled forward failed (%s: %s); the forward is eager from now on",
+                          type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+                self.uncompile()
+                out = self.model(input_ids=ids2d, position_ids=pos2d, use_cache=False, logits_to_keep=keep,
+                                 inflight_metadata=md)
         if not sample_idx:
             self._last_sampled = (input_ids[:0], {})
             return SampledStep([], None, [], 0.0)
