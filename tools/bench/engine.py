@@ -2,8 +2,8 @@
 
   throughput  Inflight's engine (default settings, with the other kind of steps, and
               with its forward eager: `model.compile: off`; the engines compile before
-              the clock starts) vs vLLM's offline engine (its CPU or CUDA build in its own venv,
-              tools/setup_vllm.sh; skipped with a message when absent) vs transformers
+              the clock starts) vs vLLM's offline engine (its CPU or CUDA build in its
+              own venv, tools/setup_vllm.sh; skipped with a message when absent) vs transformers
               `generate` in static batches of the same size vs transformers' own
               continuous batching manager: same model, same requests (all submitted at
               t=0, EOS ignored so every system produces the same useful tokens), same
@@ -62,11 +62,10 @@ def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, 
     from worker.engine import Engine
     from worker.engine.gc_tuning import tune_gc
 
+    tuning = ServingTuning(max_running_requests=max_batch, max_total_tokens=kv_tokens, max_batched_tokens=budget,
+                           enable_prefix_caching=False, async_scheduling=async_scheduling)  # limits: the model's context
     cfg = EngineConfig(model=ModelConfig(device=device, attention_backend=backend, compile=compile_mode),
-                       serving_tuning=ServingTuning(
-        max_running_requests=max_batch, max_total_tokens=kv_tokens, max_batched_tokens=budget,
-        enable_prefix_caching=False, async_scheduling=async_scheduling,  # limits: the model's context
-    ))
+                       serving_tuning=tuning)
     engine = Engine.from_pretrained(str(path), cfg)
     tune_gc()  # as the worker's engine process does after start-up
     _sync(device)

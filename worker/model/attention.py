@@ -247,13 +247,17 @@ def register(module: torch.nn.Module) -> None:
 
 @torch.library.custom_op("inflight::attention", mutates_args=())
 def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, module: int, scaling: float,
-              sliding_window: int, softcap: float, sinks: torch.Tensor | None, v_head_dim: int) -> torch.Tensor:
+                 sliding_window: int, softcap: float, sinks: torch.Tensor | None, v_head_dim: int) -> torch.Tensor:
     """One attention layer of the step over the paged cache (its K/V written first).
+
+    Writing the cache is a side effect on state the step's metadata holds, not on an
+    argument (`mutates_args=()`): the op's output feeds the next layer, so a graph never
+    drops or reorders it, and the cache is no graph input Dynamo would guard on.
 
     Args:
         query: `[1, num_heads, num_tokens, head_dim]`; key, value: `[1, num_kv_heads,
             num_tokens, head_dim]` (transformers' layout; latent attention: the latent).
-        module: `module_key` of the attention module.
+        module: the attention module's key (`register`, `module.inflight_op_key`).
         scaling: the softmax scale; sliding_window, softcap: 0 = none; sinks: per head or None.
         v_head_dim: the output's last dimension (what the fake implementation returns).
 
@@ -274,4 +278,3 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mo
 @attention_op.register_fake
 def _(query, key, value, module, scaling, sliding_window, softcap, sinks, v_head_dim):
     return query.new_empty(1, query.shape[2], query.shape[1], v_head_dim)
-

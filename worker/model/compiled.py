@@ -2,17 +2,18 @@
 
 transformers' modules (embeddings, norms, projections, RoPE, MLP, the LM head) are traced
 by Dynamo and compiled by Inductor; each attention call is `torch.ops.inflight.attention`
-(`worker.model.attention.attention_op`, a `torch.library.custom_op`), which Dynamo keeps as a single node of the
-graph without tracing into it, so the graph has no break at attention and the op runs
-the same back end (`worker.model.kernels`) as the eager forward: the split vLLM makes for
-its piecewise graphs (its `unified_attention` op), here one graph around opaque ops.
+(`worker.model.attention.attention_op`, a `torch.library.custom_op`), which Dynamo keeps
+as a single node of the graph without tracing into it, so the graph has no break at
+attention and the op runs the same back end (`worker.model.kernels`) as the eager
+forward: the split vLLM makes for its piecewise graphs (its `unified_attention` op), here
+one graph around opaque ops.
 
 The op's inputs are only tensors and constants: what varies per step (block tables,
 slots, the decode groups, the KV cache tensors) is the step's `AttentionMetadata`, which
 the op reads from `worker.model.attention.current_metadata()` when it runs, so nothing
 that changes between steps is a graph input Dynamo would guard on. The attention module
 itself (its latent or ALiBi attachments) is found by a key the op is given
-(`module_key`), an entry of a table of weak references.
+(`module.inflight_op_key`), an entry of a table of weak references.
 
 The token dimension (and the number of logit rows kept) is dynamic and unbacked
 (`mark_unbacked` on every call, `ModelRunner._execute`): Dynamo may not specialize on
