@@ -7,6 +7,9 @@ test_equivalence.py's compiled cases.
 
 from __future__ import annotations
 
+import json
+import statistics
+
 import pytest
 import torch
 
@@ -93,3 +96,16 @@ def test_inductors_cache_is_ours_unless_set(tmp_path, monkeypatch):
     assert compile_rules.inductor_cache_dir() == tmp_path / "inflight" / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))
     assert compile_rules.inductor_cache_dir() == tmp_path / "theirs"
+
+
+def test_the_compile_bench_times_both_forwards_side_by_side(llama_path, tmp_path):
+    from tools.bench import compile as bench
+
+    assert bench.main(["--model", str(llama_path), "--running", "4", "--rounds", "2", "--iterations", "2",
+                       "--skip-start-up", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "bench_compile.json").read_text())
+    assert r["greedy_ids_identical"] and r["compiled_forward"].startswith("compiled (1 graphs")
+    assert len(r["decode_step_ms"]["eager"]) == len(r["decode_step_ms"]["compiled"]) == 2
+    ratios = [e / c for e, c in zip(r["decode_step_ms"]["eager"], r["decode_step_ms"]["compiled"])]
+    assert r["decode_speedup_per_round"] == pytest.approx(ratios)
+    assert r["decode_speedup"] == pytest.approx(statistics.median(ratios))

@@ -30,7 +30,7 @@ def test_engine_modes_write_consistent_results(tmp_path, llama_path):
     total = sum(x["output_tokens"] for x in r["requests"])
     assert total == r["workload"]["output_tokens"] and len(r["requests"]) == 6
     assert sum(x["input_tokens"] for x in r["requests"]) == r["workload"]["input_tokens"]
-    others = {"inflight_async", "hf_static_batching", "hf_continuous_batching"}  # the CPU's defaults
+    others = {"inflight_async", "inflight_eager", "hf_static_batching", "hf_continuous_batching"}  # the CPU's defaults
     assert set(r["results"]) == {"inflight"} | others
     assert set(r["skipped"]) == {"vllm"} and "tools/setup_vllm.sh" in r["skipped"]["vllm"]  # absent: a message
     for res in r["results"].values():
@@ -39,6 +39,9 @@ def test_engine_modes_write_consistent_results(tmp_path, llama_path):
     assert set(r["greedy_agreement"]) == {f"inflight_vs_{n}" for n in others}
     # asynchronous and sequential (the CPU's default) steps: the same greedy ids on every request
     assert r["greedy_agreement"]["inflight_vs_inflight_async"] == {
+        "requests": 6, "identical": 6, "median_first_divergence": None}
+    # the default forward (here eager: tests/conftest.py turns `auto` off) and `model.compile: off`
+    assert r["greedy_agreement"]["inflight_vs_inflight_eager"] == {
         "requests": 6, "identical": 6, "median_first_divergence": None}
     for name in others:
         assert r["ratios"][f"inflight_vs_{name}"] == pytest.approx(

@@ -61,7 +61,7 @@ def decode_step(path: Path, mode: str, running: int) -> tuple[Callable[[], objec
     runner.execute = spy
     rng = random.Random(0)
     for i in range(running):
-        prompt = [rng.randrange(5, 2000) for _ in range(rng.randrange(64, 193))]
+        prompt = [rng.randrange(5, engine.facts.vocab_size) for _ in range(rng.randrange(64, 193))]
         engine.add_request(f"r{i}", prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=64,
                                                                                   ignore_eos=True))
     while not steps or steps[-1].num_decodes < running:
