@@ -18,7 +18,6 @@ Offline throughput with and without compile is `tools.bench.engine throughput`
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import subprocess
@@ -27,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tools.bench.harness import DEFAULT_MODEL, ensure_model, machine
+from tools.bench.harness import DEFAULT_MODEL, ensure_model, machine, write_report
 
 START_SCRIPT = """
 import time, sys
@@ -125,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         report["start_up_vs_eager"] = {k: v[0] / base for k, v in starts.items() if k != "eager"}
         for name, (seconds, how) in starts.items():
             print(f"start-up {name:<15}{seconds:7.1f} s  ({seconds / base:.2f}x eager; {how})")
-    out = Path(a.out) / "bench_compile.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(report, a.out, "bench_compile.json")
     return 0
 
 

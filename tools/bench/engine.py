@@ -49,6 +49,7 @@ from tools.bench.harness import (
     machine,
     report_header,
     torch_dtype,
+    write_report,
 )
 from tools.bench.workloads import KINDS, TextTokens, make_workload
 
@@ -546,10 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     a.command_line = "python -m tools.bench.engine " + " ".join(argv if argv is not None else sys.argv[1:])
     torch.manual_seed(0)
     report = throughput(a) if a.mode == "throughput" else scheduler_overhead(a)
-    out = Path(a.out) / f"bench_engine_{a.mode}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(report, a.out, f"bench_engine_{a.mode}.json")
     return 0
 
 

@@ -6,6 +6,7 @@ folder import from here; none imports another benchmark's internals."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import platform
 import signal
@@ -81,6 +82,15 @@ def torch_dtype(device: str) -> torch.dtype:
 
 # ---- results ------------------------------------------------------------------------------
 PCTS = (50, 95, 99)
+
+
+def write_report(report: dict, out_dir: str | Path, name: str) -> Path:
+    """Write `report` as `out_dir/name` (indented JSON, folders made) and say where."""
+    out = Path(out_dir) / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return out
 
 
 def percentiles(values: list[float]) -> dict | None:

@@ -112,40 +112,29 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate) -> Com
     torch._dynamo.config.recompile_limit += RECOMPILE_ALLOWANCE
     inductor_cache_dir()
     expected = _warm_up(generate)  # eager: the reference ids
-    failure: list[BaseException] = []
     runner.compile()
-    compiled_forward = runner.forward_fn
-
-    def forward(**kw):  # the warm-up's forward: what it raised is the reason to fall back
-        try:
-            return compiled_forward(**kw)
-        except Exception as e:
-            failure.append(e)
-            raise
-
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
-    runner.forward_fn = forward
+    error: Exception | None = None
     try:
         got = _warm_up(generate)
     except Exception as e:
-        failure.append(e)
-        got = None
-    finally:
-        runner.forward_fn = compiled_forward
+        error, got = e, None
+    # a compiled step that raised: the runner went eager, ran the step again and kept the error
+    error = runner.compile_error or error
     seconds = time.perf_counter() - t0
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-    if failure or got != expected or not graphs:
+    if error is not None or got != expected or not graphs:
         runner.uncompile()
-        if failure:
-            why = f"compiling failed: {type(failure[0]).__name__}: {str(failure[0]).splitlines()[0][:300]}"
+        if error is not None:
+            why = f"compiling failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
         elif got != expected:
             why = "compiled greedy ids differ from eager ones"
         else:
             why = "Dynamo built no graph (its recompile limit reached in this process?)"
         log.warning("model.compile: the forward stays eager: %s", why)
         return CompileReport(False, why)
-    compiled_forward.warm = True  # the graph is built: no more guard checks (worker.model.compiled)
+    runner.forward_fn.warm = True  # the graph is built: no more guard checks (worker.model.compiled)
     report = CompileReport(True, reason, seconds, graphs)
     log.info("model.compile: %s", report.describe())
     return report

@@ -79,6 +79,7 @@ class ModelRunner:
         self.lora: LoRAWeights | None = None  # the adapters' slots (model.lora_dir), set by the Engine
         self.forward_fn = model  # what a step calls: the model, or its compiled forward (`compile`)
         self.compiled = False
+        self.compile_error: Exception | None = None  # what made the compiled forward go eager, if it did
 
     def compile(self) -> None:
         """Run the forward compiled from now on (`worker.model.compiled`); the graph is
@@ -312,6 +313,7 @@ class ModelRunner:
                 log.error("the compiled forward failed (%s: %s); the forward is eager from now on",
                           type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
                 self.uncompile()
+                self.compile_error = e
                 out = self.model(input_ids=ids2d, position_ids=pos2d, use_cache=False, logits_to_keep=keep,
                                  inflight_metadata=md)
         if not sample_idx:
