@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+import sysconfig
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -62,9 +63,20 @@ def applies(pin: Pin) -> bool:
     return Marker(pin.marker).evaluate()
 
 
+def site_dirs() -> list[str]:
+    """The environment's install directories (purelib, platlib): where pip and uv put
+    distributions. Not `sys.path`, which a running process may have grown: importing
+    setuptools (as torch.compile's C++ builder does) appends its `_vendor` folder, whose
+    vendored `packaging`, `jaraco.*`, `wheel`... would read as installed."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
 def installed() -> dict[str, str]:
-    """Normalized name -> version of every distribution visible to this interpreter."""
-    return {normalize(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+    """Normalized name -> version of every distribution installed in this interpreter's
+    environment (`site_dirs`), whatever the process has imported or added to sys.path."""
+    dists = metadata.distributions(path=site_dirs())
+    return {normalize(d.metadata["Name"]): d.version for d in dists if d.metadata["Name"]}
 
 
 def differences(pins: list[Pin], have: dict[str, str] | None = None,

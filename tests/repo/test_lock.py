@@ -5,6 +5,7 @@ a fresh clone, so it proves the locked set installs and is the one tested)."""
 from __future__ import annotations
 
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -88,3 +89,18 @@ def test_read_lock_rejects_a_range(tmp_path):
         assert ":4:" in str(e) and "baz>=2" in str(e)
     else:
         raise AssertionError("a range was accepted as a pin")
+
+
+def test_installed_reads_the_environment_not_a_grown_sys_path():
+    """Importing setuptools (torch.compile's C++ builder does, in the same xdist worker as
+    this test) appends setuptools/_vendor to sys.path; its vendored packaging, jaraco.*,
+    wheel... are not installed and must not read as installed (a CI failure, 2026-12-03)."""
+    import setuptools  # noqa: F401  the import that grows sys.path
+
+    from tools.lockcheck import installed
+
+    vendor = str(Path(setuptools.__file__).parent / "_vendor")
+    assert vendor in sys.path  # the premise: setuptools did grow sys.path
+    have = installed()
+    assert "jaraco-context" not in have and "autocommand" not in have
+    assert differences(read_lock(DEFAULT_LOCK), have=have, required=(PROJECT,)) == []
