@@ -10,8 +10,10 @@
   3. prefill attention TFLOP/s at a few (batch, length) sizes (causal, 4·H·D·L(L+1)/2 FLOPs);
   4. the engine benchmark with a random-init ~1.1B-parameter Llama in bf16: Inflight with
      Triton vs Inflight with the torch reference back end (tokens/s and ratio), and
-     Triton with the forward compiled (`model.compile: on`) vs eager (ratio, greedy
-     agreement). CUDA graphs are not built yet (issue 44): this measures compile alone.
+     Triton with decode steps replayed from CUDA graphs (`model.cuda_graphs: auto`, the
+     default) vs without (`off`), and with the forward compiled too (`model.compile: on`):
+     tokens/s ratios, greedy agreement, and how each engine's forward ran (its start line's
+     `forward=`: graphs captured or why not).
 
 Prints one JSON object (also written to results/gpu_check.json).
 
@@ -214,22 +216,31 @@ def engine_bench(a, device: str) -> dict:
         def update(self, n):
             pass
 
+    if device == "cpu":  # the smoke run: graphs replay emulated (worker.model.graphs), the same steps but the capture
+        from worker.engine import compile as compile_rules
+
+        compile_rules.GRAPH_REPLAY = {**compile_rules.GRAPH_REPLAY, "cpu": "emulated"}
     ids = {}
     # "triton": asynchronous steps (the CUDA default: scheduled one ahead, sampled ids fed on
-    # the device), forced so the CPU smoke run takes the same path
-    # "triton_compiled": the same with the forward under torch.compile (model.compile: on),
-    # against the eager forward of the other runs
-    for name, backend, async_steps, compiled in (("triton", "triton", True, "off"), ("torch", "torch", None, "off"),
-                                                 ("triton_sequential", "triton", False, "off"),
-                                                 ("triton_compiled", "triton", True, "on")):
+    # the device) and decode graphs (the CUDA default), forced so the CPU smoke run takes the
+    # same path; "triton_no_graphs": the same without graphs; "triton_compiled": with the
+    # forward under torch.compile too (model.compile: on)
+    runs = (("triton", "triton", True, "off", "auto"), ("triton_no_graphs", "triton", True, "off", "off"),
+            ("torch", "torch", None, "off", "auto"), ("triton_sequential", "triton", False, "off", "auto"),
+            ("triton_compiled", "triton", True, "on", "auto"))
+    for name, backend, async_steps, compiled, graphs in runs:
+        forward = []
         secs, ids[name] = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend, async_steps,
-                                       compile_mode=compiled)
-        out[name] = {"seconds": secs, "output_tokens_per_s": total / secs}
+                                       compile_mode=compiled, cuda_graphs=graphs,
+                                       on_engine=lambda e: forward.append(e.compile_report.describe()))
+        out[name] = {"seconds": secs, "output_tokens_per_s": total / secs, "forward": forward[0]}
     out["triton_vs_torch"] = out["triton"]["output_tokens_per_s"] / out["torch"]["output_tokens_per_s"]
     # asynchronous against sequential steps on the same kernels: speed, and how many requests
     # got the same ids (fp32 on the CPU: all; bf16 on a GPU: batch composition may move a few)
     out["async_vs_sequential"] = out["triton"]["output_tokens_per_s"] / out["triton_sequential"]["output_tokens_per_s"]
     out["async_sequential_agreement"] = agreement(ids["triton_sequential"], ids["triton"])
+    out["graphs_vs_no_graphs"] = out["triton"]["output_tokens_per_s"] / out["triton_no_graphs"]["output_tokens_per_s"]
+    out["graphs_agreement"] = agreement(ids["triton_no_graphs"], ids["triton"])
     out["compiled_vs_eager"] = out["triton_compiled"]["output_tokens_per_s"] / out["triton"]["output_tokens_per_s"]
     out["compiled_eager_agreement"] = agreement(ids["triton"], ids["triton_compiled"])
     return out

@@ -5,7 +5,9 @@ preemption by recompute, prefix-cache hits, three tenants under fair share (weig
 a running quota, Yields) — yields exactly the token ids of transformers' own
 `generate` for that request alone. With the forward compiled (`model.compile: on`,
 both KV policies and both kinds of steps between the cases) too, and its warm-up
-built every graph the workload needs: serving it compiles nothing more.
+built every graph the workload needs: serving it compiles nothing more. And with the
+decode steps replayed from graphs (`model.cuda_graphs`, emulated on the CPU), eager and
+compiled, padded to the graph sizes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from schemas.params import SamplingParams
 from worker.config import EngineConfig, ModelConfig, ServingTuning, TenantPolicy
 from worker.engine import Engine
+from worker.engine import compile as compile_rules
 
 
 def reference(model, prompt: list[int], max_tokens: int) -> list[int]:
@@ -41,16 +44,19 @@ def staggered_workload(seed: int, n: int = 24, vocab: int = 512):
     return reqs
 
 
-CASES = [  # (kv_policy, async_scheduling, model.compile)
-    ("optimistic", False, "off"), ("optimistic", True, "off"), ("reserve", False, "off"), ("reserve", True, "off"),
-    ("optimistic", True, "on"), ("reserve", False, "on"),
+CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs)
+    ("optimistic", False, "off", False), ("optimistic", True, "off", False), ("reserve", False, "off", True),
+    ("reserve", True, "off", False), ("optimistic", True, "on", True), ("reserve", False, "on", False),
 ]
 
 
-@pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode"), CASES,
+@pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode", "graphs"), CASES,
                          ids=[f"{p}-{'async' if a else 'sequential'}{'-compiled' if c == 'on' else ''}"
-                              for p, a, c in CASES])
-def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_scheduling, compile_mode):
+                              f"{'-graphs' if g else ''}" for p, a, c, g in CASES])
+def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_scheduling, compile_mode, graphs,
+                                             monkeypatch):
+    if graphs:  # decode steps replay graphs (emulated here: worker.model.graphs), padded to their sizes
+        monkeypatch.setattr(compile_rules, "GRAPH_REPLAY", {"cpu": "emulated"})
     cfg = EngineConfig(
         model=ModelConfig(dtype="float32", device="cpu", compile=compile_mode),
         serving_tuning=ServingTuning(
@@ -66,6 +72,16 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
     )
     engine = Engine.from_pretrained(str(any_arch_path), cfg)
     assert engine.compile_report.compiled == (compile_mode == "on"), engine.compile_report
+    assert bool(engine.compile_report.cuda_graph_sizes) == graphs, engine.compile_report
+    replayed = []
+    if graphs:
+        real_run = engine.runner.graphs.run
+
+        def count(input_ids, position_ids, md):
+            replayed.append(input_ids.shape[0])
+            return real_run(input_ids, position_ids, md)
+
+        engine.runner.graphs.run = count
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
     chunked = []
     real_build = engine.runner.build_metadata  # every forward packs its step here (sequential or launched)
@@ -100,6 +116,8 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
     assert chunked, "workload must force multi-chunk prefill"
     assert engine.kv_stats().used_blocks == 0
     assert counters["stats"]["unique_graphs"] == graphs_after_warm_up, "the workload compiled a graph"
+    if graphs:  # decode steps of several batch sizes replayed, some padded
+        assert len(set(replayed)) >= 4 and {3, 5, 6, 7} & set(replayed), sorted(set(replayed))
 
     hf = AutoModelForCausalLM.from_pretrained(str(any_arch_path), dtype=torch.float32, attn_implementation="sdpa").eval()
     mismatches = []

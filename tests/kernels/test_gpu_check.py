@@ -39,3 +39,9 @@ def test_gpu_check_smoke(tmp_path, llama_path):
     assert eng["compiled_vs_eager"] > 0
     compiled = eng["compiled_eager_agreement"]
     assert compiled["requests"] == 3 and (torch.cuda.is_available() or compiled["identical"] == 3)
+    # decode graphs (emulated on the CPU: the Triton kernels skip the padding rows' KV writes)
+    assert "CUDA graphs for decode batches of 1-4" in eng["triton"]["forward"]
+    assert "no CUDA graphs (model.cuda_graphs is off)" in eng["triton_no_graphs"]["forward"]
+    assert eng["graphs_vs_no_graphs"] > 0
+    graphs = eng["graphs_agreement"]
+    assert graphs["requests"] == 3 and (torch.cuda.is_available() or graphs["identical"] == 3)

@@ -15,6 +15,7 @@ OVERLOAD_POLICIES = ("queue_or_reject", "reject")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "on", "off")
+CUDA_GRAPH_MODES = ("auto", "off")
 
 
 class TenantPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -247,6 +248,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             off on CUDA until a GPU measures it. The graph is built at start-up (7-30 s
             on a 2-core box); a model with LoRA adapters, or whose compiled forward fails
             its warm-up, runs eagerly with one log line saying why.
+        cuda_graphs: replay decode-only steps of up to `max_running_requests` requests
+            from CUDA graphs captured at start-up (`worker.model.graphs`): `auto` = on
+            for CUDA with the Triton back end and no LoRA adapters (their memory is left
+            out of the KV cache), `off`. Graphs whose greedy ids differ from the eager
+            forward's at start-up are dropped with one log line saying why.
     """
 
     path: str = ""
@@ -259,10 +265,12 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_loras: int = 4
     max_lora_rank: int = 16
     compile: str = "auto"
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         one_of("model", "dtype", self.dtype, DTYPES)
         one_of("model", "compile", self.compile, COMPILE_MODES)
+        one_of("model", "cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
         one_of("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"model.device must be one of ['auto', 'cpu', 'cuda', 'cuda:N'], got {self.device!r}")

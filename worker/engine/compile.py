@@ -12,6 +12,12 @@ forward with one log line saying why. Inductor's cache lives in
 `$XDG_CACHE_HOME/inflight/inductor` (default `~/.cache/inflight/inductor`) unless
 `TORCHINDUCTOR_CACHE_DIR` is set, so a restart on the same machine (or an image that
 carries the directory) reuses the compiled kernels.
+
+On CUDA the same start-up captures the decode graphs (`model.cuda_graphs`,
+`worker.model.graphs`) after compiling, checked the same way: the warm-up requests
+(and a batch that shrinks through several graph sizes, `GRAPH_CHECK`) run again on the
+graphs and must give the eager greedy ids; a capture that raises or ids that differ drop
+the graphs with one log line saying why.
 """
 
 from __future__ import annotations
@@ -32,15 +38,22 @@ if TYPE_CHECKING:
     from worker.model.runner import ModelRunner
 
 Generate = Callable[[list[list[int]], SamplingParams], list[CompletionOutput]]  # Engine.generate
+Check = Callable[[Generate], list[list[int]]]  # what a forward is checked on: greedy ids of fixed requests
 
 log = logging.getLogger(__name__)
 
 AUTO_DEVICES = frozenset({"cpu"})  # where `auto` compiles: measured faster there (ModelConfig.compile)
+# where decode graphs are captured, and how they replay (worker.model.graphs); tests add
+# {"cpu": "emulated"} to run the whole path here
+GRAPH_REPLAY = {"cuda": "cuda"}
 # warm-up prompts: 2 requests (a step of 8 tokens keeping 2 rows), then their decodes (2
 # tokens, 2 rows); 1 request (3 tokens, 1 row), then its decodes (1 token, 1 row)
 WARM_UP = ([[1, 2, 3, 4, 5], [1, 2, 3]], [[1, 2, 3]])
 WARM_UP_TOKENS = 3
 RECOMPILE_ALLOWANCE = 8  # Dynamo's default per-code limit, per compiled engine
+# the graphs' check beside the warm-up: up to 9 requests of 2..10 new tokens, so the decode
+# batch shrinks through the graph sizes 16 (when captured), 8, 4, 2 and 1
+GRAPH_CHECK = 9
 
 
 class CompileReport(msgspec.Struct, frozen=True):
@@ -51,17 +64,32 @@ class CompileReport(msgspec.Struct, frozen=True):
         reason: why (the setting; or why it fell back to eager).
         seconds: the warm-up's wall time (compilation included); 0 when not compiled.
         graphs: graphs Dynamo built during the warm-up.
+        cuda_graph_sizes: the decode batch sizes captured as CUDA graphs (none: not captured).
+        cuda_graph_reason: why they were or were not captured ("" where not considered:
+            not a CUDA device).
+        cuda_graph_seconds: the capture's wall time; cuda_graph_bytes: the device memory
+            the graphs hold.
     """
 
     compiled: bool
     reason: str
     seconds: float = 0.0
     graphs: int = 0
+    cuda_graph_sizes: tuple[int, ...] = ()
+    cuda_graph_reason: str = ""
+    cuda_graph_seconds: float = 0.0
+    cuda_graph_bytes: int = 0
 
     def describe(self) -> str:
-        if self.compiled:
-            return f"compiled ({self.graphs} graphs in {self.seconds:.1f} s)"
-        return f"eager ({self.reason})"
+        text = (f"compiled ({self.graphs} graphs in {self.seconds:.1f} s)" if self.compiled
+                else f"eager ({self.reason})")
+        if self.cuda_graph_sizes:
+            text += (f"; CUDA graphs for decode batches of 1-{self.cuda_graph_sizes[-1]} "
+                     f"({len(self.cuda_graph_sizes)} sizes in {self.cuda_graph_seconds:.1f} s, "
+                     f"{self.cuda_graph_bytes / 2**20:.0f} MiB)")
+        elif self.cuda_graph_reason:
+            text += f"; no CUDA graphs ({self.cuda_graph_reason})"
+        return text
 
 
 def wanted(setting: str, device_type: str, has_lora: bool) -> tuple[bool, str]:
@@ -96,14 +124,42 @@ def _warm_up(generate: Generate) -> list[list[int]]:
     return ids
 
 
-def compile_engine(runner: ModelRunner, setting: str, generate: Generate) -> CompileReport:
+def graphs_wanted(setting: str, runner: ModelRunner) -> tuple[str | None, str]:
+    """How to replay decode graphs (`worker.model.graphs.REPLAYS`; None: no graphs), and
+    why: `setting` is `ModelConfig.cuda_graphs`. The reason is "" where graphs are not
+    considered (not a CUDA device)."""
+    replay = GRAPH_REPLAY.get(runner.device.type)
+    if replay is None:
+        return None, ""
+    if setting == "off":
+        return None, "model.cuda_graphs is off"
+    if runner.lora is not None:
+        return None, "LoRA adapters (their forward hooks change between steps)"
+    if replay == "cuda" and not getattr(runner.backend, "GRAPH_SAFE", False):
+        return None, f"the attention back end {runner.backend.__name__.rsplit('.', 1)[-1]} is not graph-safe"
+    return replay, "model.cuda_graphs is auto"
+
+
+def compile_engine(runner: ModelRunner, setting: str, generate: Generate, graphs_setting: str = "off",
+                   max_batch: int = 1, max_model_len: int = 0) -> CompileReport:
     """Compile an engine's forward (its `runner`'s) if `setting` (`ModelConfig.compile`)
-    asks for it, and warm it up through `generate` (the engine's `Engine.generate`; module
-    docstring). Never raises for a model that does not compile: the engine stays eager
-    and the report says why."""
+    asks for it, and warm it up through `generate` (the engine's `Engine.generate`); then
+    capture its decode graphs if `graphs_setting` (`ModelConfig.cuda_graphs`) asks for
+    them on this device, for batches up to `max_batch` and contexts up to
+    `max_model_len` (module docstring). Never raises for a model that does not compile
+    or capture: the engine stays eager (or without graphs) and the report says why."""
     on, reason = wanted(setting, runner.device.type, runner.lora is not None)
-    if not on:
-        return CompileReport(False, reason)
+    replay, graphs_why = graphs_wanted(graphs_setting, runner)
+    if not on and replay is None:
+        return CompileReport(False, reason, cuda_graph_reason=graphs_why)
+    expected = _warm_up(generate)  # eager: the reference ids
+    report = _compile(runner, reason, generate, expected) if on else CompileReport(False, reason)
+    if replay is None:
+        return msgspec.structs.replace(report, cuda_graph_reason=graphs_why)
+    return _capture(runner, report, generate, expected, replay, max_batch, max_model_len, graphs_why)
+
+
+def _compile(runner: ModelRunner, reason: str, generate: Generate, expected: list[list[int]]) -> CompileReport:
     import torch._dynamo
 
     # Several compiled engines in one process (tests, tools) add entries to the cache of
@@ -111,7 +167,6 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate) -> Com
     # of Dynamo's per-code recompile limit, past which Dynamo would run them eagerly.
     torch._dynamo.config.recompile_limit += RECOMPILE_ALLOWANCE
     inductor_cache_dir()
-    expected = _warm_up(generate)  # eager: the reference ids
     runner.compile()
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
@@ -127,7 +182,7 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate) -> Com
     if error is not None or got != expected or not graphs:
         runner.uncompile()
         if error is not None:
-            why = f"compiling failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            why = f"compiling failed: {_one_line(error)}"
         elif got != expected:
             why = "compiled greedy ids differ from eager ones"
         else:
@@ -138,3 +193,37 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate) -> Com
     report = CompileReport(True, reason, seconds, graphs)
     log.info("model.compile: %s", report.describe())
     return report
+
+
+def _graph_check(generate: Generate) -> list[list[int]]:
+    """Greedy ids of `GRAPH_CHECK` requests ending one step apart: the decode batch
+    shrinks by one a step, through every graph size up to the batch."""
+    prompts = [[1 + i % 5, 2, 3] for i in range(GRAPH_CHECK)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(GRAPH_CHECK)]
+    return [out.token_ids for out in generate(prompts, params)]
+
+
+def _capture(runner: ModelRunner, report: CompileReport, generate: Generate, expected: list[list[int]],
+             replay: str, max_batch: int, max_model_len: int, reason: str) -> CompileReport:
+    reference = _graph_check(generate)  # without graphs (the forward as compiled or not)
+    error: Exception | None = None
+    got = checked = None
+    try:
+        graphs = runner.capture_graphs(max_batch, max_model_len, replay)
+        got, checked = _warm_up(generate), _graph_check(generate)
+    except Exception as e:
+        error = e
+    if error is not None or got != expected or checked != reference:
+        runner.drop_graphs()
+        why = (f"capturing failed: {_one_line(error)}" if error is not None
+               else "greedy ids on the graphs differ from the forward's without them")
+        log.warning("model.cuda_graphs: decode steps run without graphs: %s", why)
+        return msgspec.structs.replace(report, cuda_graph_reason=why)
+    report = msgspec.structs.replace(report, cuda_graph_sizes=tuple(graphs.sizes), cuda_graph_reason=reason,
+                                     cuda_graph_seconds=graphs.capture_seconds, cuda_graph_bytes=graphs.memory_bytes)
+    log.info("model.cuda_graphs: %s", report.describe())
+    return report
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"

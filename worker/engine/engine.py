@@ -49,11 +49,12 @@ if TYPE_CHECKING:
 CPU_DEFAULT_KV_TOKENS = 16384
 
 
-def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning) -> int:
+def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning, reserve_bytes: int = 0) -> int:
     """KV blocks the engine allocates for `loaded` (call after the model is on its device).
 
     Capacity in tokens: `tuning.max_total_tokens` if set; else on CUDA
-    `gpu_memory_utilization` x the device's free memory / the layout's KV bytes per token; else
+    (`gpu_memory_utilization` x the device's free memory - `reserve_bytes`, what the
+    decode graphs will hold) / the layout's KV bytes per token; else
     `CPU_DEFAULT_KV_TOKENS`. Rounded down to whole blocks of `kv_block_size` tokens.
     """
     per_token = loaded.kv_layout.bytes_per_token(loaded.dtype)
@@ -61,10 +62,24 @@ def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning) -> int:
         kv_tokens = tuning.max_total_tokens
     elif loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
-        kv_tokens = int(free * tuning.gpu_memory_utilization) // per_token
+        kv_tokens = max(0, int(free * tuning.gpu_memory_utilization) - reserve_bytes) // per_token
     else:
         kv_tokens = CPU_DEFAULT_KV_TOKENS
     return kv_tokens // tuning.kv_block_size
+
+
+def graph_reserve(loaded: LoadedModel, model_cfg: ModelConfig, tuning: ServingTuning) -> int:
+    """Device bytes the decode graphs will hold (`worker.model.graphs.graph_memory_estimate`),
+    left out of the KV cache; 0 where none will be captured (not CUDA, `cuda_graphs: off`,
+    LoRA adapters)."""
+    if loaded.device.type != "cuda" or model_cfg.cuda_graphs == "off" or model_cfg.lora_dir is not None:
+        return 0
+    from worker.model.graphs import graph_memory_estimate
+
+    cfg = loaded.model.config
+    hidden = getattr(cfg, "hidden_size", 0) or 0
+    return graph_memory_estimate(tuning.max_running_requests, loaded.vocab_size, hidden,
+                                 getattr(cfg, "intermediate_size", None) or 4 * hidden)
 
 
 class Engine:
@@ -159,7 +174,7 @@ class Engine:
                 raise ConfigError(f"model.lora_dir {model_cfg.lora_dir!r} is not a directory")
             lora = LoRAWeights(lora_modules(loaded.model), model_cfg.max_loras, model_cfg.max_lora_rank,
                                loaded.device, loaded.dtype)
-        num_blocks = kv_cache_blocks(loaded, tuning)
+        num_blocks = kv_cache_blocks(loaded, tuning, reserve_bytes=graph_reserve(loaded, model_cfg, tuning))
         runner = ModelRunner(
             loaded.model,
             num_blocks=num_blocks,
@@ -171,7 +186,8 @@ class Engine:
         )
         runner.lora = lora
         engine = cls(loaded, runner, config, num_blocks)
-        engine.compile_report = compile_engine(runner, model_cfg.compile, engine.generate)
+        engine.compile_report = compile_engine(runner, model_cfg.compile, engine.generate, model_cfg.cuda_graphs,
+                                               engine.tuning.max_running_requests, engine.max_model_len)
         return engine
 
     # ---- requests in (any thread) ----------------------------------------------------

@@ -59,3 +59,13 @@ class CompiledForward:
             return self._fn(**kwargs)
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
             return self._fn(**kwargs)
+
+
+def mark_token_dims(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor) -> None:
+    """Make a step's sizes unbacked for Dynamo (module docstring): the token dimension of
+    `input_ids` and `position_ids` `[1, num_tokens]` and the rows kept, `keep` `[rows]`."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    mark_unbacked(input_ids, 1)
+    mark_unbacked(position_ids, 1)
+    mark_unbacked(keep, 0)

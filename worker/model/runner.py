@@ -25,7 +25,9 @@ from worker.engine.outputs import (
 from worker.engine.structured import start_token_bitmask
 from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, step_metadata
 from worker.model.capability import KVLayout, LayerKV
-from worker.model.lora import LoRAWeights, build_step, lora_step
+from worker.model.compiled import mark_token_dims
+from worker.model.graphs import DecodeGraphs
+from worker.model.lora import LoRAStep, LoRAWeights, build_step, lora_step
 from worker.model.sampler import sample_on_device
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ class ModelRunner:
         self.forward_fn = model  # what a step calls: the model, or its compiled forward (`compile`)
         self.compiled = False
         self.compile_error: Exception | None = None  # what made the compiled forward go eager, if it did
+        self.graphs: DecodeGraphs | None = None  # decode-only steps replayed from graphs (`capture_graphs`)
 
     def compile(self) -> None:
         """Run the forward compiled from now on (`worker.model.compiled`); the graph is
@@ -93,6 +96,24 @@ class ModelRunner:
         """Back to the eager forward."""
         self.forward_fn = self.model
         self.compiled = False
+
+    def capture_graphs(self, max_batch: int, max_model_len: int, replay: str = "cuda") -> DecodeGraphs:
+        """Capture the forward (as it is now: compiled or eager) as decode graphs for 1 to
+        `max_batch` requests (`worker.model.graphs.DecodeGraphs`); decode-only steps
+        replay them from now on.
+
+        Raises:
+            ValueError: see `DecodeGraphs`; whatever the forward raises while captured
+                (no graphs are kept then).
+        """
+        graphs = DecodeGraphs(self, max_batch, max_model_len, replay)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs
+
+    def drop_graphs(self) -> None:
+        """Decode steps run the forward again (and the graphs' memory is released)."""
+        self.graphs = None
 
     @staticmethod
     def allocate_layer(layer: LayerKV, num_blocks: int, block_size: int, device: torch.device,
@@ -292,15 +313,27 @@ class ModelRunner:
                               self.lora.max_loras)
         if self.lora is not None:
             self.lora.attach(lora is not None)
+        graphs = self.graphs  # never set with LoRA adapters (worker.engine.compile.graphs_wanted)
+        if graphs is not None and lora is None and graphs.fits(sched.num_decodes, len(packed), len(sample_idx)):
+            logits = graphs.run(input_ids, position_ids, md)  # [num_decodes, vocab]
+        else:
+            logits = self._forward(input_ids, position_ids, md, keep, lora)
+        if not sample_idx:
+            self._last_sampled = (input_ids[:0], {})
+            return SampledStep([], None, [], 0.0)
+        timing: dict[str, float] = {}
+        token_ids, logprobs = sample_on_device(logits, sampling_reqs, timing, masks)
+        self._last_sampled = (token_ids, {s.request_id: i for i, s in enumerate(sampling_reqs)})
+        return SampledStep([s.request_id for s in sampling_reqs], token_ids, logprobs, timing.get("mask_s", 0.0))
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, md: AttentionMetadata,
+                 keep: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+        """The model's forward over the packed step: logits `[len(keep), vocab]`."""
         # the compiled forward reads the metadata in its attention ops (an argument would be a graph input)
         extra = {} if self.compiled else {"inflight_metadata": md}
         ids2d, pos2d = input_ids.unsqueeze(0), position_ids.unsqueeze(0)
         if self.compiled:  # sizes without a value Dynamo may specialize on (0 and 1 would be): one graph for all
-            from torch._dynamo.decorators import mark_unbacked
-
-            mark_unbacked(ids2d, 1)
-            mark_unbacked(pos2d, 1)
-            mark_unbacked(keep, 0)
+            mark_token_dims(ids2d, pos2d, keep)
         with step_metadata(md), lora_step(lora):
             try:
                 out = self.forward_fn(input_ids=ids2d, position_ids=pos2d, use_cache=False, logits_to_keep=keep,
@@ -316,14 +349,7 @@ class ModelRunner:
                 self.compile_error = e
                 out = self.model(input_ids=ids2d, position_ids=pos2d, use_cache=False, logits_to_keep=keep,
                                  inflight_metadata=md)
-        if not sample_idx:
-            self._last_sampled = (input_ids[:0], {})
-            return SampledStep([], None, [], 0.0)
-        logits = out.logits[0]  # [num_sampled, vocab]
-        timing: dict[str, float] = {}
-        token_ids, logprobs = sample_on_device(logits, sampling_reqs, timing, masks)
-        self._last_sampled = (token_ids, {s.request_id: i for i, s in enumerate(sampling_reqs)})
-        return SampledStep([s.request_id for s in sampling_reqs], token_ids, logprobs, timing.get("mask_s", 0.0))
+        return out.logits[0]
 
     def _resolve_for_penalty(self, reqs: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Rows with a repetition penalty and a placeholder input get their history with the

@@ -36,9 +36,15 @@ def write_kv(
         key: `[num_tokens, num_kv_heads, head_dim]`; value: `[num_tokens, num_kv_heads, v_head_dim]`,
             or None when the value lives inside the key cache (latent attention).
         k_cache, v_cache: as in the module docstring, written in place.
-        slot_mapping: `[num_tokens]` int64 slot of each token.
+        slot_mapping: `[num_tokens]` int64 slot of each token; negative slots (the padding
+            rows of a decode graph's batch, `worker.model.graphs`) are skipped on the CPU
+            (on CUDA only Triton's kernel skips them: here that would cost a host sync).
     """
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    if not slot_mapping.is_cuda and bool((slot_mapping < 0).any()):
+        written = slot_mapping >= 0
+        key, slot_mapping = key[written], slot_mapping[written]
+        value = None if value is None else value[written]
     k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     if value is not None:
         v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(

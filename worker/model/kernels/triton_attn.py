@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from worker.model.attention import AttentionMetadata
 
 USES_DENSE_METADATA = False  # the runner may skip the reference back end's padded groups and masks
+# launches depend on tensor values only (context lengths read on the device, padding slots
+# skipped): a decode step's kernels can be captured in a CUDA graph (worker.model.graphs)
+GRAPH_SAFE = True
 
 
 @triton.jit
