@@ -126,21 +126,26 @@ def staggered_requests(seed: int = 0, lens=((40, 0), (23, 3), (57, 7), (90, 12))
 
 def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch", block_size: int = 16,
                max_batched_tokens: int = 16, max_total_tokens: int = 4096, kv_policy: str = "optimistic",
-               on_step=None, on_forward=None, async_scheduling: bool = False) -> dict:
+               on_step=None, on_forward=None, async_scheduling: bool = False, compile_mode: str = "off",
+               forward: list[str] | None = None) -> dict:
     """Greedy, EOS ignored, chunked prefill (`max_batched_tokens`). Returns
     request id -> (token ids, finish reason). `on_step(engine)` runs after every step,
     `on_forward(scheduler_output)` at the start of every forward (on the forward thread
-    with `async_scheduling`)."""
+    with `async_scheduling`); `compile_mode` is `model.compile`, and `forward` gets how
+    the forward ran (`CompileReport.describe`)."""
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
 
-    cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu", attention_backend=backend),
+    cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu", attention_backend=backend,
+                                         compile=compile_mode),
                        serving_tuning=ServingTuning(max_total_tokens=max_total_tokens, kv_block_size=block_size,
                                                     max_batched_tokens=max_batched_tokens, max_running_requests=8,
                                                     max_output_tokens=max_tokens,
                                                     kv_policy=kv_policy, async_scheduling=async_scheduling))
     engine = Engine.from_pretrained(str(path), cfg)
+    if forward is not None:
+        forward.append(engine.compile_report.describe())
     if on_forward is not None:
         build = engine.runner.build_metadata  # every forward packs its step here, launched or not
 
@@ -184,15 +189,17 @@ def reference(path: Path, requests, max_tokens: int) -> dict[str, list[int]]:
     return out
 
 
-def verdict(path: Path, max_tokens: int = 24, **engine_kwargs) -> dict:
+def verdict(path: Path, max_tokens: int = 24, with_forward: bool = False, **engine_kwargs) -> dict:
     """exact | refused (with the loader's line) | wrong (first differing position per
     request) | not built (transformers' own `generate` fails on this tiny config: nothing
-    to compare with)."""
+    to compare with). `with_forward`: exact and wrong verdicts also say how the forward
+    ran (`forward`: compiled, eager and why, graphs)."""
     from worker.model.capability import UnsupportedModel
 
     requests = staggered_requests()
+    forward: list[str] = []
     try:
-        got = run_engine(path, requests, max_tokens, **engine_kwargs)
+        got = run_engine(path, requests, max_tokens, forward=forward, **engine_kwargs)
     except UnsupportedModel as e:
         return {"result": "refused", "why": str(e)}
     try:
@@ -204,21 +211,23 @@ def verdict(path: Path, max_tokens: int = 24, **engine_kwargs) -> dict:
         if ids != ref[rid] or reason != "length":
             first = next((i for i, (a, b) in enumerate(zip(ids, ref[rid])) if a != b), min(len(ids), len(ref[rid])))
             bad[rid] = {"first_diff": first, "finish_reason": reason}
-    return {"result": "wrong", "requests": bad} if bad else {"result": "exact"}
+    out = {"result": "wrong", "requests": bad} if bad else {"result": "exact"}
+    return {**out, "forward": forward[0]} if with_forward else out
 
 
-def _judge(model_type: str, out: Path, tokenizer_dir: Path, overrides: dict) -> dict:
+def _judge(model_type: str, out: Path, tokenizer_dir: Path, overrides: dict, **engine_kwargs) -> dict:
     try:
         path = make_tiny(model_type, out, tokenizer_dir, overrides)
     except Exception as e:  # a config class that cannot be built small: reported, not judged
         return {"result": "not built", "why": f"{type(e).__name__}: {str(e)[:160]}"}
     try:
-        return verdict(path)
+        return verdict(path, **engine_kwargs)
     except Exception as e:
         return {"result": "failed", "why": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
-def _judge_isolated(model_type: str, out: Path, tokenizer_dir: Path, overrides: dict, timeout_s: float) -> dict:
+def _judge_isolated(model_type: str, out: Path, tokenizer_dir: Path, overrides: dict, timeout_s: float,
+                    **engine_kwargs) -> dict:
     """`_judge` in a forked child (a crash or a hang of one architecture is its verdict)."""
     import multiprocessing
 
@@ -226,7 +235,7 @@ def _judge_isolated(model_type: str, out: Path, tokenizer_dir: Path, overrides: 
     parent, child = ctx.Pipe(duplex=False)
 
     def work() -> None:
-        child.send(_judge(model_type, out, tokenizer_dir, overrides))
+        child.send(_judge(model_type, out, tokenizer_dir, overrides, **engine_kwargs))
 
     proc = ctx.Process(target=work, daemon=True)
     proc.start()
@@ -252,7 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=".cache/tiny-archs", help="where checkpoints are written")
     p.add_argument("--json", help="write the verdicts here")
     p.add_argument("--timeout-s", type=float, default=300, help="per architecture")
+    p.add_argument("--compile", action="store_true",
+                   help="model.compile: on (each exact architecture compiled, or fallen back with its reason)")
+    p.add_argument("--graphs", action="store_true",
+                   help="decode steps replayed from graphs, emulated on the CPU (worker.model.graphs)")
     a = p.parse_args(argv)
+    if a.graphs:
+        from worker.engine import compile as compile_rules
+
+        compile_rules.GRAPH_REPLAY = {**compile_rules.GRAPH_REPLAY, "cpu": "emulated"}
+    engine_kwargs = {"with_forward": a.compile or a.graphs, **({"compile_mode": "on"} if a.compile else {})}
     from transformers.utils import logging as hf_logging
 
     from tests.conftest import tiny_checkpoint
@@ -264,15 +282,21 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, (model_type, overrides) in todo.items():
         t0 = time.time()
-        results[name] = _judge_isolated(model_type, Path(a.out) / model_type, tok, overrides, a.timeout_s)
+        results[name] = _judge_isolated(model_type, Path(a.out) / model_type, tok, overrides, a.timeout_s,
+                                        **engine_kwargs)
         results[name]["s"] = round(time.time() - t0, 1)
-        print(f"{name:28s} {results[name]['result']:9s} {results[name].get('why', '')[:110]}", flush=True)
+        detail = results[name].get("why") or (results[name].get("forward", "") if a.compile or a.graphs else "")
+        print(f"{name:28s} {results[name]['result']:9s} {detail[:110]}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     counts: dict[str, int] = {}
     for r in results.values():
         counts[r["result"]] = counts.get(r["result"], 0) + 1
     print(counts)
+    if a.compile or a.graphs:  # of the exact ones: how many ran compiled / on graphs, and why the others did not
+        exact = [r["forward"] for r in results.values() if r["result"] == "exact"]
+        print({"exact": len(exact), "compiled": sum(f.startswith("compiled") for f in exact),
+               "on graphs": sum("CUDA graphs for decode" in f for f in exact)})
     return 0 if not counts.get("wrong") and not counts.get("failed") else 1
 
 
