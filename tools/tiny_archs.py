@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.compile or a.graphs:  # of the exact ones: how many ran compiled / on graphs, and why the others did not
         exact = [r["forward"] for r in results.values() if r["result"] == "exact"]
         print({"exact": len(exact), "compiled": sum(f.startswith("compiled") for f in exact),
-               "on graphs": sum("CUDA graphs for decode" in f for f in exact)})
+               "on graphs": sum("graphs emulated for" in f or "CUDA graphs for" in f for f in exact)})
     return 0 if not counts.get("wrong") and not counts.get("failed") else 1
 
 

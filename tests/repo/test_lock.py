@@ -104,3 +104,19 @@ def test_installed_reads_the_environment_not_a_grown_sys_path():
     have = installed()
     assert "jaraco-context" not in have and "autocommand" not in have
     assert differences(read_lock(DEFAULT_LOCK), have=have, required=(PROJECT,)) == []
+
+
+def test_the_installed_modules_have_bytecode():
+    """tools/setup_venv.sh compiles .venv's modules once: with PYTHONDONTWRITEBYTECODE set
+    (the development and CI boxes) every process would compile torch's sources again
+    (importing torch, transformers and Inductor: 14-15 s without, 6-7 s with)."""
+    import sysconfig
+
+    import torch
+    import transformers
+
+    tag = sys.implementation.cache_tag
+    for module in (torch, transformers):
+        init = Path(module.__file__)
+        assert Path(sysconfig.get_paths()["purelib"]) in init.parents
+        assert (init.parent / "__pycache__" / f"__init__.{tag}.pyc").is_file(), f"{module.__name__} has no bytecode"

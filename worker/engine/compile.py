@@ -69,6 +69,8 @@ class CompileReport(msgspec.Struct, frozen=True):
             not a CUDA device).
         cuda_graph_seconds: the capture's wall time; cuda_graph_bytes: the device memory
             the graphs hold.
+        cuda_graph_replay: how they replay (`worker.model.graphs.REPLAYS`; `emulated`:
+            tests and tools on the CPU).
     """
 
     compiled: bool
@@ -79,11 +81,15 @@ class CompileReport(msgspec.Struct, frozen=True):
     cuda_graph_reason: str = ""
     cuda_graph_seconds: float = 0.0
     cuda_graph_bytes: int = 0
+    cuda_graph_replay: str = ""
 
     def describe(self) -> str:
         text = (f"compiled ({self.graphs} graphs in {self.seconds:.1f} s)" if self.compiled
                 else f"eager ({self.reason})")
-        if self.cuda_graph_sizes:
+        if self.cuda_graph_sizes and self.cuda_graph_replay == "emulated":
+            text += (f"; decode graphs emulated for batches of 1-{self.cuda_graph_sizes[-1]} "
+                     f"({len(self.cuda_graph_sizes)} sizes)")
+        elif self.cuda_graph_sizes:
             text += (f"; CUDA graphs for decode batches of 1-{self.cuda_graph_sizes[-1]} "
                      f"({len(self.cuda_graph_sizes)} sizes in {self.cuda_graph_seconds:.1f} s, "
                      f"{self.cuda_graph_bytes / 2**20:.0f} MiB)")
@@ -220,7 +226,8 @@ def _capture(runner: ModelRunner, report: CompileReport, generate: Generate, exp
         log.warning("model.cuda_graphs: decode steps run without graphs: %s", why)
         return msgspec.structs.replace(report, cuda_graph_reason=why)
     report = msgspec.structs.replace(report, cuda_graph_sizes=tuple(graphs.sizes), cuda_graph_reason=reason,
-                                     cuda_graph_seconds=graphs.capture_seconds, cuda_graph_bytes=graphs.memory_bytes)
+                                     cuda_graph_seconds=graphs.capture_seconds, cuda_graph_bytes=graphs.memory_bytes,
+                                     cuda_graph_replay=replay)
     log.info("model.cuda_graphs: %s", report.describe())
     return report
 
