@@ -232,7 +232,7 @@ def engine_bench(a, device: str) -> dict:
         forward = []
         secs, ids[name] = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend, async_steps,
                                        compile_mode=compiled, cuda_graphs=graphs,
-                                       on_engine=lambda e: forward.append(e.compile_report.describe()))
+                                       on_engine=lambda e, seen=forward: seen.append(e.compile_report.describe()))
         out[name] = {"seconds": secs, "output_tokens_per_s": total / secs, "forward": forward[0]}
     out["triton_vs_torch"] = out["triton"]["output_tokens_per_s"] / out["torch"]["output_tokens_per_s"]
     # asynchronous against sequential steps on the same kernels: speed, and how many requests

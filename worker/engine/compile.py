@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from worker.model.runner import ModelRunner
 
 Generate = Callable[[list[list[int]], SamplingParams], list[CompletionOutput]]  # Engine.generate
-Check = Callable[[Generate], list[list[int]]]  # what a forward is checked on: greedy ids of fixed requests
 
 log = logging.getLogger(__name__)
 

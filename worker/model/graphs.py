@@ -36,7 +36,6 @@ the static buffers is read stale, as a graph would read it.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -46,6 +45,8 @@ import torch
 
 from worker.model.attention import AttentionMetadata, DecodeGroup, step_metadata
 from worker.model.compiled import mark_token_dims
+
+REPLAYS = ("cuda", "emulated")
 
 
 class GraphedRunner(Protocol):
@@ -57,10 +58,6 @@ class GraphedRunner(Protocol):
     kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None]
     compiled: bool
     forward_fn: Callable[..., Any]
-
-log = logging.getLogger(__name__)
-
-REPLAYS = ("cuda", "emulated")
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -174,14 +171,16 @@ class DecodeGraphs:
         self.memory_bytes = torch.cuda.memory_reserved(dev) - before
         self.capture_seconds = time.perf_counter() - t0
 
-    def _reset_padding(self, start: int) -> None:
-        self.input_ids[start:].zero_()
-        self.positions[start:].zero_()
-        self.slots[start:].fill_(-1)
-        self.seq_lens[start:].fill_(1)
-        self.block_tables[start:].zero_()
+    def _reset_padding(self, start: int, end: int | None = None) -> None:
+        """Rows `[start, end)` become padding: id and position 0, slot -1, context 1, block 0."""
+        rows = slice(start, end)
+        self.input_ids[rows].zero_()
+        self.positions[rows].zero_()
+        self.slots[rows].fill_(-1)
+        self.seq_lens[rows].fill_(1)
+        self.block_tables[rows].zero_()
         if self.mask is not None:
-            self.mask[start:] = self._positions_of_context < 1
+            self.mask[rows] = self._positions_of_context < 1
 
     def fits(self, num_decodes: int, num_scheduled: int, num_sampled: int) -> bool:
         """Whether a step replays a graph: decodes only, each sampling, at most `max_batch`."""
@@ -210,7 +209,7 @@ class DecodeGraphs:
         if self.mask is not None:
             self.mask[:n, 0, 0] = self._positions_of_context < self.seq_lens[:n, None]
         if n < size:
-            self._reset_padding(n)
+            self._reset_padding(n, size)
         replay()
         return logits[:n]
 
