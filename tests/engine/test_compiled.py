@@ -109,3 +109,16 @@ def test_the_compile_bench_times_both_forwards_side_by_side(llama_path, tmp_path
     ratios = [e / c for e, c in zip(r["decode_step_ms"]["eager"], r["decode_step_ms"]["compiled"])]
     assert r["decode_speedup_per_round"] == pytest.approx(ratios)
     assert r["decode_speedup"] == pytest.approx(statistics.median(ratios))
+
+
+def test_latent_attention_compiles_and_keeps_its_tokens():
+    """MLA's attention output is an einsum's (strided): the op hands it on contiguous, as
+    its fake implementation promises, else Inductor's stride assertion sent DeepSeek-V2/V3
+    and the other latent models back to eager (`tools.tiny_archs --all --compile`)."""
+    from tests.conftest import arch_checkpoint
+
+    path = arch_checkpoint("DeepSeek-V3")
+    eng = engine(path, "on")
+    assert eng.compile_report.compiled, eng.compile_report
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in engine(path, "off").generate(PROMPTS, GREEDY)]

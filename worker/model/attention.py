@@ -272,7 +272,9 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mo
         raise RuntimeError(f"inflight::attention: attention module {module} is not registered (or was freed)")
     out, _ = paged_attention_forward(owner, query, key, value, None, scaling, inflight_metadata=current_metadata(),
                                      sliding_window=sliding_window or None, softcap=softcap or None, s_aux=sinks)
-    return out
+    # contiguous, as the fake implementation says: Inductor asserts the real output's strides
+    # (latent attention's output is an einsum's, strided [t, h, v] -> [1, t, h, v] otherwise)
+    return out.contiguous()
 
 
 @attention_op.register_fake
