@@ -282,7 +282,7 @@ def test_the_device_unpack_equals_the_host_unpack():
     import numpy as np
     import torch
 
-    from worker.engine.structured import unpack_on_device
+    from worker.model.masks import unpack_on_device
 
     bm = np.random.default_rng(0).integers(-2**31, 2**31 - 1, size=(5, 9), dtype=np.int64).astype(np.int32)
     host = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")[:, :270]

@@ -107,7 +107,7 @@ def bench_libraries(model: Path, batch: int, steps: int) -> dict:
         if not live:
             break
         t0 = time.perf_counter()
-        for i in live:  # one thread, as the engine fills on a CPU box (structured._parallel_fill)
+        for i in live:  # one thread, as the engine fills on a CPU box (worker.model.masks._parallel_fill)
             lln.fill_next_token_bitmask(ll[i], ll_bits, i)
         ll_mask.append(time.perf_counter() - t0)
         allowed = np.unpackbits(ll_bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)

@@ -21,23 +21,52 @@ Map (one line per module):
     core_client.py       how the worker talks to its engine: thread or process, one interface
 """
 
-from schemas.wire import Usage
-from worker.engine.core import EngineCore
-from worker.engine.engine import Engine
-from worker.engine.input_processor import InputProcessor, ModelFacts
-from worker.engine.inputs import ChatPrompt, RequestInput, TextPrompt, TokenPrompt
-from worker.engine.output_processor import OutputProcessor
-from worker.engine.outputs import (
-    CompletionOutput,
-    EngineCoreOutput,
-    EngineCoreRequest,
-    KVStats,
-    RequestOptions,
-    RequestOutput,
-    RequestTimes,
-    StepStats,
-)
-from worker.engine.request import ErrorCode, Priority, RejectReason, RequestRejected
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names resolve on first use (PEP 562), so a process that only talks to an engine (the
+# worker's front process, the gateway) does not import torch through this package.
+_HOMES = {
+    "Usage": "schemas.wire", "EngineCore": "worker.engine.core", "Engine": "worker.engine.engine",
+    "InputProcessor": "worker.engine.input_processor", "ModelFacts": "worker.engine.input_processor",
+    "ChatPrompt": "worker.engine.inputs", "RequestInput": "worker.engine.inputs",
+    "TextPrompt": "worker.engine.inputs", "TokenPrompt": "worker.engine.inputs",
+    "OutputProcessor": "worker.engine.output_processor",
+    **dict.fromkeys(("CompletionOutput", "EngineCoreOutput", "EngineCoreRequest", "KVStats", "RequestOptions",
+                     "RequestOutput", "RequestTimes", "StepStats"), "worker.engine.outputs"),
+    **dict.fromkeys(("ErrorCode", "Priority", "RejectReason", "RequestRejected"), "worker.engine.request"),
+}
+
+if TYPE_CHECKING:
+    from schemas.wire import Usage
+    from worker.engine.core import EngineCore
+    from worker.engine.engine import Engine
+    from worker.engine.input_processor import InputProcessor, ModelFacts
+    from worker.engine.inputs import ChatPrompt, RequestInput, TextPrompt, TokenPrompt
+    from worker.engine.output_processor import OutputProcessor
+    from worker.engine.outputs import (
+        CompletionOutput,
+        EngineCoreOutput,
+        EngineCoreRequest,
+        KVStats,
+        RequestOptions,
+        RequestOutput,
+        RequestTimes,
+        StepStats,
+    )
+    from worker.engine.request import ErrorCode, Priority, RejectReason, RequestRejected
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ChatPrompt",

@@ -28,14 +28,6 @@ import msgspec
 import structlog
 
 from worker.config import ServingTuning
-from worker.engine import (
-    Engine,
-    EngineCoreRequest,
-    InputProcessor,
-    ModelFacts,
-    OutputProcessor,
-    RequestOutput,
-)
 from worker.engine.core_proc import (
     AbortRequests,
     AddRequests,
@@ -49,9 +41,13 @@ from worker.engine.core_proc import (
     StepOutputs,
     run_engine_core,
 )
+from worker.engine.input_processor import InputProcessor, ModelFacts
+from worker.engine.output_processor import OutputProcessor
+from worker.engine.outputs import EngineCoreRequest, RequestOutput
 from worker.engine.threads import ThreadBudget
 
 if TYPE_CHECKING:
+    from worker.engine.engine import Engine
     from worker.obs.metrics import Metrics
 
 log = structlog.get_logger(__name__)

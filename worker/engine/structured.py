@@ -11,7 +11,7 @@ for LLMs", 2023).
     engine core (one thread + one compile thread):
         EngineCore._apply_queued ──GrammarCompiler.get──► Future[matcher]   (LRU cache by content)
         the request joins the scheduler once its matcher is ready (a step never waits for a compile)
-        runner: token_bitmask(matchers of the step's sampling rows) ──► sampler masks the logits
+        runner: masks.token_bitmask(matchers of the step's sampling rows) ──► sampler masks the logits
         Request.stop_status: the matcher consumes every token the request keeps; grammar done = stop
 
 The library is llguidance (Rust core, Python bindings; vLLM's and TensorRT-LLM's
@@ -34,9 +34,6 @@ import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
-
-import numpy as np
-import torch
 
 from schemas.params import StructuredOutput
 from schemas.structured import StructuredOutputError, grammar_of
@@ -275,80 +272,3 @@ class Matcher:
     @property
     def raw(self) -> Any:
         return self._m
-
-
-_EXECUTOR: Any = None
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _parallel_fill(device: torch.device) -> bool:
-    """Fill rows on llguidance's executor threads only where cores are left beside
-    torch's: on a CPU engine torch's OpenMP team spins on every core right after the
-    forward, and the executor's threads then measured 1.6x slower than one thread
-    filling every row (2.1 vs 1.3 ms at 64 rows, docs/benchmarks.md)."""
-    from worker.engine.threads import usable_cpus
-
-    return device.type == "cuda" or usable_cpus() > torch.get_num_threads() + 1
-
-
-def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Allowed next tokens of each matcher: bool `[len(matchers), vocab_size]` on `device`.
-
-    One int32 bitmask (`[rows, ceil(vocab/32)]`, bit j of word w = token 32w + j) filled
-    by llguidance with the GIL released (on its executor's threads where spare cores
-    exist: `_parallel_fill`), then unpacked: on the CPU by numpy, on CUDA on the device
-    after a copy of vocab/8 bytes per row (the unpacked mask would be 8x larger).
-    """
-    global _EXECUTOR
-    import llguidance
-    import llguidance.numpy as lln
-
-    n = len(matchers)
-    words = (vocab_size + 31) // 32
-    bitmask = np.full((n, words), -1, dtype=np.int32)
-    if n > 1 and _parallel_fill(device):
-        if _EXECUTOR is None:
-            _EXECUTOR = llguidance.LLExecutor()
-        lln.fill_next_token_bitmask_par(_EXECUTOR, [(m.raw, i) for i, m in enumerate(matchers)], bitmask)
-    else:
-        for i, m in enumerate(matchers):
-            lln.fill_next_token_bitmask(m.raw, bitmask, i)
-    if device.type == "cpu":
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-        return torch.from_numpy(bits).bool()
-    return unpack_on_device(bitmask, vocab_size, device)
-
-
-_MASK_THREAD: ThreadPoolExecutor | None = None
-
-
-def start_token_bitmask(reqs: list[Any], vocab_size: int, device: torch.device) -> Future | None:
-    """`token_bitmask` of the constrained rows of `reqs` (ScheduledRequests that sample),
-    started on a thread of its own so it runs while the forward does (the runner calls
-    this before the forward; llguidance drops the GIL while it fills, torch inside its
-    kernels). Resolves to (bool `[rows with a grammar, vocab_size]`, seconds it took);
-    None when no row has a grammar."""
-    global _MASK_THREAD
-    matchers = [r.grammar for r in reqs if r.grammar is not None]
-    if not matchers:
-        return None
-    if _MASK_THREAD is None:
-        _MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-mask")
-
-    def run() -> tuple[torch.Tensor, float]:
-        t0 = time.perf_counter()
-        allowed = token_bitmask(matchers, vocab_size, device)
-        return allowed, time.perf_counter() - t0
-
-    return _MASK_THREAD.submit(run)
-
-
-def unpack_on_device(bitmask: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """`[rows, words]` int32 bitmask -> bool `[rows, vocab_size]` on `device` (the copy is
-    the packed mask; bits are expanded there)."""
-    n, words = bitmask.shape
-    shifts = _SHIFTS.get(device)
-    if shifts is None:
-        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    packed = torch.from_numpy(bitmask).to(device, non_blocking=True)
-    return ((packed.unsqueeze(-1) >> shifts) & 1).view(n, words * 32)[:, :vocab_size].bool()

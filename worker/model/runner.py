@@ -22,12 +22,12 @@ from worker.engine.outputs import (
     StepSkipped,
     TokenLogprobs,
 )
-from worker.engine.structured import start_token_bitmask
 from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, step_metadata
 from worker.model.capability import KVLayout, LayerKV
 from worker.model.compiled import mark_token_dims
 from worker.model.graphs import DecodeGraphs
 from worker.model.lora import LoRAStep, LoRAWeights, build_step, lora_step
+from worker.model.masks import start_token_bitmask
 from worker.model.sampler import sample_on_device
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ def sample_on_device(logits: torch.Tensor, reqs: list[ScheduledRequest], timing:
             all_token_ids / grammar.
         timing: if given, `timing["mask_s"]` is set to the seconds spent on structured-output
             masks (computing the step's bitmask and applying it).
-        masks: the step's masks started before the forward (`structured.start_token_bitmask`
+        masks: the step's masks started before the forward (`worker.model.masks.start_token_bitmask`
             for these `reqs`); None: computed here.
 
     Returns:
@@ -65,7 +65,7 @@ def _mask_grammars(logits: torch.Tensor, reqs: list[ScheduledRequest], masks: Fu
                    timing: dict[str, float] | None) -> torch.Tensor:
     """`logits` `[num_reqs, vocab]` with every token its row's grammar forbids at -inf
     (rows without a grammar unchanged); the masks' seconds into `timing["mask_s"]`."""
-    from worker.engine.structured import token_bitmask
+    from worker.model.masks import token_bitmask
 
     n, vocab = logits.shape
     grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]

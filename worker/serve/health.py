@@ -239,12 +239,17 @@ async def loop_lag_monitor(metrics: Metrics, session_timeout_ms: int, interval_s
 
 
 def nvml_available() -> bool:
-    """CUDA present and NVML importable (then `gpu_utilization` is exported)."""
+    """NVML importable and seeing a GPU (then `gpu_utilization` is exported). Asks NVML
+    itself, not torch: the worker's front process does not import torch (its engine
+    process does), and on a machine without a GPU driver `nvmlInit` fails at once."""
     try:
-        import pynvml  # noqa: F401  (nvidia-ml-py)
-        import torch
+        import pynvml  # nvidia-ml-py
 
-        return torch.cuda.is_available()
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount() > 0
+        finally:
+            pynvml.nvmlShutdown()
     except Exception:
         return False
 

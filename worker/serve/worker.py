@@ -28,7 +28,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.config import WorkerConfig, redacted_config
-from worker.engine import Engine, RequestOutput
 from worker.engine.core_client import EngineClient, ProcessEngineClient, make_engine_client
 from worker.engine.core_proc import EngineSpec, PretrainedEngine
 from worker.engine.gc_tuning import tune_gc
@@ -58,6 +57,8 @@ from worker.serve.starter import JobStarter
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+
+    from worker.engine import Engine, RequestOutput
 
 log = structlog.get_logger(__name__)
 
