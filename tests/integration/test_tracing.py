@@ -39,6 +39,9 @@ from worker.config import TracingConfig
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 CONSUMER = "process {}.jobs.normal"
+# Kafka timestamps are whole milliseconds and job timings are rounded: how far a record's
+# timestamp, read back from a job's timings, may sit outside the span that stamped it
+STAMP_S = 0.002
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +172,14 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
         t = chat_final.timings  # the job's own timings, measured from the record's Kafka timestamp
         assert consumer.tags["inflight.ttft_s"] == pytest.approx(t.ttft_s, abs=1e-4)
         assert consumer.tags["inflight.queue_time_s"] == pytest.approx(t.queue_s, abs=1e-4)
+        # span clock vs record time: the job's TTFT and queue time count from the record's Kafka
+        # timestamp, which the producer stamps inside the gateway's send span; so the first-token
+        # event less the TTFT (and the queue's end less the queue time) falls inside that span, however
+        # long a loaded box makes the send (a fixed 20 ms bound from the span's start failed at 28 ms)
         first_token = consumer.event("first_token")[1]
-        assert first_token - produce.start_s == pytest.approx(t.ttft_s, abs=0.02)  # span clock vs record time
         queue_end = next(s for s in spans if s.name == "engine.queue").end_s
-        assert queue_end - produce.start_s == pytest.approx(t.queue_s, abs=0.02)
+        for stamped in (first_token - t.ttft_s, queue_end - t.queue_s):
+            assert produce.start_s - STAMP_S <= stamped <= produce.end_s + STAMP_S, (produce, stamped)
 
         spans = await jaeger.trace(http_trace, lambda s: any(x.name == "results.write" for x in s))
         server = jaeger.by_name(spans, "POST /v1/chat/completions", gsvc)[0]
