@@ -219,7 +219,7 @@ def engine_bench(a, device: str) -> dict:
     if device == "cpu":  # the smoke run: graphs replay emulated (worker.model.graphs), the same steps but the capture
         from worker.engine import compile as compile_rules
 
-        compile_rules.GRAPH_REPLAY = {**compile_rules.GRAPH_REPLAY, "cpu": "emulated"}
+        compile_rules.emulate_graphs_on_cpu()
     ids = {}
     # "triton": asynchronous steps (the CUDA default: scheduled one ahead, sampled ids fed on
     # the device) and decode graphs (the CUDA default), forced so the CPU smoke run takes the

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.graphs:
         from worker.engine import compile as compile_rules
 
-        compile_rules.GRAPH_REPLAY = {**compile_rules.GRAPH_REPLAY, "cpu": "emulated"}
+        compile_rules.emulate_graphs_on_cpu()
     engine_kwargs = {"with_forward": a.compile or a.graphs, **({"compile_mode": "on"} if a.compile else {})}
     from transformers.utils import logging as hf_logging
 

@@ -10,8 +10,6 @@ chunked prefill, eager and compiled, is in test_equivalence.py's `-graphs` cases
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -56,14 +54,12 @@ def test_an_unknown_setting_names_the_field_and_the_values():
 
 
 def test_the_device_the_setting_and_the_back_end_decide():
-    cuda = SimpleNamespace(device=torch.device("cuda"), lora=None, backend=triton_attn)
-    assert compile_rules.graphs_wanted("auto", cuda) == ("cuda", "model.cuda_graphs is auto")
-    assert compile_rules.graphs_wanted("off", cuda) == (None, "model.cuda_graphs is off")
-    assert compile_rules.graphs_wanted("auto", SimpleNamespace(**{**vars(cuda), "lora": object()}))[0] is None
-    assert compile_rules.graphs_wanted("auto", SimpleNamespace(**{**vars(cuda), "backend": torch_ref})) == \
+    assert compile_rules.graphs_wanted("auto", "cuda", False, triton_attn) == ("cuda", "model.cuda_graphs is auto")
+    assert compile_rules.graphs_wanted("off", "cuda", False, triton_attn) == (None, "model.cuda_graphs is off")
+    assert compile_rules.graphs_wanted("auto", "cuda", True, triton_attn)[0] is None
+    assert compile_rules.graphs_wanted("auto", "cuda", False, torch_ref) == \
         (None, "the attention back end torch_ref is not graph-safe")
-    cpu = SimpleNamespace(device=torch.device("cpu"), lora=None, backend=torch_ref)
-    assert compile_rules.graphs_wanted("auto", cpu) == (None, "")  # not considered: said nowhere
+    assert compile_rules.graphs_wanted("auto", "cpu", False, torch_ref) == (None, "")  # not considered: said nowhere
 
 
 def test_cuda_replay_needs_a_cuda_device(llama_path):
@@ -139,6 +135,8 @@ def test_the_kv_cache_leaves_room_for_the_graphs(llama_path, monkeypatch):
 
     assert graph_reserve(loaded, ModelConfig(), tuning) == 0  # the CPU: no graphs
     monkeypatch.setattr(loaded, "device", torch.device("cuda"))
+    assert graph_reserve(loaded, ModelConfig(), tuning) == 0  # CUDA, but a back end graphs cannot capture
+    monkeypatch.setattr(loaded, "backend", triton_attn)
     cfg = loaded.model.config
     assert graph_reserve(loaded, ModelConfig(), tuning) == graph_mod.graph_memory_estimate(
         64, loaded.vocab_size, cfg.hidden_size, cfg.intermediate_size) > 64 * loaded.vocab_size * 4

@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -129,20 +130,27 @@ def _warm_up(generate: Generate) -> list[list[int]]:
     return ids
 
 
-def graphs_wanted(setting: str, runner: ModelRunner) -> tuple[str | None, str]:
+def graphs_wanted(setting: str, device_type: str, has_lora: bool, backend: ModuleType) -> tuple[str | None, str]:
     """How to replay decode graphs (`worker.model.graphs.REPLAYS`; None: no graphs), and
-    why: `setting` is `ModelConfig.cuda_graphs`. The reason is "" where graphs are not
-    considered (not a CUDA device)."""
-    replay = GRAPH_REPLAY.get(runner.device.type)
+    why: `setting` is `ModelConfig.cuda_graphs`, `backend` the attention back end. The
+    reason is "" where graphs are not considered (not a CUDA device)."""
+    replay = GRAPH_REPLAY.get(device_type)
     if replay is None:
         return None, ""
     if setting == "off":
         return None, "model.cuda_graphs is off"
-    if runner.lora is not None:
+    if has_lora:
         return None, "LoRA adapters (their forward hooks change between steps)"
-    if replay == "cuda" and not getattr(runner.backend, "GRAPH_SAFE", False):
-        return None, f"the attention back end {runner.backend.__name__.rsplit('.', 1)[-1]} is not graph-safe"
+    if replay == "cuda" and not getattr(backend, "GRAPH_SAFE", False):
+        return None, f"the attention back end {backend.__name__.rsplit('.', 1)[-1]} is not graph-safe"
     return replay, "model.cuda_graphs is auto"
+
+
+def emulate_graphs_on_cpu() -> None:
+    """Replay decode graphs emulated on the CPU from now on, in this process (tools' CPU
+    runs of the graph path: `tools.gpu_check --smoke`, `tools.tiny_archs --graphs`)."""
+    global GRAPH_REPLAY
+    GRAPH_REPLAY = {**GRAPH_REPLAY, "cpu": "emulated"}
 
 
 def compile_engine(runner: ModelRunner, setting: str, generate: Generate, graphs_setting: str = "off",
@@ -154,7 +162,7 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate, graphs
     `max_model_len` (module docstring). Never raises for a model that does not compile
     or capture: the engine stays eager (or without graphs) and the report says why."""
     on, reason = wanted(setting, runner.device.type, runner.lora is not None)
-    replay, graphs_why = graphs_wanted(graphs_setting, runner)
+    replay, graphs_why = graphs_wanted(graphs_setting, runner.device.type, runner.lora is not None, runner.backend)
     if not on and replay is None:
         return CompileReport(False, reason, cuda_graph_reason=graphs_why)
     expected = _warm_up(generate)  # eager: the reference ids

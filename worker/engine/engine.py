@@ -24,7 +24,7 @@ from schemas.params import SamplingParams
 from schemas.wire import Usage
 from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
 from worker.engine.adapters import LoRAFacts
-from worker.engine.compile import CompileReport, compile_engine
+from worker.engine.compile import CompileReport, compile_engine, graphs_wanted
 from worker.engine.core import EngineCore
 from worker.engine.input_processor import InputProcessor, ModelFacts
 from worker.engine.inputs import RequestInput, TextPrompt, TokenPrompt
@@ -70,9 +70,11 @@ def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning, reserve_bytes: i
 
 def graph_reserve(loaded: LoadedModel, model_cfg: ModelConfig, tuning: ServingTuning) -> int:
     """Device bytes the decode graphs will hold (`worker.model.graphs.graph_memory_estimate`),
-    left out of the KV cache; 0 where none will be captured (not CUDA, `cuda_graphs: off`,
-    LoRA adapters)."""
-    if loaded.device.type != "cuda" or model_cfg.cuda_graphs == "off" or model_cfg.lora_dir is not None:
+    left out of the KV cache; 0 where no CUDA graphs will be captured
+    (`worker.engine.compile.graphs_wanted`)."""
+    replay, _ = graphs_wanted(model_cfg.cuda_graphs, loaded.device.type, model_cfg.lora_dir is not None,
+                              loaded.backend)
+    if replay != "cuda":
         return 0
     from worker.model.graphs import graph_memory_estimate
 
