@@ -18,6 +18,7 @@ Redis that lost its data while the worker is idle (no publish would notice it).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -241,7 +242,11 @@ async def loop_lag_monitor(metrics: Metrics, session_timeout_ms: int, interval_s
 def nvml_available() -> bool:
     """NVML importable and seeing a GPU (then `gpu_utilization` is exported). Asks NVML
     itself, not torch: the worker's front process does not import torch (its engine
-    process does), and on a machine without a GPU driver `nvmlInit` fails at once."""
+    process does), and on a machine without a GPU driver `nvmlInit` fails at once. GPUs
+    hidden from this process (`CUDA_VISIBLE_DEVICES` empty or -1) count as none, as they
+    did for torch's `cuda.is_available`."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+        return False
     try:
         import pynvml  # nvidia-ml-py
 
