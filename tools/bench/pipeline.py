@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.bench.connections import add_connection_args, connection_sections, worker_sections
+from worker.engine.core_proc import SpawnedCore
 
 PROMPT_LEN = 32
 BLOCK = 16
@@ -69,7 +70,7 @@ def sleeping_engine(device_ms: float, tuning: dict):
 
 
 @dataclass(frozen=True)
-class SleepingEngineSpec:
+class SleepingEngineSpec(SpawnedCore):
     """`EngineSpec` of the sleeping null engine, for the worker's engine process."""
 
     device_ms: float

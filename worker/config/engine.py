@@ -5,6 +5,7 @@ all an engine needs (no Kafka or Redis)."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
@@ -16,6 +17,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "on", "off")
 CUDA_GRAPH_MODES = ("auto", "off")
+ENGINES = ("inflight", "vllm")
 
 
 class TenantPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -253,6 +255,19 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             for CUDA with the Triton back end and no LoRA adapters (their memory is left
             out of the KV cache), `off`. Graphs whose greedy ids differ from the eager
             forward's at start-up are dropped with one log line saying why.
+        engine: the engine core behind the worker: `inflight` (this project's) or `vllm`
+            (vLLM's V1 `EngineCore` in vLLM's own interpreter, `worker.engine.vllm_core`;
+            needs `worker.engine_process`; what each engine offers: docs/engines.md).
+            With `vllm`, `device`, `attention_backend`, `load_check`, `compile` and
+            `cuda_graphs` are vLLM's business (`vllm_args`), `dtype: auto` is vLLM's
+            `auto`, and `lora_dir` is refused (not mapped yet).
+        vllm_python: the interpreter of an environment with vLLM installed (e.g.
+            `.cache/vllm-venv/bin/python` from tools/setup_vllm.sh); required with
+            `engine: vllm`.
+        vllm_args: vLLM engine arguments (`vllm.EngineArgs` keywords: tensor_parallel_size,
+            quantization, kv_cache_dtype, enforce_eager, speculative_config, ...) over the
+            ones derived from `model` and `serving_tuning`; vLLM validates them at start
+            and a refusal is a config error naming `model.vllm_args`.
     """
 
     path: str = ""
@@ -266,8 +281,20 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_lora_rank: int = 16
     compile: str = "auto"
     cuda_graphs: str = "auto"
+    engine: str = "inflight"
+    vllm_python: str | None = None
+    vllm_args: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        one_of("model", "engine", self.engine, ENGINES)
+        if self.engine == "vllm" and not self.vllm_python:
+            raise ConfigError("model.vllm_python is required with model.engine 'vllm': the interpreter of an "
+                              "environment with vLLM installed (tools/setup_vllm.sh makes .cache/vllm-venv/bin/python)")
+        if self.engine == "vllm" and self.lora_dir is not None:
+            raise ConfigError("model.lora_dir is not available with model.engine 'vllm' yet (docs/engines.md)")
+        if self.vllm_args and self.engine != "vllm":
+            raise ConfigError(f"model.vllm_args is set but model.engine is {self.engine!r}: it applies only to "
+                              "'vllm'")
         one_of("model", "dtype", self.dtype, DTYPES)
         one_of("model", "compile", self.compile, COMPILE_MODES)
         one_of("model", "cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)

@@ -197,6 +197,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pools: list[Pool] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.model.engine == "vllm" and not self.worker.engine_process:
+            raise ConfigError("model.engine 'vllm' needs worker.engine_process: true (vLLM runs in its own "
+                              "interpreter, model.vllm_python)")
         pools = pool_set(self.pools)
         if self.worker.pool not in pools.names:
             raise ConfigError(f"worker.pool must be one of the declared pools {pools.names}, "

@@ -51,8 +51,9 @@ GRAPH_REPLAY = {"cuda": "cuda"}
 WARM_UP = ([[1, 2, 3, 4, 5], [1, 2, 3]], [[1, 2, 3]])
 WARM_UP_TOKENS = 3
 RECOMPILE_ALLOWANCE = 8  # Dynamo's default per-code limit, per compiled engine
-# the graphs' check beside the warm-up: up to 9 requests of 2..10 new tokens, so the decode
-# batch shrinks through the graph sizes 16 (when captured), 8, 4, 2 and 1
+# the graphs' check beside the warm-up: up to 9 requests (no more than run at once) of
+# 2, 3, ... new tokens, so the decode batch shrinks through the graph sizes 16 (when
+# captured), 8, 4, 2 and 1
 GRAPH_CHECK = 9
 
 
@@ -208,22 +209,24 @@ def _compile(runner: ModelRunner, reason: str, generate: Generate, expected: lis
     return report
 
 
-def _graph_check(generate: Generate) -> list[list[int]]:
-    """Greedy ids of `GRAPH_CHECK` requests ending one step apart: the decode batch
-    shrinks by one a step, through every graph size up to the batch."""
-    prompts = [[1 + i % 5, 2, 3] for i in range(GRAPH_CHECK)]
-    params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(GRAPH_CHECK)]
+def _graph_check(generate: Generate, max_batch: int) -> list[list[int]]:
+    """Greedy ids of `GRAPH_CHECK` requests (at most `max_batch`, the most that run at
+    once: more would only queue) ending one step apart: the decode batch shrinks by one a
+    step, through every graph size up to the batch."""
+    n = max(1, min(GRAPH_CHECK, max_batch))
+    prompts = [[1 + i % 5, 2, 3] for i in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(n)]
     return [out.token_ids for out in generate(prompts, params)]
 
 
 def _capture(runner: ModelRunner, report: CompileReport, generate: Generate, expected: list[list[int]],
              replay: str, max_batch: int, max_model_len: int, reason: str) -> CompileReport:
-    reference = _graph_check(generate)  # without graphs (the forward as compiled or not)
+    reference = _graph_check(generate, max_batch)  # without graphs (the forward as compiled or not)
     error: Exception | None = None
     got = checked = None
     try:
         graphs = runner.capture_graphs(max_batch, max_model_len, replay)
-        got, checked = _warm_up(generate), _graph_check(generate)
+        got, checked = _warm_up(generate), _graph_check(generate, max_batch)
     except Exception as e:
         error = e
     if error is not None or got != expected or checked != reference:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +38,6 @@ from worker.engine.core_proc import (
     Ready,
     Shutdown,
     StepOutputs,
-    run_engine_core,
 )
 from worker.engine.input_processor import InputProcessor, ModelFacts
 from worker.engine.output_processor import OutputProcessor
@@ -236,14 +234,7 @@ class ProcessEngineClient:
         """Raises:
         EngineCrashed: the core process failed to build the engine (the message says why)."""
         self._loop, self._on_outputs, self._on_crash = loop, on_outputs, on_crash
-        ctx = multiprocessing.get_context("spawn")
-        to_core_r, self._to_core = ctx.Pipe(duplex=False)
-        self._from_core, from_core_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_engine_core, name="inflight-engine-core", daemon=True,
-                                 args=(self.spec, to_core_r, from_core_w, self._log_level, self._engine_threads))
-        self._proc.start()
-        to_core_r.close()
-        from_core_w.close()
+        self._proc, self._to_core, self._from_core = self.spec.start_core(self._log_level, self._engine_threads)
         tokenizer = await asyncio.to_thread(self.spec.build_tokenizer)
         ready = await asyncio.to_thread(self._wait_ready)
         self.tokenizer = tokenizer

@@ -9,14 +9,17 @@ never shares a GIL with the step loop.
 Between two steps the core applies every message waiting in its pipe (so a cancel frees
 KV at the next step boundary), then steps; while idle it blocks on the pipe and sends an
 `Idle` tick every 0.5 s (liveness and gauges). The pipe closing (the front-end died) ends
-the process. An `EngineSpec` says how to build the engine in the child and its tokenizer
-in the front-end; it is pickled to the child (spawn start method, as CUDA requires).
+the process. An `EngineSpec` says how to start the child, build the engine in it and its tokenizer
+in the front-end: `PretrainedEngine` (Inflight's engine) is pickled to a spawned child
+(as CUDA requires); `vllm_core.VllmEngine` runs vLLM's engine core in vLLM's own
+interpreter behind the same messages and the same loop (`serve_core`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import time
 from dataclasses import dataclass
@@ -90,17 +93,68 @@ ToCore = AddRequests | AbortRequests | FinishRequests | Shutdown
 FromCore = Ready | StepOutputs | Idle | Failed
 
 
+class CoreProcess(Protocol):
+    """The core process as the client handles it (`multiprocessing.Process`'s methods)."""
+
+    exitcode: int | None
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 class EngineSpec(Protocol):
-    """How to build the engine (in the core process) and its tokenizer (in the front-end)."""
+    """How to build the engine (in the core process, or in this one for the thread
+    client), its tokenizer (in the front-end), and how to start the core process."""
 
     def build_engine(self) -> Any: ...
 
     def build_tokenizer(self) -> Any: ...
 
+    def start_core(self, log_level: str, engine_threads: int | None) -> tuple[CoreProcess, Connection, Connection]:
+        """Start the core process: (process, pipe to it, pipe from it)."""
+        ...
+
+
+class CoreLike(Protocol):
+    """What `serve_core` steps: our `EngineCore`, or vLLM's behind `vllm_core.VllmCore`."""
+
+    last_step_stats: StepStats
+
+    def add(self, req: EngineCoreRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def finish(self, request_id: str, status: RequestStatus) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[EngineCoreOutput]: ...
+
+    def kv_stats(self) -> KVStats: ...
+
+
+class SpawnedCore:
+    """`EngineSpec.start_core` for specs of Inflight's engine (and test engines): a
+    spawned child (as CUDA requires) running `run_engine_core` with the spec pickled."""
+
+    def start_core(self, log_level: str, engine_threads: int | None):
+        ctx = multiprocessing.get_context("spawn")
+        to_core_r, to_core = ctx.Pipe(duplex=False)
+        from_core, from_core_w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_engine_core, name="inflight-engine-core", daemon=True,
+                           args=(self, to_core_r, from_core_w, log_level, engine_threads))
+        proc.start()
+        to_core_r.close()
+        from_core_w.close()
+        return proc, to_core, from_core
+
 
 @dataclass(frozen=True)
-class PretrainedEngine:
-    """A local Hugging Face checkpoint (`Engine.from_pretrained`)."""
+class PretrainedEngine(SpawnedCore):
+    """A local Hugging Face checkpoint on Inflight's engine (`Engine.from_pretrained`)."""
 
     path: str
     config: EngineConfig
@@ -133,7 +187,6 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
         hf_logging.disable_progress_bar()
     log = logging.getLogger("worker.engine.core_proc")
     encode = msgspec.msgpack.Encoder().encode
-    decode = msgspec.msgpack.Decoder(ToCore).decode
     budget = ThreadBudget(own_process=True, setting=engine_threads)
     try:
         budget.start()
@@ -153,6 +206,18 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
         log.exception("engine core failed to start")
         conn_out.send_bytes(encode(Failed(f"{type(e).__name__}: {e}"[:2000])))
         return
+    serve_core(core, conn_in, conn_out, after_step=budget.recheck, on_close=budget.close)
+
+
+def serve_core(core: CoreLike, conn_in: Connection, conn_out: Connection, after_step=None, on_close=None) -> int:
+    """Step `core` between the pipes until `Shutdown` (returns 0) or the front-end goes
+    away: every message waiting is applied before each step (a cancel frees KV at the
+    next step boundary); `Idle` ticks while there is nothing to step. A step that raises
+    is reported as `Failed` and ends the process (exit 1). `after_step()` runs after each
+    step, `on_close()` at the end."""
+    log = logging.getLogger("worker.engine.core_proc")
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(ToCore).decode
     last_tick = 0.0
     try:
         while True:
@@ -170,7 +235,7 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
                         for rid, status in msg.items:
                             core.finish(rid, RequestStatus(status))
                     else:
-                        return
+                        return 0
                     if not conn_in.poll(0):
                         break
             if not core.has_unfinished():
@@ -181,14 +246,17 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
                 continue
             outputs = core.step()
             conn_out.send_bytes(encode(StepOutputs(outputs, core.last_step_stats)))
-            budget.recheck()
+            if after_step is not None:
+                after_step()
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        return  # the front-end went away
+        return 0  # the front-end went away
     except Exception as e:
         log.exception("engine step failed")
         with contextlib.suppress(OSError):
             conn_out.send_bytes(encode(Failed(f"{type(e).__name__}: {e}"[:2000])))
-        budget.close()
+        if on_close is not None:
+            on_close()
         os._exit(1)
     finally:
-        budget.close()
+        if on_close is not None:
+            on_close()

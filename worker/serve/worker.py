@@ -29,8 +29,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.config import WorkerConfig, redacted_config
 from worker.engine.core_client import EngineClient, ProcessEngineClient, make_engine_client
-from worker.engine.core_proc import EngineSpec, PretrainedEngine
+from worker.engine.core_proc import EngineSpec
 from worker.engine.gc_tuning import tune_gc
+from worker.engine.vllm_spec import engine_spec as engine_spec_for
 from worker.obs.metrics import Metrics
 from worker.obs.stacks import task_stacks
 from worker.obs.stopping import stop_within
@@ -78,7 +79,7 @@ class Worker:
         self.cfg = cfg
         self.worker_id = cfg.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self._engine = engine
-        self._engine_spec = engine_spec or PretrainedEngine(cfg.model.path, cfg.engine)
+        self._engine_spec = engine_spec or engine_spec_for(cfg.model.path, cfg.engine)
         self.max_local_jobs = cfg.worker.max_local_jobs or 2 * cfg.serving_tuning.max_running_requests
         self.table = JobTable(self.worker_id)
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()

@@ -1,0 +1,204 @@
+"""`model.engine: vllm` behind the worker's engine client (no Kafka, no Redis): vLLM's
+`EngineCore` in vLLM's interpreter speaks the same messages as Inflight's core process,
+so the client, input processing and detokenization in front of it are the worker's own.
+
+One core process serves the module (a vLLM start costs tens of CPU-seconds); the
+checkpoint is a tiny Llama (head_dim 64, as vLLM's CPU attention needs) in float32, so greedy ids must equal Inflight's
+engine's exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from schemas.params import SamplingParams
+from schemas.wire import FinishReason
+from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning, WorkerConfig, WorkerSettings
+from worker.engine.core_client import ProcessEngineClient
+from worker.engine.inputs import RequestInput
+from worker.engine.vllm_core import engine_args
+from worker.engine.vllm_spec import VllmEngine, VllmStart, derived_engine_args
+
+MAX_RUNNING = 2
+
+
+class Recorder:
+    """The client's metrics hook: every step's stats and idle KV snapshot."""
+
+    def __init__(self) -> None:
+        self.steps = []
+        self.idle = []
+
+    def observe_step(self, s) -> None:
+        self.steps.append(s)
+
+    def observe_idle(self, kv, running, waiting, now=None) -> None:
+        self.idle.append(kv)
+
+
+class Driver:
+    """A `ProcessEngineClient` on its own event loop thread; tests submit and wait."""
+
+    def __init__(self, client: ProcessEngineClient) -> None:
+        self.client = client
+        self.loop = asyncio.new_event_loop()
+        self.outputs: dict[str, list] = {}
+        self.steps_at: dict[str, list[int]] = {}  # request id -> client.num_steps at each output
+        self.crash: BaseException | None = None
+        self._changed = threading.Condition()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(client.start(self.loop, self._on_outputs, self._on_crash), self.loop).result(600)
+
+    def _on_outputs(self, outs) -> None:
+        with self._changed:
+            for o in outs:
+                self.outputs.setdefault(o.request_id, []).append(o)
+                self.steps_at.setdefault(o.request_id, []).append(self.client.num_steps)
+            self._changed.notify_all()
+
+    def _on_crash(self, e) -> None:
+        self.crash = e
+
+    def submit(self, *inputs: RequestInput) -> None:
+        def go():
+            for inp in inputs:
+                self.client.submit(self.client.input.process(inp))
+
+        self.loop.call_soon_threadsafe(go)
+
+    def abort(self, rid: str) -> None:
+        self.loop.call_soon_threadsafe(self.client.abort, rid)
+
+    def wait(self, pred, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not pred():
+                assert self.crash is None, self.crash
+                left = deadline - time.monotonic()
+                assert left > 0, f"timed out; outputs so far: { {k: len(v) for k, v in self.outputs.items()} }"
+                self._changed.wait(min(left, 0.5))
+
+    def finished(self, rid: str) -> bool:
+        return bool(self.outputs.get(rid)) and self.outputs[rid][-1].finished
+
+    def stop(self) -> None:
+        self.client.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def vllm_config(python: str, **vllm_args) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(dtype="float32", device="cpu", engine="vllm", vllm_python=python,
+                                          vllm_args={"enforce_eager": True, **vllm_args}),
+                        serving_tuning=ServingTuning(max_running_requests=MAX_RUNNING, max_total_tokens=4096,
+                                                     enable_prefix_caching=False))
+
+
+@pytest.fixture(scope="module")
+def recorder():
+    return Recorder()
+
+
+@pytest.fixture(scope="module")
+def driver(vllm_llama_path, vllm_python, recorder):
+    cfg = vllm_config(vllm_python)
+    d = Driver(ProcessEngineClient(VllmEngine(str(vllm_llama_path), cfg, vllm_python), cfg.serving_tuning, recorder,
+                                   log_level="WARNING"))
+    yield d
+    d.stop()
+
+
+def greedy(rid: str, prompt: list[int], n: int, **options) -> RequestInput:
+    return RequestInput.of(rid, prompt_token_ids=prompt,
+                           params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), **options)
+
+
+PROMPTS = {f"g{i}": [(7 * i + 3 * j) % 500 + 5 for j in range(5 + 3 * i)] for i in range(5)}
+
+
+def test_greedy_ids_equal_inflights_engine_and_each_request_finishes_once(driver, vllm_llama_path):
+    from worker.engine import Engine
+
+    driver.submit(*(greedy(rid, p, 12) for rid, p in PROMPTS.items()))  # 5 requests, 2 run at once
+    driver.wait(lambda: all(driver.finished(rid) for rid in PROMPTS))
+    ours = Engine.from_pretrained(str(vllm_llama_path), EngineConfig(model=ModelConfig(dtype="float32", device="cpu")))
+    expected = ours.generate(list(PROMPTS.values()), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for (rid, _), exp in zip(PROMPTS.items(), expected, strict=True):
+        outs = driver.outputs[rid]
+        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+        assert outs[-1].finish_reason == FinishReason.LENGTH
+        ids = [t for o in outs for t in o.new_token_ids]
+        assert ids == exp.token_ids, rid
+        assert outs[-1].usage.completion_tokens == 12 and outs[-1].usage.prompt_tokens == len(PROMPTS[rid])
+        assert "".join(o.text for o in outs) == driver.client.tokenizer.decode(ids)  # our detokenizer, in order
+
+
+def test_a_cancel_ends_the_request_and_frees_its_kv_within_two_steps(driver, recorder):
+    driver.submit(greedy("long", [5, 6, 7, 8], 900))
+    driver.wait(lambda: len(driver.outputs.get("long", [])) >= 3)
+    at = driver.client.num_steps
+    driver.abort("long")
+    driver.wait(lambda: driver.finished("long"))
+    last = driver.outputs["long"][-1]
+    assert last.finish_reason == FinishReason.CANCELLED
+    assert driver.steps_at["long"][-1] - at <= 2  # the cancelled output within two steps of the abort
+    assert sum(len(o.new_token_ids) for o in driver.outputs["long"]) < 900
+    n = len(recorder.idle)
+    deadline = time.monotonic() + 30
+    while len(recorder.idle) == n and time.monotonic() < deadline:  # the next idle tick after it
+        time.sleep(0.1)
+    assert recorder.idle[-1].used_blocks == 0, recorder.idle[-1]
+    assert recorder.steps and recorder.steps[-1].kv.total_blocks == driver.client.num_blocks
+
+
+def test_the_high_priority_request_is_scheduled_first(driver):
+    low = [greedy(f"low{i}", [9, 10, 11 + i], 6, priority="low") for i in range(3)]
+    driver.submit(*low, greedy("high", [9, 10, 20], 6, priority="high"))  # one AddRequests: one queue
+    names = [r.request_id for r in low] + ["high"]
+    driver.wait(lambda: all(driver.finished(n) for n in names))
+    first_step = {n: driver.steps_at[n][0] for n in names}
+    assert first_step["high"] == min(first_step.values())  # in the first batch, ahead of two of the lows
+    assert first_step["low2"] > first_step["high"]  # only MAX_RUNNING run at once: the last low waited
+
+
+def test_vllm_refuses_an_unknown_engine_argument_as_a_config_error(vllm_llama_path, vllm_python):
+    cfg = vllm_config(vllm_python, no_such_argument=1)
+    client = ProcessEngineClient(VllmEngine(str(vllm_llama_path), cfg, vllm_python), cfg.serving_tuning,
+                                 log_level="WARNING")
+    with pytest.raises(ValueError, match=r"model\.vllm_args: .*no_such_argument"):
+        asyncio.run(client.start(asyncio.new_event_loop(), print, print))
+    client.stop()
+
+
+def test_a_missing_interpreter_is_a_config_error_naming_the_field(vllm_llama_path, tmp_path):
+    cfg = vllm_config(str(tmp_path / "python"))
+    with pytest.raises(ConfigError, match=r"model\.vllm_python"):
+        VllmEngine(str(vllm_llama_path), cfg, str(tmp_path / "python")).start_core("INFO", None)
+
+
+def test_the_settings_name_their_fields():
+    with pytest.raises(ConfigError, match=r"model\.vllm_python is required"):
+        ModelConfig(engine="vllm")
+    with pytest.raises(ConfigError, match=r"model\.engine must be one of"):
+        ModelConfig(engine="tgi")
+    with pytest.raises(ConfigError, match=r"model\.lora_dir is not available"):
+        ModelConfig(engine="vllm", vllm_python="/x", lora_dir="/adapters")
+    with pytest.raises(ConfigError, match=r"model\.vllm_args .* applies only"):
+        ModelConfig(vllm_args={"enforce_eager": True})
+    with pytest.raises(ConfigError, match=r"worker\.engine_process"):
+        WorkerConfig(model=ModelConfig(engine="vllm", vllm_python="/x"), worker=WorkerSettings(engine_process=False))
+
+
+def test_engine_arguments_derive_from_our_limits_and_vllm_args_win(vllm_llama_path):
+    cfg = vllm_config("/x", max_num_seqs=7)
+    derived = derived_engine_args(cfg)
+    assert derived["max_num_seqs"] == MAX_RUNNING and derived["scheduling_policy"] == "priority"
+    start = VllmStart(str(vllm_llama_path), derived, dict(cfg.model.vllm_args), 4096)
+    on_cpu = engine_args(start, on_cpu=True)
+    assert on_cpu["max_num_seqs"] == 7 and "gpu_memory_utilization" not in on_cpu
+    # 2 layers x 1 KV head x 64 dims x K and V x 4 bytes per token
+    assert on_cpu["kv_cache_memory_bytes"] == 4096 * 2 * 1 * 2 * 64 * 4
+    on_gpu = engine_args(VllmStart(str(vllm_llama_path), derived, {}, None), on_cpu=False)
+    assert on_gpu["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in on_gpu
