@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import prefix, services  # noqa: F401 (the worker tests' Kafka and Redis)
+
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("INFLIGHT_VLLM_PYTHON", ROOT / ".cache" / "vllm-venv" / "bin" / "python"))
 
@@ -23,6 +25,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in item.path.parents:
             item.add_marker(pytest.mark.vllm)
+            if "services" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.integration)
             if not VLLM_PYTHON.is_file():
                 item.add_marker(pytest.mark.skip(reason=f"no vLLM interpreter at {VLLM_PYTHON}: "
                                                         "tools/setup_vllm.sh makes it"))
