@@ -17,7 +17,7 @@ import pytest
 from schemas.params import SamplingParams
 from schemas.wire import FinishReason
 from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning, WorkerConfig, WorkerSettings
-from worker.engine.core_client import ProcessEngineClient
+from worker.engine.core_client import EngineCrashed, ProcessEngineClient
 from worker.engine.inputs import RequestInput
 from worker.engine.vllm_core import engine_args
 from worker.engine.vllm_spec import VllmEngine, VllmStart, derived_engine_args
@@ -103,7 +103,7 @@ def recorder():
 
 @pytest.fixture(scope="module")
 def driver(vllm_llama_path, vllm_python, recorder):
-    cfg = vllm_config(vllm_python)
+    cfg = vllm_config(vllm_python, max_logprobs=5)  # below ours (20): a limit only vLLM enforces
     d = Driver(ProcessEngineClient(VllmEngine(str(vllm_llama_path), cfg, vllm_python), cfg.serving_tuning, recorder,
                                    log_level="WARNING"))
     yield d
@@ -163,6 +163,16 @@ def test_the_high_priority_request_is_scheduled_first(driver):
     assert first_step["low2"] > first_step["high"]  # only MAX_RUNNING run at once: the last low waited
 
 
+def test_a_request_vllm_refuses_ends_rejected_and_the_core_steps_on(driver):
+    driver.submit(RequestInput.of("refused", prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=3, logprobs=8)),
+                  greedy("after", [5, 6], 3))
+    driver.wait(lambda: driver.finished("refused") and driver.finished("after"))
+    last = driver.outputs["refused"][-1]
+    assert last.finish_reason == FinishReason.REJECTED and len(driver.outputs["refused"]) == 1
+    assert last.error_code == "invalid_params" and "vLLM" in last.error_message
+    assert driver.outputs["after"][-1].finish_reason == FinishReason.LENGTH
+
+
 def test_vllm_refuses_an_unknown_engine_argument_as_a_config_error(vllm_llama_path, vllm_python):
     cfg = vllm_config(vllm_python, no_such_argument=1)
     client = ProcessEngineClient(VllmEngine(str(vllm_llama_path), cfg, vllm_python), cfg.serving_tuning,
@@ -202,3 +212,73 @@ def test_engine_arguments_derive_from_our_limits_and_vllm_args_win(vllm_llama_pa
     assert on_cpu["kv_cache_memory_bytes"] == 4096 * 2 * 1 * 2 * 64 * 4
     on_gpu = engine_args(VllmStart(str(vllm_llama_path), derived, {}, None), on_cpu=False)
     assert on_gpu["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in on_gpu
+
+
+def test_structured_outputs_hold_their_constraint(driver):
+    import json
+
+    from schemas.params import ChoiceOutput, JsonSchemaOutput
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"]}  # bounded: a tiny random model would write digits forever
+    driver.submit(
+        RequestInput.of("json", prompt_token_ids=[5, 6, 7], params=SamplingParams(
+            temperature=0, max_tokens=40, structured=JsonSchemaOutput(schema=schema))),
+        RequestInput.of("choice", prompt_token_ids=[5, 6, 8], params=SamplingParams(
+            temperature=0.8, seed=3, max_tokens=20, structured=ChoiceOutput(choices=["yes", "no"]))))
+    driver.wait(lambda: driver.finished("json") and driver.finished("choice"))
+    text = "".join(o.text for o in driver.outputs["json"])
+    assert driver.outputs["json"][-1].finish_reason == FinishReason.STOP, text
+    value = json.loads(text)
+    assert set(value) == {"color", "ok"} and value["color"] in ("red", "green")  # strict: no other property
+    assert " " not in text  # compact, as our engine's JSON
+    assert "".join(o.text for o in driver.outputs["choice"]) in ("yes", "no")
+
+
+def test_stop_strings_seeds_and_logprobs_map_as_on_our_engine(driver, vllm_llama_path):
+    from worker.engine import Engine
+
+    prompt = [11, 12, 13, 14]
+    ours = Engine.from_pretrained(str(vllm_llama_path), EngineConfig(model=ModelConfig(dtype="float32", device="cpu")))
+    ref = ours.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))[0]
+    stop = driver.client.tokenizer.decode(ref.token_ids[3:5])  # text our detokenizer finds mid-stream
+    driver.submit(
+        RequestInput.of("lp", prompt_token_ids=prompt,
+                        params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)),
+        *(RequestInput.of(f"seed{i}", prompt_token_ids=prompt,
+                          params=SamplingParams(temperature=1.0, seed=42, max_tokens=10, ignore_eos=True))
+          for i in range(2)),
+        RequestInput.of("stop", prompt_token_ids=prompt,
+                        params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop])))
+    names = ("lp", "seed0", "seed1", "stop")
+    driver.wait(lambda: all(driver.finished(n) for n in names))
+    lps = [lp for o in driver.outputs["lp"] for lp in (o.logprobs or [])]
+    assert [lp.token_id for lp in lps] == ref.token_ids
+    for got, exp in zip(lps, ref.logprobs, strict=True):
+        assert got.logprob == pytest.approx(exp.logprob, abs=1e-3)
+        assert got.top_token_ids == exp.top_token_ids and len(got.top_logprobs) == 2
+    seeded = [[t for o in driver.outputs[f"seed{i}"] for t in o.new_token_ids] for i in range(2)]
+    assert seeded[0] == seeded[1]  # the same seed, the same tokens
+    stopped = driver.outputs["stop"][-1]
+    assert stopped.finish_reason == FinishReason.STOP
+    assert stop not in "".join(o.text for o in driver.outputs["stop"])  # our front-end cut it, as ours does
+
+
+def test_a_core_process_that_dies_is_reported_as_an_engine_crash(vllm_llama_path, vllm_python):
+    import os
+    import signal
+
+    cfg = vllm_config(vllm_python)
+    d = Driver(ProcessEngineClient(VllmEngine(str(vllm_llama_path), cfg, vllm_python), cfg.serving_tuning,
+                                   log_level="WARNING"))
+    try:
+        d.submit(greedy("doomed", [5, 6, 7], 900))
+        d.wait(lambda: len(d.outputs.get("doomed", [])) >= 2)
+        os.kill(d.client._proc.pid, signal.SIGKILL)  # as the OOM killer would
+        deadline = time.monotonic() + 60
+        while d.crash is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert isinstance(d.crash, EngineCrashed), d.crash  # the worker's crash path: stop, hand jobs back
+        assert "exited" in str(d.crash) and not d.client.alive
+    finally:
+        d.stop()

@@ -14,6 +14,7 @@ from tests.integration.helpers import (
     assert_well_formed,
     collect,
     committed_reaches_end,
+    finished_within,
     running_worker,
     token_ids,
     wait_until,
@@ -55,7 +56,7 @@ def test_jobs_stream_in_order_finish_once_and_a_cancel_ends_a_running_one(servic
             reader = asyncio.create_task(read())
             await wait_until(lambda: sum(isinstance(e, Token) for e in seen) >= 2, 120, "the long job's tokens")
             await client.cancel(long_id)
-            await asyncio.wait_for(reader, 120)
+            await finished_within(reader, 120, "the long job's stream")
             committed = await committed_reaches_end(services[0], cfg.kafka.group_id, prefix)
         return ids, results, seen, committed
 

@@ -4,10 +4,14 @@ limits, in one run.
 
 Systems (each started, measured at every rate, stopped, before the next starts, so they
 never share the cores):
-  inflight  `python -m worker gateway` + one `python -m worker worker` on the dev stack's
-            Kafka and Redis (fresh topics), the checkpoint on the CPU (or CUDA).
-  vllm      `vllm serve` from vLLM's own venv (tools/setup_vllm.sh; skipped with a
-            message when absent).
+  inflight       `python -m worker gateway` + one `python -m worker worker` on the dev
+                 stack's Kafka and Redis (fresh topics), the checkpoint on the CPU (or CUDA).
+  inflight_vllm  the same gateway and worker with `model.engine: vllm` (vLLM's engine core
+                 behind our queue layer, docs/engines.md), vLLM's defaults otherwise.
+  vllm           `vllm serve` from vLLM's own venv (tools/setup_vllm.sh).
+The three rows split the gap: `inflight_vllm / vllm` is what the queue layer (gateway,
+Kafka, worker, Redis) costs on the same engine; `inflight / inflight_vllm` is the engines'
+difference behind the same layer.
 Load: `vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random`
 with fixed input and output lengths and `--ignore-eos`, greedy, at each `--rates` value
 (requests/s, Poisson; `inf`: all at once, the saturation row). Both get the same
@@ -87,7 +91,8 @@ class Server:
         self.log.close()
 
 
-def start_inflight(a, model: Path, device: str, tmp: Path) -> Server:
+def start_inflight(a, model: Path, device: str, tmp: Path, engine: str = "inflight") -> Server:
+    """Gateway + one worker on `engine` (`model.engine`)."""
     from worker.cli.topics import create_topics
 
     prefix = f"serve{uuid.uuid4().hex[:8]}"
@@ -95,12 +100,17 @@ def start_inflight(a, model: Path, device: str, tmp: Path) -> Server:
     tuning = {"max_running_requests": a.max_batch, "max_batched_tokens": a.budget,
               "max_total_tokens": a.max_batch * a.max_model_len, "max_input_tokens": a.max_model_len,
               "max_output_tokens": a.max_model_len, "enable_prefix_caching": False}
-    port, env = write_configs(a, prefix, tmp, {"model": {"path": str(model), "device": device}, "serving_tuning": tuning},
+    model_cfg = {"path": str(model), "device": device}
+    if engine == "vllm":  # the dtype `vllm serve` gets below; vLLM's other defaults (compiled) as there
+        model_cfg.update(engine="vllm", vllm_python=str(Path(a.vllm_python).resolve()),
+                         dtype="float32" if device == "cpu" else "bfloat16")
+    port, env = write_configs(a, prefix, tmp, {"model": model_cfg, "serving_tuning": tuning},
                               {"model_name": SERVED_NAME, "tokenizer": str(model)})
-    log = open(Path(a.out) / "bench_serve_inflight.log", "w")  # noqa: SIM115 (closed in Server.stop)
+    name = "inflight" if engine == "inflight" else f"inflight_{engine}"
+    log = open(Path(a.out) / f"bench_serve_{name}.log", "w")  # noqa: SIM115 (closed in Server.stop)
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--config", str(tmp / "worker.yaml")],
                               stdout=log, stderr=subprocess.STDOUT, env=env)
-    return Server("inflight", [worker, start_gateway(tmp, log, env)], port, log)
+    return Server(name, [worker, start_gateway(tmp, log, env)], port, log)
 
 
 def start_vllm(a, model: Path, device: str) -> Server:
@@ -176,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (the default is made if missing)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--systems", nargs="+", default=["inflight", "vllm"], choices=["inflight", "vllm"])
+    p.add_argument("--systems", nargs="+", default=["inflight", "inflight_vllm", "vllm"],
+                   choices=["inflight", "inflight_vllm", "vllm"])
     p.add_argument("--rates", nargs="+", default=["2", "8", "inf"], help="requests/s; inf: all at t=0")
     p.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
     p.add_argument("--input-len", type=int, default=128)
@@ -201,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp_:
         tmp = Path(tmp_)
         for name in a.systems:
-            server = start_inflight(a, model, device, tmp) if name == "inflight" else start_vllm(a, model, device)
+            server = (start_vllm(a, model, device) if name == "vllm"
+                      else start_inflight(a, model, device, tmp, "vllm" if name == "inflight_vllm" else "inflight"))
             try:
                 server.wait_ready(900)
                 for rate in a.rates:
@@ -211,29 +223,31 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} at {rate} req/s: {results[name][rate]['output_tokens_per_s']:.0f} output tok/s")
             finally:
                 server.stop()
-    ratios = {}
-    if {"inflight", "vllm"} <= set(results):
-        for rate in a.rates:
-            i, v = results["inflight"][rate], results["vllm"][rate]
-            ratios[rate] = {"output_tokens_per_s": i["output_tokens_per_s"] / v["output_tokens_per_s"],
-                            "ttft_p50": i["ttft_p50_ms"] / v["ttft_p50_ms"]}
+    ratios = {f"{x}_vs_{y}": {rate: {"output_tokens_per_s": results[x][rate]["output_tokens_per_s"]
+                                     / results[y][rate]["output_tokens_per_s"],
+                                     "ttft_p50": results[x][rate]["ttft_p50_ms"] / results[y][rate]["ttft_p50_ms"],
+                                     "ttft_p50_minus_ms": results[x][rate]["ttft_p50_ms"] - results[y][rate]["ttft_p50_ms"]}
+                              for rate in a.rates}
+              for x, y in (("inflight", "vllm"), ("inflight_vllm", "vllm"), ("inflight", "inflight_vllm"))
+              if x in results and y in results}
     report = {"mode": "serve", "command": "python -m tools.bench.serve " + " ".join(argv or sys.argv[1:]),
               "machine": machine(), "model": str(model), "device": device, "input_len": a.input_len,
               "output_len": a.output_len, "num_prompts": a.num_prompts, "max_batch": a.max_batch, "budget": a.budget,
-              "results": results, "ratios_inflight_vs_vllm": ratios, "vllm_bench_serve": raw}
+              "results": results, "ratios": ratios, "vllm_bench_serve": raw}
     out = Path(a.out) / "bench_serve.json"
     out.write_text(json.dumps(report, indent=2))
     plot(report, Path(a.out) / "bench_serve.png")
-    head = f"{'system':<10}{'rate':>6}{'out tok/s':>11}" + "".join(f"{m + ' ' + q:>11}" for m in METRICS
+    head = f"{'system':<14}{'rate':>6}{'out tok/s':>11}" + "".join(f"{m + ' ' + q:>11}" for m in METRICS
                                                                   for q in ("p50", "p99"))
     print("\n" + head + "   (latencies in ms)")
     for name, by_rate in results.items():
         for rate, r in by_rate.items():
-            print(f"{name:<10}{rate:>6}{r['output_tokens_per_s']:>11.0f}"
+            print(f"{name:<14}{rate:>6}{r['output_tokens_per_s']:>11.0f}"
                   + "".join(f"{r[f'{m}_{q}_ms']:>11.1f}" for m in METRICS for q in ("p50", "p99")))
-    for rate, r in ratios.items():
-        print(f"inflight / vllm at {rate} req/s: output tok/s {r['output_tokens_per_s']:.2f}x, "
-              f"TTFT p50 {r['ttft_p50']:.2f}x")
+    for pair, by_rate in ratios.items():
+        for rate, r in by_rate.items():
+            print(f"{pair.replace('_vs_', ' / ')} at {rate} req/s: output tok/s {r['output_tokens_per_s']:.2f}x, "
+                  f"TTFT p50 {r['ttft_p50']:.2f}x ({r['ttft_p50_minus_ms']:+.1f} ms)")
     print(f"wrote {out}")
     return 0
 

@@ -96,6 +96,7 @@ FromCore = Ready | StepOutputs | Idle | Failed
 class CoreProcess(Protocol):
     """The core process as the client handles it (`multiprocessing.Process`'s methods)."""
 
+    pid: int | None
     exitcode: int | None
 
     def is_alive(self) -> bool: ...

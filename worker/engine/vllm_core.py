@@ -45,6 +45,15 @@ from typing import Any
 
 import msgspec
 
+from schemas.params import (
+    ChoiceOutput,
+    GrammarOutput,
+    JsonObjectOutput,
+    JsonSchemaOutput,
+    RegexOutput,
+    StructuredOutput,
+)
+from schemas.structured import strict_schema
 from schemas.wire import FinishReason
 from worker.config import ConfigError
 from worker.engine.core_proc import Failed, Ready, serve_core
@@ -56,7 +65,7 @@ from worker.engine.outputs import (
     StepStats,
     TokenLogprobs,
 )
-from worker.engine.request import RequestStatus
+from worker.engine.request import RejectReason, RequestStatus
 from worker.engine.vllm_spec import VllmStart
 
 log = logging.getLogger(__name__)
@@ -93,6 +102,7 @@ def _kv_bytes(model: str, dtype: str, tokens: int) -> int:
     size = 2 if dtype in ("bfloat16", "float16", "half") else 4
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * size * tokens
 
+
 _FINISH = {0: FinishReason.STOP, 1: FinishReason.LENGTH, 2: FinishReason.CANCELLED, 3: FinishReason.ERROR,
            4: FinishReason.STOP}  # vllm.v1.engine.FinishReason: STOP LENGTH ABORT ERROR REPETITION
 
@@ -121,7 +131,9 @@ class VllmCore:
 
     def __init__(self, core: Any, input_processor: Any) -> None:
         from vllm.inputs import tokens_input
+        from vllm.v1.engine import EngineCoreEventType
 
+        self._preempted = EngineCoreEventType.PREEMPTED
         self._core = core
         self._input = input_processor
         self._tokens_input = tokens_input
@@ -129,6 +141,7 @@ class VllmCore:
         self._requests: dict[str, _Track] = {}  # our id -> its track
         self._ours: dict[str, str] = {}  # vLLM's internal id -> ours
         self._cancelled: list[str] = []  # aborted here: a `cancelled` output at the next step
+        self._refused: list[EngineCoreOutput] = []  # vLLM refused them at add: `rejected` at the next step
         self._step = 0
         self._scheduled: dict[str, int] = {}  # vLLM id -> tokens scheduled in the last step
         self._decodes = 0
@@ -148,6 +161,21 @@ class VllmCore:
 
     # ---- requests in ----------------------------------------------------------------------------
     def add(self, req: EngineCoreRequest) -> None:
+        """Queue `req`; one vLLM's input processing refuses (a limit of its own, a
+        constraint its back end rejects) ends `rejected` (`invalid_params`, vLLM's message)
+        at the next step, as a request our core refuses after queueing does."""
+        try:
+            self._add(req)
+        except Exception as e:  # VLLMValidationError is a ValueError; anything else from its checks too
+            log.warning("vLLM refused request %s: %s", req.request_id, e)
+            self._requests.pop(req.request_id, None)
+            now = time.time()
+            arrival = req.options.arrival_time or now
+            self._refused.append(EngineCoreOutput(
+                req.request_id, [], None, FinishReason.REJECTED, times=RequestTimes(arrival, None, None, now),
+                error_code=RejectReason.INVALID_PARAMS.value, error_message=f"vLLM: {e}"[:1000]))
+
+    def _add(self, req: EngineCoreRequest) -> None:
         from vllm import SamplingParams
 
         p, o = req.params, req.options
@@ -155,7 +183,7 @@ class VllmCore:
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p,
             repetition_penalty=p.repetition_penalty, seed=p.seed, max_tokens=req.max_tokens,
             stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
-            detokenize=False)
+            detokenize=False, structured_outputs=_structured(p.structured))
         arrival = o.arrival_time if o.arrival_time is not None else time.time()
         vreq = self._input.process_inputs(
             req.request_id, self._tokens_input(list(req.prompt_token_ids), cache_salt=o.cache_salt or None),
@@ -173,7 +201,9 @@ class VllmCore:
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
         """Output processing ended it (a stop string): free it, no output follows."""
-        self._end(request_id)
+        if self._end(request_id):
+            track = self._requests.pop(request_id)
+            self._ours.pop(track.vllm_id, None)
 
     def _end(self, request_id: str) -> bool:
         track = self._requests.get(request_id)
@@ -183,14 +213,14 @@ class VllmCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._cancelled) or self._core.scheduler.has_requests()
+        return bool(self._cancelled or self._refused) or self._core.scheduler.has_requests()
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         start = time.time()
         t0 = time.perf_counter()
         self._scheduled, self._decodes = {}, 0
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._refused = self._refused, []
         for rid in self._cancelled:
             outputs.append(self._final(rid, [], None, FinishReason.CANCELLED))
         self._cancelled = []
@@ -210,7 +240,7 @@ class VllmCore:
                     continue  # aborted here: its `cancelled` output is made already
                 track = self._requests[rid]
                 for ev in o.events or ():
-                    if int(ev.type) == 3:  # EngineCoreEventType.PREEMPTED
+                    if ev.type == self._preempted:
                         track.num_preemptions += 1
                         preemptions += 1
                 if o.new_token_ids and track.first_token_time is None:
@@ -244,6 +274,27 @@ class VllmCore:
         total = pool.num_gpu_blocks - 1  # vLLM keeps block 0 as its null block
         free = pool.get_num_free_blocks()
         return KVStats(total, max(0, total - free), free, 0, self._core.vllm_config.cache_config.block_size)
+
+
+def _structured(c: StructuredOutput | None) -> Any:
+    """Our constraint as vLLM's `StructuredOutputsParams`, compiled by its llguidance
+    back end as ours is (`derived_engine_args` chooses it and its compact JSON: no free
+    whitespace); strict object schemas as our `strict` makes them."""
+    if c is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if isinstance(c, JsonSchemaOutput):
+        return StructuredOutputsParams(json=strict_schema(c.schema) if c.strict else c.schema)
+    if isinstance(c, JsonObjectOutput):
+        return StructuredOutputsParams(json={"type": "object"})
+    if isinstance(c, RegexOutput):
+        return StructuredOutputsParams(regex=c.pattern)
+    if isinstance(c, ChoiceOutput):
+        return StructuredOutputsParams(choice=list(c.choices))
+    if isinstance(c, GrammarOutput):
+        return StructuredOutputsParams(grammar=c.grammar)
+    raise ValueError(f"unknown constraint {type(c).__name__}")
 
 
 def _logprobs(lists: Any, n: int) -> list[TokenLogprobs] | None:

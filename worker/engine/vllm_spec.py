@@ -48,6 +48,9 @@ def derived_engine_args(config: EngineConfig) -> dict[str, Any]:
         "enable_prefix_caching": t.enable_prefix_caching,
         "gpu_memory_utilization": t.gpu_memory_utilization,
         "scheduling_policy": "priority",  # our priority classes (lower first, as vLLM's)
+        # llguidance, as our engine's grammars, and compact JSON as ours (vLLM's guidance
+        # back end reads the whitespace rule from this config, not from the request)
+        "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": True},
     }
     if m.dtype != "auto":
         args["dtype"] = m.dtype
@@ -62,6 +65,10 @@ class _CoreProcess:
     def __init__(self, popen: subprocess.Popen, shim: str) -> None:
         self._popen = popen
         self._shim = shim
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
 
     @property
     def exitcode(self) -> int | None:
