@@ -102,7 +102,7 @@ def start_inflight(a, model: Path, device: str, tmp: Path, engine: str = "inflig
               "max_output_tokens": a.max_model_len, "enable_prefix_caching": False}
     model_cfg = {"path": str(model), "device": device}
     if engine == "vllm":  # the dtype `vllm serve` gets below; vLLM's other defaults (compiled) as there
-        model_cfg.update(engine="vllm", vllm_python=str(Path(a.vllm_python).resolve()),
+        model_cfg.update(engine="vllm", vllm_python=str(Path(a.vllm_python).absolute()),
                          dtype="float32" if device == "cpu" else "bfloat16")
     port, env = write_configs(a, prefix, tmp, {"model": model_cfg, "serving_tuning": tuning},
                               {"model_name": SERVED_NAME, "tokenizer": str(model)})
