@@ -9,10 +9,10 @@ never shares a GIL with the step loop.
 Between two steps the core applies every message waiting in its pipe (so a cancel frees
 KV at the next step boundary), then steps; while idle it blocks on the pipe and sends an
 `Idle` tick every 0.5 s (liveness and gauges). The pipe closing (the front-end died) ends
-the process. An `EngineSpec` says how to start the child, build the engine in it and its tokenizer
-in the front-end: `PretrainedEngine` (Inflight's engine) is pickled to a spawned child
-(as CUDA requires); `vllm_core.VllmEngine` runs vLLM's engine core in vLLM's own
-interpreter behind the same messages and the same loop (`serve_core`).
+the process. An `EngineSpec` says how to start the child, build the engine in it and
+its tokenizer in the front-end: `PretrainedEngine` (Inflight's engine) is pickled to a
+spawned child (as CUDA requires); `vllm_spec.VllmEngine` runs vLLM's engine core in
+vLLM's own interpreter behind the same messages and the same loop (`serve_core`).
 """
 
 from __future__ import annotations
