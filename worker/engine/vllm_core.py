@@ -317,7 +317,6 @@ def build(start: VllmStart) -> tuple[VllmCore, Any]:
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.executor import Executor
 
-
     try:
         args = EngineArgs(model=start.model, **engine_args(start, current_platform.is_cpu()))
         vllm_config = args.create_engine_config()
@@ -325,17 +324,19 @@ def build(start: VllmStart) -> tuple[VllmCore, Any]:
         raise ConfigError(f"model.vllm_args: vLLM refused its engine arguments: {e}") from None
     core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
     renderer = renderer_from_config(vllm_config)
-    model_config, cache = vllm_config.model_config, vllm_config.cache_config
+    model_config = vllm_config.model_config
     eos = {renderer.get_eos_token_id()}
     gen_eos = model_config.try_get_generation_config().get("eos_token_id")
     eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     cc = vllm_config.compilation_config
     forward = (f"vLLM {vllm.__version__} engine (compilation mode {cc.mode!s}, CUDA graphs {cc.cudagraph_mode!s}, "
                f"{'eager' if model_config.enforce_eager else 'not enforce_eager'})")
-    ready = Ready(model_config.get_vocab_size(), model_config.max_model_len, cache.num_gpu_blocks - 1,
-                  cache.block_size, sorted(e for e in eos if e is not None), start.model,
-                  vllm_config.device_config.device_type, model_config.get_sliding_window(), 0, None, forward)
-    return VllmCore(core, InputProcessor(vllm_config, renderer)), ready
+    vcore = VllmCore(core, InputProcessor(vllm_config, renderer))
+    kv = vcore.kv_stats()  # the blocks requests can use, as every step will report them
+    ready = Ready(model_config.get_vocab_size(), model_config.max_model_len, kv.total_blocks, kv.block_size,
+                  sorted(e for e in eos if e is not None), start.model, vllm_config.device_config.device_type,
+                  model_config.get_sliding_window(), 0, None, forward)
+    return vcore, ready
 
 
 def main(argv: list[str] | None = None) -> int:
