@@ -156,6 +156,25 @@ def test_dockerfile_is_cuda_non_root_with_worker_entrypoint():
     assert re.search(r"PIP_CONSTRAINT=/src/requirements\.lock pip install [^\n]*\.\[worker\]", text)
 
 
+def test_the_worker_on_vllms_engine_is_a_setting_of_compose_and_kubernetes():
+    """compose.vllm.yaml and deploy/k8s/vllm select the Dockerfile's `vllm` stage (vLLM in
+    its own environment) and `model.engine: vllm`, which the worker's config accepts."""
+    stages = re.findall(r"^FROM \S+(?: AS (\S+))?", (DEPLOY / "Dockerfile").read_text(), re.M)
+    assert stages[:2] == ["inflight", "vllm"] and stages[-1] == ""  # the default build: Inflight's engine
+    worker = yaml.safe_load((DEPLOY / "compose.vllm.yaml").read_text())["services"]["worker"]
+    assert worker["build"]["target"] == "vllm" and worker["build"]["dockerfile"] == "deploy/Dockerfile"
+    cfg = load_config(str(DEPLOY / "config.yaml"), env=worker["environment"])
+    assert cfg.model.engine == "vllm" and cfg.model.vllm_python == "/opt/vllm/bin/python"
+    from tests.repo.test_k8s_schemas import build
+
+    (dep,) = [d for d in build(DEPLOY / "k8s" / "vllm") if d["kind"] == "Deployment" and d["metadata"]["name"] == "inflight-worker"]
+    pod = dep["spec"]["template"]["spec"]
+    for c in pod["initContainers"] + pod["containers"]:
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert c["image"].split(":")[0].endswith("inflight-worker-vllm") and env["INFLIGHT_MODEL__ENGINE"] == "vllm"
+        assert "INFLIGHT_REDIS__URL" in env  # merged into the base's list, not replacing it
+
+
 def k8s(name: str) -> list[dict]:
     return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()) if d]
 

@@ -101,11 +101,12 @@ def keda_schemas() -> dict[str, dict]:
 
 
 def applied() -> list[tuple[str, dict]]:
-    """Both kustomizations built, and the Secret example users apply by hand."""
+    """The three kustomizations built, and the Secret example users apply by hand."""
     secrets = [d for d in yaml.safe_load_all((K8S / "secret.example.yaml").read_text()) if d]
     return [(f"{where}: {doc['kind']} {doc['metadata']['name']}", doc)
             for where, docs in (("k8s", build(K8S)), ("k8s/pools", build(K8S / "pools")),
-                                ("secret.example.yaml", secrets)) for doc in docs]
+                                ("k8s/vllm", build(K8S / "vllm")), ("secret.example.yaml", secrets))
+            for doc in docs]
 
 
 @pytest.mark.parametrize(("what", "doc"), applied(), ids=[w for w, _ in applied()])

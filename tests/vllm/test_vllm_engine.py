@@ -193,8 +193,6 @@ def test_the_settings_name_their_fields():
         ModelConfig(engine="vllm")
     with pytest.raises(ConfigError, match=r"model\.engine must be one of"):
         ModelConfig(engine="tgi")
-    with pytest.raises(ConfigError, match=r"model\.lora_dir is not available"):
-        ModelConfig(engine="vllm", vllm_python="/x", lora_dir="/adapters")
     with pytest.raises(ConfigError, match=r"model\.vllm_args .* applies only"):
         ModelConfig(vllm_args={"enforce_eager": True})
     with pytest.raises(ConfigError, match=r"worker\.engine_process"):
@@ -282,3 +280,22 @@ def test_a_core_process_that_dies_is_reported_as_an_engine_crash(vllm_llama_path
         assert "exited" in str(d.crash) and not d.client.alive
     finally:
         d.stop()
+
+
+def test_inflight_check_runs_vllms_own_validation(vllm_llama_path, vllm_python):
+    """`inflight check`'s model checks with `engine: vllm`: vLLM's config validation in its
+    interpreter (no weights loaded); a refused argument fails naming `model.vllm_args`."""
+    from worker.cli.model_checks import model_checks
+
+    def checks(**vllm_args):
+        cfg = WorkerConfig(model=ModelConfig(path=str(vllm_llama_path), dtype="float32", engine="vllm",
+                                             vllm_python=vllm_python, vllm_args=vllm_args))
+        return {c.name: c for c in model_checks(cfg)}
+
+    ok = checks(enforce_eager=True)
+    assert ok["model"].status == "pass", ok["model"]
+    assert "LlamaForCausalLM" in ok["model"].detail and "float32" in ok["model"].detail
+    assert ok["kv cache"].status == "skip"
+    refused = checks(max_model_len=10**7)  # beyond the checkpoint's context: vLLM's own check
+    assert refused["model"].status == "fail" and refused["model"].setting == "model.vllm_args", refused["model"]
+    assert "max_model_len" in refused["model"].detail

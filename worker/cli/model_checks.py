@@ -19,6 +19,8 @@ def model_checks(cfg: WorkerConfig) -> list[Check]:
     CUDA, available RAM (cgroup limit included) on CPU)."""
     if not cfg.model.path:
         return [Check("model", "fail", "model.path", "not set (or INFLIGHT_MODEL__PATH)"), *_skipped("no model")]
+    if cfg.model.engine == "vllm":
+        return vllm_checks(cfg)
     from worker.model.loader import load_model
 
     t0 = time.perf_counter()
@@ -39,6 +41,34 @@ def model_checks(cfg: WorkerConfig) -> list[Check]:
     checks.append(limits_check(cfg, loaded))
     checks.append(kv_check(cfg, loaded))
     return checks
+
+
+def vllm_checks(cfg: WorkerConfig) -> list[Check]:
+    """With `model.engine: vllm`: vLLM's own validation of the engine arguments and the
+    model config in its interpreter (`VllmEngine.check`: no weights loaded), and the
+    tokenizer the worker builds; vLLM sizes its KV cache itself when it starts."""
+    from worker.config import ConfigError
+    from worker.engine.vllm_spec import VllmEngine
+
+    spec = VllmEngine(cfg.model.path, cfg.engine, cfg.model.vllm_python or "")
+    t0 = time.perf_counter()
+    try:
+        facts = spec.check()
+        tok = spec.build_tokenizer()
+    except ConfigError as e:
+        field = "model.vllm_python" if "model.vllm_python" in str(e) else "model.vllm_args"
+        return [Check("model", "fail", field, _short(e)), *_skipped("vLLM refused the model or its arguments")]
+    except Exception as e:  # the check process broke, or the tokenizer did not load
+        return [Check("model", "fail", "model.path", f"{cfg.model.path!r}: {_short(e)}"),
+                *_skipped("vLLM's check did not pass")]
+    lora = "; LoRA on" if facts["lora"] else ""
+    return [Check("model", "pass", "model.engine",
+                  f"vLLM {facts['vllm']} accepts {cfg.model.path!r}: {facts['architecture']}, {facts['device']} "
+                  f"{facts['dtype']}, context {facts['max_model_len']}, tensor parallel {facts['tensor_parallel_size']}"
+                  f", quantization {facts['quantization'] or 'none'}, KV {facts['kv_cache_dtype']}{lora}; "
+                  f"tokenizer vocab {len(tok)}; checked in {time.perf_counter() - t0:.1f} s"),
+            Check("limits", "skip", "serving_tuning.max_input_tokens", "vLLM applies its own context limit"),
+            Check("kv cache", "skip", "serving_tuning.max_total_tokens", "vLLM sizes its KV cache when it starts")]
 
 
 def _skipped(why: str) -> list[Check]:

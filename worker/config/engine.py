@@ -260,7 +260,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             needs `worker.engine_process`; what each engine offers: docs/engines.md).
             With `vllm`, `device`, `attention_backend`, `load_check`, `compile` and
             `cuda_graphs` are vLLM's business (`vllm_args`), `dtype: auto` is vLLM's
-            `auto`, and `lora_dir` is refused (not mapped yet).
+            `auto`, and `lora_dir` turns on vLLM's LoRA (`max_loras` adapters cached,
+            `serving_tuning.max_loras_per_batch` in one batch).
         vllm_python: the interpreter of an environment with vLLM installed (e.g.
             `.cache/vllm-venv/bin/python` from tools/setup_vllm.sh); required with
             `engine: vllm`.
@@ -290,8 +291,6 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.engine == "vllm" and not self.vllm_python:
             raise ConfigError("model.vllm_python is required with model.engine 'vllm': the interpreter of an "
                               "environment with vLLM installed (tools/setup_vllm.sh makes .cache/vllm-venv/bin/python)")
-        if self.engine == "vllm" and self.lora_dir is not None:
-            raise ConfigError("model.lora_dir is not available with model.engine 'vllm' yet (docs/engines.md)")
         if self.vllm_args and self.engine != "vllm":
             raise ConfigError(f"model.vllm_args is set but model.engine is {self.engine!r}: it applies only to "
                               "'vllm'")

@@ -19,8 +19,9 @@ output queues and a second process we would have to translate back out of.
 vLLM pins its own torch, so the core runs in vLLM's interpreter (`model.vllm_python`),
 not ours (`vllm_spec.VllmEngine.start_core` starts it with a `PYTHONPATH` holding only
 this project's two pure-Python packages, `worker` and `schemas`: the messages need
-msgspec and pydantic, which vLLM installs too). The child imports vLLM, never our torch
-code.
+msgspec and pydantic, which vLLM installs too). The child imports vLLM; of our torch code
+only `worker.model.lora.lora_modules` (which projections take LoRA), applied to a model on
+the meta device.
 
 What maps, and how (docs/engines.md keeps the table users read):
   - prompts arrive tokenized (our input processing); vLLM's `InputProcessor` applies its
@@ -30,6 +31,8 @@ What maps, and how (docs/engines.md keeps the table users read):
   - a cancel is `EngineCore.abort_requests` at the next step boundary, reported as a
     `cancelled` output as our core does;
   - priority classes → `scheduling_policy="priority"` (lower value first, ours too);
+  - a job's LoRA adapter → vLLM's `LoRARequest` for `<model.lora_dir>/<name>`, checked
+    first by our input processing against the facts `Ready` carries (`vllm_requests`);
   - `serving_tuning` limits become vLLM's engine arguments (`derived_engine_args`,
     `engine_args`), which `model.vllm_args` overrides key by key.
 """
@@ -45,15 +48,6 @@ from typing import Any
 
 import msgspec
 
-from schemas.params import (
-    ChoiceOutput,
-    GrammarOutput,
-    JsonObjectOutput,
-    JsonSchemaOutput,
-    RegexOutput,
-    StructuredOutput,
-)
-from schemas.structured import strict_schema
 from schemas.wire import FinishReason
 from worker.config import ConfigError
 from worker.engine.core_proc import Failed, Ready, serve_core
@@ -66,6 +60,7 @@ from worker.engine.outputs import (
     TokenLogprobs,
 )
 from worker.engine.request import RejectReason, RequestStatus
+from worker.engine.vllm_requests import LoRAIds, logprobs, lora_facts, sampling_params
 from worker.engine.vllm_spec import VllmStart
 
 log = logging.getLogger(__name__)
@@ -127,11 +122,16 @@ class VllmCore:
     Args:
         core: a built `vllm.v1.engine.core.EngineCore`.
         input_processor: vLLM's `InputProcessor` for the same config (sampling defaults, EOS).
+        lora_dir: `model.lora_dir` (absolute), when vLLM was built with LoRA enabled: a
+            request's adapter is `<lora_dir>/<name>`, checked by our input processing
+            before it gets here (adapters.py).
     """
 
-    def __init__(self, core: Any, input_processor: Any) -> None:
+    def __init__(self, core: Any, input_processor: Any, lora_dir: str | None = None) -> None:
         from vllm.inputs import tokens_input
         from vllm.v1.engine import EngineCoreEventType
+
+        self._loras = LoRAIds(lora_dir) if lora_dir is not None else None
 
         self._preempted = EngineCoreEventType.PREEMPTED
         self._core = core
@@ -176,18 +176,17 @@ class VllmCore:
                 error_code=RejectReason.INVALID_PARAMS.value, error_message=f"vLLM: {e}"[:1000]))
 
     def _add(self, req: EngineCoreRequest) -> None:
-        from vllm import SamplingParams
-
-        p, o = req.params, req.options
-        params = SamplingParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty, seed=p.seed, max_tokens=req.max_tokens,
-            stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
-            detokenize=False, structured_outputs=_structured(p.structured))
+        o = req.options
+        params = sampling_params(req)
         arrival = o.arrival_time if o.arrival_time is not None else time.time()
+        lora = None
+        if o.adapter is not None:
+            if self._loras is None:  # our input processing refuses these first (no lora_dir)
+                raise ValueError(f"adapter {o.adapter!r}: LoRA is not enabled")
+            lora = self._loras.request(o.adapter)
         vreq = self._input.process_inputs(
             req.request_id, self._tokens_input(list(req.prompt_token_ids), cache_salt=o.cache_salt or None),
-            params, self._tasks, arrival_time=arrival, priority=int(o.priority))
+            params, self._tasks, arrival_time=arrival, lora_request=lora, priority=int(o.priority))
         self._input.assign_request_id(vreq)
         self._requests[req.request_id] = _Track(arrival, vreq.request_id)
         self._ours[vreq.request_id] = req.request_id
@@ -245,7 +244,7 @@ class VllmCore:
                         preemptions += 1
                 if o.new_token_ids and track.first_token_time is None:
                     track.first_token_time = now
-                lps = _logprobs(o.new_logprobs, len(o.new_token_ids))
+                lps = logprobs(o.new_logprobs, len(o.new_token_ids))
                 if o.finish_reason is None:
                     outputs.append(EngineCoreOutput(rid, list(o.new_token_ids), lps,
                                                     num_preemptions=track.num_preemptions))
@@ -276,52 +275,28 @@ class VllmCore:
         return KVStats(total, max(0, total - free), free, 0, self._core.vllm_config.cache_config.block_size)
 
 
-def _structured(c: StructuredOutput | None) -> Any:
-    """Our constraint as vLLM's `StructuredOutputsParams`, compiled by its llguidance
-    back end as ours is (`derived_engine_args` chooses it and its compact JSON: no free
-    whitespace); strict object schemas as our `strict` makes them."""
-    if c is None:
-        return None
-    from vllm.sampling_params import StructuredOutputsParams
+def _engine_config(start: VllmStart) -> Any:
+    """vLLM's `VllmConfig` for `start` (model config read, arguments validated). Raises
+    ConfigError naming `model.vllm_args` when vLLM refuses them."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
 
-    if isinstance(c, JsonSchemaOutput):
-        return StructuredOutputsParams(json=strict_schema(c.schema) if c.strict else c.schema)
-    if isinstance(c, JsonObjectOutput):
-        return StructuredOutputsParams(json={"type": "object"})
-    if isinstance(c, RegexOutput):
-        return StructuredOutputsParams(regex=c.pattern)
-    if isinstance(c, ChoiceOutput):
-        return StructuredOutputsParams(choice=list(c.choices))
-    if isinstance(c, GrammarOutput):
-        return StructuredOutputsParams(grammar=c.grammar)
-    raise ValueError(f"unknown constraint {type(c).__name__}")
-
-
-def _logprobs(lists: Any, n: int) -> list[TokenLogprobs] | None:
-    """vLLM's `LogprobsLists` rows (sampled token first, then the top k) as ours."""
-    if lists is None:
-        return None
-    ids, vals = lists.logprob_token_ids, lists.logprobs
-    return [TokenLogprobs(int(ids[i][0]), float(vals[i][0]), [int(x) for x in ids[i][1:]],
-                          [float(x) for x in vals[i][1:]]) for i in range(n)]
+    try:
+        return EngineArgs(model=start.model, **engine_args(start, current_platform.is_cpu())).create_engine_config()
+    except (TypeError, ValueError) as e:  # unknown keywords; values vLLM's config refuses (pydantic too)
+        raise ConfigError(f"model.vllm_args: vLLM refused its engine arguments: {e}") from None
 
 
 def build(start: VllmStart) -> tuple[VllmCore, Any]:
     """vLLM's engine core for `start` and the `Ready` facts. Raises ConfigError for
     arguments vLLM refuses (the message names `model.vllm_args`)."""
     import vllm
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms import current_platform
     from vllm.renderers import renderer_from_config
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.executor import Executor
 
-    try:
-        args = EngineArgs(model=start.model, **engine_args(start, current_platform.is_cpu()))
-        vllm_config = args.create_engine_config()
-    except (TypeError, ValueError) as e:  # unknown keywords; values vLLM's config refuses (pydantic too)
-        raise ConfigError(f"model.vllm_args: vLLM refused its engine arguments: {e}") from None
+    vllm_config = _engine_config(start)
     core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
     renderer = renderer_from_config(vllm_config)
     model_config = vllm_config.model_config
@@ -331,18 +306,54 @@ def build(start: VllmStart) -> tuple[VllmCore, Any]:
     cc = vllm_config.compilation_config
     forward = (f"vLLM {vllm.__version__} engine (compilation mode {cc.mode!s}, CUDA graphs {cc.cudagraph_mode!s}, "
                f"{'eager' if model_config.enforce_eager else 'not enforce_eager'})")
-    vcore = VllmCore(core, InputProcessor(vllm_config, renderer))
+    vcore = VllmCore(core, InputProcessor(vllm_config, renderer), start.lora_dir)
     kv = vcore.kv_stats()  # the blocks requests can use, as every step will report them
     ready = Ready(model_config.get_vocab_size(), model_config.max_model_len, kv.total_blocks, kv.block_size,
                   sorted(e for e in eos if e is not None), start.model, vllm_config.device_config.device_type,
-                  model_config.get_sliding_window(), 0, None, forward)
+                  model_config.get_sliding_window(), 0, lora_facts(start), forward)
     return vcore, ready
+
+
+def check(start: VllmStart) -> dict[str, Any]:
+    """vLLM's validation of `start`'s engine arguments and model config, without loading
+    weights or starting workers (`inflight check`): what vLLM resolved. Raises
+    ConfigError as `build` does."""
+    import vllm
+
+    config = _engine_config(start)
+    m, p = config.model_config, config.parallel_config
+    return {"vllm": vllm.__version__, "device": config.device_config.device_type,
+            "architecture": (m.architectures or ["?"])[0], "dtype": str(m.dtype).removeprefix("torch."),
+            "max_model_len": m.max_model_len, "tensor_parallel_size": p.tensor_parallel_size,
+            "pipeline_parallel_size": p.pipeline_parallel_size, "quantization": m.quantization,
+            "kv_cache_dtype": config.cache_config.cache_dtype, "lora": config.lora_config is not None}
+
+
+def _check_main() -> int:
+    """`python -m worker.engine.vllm_core --check`: `VllmStart` (msgpack) on stdin, the
+    verdict as the last line of stdout (JSON: `check`'s facts, or {"error": ...}); exit
+    0, 2 (a config error) or 1."""
+    start = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=VllmStart)
+    logging.basicConfig(level=start.log_level, stream=sys.stderr)
+    try:
+        verdict, rc = check(start), 0
+    except (ConfigError, FileNotFoundError, OSError) as e:
+        verdict, rc = {"error": str(e)[:2000]}, 2
+    except Exception as e:
+        verdict, rc = {"error": f"{type(e).__name__}: {e}"[:2000]}, 1
+    sys.stdout.write("\n" + msgspec.json.encode(verdict).decode() + "\n")
+    sys.stdout.flush()
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
     """Main of the core process (`python -m worker.engine.vllm_core FD_IN FD_OUT` in vLLM's
     interpreter): read `VllmStart`, build, send `Ready` (or `Failed`), then
-    `core_proc.serve_core` until `Shutdown` or the front-end goes away."""
+    `core_proc.serve_core` until `Shutdown` or the front-end goes away. With `--check`
+    instead: `_check_main`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--check"]:
+        return _check_main()
     p = argparse.ArgumentParser(description="vLLM engine core process (started by the worker)")
     p.add_argument("fd_in", type=int)
     p.add_argument("fd_out", type=int)
