@@ -7,6 +7,7 @@ mixed batch, must equal Inflight's engine's on the same checkpoint and adapters 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from schemas.params import SamplingParams
@@ -36,7 +37,7 @@ def lora_dir(vllm_llama_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_driver(vllm_llama_path, vllm_python, lora_dir):
-    cfg = vllm_config(vllm_python)
+    cfg = vllm_config(vllm_python)  # max_loras 2: the two adapters fill every slot of a batch (vllm_plugin.py)
     cfg = EngineConfig(model=ModelConfig(**{**_fields(cfg.model), "lora_dir": str(lora_dir), "max_loras": 2}),
                        serving_tuning=ServingTuning(**{**_fields(cfg.serving_tuning), "max_running_requests": 4}))
     d = Driver(ProcessEngineClient(VllmEngine(str(vllm_llama_path), cfg, vllm_python), cfg.serving_tuning,
@@ -46,8 +47,6 @@ def lora_driver(vllm_llama_path, vllm_python, lora_dir):
 
 
 def _fields(struct) -> dict:
-    import msgspec
-
     return msgspec.structs.asdict(struct)
 
 

@@ -9,8 +9,8 @@ its Triton kernels (CUDA) skip it, but the plain-torch ops its CPU platform uses
 (`vllm/lora/ops/torch_ops/lora_ops.py`, vLLM 0.32) index the stacked adapter weights
 with it, and -1 picks the *last* slot: once a batch holds `max_loras` distinct adapters,
 every base-model request in it decodes as if it had the last one (wrong tokens, no
-error; found by `tests/vllm/test_vllm_lora.py`, reported upstream as vLLM PR #48421 /
-#49656, open). The fix here zeroes those tokens' rows of the ops' input, so their delta
+error; found by `tests/vllm/test_vllm_lora.py`; vLLM's own fixes, PRs #48421 and #49656,
+are open upstream). The fix here zeroes those tokens' rows of the ops' input, so their delta
 is exactly zero; it is applied only when a probe of the installed ops shows the fault,
 so a vLLM that fixed it runs untouched.
 """
