@@ -53,12 +53,30 @@ def tiny_checkpoint(arch: str) -> Path:
     return out
 
 
+# Files whose one test holds a core for minutes: collected first, so pytest-xdist's
+# `--dist loadfile` (files handed out in collection order) starts them while the rest of
+# the suite runs beside them, instead of last as a tail one worker runs alone (measured
+# on a 2-core box: the gpu_check smoke, 250-310 s of one core, started last and ran alone
+# for its last ~5 minutes of a 27-minute phase).
+LONG_POLES = ("tests/kernels/test_gpu_check.py",)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests under tests/integration need the dev stack: mark them `integration`, so
-    `pytest -m "not integration"` runs everything that needs no services."""
+    `pytest -m "not integration"` runs everything that needs no services. `LONG_POLES`
+    go first (a stable sort: everything else keeps its order)."""
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
+    root = Path(config.rootpath)
+    items.sort(key=lambda item: _relative(item.path, root) not in LONG_POLES)
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,8 @@ else
   # worker fills the two cores of the development box); `--dist loadfile` keeps a file's
   # tests in one worker, so its module fixtures (a broker of its own) start once. Files go
   # out in collection order, so the integration files come between the CPU-bound suites
-  # (put first, their worker starts all competed at once: slower). 2: the
+  # (put first, their worker starts all competed at once: slower); a file whose one test
+  # holds a core for minutes goes first (tests/conftest.py's LONG_POLES). 2: the
   # tests marked `timing` (they assert TTFT or a share of time), alone in one process.
   # The tiny checkpoints the tests share are made first (a checkpoint written by two
   # workers at once would be torn).
