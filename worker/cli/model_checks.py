@@ -67,7 +67,8 @@ def vllm_checks(cfg: WorkerConfig) -> list[Check]:
                   f"{facts['dtype']}, context {facts['max_model_len']}, tensor parallel {facts['tensor_parallel_size']}"
                   f", quantization {facts['quantization'] or 'none'}, KV {facts['kv_cache_dtype']}{lora}; "
                   f"tokenizer vocab {len(tok)}; checked in {time.perf_counter() - t0:.1f} s"),
-            Check("limits", "skip", "serving_tuning.max_input_tokens", "vLLM applies its own context limit"),
+            Check("limits", "skip", "serving_tuning.max_input_tokens",
+                  f"applied by the worker against vLLM's context ({facts['max_model_len']}) once the engine starts"),
             Check("kv cache", "skip", "serving_tuning.max_total_tokens", "vLLM sizes its KV cache when it starts")]
 
 
