@@ -54,6 +54,13 @@ class LoRAFacts(msgspec.Struct, frozen=True, array_like=True):
     modules: dict[str, tuple[int, int]]
 
 
+def adapter_version(path: str) -> tuple[float, float]:
+    """Which version of the adapter in directory `path` is on disk: the mtimes of its
+    config and weights (an adapter replaced on disk is a new version). Raises
+    FileNotFoundError when either is missing."""
+    return os.stat(os.path.join(path, CONFIG_FILE)).st_mtime, os.stat(os.path.join(path, WEIGHTS_FILE)).st_mtime
+
+
 class AdapterError(Exception):
     """An adapter that cannot be served. `code`: `unknown_adapter` (no such directory)
     or `invalid_adapter` (the message says why)."""
@@ -165,9 +172,9 @@ class AdapterCatalog:
         """
         validate_name(name)
         path = os.path.join(self.lora_dir, name)
-        config_path, weights_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+        config_path = os.path.join(path, CONFIG_FILE)
         try:
-            version = (os.stat(config_path).st_mtime, os.stat(weights_path).st_mtime)
+            version = adapter_version(path)
         except FileNotFoundError:
             if not os.path.isfile(config_path):
                 raise AdapterError("unknown_adapter", f"no adapter {name!r} in {self.lora_dir} "

@@ -337,7 +337,7 @@ def _check_main() -> int:
     logging.basicConfig(level=start.log_level, stream=sys.stderr)
     try:
         verdict, rc = check(start), 0
-    except (ConfigError, FileNotFoundError, OSError) as e:
+    except (ConfigError, OSError) as e:  # OSError: a missing or unreadable checkpoint
         verdict, rc = {"error": str(e)[:2000]}, 2
     except Exception as e:
         verdict, rc = {"error": f"{type(e).__name__}: {e}"[:2000]}, 1

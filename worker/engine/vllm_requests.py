@@ -17,7 +17,7 @@ from schemas.params import (
     StructuredOutput,
 )
 from schemas.structured import strict_schema
-from worker.engine.adapters import CONFIG_FILE, WEIGHTS_FILE, LoRAFacts
+from worker.engine.adapters import LoRAFacts, adapter_version
 from worker.engine.outputs import EngineCoreRequest, TokenLogprobs
 from worker.engine.vllm_spec import VllmStart
 
@@ -38,19 +38,19 @@ def sampling_params(req: EngineCoreRequest) -> Any:
 class LoRAIds:
     """vLLM's `LoRARequest` for an adapter name under `lora_dir`. vLLM keys its loaded
     adapters by an integer id and never reloads one it holds, so the id stands for the
-    adapter's files as they are now (name + their mtimes): an adapter replaced on disk
-    gets a new id and is loaded afresh, as our engine's catalog re-reads it."""
+    adapter's files as they are now (name + `adapters.adapter_version`, the version our
+    catalog keys its checks by): an adapter replaced on disk gets a new id and is loaded
+    afresh, as our engine's catalog re-reads it."""
 
     def __init__(self, lora_dir: str) -> None:
         self.lora_dir = lora_dir
-        self._ids: dict[tuple[str, tuple[int, ...]], int] = {}
+        self._ids: dict[tuple[str, tuple[float, float]], int] = {}
 
     def request(self, name: str) -> Any:
         from vllm.lora.request import LoRARequest
 
         path = os.path.join(self.lora_dir, name)
-        stamp = tuple(os.stat(os.path.join(path, f)).st_mtime_ns for f in (CONFIG_FILE, WEIGHTS_FILE))
-        lora_id = self._ids.setdefault((name, stamp), len(self._ids) + 1)
+        lora_id = self._ids.setdefault((name, adapter_version(path)), len(self._ids) + 1)
         return LoRARequest(name, lora_id, path)
 
 
