@@ -15,7 +15,10 @@
      tokens/s ratios, greedy agreement, and how each engine's forward ran (its start line's
      `forward=`: graphs captured or why not).
 
-Prints one JSON object (also written to results/gpu_check.json).
+Prints one JSON object, also written to results/gpu_check.json after every part (a run cut
+short, say by a lease's time limit, keeps what it measured). A part or engine run that
+raises is recorded as its `error` (type, message, innermost frames), the others still run,
+`failed` names them, and the exit status is 1.
 
     python -m tools.gpu_check                 # on a CUDA machine
     TRITON_INTERPRET=1 python -m tools.gpu_check --smoke --model PATH   # CPU: tiny sizes, checks the script
@@ -197,7 +200,8 @@ def prefill_tflops(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
-def engine_bench(a, device: str) -> dict:
+def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
+    """The engine runs of part 4 (module docstring); `on_progress(out)` after each finished run."""
     from tools.bench.engine import agreement, run_inflight
     from tools.bench.harness import DEFAULT_MODEL, GPU_MODEL, ensure_model
     from tools.bench.workloads import make_workload
@@ -229,21 +233,52 @@ def engine_bench(a, device: str) -> dict:
             ("torch", "torch", None, "off", "auto"), ("triton_sequential", "triton", False, "off", "auto"),
             ("triton_compiled", "triton", True, "on", "auto"))
     for name, backend, async_steps, compiled, graphs in runs:
-        forward = []
-        secs, ids[name] = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend, async_steps,
-                                       compile_mode=compiled, cuda_graphs=graphs,
-                                       on_engine=lambda e, seen=forward: seen.append(e.compile_report.describe()))
-        out[name] = {"seconds": secs, "output_tokens_per_s": total / secs, "forward": forward[0]}
-    out["triton_vs_torch"] = out["triton"]["output_tokens_per_s"] / out["torch"]["output_tokens_per_s"]
-    # asynchronous against sequential steps on the same kernels: speed, and how many requests
-    # got the same ids (fp32 on the CPU: all; bf16 on a GPU: batch composition may move a few)
-    out["async_vs_sequential"] = out["triton"]["output_tokens_per_s"] / out["triton_sequential"]["output_tokens_per_s"]
-    out["async_sequential_agreement"] = agreement(ids["triton_sequential"], ids["triton"])
-    out["graphs_vs_no_graphs"] = out["triton"]["output_tokens_per_s"] / out["triton_no_graphs"]["output_tokens_per_s"]
-    out["graphs_agreement"] = agreement(ids["triton_no_graphs"], ids["triton"])
-    out["compiled_vs_eager"] = out["triton_compiled"]["output_tokens_per_s"] / out["triton"]["output_tokens_per_s"]
-    out["compiled_eager_agreement"] = agreement(ids["triton"], ids["triton_compiled"])
+        forward, t0 = [], time.time()
+        try:
+            secs, ids[name] = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend, async_steps,
+                                           compile_mode=compiled, cuda_graphs=graphs,
+                                           on_engine=lambda e, seen=forward: seen.append(e.compile_report.describe()))
+        except Exception as e:  # one mode that breaks (a first GPU) must not lose the others' figures
+            out[name] = {"error": _error(e), "forward": forward[0] if forward else None}
+            continue
+        finally:
+            _free(device)
+        out[name] = {"seconds": secs, "output_tokens_per_s": total / secs, "forward": forward[0],
+                     "wall_with_start_seconds": time.time() - t0}
+        on_progress(out)
+    # each ratio where both of its runs finished: the first against the second
+    pairs = {"triton_vs_torch": ("triton", "torch"),
+             # asynchronous against sequential steps on the same kernels: speed, and how many requests got
+             # the same ids (fp32 on the CPU: all; bf16 on a GPU: batch composition may move a few)
+             "async_vs_sequential": ("triton", "triton_sequential"),
+             "graphs_vs_no_graphs": ("triton", "triton_no_graphs"),
+             "compiled_vs_eager": ("triton_compiled", "triton")}
+    agreements = {"async_vs_sequential": "async_sequential_agreement", "graphs_vs_no_graphs": "graphs_agreement",
+                  "compiled_vs_eager": "compiled_eager_agreement"}
+    for key, (x, y) in pairs.items():
+        if x in ids and y in ids:
+            out[key] = out[x]["output_tokens_per_s"] / out[y]["output_tokens_per_s"]
+            if key in agreements:  # the later mode's ids against the earlier's (eager, sequential, no graphs)
+                out[agreements[key]] = agreement(ids[y], ids[x])
     return out
+
+
+def _error(e: BaseException) -> str:
+    """`Type: message` and the innermost frames of `e`'s traceback, for the report."""
+    import traceback
+
+    frames = traceback.format_exception(e)
+    return "".join(frames[-3:])[-2000:]
+
+
+def _free(device: str) -> None:
+    """Release what the last engine held before the next is built (its KV cache alone is
+    gigabytes on the GPU benchmark model)."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,25 +299,49 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_src = peak_bandwidth_gbps() if device == "cuda" else (None, "cpu")
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
-        "torch": torch.__version__,
+        "torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"),
         "peak_bandwidth_gb_per_s": peak, "peak_source": peak_src,
-        "correctness": correctness(device, a.smoke),
-        "decode_attention": decode_bandwidth(device, a.smoke, peak),
-        # small batch, long context: the split-K (flash-decoding) path
-        "decode_attention_long_context": decode_bandwidth(device, a.smoke, peak, batch=4, ctx=16384),
-        "prefill_attention": prefill_tflops(device, a.smoke),
     }
-    if not a.skip_engine:
-        report["engine"] = engine_bench(a, device)
-    report["all_correct"] = all(r["ok"] for r in report["correctness"])
-    report["wall_seconds"] = time.time() - t0
-    text = json.dumps(report, indent=2)
-    print(text)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(text)
-    return 0 if report["all_correct"] else 1
 
+    def save() -> None:  # after every part: a run cut short (a lease's time limit) keeps what it measured
+        report["wall_seconds"] = time.time() - t0
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+
+    parts = {"correctness": lambda: correctness(device, a.smoke),
+             "decode_attention": lambda: decode_bandwidth(device, a.smoke, peak),
+             # small batch, long context: the split-K (flash-decoding) path
+             "decode_attention_long_context": lambda: decode_bandwidth(device, a.smoke, peak, batch=4, ctx=16384),
+             "prefill_attention": lambda: prefill_tflops(device, a.smoke)}
+    if not a.skip_engine:
+        parts["engine"] = lambda: engine_bench(a, device, on_progress=lambda eng: (report.update(engine=eng), save()))
+    failed = []
+    for name, part in parts.items():
+        started = time.time()
+        try:
+            report[name] = part()
+        except Exception as e:  # the next parts still run and report
+            report[name] = {"error": _error(e)}
+            failed.append(name)
+        print(f"gpu_check: {name} {'failed' if name in failed else 'done'} in {time.time() - started:.1f} s",
+              file=sys.stderr, flush=True)
+        report["all_correct"] = "correctness" not in failed and all(r["ok"] for r in report.get("correctness", []))
+        save()
+    failed += [k for k, v in report.get("engine", {}).items() if isinstance(v, dict) and "error" in v]
+    report["failed"] = failed
+    save()
+    print(json.dumps(report, indent=2))
+    return 0 if report["all_correct"] and not failed else 1
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 if __name__ == "__main__":
     raise SystemExit(main())

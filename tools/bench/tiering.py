@@ -7,7 +7,8 @@ under the per-step long-prefill cap, on the same engine settings and the same ar
 Arrivals are fixed in wall-clock time (one request every `interval_s`, every
 `long_every`-th of them long); TTFT is first token - scheduled arrival, in seconds (so
 queueing behind a slow step counts). Writes `bench_tiering.json` and a plot; the table
-gives p50 / p99 of the short prompts' TTFT and each mix's ratio to the short-only stream.
+gives p50 / p99 of the short prompts' TTFT, each mix's ratio to the short-only stream, and
+the median over rounds of that ratio taken within each round (`compare`).
 tests/engine/test_tiering.py asserts the bound of issue 28 on the tiny model.
 """
 
@@ -28,11 +29,14 @@ from schemas.params import SamplingParams
 
 def short_ttft_stream(engine, *, duration_s: float, interval_s: float, long_every: int | None, short_len: int = 16,
                       long_len: int = 900, short_out: int = 16, long_out: int = 4, vocab: int = 500,
-                      seed: int = 0) -> dict:
+                      seed: int = 0, drain_long: bool = True) -> dict:
     """Run one open-loop stream through `engine` (an `Engine`) and return the short
     prompts' TTFTs (seconds) and the long ones'. `long_every`: every n-th arrival is a
     long prompt of `long_len` tokens (None: no long prompts). Prompts are random ids in
-    [1, vocab); outputs ignore EOS so every request runs its `max_tokens`."""
+    [1, vocab); outputs ignore EOS so every request runs its `max_tokens`.
+    `drain_long=False`: once every short request has finished, the long ones still
+    queued are aborted instead of run to the end (at the cap that backlog takes several
+    seconds and no short request sees it; their TTFTs are then missing from "long")."""
     rng = random.Random(seed)
     n = int(duration_s / interval_s)
     start = time.time() + 0.05
@@ -43,8 +47,13 @@ def short_ttft_stream(engine, *, duration_s: float, interval_s: float, long_ever
         arrivals.append((start + i * interval_s, f"{'long' if is_long else 'short'}-{i}",
                          [rng.randrange(1, vocab) for _ in range(length)], long_out if is_long else short_out))
     ttft: dict[str, list[float]] = {"short": [], "long": []}
+    num_short, short_done, aborted = sum(1 for a in arrivals if a[1].startswith("short")), 0, False
     nxt = 0
     while nxt < len(arrivals) or engine.has_unfinished():
+        if not drain_long and not aborted and short_done == num_short:
+            for _, rid, _, _ in arrivals:  # finished ones are ignored; the rest end at the next step
+                engine.abort(rid)
+            aborted = True
         now = time.time()
         while nxt < len(arrivals) and arrivals[nxt][0] <= now:
             at, rid, ids, max_tokens = arrivals[nxt]
@@ -56,7 +65,9 @@ def short_ttft_stream(engine, *, duration_s: float, interval_s: float, long_ever
             continue
         for out in engine.step():
             if out.finished and out.times is not None and out.times.first_token_time is not None:
-                ttft[out.request_id.split("-")[0]].append(out.times.first_token_time - out.times.arrival_time)
+                kind = out.request_id.split("-")[0]
+                ttft[kind].append(out.times.first_token_time - out.times.arrival_time)
+                short_done += kind == "short"
     return ttft
 
 
@@ -91,12 +102,17 @@ def percentile(xs: list[float], q: float) -> float:
 
 def compare(make_engine: Callable[..., object], *, duration_s: float, interval_s: float, long_every: int,
             long_len: int, threshold: int, cap: int, repeats: int = 1,
-            only: tuple[str, ...] = ("short_only", "long_mix_no_cap", "long_mix_cap")) -> dict:
+            only: tuple[str, ...] = ("short_only", "long_mix_no_cap", "long_mix_cap"), drain_long: bool = True) -> dict:
     """The three streams (short only; with long prompts, no cap; with long prompts and
     the cap; `only` picks some) on engines from `make_engine(**serving_tuning_overrides)`, each
-    warmed up; `repeats` rounds, each running every mix once in turn (so a slow moment
-    of the machine falls on all of them alike), under the serving path's collector
-    settings; TTFTs pooled per mix. Returns {mix: {p50_s, p99_s, num_short, ...}}."""
+    warmed up; `repeats` rounds, each running every mix once in turn, under the serving
+    path's collector settings. Returns {mix: {p50_s, p99_s, num_short, ..., round_p99_s,
+    round_p99_vs_short_only, median_round_p99_vs_short_only}}: p50/p99 over the TTFTs
+    pooled across rounds, and a paired figure: each round's p99 over the same round's
+    short-only p99 (the mixes of a round run back to back, seconds apart, so a slow
+    moment of the machine that lasts a round, or a stall in one round, moves one pair
+    and the median of the pairs stays; a pooled p99 over ~100 TTFTs a second is decided
+    by one stall of a few hundred milliseconds). `drain_long`: `short_ttft_stream`'s."""
     mixes = {"short_only": (None, {}), "long_mix_no_cap": (long_every, {}),
              "long_mix_cap": (long_every, {"long_prefill_threshold": threshold, "max_long_prefill_tokens": cap})}
     mixes = {k: v for k, v in mixes.items() if k in only}
@@ -105,21 +121,26 @@ def compare(make_engine: Callable[..., object], *, duration_s: float, interval_s
         engines[name] = make_engine(**over)
         warm_up(engines[name], long_len)
     ttfts = {name: {"short": [], "long": []} for name in mixes}
+    round_p99 = {name: [] for name in mixes}
     for r in range(repeats):  # rounds interleave the mixes: a slow moment of the machine hits them alike
         for name, (every, _) in mixes.items():
             with serving_gc():
                 t = short_ttft_stream(engines[name], duration_s=duration_s, interval_s=interval_s, long_every=every,
-                                      long_len=long_len, seed=r)
+                                      long_len=long_len, seed=r, drain_long=drain_long)
             for kind in ("short", "long"):
                 ttfts[name][kind] += t[kind]
+            round_p99[name].append(percentile(t["short"], 0.99))
     out = {}
     for name, t in ttfts.items():
         short, long = t["short"], t["long"]
         out[name] = {"num_short": len(short), "p50_s": statistics.median(short), "p99_s": percentile(short, 0.99),
-                     "num_long": len(long), "long_p50_s": statistics.median(long) if long else None}
-    base = out["short_only"]["p99_s"]
+                     "num_long": len(long), "long_p50_s": statistics.median(long) if long else None,
+                     "round_p99_s": round_p99[name]}
+    base = out["short_only"]
     for row in out.values():
-        row["p99_vs_short_only"] = row["p99_s"] / base
+        row["p99_vs_short_only"] = row["p99_s"] / base["p99_s"]
+        row["round_p99_vs_short_only"] = [x / b for x, b in zip(row["round_p99_s"], base["round_p99_s"])]
+        row["median_round_p99_vs_short_only"] = statistics.median(row["round_p99_vs_short_only"])
     return out
 
 
@@ -153,10 +174,12 @@ def main(argv: list[str] | None = None) -> int:
               "settings": vars(a), "mixes": compare(make, duration_s=a.duration, interval_s=a.interval,
                                                     long_every=a.long_every, long_len=a.long_len,
                                                     threshold=a.threshold, cap=a.cap, repeats=a.repeats)}
-    print(f"{'mix':<18}{'short TTFT p50 ms':>18}{'p99 ms':>10}{'p99 / short only':>18}{'long TTFT p50 ms':>18}")
+    print(f"{'mix':<18}{'short TTFT p50 ms':>18}{'p99 ms':>10}{'p99 / short only':>18}"
+          f"{'median of rounds':>18}{'long TTFT p50 ms':>18}")
     for name, r in report["mixes"].items():
         lp = f"{r['long_p50_s'] * 1e3:.1f}" if r["long_p50_s"] is not None else "-"
-        print(f"{name:<18}{r['p50_s'] * 1e3:>18.1f}{r['p99_s'] * 1e3:>10.1f}{r['p99_vs_short_only']:>18.2f}{lp:>18}")
+        print(f"{name:<18}{r['p50_s'] * 1e3:>18.1f}{r['p99_s'] * 1e3:>10.1f}{r['p99_vs_short_only']:>18.2f}"
+              f"{r['median_round_p99_vs_short_only']:>18.2f}{lp:>18}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_tiering.json").write_text(json.dumps(report, indent=2))

@@ -120,14 +120,15 @@ class AdmissionPass:
         """Admit `req` if it can get its blocks (and a slot), preempting what
         `Scheduler.make_room` chooses; else set it aside. False: stop admitting."""
         s, plan, kv = self.sched, self.plan, self.sched.kv
+        longs = s.long_prefills
+        if longs.defers(req):  # the step's long-prefill cap is gone: it starts in a later step
+            self.deferred.append(req)
+            return True
+        is_long = longs.is_long(req)
         cached_blocks = kv.find_cached_prefix(req)
         num_computed = len(cached_blocks) * kv.block_size
         num_prefill = req.num_tokens - num_computed
-        longs = s.long_prefills
-        limit = longs.chunk(min(num_prefill, plan.budget)) if longs.is_long(req) else None
-        if limit == 0:  # the step's long-prefill cap is spent: it starts in a later step
-            self.deferred.append(req)
-            return True
+        limit = longs.chunk(min(num_prefill, plan.budget)) if is_long else None  # >= 1: the cap has some left
         reserve = s.reserve_tokens(req)
         tenant = req.share.tenant
         if tenant.max_kv_blocks is not None and (kv.num_blocks_held(tenant.name) + kv.table_growth(

@@ -17,7 +17,8 @@ step, over all long prefills together:
 
 So short arrivals lose at most `cap` tokens of each step to long prompts, and long
 prompts still advance by `cap` tokens every step (no starvation). The scheduler
-(scheduler.py) calls `start_step`, `is_long`, `chunk` and `spend`.
+(scheduler.py) calls `start_step`, `is_long`, `chunk` and `spend`; admission
+(admission.py) asks `defers` first.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ class LongPrefillCap:
     def is_long(self, req: Request) -> bool:
         """Tiering is on and the request's prefill covers more than the threshold."""
         return self.cap is not None and len(req.all_token_ids) > self.threshold
+
+    def defers(self, req: Request) -> bool:
+        """`req` is long and nothing is left of this step's cap: it waits for the next step
+        (counted in `num_capped_total`, as `chunk` counts a cut). Admission asks this before
+        its prefix lookup, since a backlog of long prompts is passed over every step."""
+        if self.cap is not None and self.left <= 0 and self.is_long(req):
+            self.num_capped_total += 1
+            return True
+        return False
 
     def chunk(self, num_new: int) -> int:
         """A long prefill's chunk of up to `num_new` tokens under what is left of the cap
