@@ -27,7 +27,8 @@ def test_short_ttft_p99_under_the_long_prefill_cap_is_within_2x_of_short_prompts
     torch.set_num_threads(1)  # as a worker's engine with a neighbour on the cores (its thread budget)
     try:
         # cap 16 tokens a step. The ratio is paired: each round runs both streams back to back and
-        # divides the two p99s; the median of 7 rounds is asserted. Here 0.8-1.4x; the p99 pooled over
+        # divides the two p99s; the median of 7 rounds is asserted: 1.13-1.56x in five runs on the 2-core
+        # box (2026-12-04), single rounds 0.5-3.7x, the short-only p99 alone 7-28 ms. The p99 pooled over
         # the rounds, asserted before, failed 5 times after the suite's 25 minutes of other tests
         # (2.01-2.58x, once 8.23x: long_mix_cap 233 ms against 28 ms) and never alone: one stall of a few
         # hundred ms in one stream decides a pooled p99. The long prompts queued when the last short one
