@@ -57,7 +57,8 @@ def tiny_checkpoint(arch: str) -> Path:
 # `--dist loadfile` (files handed out in collection order) starts them while the rest of
 # the suite runs beside them, instead of last as a tail one worker runs alone (measured
 # on a 2-core box: the gpu_check smoke, 250-310 s of one core, started last and ran alone
-# for its last ~5 minutes of a 27-minute phase).
+# for its last ~5 minutes of a 27-minute phase; 120 s alone since its engine runs stay
+# under the split-K context, 268 s in the suite before that).
 LONG_POLES = ("tests/kernels/test_gpu_check.py",)
 
 

@@ -220,10 +220,19 @@ def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
         def update(self, n):
             pass
 
+    max_model_len = None
     if device == "cpu":  # the smoke run: graphs replay emulated (worker.model.graphs), the same steps but the capture
         from worker.engine import compile as compile_rules
 
         compile_rules.emulate_graphs_on_cpu()
+        # A graph's decode attention is fixed at capture for the longest context: at the tiny model's 1024
+        # it is split in 4 (flash-decoding) and the interpreter ran 4 programs per (sequence, KV head),
+        # 3 of them empty, in every replay (57% of this run); under SPLIT_MIN_CONTEXT, one. The split
+        # path is checked by decode_attention_long_context here and tests/kernels/test_triton_attention.py.
+        from worker.model.kernels.triton_attn import SPLIT_MIN_CONTEXT
+
+        max_model_len = SPLIT_MIN_CONTEXT // 2
+        out["max_model_len"] = max_model_len
     ids = {}
     # "triton": asynchronous steps (the CUDA default: scheduled one ahead, sampled ids fed on
     # the device) and decode graphs (the CUDA default), forced so the CPU smoke run takes the
@@ -236,7 +245,7 @@ def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
         forward, t0 = [], time.time()
         try:
             secs, ids[name] = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend, async_steps,
-                                           compile_mode=compiled, cuda_graphs=graphs,
+                                           compile_mode=compiled, cuda_graphs=graphs, max_model_len=max_model_len,
                                            on_engine=lambda e, seen=forward: seen.append(e.compile_report.describe()))
         except Exception as e:  # one mode that breaks (a first GPU) must not lose the others' figures
             out[name] = {"error": _error(e), "forward": forward[0] if forward else None}
