@@ -135,6 +135,29 @@ def test_greedy_ids_equal_inflights_engine_and_each_request_finishes_once(driver
         assert "".join(o.text for o in outs) == driver.client.tokenizer.decode(ids)  # our detokenizer, in order
 
 
+def test_prefix_cache_hits_are_reported_in_usage_as_on_our_engine(vllm_llama_path, vllm_python):
+    """vLLM's prefix cache (on here): a prompt that repeats one already run reports the
+    prompt tokens vLLM's cache served, whole blocks of vLLM's size, in its usage
+    (`cached_prompt_tokens`), as our engine reports its own hits; the first reports 0."""
+    cfg = vllm_config(vllm_python)
+    cfg = EngineConfig(model=cfg.model, serving_tuning=ServingTuning(max_running_requests=MAX_RUNNING,
+                                                                     max_total_tokens=4096))
+    rec = Recorder()
+    d = Driver(ProcessEngineClient(VllmEngine(str(vllm_llama_path), cfg, vllm_python), cfg.serving_tuning, rec,
+                                   log_level="WARNING"))
+    try:
+        prompt = [(13 * j) % 480 + 5 for j in range(300)]
+        d.submit(greedy("first", prompt, 2))
+        d.wait(lambda: d.finished("first"))
+        d.submit(greedy("again", prompt + [7, 8, 9], 2))
+        d.wait(lambda: d.finished("again"))
+        block_size = rec.steps[-1].kv.block_size
+        assert d.outputs["first"][-1].usage.cached_prompt_tokens == 0
+        assert d.outputs["again"][-1].usage.cached_prompt_tokens == len(prompt) // block_size * block_size > 0
+    finally:
+        d.stop()
+
+
 def test_a_cancel_ends_the_request_and_frees_its_kv_within_two_steps(driver, recorder):
     driver.submit(greedy("long", [5, 6, 7, 8], 900))
     driver.wait(lambda: len(driver.outputs.get("long", [])) >= 3)

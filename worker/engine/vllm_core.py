@@ -105,13 +105,15 @@ _FINISH = {0: FinishReason.STOP, 1: FinishReason.LENGTH, 2: FinishReason.CANCELL
 class _Track:
     """What our outputs report of one request that vLLM does not keep for us."""
 
-    __slots__ = ("arrival_time", "first_scheduled_time", "first_token_time", "num_preemptions", "vllm_id")
+    __slots__ = ("arrival_time", "first_scheduled_time", "first_token_time", "num_cached_tokens", "num_preemptions",
+                 "vllm_id")
 
     def __init__(self, arrival_time: float, vllm_id: str) -> None:
         self.arrival_time = arrival_time
         self.vllm_id = vllm_id
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.num_cached_tokens = 0  # prompt tokens vLLM's prefix cache served at first admission
         self.num_preemptions = 0
 
 
@@ -244,6 +246,8 @@ class VllmCore:
                         preemptions += 1
                 if o.new_token_ids and track.first_token_time is None:
                     track.first_token_time = now
+                if o.prefill_stats is not None:  # on its first output only: its first admission's prefill
+                    track.num_cached_tokens = o.prefill_stats.num_cached_tokens
                 lps = logprobs(o.new_logprobs, len(o.new_token_ids))
                 if o.finish_reason is None:
                     outputs.append(EngineCoreOutput(rid, list(o.new_token_ids), lps,
@@ -264,7 +268,7 @@ class VllmCore:
         track = self._requests.pop(rid)
         self._ours.pop(track.vllm_id, None)
         times = RequestTimes(track.arrival_time, track.first_scheduled_time, track.first_token_time, time.time())
-        return EngineCoreOutput(rid, new_ids, lps, reason, 0, track.num_preemptions, times)
+        return EngineCoreOutput(rid, new_ids, lps, reason, track.num_cached_tokens, track.num_preemptions, times)
 
     def kv_stats(self) -> KVStats:
         """Blocks of vLLM's cache: vLLM's free count includes cached (evictable) blocks,
