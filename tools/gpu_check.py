@@ -201,7 +201,7 @@ def prefill_tflops(device: str, smoke: bool) -> list[dict]:
 
 
 def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
-    """The engine runs of part 4 (module docstring); `on_progress(out)` after each finished run."""
+    """The engine runs of part 4 (module docstring); `on_progress(out)` after each run, finished or failed."""
     from tools.bench.engine import agreement, run_inflight
     from tools.bench.harness import DEFAULT_MODEL, GPU_MODEL, ensure_model
     from tools.bench.workloads import make_workload
@@ -249,6 +249,7 @@ def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
                                            on_engine=lambda e, seen=forward: seen.append(e.compile_report.describe()))
         except Exception as e:  # one mode that breaks (a first GPU) must not lose the others' figures
             out[name] = {"error": _error(e), "forward": forward[0] if forward else None}
+            on_progress(out)
             continue
         finally:
             _free(device)
