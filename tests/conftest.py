@@ -23,8 +23,9 @@ import torch
 from worker.engine import compile as compile_rules
 
 # the per-test timeout's dump of what a hung test waited on (tests/timeouts.py); pytester
-# runs a pytest inside a test (tests/unit/test_timeouts.py)
-pytest_plugins = ["tests.timeouts", "pytester"]
+# runs a pytest inside a test (tests/unit/test_timeouts.py); each test's CPU seconds listed at
+# the end (tests/cpu_time.py)
+pytest_plugins = ["tests.timeouts", "tests.cpu_time", "pytester"]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

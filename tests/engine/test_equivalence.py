@@ -12,6 +12,7 @@ compiled, padded to the graph sizes.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -30,6 +31,15 @@ def reference(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+@functools.cache
+def references(path: str, seed: int) -> dict[str, list[int]]:
+    """transformers' greedy ids of each request of `staggered_workload(seed)` run alone,
+    made once per checkpoint: the six cases of an architecture share them (its file's tests
+    run in one process, pytest-xdist's `--dist loadfile`)."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return {rid: reference(hf, prompt, max_tokens) for rid, prompt, max_tokens, _ in staggered_workload(seed)}
+
+
 def staggered_workload(seed: int, n: int = 24, vocab: int = 512):
     rng = random.Random(seed)
     shared = [rng.randrange(1, vocab) for _ in range(40)]  # some requests share a prefix (prefix cache)
@@ -43,6 +53,8 @@ def staggered_workload(seed: int, n: int = 24, vocab: int = 512):
         reqs.append((f"r{i}", prompt, max_tokens, rng.randrange(0, 40)))  # (id, prompt, max_tokens, add at step)
     return reqs
 
+
+SEED = 1234
 
 CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs)
     ("optimistic", False, "off", False), ("optimistic", True, "off", False), ("reserve", False, "off", True),
@@ -91,7 +103,7 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
         return real_build(sched)
 
     engine.runner.build_metadata = spy
-    work = staggered_workload(seed=1234)
+    work = staggered_workload(seed=SEED)
     tenant = {rid: f"t{i % 3}" for i, (rid, *_) in enumerate(work)}
     tokens: dict[str, list[int]] = {rid: [] for rid, *_ in work}
     finals = {}
@@ -119,10 +131,10 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
     if graphs:  # decode steps of several batch sizes replayed, some padded
         assert len(set(replayed)) >= 4 and {3, 5, 6, 7} & set(replayed), sorted(set(replayed))
 
-    hf = AutoModelForCausalLM.from_pretrained(str(any_arch_path), dtype=torch.float32, attn_implementation="sdpa").eval()
+    refs = references(str(any_arch_path), SEED)
     mismatches = []
     for rid, prompt, max_tokens, _ in work:
-        ref = reference(hf, prompt, max_tokens)
+        ref = refs[rid]
         if tokens[rid] != ref:
             mismatches.append((rid, len(prompt), max_tokens, ref[:8], tokens[rid][:8]))
         assert finals[rid].usage.completion_tokens == len(tokens[rid])
