@@ -85,9 +85,13 @@ def test_worker_start_on_a_fresh_broker_and_a_rebalance_log_no_warning_or_error(
         subprocess.run([devstack, "up"], env=stack_env, cwd=ROOT, check=True, capture_output=True, timeout=180)
         first = WorkerProcess(worker_env)  # at once: the broker has no __consumer_offsets yet
         workers.append(first)
+        # "partitions assigned" can come before the start ends; a SIGTERM then is another
+        # test's case (tests/unit/test_stopping.py): here both starts end first
+        first.wait_for("worker started", START_S)
         first.wait_for("partitions assigned", START_S)
         second = WorkerProcess(worker_env)
         workers.append(second)
+        second.wait_for("worker started", START_S)
         second.wait_for("partitions assigned", START_S)
         first.wait_for("partitions revoked", 30)
     finally:

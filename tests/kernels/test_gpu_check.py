@@ -9,20 +9,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The suite's one test over the 300 s default (pyproject.toml): 52 CPU-s alone on a fast
+# 2-core box (2026-12-04: 56 s wall, the engine runs 40 s of it, the compiled one 21 s),
+# 185 s in the suite on a slower one, past 300 s in a CI run on a slower one still. The
+# script gets `SCRIPT_S`: when it is cut there, the failure shows the parts it finished
+# (its progress lines) instead of the suite's timeout dump.
+SCRIPT_S = 540
+
+
+@pytest.mark.timeout(SCRIPT_S + 60)
 def test_gpu_check_smoke(tmp_path, llama_path):
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.gpu_check", "--smoke", "--model", str(llama_path), "--num-requests", "3",
-         "--scale", "16", "--max-batch", "4", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    args = [sys.executable, "-m", "tools.gpu_check", "--smoke", "--model", str(llama_path), "--num-requests", "3",
+            "--scale", "16", "--max-batch", "4", "--out", str(tmp_path)]
+    try:
+        proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SCRIPT_S)
+    except subprocess.TimeoutExpired as e:
+        partial = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"tools.gpu_check --smoke did not end within {SCRIPT_S} s; its progress:\n{partial[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["all_correct"] and report["correctness"]

@@ -15,7 +15,7 @@ import pytest
 import structlog
 
 from worker.obs import stopping
-from worker.obs.stopping import stop_within
+from worker.obs.stopping import start_unless_stopped, stop_within
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,6 +178,81 @@ def test_the_worker_closes_in_bounded_time_with_components_that_never_stop(monke
     steps, took = timed(main())
     assert steps == ["worker: final offset commit", "worker: Redis connections"]
     assert took < 5
+
+
+def test_a_start_that_completes_or_fails_before_a_stop_is_reported_as_such():
+    async def ok():
+        return None
+
+    async def fails():
+        raise ConnectionError("no broker")
+
+    assert timed(start_unless_stopped(ok(), asyncio.Event(), "worker"))[0] is True
+    with pytest.raises(ConnectionError, match="no broker"):
+        timed(start_unless_stopped(fails(), asyncio.Event(), "worker"))
+
+
+@pytest.mark.parametrize("swallow", [False, True], ids=["unwinds", "swallows-its-cancellation"])
+def test_a_stop_during_the_start_cancels_the_start(monkeypatch, swallow):
+    monkeypatch.setattr(stopping, "START_UNWIND_S", 0.3)
+    monkeypatch.setattr(stopping, "CANCEL_GRACE_S", 0.1)
+
+    async def main():
+        stop = asyncio.Event()
+        start = asyncio.ensure_future(forever(swallow=swallow))
+        asyncio.get_running_loop().call_later(0.1, stop.set)
+        with structlog.testing.capture_logs() as logs:
+            started = await start_unless_stopped(start, stop, "worker")
+        return started, start.done(), [line["event"] for line in logs]
+
+    (started, start_done, events), took = timed(main())
+    assert started is False and start_done is not swallow  # a start that will not unwind is left behind
+    assert events[0] == "stop requested during start; cancelling the start"
+    assert took < 0.1 + 0.3 + 0.1 + 1.0
+    if swallow:
+        assert events[-1] == "stop step did not end within its bound; left behind"
+
+
+@pytest.mark.parametrize("component", ["worker", "gateway"])
+def test_sigterm_during_a_start_that_never_ends_stops_the_process_cleanly(monkeypatch, tmp_path, component):
+    """The signal handlers are in place before the start: SIGTERM while the model loads (here:
+    a start that never returns) cancels the start and runs the close, instead of the default
+    action killing the process half-started (exit -15, nothing closed)."""
+    import os
+    import signal
+
+    closed = []
+    if component == "worker":
+        from tests.integration.conftest import worker_config
+        from worker.serve.worker import Worker
+
+        app = Worker(worker_config(("127.0.0.1:1", "redis://127.0.0.1:1/0"), "p", metrics={"port": None}))
+        monkeypatch.setattr(app, "close", lambda: _record(closed))
+    else:
+        from tests.integration.gateway_helpers import gateway_config
+        from worker.gateway.app import Gateway
+
+        app = Gateway(gateway_config(("127.0.0.1:1", "redis://127.0.0.1:1/0"), "p", tmp_path))
+        monkeypatch.setattr(app, "stop", lambda: _record(closed))
+    monkeypatch.setattr(app, "start", lambda: forever(swallow=False))
+
+    def unhandled(*_):  # the app had not put its handler in place: fail here, not by a killed pytest
+        raise AssertionError("SIGTERM during the start reached the process's own handler")
+
+    async def main():
+        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
+        await app.run()
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        _, took = timed(main())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert closed == [True] and took < 5
+
+
+async def _record(seen: list) -> None:
+    seen.append(True)
 
 
 def _scaled(fn, factor: float):

@@ -39,7 +39,7 @@ from worker.gateway.metrics import GatewayMetrics
 from worker.gateway.render import TokenText
 from worker.gateway.tracing import tracing_middleware
 from worker.obs.metrics import exposition
-from worker.obs.stopping import stop_within
+from worker.obs.stopping import start_unless_stopped, stop_within
 from worker.obs.tracing import setup_tracing
 
 log = structlog.get_logger(__name__)
@@ -141,7 +141,8 @@ class Gateway:
         try:
             await web.TCPSite(self._runner, g.host, g.port, reuse_address=True).start()
         except OSError as e:
-            await self._runner.cleanup()
+            runner, self._runner = self._runner, None  # stop() has no server to clean up
+            await runner.cleanup()
             raise ConfigError(f"gateway.port {g.port} on {g.host} cannot be bound ({e.strerror})") from None
         self.port = self._runner.addresses[0][1]
         self._created = int(time.time())
@@ -167,14 +168,16 @@ class Gateway:
                               f"inflight topics create {how}")
 
     async def run(self, install_signals: bool = True) -> None:
-        """Start, serve until SIGTERM/SIGINT (or `request_stop`), then stop."""
-        await self.start()
-        if install_signals:
+        """Start, serve until SIGTERM/SIGINT (or `request_stop`), then stop. A stop requested
+        during the start cancels the start (`worker.obs.stopping.start_unless_stopped`); a
+        start that fails stops what it built before the error propagates."""
+        if install_signals:  # before the start: a SIGTERM while the brokers answer slowly stops the start
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
         try:
-            await self._stop.wait()
+            if await start_unless_stopped(self.start(), self._stop, "gateway"):
+                await self._stop.wait()
         finally:
             await self.stop()
 

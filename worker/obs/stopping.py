@@ -25,6 +25,8 @@ log = structlog.get_logger(__name__)
 
 CANCEL_GRACE_S = 1.0  # after the cancel, how long a step may take to unwind, seconds
 
+START_UNWIND_S = 10.0  # a start cancelled by a stop: how long it may take to unwind, seconds
+
 ABANDONED: set[asyncio.Task] = set()  # steps left running past their bound (kept referenced)
 
 
@@ -66,6 +68,46 @@ async def stop_within(what: str, aw: Awaitable[Any], timeout_s: float) -> bool:
         log.warning("stop step failed; stopping anyway", step=what, error=f"{type(exc).__name__}: {exc}"[:300])
         return False
     return True
+
+
+async def start_unless_stopped(start: Awaitable[Any], stop: asyncio.Event, what: str) -> bool:
+    """Await `start` unless `stop` is set first; then cancel it and wait for it to unwind.
+
+    The worker and the gateway install their SIGTERM/SIGINT handlers (which set `stop`)
+    before they start, so a stop that arrives during a slow start (a model load, a broker
+    still electing its coordinator: Kubernetes sends SIGTERM whenever a rollout or a scale-in
+    decides) ends the start and lets the caller close what it built, instead of the
+    signal's default action killing the process half-started. An unwind that takes longer
+    than `START_UNWIND_S` is left behind, as in `stop_within` (a model load in a thread runs
+    to its end there; the process exits after it).
+
+    Returns:
+        True when `start` completed, False when `stop` came first (the caller closes).
+
+    Raises:
+        the exception `start` raised, when it failed before `stop` was set.
+    """
+    task = asyncio.ensure_future(start)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if task.done():
+        task.result()
+        return True
+    log.info("stop requested during start; cancelling the start", component=what)
+    await stop_within(f"{what}: cancel the start", _cancelled(task), START_UNWIND_S)
+    return False
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    """Cancel `task` and wait for it; whatever it ends with is swallowed (the start is abandoned)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _retrieve(task: asyncio.Task) -> None:

@@ -34,7 +34,7 @@ from worker.engine.gc_tuning import tune_gc
 from worker.engine.vllm_spec import engine_spec as engine_spec_for
 from worker.obs.metrics import Metrics
 from worker.obs.stacks import task_stacks
-from worker.obs.stopping import stop_within
+from worker.obs.stopping import start_unless_stopped, stop_within
 from worker.obs.tracing import setup_tracing
 from worker.security.kafka import kafka_security_kwargs, stop_client
 from worker.security.probe import verify_access
@@ -192,21 +192,26 @@ class Worker:
         self._stop_requested.set()
 
     async def run(self, install_signals: bool = True) -> None:
-        """Start, serve until SIGTERM/SIGINT (or `request_stop`), drain, close.
+        """Start, serve until SIGTERM/SIGINT (or `request_stop`), drain, close. A stop
+        requested during the start cancels the start and closes what it built
+        (`worker.obs.stopping.start_unless_stopped`).
 
         Raises:
             the exception that stopped the worker (engine failure, RedisUnavailable).
         """
-        try:
-            await self.start()
-        except BaseException:
-            await self.close()  # whatever started (the engine process, consumers) stops too
-            raise
-        if install_signals:
+        if install_signals:  # before the start: a SIGTERM while the model loads stops the start
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(signal.SIGUSR1, self.dump_tasks)
+        try:
+            started = await start_unless_stopped(self.start(), self._stop_requested, "worker")
+        except BaseException:
+            await self.close()  # whatever started (the engine process, consumers) stops too
+            raise
+        if not started:
+            await self.close()
+            return
         try:
             waiter = asyncio.create_task(self._stop_requested.wait())
             done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
