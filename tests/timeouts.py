@@ -155,16 +155,45 @@ def running_loops() -> list[tuple[object, str]]:
     return found
 
 
+PY_SPY_S = 20.0  # at most this long for the stacks of all child processes, seconds
+
+
 def children_lines() -> list[str]:
+    """The child processes still alive; for each Python one, every thread's stack from
+    `py-spy dump` (a dev dependency; where it is missing or cannot attach, the line
+    says so) — a worker process or a script the test waits on, seen from outside."""
     try:
         import psutil
     except ImportError:
         return []
-    lines = []
+    lines, num = [], 0
+    deadline = time.monotonic() + PY_SPY_S
     for child in psutil.Process().children(recursive=True):
         try:
+            cmd = child.cmdline()
             lines.append(f"child process {child.pid} ({child.status()}, up {time.time() - child.create_time():.0f} s): "
-                         f"{' '.join(child.cmdline())[:300]}")
+                         f"{' '.join(cmd)[:300]!r}")
         except psutil.Error:
             continue
-    return [f"child processes: {len(lines)}", *("  " + ln for ln in lines)]
+        num += 1
+        if cmd and "python" in os.path.basename(cmd[0]):
+            lines += ["  " + ln for ln in py_spy_dump(child.pid, deadline - time.monotonic())]
+    return [f"child processes: {num}", *("  " + ln for ln in lines)]
+
+
+def py_spy_dump(pid: int, timeout_s: float) -> list[str]:
+    """`py-spy dump --pid PID` (the Python stack of each of its threads) as lines, or one line saying why not."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if exe is None:
+        return ["(no py-spy to read its stacks)"]
+    if timeout_s <= 0:
+        return ["(stacks not read: the dump's time for them is spent)"]
+    try:
+        proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [f"(py-spy dump did not end within {timeout_s:.0f} s)"]
+    out = (proc.stdout if proc.returncode == 0 else f"(py-spy dump failed: {proc.stderr.strip()[:300]})")
+    return out.rstrip().splitlines()[:200]

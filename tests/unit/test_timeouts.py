@@ -76,3 +76,26 @@ def test_a_stop_that_swallows_its_cancellation_ends_the_process_after_the_grace(
     assert out.count("StuckGateway.stop") >= 2  # named in both dumps
     assert " passed" not in out  # the process ended: the next test never ran
     assert took < 60
+
+
+CHILD = '''
+import subprocess, sys
+
+def test_waits_on_its_child():
+    code = "import time\\ndef child_waits_for_ever():\\n    time.sleep(600)\\nchild_waits_for_ever()"
+    subprocess.run([sys.executable, "-c", code], timeout=600)
+'''
+
+
+def test_the_dump_shows_the_stack_of_a_python_child_the_test_waits_on(pytester, monkeypatch):
+    """A test hung on a script or worker process: the dump has that process's own stack
+    (py-spy, a dev dependency), not only its command line."""
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    pytester.makepyfile(test_inner=CHILD)
+    pytester.makeini("[pytest]\ntimeout = 4\ntimeout_grace_s = 3\n")
+    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    result = pytester.runpytest_subprocess("-p", "tests.timeouts", "-p", "no:cacheprovider", timeout=120)
+    out = result.stdout.str()
+    result.assert_outcomes(failed=1)
+    child = out[out.index("child processes: 1"):]
+    assert "child_waits_for_ever (<string>:3)" in child, child[:3000]  # the child's frame, as py-spy reads it

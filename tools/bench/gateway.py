@@ -38,16 +38,11 @@ import uuid
 from pathlib import Path
 
 from tools.bench.connections import add_connection_args, connection_sections, worker_sections
-from tools.bench.harness import free_port
+from tools.bench.harness import free_port, percentile
 from tools.bench.pipeline import CpuSampler, prompt_ids, tuning_dict
 
 KEY = "sk-bench-gateway-key"
 TENANT = "bench"
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
 
 
 def write_configs(a, prefix: str, tmp: Path, worker: dict, gateway: dict) -> tuple[int, dict[str, str]]:
@@ -185,12 +180,12 @@ async def overhead(a, port: int, direct) -> dict:
         await asyncio.gather(*tasks)
     out = {"rate": a.rate, "duration_s": a.duration, "requests": i}
     for path, xs in got.items():
-        out[path] = {"n": len(xs), "p50_ms": pct(xs, 50) * 1e3, "p99_ms": pct(xs, 99) * 1e3}
-    out["direct"]["submit_p50_ms"] = pct(submits, 50) * 1e3
+        out[path] = {"n": len(xs), "p50_ms": percentile(xs, 50) * 1e3, "p99_ms": percentile(xs, 99) * 1e3}
+    out["direct"]["submit_p50_ms"] = percentile(submits, 50) * 1e3
     inside = [t["first_token"] for t in timing if "first_token" in t]
-    out["gateway"]["inside_p50_ms"] = pct(inside, 50) * 1e3  # the gateway's own submit -> first token
-    out["gateway"]["inside_p99_ms"] = pct(inside, 99) * 1e3
-    out["gateway"]["submit_p50_ms"] = pct([t["submit"] for t in timing if "submit" in t], 50) * 1e3
+    out["gateway"]["inside_p50_ms"] = percentile(inside, 50) * 1e3  # the gateway's own submit -> first token
+    out["gateway"]["inside_p99_ms"] = percentile(inside, 99) * 1e3
+    out["gateway"]["submit_p50_ms"] = percentile([t["submit"] for t in timing if "submit" in t], 50) * 1e3
     out["overhead_p50_ms"] = out["gateway"]["p50_ms"] - out["direct"]["p50_ms"]
     out["overhead_p99_ms"] = out["gateway"]["p99_ms"] - out["direct"]["p99_ms"]
     return out

@@ -93,13 +93,22 @@ def write_report(report: dict, out_dir: str | Path, name: str) -> Path:
     return out
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The `q`-th percentile (0-100) of `values`, linear interpolation between the two
+    nearest ranks (numpy's default method); NaN for no values. The one percentile of
+    the benchmarks: every figure they report (`percentiles`, the tiering rounds, the
+    gateway's paths) comes from here."""
+    if not values:
+        return float("nan")
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
 def percentiles(values: list[float]) -> dict | None:
-    """{p50, p95, p99, mean} (linear interpolation), or None for no values."""
+    """{p50, p95, p99, mean} (`percentile`), or None for no values."""
     if not values:
         return None
-    arr = np.asarray(values, dtype=float)
-    out = {f"p{p}": float(np.percentile(arr, p)) for p in PCTS}
-    out["mean"] = float(arr.mean())
+    out = {f"p{p}": percentile(values, p) for p in PCTS}
+    out["mean"] = float(np.mean(values))
     return out
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from schemas.params import SamplingParams
+from tools.bench.harness import percentile
 
 
 def short_ttft_stream(engine, *, duration_s: float, interval_s: float, long_every: int | None, short_len: int = 16,
@@ -119,12 +120,6 @@ def warm_up(engine, long_len: int, vocab: int = 500) -> None:
     engine.generate([[1 + i % (vocab - 1) for i in range(n)] for n in (16, long_len)], params)
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """The q-quantile (0..1) of `xs`, nearest rank."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * len(s)) - 1))]
-
-
 def compare(make_engine: Callable[..., object], *, duration_s: float, interval_s: float, long_every: int,
             long_len: int, threshold: int, cap: int, repeats: int = 1,
             only: tuple[str, ...] = ("short_only", "long_mix_no_cap", "long_mix_cap"), drain_long: bool = True,
@@ -155,11 +150,11 @@ def compare(make_engine: Callable[..., object], *, duration_s: float, interval_s
                                       long_len=long_len, seed=r, drain_long=drain_long, clock=clock)
             for kind in ("short", "long"):
                 ttfts[name][kind] += t[kind]
-            round_p99[name].append(percentile(t["short"], 0.99))
+            round_p99[name].append(percentile(t["short"], 99))
     out = {}
     for name, t in ttfts.items():
         short, long = t["short"], t["long"]
-        out[name] = {"num_short": len(short), "p50_s": statistics.median(short), "p99_s": percentile(short, 0.99),
+        out[name] = {"num_short": len(short), "p50_s": statistics.median(short), "p99_s": percentile(short, 99),
                      "num_long": len(long), "long_p50_s": statistics.median(long) if long else None,
                      "round_p99_s": round_p99[name]}
     base = out["short_only"]
