@@ -82,9 +82,10 @@ class AdmissionPass:
 
     def run(self) -> None:
         """Admit while the budget lasts; the requests passed over wait again, in place."""
-        s, plan = self.sched, self.plan
+        s, plan, longs = self.sched, self.plan, self.sched.long_prefills
         while plan.budget > 0:
-            found = pick_next(s.classes, self.excluded, s.effective_rank)
+            # once the step's long-prefill cap is spent, the long prompts waiting are passed over together
+            found = pick_next(s.classes, self.excluded, s.effective_rank, skip_long=longs.is_spent)
             if found is None:
                 break
             req, rank = found
@@ -106,6 +107,8 @@ class AdmissionPass:
             s.pop_waiting(req)  # before any victim is requeued (aging can rank a victim ahead of it)
             if not self._try(req, rank):
                 break
+        if longs.is_spent and plan.budget > 0:
+            longs.passed_over(sum(cq.num_waiting_long for cq in s.classes))
         for req in self.skipped + self.over_quota + self.deferred:
             s.push_waiting(req)
 

@@ -110,18 +110,30 @@ class Tenant:
 
 
 class TenantQueue:
-    """One tenant inside one priority class: its waiting requests (heap by arrival), its
-    running requests and its virtual token counter (weighted tokens / weight)."""
+    """One tenant inside one priority class: its waiting requests (two heaps by arrival:
+    short prompts, and long ones when prompt-length tiering is on, so a step whose
+    long-prefill cap is spent passes over the long ones without visiting them), its running
+    requests and its virtual token counter (weighted tokens / weight)."""
 
-    __slots__ = ("tenant", "counter", "prefill_cost", "decode_cost", "waiting", "running")
+    __slots__ = ("tenant", "counter", "prefill_cost", "decode_cost", "waiting", "waiting_long", "running")
 
     def __init__(self, tenant: Tenant, counter: float, tuning: ServingTuning) -> None:
         self.tenant = tenant
         self.counter = counter
         self.prefill_cost = tuning.fair_prefill_weight / tenant.weight
         self.decode_cost = tuning.fair_decode_weight / tenant.weight
-        self.waiting: list[tuple[int, Request]] = []
+        self.waiting: list[tuple[int, Request]] = []  # (arrival_seq, request), a heap
+        self.waiting_long: list[tuple[int, Request]] = []  # the long prompts (tiering.LongPrefillCap.is_long)
         self.running: dict[str, Request] = {}  # by request id; written by the Scheduler
+
+    def head(self, skip_long: bool) -> tuple[int, Request] | None:
+        """(arrival_seq, request) of the earliest waiting request; with `skip_long`, of the
+        earliest short one. None if there is none."""
+        short = self.waiting[0] if self.waiting else None
+        if skip_long or not self.waiting_long:
+            return short
+        long = self.waiting_long[0]
+        return long if short is None or long[0] < short[0] else short
 
     @property
     def share(self) -> float:
@@ -129,7 +141,8 @@ class TenantQueue:
         return len(self.running) / self.tenant.weight
 
     def __repr__(self) -> str:
-        return (f"TenantQueue({self.tenant.name!r}, counter={self.counter:.1f}, waiting={len(self.waiting)}, "
+        return (f"TenantQueue({self.tenant.name!r}, counter={self.counter:.1f}, "
+                f"waiting={len(self.waiting) + len(self.waiting_long)}, "
                 f"running={len(self.running)})")
 
 
@@ -140,16 +153,21 @@ class ClassQueue:
         priority: the class (Priority value).
         tuning: weights and `fair_share`; with `fair_share` off, Pick takes the class's
             earliest waiting request (arrival order) and nothing is charged.
+        is_long: whether a request waits among its tenant's long prompts (prompt-length
+            tiering's rule, `tiering.LongPrefillCap.is_long`); none are long by default.
     """
 
-    def __init__(self, priority: int, tuning: ServingTuning) -> None:
+    def __init__(self, priority: int, tuning: ServingTuning,
+                 is_long: Callable[[Request], bool] = lambda req: False) -> None:
         self.priority = priority
+        self.is_long = is_long
         self.tuning = tuning
         self.fair = tuning.fair_share
         self.active: dict[str, TenantQueue] = {}  # tenants with a waiting or running request here
         self.backlogged: dict[str, TenantQueue] = {}  # those with a waiting request that has not started
         self.preempted: list[tuple[int, Request]] = []  # heap by arrival: preempted requests, resumed first
         self.num_waiting = 0
+        self.num_waiting_long = 0  # of them, in their tenants' long-prompt heaps
         # tenant -> (counter, lag behind the least of the others, step) when it left
         self._departed: OrderedDict[str, tuple[float, float, int]] = OrderedDict()
         self._floor = 0.0  # largest counter a tenant left with: the lift when none is active
@@ -168,7 +186,7 @@ class ClassQueue:
 
     def leave_if_idle(self, tq: TenantQueue, step: int) -> None:
         """Deactivate a tenant with nothing waiting or running here; remember its counter."""
-        if tq.running or tq.waiting or self.active.get(tq.tenant.name) is not tq:
+        if tq.running or tq.waiting or tq.waiting_long or self.active.get(tq.tenant.name) is not tq:
             return
         del self.active[tq.tenant.name]
         lag = min(0.0, tq.counter - min(q.counter for q in self.active.values())) if self.active else 0.0
@@ -184,7 +202,11 @@ class ClassQueue:
             self.num_waiting += 1
             return
         tq = req.share
-        heapq.heappush(tq.waiting, (req.arrival_seq, req))
+        if self.is_long(req):
+            heapq.heappush(tq.waiting_long, (req.arrival_seq, req))
+            self.num_waiting_long += 1
+        else:
+            heapq.heappush(tq.waiting, (req.arrival_seq, req))
         self.backlogged[tq.tenant.name] = tq
         self.num_waiting += 1
 
@@ -197,11 +219,10 @@ class ClassQueue:
             self.num_waiting -= 1
             return
         tq = req.share
-        popped = heapq.heappop(tq.waiting)[1]
+        heap = tq.waiting_long if tq.waiting_long and tq.waiting_long[0][1] is req else tq.waiting
+        popped = heapq.heappop(heap)[1]
         assert popped is req, (popped, req)
-        if not tq.waiting:
-            del self.backlogged[tq.tenant.name]
-        self.num_waiting -= 1
+        self._left(tq, heap)
 
     def remove(self, req: Request) -> None:
         """Drop a waiting request that ended (abort, deadline) from anywhere in its queue."""
@@ -209,17 +230,27 @@ class ClassQueue:
             self.pop(req)
             return
         tq = req.share
-        tq.waiting.remove((req.arrival_seq, req))
-        heapq.heapify(tq.waiting)
-        if not tq.waiting:
+        entry = (req.arrival_seq, req)
+        heap = tq.waiting_long if entry in tq.waiting_long else tq.waiting
+        heap.remove(entry)
+        heapq.heapify(heap)
+        self._left(tq, heap)
+
+    def _left(self, tq: TenantQueue, heap: list[tuple[int, Request]]) -> None:
+        """A request left `heap` of `tq`: the counts, and the tenant is no longer backlogged if that was its last."""
+        if heap is tq.waiting_long:
+            self.num_waiting_long -= 1
+        if not (tq.waiting or tq.waiting_long):
             del self.backlogged[tq.tenant.name]
         self.num_waiting -= 1
 
-    def pick(self, excluded: set[Tenant]) -> tuple[Request, Request] | None:
+    def pick(self, excluded: set[Tenant], skip_long: bool = False) -> tuple[Request, Request] | None:
         """(next request: the earliest preempted one, else by Pick; earliest waiting
         request) over tenants not in `excluded`, or None if every waiting tenant is
-        excluded. The earliest request gives the class its aged rank. O(waiting tenants
-        + preempted requests)."""
+        excluded. The earliest request gives the class its aged rank. With `skip_long`
+        (the step's long-prefill cap is spent) the long prompts in the tenants' queues are
+        passed over, however many wait (a preempted one is still returned: admission
+        defers it). O(waiting tenants + preempted requests)."""
         best = oldest = None
         best_counter = math.inf
         oldest_seq = math.inf
@@ -235,12 +266,15 @@ class ClassQueue:
         for tq in self.backlogged.values():
             if excluded and tq.tenant in excluded:
                 continue
-            seq, req = tq.waiting[0]
+            head = tq.head(skip_long)
+            if head is None:
+                continue
+            seq, req = head
             if seq < oldest_seq:
                 oldest_seq, oldest = seq, req
             if fair:
                 counter = tq.counter
-                if counter < best_counter or (counter == best_counter and _tie_first(tq, best)):
+                if counter < best_counter or (counter == best_counter and _tie_first(tq, seq, best)):
                     best_counter, best = counter, req
         if oldest is None:
             return None
@@ -310,17 +344,18 @@ class ClassQueue:
             left[v] -= 1
 
 
-def pick_next(classes: list[ClassQueue], excluded: set[Tenant],
-              rank_of: Callable[[Request], int]) -> tuple[Request, int] | None:
+def pick_next(classes: list[ClassQueue], excluded: set[Tenant], rank_of: Callable[[Request], int],
+              skip_long: bool = False) -> tuple[Request, int] | None:
     """The waiting request admission tries next and its rank: the class of best rank
     (`rank_of` its earliest waiting request, then that request's arrival), and in it the
-    request `ClassQueue.pick` chooses; None if no class has a request outside `excluded`."""
+    request `ClassQueue.pick` chooses (`skip_long`: passing over long prompts); None if
+    no class has a request outside `excluded`."""
     best: tuple[Request, int] | None = None
     best_key: tuple[int, int] | None = None
     for cq in classes:
         if not cq.num_waiting:
             continue
-        picked = cq.pick(excluded)
+        picked = cq.pick(excluded, skip_long)
         if picked is None:
             continue
         req, oldest = picked
@@ -340,8 +375,9 @@ def _yields(v: TenantQueue, num_running: int, tq: TenantQueue) -> bool:
     return share >= YIELD_SHARE_FACTOR * after or (share > after and v.counter - tq.counter >= YIELD_LAG)
 
 
-def _tie_first(tq: TenantQueue, other: Request) -> bool:
+def _tie_first(tq: TenantQueue, seq: int, other: Request) -> bool:
     """Between two tenants of equal counter, the one with fewer running requests per
-    weight goes first (a tenant just lifted to the level), then the earlier request."""
+    weight goes first (a tenant just lifted to the level), then the earlier request (`seq`:
+    the arrival of `tq`'s candidate)."""
     a, b = tq.share, other.share.share
-    return a < b or (a == b and tq.waiting[0][0] < other.arrival_seq)
+    return a < b or (a == b and seq < other.arrival_seq)

@@ -82,14 +82,14 @@ class Scheduler:
         self.loras = loras  # LoRA adapters: resident, pinned, loading (lora_slots.py); None: no LoRA
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # sorted by (effective_rank, arrival_seq)
-        self.classes = [ClassQueue(p, tuning) for p in Priority]
+        self.long_prefills = LongPrefillCap(tuning)
+        self.classes = [ClassQueue(p, tuning, self.long_prefills.is_long) for p in Priority]
         self.tenants: dict[str, Tenant] = {}  # tenants with a request here
         self.fair = tuning.fair_share
         self._kv_quotas = tuning.default_tenant.max_kv_blocks is not None or any(
             t.max_kv_blocks is not None for t in tuning.tenants.values())
         self.step_count = 0
         self.num_preemptions_total = 0
-        self.long_prefills = LongPrefillCap(tuning)
         self._num_freed = 0  # running requests that left the batch since the last schedule()
         self.copy_block_tables = False  # steps run ahead (EngineCore's asynchronous steps): snapshot tables
         self.may_yield = False  # this step: no slot freed since the last one (fair_share Yield)

@@ -12,8 +12,11 @@ step, over all long prefills together:
   - the prefill chunks of long requests share at most `cap` tokens per step, running
     requests' chunks first (rank order), then admissions;
   - a long request that gets nothing this step waits: a running one keeps its blocks, a
-    waiting one goes back to its queue without counting an admission skip, and short
+    waiting one stays in its queue without counting an admission skip, and short
     requests are admitted past it (it has the cap, in rank order, on the next step).
+    Long prompts wait in their own heap in each tenant's queue (fair_share.py), so once
+    the cap is spent admission passes over all of them at once, not one by one: the
+    step's admission does not grow with the long backlog (`tools.bench.admission`).
 
 So short arrivals lose at most `cap` tokens of each step to long prompts, and long
 prompts still advance by `cap` tokens every step (no starvation). The scheduler
@@ -45,14 +48,25 @@ class LongPrefillCap:
         """Tiering is on and the request's prefill covers more than the threshold."""
         return self.cap is not None and len(req.all_token_ids) > self.threshold
 
+    @property
+    def is_spent(self) -> bool:
+        """Tiering is on and nothing is left of this step's cap: admission passes over the
+        long prompts waiting in their tenants' queues (`fair_share.ClassQueue.pick`)."""
+        return self.cap is not None and self.left <= 0
+
     def defers(self, req: Request) -> bool:
         """`req` is long and nothing is left of this step's cap: it waits for the next step
-        (counted in `num_capped_total`, as `chunk` counts a cut). Admission asks this before
-        its prefix lookup, since a backlog of long prompts is passed over every step."""
-        if self.cap is not None and self.left <= 0 and self.is_long(req):
+        (counted in `num_capped_total`, as `chunk` counts a cut). For the requests admission
+        still picks past a spent cap: preempted ones, which wait in their class's own heap."""
+        if self.is_spent and self.is_long(req):
             self.num_capped_total += 1
             return True
         return False
+
+    def passed_over(self, num_waiting_long: int) -> None:
+        """Admission ended with budget left while the cap was spent: the `num_waiting_long`
+        long prompts waiting were deferred by the cap (counted as `defers` counts one)."""
+        self.num_capped_total += num_waiting_long
 
     def chunk(self, num_new: int) -> int:
         """A long prefill's chunk of up to `num_new` tokens under what is left of the cap
