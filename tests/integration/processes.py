@@ -56,9 +56,11 @@ def reap(grace_s: float = 20.0) -> list[str]:
 
 
 def spawn_worker(tmp_path: Path, cfg, worker_id: str, command: tuple[str, ...] = ("worker", "worker"),
-                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+                 extra: tuple[str, ...] = (), new_session: bool = False) -> tuple[subprocess.Popen, Path]:
     """`python -m <command> --config <cfg as YAML> <extra>` in its own process, stderr to a
-    log file; `command` defaults to the CLI's `inflight worker`."""
+    log file; `command` defaults to the CLI's `inflight worker`. `new_session`: the
+    process leads a process group of its own (with the processes it starts), which a
+    test may signal as a whole (`os.killpg(proc.pid, sig)`)."""
     data = msgspec.to_builtins(cfg)
     data["worker"]["worker_id"] = worker_id
     path = tmp_path / f"{worker_id}.yaml"
@@ -67,7 +69,7 @@ def spawn_worker(tmp_path: Path, cfg, worker_id: str, command: tuple[str, ...] =
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as err:  # the child keeps its own copy of the descriptor
         proc = spawn([sys.executable, "-m", *command, "--config", str(path), *extra],
-                     stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
+                     stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT, start_new_session=new_session)
     return proc, log
 
 

@@ -193,6 +193,50 @@ def test_sigterm_under_load_drains_or_hands_back(services, prefix, llama_path, t
     assert all(c == e for c, e in committed.values()), committed
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_drains_the_running_jobs(services, prefix, llama_path, tmp_path, sig):
+    """Ctrl-C in a terminal (SIGINT), or systemd stopping the unit's control group
+    (SIGTERM), signals the worker and its engine-core process alike: the core ignores it
+    (its worker stops it), so the jobs running when it came finish in the drain, as with
+    a signal to the worker alone; before, the core died at once and they were handed back."""
+    import json
+    import os
+
+    cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
+                        tuning={"max_running_requests": 2, "max_output_tokens": 1000},
+                        worker={"drain_timeout_s": 120})
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    ids = ["g-0", "g-1"]
+    proc, log = spawn_worker(tmp_path, cfg, "worker-g", new_session=True)
+    try:
+        async def main():
+            await wait_started(log, proc)
+            async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+                for j in ids:
+                    await client.submit("a group signal", params=params, job_id=j)
+                await wait_for_starts(client, ids, "worker-g", 2)
+                os.killpg(proc.pid, sig)
+                return await asyncio.gather(*(collect(client, j, 120) for j in ids))
+
+        results = asyncio.run(main())
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert not [e for e in events if e.get("level") in ("error", "critical")], text[-3000:]
+    drains = [e for e in events if e.get("event") == "draining"]
+    assert drains and drains[0]["running"] >= 1, drains  # jobs were running when the signal came
+    for j, evs in zip(ids, results):
+        fin = assert_well_formed(evs, j)
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == 1000
+        assert not any(isinstance(e, Restarted) for e in evs), j  # finished in the drain, not handed back
+
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 

@@ -9,7 +9,7 @@ never shares a GIL with the step loop.
 Between two steps the core applies every message waiting in its pipe (so a cancel frees
 KV at the next step boundary), then steps; while idle it blocks on the pipe and sends an
 `Idle` tick every 0.5 s (liveness and gauges). The pipe closing (the front-end died) ends
-the process. An `EngineSpec` says how to start the child, build the engine in it and
+the process; signals to the process group do not (`ignore_group_signals`). An `EngineSpec` says how to start the child, build the engine in it and
 its tokenizer in the front-end: `PretrainedEngine` (Inflight's engine) is pickled to a
 spawned child (as CUDA requires); `vllm_spec.VllmEngine` runs vLLM's engine core in
 vLLM's own interpreter behind the same messages and the same loop (`serve_core`).
@@ -21,6 +21,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -172,15 +173,34 @@ class PretrainedEngine(SpawnedCore):
 
 
 # ---- the core process ---------------------------------------------------------------------
+def ignore_group_signals() -> None:
+    """SIGINT and SIGTERM do nothing in a core process: its front-end owns its lifetime
+    (`Shutdown`; the pipe's end when the front-end is gone; SIGKILL past the stop's bound).
+    A signal to the whole process group (Ctrl-C in a terminal, systemd stopping a unit's
+    control group, `kill -- -PGID`) reaches the core as well as the worker, and its default
+    action ended the core at once, in the middle of the drain the worker starts on the same
+    signal (the running jobs it lets finish were handed back instead; Ctrl-C also printed a
+    `KeyboardInterrupt` traceback). A no-op handler, not SIG_IGN: processes the core
+    starts (inductor's compile workers) get the default actions back at their exec."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignored)
+
+
+def _ignored(signum: int, frame: object) -> None:
+    logging.getLogger("worker.engine.core_proc").debug(
+        "signal %s ignored: the worker stops the engine core", signal.Signals(signum).name)
+
+
 def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection, log_level: str = "INFO",
                     engine_threads: int | None = None) -> None:
-    """Main of the core process: size its threads (`threads.ThreadBudget`; `engine_threads`
+    """Main of the core process (group signals ignored: `ignore_group_signals`): size its threads (`threads.ThreadBudget`; `engine_threads`
     = `worker.engine_threads`), build the engine, send `Ready`, step until `Shutdown` or
     the front-end goes away. A broken invariant is reported as `Failed` and ends it."""
     from worker.engine.gc_tuning import tune_gc
     from worker.engine.threads import ThreadBudget
     from worker.obs.log import setup_logging
 
+    ignore_group_signals()
     setup_logging(log_level)
     with contextlib.suppress(ImportError):  # no progress bars among the JSON log lines
         from transformers.utils import logging as hf_logging

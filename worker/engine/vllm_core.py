@@ -50,7 +50,7 @@ import msgspec
 
 from schemas.wire import FinishReason
 from worker.config import ConfigError
-from worker.engine.core_proc import Failed, Ready, serve_core
+from worker.engine.core_proc import Failed, Ready, ignore_group_signals, serve_core
 from worker.engine.outputs import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("fd_in", type=int)
     p.add_argument("fd_out", type=int)
     a = p.parse_args(argv)
+    ignore_group_signals()  # the worker stops this process (core_proc.ignore_group_signals)
     conn_in, conn_out = Connection(a.fd_in, writable=False), Connection(a.fd_out, readable=False)
     start = msgspec.msgpack.decode(conn_in.recv_bytes(), type=VllmStart)
     logging.basicConfig(level=start.log_level, stream=sys.stderr,
