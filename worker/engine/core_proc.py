@@ -9,10 +9,11 @@ never shares a GIL with the step loop.
 Between two steps the core applies every message waiting in its pipe (so a cancel frees
 KV at the next step boundary), then steps; while idle it blocks on the pipe and sends an
 `Idle` tick every 0.5 s (liveness and gauges). The pipe closing (the front-end died) ends
-the process; signals to the process group do not (`ignore_group_signals`). An `EngineSpec` says how to start the child, build the engine in it and
-its tokenizer in the front-end: `PretrainedEngine` (Inflight's engine) is pickled to a
-spawned child (as CUDA requires); `vllm_spec.VllmEngine` runs vLLM's engine core in
-vLLM's own interpreter behind the same messages and the same loop (`serve_core`).
+the process; a signal to the process group does not (`ignore_group_signals`). An
+`EngineSpec` says how to start the child, build the engine in it and its tokenizer in
+the front-end: `PretrainedEngine` (Inflight's engine) is pickled to a spawned child (as
+CUDA requires); `vllm_spec.VllmEngine` runs vLLM's engine core in vLLM's own
+interpreter behind the same messages and the same loop (`serve_core`).
 """
 
 from __future__ import annotations
@@ -193,9 +194,10 @@ def _ignored(signum: int, frame: object) -> None:
 
 def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection, log_level: str = "INFO",
                     engine_threads: int | None = None) -> None:
-    """Main of the core process (group signals ignored: `ignore_group_signals`): size its threads (`threads.ThreadBudget`; `engine_threads`
-    = `worker.engine_threads`), build the engine, send `Ready`, step until `Shutdown` or
-    the front-end goes away. A broken invariant is reported as `Failed` and ends it."""
+    """Main of the core process: ignore group signals (`ignore_group_signals`), size its
+    threads (`threads.ThreadBudget`; `engine_threads` = `worker.engine_threads`), build
+    the engine, send `Ready`, step until `Shutdown` or the front-end goes away. A broken
+    invariant is reported as `Failed` and ends it."""
     from worker.engine.gc_tuning import tune_gc
     from worker.engine.threads import ThreadBudget
     from worker.obs.log import setup_logging
