@@ -30,6 +30,16 @@ pytest_plugins = ["tests.timeouts", "tests.cpu_time", "pytester"]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (tools/test.sh: three worker processes on the 2-core box) the engines
+# built in a worker process, and the scripts it starts (`OMP_NUM_THREADS`), compute with one
+# torch thread: with torch's default of one per core, the OpenMP threads of three
+# processes spun waiting for each other at every parallel region (the fair-share model
+# test: 5.7 CPU-s alone, 20-33 CPU-s in the suite). Worker processes size their own
+# threads (worker/engine/threads.py); a run without xdist keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 os.environ.setdefault("INFLIGHT_MODEL__COMPILE", "off")
 compile_rules.AUTO_DEVICES = frozenset()
 

@@ -6,7 +6,9 @@ A test's figure is user + system seconds of the pytest process (its setup, call 
 teardown) plus those of the child processes it reaped in that time (worker processes,
 `subprocess.run`; a module-scoped fixture's broker counts in the test whose teardown
 stops it). Processes started outside the test (the dev stack's Kafka and Redis, the
-other xdist workers) are not counted. The figures travel in each teardown report's
+other xdist workers) are not counted. CPU time spent waiting counts too: torch's OpenMP
+threads spin while they wait for a core, which is why tests/conftest.py gives each xdist
+worker one torch thread. The figures travel in each teardown report's
 `user_properties` as ("cpu_s", seconds), so they reach the controller under
 pytest-xdist.
 """
