@@ -151,6 +151,20 @@ def test_lru_with_a_slow_loader_never_stalls_a_step(base_and_loras, monkeypatch)
         return real_read(spec, dtype)
 
     monkeypatch.setattr(lora_mod, "read_adapter", slow_read)
+    # One torch thread, as a worker's engine on a small box has (worker/engine/threads.py):
+    # with one per core, a core taken by anything else (a noisy neighbour, the host's
+    # steal) held every OpenMP barrier of a step, which then lasted as long as a load as if
+    # it had waited for it (worst step 1.0-1.35 s with two busy loops on the 2-core box;
+    # with one thread 12 ms there, 6 ms quiet).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _slow_loader_run(base, root)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _slow_loader_run(base, root) -> None:
     eng = engine(base, root, max_loras=2)
     work = workload(2, 12, ["a4", "b8", "c16", None])
     steps: list[tuple[float, bool, int]] = []  # (seconds, a load under way, tokens computed)

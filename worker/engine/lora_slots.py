@@ -118,7 +118,8 @@ class LoRASlots:
             return Admission.BLOCKED
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-lora-load")
-        self._loading[name] = (slot, self._executor.submit(self._load, name), time.perf_counter())
+        start = time.perf_counter()  # before the submit: the loader thread may begin (and end) before it returns
+        self._loading[name] = (slot, self._executor.submit(self._load, name), start)
         return Admission.WAIT
 
     def hold(self, req: Any, skipped: list, deferred: list) -> bool | None:
