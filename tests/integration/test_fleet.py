@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
 import time
 
@@ -199,9 +201,6 @@ def test_a_signal_to_the_whole_process_group_drains_the_running_jobs(services, p
     (SIGTERM), signals the worker and its engine-core process alike: the core ignores it
     (its worker stops it), so the jobs running when it came finish in the drain, as with
     a signal to the worker alone; before, the core died at once and they were handed back."""
-    import json
-    import os
-
     cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
                         tuning={"max_running_requests": 2, "max_output_tokens": 1000},
                         worker={"drain_timeout_s": 120})
