@@ -91,6 +91,17 @@ def _relative(path: Path, root: Path) -> str:
         return str(path)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """The test computes with one torch intra-op thread (restored after), as a worker's
+    engine on a small box does (worker/engine/threads.py): with one thread per core, a
+    core taken by anything else holds every OpenMP barrier of a step."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def llama_path() -> Path:
     return tiny_checkpoint("llama")

@@ -137,10 +137,16 @@ def test_prefix_cache_is_salted_by_adapter(base_and_loras):
 
 
 @pytest.mark.timing
-def test_lru_with_a_slow_loader_never_stalls_a_step(base_and_loras, monkeypatch):
+def test_lru_with_a_slow_loader_never_stalls_a_step(base_and_loras, monkeypatch, one_torch_thread):
     """max_loras 2, three adapters in use, each load slowed to 1 s: every request is
     right, loads and evictions are counted, and the engine keeps stepping while loads
-    are under way (base requests decode meanwhile) with no step lasting a load."""
+    are under way (base requests decode meanwhile) with no step lasting a load.
+
+    One torch thread (`one_torch_thread`), as a worker's engine on a small box has: with
+    one per core, a core taken by anything else (a noisy neighbour, the host's steal) held
+    every OpenMP barrier of a step, which then lasted as long as a load as if it had waited
+    for it (worst step 1.0-1.35 s with two busy loops on the 2-core box; with one thread
+    12 ms there, 6 ms quiet)."""
     import worker.model.lora as lora_mod
 
     base, root = base_and_loras
@@ -151,20 +157,6 @@ def test_lru_with_a_slow_loader_never_stalls_a_step(base_and_loras, monkeypatch)
         return real_read(spec, dtype)
 
     monkeypatch.setattr(lora_mod, "read_adapter", slow_read)
-    # One torch thread, as a worker's engine on a small box has (worker/engine/threads.py):
-    # with one per core, a core taken by anything else (a noisy neighbour, the host's
-    # steal) held every OpenMP barrier of a step, which then lasted as long as a load as if
-    # it had waited for it (worst step 1.0-1.35 s with two busy loops on the 2-core box;
-    # with one thread 12 ms there, 6 ms quiet).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _slow_loader_run(base, root)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _slow_loader_run(base, root) -> None:
     eng = engine(base, root, max_loras=2)
     work = workload(2, 12, ["a4", "b8", "c16", None])
     steps: list[tuple[float, bool, int]] = []  # (seconds, a load under way, tokens computed)

@@ -39,8 +39,8 @@ def schedule_ms_per_step(num_long: int, steps: int, repeats: int) -> dict:
         tuning = ServingTuning(max_batched_tokens=256, max_running_requests=32, kv_block_size=16,
                                max_total_tokens=1 << 20, long_prefill_threshold=64, max_long_prefill_tokens=32)
         eng = null_engine(EngineConfig(serving_tuning=tuning), vocab_size=100, max_model_len=4096)
-        long_params, short_params = SamplingParams(max_tokens=64, ignore_eos=True), SamplingParams(max_tokens=4,
-                                                                                                   ignore_eos=True)
+        long_params = SamplingParams(max_tokens=64, ignore_eos=True)
+        short_params = SamplingParams(max_tokens=4, ignore_eos=True)
         for i in range(num_long):
             eng.add_request(f"long-{i}", prompt_token_ids=[1 + (i + j) % 90 for j in range(2000)], params=long_params)
         sched = eng.core.scheduler
