@@ -1,4 +1,5 @@
-"""`model.compile`: when the forward is compiled, and what happens when it cannot be.
+"""`model.compile`: when the forward is compiled, and what happens when it cannot be;
+`model.precompile`: a forward captured ahead of time by one start and loaded by the next.
 
 Exactness of the compiled forward against transformers' `generate` over a busy batch
 (both KV policies, both kinds of steps, no graph compiled after the warm-up) is in
@@ -23,9 +24,20 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
 
 
-def engine(path, mode: str) -> Engine:
+needs_precompile = pytest.mark.skipif(not compiled.precompile_available("cpu"),
+                                      reason="torch.compiler.precompile is torch >= 2.15")
+
+
+def engine(path, mode: str, precompile: bool = True) -> Engine:
     return Engine.from_pretrained(str(path), EngineConfig(model=ModelConfig(dtype="float32", device="cpu",
-                                                                            compile=mode)))
+                                                                            compile=mode, precompile=precompile)))
+
+
+@pytest.fixture
+def artifacts(tmp_path, monkeypatch):
+    """Captured forwards go to a directory of this test's own."""
+    monkeypatch.setattr(compile_rules, "precompiled_dir", lambda: tmp_path / "precompiled")
+    return tmp_path / "precompiled"
 
 
 def test_the_setting_and_the_device_decide(monkeypatch):
@@ -50,7 +62,7 @@ def test_a_forward_that_does_not_compile_stays_eager_with_the_reason(llama_path,
         return forward
 
     monkeypatch.setattr(compiled, "CompiledForward", broken)
-    eng = engine(llama_path, "on")
+    eng = engine(llama_path, "on", precompile=False)
     report = eng.compile_report
     assert not report.compiled and not eng.runner.compiled
     assert report.reason == "compiling failed: RuntimeError: inductor: no kernel for this op"
@@ -68,16 +80,22 @@ def test_a_compiled_forward_that_changes_the_tokens_stays_eager(llama_path, monk
         return forward
 
     monkeypatch.setattr(compiled, "CompiledForward", wrong)
-    report = engine(llama_path, "on").compile_report
+    report = engine(llama_path, "on", precompile=False).compile_report
     assert report == compile_rules.CompileReport(False, "compiled greedy ids differ from eager ones")
 
 
 def test_the_compiled_forward_reports_its_graph_and_goes_eager_if_it_fails_later(llama_path, caplog):
-    eng = engine(llama_path, "on")
+    torch._dynamo.reset()  # the graph of an earlier engine of this model in this process would serve it
+    eng = engine(llama_path, "on", precompile=False)
     report = eng.compile_report
     assert report.compiled and eng.runner.compiled and report.graphs == 1 and report.seconds > 0
     assert report.describe().startswith("compiled (1 graphs in ")
     assert eng.runner.forward_fn.warm  # guards skipped from now on
+    again = engine(llama_path, "on", precompile=False)  # another engine of the model: the same graph serves
+    assert again.compile_report.compiled and again.compile_report.graphs == 0, again.compile_report
+    assert again.compile_report.describe().startswith("compiled (the graph of an earlier engine in this process")
+    assert [o.token_ids for o in again.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in engine(llama_path, "off").generate(PROMPTS, GREEDY)]
     eager = [o.token_ids for o in engine(llama_path, "off").generate(PROMPTS, GREEDY)]
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == eager
 
@@ -104,7 +122,7 @@ def test_the_compile_bench_times_both_forwards_side_by_side(llama_path, tmp_path
     assert bench.main(["--model", str(llama_path), "--running", "4", "--rounds", "2", "--iterations", "2",
                        "--skip-start-up", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "bench_compile.json").read_text())
-    assert r["greedy_ids_identical"] and r["compiled_forward"].startswith("compiled (1 graphs")
+    assert r["greedy_ids_identical"] and r["compiled_forward"].startswith("compiled (")
     assert len(r["decode_step_ms"]["eager"]) == len(r["decode_step_ms"]["compiled"]) == 2
     ratios = [e / c for e, c in zip(r["decode_step_ms"]["eager"], r["decode_step_ms"]["compiled"])]
     assert r["decode_speedup_per_round"] == pytest.approx(ratios)
@@ -122,3 +140,88 @@ def test_latent_attention_compiles_and_keeps_its_tokens():
     assert eng.compile_report.compiled, eng.compile_report
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in engine(path, "off").generate(PROMPTS, GREEDY)]
+
+
+@needs_precompile
+def test_a_captured_forward_is_loaded_by_the_next_start_without_a_trace(llama_path, artifacts):
+    from torch._dynamo.utils import counters
+
+    eager = [o.token_ids for o in engine(llama_path, "off").generate(PROMPTS, GREEDY)]
+    first = engine(llama_path, "on")
+    assert first.compile_report.artifact == "captured" and first.compile_report.graphs == 1, first.compile_report
+    assert [o.token_ids for o in first.generate(PROMPTS, GREEDY)] == eager
+    (key,) = [p.name for p in artifacts.iterdir()]
+    assert sorted(p.name for p in (artifacts / key).iterdir()) == [compiled.CACHE, compiled.ARTIFACT]
+
+    traced = counters["stats"]["unique_graphs"]
+    second = engine(llama_path, "on")  # another engine in this process: the op's layer numbers are the same
+    assert second.compile_report.artifact == "loaded", second.compile_report
+    assert second.compile_report.describe().startswith("compiled (captured forward loaded; warm-up ")
+    assert counters["stats"]["unique_graphs"] == traced  # Dynamo traced nothing
+    assert [o.token_ids for o in second.generate(PROMPTS, GREEDY)] == eager
+    assert second.runner.compiled and second.runner.compile_error is None
+
+
+@needs_precompile
+def test_an_artifact_that_does_not_load_is_captured_again(llama_path, artifacts, caplog):
+    first = engine(llama_path, "on")
+    (path,) = list(artifacts.iterdir())
+    (path / compiled.ARTIFACT).write_text("this is not a captured forward\n")
+    again = engine(llama_path, "on")
+    assert again.compile_report.artifact == "captured", again.compile_report
+    assert "a captured forward did not load" in caplog.text
+    assert [o.token_ids for o in again.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in first.generate(PROMPTS, GREEDY)]
+
+
+@needs_precompile
+def test_a_forward_the_capture_refuses_is_built_by_torch_compile(llama_path, artifacts, monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise torch.compiler.PrecompileError("precompile: fn reads a tensor it was not given")
+
+    monkeypatch.setattr(torch.compiler.precompile, "capture", refuse)
+    eng = engine(llama_path, "on")
+    report = eng.compile_report
+    assert report.compiled and report.artifact == "" and report.graphs <= 1, report  # 0: an earlier one's graph
+    assert report.capture_fallback == "PrecompileError: precompile: fn reads a tensor it was not given"
+    assert "could not be captured ahead of time" in caplog.text
+    assert not any(artifacts.iterdir())  # nothing half-written left behind
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in engine(llama_path, "off").generate(PROMPTS, GREEDY)]
+
+
+@needs_precompile
+def test_a_captured_forward_that_fails_later_reruns_the_step_eagerly(llama_path, artifacts, caplog):
+    eng = engine(llama_path, "on")
+    eager = [o.token_ids for o in engine(llama_path, "off").generate(PROMPTS, GREEDY)]
+
+    def fails(*args):  # what a call the artifact cannot serve does
+        raise RuntimeError("Expected size 1 but got 3")
+
+    eng.runner.forward_fn._run = fails
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == eager
+    assert not eng.runner.compiled
+    assert "the compiled forward failed (RuntimeError: Expected size 1" in caplog.text
+
+
+def test_the_artifact_key_follows_the_models_structure_not_its_weights(llama_path):
+    from tests.conftest import tiny_checkpoint
+
+    def loaded(path):
+        return engine(path, "off").runner.model
+
+    a, b = loaded(llama_path), loaded(llama_path)
+    assert compiled.artifact_key(a) == compiled.artifact_key(b)
+    with torch.no_grad():
+        next(b.parameters()).add_(1.0)  # other weights, same shapes: the same artifact serves them
+    assert compiled.artifact_key(a) == compiled.artifact_key(b)
+    assert compiled.artifact_key(a) != compiled.artifact_key(loaded(tiny_checkpoint("qwen2")))
+    assert compiled.artifact_key(a) != compiled.artifact_key(b.to(torch.float64))
+
+
+def test_two_attention_modules_with_one_layer_number_stay_eager(llama_path):
+    eng = engine(llama_path, "off")
+    layers = eng.runner.model.model.layers
+    layers[1].self_attn.layer_idx = layers[0].self_attn.layer_idx
+    with pytest.raises(ValueError, match="two attention modules have layer_idx 0"):
+        eng.runner.compile()

@@ -128,6 +128,8 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
     assert chunked, "workload must force multi-chunk prefill"
     assert engine.kv_stats().used_blocks == 0
     assert counters["stats"]["unique_graphs"] == graphs_after_warm_up, "the workload compiled a graph"
+    # every step ran on the compiled forward (a step it could not serve would have gone eager)
+    assert engine.runner.compiled == (compile_mode == "on") and engine.runner.compile_error is None
     if graphs:  # decode steps of several batch sizes replayed, some padded
         assert len(set(replayed)) >= 4 and {3, 5, 6, 7} & set(replayed), sorted(set(replayed))
 

@@ -250,6 +250,12 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             off on CUDA until a GPU measures it. The graph is built at start-up (7-30 s
             on a 2-core box); a model with LoRA adapters, or whose compiled forward fails
             its warm-up, runs eagerly with one log line saying why.
+        precompile: with `compile` on, capture the compiled forward ahead of time
+            (`torch.compiler.precompile`, torch >= 2.15, the CPU) into
+            `$XDG_CACHE_HOME/inflight/precompiled`, and load it at the next start with the
+            same model, code and versions, skipping the trace (`worker.model.compiled`);
+            false: `torch.compile` traces the model at every start. A model the capture
+            refuses falls back to `torch.compile` with one log line.
         cuda_graphs: replay decode-only steps of up to `max_running_requests` requests
             from CUDA graphs captured at start-up (`worker.model.graphs`): `auto` = on
             for CUDA with the Triton back end and no LoRA adapters (their memory is left
@@ -258,8 +264,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         engine: the engine core behind the worker: `inflight` (this project's) or `vllm`
             (vLLM's V1 `EngineCore` in vLLM's own interpreter, `worker.engine.vllm_core`;
             needs `worker.engine_process`; what each engine offers: docs/engines.md).
-            With `vllm`, `device`, `attention_backend`, `load_check`, `compile` and
-            `cuda_graphs` are vLLM's business (`vllm_args`), `dtype: auto` is vLLM's
+            With `vllm`, `device`, `attention_backend`, `load_check`, `compile`,
+            `precompile` and `cuda_graphs` are vLLM's business (`vllm_args`), `dtype: auto` is vLLM's
             `auto`, and `lora_dir` turns on vLLM's LoRA (`max_loras` adapters cached,
             `serving_tuning.max_loras_per_batch` in one batch).
         vllm_python: the interpreter of an environment with vLLM installed (e.g.
@@ -281,6 +287,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_loras: int = 4
     max_lora_rank: int = 16
     compile: str = "auto"
+    precompile: bool = True
     cuda_graphs: str = "auto"
     engine: str = "inflight"
     vllm_python: str | None = None

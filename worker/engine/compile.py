@@ -6,12 +6,13 @@ faster: the CPU; off on CUDA until a GPU measures it; LoRA keeps a model eager),
 builds the graph by running warm-up requests through the engine itself: steps of
 several tokens keeping several logit rows, of several tokens keeping one, and of one
 token (the sizes are unbacked, `worker.model.compiled`, so one graph serves them all).
-The same requests run eagerly first; compiled greedy ids that differ from eager ones, a
-compiled forward that raises, or no graph built put the engine back on the eager
-forward with one log line saying why. Inductor's cache lives in
-`$XDG_CACHE_HOME/inflight/inductor` (default `~/.cache/inflight/inductor`) unless
-`TORCHINDUCTOR_CACHE_DIR` is set, so a restart on the same machine (or an image that
-carries the directory) reuses the compiled kernels.
+The same requests run eagerly first; compiled greedy ids that differ from eager ones, or
+a compiled forward that raises (Dynamo's recompile limit included: it raises rather than
+run eagerly unseen), put the engine back on the eager forward with one log line saying
+why. Inductor's cache lives in `$XDG_CACHE_HOME/inflight/inductor` (default
+`~/.cache/inflight/inductor`) unless `TORCHINDUCTOR_CACHE_DIR` is set, so a restart on
+the same machine (or an image that carries the directory) reuses the compiled kernels;
+a forward captured ahead of time lives in `precompiled_dir()` and is loaded whole.
 
 On CUDA the same start-up captures the decode graphs (`model.cuda_graphs`,
 `worker.model.graphs`) after compiling, checked the same way: the warm-up requests
@@ -64,7 +65,13 @@ class CompileReport(msgspec.Struct, frozen=True):
         compiled: whether the forward is compiled.
         reason: why (the setting; or why it fell back to eager).
         seconds: the warm-up's wall time (compilation included); 0 when not compiled.
-        graphs: graphs Dynamo built during the warm-up.
+        graphs: graphs built during the warm-up: Dynamo's (0 when the graph of an
+            engine of the same model, built earlier in this process, served), or 1 for a
+            captured or loaded forward.
+        artifact: `loaded` (a forward captured by an earlier start), `captured` (this
+            start captured it for the next), or "" (`torch.compile`).
+        capture_fallback: why the forward could not be captured ahead of time (then
+            `torch.compile` built it); "" otherwise.
         cuda_graph_sizes: the decode batch sizes captured as CUDA graphs (none: not captured).
         cuda_graph_reason: why they were or were not captured ("" where not considered:
             not a CUDA device).
@@ -78,6 +85,8 @@ class CompileReport(msgspec.Struct, frozen=True):
     reason: str
     seconds: float = 0.0
     graphs: int = 0
+    artifact: str = ""
+    capture_fallback: str = ""
     cuda_graph_sizes: tuple[int, ...] = ()
     cuda_graph_reason: str = ""
     cuda_graph_seconds: float = 0.0
@@ -85,8 +94,16 @@ class CompileReport(msgspec.Struct, frozen=True):
     cuda_graph_replay: str = ""
 
     def describe(self) -> str:
-        text = (f"compiled ({self.graphs} graphs in {self.seconds:.1f} s)" if self.compiled
-                else f"eager ({self.reason})")
+        if not self.compiled:
+            text = f"eager ({self.reason})"
+        elif self.artifact == "loaded":
+            text = f"compiled (captured forward loaded; warm-up {self.seconds:.1f} s)"
+        elif self.artifact:
+            text = f"compiled (forward captured for the next start; warm-up {self.seconds:.1f} s)"
+        elif self.graphs:
+            text = f"compiled ({self.graphs} graphs in {self.seconds:.1f} s)"
+        else:
+            text = f"compiled (the graph of an earlier engine in this process; warm-up {self.seconds:.1f} s)"
         if self.cuda_graph_sizes and self.cuda_graph_replay == "emulated":
             text += (f"; decode graphs emulated for batches of 1-{self.cuda_graph_sizes[-1]} "
                      f"({len(self.cuda_graph_sizes)} sizes)")
@@ -110,6 +127,13 @@ def wanted(setting: str, device_type: str, has_lora: bool) -> tuple[bool, str]:
     if device_type in AUTO_DEVICES:
         return True, f"model.compile auto: on for {device_type}"
     return False, f"model.compile auto: off for {device_type} (not measured there yet)"
+
+
+def precompiled_dir() -> Path:
+    """Where captured forwards live (`worker.model.compiled.PrecompiledForward`):
+    `$XDG_CACHE_HOME/inflight/precompiled` (default `~/.cache/inflight/precompiled`)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "inflight" / "precompiled"
 
 
 def inductor_cache_dir() -> Path:
@@ -155,9 +179,11 @@ def emulate_graphs_on_cpu() -> None:
 
 
 def compile_engine(runner: ModelRunner, setting: str, generate: Generate, graphs_setting: str = "off",
-                   max_batch: int = 1, max_model_len: int = 0) -> CompileReport:
+                   max_batch: int = 1, max_model_len: int = 0, precompile: bool = True) -> CompileReport:
     """Compile an engine's forward (its `runner`'s) if `setting` (`ModelConfig.compile`)
-    asks for it, and warm it up through `generate` (the engine's `Engine.generate`); then
+    asks for it, captured ahead of time or loaded (`precompile`, `ModelConfig.precompile`;
+    `precompiled_dir`) where torch offers it, and warm it up through `generate` (the
+    engine's `Engine.generate`); then
     capture its decode graphs if `graphs_setting` (`ModelConfig.cuda_graphs`) asks for
     them on this device, for batches up to `max_batch` and contexts up to
     `max_model_len` (module docstring). Never raises for a model that does not compile
@@ -167,44 +193,49 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate, graphs
     if not on and replay is None:
         return CompileReport(False, reason, cuda_graph_reason=graphs_why)
     expected = _warm_up(generate)  # eager: the reference ids
-    report = _compile(runner, reason, generate, expected) if on else CompileReport(False, reason)
+    report = _compile(runner, reason, generate, expected, precompile) if on else CompileReport(False, reason)
     if replay is None:
         return msgspec.structs.replace(report, cuda_graph_reason=graphs_why)
     return _capture(runner, report, generate, expected, replay, max_batch, max_model_len, graphs_why)
 
 
-def _compile(runner: ModelRunner, reason: str, generate: Generate, expected: list[list[int]]) -> CompileReport:
+def _compile(runner: ModelRunner, reason: str, generate: Generate, expected: list[list[int]],
+             precompile: bool) -> CompileReport:
     import torch._dynamo
 
-    # Several compiled engines in one process (tests, tools) add entries to the cache of
-    # the same code (transformers' shared forward wrappers): each brings its own allowance
-    # of Dynamo's per-code recompile limit, past which Dynamo would run them eagerly.
+    from worker.model.compiled import PrecompiledForward
+
+    # Several compiled engines of different models in one process (tests, tools) add
+    # entries to the cache of the same code (transformers' shared forward wrappers): each
+    # brings its own allowance of Dynamo's per-code recompile limit, past which the warm-up
+    # fails (`CompiledForward`).
     torch._dynamo.config.recompile_limit += RECOMPILE_ALLOWANCE
     inductor_cache_dir()
-    runner.compile()
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     error: Exception | None = None
+    got = None
     try:
+        runner.compile(precompiled_dir() if precompile else None)
         got = _warm_up(generate)
     except Exception as e:
-        error, got = e, None
+        error = e
     # a compiled step that raised: the runner went eager, ran the step again and kept the error
     error = runner.compile_error or error
     seconds = time.perf_counter() - t0
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-    if error is not None or got != expected or not graphs:
+    fwd = runner.forward_fn
+    artifact = fwd.artifact if isinstance(fwd, PrecompiledForward) else ""
+    graphs += bool(artifact)  # a captured or loaded forward is one graph Dynamo never saw
+    if error is not None or got != expected:
         runner.uncompile()
-        if error is not None:
-            why = f"compiling failed: {_one_line(error)}"
-        elif got != expected:
-            why = "compiled greedy ids differ from eager ones"
-        else:
-            why = "Dynamo built no graph (its recompile limit reached in this process?)"
+        why = f"compiling failed: {_one_line(error)}" if error is not None else \
+            "compiled greedy ids differ from eager ones"
         log.warning("model.compile: the forward stays eager: %s", why)
         return CompileReport(False, why)
     runner.forward_fn.warm = True  # the graph is built: no more guard checks (worker.model.compiled)
-    report = CompileReport(True, reason, seconds, graphs)
+    report = CompileReport(True, reason, seconds, graphs, artifact=artifact,
+                           capture_fallback=fwd.fallback_reason if isinstance(fwd, PrecompiledForward) else "")
     log.info("model.compile: %s", report.describe())
     return report
 

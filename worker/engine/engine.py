@@ -189,7 +189,8 @@ class Engine:
         runner.lora = lora
         engine = cls(loaded, runner, config, num_blocks)
         engine.compile_report = compile_engine(runner, model_cfg.compile, engine.generate, model_cfg.cuda_graphs,
-                                               engine.tuning.max_running_requests, engine.max_model_len)
+                                               engine.tuning.max_running_requests, engine.max_model_len,
+                                               model_cfg.precompile)
         return engine
 
     # ---- requests in (any thread) ----------------------------------------------------

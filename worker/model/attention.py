@@ -12,17 +12,18 @@ call's keyword arguments (`sliding_window`, `softcap`, `s_aux` = sinks) and beco
 that call's `AttentionParams`. Latent attention (MLA) arrives already compressed: see
 `worker.model.latent`.
 
-Under `torch.compile` (`worker.model.compiled`) the same function is traced by Dynamo,
-and there it only calls `torch.ops.inflight.attention` (`attention_op`), an opaque op
-that runs the eager path above when the compiled graph runs.
+Under `torch.compile` or an ahead-of-time capture (`worker.model.compiled`) the same
+function is traced, and there it only calls `torch.ops.inflight.attention`
+(`attention_op`), an opaque op that runs the eager path above when the compiled graph
+runs. The op names its attention module by `layer_idx`, a constant of the graph that is
+the same in every process, and finds the module in the step's metadata
+(`AttentionMetadata.modules`, `attention_modules`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -88,6 +89,8 @@ class AttentionMetadata:
         backend: module with `write_kv` and `paged_attention` (see kernels/torch_ref.py).
         trace: when not None, each attention call records `layer_idx -> what it was asked`
             (the load check compares it with the config; `worker.model.load_check`).
+        modules: the model's attention modules by `layer_idx` (`attention_modules`), for
+            the op of a compiled forward; None while the forward runs eagerly.
     """
 
     slot_mapping: torch.Tensor
@@ -102,6 +105,7 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] | None
     backend: ModuleType
     trace: dict[int, LayerCall] | None = field(default=None)
+    modules: dict[int, torch.nn.Module] | None = field(default=None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,13 +192,14 @@ def paged_attention_forward(
         RuntimeError: called without `inflight_metadata` (the model was run outside the engine).
     """
     latent = getattr(module, "inflight_latent", None)
-    if torch.compiler.is_compiling():  # traced by Dynamo: one opaque op (worker.model.compiled)
+    if _traced():  # one opaque op of the compiled graph (worker.model.compiled)
         out = torch.ops.inflight.attention(
-            query, key, value, module.inflight_op_key, float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
+            query, key, value, module.layer_idx, float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
             int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux"),
             latent.v_dim if latent is not None else value.shape[-1])
         return out, None
-    register(module)
+    if "inflight_attention" not in module.__dict__:  # found by attention_modules
+        module.inflight_attention = True
     md = inflight_metadata if inflight_metadata is not None else _STEP.get()
     if md is None:
         raise RuntimeError(
@@ -229,24 +234,32 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
 # ---- attention as one opaque op of a compiled forward (worker.model.compiled) --------------
-_MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
-_KEYS = itertools.count(1)
+def _traced() -> bool:
+    """True while the forward is traced rather than run: by Dynamo (`torch.compile`) or
+    by a `make_fx` trace (`torch.compiler.precompile`, whose tensors are proxies)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return torch.compiler.is_compiling() or get_proxy_mode() is not None
 
 
-def register(module: torch.nn.Module) -> None:
-    """Give an attention module its key for the op (`module.inflight_op_key`), once. Done
-    by every eager attention call, so by the load check's shape pass for every attention
-    module of a loaded model before anything is compiled (Dynamo reads the key as a
-    constant; it cannot trace the table's weak references)."""
-    key = getattr(module, "inflight_op_key", None)
-    if key is None or _MODULES.get(key) is not module:
-        key = next(_KEYS)
-        module.inflight_op_key = key
-        _MODULES[key] = module
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The attention modules of `model` that have run our attention (every one, once the
+    model made an eager forward: the load check's, a warm-up's), by `layer_idx`.
+
+    Raises:
+        ValueError: two modules share a `layer_idx` (the op could not tell them apart).
+    """
+    found: dict[int, torch.nn.Module] = {}
+    for name, m in model.named_modules():
+        if m.__dict__.get("inflight_attention"):
+            other = found.setdefault(int(m.layer_idx), m)
+            if other is not m:
+                raise ValueError(f"two attention modules have layer_idx {m.layer_idx} (the second is {name})")
+    return found
 
 
 @torch.library.custom_op("inflight::attention", mutates_args=())
-def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, module: int, scaling: float,
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
                  sliding_window: int, softcap: float, sinks: torch.Tensor | None, v_head_dim: int) -> torch.Tensor:
     """One attention layer of the step over the paged cache (its K/V written first).
 
@@ -257,7 +270,7 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mo
     Args:
         query: `[1, num_heads, num_tokens, head_dim]`; key, value: `[1, num_kv_heads,
             num_tokens, head_dim]` (transformers' layout; latent attention: the latent).
-        module: the attention module's key (`register`, `module.inflight_op_key`).
+        layer: the attention module's `layer_idx` (the module is the step's `md.modules[layer]`).
         scaling: the softmax scale; sliding_window, softcap: 0 = none; sinks: per head or None.
         v_head_dim: the output's last dimension (what the fake implementation returns).
 
@@ -265,12 +278,13 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mo
         `[1, num_tokens, num_heads, v_head_dim]`.
 
     Raises:
-        RuntimeError: no step metadata is current, or the module is gone.
+        RuntimeError: no step metadata is current, or it has no module for `layer`.
     """
-    owner = _MODULES.get(module)
+    md = current_metadata()
+    owner = md.modules.get(layer) if md is not None and md.modules is not None else None
     if owner is None:
-        raise RuntimeError(f"inflight::attention: attention module {module} is not registered (or was freed)")
-    out, _ = paged_attention_forward(owner, query, key, value, None, scaling, inflight_metadata=current_metadata(),
+        raise RuntimeError(f"inflight::attention: no attention module for layer {layer} in the step's metadata")
+    out, _ = paged_attention_forward(owner, query, key, value, None, scaling, inflight_metadata=md,
                                      sliding_window=sliding_window or None, softcap=softcap or None, s_aux=sinks)
     # contiguous, as the fake implementation says: Inductor asserts the real output's strides
     # (latent attention's output is an einsum's, strided [t, h, v] -> [1, t, h, v] otherwise)
@@ -278,5 +292,5 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mo
 
 
 @attention_op.register_fake
-def _(query, key, value, module, scaling, sliding_window, softcap, sinks, v_head_dim):
+def _(query, key, value, layer, scaling, sliding_window, softcap, sinks, v_head_dim):
     return query.new_empty(1, query.shape[2], query.shape[1], v_head_dim)

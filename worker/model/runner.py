@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -22,7 +23,7 @@ from worker.engine.outputs import (
     StepSkipped,
     TokenLogprobs,
 )
-from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, step_metadata
+from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, attention_modules, step_metadata
 from worker.model.capability import KVLayout, LayerKV
 from worker.model.compiled import mark_token_dims
 from worker.model.graphs import DecodeGraphs
@@ -82,20 +83,33 @@ class ModelRunner:
         self.forward_fn = model  # what a step calls: the model, or its compiled forward (`compile`)
         self.compiled = False
         self.compile_error: Exception | None = None  # what made the compiled forward go eager, if it did
+        # the compiled forward's attention modules by layer_idx, handed to its ops in each step's metadata
+        self.attention_modules: dict[int, torch.nn.Module] | None = None
         self.graphs: DecodeGraphs | None = None  # decode-only steps replayed from graphs (`capture_graphs`)
 
-    def compile(self) -> None:
-        """Run the forward compiled from now on (`worker.model.compiled`); the graph is
-        built by the next step (the warm-up of `worker.engine.compile.compile_engine`)."""
-        from worker.model.compiled import CompiledForward
+    def compile(self, artifacts: Path | None = None) -> None:
+        """Run the forward compiled from now on (`worker.model.compiled`): captured ahead of
+        time under `artifacts` (or loaded from there) where this device and torch allow
+        it, else `torch.compile`. The graph is built by the next step (the warm-up of
+        `worker.engine.compile.compile_engine`).
 
-        self.forward_fn = CompiledForward(self.model)
+        Raises:
+            ValueError: two attention modules share a `layer_idx` (`attention_modules`).
+        """
+        from worker.model import compiled
+
+        self.attention_modules = attention_modules(self.model)
+        if artifacts is not None and compiled.precompile_available(self.device.type):
+            self.forward_fn = compiled.PrecompiledForward(self.model, artifacts)
+        else:
+            self.forward_fn = compiled.CompiledForward(self.model)
         self.compiled = True
 
     def uncompile(self) -> None:
         """Back to the eager forward."""
         self.forward_fn = self.model
         self.compiled = False
+        self.attention_modules = None
 
     def capture_graphs(self, max_batch: int, max_model_len: int, replay: str = "cuda") -> DecodeGraphs:
         """Capture the forward (as it is now: compiled or eager) as decode graphs for 1 to
@@ -186,6 +200,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             kv_caches=self.kv_caches,
             backend=self.backend,
+            modules=self.attention_modules,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         if holes:  # decodes fed the previous step's tokens, where they are (on the device)
