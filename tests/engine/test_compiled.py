@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from schemas.params import SamplingParams
+from worker.cli.checks import Check
 from worker.config import ConfigError, EngineConfig, ModelConfig
 from worker.engine import Engine
 from worker.engine import compile as compile_rules
@@ -225,3 +226,52 @@ def test_two_attention_modules_with_one_layer_number_stay_eager(llama_path):
     layers[1].self_attn.layer_idx = layers[0].self_attn.layer_idx
     with pytest.raises(ValueError, match="two attention modules have layer_idx 0"):
         eng.runner.compile()
+
+
+def test_inflight_check_says_how_the_forward_will_run(llama_path, artifacts):
+    from worker.cli.model_checks import compile_check
+    from worker.config import WorkerConfig
+    from worker.model.loader import load_model
+
+    def check(**model):
+        cfg = WorkerConfig(model=ModelConfig(path=str(llama_path), dtype="float32", device="cpu", **model))
+        return compile_check(cfg, loaded)
+
+    loaded = load_model(ModelConfig(path=str(llama_path), dtype="float32", device="cpu"))
+    assert check(compile="off") == Check("compile", "info", "model.compile", "eager (model.compile is off)")
+    no_capture = check(compile="on", precompile=False)
+    assert no_capture.detail == ("model.compile is on; torch.compile traces the model at every start "
+                                 "(model.precompile is off)")
+    if not compiled.precompile_available("cpu"):
+        return
+    first = check(compile="on")
+    assert first.setting == "model.precompile" and "the first start captures the forward" in first.detail
+    eng = engine(llama_path, "on")  # captures it, under the key the check computed
+    assert eng.compile_report.artifact == "captured"
+    ready = check(compile="on")
+    assert "a captured forward is ready, the start loads it" in ready.detail
+    (path,) = list(artifacts.iterdir())
+    assert str(path) in ready.detail
+
+
+@needs_precompile
+def test_the_artifact_is_bound_to_its_model_once(llama_path, artifacts):
+    """Steps call the artifact's graph with the parameter list checked at load; another
+    model is refused there; an artifact without those parts is called as it is."""
+    from tests.conftest import tiny_checkpoint
+
+    fwd = engine(llama_path, "on").runner.forward_fn
+    model = fwd.model
+    fwd.model = engine(tiny_checkpoint("qwen2"), "off").runner.model
+    with pytest.raises(torch.compiler.PrecompileError, match="do not match the traced model"):
+        fwd._bind(compiled._load(fwd.path))
+
+    calls = []
+
+    def entry_point(*args):
+        calls.append(args)
+        return "logits"
+
+    fwd.model = model
+    assert fwd._bind(entry_point)("ids", "positions", "keep") == "logits"
+    assert calls == [(model, "ids", "positions", "keep")]

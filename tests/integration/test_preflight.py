@@ -16,7 +16,8 @@ from tests.conftest import arch_checkpoint
 from tests.integration.conftest import ROOT, worker_config
 from worker.cli.preflight import Check, exit_code, render, run_preflight
 
-ALL = ["kafka", "topics", "consumer group", "redis", "redis persistence", "model", "limits", "kv cache", "metrics port"]
+ALL = ["kafka", "topics", "consumer group", "redis", "redis persistence", "model", "limits", "kv cache", "compile",
+       "metrics port"]
 
 
 def closed_port() -> int:
@@ -63,8 +64,9 @@ def group_members(bootstrap: str, group_id: str) -> tuple[str, int]:
 def test_a_correct_config_passes_without_joining_the_group(good, services, prefix):
     checks = run_preflight(good)
     c = by_name(checks)
-    assert [x.name for x in checks if x.status != "pass"] == ["redis persistence"], render(checks)
+    assert [x.name for x in checks if x.status != "pass"] == ["redis persistence", "compile"], render(checks)
     assert c["redis persistence"].status == "info"
+    assert c["compile"].detail.startswith("eager (model.compile")  # the suite's engines run eagerly (conftest)
     assert "appendonly no" in c["redis persistence"].detail  # the dev stack runs Redis without persistence
     assert f"{prefix}.jobs.high 3" in c["topics"].detail and f"{prefix}.dlq 3" in c["topics"].detail
     assert "chat template present" in c["model"].detail

@@ -40,6 +40,7 @@ def model_checks(cfg: WorkerConfig) -> list[Check]:
                     f"{loaded.verdict()}")]
     checks.append(limits_check(cfg, loaded))
     checks.append(kv_check(cfg, loaded))
+    checks.append(compile_check(cfg, loaded))
     return checks
 
 
@@ -69,12 +70,50 @@ def vllm_checks(cfg: WorkerConfig) -> list[Check]:
                   f"tokenizer vocab {len(tok)}; checked in {time.perf_counter() - t0:.1f} s"),
             Check("limits", "skip", "serving_tuning.max_input_tokens",
                   f"applied by the worker against vLLM's context ({facts['max_model_len']}) once the engine starts"),
-            Check("kv cache", "skip", "serving_tuning.max_total_tokens", "vLLM sizes its KV cache when it starts")]
+            Check("kv cache", "skip", "serving_tuning.max_total_tokens", "vLLM sizes its KV cache when it starts"),
+            Check("compile", "skip", "model.vllm_args", "vLLM compiles its forward itself (its compilation_config)")]
 
 
 def _skipped(why: str) -> list[Check]:
     return [Check("limits", "skip", "serving_tuning.max_input_tokens", f"not checked: {why}"),
-            Check("kv cache", "skip", "serving_tuning.max_total_tokens", f"not checked: {why}")]
+            Check("kv cache", "skip", "serving_tuning.max_total_tokens", f"not checked: {why}"),
+            Check("compile", "skip", "model.compile", f"not checked: {why}")]
+
+
+def compile_check(cfg: WorkerConfig, loaded) -> Check:
+    """How the engine's forward will run (`model.compile`, `model.precompile`;
+    `worker.engine.compile`): eager and why; a captured forward ready to load (its
+    directory); captured by the first start; or `torch.compile` at every start. On the
+    CPU Inductor needs a C++ compiler: without one the forward runs eagerly (said here,
+    as the engine says it at start). Informational: the engine starts either way."""
+    import torch
+
+    from worker.engine import compile as rules
+    from worker.model import compiled
+
+    on, why = rules.wanted(cfg.model.compile, loaded.device.type, cfg.model.lora_dir is not None)
+    if not on:
+        return Check("compile", "info", "model.compile", f"eager ({why})")
+    if loaded.device.type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        except Exception as e:  # none on the PATH (or CXX names one that is not there)
+            return Check("compile", "info", "model.compile",
+                         f"eager: no C++ compiler for Inductor ({_short(e)}); install g++ or set model.compile: off")
+    if not (cfg.model.precompile and compiled.precompile_available(loaded.device.type)):
+        reason = ("model.precompile is off" if not cfg.model.precompile
+                  else f"no ahead-of-time capture on {loaded.device.type} with torch {torch.__version__}")
+        return Check("compile", "info", "model.precompile",
+                     f"{why}; torch.compile traces the model at every start ({reason})")
+    path = rules.precompiled_dir() / compiled.artifact_key(loaded.model)
+    if (path / compiled.ARTIFACT).exists():
+        return Check("compile", "info", "model.precompile", f"{why}; a captured forward is ready, the start loads "
+                                                            f"it ({path})")
+    return Check("compile", "info", "model.precompile", f"{why}; the first start captures the forward (the "
+                                                        f"trace and Inductor's kernels) into {path}, later starts "
+                                                        "load it")
 
 
 def limits_check(cfg: WorkerConfig, loaded) -> Check:

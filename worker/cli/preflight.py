@@ -8,8 +8,9 @@ running workers never rebalance; Redis answers and a probe key can be written (T
 deleted, the publisher's script loads (`redis.url`), and its persistence settings are
 reported; the model and its tokenizer load with the worker's loader, chat template
 reported (`model.path`); the KV cache of `serving_tuning` fits the memory left after
-loading the model (`serving_tuning.max_total_tokens`); the metrics port can be bound
-(`metrics.port`). A check that depends on a failed one is skipped.
+loading the model (`serving_tuning.max_total_tokens`); how the forward will run
+(`model.compile`: eager and why, a captured forward ready to load, or compiled at the
+start; reported, never failed); the metrics port can be bound (`metrics.port`). A check that depends on a failed one is skipped.
 
 What it cannot prove without joining the group or consuming: the Read permission a
 worker needs on the group and its topics, and Write on the DLQ and results topics (a
@@ -37,7 +38,7 @@ from worker.security.probe import TOPIC_SETTLE_S
 
 log = logging.getLogger(__name__)
 
-REPORT_ONLY = frozenset({"redis persistence"})  # lines that report (`info`, or `skip`), never fail
+REPORT_ONLY = frozenset({"redis persistence", "compile"})  # lines that report (`info`, or `skip`), never fail
 
 
 def run_preflight(cfg: WorkerConfig, timeout_s: float = 10.0) -> list[Check]:
