@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from transformers import AttentionInterface
 
 from worker.model.capability import LayerKV
@@ -237,8 +238,6 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 def _traced() -> bool:
     """True while the forward is traced rather than run: by Dynamo (`torch.compile`) or
     by a `make_fx` trace (`torch.compiler.precompile`, whose tensors are proxies)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
     return torch.compiler.is_compiling() or get_proxy_mode() is not None
 
 

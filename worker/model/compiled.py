@@ -242,8 +242,8 @@ class PrecompiledForward:
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             self.fallback_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            log.warning("the forward could not be captured ahead of time (%s); torch.compile builds it at every start",
-                     self.fallback_reason)
+            log.warning("the forward could not be captured ahead of time (%s); torch.compile builds it at every "
+                        "start", self.fallback_reason)
             self.fallback = CompiledForward(self.model)
             return self.fallback(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                  logits_to_keep=keep)
