@@ -22,6 +22,7 @@ from schemas.params import SamplingParams
 from schemas.wire import Started
 from tests.integration.conftest import worker_config
 from tests.integration.gateway_helpers import (
+    KEY,
     KEY_LOW,
     MODEL,
     client,
@@ -361,3 +362,63 @@ def test_the_gateway_on_the_secured_stack(secure_stack, llama_path, tmp_path):
     text, b, ready = asyncio.run(main())
     assert text and ready == 200
     assert b.status == "completed" and b.request_counts.completed == 3
+
+
+def test_vllms_server_utilities_tokenize_detokenize_version_health(services, prefix, llama_path, tmp_path):
+    """`/tokenize`, `/detokenize`, `/version` and `/health` answer as `vllm serve`'s do, with
+    the gateway's tokenizer (the checkpoint's): the ids the workers' tokenizer makes."""
+    from transformers import AutoTokenizer
+
+    from worker.gateway.tokenize import version
+
+    reference = AutoTokenizer.from_pretrained(str(llama_path))
+    text = "Hello there, queue-fed world"
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    async def main():
+        got = {}
+        async with running_gateway(gateway_config(services, prefix, tmp_path / "files", tokenizer=llama_path)) as gw, \
+                running_gateway(gateway_config(services, prefix, tmp_path / "files2")) as bare, \
+                aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{gw.port}"
+
+            async def call(method, path, base=url, **kw):
+                async with http.request(method, base + path, **kw) as r:
+                    return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+
+            got["tokenize"] = await call("POST", "/tokenize", json={"model": MODEL, "prompt": text}, headers=auth)
+            got["strs"] = await call("POST", "/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                                                "return_token_strs": True}, headers=auth)
+            ids = got["tokenize"][1]["tokens"]
+            got["detokenize"] = await call("POST", "/detokenize", json={"tokens": ids}, headers=auth)
+            got["out_of_vocab"] = await call("POST", "/detokenize", json={"tokens": [1, 10**6]}, headers=auth)
+            got["messages"] = await call("POST", "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                                         headers=auth)
+            got["other_model"] = await call("POST", "/tokenize", json={"model": "gpt-4o", "prompt": "x"},
+                                            headers=auth)
+            got["no_key"] = await call("POST", "/tokenize", json={"prompt": "x"})
+            got["not_json"] = await call("POST", "/tokenize", data=b"{", headers=auth)
+            got["no_tokenizer"] = await call("POST", "/tokenize", base=f"http://127.0.0.1:{bare.port}",
+                                             json={"prompt": "x"}, headers=auth)
+            got["version"] = await call("GET", "/version")
+            got["health"] = await call("GET", "/health")
+            gw._checks["redis"] = "Redis did not answer in 3 s"  # what the readiness loop sets
+            got["unhealthy"] = await call("GET", "/health")
+        return got
+
+    got = asyncio.run(main())
+    want = reference(text)["input_ids"]
+    assert got["tokenize"] == (200, {"count": len(want), "max_model_len": 1024, "tokens": want})
+    status, body = got["strs"]
+    assert status == 200 and body["tokens"] == reference(text, add_special_tokens=False)["input_ids"]
+    assert body["token_strs"] == reference.convert_ids_to_tokens(body["tokens"])
+    assert got["detokenize"] == (200, {"prompt": reference.decode(want)})
+    assert got["out_of_vocab"][0] == 400 and "outside the vocabulary" in got["out_of_vocab"][1]["error"]["message"]
+    assert got["messages"][0] == 400 and got["messages"][1]["error"]["param"] == "messages"
+    assert got["other_model"][0] == 404 and got["other_model"][1]["error"]["code"] == "model_not_found"
+    assert got["no_key"][0] == 401
+    assert got["not_json"][0] == 400 and got["not_json"][1]["error"]["code"] == "invalid_json"
+    assert got["no_tokenizer"][0] == 400 and "gateway.tokenizer" in got["no_tokenizer"][1]["error"]["message"]
+    assert got["version"] == (200, {"version": version()}) and version() != "unknown"
+    assert got["health"] == (200, "")
+    assert got["unhealthy"][0] == 503 and got["unhealthy"][1]["errors"] == {"redis": "Redis did not answer in 3 s"}

@@ -37,6 +37,7 @@ from worker.gateway.files import FileStore
 from worker.gateway.generation import CancelSender
 from worker.gateway.metrics import GatewayMetrics
 from worker.gateway.render import TokenText
+from worker.gateway.tokenize import TokenizeHandlers
 from worker.gateway.tracing import tracing_middleware
 from worker.obs.metrics import exposition
 from worker.obs.stopping import start_unless_stopped, stop_within
@@ -130,6 +131,11 @@ class Gateway:
         app.router.add_get("/v1/batches", bat.list)
         app.router.add_get("/v1/batches/{batch_id}", bat.get)
         app.router.add_post("/v1/batches/{batch_id}/cancel", bat.cancel)
+        tok = TokenizeHandlers(ctx, self._max_model_len)  # vLLM's server utilities
+        app.router.add_post("/tokenize", tok.tokenize)
+        app.router.add_post("/detokenize", tok.detokenize)
+        app.router.add_get("/version", tok.version)
+        app.router.add_get("/health", self._health)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
@@ -256,6 +262,13 @@ class Gateway:
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return json_ok({"status": "ok", "gateway_id": self.gateway_id})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        """vLLM's `/health`: 200 with an empty body while the gateway can serve (its
+        readiness: Kafka, Redis, the files directory), else 503 with `/readyz`'s body."""
+        if not any(self._checks.values()) and not self._stop.is_set():
+            return web.Response(status=200)
+        return await self._readyz(request)
 
     async def _readyz(self, request: web.Request) -> web.Response:
         ready = not any(self._checks.values()) and not self._stop.is_set()
