@@ -138,3 +138,28 @@ def test_build_step_shapes(token_slots):
     else:
         assert step.single is None and step.src.tolist() == [0, 3, 2, 4] and step.max_n == 2
         assert step.dst.tolist() == [0, 3, 2, 0]
+
+
+def test_loads_evictions_and_failures_are_logged(caplog):
+    """An operator sees which adapters come and go (issue 49: the worker logged nothing)."""
+    caplog.set_level("INFO", logger="worker.engine.lora_slots")
+    loader = Loader()
+    loader.fail.add("bad")
+    slots = LoRASlots(1, None, loader)
+    ready(slots, loader, "a")
+    assert slots.admit("b") is Admission.WAIT  # evicts a
+    loader.release("b")
+    slots.wait_loads(5)
+    slots.admit("b")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("LoRA adapter 'a' loaded into slot 0 (10 parameters, ")
+    assert messages[1] == "LoRA adapter 'a' evicted from slot 0 (least recently used) for 'b'"
+    assert messages[2].startswith("LoRA adapter 'b' loaded into slot 0")
+    slots.close()
+    caplog.clear()
+    failing = LoRASlots(1, None, loader)
+    assert failing.admit("bad") is Admission.WAIT
+    loader.release("bad")
+    failing.wait_loads(5)
+    assert [r.getMessage() for r in caplog.records] == ["LoRA adapter 'bad' did not load: ValueError: bad is broken"]
+    failing.close()

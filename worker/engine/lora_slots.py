@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from typing import Any
 
 from worker.engine.outputs import LoRAStepStats
 from worker.engine.request import ErrorCode, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 class Admission(enum.Enum):
@@ -113,7 +116,7 @@ class LoRASlots:
             return Admission.READY
         if name in self._loading:
             return Admission.WAIT
-        slot = self._take_slot()
+        slot = self._take_slot(name)
         if slot is None:
             return Admission.BLOCKED
         if self._executor is None:
@@ -163,11 +166,14 @@ class LoRASlots:
                 self._free.append(slot)
                 self._failures[name] = f"{type(e).__name__}: {e}"
                 self._counts[2] += 1
+                log.warning("LoRA adapter %r did not load: %s", name, self._failures[name][:300])
                 continue
             self.resident[name] = ResidentAdapter(name, slot, weights, next(self._load_ids), num_params)
             self._idle[name] = None
             self._counts[0] += 1
             self._load_s.append(time.perf_counter() - start)
+            log.info("LoRA adapter %r loaded into slot %d (%d parameters, %.2f s)", name, slot, num_params,
+                     self._load_s[-1])
 
     @property
     def has_failures(self) -> bool:
@@ -201,11 +207,13 @@ class LoRASlots:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- slots -----------------------------------------------------------------------
-    def _take_slot(self) -> int | None:
+    def _take_slot(self, for_name: str) -> int | None:
         if self._free:
             return self._free.pop()
         if not self._idle:
             return None  # every slot loading or pinned
         victim, _ = self._idle.popitem(last=False)
         self._counts[1] += 1
-        return self.resident.pop(victim).slot
+        slot = self.resident.pop(victim).slot
+        log.info("LoRA adapter %r evicted from slot %d (least recently used) for %r", victim, slot, for_name)
+        return slot
