@@ -319,6 +319,7 @@ def test_inflight_check_runs_vllms_own_validation(vllm_llama_path, vllm_python):
     assert ok["model"].status == "pass", ok["model"]
     assert "LlamaForCausalLM" in ok["model"].detail and "float32" in ok["model"].detail
     assert ok["kv cache"].status == "skip"
+    assert ok["compile"].status == "skip" and "compilation_config" in ok["compile"].detail
     refused = checks(max_model_len=10**7)  # beyond the checkpoint's context: vLLM's own check
     assert refused["model"].status == "fail" and refused["model"].setting == "model.vllm_args", refused["model"]
     assert "max_model_len" in refused["model"].detail
