@@ -23,7 +23,13 @@ from worker.engine.outputs import (
     StepSkipped,
     TokenLogprobs,
 )
-from worker.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, attention_modules, step_metadata
+from worker.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    attention_modules,
+    step_metadata,
+)
 from worker.model.capability import KVLayout, LayerKV
 from worker.model.compiled import mark_token_dims
 from worker.model.graphs import DecodeGraphs
