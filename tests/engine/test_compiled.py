@@ -275,3 +275,39 @@ def test_the_artifact_is_bound_to_its_model_once(llama_path, artifacts):
     fwd.model = model
     assert fwd._bind(entry_point)("ids", "positions", "keep") == "logits"
     assert calls == [(model, "ids", "positions", "keep")]
+
+
+CAPTURE_SCRIPT = """
+import sys
+from worker.config import EngineConfig, ModelConfig
+from worker.engine import Engine
+from schemas.params import SamplingParams
+e = Engine.from_pretrained(sys.argv[1], EngineConfig(model=ModelConfig(dtype="float32", device="cpu", compile="on")))
+out = e.generate([[5, 6, 7, 8, 9, 10, 11], [12, 13]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+print(e.compile_report.artifact, [o.token_ids for o in out])
+"""
+
+
+@needs_precompile
+def test_workers_starting_together_on_one_cache_each_capture_and_one_artifact_stays(llama_path, tmp_path):
+    """Two processes capture the same forward into one (empty) cache at once, as workers
+    on one machine sharing a cache volume do: both serve, the rename keeps one artifact
+    whole, and the next start loads it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    cmd = [sys.executable, "-c", CAPTURE_SCRIPT, str(llama_path)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    lines = [out.strip().splitlines()[-1] for out, _ in outs]
+    ids = {line.split(" ", 1)[1] for line in lines}
+    assert len(ids) == 1 and all(line.split()[0] in ("captured", "loaded") for line in lines), lines
+    entries = list((tmp_path / "inflight" / "precompiled").iterdir())
+    assert len(entries) == 1 and sorted(p.name for p in entries[0].iterdir()) == [compiled.CACHE, compiled.ARTIFACT]
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == f"loaded {ids.pop()}", again.stderr[-2000:]
