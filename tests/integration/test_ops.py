@@ -294,6 +294,14 @@ def test_cli_reports_refusals_and_timeouts_without_tracebacks(services, prefix):
     r = cli("submit", "--prompt", "x", "--job-id", "a b", "--kafka", services[0], "--redis", services[1],
             "--prefix", prefix)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "job_id" in r.stderr, r.stderr
+    # an id nothing knows of is said so within seconds, not only at the timeout (issue 49)
+    r = cli("stream", "never-submitted", "--timeout", "9", "--kafka", services[0], "--redis", services[1],
+            "--prefix", prefix)
+    lines = r.stderr.splitlines()
+    notice = [i for i, ln in enumerate(lines) if ln.startswith("[nothing known of job never-submitted yet: no event "
+                                                                "log without a tenant, no claim, no results record")]
+    timeout = [i for i, ln in enumerate(lines) if "timeout" in ln]
+    assert r.returncode == 1 and len(notice) == 1 and timeout and notice[0] < timeout[0], r.stderr
 
 
 def test_cli_streams_text_alone_on_stdout_and_a_tenant_miss_gets_a_hint(services, prefix, llama_path):

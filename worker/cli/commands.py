@@ -65,6 +65,7 @@ def run_reported(coro, *, bad_input: str, kafka=None, redis=None, log_errors: bo
 
 
 STREAM_TIMEOUT_S = 600.0  # default --timeout of `stream` and `submit --stream`, seconds
+UNKNOWN_NOTICE_S = 5.0  # a stream with no event this long says whether anything knows the job, seconds
 
 
 def timeout_hint(job_id: str, timeout: float | None, tenant: str | None, prefix: str) -> str:
@@ -80,9 +81,13 @@ def timeout_hint(job_id: str, timeout: float | None, tenant: str | None, prefix:
 async def print_stream(client, job_id: str, timeout: float | None, tenant: str | None = None,
                        prefix: str = "inflight") -> int:
     """Text to stdout, progress and the outcome to stderr; 0 for stop / length, else 1.
-    Raises TimeoutError with `timeout_hint` when no terminal event came in `timeout` s."""
+    Raises TimeoutError with `timeout_hint` when no terminal event came in `timeout` s.
+    After `UNKNOWN_NOTICE_S` without an event, says so on stderr when nothing knows the
+    job yet (`_notice_if_unknown`), rather than only at the timeout."""
+    seen: list[object] = []
+    notice = asyncio.create_task(_notice_if_unknown(client, job_id, tenant, timeout, seen))
     try:
-        return await _print_stream(client, job_id, timeout, tenant)
+        return await _print_stream(client, job_id, timeout, tenant, seen)
     except TimeoutError:
         recorded = None
         with contextlib.suppress(Exception):  # the hint is best effort: a refused results read leaves it generic
@@ -94,13 +99,43 @@ async def print_stream(client, job_id: str, timeout: float | None, tenant: str |
                     "Redis log expired (redis.log_ttl_s)")
             raise TimeoutError(hint) from None
         raise TimeoutError(timeout_hint(job_id, timeout, tenant, prefix)) from None
+    finally:
+        notice.cancel()
 
 
-async def _print_stream(client, job_id: str, timeout: float | None, tenant: str | None) -> int:
+async def _notice_if_unknown(client, job_id: str, tenant: str | None, timeout: float | None,
+                             seen: list[object]) -> None:
+    """One stderr line when, `UNKNOWN_NOTICE_S` into a stream with no event yet, the job
+    has no event log (under `tenant`), no claim or attempt count and no results record:
+    a wrong id or tenant, or a job still queued behind others. Best effort: a key the
+    caller's ACL may not read, or a slow results topic, says nothing."""
+    from schemas import keys
+
+    await asyncio.sleep(UNKNOWN_NOTICE_S)
+    if seen:
+        return
+    with contextlib.suppress(Exception):
+        p = client.key_prefix
+        if await client.redis.exists(keys.log_key(job_id, p, tenant), keys.claim_key(job_id, p),
+                                     keys.attempts_key(job_id, p)):
+            return
+        if job_id in await client.lookup_results([job_id], timeout_s=UNKNOWN_NOTICE_S):
+            return
+        if not seen:
+            wait = f"up to {timeout:g} s in all" if timeout else "until it appears"
+            print(f"[nothing known of job {job_id} yet: no event log{'' if tenant else ' without a tenant'}, no "
+                  f"claim, no results record; still waiting {wait} (a job queued behind others has none of these "
+                  f"until a worker takes it; else check the id and --tenant)]", file=sys.stderr, flush=True)
+
+
+async def _print_stream(client, job_id: str, timeout: float | None, tenant: str | None,
+                        seen: list[object] | None = None) -> int:
     from schemas.wire import Finished, Restarted, Started, Token
 
     code = 1
     async for ev in client.stream(job_id, tenant=tenant, timeout_s=timeout):
+        if seen is not None and not seen:
+            seen.append(ev)
         if isinstance(ev, Started):
             print(f"[started on {ev.worker_id}, attempt {ev.attempt}]", file=sys.stderr)
         elif isinstance(ev, Restarted):
