@@ -346,3 +346,34 @@ def test_the_workers_health_loop_stops_when_cancelled_as_a_check_replies():
         return await planted.cancel_as_it_replies(asyncio.ensure_future(checks.run(MetricsConfig(check_interval_s=0.001))))
 
     assert asyncio.run(main())
+
+
+def test_a_loop_stops_although_a_call_in_it_swallowed_its_cancellation():
+    """`honour_cancellation` at the top of each round: a background loop whose awaited call
+    catches `CancelledError` (as aiokafka's offset lookup did under a drain) still stops
+    at the end of that round; without it the loop runs on (the readiness checks ran 12 s
+    past a stop)."""
+    from worker.obs.stopping import honour_cancellation
+
+    async def swallowing() -> None:
+        try:  # noqa: SIM105 (spelled out: what such a library does)
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass
+
+    async def loop(rounds: list[int], honour: bool) -> None:
+        while True:
+            if honour:
+                honour_cancellation()
+            rounds.append(1)
+            await swallowing()
+
+    async def main(honour: bool):
+        rounds: list[int] = []
+        task = asyncio.create_task(loop(rounds, honour))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        return task in done and task.cancelled(), len(rounds)
+
+    assert asyncio.run(main(True)) == (True, 1)

@@ -30,6 +30,18 @@ START_UNWIND_S = 10.0  # a start cancelled by a stop: how long it may take to un
 ABANDONED: set[asyncio.Task] = set()  # steps left running past their bound (kept referenced)
 
 
+def honour_cancellation() -> None:
+    """Raise `CancelledError` when the current task was asked to stop but a call it awaited
+    swallowed the cancellation (a library that catches `CancelledError`, or
+    python/cpython#86296): the request is still counted (`Task.cancelling()`), so a
+    background loop that calls this at the top of each round stops there instead of
+    running on past its stop (seen: the readiness checks ran 12 s past a drain's cancel,
+    aiokafka's offset lookup having swallowed it)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def stop_within(what: str, aw: Awaitable[Any], timeout_s: float) -> bool:
     """Await `aw` (a coroutine or future) for at most `timeout_s` seconds, then cancel it
     and wait at most `CANCEL_GRACE_S` seconds more; what still runs after that is left

@@ -29,7 +29,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import decode_event
 from schemas.wire import Finished, FinishReason
-from worker.obs.stopping import stop_within
+from worker.obs.stopping import honour_cancellation, stop_within
 from worker.security.redis import REDIS_DOWN
 
 if TYPE_CHECKING:
@@ -188,6 +188,7 @@ class Finalizer:
         """
         q = self._queue
         while True:
+            honour_cancellation()
             items = [await q.get()]
             while not q.empty():
                 items.append(q.get_nowait())
@@ -268,6 +269,7 @@ async def _retrying(write, what: str, job_ids: list[str], outage: KafkaOutage | 
     delay = 0.1
     failures = 0
     while True:
+        honour_cancellation()
         try:
             await write()
             if outage is not None:

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from worker.config import ConfigError, MetricsConfig
 from worker.obs.errors import suppressed
 from worker.obs.metrics import exposition
+from worker.obs.stopping import honour_cancellation
 from worker.security import access, probe
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class HealthChecks:
     async def run(self, cfg: MetricsConfig) -> None:
         """Check every `check_interval_s`; a failing check never stops the worker."""
         while True:
+            honour_cancellation()
             try:
                 await self.check(cfg.check_timeout_s)
             except Exception as e:  # e.g. the consumer being recreated

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
+from worker.obs.stopping import honour_cancellation
 from worker.security.redis import REDIS_DOWN
 from worker.serve.claims import ClaimStore, EpochChanged
 from worker.serve.jobs import JobState, JobTable
@@ -69,6 +70,7 @@ class ClaimLeases:
     async def run(self) -> None:
         """Renew until cancelled."""
         while True:
+            honour_cancellation()
             await asyncio.sleep(self.lease_ms / 3000)
             held = {held.job_id: (held.claim_token, held.attempt) for held in self.table.holding_claims()}
             try:

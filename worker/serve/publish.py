@@ -44,6 +44,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from schemas import keys
 from schemas.wire import Finished
 from worker.config import RedisConfig
+from worker.obs.stopping import honour_cancellation
 from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN, RedisUnavailable
 from worker.serve.claim_scripts import FINISH_LUA, LAST_EVENTS, LAST_SEQ
@@ -170,6 +171,7 @@ class Publisher:
         Raises RedisUnavailable after `redis.outage_limit_s` without Redis."""
         min_interval = self.cfg.publish_interval_ms / 1000
         while True:
+            honour_cancellation()
             await self._wake.wait()
             self._wake.clear()
             if min_interval > 0 and self.last_round_s < min_interval:
@@ -202,6 +204,7 @@ class Publisher:
         Returns the ids of jobs whose events were refused (another worker holds them)."""
         delay = 0.05
         while True:
+            honour_cancellation()
             try:
                 refused = await self._send_once(rnd)
                 if self.outage_since is not None:
