@@ -129,12 +129,13 @@ async def _notice_if_unknown(client, job_id: str, tenant: str | None, timeout: f
 
 
 async def _print_stream(client, job_id: str, timeout: float | None, tenant: str | None,
-                        seen: list[object] | None = None) -> int:
+                        seen: list[object]) -> int:
+    """The stream's lines; the first event is put in `seen` (`_notice_if_unknown` reads it)."""
     from schemas.wire import Finished, Restarted, Started, Token
 
     code = 1
     async for ev in client.stream(job_id, tenant=tenant, timeout_s=timeout):
-        if seen is not None and not seen:
+        if not seen:
             seen.append(ev)
         if isinstance(ev, Started):
             print(f"[started on {ev.worker_id}, attempt {ev.attempt}]", file=sys.stderr)

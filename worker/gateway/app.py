@@ -266,12 +266,17 @@ class Gateway:
     async def _health(self, request: web.Request) -> web.Response:
         """vLLM's `/health`: 200 with an empty body while the gateway can serve (its
         readiness: Kafka, Redis, the files directory), else 503 with `/readyz`'s body."""
-        if not any(self._checks.values()) and not self._stop.is_set():
+        if self._ready:
             return web.Response(status=200)
         return await self._readyz(request)
 
+    @property
+    def _ready(self) -> bool:
+        """Every readiness check passed its last round and no stop was asked for."""
+        return not any(self._checks.values()) and not self._stop.is_set()
+
     async def _readyz(self, request: web.Request) -> web.Response:
-        ready = not any(self._checks.values()) and not self._stop.is_set()
+        ready = self._ready
         body = {"status": "ready" if ready else "unready", "checks": {k: v is None for k, v in self._checks.items()},
                 "batches_driven": len(self.batches.driving)}
         errors = {k: v for k, v in self._checks.items() if v}

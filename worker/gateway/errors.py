@@ -49,6 +49,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
     return ApiError(400, message, param=param, code=code)
 
 
+def invalid_json() -> ApiError:
+    """400 for a request body that does not parse as JSON (OpenAI's message)."""
+    return bad_request("We could not parse the JSON body of your request.", code="invalid_json")
+
+
 def unsupported(param: str, why: str = "") -> ApiError:
     """400 for a field OpenAI defines that this server does not implement."""
     return ApiError(400, f"Unsupported parameter: '{param}' is not supported by this server{why}.", param=param,

@@ -23,7 +23,7 @@ from schemas.params import SamplingParams
 from schemas.structured import StructuredOutputError
 from schemas.structured import check as check_constraint
 from schemas.wire import ChatMessage
-from worker.gateway.errors import ApiError, bad_request, unsupported
+from worker.gateway.errors import ApiError, bad_request, invalid_json, unsupported
 from worker.gateway.tools import (
     ToolMode,
     reject_conflict,
@@ -141,7 +141,7 @@ def parse_request(kind: Kind, raw: bytes) -> GenRequest:
     try:
         obj = msgspec.json.decode(raw)
     except msgspec.DecodeError:
-        raise bad_request("We could not parse the JSON body of your request.", code="invalid_json") from None
+        raise invalid_json() from None
     return parse_body(kind, obj)
 
 

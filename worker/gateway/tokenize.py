@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from worker.gateway.context import GatewayContext, json_ok
-from worker.gateway.errors import bad_request, unsupported
+from worker.gateway.errors import bad_request, invalid_json, unsupported
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -92,8 +92,8 @@ class TokenizeHandlers:
             req = msgspec.json.decode(await request.read(), type=kind)
         except msgspec.ValidationError as e:
             raise bad_request(f"invalid request body: {e}") from None
-        except msgspec.DecodeError as e:
-            raise bad_request(f"the body is not JSON: {e}", code="invalid_json") from None
+        except msgspec.DecodeError:
+            raise invalid_json() from None
         if req.model is not None:
             self.ctx.check_model(req.model, grant)
         return req

@@ -14,7 +14,7 @@ from aiohttp import BodyPartReader, web
 
 from worker.gateway.batch.manager import BatchManager
 from worker.gateway.context import GatewayContext, json_ok
-from worker.gateway.errors import ApiError, bad_request
+from worker.gateway.errors import ApiError, bad_request, invalid_json
 from worker.gateway.files import FileStore
 
 UPLOAD_CHUNK = 1 << 20
@@ -100,7 +100,7 @@ class BatchHandlers:
         try:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError:
-            raise bad_request("We could not parse the JSON body of your request.", code="invalid_json") from None
+            raise invalid_json() from None
         return json_ok(await self.batches.create(grant, body))
 
     async def get(self, request: web.Request) -> web.Response:
