@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from tools.bench.harness import DEFAULT_MODEL, ensure_model, machine, write_report
+from tools.bench.harness import (
+    DEFAULT_MODEL,
+    decode_step,
+    ensure_model,
+    interleaved_ms,
+    machine,
+    write_report,
+)
 
 START_SCRIPT = """
 import time, sys
@@ -42,54 +46,6 @@ e = Engine.from_pretrained(sys.argv[1], EngineConfig(model=ModelConfig(device="c
                                                                        precompile=sys.argv[3] == "1")))
 print(time.perf_counter() - t0, e.compile_report.describe(), sep="\\t")
 """
-
-
-def decode_step(path: Path, mode: str, running: int) -> tuple[Callable[[], object], list[int], str]:
-    """An engine's decode step at `running` requests, ready to run again and again (its
-    `ModelRunner.execute` on the same step), the ids it samples, and how the forward runs."""
-    from schemas.params import SamplingParams
-    from worker.config import EngineConfig, ModelConfig, ServingTuning
-    from worker.engine import Engine
-
-    cfg = EngineConfig(model=ModelConfig(device="cpu", compile=mode), serving_tuning=ServingTuning(
-        max_running_requests=running, max_total_tokens=running * 400, max_batched_tokens=4096,
-        enable_prefix_caching=False, async_scheduling=False))
-    engine = Engine.from_pretrained(str(path), cfg)
-    runner = engine.runner
-    steps = []
-    real = runner.execute
-
-    def spy(sched):
-        steps.append(sched)
-        return real(sched)
-
-    runner.execute = spy
-    rng = random.Random(0)
-    for i in range(running):
-        prompt = [rng.randrange(5, engine.facts.vocab_size) for _ in range(rng.randrange(64, 193))]
-        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=64,
-                                                                                  ignore_eos=True))
-    while not steps or steps[-1].num_decodes < running:
-        engine.step()
-    sched = steps[-1]
-    ids = list(real(sched).sampled_token_ids.values())
-    return (lambda: real(sched)), ids, engine.compile_report.describe()
-
-
-def interleaved_ms(steps: dict[str, Callable[[], object]], rounds: int, per_round: int) -> dict[str, list[float]]:
-    """Median ms of each step per round, the steps taking turns round after round (this
-    box moves a step's time by up to 2x between minutes: only steps timed side by side
-    compare)."""
-    out: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            times = []
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            out[name].append(statistics.median(times) * 1000)
-    return out
 
 
 def start_up(path: Path, mode: str, cache: Path, precompile: bool = True) -> tuple[float, str]:
@@ -114,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
     path = ensure_model(Path(a.model))
-    eager, eager_ids, _ = decode_step(path, "off", a.running)
-    compiled, compiled_ids, forward = decode_step(path, "on", a.running)
+    eager, eager_ids, _ = decode_step(path, a.running, compile="off")
+    compiled, compiled_ids, forward = decode_step(path, a.running, compile="on")
     ms = interleaved_ms({"eager": eager, "compiled": compiled}, a.rounds, a.iterations)
     ratios = [e / c for e, c in zip(ms["eager"], ms["compiled"])]
     speedup = statistics.median(ratios)

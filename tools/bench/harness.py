@@ -9,11 +9,14 @@ import asyncio
 import json
 import os
 import platform
+import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +26,12 @@ from tools.bench.connections import worker_sections
 
 DEFAULT_MODEL = Path(".cache/models/bench-llama")
 GPU_MODEL = Path(".cache/models/bench-llama-1b")
-# random-init Llama shapes: small for the CPU, ~1.1B parameters for a GPU
+WEIGHTS_MODEL = Path(".cache/models/bench-llama-160m")
+# random-init Llama shapes: small for the CPU; ~160M parameters (fp32 weights of 640 MB,
+# more than the benchmark box's caches) for what weight formats change; ~1.1B for a GPU
 MODEL_SHAPES = {
     DEFAULT_MODEL: dict(arch="llama", vocab_size=2048, hidden=256, layers=4, heads=8, kv_heads=4, max_len=2048),
+    WEIGHTS_MODEL: dict(arch="llama", vocab_size=8192, hidden=1024, layers=12, heads=16, kv_heads=4, max_len=2048),
     GPU_MODEL: dict(arch="llama", vocab_size=32000, hidden=2048, layers=20, heads=32, kv_heads=8, max_len=4096),
 }
 
@@ -90,6 +96,55 @@ def write_report(report: dict, out_dir: str | Path, name: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
+    return out
+
+
+def decode_step(path: Path, running: int, **model) -> tuple[Callable[[], object], list[int], str]:
+    """An engine's decode step at `running` requests (contexts of 64-192 tokens), ready to
+    run again and again (its `ModelRunner.execute` on the same step), the ids it samples,
+    and how the forward runs. `model`: `ModelConfig` fields (compile, quantization, ...)."""
+    from schemas.params import SamplingParams
+    from worker.config import EngineConfig, ModelConfig, ServingTuning
+    from worker.engine import Engine
+
+    cfg = EngineConfig(model=ModelConfig(device="cpu", **model), serving_tuning=ServingTuning(
+        max_running_requests=running, max_total_tokens=running * 400, max_batched_tokens=4096,
+        enable_prefix_caching=False, async_scheduling=False))
+    engine = Engine.from_pretrained(str(path), cfg)
+    runner = engine.runner
+    steps = []
+    real = runner.execute
+
+    def spy(sched):
+        steps.append(sched)
+        return real(sched)
+
+    runner.execute = spy
+    rng = random.Random(0)
+    for i in range(running):
+        prompt = [rng.randrange(5, engine.facts.vocab_size) for _ in range(rng.randrange(64, 193))]
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=64,
+                                                                                  ignore_eos=True))
+    while not steps or steps[-1].num_decodes < running:
+        engine.step()
+    sched = steps[-1]
+    ids = list(real(sched).sampled_token_ids.values())
+    return (lambda: real(sched)), ids, engine.compile_report.describe()
+
+
+def interleaved_ms(steps: dict[str, Callable[[], object]], rounds: int, per_round: int) -> dict[str, list[float]]:
+    """Median ms of each step per round, the steps taking turns round after round (this
+    box moves a step's time by up to 2x between minutes: only steps timed side by side
+    compare)."""
+    out: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times = []
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            out[name].append(statistics.median(times) * 1000)
     return out
 
 

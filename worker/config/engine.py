@@ -16,6 +16,8 @@ OVERLOAD_POLICIES = ("queue_or_reject", "reject")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "on", "off")
+# model.quantization (worker/model/quant_load.py AT_LOAD holds the schemes)
+QUANTIZATION_MODES = ("none", "w8a8_int8", "int8", "int4")
 CUDA_GRAPH_MODES = ("auto", "off")
 ENGINES = ("inflight", "vllm")
 
@@ -261,6 +263,13 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             for CUDA with the Triton back end and no LoRA adapters (their memory is left
             out of the KV cache), `off`. Graphs whose greedy ids differ from the eager
             forward's at start-up are dropped with one log line saying why.
+        quantization: quantize a float checkpoint's decoder linear layers while loading it
+            (`worker.model.quant_load`): `none`; `w8a8_int8` (int8 weights per output
+            channel, activations quantized to int8 per token at each step: the CPU's
+            fast path, 2.4-3x the fp32 matmul on the benchmark box); `int8` / `int4`
+            (weight-only, int4 in groups of 128: 4x / 8x less weight memory than fp32,
+            slower than float on the CPU). A checkpoint that is already quantized
+            (compressed-tensors) is served as it is and needs `none`. docs/models.md.
         engine: the engine core behind the worker: `inflight` (this project's) or `vllm`
             (vLLM's V1 `EngineCore` in vLLM's own interpreter, `worker.engine.vllm_core`;
             needs `worker.engine_process`; what each engine offers: docs/engines.md).
@@ -289,6 +298,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     compile: str = "auto"
     precompile: bool = True
     cuda_graphs: str = "auto"
+    quantization: str = "none"
     engine: str = "inflight"
     vllm_python: str | None = None
     vllm_args: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -303,6 +313,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                               "'vllm'")
         one_of("model", "dtype", self.dtype, DTYPES)
         one_of("model", "compile", self.compile, COMPILE_MODES)
+        one_of("model", "quantization", self.quantization, QUANTIZATION_MODES)
+        if self.quantization != "none" and self.engine == "vllm":
+            raise ConfigError(f"model.quantization is {self.quantization!r} but model.engine is 'vllm': vLLM "
+                              "quantizes by its own arguments (model.vllm_args: quantization)")
         one_of("model", "cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
         one_of("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

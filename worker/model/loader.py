@@ -4,9 +4,12 @@ a model the paged runner cannot run exactly is refused here, never per request."
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -21,8 +24,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from worker.config import ModelConfig
-from worker.model import latent, legacy
+from worker.config import ConfigError, ModelConfig
+from worker.model import latent, legacy, quant_load
 from worker.model.attention import ATTN_IMPLEMENTATION
 from worker.model.capability import KVLayout, UnsupportedModel, check_config, check_modules
 from worker.model.kernels import get_backend
@@ -133,7 +136,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         FileNotFoundError: `cfg.path` is not a directory with a config.json.
         PermissionError: files of the checkpoint this process may not read.
         UnsupportedModel: the engine cannot reproduce this model (one line: architecture,
-            feature, config field); a subclass of ValueError.
+            feature, config field), quantization schemes included
+            (`worker.model.quant_load`); a subclass of ValueError.
+        ConfigError: `cfg.quantization` asks to quantize a checkpoint that is quantized.
         ValueError: device or back end not available.
     """
     path = Path(cfg.path)
@@ -147,12 +152,17 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     model_type = str(getattr(text_cfg, "model_type", None) or hf_config.model_type)
     check_config(text_cfg, model_type)
+    quant = quant_load.checkpoint_quant(hf_config, model_type)
+    if quant is not None and cfg.quantization != "none":
+        raise ConfigError(f"model.quantization is {cfg.quantization!r} but the checkpoint is already quantized "
+                          f"({quant.describe()}); set it to 'none'")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = _from_pretrained(path, dtype, model_type)
+    model = _from_pretrained(path, dtype, model_type, hf_config if quant is not None else None)
     model.to(device).eval()
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     check_modules(model, model_type)
-    features = list(legacy.install(model))
+    features = _quantize(model, path, quant, cfg.quantization)
+    features += legacy.install(model)
     try:
         latents = latent.install(model)
     except ValueError as e:
@@ -186,24 +196,66 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     return loaded
 
 
-def _from_pretrained(path: Path, dtype: torch.dtype, model_type: str) -> torch.nn.Module:
+def _quantize(model: torch.nn.Module, path: Path, quant: quant_load.CheckpointQuant | None,
+              method: str) -> list[str]:
+    """The checkpoint's quantized layers installed, or the float ones quantized by `method`;
+    the feature line for `inflight check` and the log."""
+    if quant is not None:
+        quant_load.install_checkpoint(model, path, quant)
+        return [f"compressed-tensors {line}" for line in quant_load.describe_layers(model)]
+    quant_load.quantize_at_load(model, method)
+    return [f"{line}, quantized at load" for line in quant_load.describe_layers(model)]
+
+
+def _from_pretrained(path: Path, dtype: torch.dtype, model_type: str,
+                     quantized_config: PretrainedConfig | None = None) -> torch.nn.Module:
     """With our attention implementation; a model that picks its attention classes from
     the implementation's name at construction (Falcon) is built with `eager` and switched
     by its adapter (`worker.model.legacy`).
 
+    `quantized_config`: the config of a quantized checkpoint: the model is built without its
+    `quantization_config` (its float layers loaded, the quantized ones left to
+    `quant_load.install_checkpoint`), and transformers' report of the keys it did not load
+    is kept out of the log.
+
     Raises:
         UnsupportedModel: neither works.
     """
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-                                                    local_files_only=True)
-    except KeyError as e:
-        if ATTN_IMPLEMENTATION not in str(e) or not legacy.has_adapter(model_type):
-            raise UnsupportedModel(model_type, "attention classes chosen by implementation name",
-                                   "config._attn_implementation", f"transformers: {type(e).__name__}: {e}") from e
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", local_files_only=True)
+    kwargs = {}
+    if quantized_config is not None:
+        config = copy.deepcopy(quantized_config)
+        del config.quantization_config
+        kwargs["config"] = config
+    with _quiet_load_report(quantized_config is not None):
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                        local_files_only=True, **kwargs)
+        except KeyError as e:
+            if ATTN_IMPLEMENTATION not in str(e) or not legacy.has_adapter(model_type):
+                raise UnsupportedModel(model_type, "attention classes chosen by implementation name",
+                                       "config._attn_implementation",
+                                       f"transformers: {type(e).__name__}: {e}") from e
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
+                                                     local_files_only=True, **kwargs)
     legacy.use_paged_attention(model)
     return model
+
+
+@contextlib.contextmanager
+def _quiet_load_report(on: bool) -> Iterator[None]:
+    """transformers logs a table of a checkpoint's missing and unexpected keys; for a
+    quantized checkpoint loaded as float, every quantized layer is in it, by design."""
+    if not on:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _measure(model: torch.nn.Module, text_cfg, model_type: str, backend: ModuleType) -> tuple[KVLayout, list[str]]:

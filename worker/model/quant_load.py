@@ -1,0 +1,246 @@
+"""Quantized weights at load: a checkpoint's `quantization_config` read and checked, its
+integer layers installed as `QuantLinear`s, or a float checkpoint quantized while it loads
+(`model.quantization`).
+
+Served checkpoints: **compressed-tensors** (what llm-compressor writes) with integer weights
+of 4 or 8 bits, per-channel or group scales, symmetric or asymmetric, weight-only or with
+dynamic per-token int8 activations (W8A8), in its `int-quantized`, `pack-quantized` and
+`naive-quantized` formats. The format's own library parses and validates the config
+(`compressed_tensors.QuantizationConfig`), matches its targets to modules
+(`match_named_modules`) and unpacks packed values (`unpack_from_int32`); the tensors are
+read from the checkpoint's safetensors files here, since transformers' loader for this
+format fails on asymmetric packed zero points (transformers 5.24, compressed-tensors 0.20).
+
+Everything else — another `quant_method` (GPTQ, AWQ, FP8, MXFP4, bitsandbytes, ...), float
+or block schemes, activation orderings with a `g_idx`, output or KV-cache quantization,
+sparsity, transforms — is refused at load with one line naming the method and the config
+field (`UnsupportedModel`), before any weight is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.model.capability import UnsupportedModel
+from worker.model.quant_linear import QuantLinear, WeightScheme
+
+# model.quantization: quantize a float checkpoint's linear layers while loading it
+AT_LOAD: dict[str, WeightScheme | None] = {
+    "none": None,
+    "w8a8_int8": WeightScheme(bits=8, act_int8=True),
+    "int8": WeightScheme(bits=8),
+    "int4": WeightScheme(bits=4, group_size=128),
+}
+_FORMATS = ("int-quantized", "pack-quantized", "naive-quantized")
+_FIELD = "config.quantization_config"
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointQuant:
+    """A checked compressed-tensors config: its parsed form, and each config group's scheme."""
+
+    config: object  # compressed_tensors.QuantizationConfig
+    schemes: dict[str, WeightScheme]
+
+    def describe(self) -> str:
+        """e.g. "compressed-tensors W8A8 (int8 weights, per-channel scales, ...)"."""
+        kinds = sorted({s.describe() for s in self.schemes.values()})
+        return f"compressed-tensors {'; '.join(kinds)}"
+
+
+def checkpoint_quant(hf_config, model_type: str) -> CheckpointQuant | None:
+    """The checkpoint's quantization, checked; None when it has none.
+
+    Raises:
+        UnsupportedModel: a method, format or scheme not served (one line: what, and the field).
+    """
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    raw = qc if isinstance(qc, dict) else qc.to_dict()
+    method = str(raw.get("quant_method", "?"))
+    if method != "compressed-tensors":
+        raise UnsupportedModel(model_type, f"weights quantized with {method!r}", f"{_FIELD}.quant_method",
+                               "served: compressed-tensors integer weights (W8A8, W8A16, W4A16)")
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        parsed = QuantizationConfig.model_validate(
+            {k: v for k, v in raw.items() if k not in ("sparsity_config", "transform_config")})
+    except ValueError as e:
+        raise UnsupportedModel(model_type, "an invalid compressed-tensors config", _FIELD, str(e)[:300]) from e
+    for extra in ("sparsity_config", "transform_config"):
+        if raw.get(extra):
+            raise UnsupportedModel(model_type, f"compressed-tensors {extra.split('_')[0]}", f"{_FIELD}.{extra}")
+    if parsed.kv_cache_scheme is not None:
+        raise UnsupportedModel(model_type, "a quantized KV cache in the checkpoint", f"{_FIELD}.kv_cache_scheme")
+    schemes = {}
+    for name, group in parsed.config_groups.items():
+        field = f"{_FIELD}.config_groups.{name}"
+        fmt = getattr(group, "format", None) or parsed.format
+        if fmt not in _FORMATS:
+            raise UnsupportedModel(model_type, f"compressed-tensors format {fmt!r}", f"{field}.format",
+                                   f"served: {', '.join(_FORMATS)}")
+        schemes[name] = _scheme(group, field, model_type)
+    return CheckpointQuant(parsed, schemes)
+
+
+def _scheme(group, field: str, model_type: str) -> WeightScheme:
+    w, a = group.weights, group.input_activations
+
+    def refuse(what: str, sub: str) -> UnsupportedModel:
+        return UnsupportedModel(model_type, what, f"{field}.{sub}")
+
+    if w is None:
+        raise refuse("activation quantization without weight quantization", "weights")
+    if group.output_activations is not None:
+        raise refuse("quantized output activations", "output_activations")
+    if str(w.type) != "int" or w.num_bits not in (4, 8):
+        raise refuse(f"{w.num_bits}-bit {w.type} weights (served: int4, int8)", "weights")
+    if str(w.strategy) not in ("channel", "group") or w.dynamic:
+        raise refuse(f"weight scales by {w.strategy}{' (dynamic)' if w.dynamic else ''} "
+                     "(served: channel, group)", "weights.strategy")
+    if w.actorder is not None and str(w.actorder) not in ("weight", "static"):
+        raise refuse(f"activation ordering {w.actorder!r} (a g_idx per input channel)", "weights.actorder")
+    act_int8 = a is not None
+    if act_int8 and not (str(a.type) == "int" and a.num_bits == 8 and str(a.strategy) == "token" and a.dynamic
+                         and a.symmetric):
+        raise refuse(f"{a.num_bits}-bit {a.type} activations by {a.strategy} (served: dynamic int8 per token)",
+                     "input_activations")
+    try:
+        return WeightScheme(bits=w.num_bits, group_size=w.group_size if str(w.strategy) == "group" else None,
+                            symmetric=w.symmetric, act_int8=act_int8)
+    except ValueError as e:
+        raise refuse(str(e), "weights") from e
+
+
+def install_checkpoint(model: torch.nn.Module, path: Path, quant: CheckpointQuant) -> int:
+    """Replace each layer `quant`'s groups target with a `QuantLinear` holding the
+    checkpoint's integer weights (read from `path`'s safetensors files). Returns the number
+    of layers replaced.
+
+    Raises:
+        UnsupportedModel: a targeted module is not a linear layer, or its tensors are missing.
+    """
+    from compressed_tensors.utils import match_named_modules
+
+    model_type = str(getattr(model.config, "model_type", "?"))
+    replaced = 0
+    with _Tensors(path) as tensors:
+        for name, group in quant.config.config_groups.items():
+            scheme = quant.schemes[name]
+            for mod_name, mod in list(match_named_modules(model, group.targets, quant.config.ignore)):
+                if not isinstance(mod, torch.nn.Linear):
+                    raise UnsupportedModel(model_type, f"a quantized {type(mod).__name__} ({mod_name})",
+                                           f"{_FIELD}.config_groups.{name}.targets")
+                q, scale, zero = _read_layer(tensors, mod_name, mod, scheme, model_type)
+                dev = mod.weight.device
+                layer = QuantLinear(mod.in_features, mod.out_features, scheme, q.to(dev), scale.to(dev),
+                                    None if zero is None else zero.to(dev), mod.bias)
+                _replace(model, mod_name, layer)
+                replaced += 1
+    return replaced
+
+
+def _read_layer(tensors: _Tensors, name: str, mod: torch.nn.Linear, scheme: WeightScheme,
+                model_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The layer's int8 `[out, in]` values, float32 scale `[out, groups]` and zero point."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    n, k = mod.out_features, mod.in_features
+    groups = k // (scheme.group_size or k)
+    if tensors.has(f"{name}.weight_packed"):
+        q = unpack_from_int32(tensors.get(f"{name}.weight_packed"), scheme.bits, torch.Size([n, k]), packed_dim=1)
+    elif tensors.has(f"{name}.weight"):
+        q = tensors.get(f"{name}.weight")
+    else:
+        raise UnsupportedModel(model_type, f"no quantized weight for {name}", f"{name}.weight_packed")
+    scale = tensors.get(f"{name}.weight_scale").float().reshape(n, groups)
+    zero = None
+    if not scheme.symmetric:
+        zp = tensors.get(f"{name}.weight_zero_point")
+        if zp.dtype == torch.int32 and zp.shape[0] != n:  # packed along the output channels
+            zp = unpack_from_int32(zp, scheme.bits, torch.Size([n, groups]), packed_dim=0)
+        zero = zp.reshape(n, groups)
+    q = q.to(torch.float32) if q.is_floating_point() else q
+    return q.round().to(torch.int8).reshape(n, k), scale, zero
+
+
+def _replace(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, layer)
+
+
+class _Tensors(contextlib.AbstractContextManager):
+    """Read-only view of a checkpoint's tensors by name, over one or many safetensors files."""
+
+    def __init__(self, path: Path) -> None:
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            files = dict(json.loads(index.read_text())["weight_map"])
+        else:
+            from safetensors import safe_open
+
+            with safe_open(path / "model.safetensors", "pt") as f:
+                files = dict.fromkeys(f.keys(), "model.safetensors")
+        self._path, self._files, self._open = path, files, {}
+        self._stack = contextlib.ExitStack()
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        fname = self._files[name]
+        if fname not in self._open:
+            self._open[fname] = self._stack.enter_context(safe_open(self._path / fname, "pt"))
+        return self._open[fname].get_tensor(name)
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+def quantize_at_load(model: torch.nn.Module, method: str) -> int:
+    """Quantize the float linear layers of the decoder layers (not the output embedding,
+    not MoE experts, not layers outside the decoder stack) by `AT_LOAD[method]`, in place. A layer whose input width the scheme's group
+    size does not divide keeps per-channel scales. Returns the number of layers replaced."""
+    scheme = AT_LOAD[method]
+    if scheme is None:
+        return 0
+    replaced = 0
+    for name, mod in list(_decoder_linears(model)):
+        s = scheme
+        if s.group_size and mod.in_features % s.group_size:
+            s = WeightScheme(bits=s.bits, symmetric=s.symmetric)
+        _replace(model, name, QuantLinear.quantize(mod, s))
+        replaced += 1
+    return replaced
+
+
+def _decoder_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Linear]]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, m in model.named_modules():
+        if (type(m) is torch.nn.Linear and m is not head and "expert" not in name
+                and _LAYER_INDEX.search(f".{name}.")):
+            yield name, m
+
+
+def describe_layers(model: torch.nn.Module) -> list[str]:
+    """One line per scheme in use: "W4A16 (int4 weights, groups of 128, symmetric) on 84 layers"."""
+    counts = Counter(m.scheme.describe() for m in model.modules() if isinstance(m, QuantLinear))
+    return [f"{kind} on {n} layers" for kind, n in sorted(counts.items())]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer (the weights' resident size)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
