@@ -8,6 +8,9 @@
      (from NVML memory clock x bus width, else a table); and batch 4 at context 16384,
      which takes the split-K (flash-decoding) path;
   3. prefill attention TFLOP/s at a few (batch, length) sizes (causal, 4·H·D·L(L+1)/2 FLOPs);
+  3b. quantized linear layers (4096 x 4096; 1-256 rows): W8A8 through `torch._int_mm` (16
+     rows and fewer padded), int8 / int4 weight-only dequantized per call, each against the
+     float64 arithmetic of its integers, and timed against the bf16 layer;
   4. the engine benchmark with a random-init ~1.1B-parameter Llama in bf16: Inflight with
      Triton vs Inflight with the torch reference back end (tokens/s and ratio), and
      Triton with decode steps replayed from CUDA graphs (`model.cuda_graphs: auto`, the
@@ -200,6 +203,41 @@ def prefill_tflops(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def quantized_linear(device: str, smoke: bool) -> list[dict]:
+    """`QuantLinear` on the device (W8A8 through `torch._int_mm`, 16 rows and fewer padded
+    on CUDA; weight-only int8 and int4 dequantized per call) against the float64 arithmetic
+    of the same integers, and its time against the float layer's (bf16 on CUDA)."""
+    from worker.model.quant_linear import QuantLinear, WeightScheme
+
+    k, n = (64, 96) if smoke else (4096, 4096)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    schemes = {"w8a8_int8": WeightScheme(bits=8, act_int8=True), "int8": WeightScheme(bits=8),
+               "int4": WeightScheme(bits=4, group_size=32 if smoke else 128)}
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, n, bias=False).to(device, dtype)
+    rows = []
+    for name, scheme in schemes.items():
+        layer = QuantLinear.quantize(lin, scheme)
+        w = layer.dequantized(torch.float64)
+        for m in ((1, 17) if smoke else (1, 16, 17, 64, 256)):
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            got = layer(x).double()
+            if scheme.act_int8:  # the reference rounds the activations by the same rule
+                xf = x.double()
+                sx = xf.abs().amax(-1, keepdim=True) / 127.5
+                xf = torch.round(xf / sx).clamp(-128, 127) * sx
+            else:
+                xf = x.double()
+            ref = xf @ w.T
+            err = float((got - ref).abs().max() / ref.abs().max())
+            iters = 3 if smoke else 50
+            bound = 1e-4 if dtype == torch.float32 else 1e-2
+            rows.append({"scheme": name, "rows": m, "rel_error": err, "ok": err < bound,
+                         "quantized_s": timed(lambda x=x, layer=layer: layer(x), device, iters),
+                         "float_s": timed(lambda x=x: lin(x), device, iters)})
+    return rows
+
+
 def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
     """The engine runs of part 4 (module docstring); `on_progress(out)` after each run, finished or failed."""
     from tools.bench.engine import agreement, run_inflight
@@ -323,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
              "decode_attention": lambda: decode_bandwidth(device, a.smoke, peak),
              # small batch, long context: the split-K (flash-decoding) path
              "decode_attention_long_context": lambda: decode_bandwidth(device, a.smoke, peak, batch=4, ctx=16384),
-             "prefill_attention": lambda: prefill_tflops(device, a.smoke)}
+             "prefill_attention": lambda: prefill_tflops(device, a.smoke),
+             "quantized_linear": lambda: quantized_linear(device, a.smoke)}
     if not a.skip_engine:
         parts["engine"] = lambda: engine_bench(a, device, on_progress=lambda eng: (report.update(engine=eng), save()))
     failed = []
@@ -336,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
         print(f"gpu_check: {name} {'failed' if name in failed else 'done'} in {time.time() - started:.1f} s",
               file=sys.stderr, flush=True)
-        report["all_correct"] = "correctness" not in failed and all(r["ok"] for r in report.get("correctness", []))
+        report["all_correct"] = (not {"correctness", "quantized_linear"} & set(failed)
+                                 and all(r["ok"] for r in report.get("correctness", []))
+                                 and all(r["ok"] for r in report.get("quantized_linear", [])))
         save()
     failed += [k for k, v in report.get("engine", {}).items() if isinstance(v, dict) and "error" in v]
     report["failed"] = failed

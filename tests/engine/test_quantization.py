@@ -282,3 +282,27 @@ def test_lora_adds_its_delta_on_top_of_a_quantized_base(tmp_path):
             m.weight.data.copy_(layers[name].dequantized())
     merged = PeftModel.from_pretrained(ref, str(tmp_path / "a4")).merge_and_unload().eval()
     assert got == generate(merged, work)
+
+
+@pytest.mark.parametrize("family", ["DeepSeek-V3", "Gemma 2"])
+def test_other_architectures_quantize_at_load_and_stay_exact(family):
+    """MLA (DeepSeek-V3: `kv_b_proj` stays float for the latent KV cache; MoE experts stay
+    float) and windows with soft-capping (Gemma 2): int8 weight-only at load equals
+    transformers' generate on the float model holding the dequantized weights."""
+    from tests.conftest import arch_checkpoint
+    from worker.model.quant_load import quantize_at_load
+
+    path = arch_checkpoint(family)
+    work = workload(5, 6)
+    got, eng = run(path, work, quantization="int8")
+    model = eng.runner.model
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) > 0
+    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith("kv_b_proj"))
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    q = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    quantize_at_load(q, "int8")
+    layers = dict(q.named_modules())
+    for name, m in ref.named_modules():
+        if isinstance(layers.get(name), QuantLinear):
+            m.weight.data.copy_(layers[name].dequantized())
+    assert got == generate(ref, work)

@@ -138,6 +138,38 @@ def test_the_worker_refuses_it_at_start_with_exit_2(good, tmp_path, engine_proce
     assert "worker started" not in text
 
 
+def test_an_unsupported_quantization_fails_the_model_check_and_the_worker_exits_2(good, tmp_path):
+    """A GPTQ checkpoint (issue 46: not served yet) is refused like an architecture: the
+    model check's FAIL line names the method and the field, and the worker exits 2 with it."""
+    import json
+    import shutil
+
+    from tests.integration.processes import spawn_worker
+
+    path = tmp_path / "gptq"
+    shutil.copytree(good.model.path, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (path / "config.json").write_text(json.dumps(config))
+    cfg = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, path=str(path)))
+    line = "model 'llama' has weights quantized with 'gptq' (config.quantization_config.quant_method); not supported"
+    assert line in only_failure(run_preflight(cfg), "model", "model.path").detail
+    proc, log = spawn_worker(tmp_path, cfg, "gptq")
+    assert proc.wait(timeout=180) == 2, log.read_text()[-2000:]
+    assert line in log.read_text() and "worker started" not in log.read_text()
+
+
+def test_a_quantized_checkpoint_passes_and_the_check_names_its_scheme(good, tmp_path):
+    from tools.make_quantized import make_quantized
+
+    path = make_quantized(good.model.path, tmp_path / "w8a8", "w8a8")
+    cfg = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, path=str(path)))
+    checks = run_preflight(cfg)
+    assert exit_code(checks) == 0, render(checks)
+    assert ("compressed-tensors W8A8 (int8 weights, per-channel scales, symmetric, int8 activations per token) "
+            "on 14 layers") in by_name(checks)["model"].detail
+
+
 def test_a_limit_above_the_model_context_fails_naming_both_numbers(good):
     tuning = msgspec.structs.replace(good.serving_tuning, max_input_tokens=8192)
     fail = only_failure(run_preflight(msgspec.structs.replace(good, serving_tuning=tuning)),

@@ -107,17 +107,19 @@ def quantize_weight(w: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """`[n, k]` int8 values in [-8, 7] -> `[n, k / 2]` uint8, two per byte (even column in the
-    low nibble), offset by 8."""
+    """`[n, k]` int8 values in [-8, 7] (k even) -> `[n, k / 2]` uint8, offset by 8: column j
+    in the low nibble of byte j, column k/2 + j in its high nibble. Halves rather than
+    neighbours, so unpacking is two elementwise ops and a concatenation, which a compiled
+    forward fuses into its dequantization (neighbours interleave: measured 0.13x the fp32
+    step at one request, against 0.76x for int8)."""
     u = (q.to(torch.int16) + 8).to(torch.uint8)
-    return u[:, 0::2] | (u[:, 1::2] << 4)
+    half = q.shape[1] // 2
+    return u[:, :half] | (u[:, half:] << 4)
 
 
 def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_int4`: `[n, k / 2]` uint8 -> `[n, k]` int8."""
-    lo = (p & 15).to(torch.int8) - 8
-    hi = (p >> 4).to(torch.int8) - 8
-    return torch.stack((lo, hi), dim=-1).reshape(p.shape[0], -1)
+    return torch.cat(((p & 15).to(torch.int8) - 8, (p >> 4).to(torch.int8) - 8), dim=1)
 
 
 class QuantLinear(torch.nn.Module):
@@ -125,7 +127,7 @@ class QuantLinear(torch.nn.Module):
     output `[..., out]` in the input's dtype) over integer weights.
 
     Buffers: `qweight` int8 `[out, in]`, or `[in, out]` for W8A8 (the layout `_int_mm`
-    reads), or uint8 `[out, in / 2]` for 4 bits (`pack_int4`); `scale` `[out, groups]`
+    reads), or uint8 `[out, in / 2]` for 4 bits and an even `in` (`pack_int4`); `scale` `[out, groups]`
     float32; `zero` int8 `[out, groups]` when asymmetric.
     """
 
@@ -141,7 +143,7 @@ class QuantLinear(torch.nn.Module):
         q = q.to(torch.int8)
         if scheme.act_int8:
             q = q.t().contiguous()
-        elif scheme.bits == 4:
+        elif scheme.bits == 4 and in_features % 2 == 0:  # an odd width stays one value per byte
             q = pack_int4(q)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale.float().contiguous())
@@ -158,22 +160,35 @@ class QuantLinear(torch.nn.Module):
         """The integer weight `[out, in]` int8, whatever its stored layout."""
         if self.scheme.act_int8:
             return self.qweight.t()
-        return unpack_int4(self.qweight) if self.scheme.bits == 4 else self.qweight
+        return unpack_int4(self.qweight) if self.qweight.dtype == torch.uint8 else self.qweight
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """`[out, in]` float weight `(q - zero) * scale` in `dtype`."""
-        q = self.int_weight()
-        n, k = q.shape
-        groups = self.scale.shape[1]
-        qg = q.reshape(n, groups, k // groups).to(self.scale.dtype)
-        if self.zero is not None:
-            qg = qg - self.zero.to(self.scale.dtype)[..., None]
-        return (qg * self.scale[..., None]).reshape(n, k).to(dtype)
+        return _dequantize(self.int_weight(), self.scale, self.zero, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.act_int8:
             return self._w8a8(x)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        halves = self._int4_halves(x.dtype)
+        if halves is None:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        # packed int4: each half of the input channels against its nibble, no concatenation
+        # (compiled: as fast as int8; concatenating the unpacked halves first: 5x slower)
+        h = self.in_features // 2
+        return F.linear(x[..., :h], halves[0]) + F.linear(x[..., h:], halves[1], self.bias)
+
+    def _int4_halves(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The dequantized weight's two halves of input channels `[out, in / 2]` when the
+        weight is packed (`pack_int4`) and its groups do not straddle the halves; else None."""
+        groups = self.scale.shape[1]
+        if self.qweight.dtype != torch.uint8 or (groups > 1 and groups % 2):
+            return None
+        p = self.qweight.to(torch.int32)
+        g = (groups + 1) // 2  # groups per half (one shared scale when per channel)
+        lo_s, hi_s = (self.scale, self.scale) if groups == 1 else (self.scale[:, :g], self.scale[:, g:])
+        z = self.zero
+        lo_z, hi_z = (z, z) if z is None or groups == 1 else (z[:, :g], z[:, g:])
+        return (_dequantize((p & 15) - 8, lo_s, lo_z, dtype), _dequantize((p >> 4) - 8, hi_s, hi_z, dtype))
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -189,6 +204,17 @@ class QuantLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """`(q - zero) * scale` of `[n, k]` integers with `[n, groups]` scales and zero points
+    (groups of k / groups consecutive columns), in `dtype`."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    qg = q.reshape(n, groups, k // groups).to(scale.dtype)
+    if zero is not None:
+        qg = qg - zero.to(scale.dtype)[..., None]
+    return (qg * scale[..., None]).reshape(n, k).to(dtype)
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

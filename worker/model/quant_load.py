@@ -212,7 +212,8 @@ class _Tensors(contextlib.AbstractContextManager):
 
 def quantize_at_load(model: torch.nn.Module, method: str) -> int:
     """Quantize the float linear layers of the decoder layers (not the output embedding,
-    not MoE experts, not layers outside the decoder stack) by `AT_LOAD[method]`, in place. A layer whose input width the scheme's group
+    not MoE experts, not layers outside the decoder stack, not MLA's `kv_b_proj`, which
+    the latent KV cache reads as a float matrix: `worker.model.latent`) by `AT_LOAD[method]`, in place. A layer whose input width the scheme's group
     size does not divide keeps per-channel scales. Returns the number of layers replaced."""
     scheme = AT_LOAD[method]
     if scheme is None:
@@ -231,7 +232,7 @@ def _decoder_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Lin
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, m in model.named_modules():
         if (type(m) is torch.nn.Linear and m is not head and "expert" not in name
-                and _LAYER_INDEX.search(f".{name}.")):
+                and not name.endswith("kv_b_proj") and _LAYER_INDEX.search(f".{name}.")):
             yield name, m
 
 
