@@ -9,14 +9,82 @@ one, with compressed-tensors' own API: the scheme attached to every decoder line
 
 Schemes: `w8a8` (int8 weights per channel, dynamic int8 activations per token; format
 int-quantized), `w8a16` and `w4a16` (weight-only; pack-quantized).
+
+`--scheme awq` writes AutoAWQ's format instead (4-bit GEMM packing: `qweight` `[in, out /
+8]` and `qzeros` `[groups, out / 8]` int32 with eight values per word in AWQ's order
+0 2 4 6 1 3 5 7, `scales` `[groups, out]` fp16, unsigned values and zero points): round to
+nearest per group, no activation-aware search. The packing is ours, checked against
+compressed-tensors' `AutoAWQConverter` (tests/engine/test_quantization.py).
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEMES = {"w8a8": (8, True), "w8a16": (8, False), "w4a16": (4, False)}
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of a packed word holds
+
+
+def awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """`[rows, cols]` unsigned 4-bit values -> `[rows, cols / 8]` int32 in AWQ's order."""
+    import torch
+
+    rows, cols = values.shape
+    v = values.to(torch.int64).reshape(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    word = (v << shifts).sum(-1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def awq_quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float weight `[out, in]` as AWQ's unsigned 4-bit values `[out, in]`, zero points and
+    fp16 scales `[out, groups]` (min/max of each group, 0 representable)."""
+    import torch
+
+    n, k = w.shape
+    wg = w.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-8).half()
+    zero = torch.round(-lo / scale.float()).clamp(0, 15)
+    q = (torch.round(wg / scale.float()[..., None]) + zero[..., None]).clamp(0, 15)
+    return q.reshape(n, k).to(torch.int32), zero.to(torch.int32), scale
+
+
+def make_awq(src: Path, out: Path, group_size: int = 128) -> Path:
+    """An AutoAWQ-format (GEMM, 4 bits) copy of `src`'s decoder linear layers in `out`."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    head = model.get_output_embeddings()
+    tensors = {}
+    for name, t in model.state_dict().items():
+        tensors[name] = t.contiguous().clone()  # tied embeddings: one copy per name
+    for name, m in model.named_modules():
+        if type(m) is not torch.nn.Linear or m is head:
+            continue
+        q, zero, scale = awq_quantize(m.weight, group_size)
+        del tensors[f"{name}.weight"]
+        tensors[f"{name}.qweight"] = awq_pack(q.T.contiguous())
+        tensors[f"{name}.qzeros"] = awq_pack(zero.T.contiguous())
+        tensors[f"{name}.scales"] = scale.T.contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                                     "version": "gemm", "modules_to_not_convert": None}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
 
 
 def make_quantized(src: Path, out: Path, scheme: str, group_size: int | None = None,
@@ -76,11 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=Path, help="a float Hugging Face checkpoint directory")
     p.add_argument("out", type=Path)
-    p.add_argument("--scheme", choices=sorted(SCHEMES), default="w8a8")
+    p.add_argument("--scheme", choices=[*sorted(SCHEMES), "awq"], default="w8a8")
     p.add_argument("--group-size", type=int, default=None, help="input channels per scale (default: per channel)")
     p.add_argument("--asymmetric", action="store_true", help="zero points (weight-only schemes)")
     a = p.parse_args(argv)
-    make_quantized(a.src, a.out, a.scheme, a.group_size, not a.asymmetric)
+    if a.scheme == "awq":
+        make_awq(a.src, a.out, a.group_size or 128)
+    else:
+        make_quantized(a.src, a.out, a.scheme, a.group_size, not a.asymmetric)
     print(a.out)
     return 0
 

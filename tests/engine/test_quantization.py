@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from schemas.params import SamplingParams
 from tests.conftest import tiny_checkpoint
-from tools.make_quantized import make_quantized
+from tools.make_quantized import make_awq, make_quantized
 from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
 from worker.engine import Engine
 from worker.model.capability import UnsupportedModel
@@ -212,6 +212,35 @@ def test_w8a8_is_the_integer_matmul_of_the_rounded_activations():
         assert torch.allclose(layer(x).double(), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_an_awq_checkpoint_equals_its_dequantized_weights(tmp_path):
+    """AutoAWQ's GEMM format (packed by `tools.make_quantized.make_awq`, read through
+    compressed-tensors' `AutoAWQConverter`): each layer's weight is exactly (q - zero) x
+    scale of the values written, and the engine's greedy ids equal transformers' float
+    model holding those weights, over chunked prefill and preemption."""
+    from tools.make_quantized import awq_quantize
+
+    base = tiny_checkpoint("qwen2")  # q/k/v carry biases
+    path = make_awq(base, tmp_path / "awq", group_size=32)
+    ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    for m in ref.modules():
+        if type(m) is torch.nn.Linear and m is not ref.get_output_embeddings():
+            q, zero, scale = awq_quantize(m.weight, 32)
+            n, k = q.shape
+            w = (q.reshape(n, -1, 32) - zero[..., None]).float() * scale.float()[..., None]
+            m.weight.data.copy_(w.reshape(n, k))
+    work = workload(7)
+    got, eng = run(path, work)
+    assert any(f.startswith("AWQ W4A16 (int4 weights, groups of 32, asymmetric)") for f in eng.loaded.features), \
+        eng.loaded.features
+    layers = {n: m for n, m in eng.runner.model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 14
+    ref_modules = dict(ref.named_modules())
+    for n, m in layers.items():
+        assert torch.equal(m.dequantized(), ref_modules[n].weight.data), n
+    assert eng.scheduler.num_preemptions_total > 0
+    assert got == generate(ref, work)
+
+
 def _with_quantization_config(tmp_path: Path, qc: dict) -> Path:
     out = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint("llama"), out)
@@ -230,7 +259,9 @@ def _fp8_group() -> dict:
 @pytest.mark.parametrize("qc, words", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "weights quantized with 'gptq' "
      "(config.quantization_config.quant_method); not supported"),
-    ({"quant_method": "awq", "bits": 4}, "weights quantized with 'awq'"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "an AWQ checkpoint (Unsupported AutoAWQ version: gemv) "
+     "(config.quantization_config.version)"),
+    ({"quant_method": "awq", "bits": 8}, "(config.quantization_config.bits)"),
     (_fp8_group(), "compressed-tensors format 'float-quantized' "
      "(config.quantization_config.config_groups.group_0.format)"),
 ])
@@ -306,3 +337,29 @@ def test_other_architectures_quantize_at_load_and_stay_exact(family):
         if isinstance(layers.get(name), QuantLinear):
             m.weight.data.copy_(layers[name].dequantized())
     assert got == generate(ref, work)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8", "w8a8_int8"])
+def test_a_quantized_forward_is_captured_and_compiled_like_a_float_one(method, tmp_path, monkeypatch):
+    """`model.compile: on` (the CPU's default): the quantized forward is captured ahead of
+    time, not left eager (a guard on the step's unbacked token count once sent int4 back
+    to eager), and its greedy ids are the eager engine's (W8A8: up to near ties)."""
+    from worker.engine import compile as compile_rules
+    from worker.model import compiled
+    from worker.model.quant_load import quantize_at_load
+
+    monkeypatch.setattr(compile_rules, "precompiled_dir", lambda: tmp_path / "precompiled")
+    path = tiny_checkpoint("llama")
+    work = workload(6, 8)
+    got, eng = run(path, work, quantization=method, compile="on")
+    report = eng.compile_report
+    assert report.compiled and not report.capture_fallback, report
+    if compiled.precompile_available("cpu"):
+        assert report.artifact == "captured", report
+    eager, _ = run(path, work, quantization=method, compile="off")
+    if method == "w8a8_int8":
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        quantize_at_load(ref, method)
+        assert_equal_up_to_near_ties(got, eager, ref, work, min_identical=6)
+    else:
+        assert got == eager

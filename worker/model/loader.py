@@ -202,7 +202,7 @@ def _quantize(model: torch.nn.Module, path: Path, quant: quant_load.CheckpointQu
     the feature line for `inflight check` and the log."""
     if quant is not None:
         quant_load.install_checkpoint(model, path, quant)
-        return [f"compressed-tensors {line}" for line in quant_load.describe_layers(model)]
+        return [f"{quant.method} {line}" for line in quant_load.describe_layers(model)]
     quant_load.quantize_at_load(model, method)
     return [f"{line}, quantized at load" for line in quant_load.describe_layers(model)]
 

@@ -5,13 +5,16 @@ integer layers installed as `QuantLinear`s, or a float checkpoint quantized whil
 Served checkpoints: **compressed-tensors** (what llm-compressor writes) with integer weights
 of 4 or 8 bits, per-channel or group scales, symmetric or asymmetric, weight-only or with
 dynamic per-token int8 activations (W8A8), in its `int-quantized`, `pack-quantized` and
-`naive-quantized` formats. The format's own library parses and validates the config
+`naive-quantized` formats; and **AWQ** (AutoAWQ's 4-bit GEMM packing), whose layers
+compressed-tensors' own converter (`AutoAWQConverter`) turns into its format as they are
+read. The format's own library parses and validates the config
 (`compressed_tensors.QuantizationConfig`), matches its targets to modules
 (`match_named_modules`) and unpacks packed values (`unpack_from_int32`); the tensors are
 read from the checkpoint's safetensors files here, since transformers' loader for this
 format fails on asymmetric packed zero points (transformers 5.24, compressed-tensors 0.20).
 
-Everything else — another `quant_method` (GPTQ, AWQ, FP8, MXFP4, bitsandbytes, ...), float
+Everything else — another `quant_method` (GPTQ, FP8, MXFP4, bitsandbytes, ...), AWQ's other
+packings (GEMV, Marlin, ...), float
 or block schemes, activation orderings with a `g_idx`, output or KV-cache quantization,
 sparsity, transforms — is refused at load with one line naming the method and the config
 field (`UnsupportedModel`), before any weight is read.
@@ -50,11 +53,14 @@ class CheckpointQuant:
 
     config: object  # compressed_tensors.QuantizationConfig
     schemes: dict[str, WeightScheme]
+    # turns another format's tensors of one layer into compressed-tensors' (AutoAWQConverter)
+    converter: object | None = None
+    method: str = "compressed-tensors"
 
     def describe(self) -> str:
         """e.g. "compressed-tensors W8A8 (int8 weights, per-channel scales, ...)"."""
         kinds = sorted({s.describe() for s in self.schemes.values()})
-        return f"compressed-tensors {'; '.join(kinds)}"
+        return f"{self.method} {'; '.join(kinds)}"
 
 
 def checkpoint_quant(hf_config, model_type: str) -> CheckpointQuant | None:
@@ -68,9 +74,11 @@ def checkpoint_quant(hf_config, model_type: str) -> CheckpointQuant | None:
         return None
     raw = qc if isinstance(qc, dict) else qc.to_dict()
     method = str(raw.get("quant_method", "?"))
+    if method == "awq":
+        return _awq(raw, model_type)
     if method != "compressed-tensors":
         raise UnsupportedModel(model_type, f"weights quantized with {method!r}", f"{_FIELD}.quant_method",
-                               "served: compressed-tensors integer weights (W8A8, W8A16, W4A16)")
+                               "served: compressed-tensors integer weights (W8A8, W8A16, W4A16), AWQ (GEMM)")
     from compressed_tensors.quantization import QuantizationConfig
 
     try:
@@ -92,6 +100,23 @@ def checkpoint_quant(hf_config, model_type: str) -> CheckpointQuant | None:
                                    f"served: {', '.join(_FORMATS)}")
         schemes[name] = _scheme(group, field, model_type)
     return CheckpointQuant(parsed, schemes)
+
+
+def _awq(raw: dict, model_type: str) -> CheckpointQuant:
+    """An AutoAWQ checkpoint (4-bit GEMM packing, groups, zero points): compressed-tensors'
+    `AutoAWQConverter` gives its config in compressed-tensors' terms and converts each
+    layer's `qweight` / `qzeros` / `scales` as it is read."""
+    from compressed_tensors.entrypoints.convert import AutoAWQConverter
+
+    try:
+        converter = AutoAWQConverter.from_autoawq_config(raw)
+    except ValueError as e:
+        field = "version" if raw.get("version", "gemm") != "gemm" else "bits"
+        raise UnsupportedModel(model_type, f"an AWQ checkpoint ({e})", f"{_FIELD}.{field}",
+                               "served: 4-bit GEMM") from e
+    config = converter.update_config(None)
+    schemes = {name: _scheme(group, f"{_FIELD} (AWQ)", model_type) for name, group in config.config_groups.items()}
+    return CheckpointQuant(config, schemes, converter, "AWQ")
 
 
 def _scheme(group, field: str, model_type: str) -> WeightScheme:
@@ -142,7 +167,8 @@ def install_checkpoint(model: torch.nn.Module, path: Path, quant: CheckpointQuan
                 if not isinstance(mod, torch.nn.Linear):
                     raise UnsupportedModel(model_type, f"a quantized {type(mod).__name__} ({mod_name})",
                                            f"{_FIELD}.config_groups.{name}.targets")
-                q, scale, zero = _read_layer(tensors, mod_name, mod, scheme, model_type)
+                local = _layer_tensors(tensors, mod_name, quant.converter)
+                q, scale, zero = _read_layer(local, mod_name, mod, scheme, model_type)
                 dev = mod.weight.device
                 layer = QuantLinear(mod.in_features, mod.out_features, scheme, q.to(dev), scale.to(dev),
                                     None if zero is None else zero.to(dev), mod.bias)
@@ -151,23 +177,35 @@ def install_checkpoint(model: torch.nn.Module, path: Path, quant: CheckpointQuan
     return replaced
 
 
-def _read_layer(tensors: _Tensors, name: str, mod: torch.nn.Linear, scheme: WeightScheme,
+def _layer_tensors(tensors: _Tensors, name: str, converter) -> dict[str, torch.Tensor]:
+    """The layer's tensors in compressed-tensors' names (`weight`, `weight_packed`,
+    `weight_scale`, `weight_zero_point`), converted from another format by `converter`."""
+    suffixes = ("qweight", "qzeros", "scales") if converter is not None else (
+        "weight", "weight_packed", "weight_scale", "weight_zero_point")
+    local = {f"{name}.{s}": tensors.get(f"{name}.{s}") for s in suffixes if tensors.has(f"{name}.{s}")}
+    if converter is not None and local:
+        local = converter.process(local)
+    return {key.removeprefix(f"{name}."): t for key, t in local.items()}
+
+
+def _read_layer(local: dict[str, torch.Tensor], name: str, mod: torch.nn.Linear, scheme: WeightScheme,
                 model_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The layer's int8 `[out, in]` values, float32 scale `[out, groups]` and zero point."""
+    """The layer's int8 `[out, in]` values, float32 scale `[out, groups]` and zero point,
+    from its tensors in compressed-tensors' names."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     n, k = mod.out_features, mod.in_features
     groups = k // (scheme.group_size or k)
-    if tensors.has(f"{name}.weight_packed"):
-        q = unpack_from_int32(tensors.get(f"{name}.weight_packed"), scheme.bits, torch.Size([n, k]), packed_dim=1)
-    elif tensors.has(f"{name}.weight"):
-        q = tensors.get(f"{name}.weight")
+    if "weight_packed" in local:
+        q = unpack_from_int32(local["weight_packed"], scheme.bits, torch.Size([n, k]), packed_dim=1)
+    elif "weight" in local:
+        q = local["weight"]
     else:
         raise UnsupportedModel(model_type, f"no quantized weight for {name}", f"{name}.weight_packed")
-    scale = tensors.get(f"{name}.weight_scale").float().reshape(n, groups)
+    scale = local["weight_scale"].float().reshape(n, groups)
     zero = None
     if not scheme.symmetric:
-        zp = tensors.get(f"{name}.weight_zero_point")
+        zp = local["weight_zero_point"]
         if zp.dtype == torch.int32 and zp.shape[0] != n:  # packed along the output channels
             zp = unpack_from_int32(zp, scheme.bits, torch.Size([n, groups]), packed_dim=0)
         zero = zp.reshape(n, groups)
