@@ -9,8 +9,9 @@
      which takes the split-K (flash-decoding) path;
   3. prefill attention TFLOP/s at a few (batch, length) sizes (causal, 4·H·D·L(L+1)/2 FLOPs);
   3b. quantized linear layers (4096 x 4096; 1-256 rows): W8A8 through `torch._int_mm` (16
-     rows and fewer padded), int8 / int4 weight-only dequantized per call, each against the
-     float64 arithmetic of its integers, and timed against the bf16 layer;
+     rows and fewer padded), int8 / int4 weight-only through the Triton dequantize-in-the-
+     matmul kernel (`kernels/triton_quant.py`), each against the float64 arithmetic of its
+     integers, and timed against the bf16 layer;
   4. the engine benchmark with a random-init ~1.1B-parameter Llama in bf16: Inflight with
      Triton vs Inflight with the torch reference back end (tokens/s and ratio), and
      Triton with decode steps replayed from CUDA graphs (`model.cuda_graphs: auto`, the
@@ -205,7 +206,8 @@ def prefill_tflops(device: str, smoke: bool) -> list[dict]:
 
 def quantized_linear(device: str, smoke: bool) -> list[dict]:
     """`QuantLinear` on the device (W8A8 through `torch._int_mm`, 16 rows and fewer padded
-    on CUDA; weight-only int8 and int4 dequantized per call) against the float64 arithmetic
+    on CUDA; weight-only int8 and int4 through the Triton kernel on CUDA, dequantized per
+    call on the CPU) against the float64 arithmetic
     of the same integers, and its time against the float layer's (bf16 on CUDA)."""
     from worker.model.quant_linear import QuantLinear, WeightScheme
 

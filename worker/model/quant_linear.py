@@ -19,9 +19,10 @@ Two forwards:
 - **Weight-only** (W8A16, W4A16; channel or group scales; symmetric or not): the weight is
   dequantized into the activation dtype per call and multiplied in floating point, exact to
   the checkpoint's values. It saves weight memory (4x for int8, 8x for int4 against fp32),
-  not time: on the CPU a decode step runs at 0.8-0.9x the float model's (a fused kernel is
-  future work; on CUDA a Triton dequantize-in-the-matmul kernel is planned, checked against
-  this path).
+  not time: on the CPU a decode step runs at 0.8-0.9x the float model's (a fused CPU
+  kernel is future work). On CUDA the integers are dequantized inside a Triton matmul
+  (`kernels/triton_quant.py`, checked against this path under Triton's interpreter; never
+  run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -171,6 +172,11 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.act_int8:
             return self._w8a8(x)
+        if x.is_cuda:  # the integers dequantized inside a Triton matmul, no float weight in memory
+            from worker.model.kernels import triton_quant
+
+            if triton_quant.fits(self):
+                return triton_quant.woq_matmul(x, self)
         return F.linear(x, self._weight(x.dtype), self.bias)
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
