@@ -11,7 +11,7 @@
   3b. quantized linear layers (4096 x 4096; 1-256 rows): W8A8 through `torch._int_mm` (16
      rows and fewer padded), int8 / int4 weight-only through the Triton dequantize-in-the-
      matmul kernel (`kernels/triton_quant.py`), each against the float64 arithmetic of its
-     integers, and timed against the bf16 layer;
+     integers, and timed against the bf16 layer; and FP8-dynamic through `torch._scaled_mm`;
   4. the engine benchmark with a random-init ~1.1B-parameter Llama in bf16: Inflight with
      Triton vs Inflight with the torch reference back end (tokens/s and ratio), and
      Triton with decode steps replayed from CUDA graphs (`model.cuda_graphs: auto`, the
@@ -237,6 +237,29 @@ def quantized_linear(device: str, smoke: bool) -> list[dict]:
             rows.append({"scheme": name, "rows": m, "rel_error": err, "ok": err < bound,
                          "quantized_s": timed(lambda x=x, layer=layer: layer(x), device, iters),
                          "float_s": timed(lambda x=x: lin(x), device, iters)})
+    rows += _fp8_linear(lin, device, smoke)
+    return rows
+
+
+def _fp8_linear(lin: torch.nn.Linear, device: str, smoke: bool) -> list[dict]:
+    """FP8-dynamic `Fp8Linear` (`torch._scaled_mm` on CUDA; a dequantized weight on the CPU)
+    against float64 arithmetic of the same FP8 values."""
+    from worker.model.quant_linear import FP8_MAX, Fp8Linear, fake_quant_fp8
+
+    w = lin.weight.detach().float()
+    scale = w.abs().amax(1, keepdim=True) / FP8_MAX
+    q = (w / scale).to(torch.float8_e4m3fn)
+    layer = Fp8Linear(lin.in_features, lin.out_features, q, scale, act="token", dtype=lin.weight.dtype)
+    rows = []
+    for m in ((1, 17) if smoke else (1, 16, 64, 256)):
+        x = torch.randn(m, lin.in_features, device=device, dtype=lin.weight.dtype)
+        xq, sx = fake_quant_fp8(x, None)
+        ref = (xq.double() * sx.double()) @ (q.double() * scale.double()).T
+        err = float((layer(x).double() - ref).abs().max() / ref.abs().max())
+        iters = 3 if smoke else 50
+        rows.append({"scheme": "fp8_dynamic", "rows": m, "rel_error": err, "ok": err < 1e-2,
+                     "quantized_s": timed(lambda x=x: layer(x), device, iters),
+                     "float_s": timed(lambda x=x: lin(x), device, iters)})
     return rows
 
 

@@ -8,7 +8,8 @@ one, with compressed-tensors' own API: the scheme attached to every decoder line
     python -m tools.make_quantized SRC OUT --scheme w4a16 --group-size 32 --asymmetric
 
 Schemes: `w8a8` (int8 weights per channel, dynamic int8 activations per token; format
-int-quantized), `w8a16` and `w4a16` (weight-only; pack-quantized).
+int-quantized), `w8a16` and `w4a16` (weight-only; pack-quantized), `fp8_dynamic` (FP8
+E4M3 weights per channel, dynamic FP8 activations per token; float-quantized).
 
 `--scheme awq` writes AutoAWQ's format instead (4-bit GEMM packing: `qweight` `[in, out /
 8]` and `qzeros` `[groups, out / 8]` int32 with eight values per word in AWQ's order
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-SCHEMES = {"w8a8": (8, True), "w8a16": (8, False), "w4a16": (4, False)}
+SCHEMES = {"w8a8": (8, True), "w8a16": (8, False), "w4a16": (4, False), "fp8_dynamic": (8, True)}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of a packed word holds
 
 
@@ -110,10 +111,11 @@ def make_quantized(src: Path, out: Path, scheme: str, group_size: int | None = N
         raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme!r}")
     bits, act = SCHEMES[scheme]
     if act and (group_size or not symmetric):
-        raise ValueError("w8a8 takes symmetric per-channel weights")
-    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
+        raise ValueError(f"{scheme} takes symmetric per-channel weights")
+    kind = "float" if scheme.startswith("fp8") else "int"
+    weights = QuantizationArgs(num_bits=bits, type=kind, symmetric=symmetric,
                                strategy="group" if group_size else "channel", group_size=group_size)
-    acts = (QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True)
+    acts = (QuantizationArgs(num_bits=8, type=kind, strategy="token", dynamic=True, symmetric=True)
             if act else None)
     config = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)},
@@ -130,7 +132,7 @@ def make_quantized(src: Path, out: Path, scheme: str, group_size: int | None = N
         m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
         if hasattr(m, "weight_zero_point"):
             m.weight_zero_point.data.copy_(zero.reshape(m.weight_zero_point.shape))
-    fmt = "int-quantized" if act else "pack-quantized"
+    fmt = "float-quantized" if kind == "float" else "int-quantized" if act else "pack-quantized"
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     out.mkdir(parents=True, exist_ok=True)

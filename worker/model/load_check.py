@@ -45,13 +45,14 @@ HALF_TOLERANCE = 0.25
 def tolerance(model: torch.nn.Module, dtype: torch.dtype) -> float:
     """The largest logit difference (x the reference's std) the check accepts: tight for
     fp32 and fp64; the half-precision bound for half dtypes and for models whose
-    activations are rounded to int8 at each layer (W8A8, `worker.model.quant_linear`): there
+    activations are rounded to int8 or FP8 at each layer (W8A8, `worker.model.quant_linear`): there
     the paged and the eager attention's last-bit differences flip some roundings, each
     worth a whole quantization step (measured 0.06 x std on a 12-layer model), while a
     wrong block or a leak across the packed batch still shows as differences of order 1."""
-    from worker.model.quant_linear import QuantLinear
+    from worker.model.quant_linear import Fp8Linear, QuantLinear
 
-    if any(isinstance(m, QuantLinear) and m.scheme.act_int8 for m in model.modules()):
+    if any((isinstance(m, QuantLinear) and m.scheme.act_int8) or (isinstance(m, Fp8Linear) and m.act != "none")
+           for m in model.modules()):
         return HALF_TOLERANCE
     return TOLERANCE.get(dtype, HALF_TOLERANCE)
 

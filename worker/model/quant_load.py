@@ -1,22 +1,22 @@
 """Quantized weights at load: a checkpoint's `quantization_config` read and checked, its
-integer layers installed as `QuantLinear`s, or a float checkpoint quantized while it loads
-(`model.quantization`).
+quantized layers installed as `QuantLinear`s (integers) or `Fp8Linear`s, or a float
+checkpoint quantized while it loads (`model.quantization`).
 
 Served checkpoints: **compressed-tensors** (what llm-compressor writes) with integer weights
 of 4 or 8 bits, per-channel or group scales, symmetric or asymmetric, weight-only or with
 dynamic per-token int8 activations (W8A8), in its `int-quantized`, `pack-quantized` and
-`naive-quantized` formats; and **AWQ** (AutoAWQ's 4-bit GEMM packing), whose layers
-compressed-tensors' own converter (`AutoAWQConverter`) turns into its format as they are
-read. The format's own library parses and validates the config
+`naive-quantized` formats, or FP8 E4M3 weights per channel or per tensor with activations
+kept, dynamic per token or static (`float-quantized`); and **AWQ** (AutoAWQ's 4-bit GEMM
+packing), whose layers compressed-tensors' own converter (`AutoAWQConverter`) turns into
+its format as they are read. The format's own library parses and validates the config
 (`compressed_tensors.QuantizationConfig`), matches its targets to modules
 (`match_named_modules`) and unpacks packed values (`unpack_from_int32`); the tensors are
 read from the checkpoint's safetensors files here, since transformers' loader for this
 format fails on asymmetric packed zero points (transformers 5.24, compressed-tensors 0.20).
 
-Everything else — another `quant_method` (GPTQ, FP8, MXFP4, bitsandbytes, ...), AWQ's other
-packings (GEMV, Marlin, ...), float
-or block schemes, activation orderings with a `g_idx`, output or KV-cache quantization,
-sparsity, transforms — is refused at load with one line naming the method and the config
+Everything else — another `quant_method` (GPTQ, block-scaled `fp8`, MXFP4, bitsandbytes,
+...), AWQ's other packings (GEMV, Marlin, ...), block and 4-bit float schemes, activation
+orderings with a `g_idx`, output or KV-cache quantization, sparsity, transforms — is refused at load with one line naming the method and the config
 field (`UnsupportedModel`), before any weight is read.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from worker.model.capability import UnsupportedModel
-from worker.model.quant_linear import QuantLinear, WeightScheme
+from worker.model.quant_linear import Fp8Linear, QuantLinear, WeightScheme
 
 # model.quantization: quantize a float checkpoint's linear layers while loading it
 AT_LOAD: dict[str, WeightScheme | None] = {
@@ -42,9 +42,17 @@ AT_LOAD: dict[str, WeightScheme | None] = {
     "int8": WeightScheme(bits=8),
     "int4": WeightScheme(bits=4, group_size=128),
 }
-_FORMATS = ("int-quantized", "pack-quantized", "naive-quantized")
+_FORMATS = ("int-quantized", "pack-quantized", "naive-quantized", "float-quantized")
 _FIELD = "config.quantization_config"
 _LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scheme:
+    """FP8 E4M3 weights (per channel or per tensor); activations `none`, `token`
+    (dynamic) or `static` (the checkpoint's `input_scale`)."""
+
+    act: str = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +60,15 @@ class CheckpointQuant:
     """A checked compressed-tensors config: its parsed form, and each config group's scheme."""
 
     config: object  # compressed_tensors.QuantizationConfig
-    schemes: dict[str, WeightScheme]
+    schemes: dict[str, WeightScheme | Fp8Scheme]
     # turns another format's tensors of one layer into compressed-tensors' (AutoAWQConverter)
     converter: object | None = None
     method: str = "compressed-tensors"
 
     def describe(self) -> str:
         """e.g. "compressed-tensors W8A8 (int8 weights, per-channel scales, ...)"."""
-        kinds = sorted({s.describe() for s in self.schemes.values()})
+        kinds = sorted({s.describe() if isinstance(s, WeightScheme) else f"FP8 ({s.act} activations)"
+                        for s in self.schemes.values()})
         return f"{self.method} {'; '.join(kinds)}"
 
 
@@ -78,7 +87,7 @@ def checkpoint_quant(hf_config, model_type: str) -> CheckpointQuant | None:
         return _awq(raw, model_type)
     if method != "compressed-tensors":
         raise UnsupportedModel(model_type, f"weights quantized with {method!r}", f"{_FIELD}.quant_method",
-                               "served: compressed-tensors integer weights (W8A8, W8A16, W4A16), AWQ (GEMM)")
+                               "served: compressed-tensors integer and FP8 weights (W8A8, W8A16, W4A16, FP8), AWQ (GEMM)")
     from compressed_tensors.quantization import QuantizationConfig
 
     try:
@@ -119,7 +128,7 @@ def _awq(raw: dict, model_type: str) -> CheckpointQuant:
     return CheckpointQuant(config, schemes, converter, "AWQ")
 
 
-def _scheme(group, field: str, model_type: str) -> WeightScheme:
+def _scheme(group, field: str, model_type: str) -> WeightScheme | Fp8Scheme:
     w, a = group.weights, group.input_activations
 
     def refuse(what: str, sub: str) -> UnsupportedModel:
@@ -129,8 +138,10 @@ def _scheme(group, field: str, model_type: str) -> WeightScheme:
         raise refuse("activation quantization without weight quantization", "weights")
     if group.output_activations is not None:
         raise refuse("quantized output activations", "output_activations")
+    if str(w.type) == "float" and w.num_bits == 8:
+        return _fp8_scheme(w, a, refuse)
     if str(w.type) != "int" or w.num_bits not in (4, 8):
-        raise refuse(f"{w.num_bits}-bit {w.type} weights (served: int4, int8)", "weights")
+        raise refuse(f"{w.num_bits}-bit {w.type} weights (served: int4, int8, fp8)", "weights")
     if str(w.strategy) not in ("channel", "group") or w.dynamic:
         raise refuse(f"weight scales by {w.strategy}{' (dynamic)' if w.dynamic else ''} "
                      "(served: channel, group)", "weights.strategy")
@@ -146,6 +157,23 @@ def _scheme(group, field: str, model_type: str) -> WeightScheme:
                             symmetric=w.symmetric, act_int8=act_int8)
     except ValueError as e:
         raise refuse(str(e), "weights") from e
+
+
+def _fp8_scheme(w, a, refuse) -> Fp8Scheme:
+    """FP8 weights per channel or per tensor; activations none, dynamic per token, or
+    static per tensor. Block scales (DeepSeek-style `FP8_BLOCK`) and groups are refused."""
+    if str(w.strategy) not in ("channel", "tensor") or w.dynamic:
+        raise refuse(f"FP8 weight scales by {w.strategy} (served: channel, tensor)", "weights.strategy")
+    if a is None:
+        return Fp8Scheme("none")
+    if str(a.type) != "float" or a.num_bits != 8:
+        raise refuse(f"{a.num_bits}-bit {a.type} activations with FP8 weights", "input_activations")
+    if str(a.strategy) == "token" and a.dynamic:
+        return Fp8Scheme("token")
+    if str(a.strategy) == "tensor" and not a.dynamic:
+        return Fp8Scheme("static")
+    raise refuse(f"FP8 activations by {a.strategy}{' (dynamic)' if a.dynamic else ''} "
+                 "(served: dynamic per token, static per tensor)", "input_activations.strategy")
 
 
 def install_checkpoint(model: torch.nn.Module, path: Path, quant: CheckpointQuant) -> int:
@@ -168,10 +196,13 @@ def install_checkpoint(model: torch.nn.Module, path: Path, quant: CheckpointQuan
                     raise UnsupportedModel(model_type, f"a quantized {type(mod).__name__} ({mod_name})",
                                            f"{_FIELD}.config_groups.{name}.targets")
                 local = _layer_tensors(tensors, mod_name, quant.converter)
-                q, scale, zero = _read_layer(local, mod_name, mod, scheme, model_type)
                 dev = mod.weight.device
-                layer = QuantLinear(mod.in_features, mod.out_features, scheme, q.to(dev), scale.to(dev),
-                                    None if zero is None else zero.to(dev), mod.bias)
+                if isinstance(scheme, Fp8Scheme):
+                    layer = _fp8_layer(local, mod_name, mod, scheme, model_type)
+                else:
+                    q, scale, zero = _read_layer(local, mod_name, mod, scheme, model_type)
+                    layer = QuantLinear(mod.in_features, mod.out_features, scheme, q.to(dev), scale.to(dev),
+                                        None if zero is None else zero.to(dev), mod.bias)
                 _replace(model, mod_name, layer)
                 replaced += 1
     return replaced
@@ -181,7 +212,7 @@ def _layer_tensors(tensors: _Tensors, name: str, converter) -> dict[str, torch.T
     """The layer's tensors in compressed-tensors' names (`weight`, `weight_packed`,
     `weight_scale`, `weight_zero_point`), converted from another format by `converter`."""
     suffixes = ("qweight", "qzeros", "scales") if converter is not None else (
-        "weight", "weight_packed", "weight_scale", "weight_zero_point")
+        "weight", "weight_packed", "weight_scale", "weight_zero_point", "input_scale")
     local = {f"{name}.{s}": tensors.get(f"{name}.{s}") for s in suffixes if tensors.has(f"{name}.{s}")}
     if converter is not None and local:
         local = converter.process(local)
@@ -211,6 +242,17 @@ def _read_layer(local: dict[str, torch.Tensor], name: str, mod: torch.nn.Linear,
         zero = zp.reshape(n, groups)
     q = q.to(torch.float32) if q.is_floating_point() else q
     return q.round().to(torch.int8).reshape(n, k), scale, zero
+
+
+def _fp8_layer(local: dict[str, torch.Tensor], name: str, mod: torch.nn.Linear, scheme: Fp8Scheme,
+               model_type: str) -> Fp8Linear:
+    if "weight" not in local or local["weight"].dtype != torch.float8_e4m3fn:
+        raise UnsupportedModel(model_type, f"no FP8 E4M3 weight for {name}", f"{name}.weight")
+    dev = mod.weight.device
+    input_scale = local.get("input_scale") if scheme.act == "static" else None
+    return Fp8Linear(mod.in_features, mod.out_features, local["weight"].to(dev), local["weight_scale"].to(dev),
+                     scheme.act, None if input_scale is None else input_scale.to(dev), mod.bias,
+                     dtype=mod.weight.dtype)
 
 
 def _replace(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
@@ -276,7 +318,7 @@ def _decoder_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Lin
 
 def describe_layers(model: torch.nn.Module) -> list[str]:
     """One line per scheme in use: "W4A16 (int4 weights, groups of 128, symmetric) on 84 layers"."""
-    counts = Counter(m.scheme.describe() for m in model.modules() if isinstance(m, QuantLinear))
+    counts = Counter(m.describe() for m in model.modules() if isinstance(m, QuantLinear | Fp8Linear))
     return [f"{kind} on {n} layers" for kind, n in sorted(counts.items())]
 
 
