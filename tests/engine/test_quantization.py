@@ -169,11 +169,12 @@ def test_packed_weight_only_checkpoints_equal_the_library_decompressed_weights(c
     assert got == generate(ref_model, work)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "w8a8_int8"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8_int8", "fp8"])
 def test_quantized_at_load_equals_the_reference_on_the_same_layers(method):
     """A float checkpoint quantized while loading: the engine equals transformers' generate
     on the same model with the same `QuantLinear`s (weight-only: its float model holding
     the dequantized weights), over chunked prefill and preemption."""
+    from worker.model import quant_load
     from worker.model.quant_load import quantize_at_load
 
     path = tiny_checkpoint("qwen2")
@@ -181,7 +182,7 @@ def test_quantized_at_load_equals_the_reference_on_the_same_layers(method):
     got, eng = run(path, work, quantization=method)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert quantize_at_load(ref, method) == 14
-    if method != "w8a8_int8":  # weight-only: a float model with the dequantized weights
+    if method in ("int8", "int4"):  # weight-only: a float model with the dequantized weights
         for name, m in list(ref.named_modules()):
             if isinstance(m, QuantLinear):
                 lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
@@ -191,12 +192,11 @@ def test_quantized_at_load_equals_the_reference_on_the_same_layers(method):
                 parent, _, attr = name.rpartition(".")
                 setattr(ref.get_submodule(parent), attr, lin)
     refs = generate(ref, work)
-    if method == "w8a8_int8":
+    if method in ("w8a8_int8", "fp8"):  # activations rounded at each layer
         assert_equal_up_to_near_ties(got, refs, ref, work, min_identical=9)
     else:
         assert got == refs
-    kinds = {type(m.scheme) for m in eng.runner.model.modules() if isinstance(m, QuantLinear)}
-    assert kinds == {WeightScheme}
+    assert len(quant_load.describe_layers(eng.runner.model)) == 1
 
 
 def test_quantize_pack_and_dequantize_round_trip():
@@ -298,7 +298,7 @@ def test_quantizing_a_quantized_checkpoint_or_an_unknown_method_is_a_config_erro
     with pytest.raises(ConfigError, match="model.quantization is 'int8' but the checkpoint is already quantized"):
         Engine.from_pretrained(str(checkpoints["w8a8"]),
                                EngineConfig(model=ModelConfig(device="cpu", quantization="int8")))
-    with pytest.raises(ConfigError, match=r"model.quantization must be one of \['int4', 'int8', 'none', "
+    with pytest.raises(ConfigError, match=r"model.quantization must be one of \['fp8', 'int4', 'int8', 'none', "
                                           r"'w8a8_int8'\], got 'fp4'"):
         ModelConfig(quantization="fp4")
     with pytest.raises(ConfigError, match="model.vllm_args: quantization"):
@@ -361,7 +361,7 @@ def test_other_architectures_quantize_at_load_and_stay_exact(family):
     assert got == generate(ref, work)
 
 
-@pytest.mark.parametrize("method", ["int4", "int8", "w8a8_int8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "w8a8_int8", "fp8"])
 def test_a_quantized_forward_is_captured_and_compiled_like_a_float_one(method, tmp_path, monkeypatch):
     """`model.compile: on` (the CPU's default): the quantized forward is captured ahead of
     time, not left eager (a guard on the step's unbacked token count once sent int4 back
@@ -379,7 +379,7 @@ def test_a_quantized_forward_is_captured_and_compiled_like_a_float_one(method, t
     if compiled.precompile_available("cpu"):
         assert report.artifact == "captured", report
     eager, _ = run(path, work, quantization=method, compile="off")
-    if method == "w8a8_int8":
+    if method in ("w8a8_int8", "fp8"):
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         quantize_at_load(ref, method)
         assert_equal_up_to_near_ties(got, eager, ref, work, min_identical=6)

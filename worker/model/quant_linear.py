@@ -289,6 +289,15 @@ class Fp8Linear(torch.nn.Module):
             self.register_buffer("weight", (q.float() * scale).to(dtype))
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    @classmethod
+    def quantize(cls, linear: torch.nn.Linear, act: str = "token") -> Fp8Linear:
+        """A float layer in FP8 E4M3 with one scale per output channel (`max|w| / 448`,
+        compressed-tensors' rule), on the layer's device."""
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return cls(linear.in_features, linear.out_features, q, scale, act, bias=linear.bias, dtype=linear.weight.dtype)
+
     def describe(self) -> str:
         acts = {"none": "16-bit activations", "token": "FP8 activations per token",
                 "static": "FP8 activations at a static scale"}[self.act]

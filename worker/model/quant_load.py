@@ -35,17 +35,6 @@ import torch
 from worker.model.capability import UnsupportedModel
 from worker.model.quant_linear import Fp8Linear, QuantLinear, WeightScheme
 
-# model.quantization: quantize a float checkpoint's linear layers while loading it
-AT_LOAD: dict[str, WeightScheme | None] = {
-    "none": None,
-    "w8a8_int8": WeightScheme(bits=8, act_int8=True),
-    "int8": WeightScheme(bits=8),
-    "int4": WeightScheme(bits=4, group_size=128),
-}
-_FORMATS = ("int-quantized", "pack-quantized", "naive-quantized", "float-quantized")
-_FIELD = "config.quantization_config"
-_LAYER_INDEX = re.compile(r"\.\d+\.")
-
 
 @dataclass(frozen=True, slots=True)
 class Fp8Scheme:
@@ -53,6 +42,19 @@ class Fp8Scheme:
     (dynamic) or `static` (the checkpoint's `input_scale`)."""
 
     act: str = "none"
+
+
+# model.quantization: quantize a float checkpoint's linear layers while loading it
+AT_LOAD: dict[str, WeightScheme | Fp8Scheme | None] = {
+    "none": None,
+    "fp8": Fp8Scheme("token"),
+    "w8a8_int8": WeightScheme(bits=8, act_int8=True),
+    "int8": WeightScheme(bits=8),
+    "int4": WeightScheme(bits=4, group_size=128),
+}
+_FORMATS = ("int-quantized", "pack-quantized", "naive-quantized", "float-quantized")
+_FIELD = "config.quantization_config"
+_LAYER_INDEX = re.compile(r"\.\d+\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,17 +295,23 @@ class _Tensors(contextlib.AbstractContextManager):
 def quantize_at_load(model: torch.nn.Module, method: str) -> int:
     """Quantize the float linear layers of the decoder layers (not the output embedding,
     not MoE experts, not layers outside the decoder stack, not MLA's `kv_b_proj`, which
-    the latent KV cache reads as a float matrix: `worker.model.latent`) by `AT_LOAD[method]`, in place. A layer whose input width the scheme's group
-    size does not divide keeps per-channel scales. Returns the number of layers replaced."""
+    the latent KV cache reads as a float matrix: `worker.model.latent`) by
+    `AT_LOAD[method]`, in place. A layer whose input width the scheme's group size does
+    not divide keeps per-channel scales; `fp8` is FP8-dynamic (E4M3 per output channel,
+    activations per token). Returns the number of layers replaced."""
     scheme = AT_LOAD[method]
     if scheme is None:
         return 0
     replaced = 0
     for name, mod in list(_decoder_linears(model)):
-        s = scheme
-        if s.group_size and mod.in_features % s.group_size:
-            s = WeightScheme(bits=s.bits, symmetric=s.symmetric)
-        _replace(model, name, QuantLinear.quantize(mod, s))
+        if isinstance(scheme, Fp8Scheme):
+            layer = Fp8Linear.quantize(mod, scheme.act)
+        else:
+            s = scheme
+            if s.group_size and mod.in_features % s.group_size:
+                s = WeightScheme(bits=s.bits, symmetric=s.symmetric)
+            layer = QuantLinear.quantize(mod, s)
+        _replace(model, name, layer)
         replaced += 1
     return replaced
 
