@@ -144,10 +144,10 @@ def kv_check(cfg: WorkerConfig, loaded) -> Check:
     the memory budget of `loaded.device` now."""
     import torch
 
-    from worker.engine.engine import kv_cache_blocks
+    from worker.engine.engine import kv_bytes_per_token, kv_cache_blocks
 
     tuning = cfg.serving_tuning
-    per_token = loaded.kv_layout.bytes_per_token(loaded.dtype)
+    per_token = kv_bytes_per_token(loaded, tuning)
     if loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
         budget = int(free * tuning.gpu_memory_utilization)
@@ -157,7 +157,8 @@ def kv_check(cfg: WorkerConfig, loaded) -> Check:
         where = "available RAM"
     num_tokens = kv_cache_blocks(loaded, tuning) * tuning.kv_block_size
     kv_bytes = num_tokens * per_token
-    source = "max_total_tokens" if tuning.max_total_tokens is not None else "derived"
+    source = ("max_total_tokens" if tuning.max_total_tokens is not None
+              else "kv_cache_bytes" if tuning.kv_cache_bytes is not None else "derived")
     detail = (f"{num_tokens} tokens ({source}) x {per_token} B/token = {_gib(kv_bytes)} "
               f"{'<=' if kv_bytes <= budget else '>'} {_gib(budget)} ({where}, after loading the model)")
     if num_tokens == 0 or kv_bytes > budget:

@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "on", "off")
 # model.quantization (worker/model/quant_load.py AT_LOAD holds the schemes)
 QUANTIZATION_MODES = ("none", "fp8", "w8a8_int8", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")
 CUDA_GRAPH_MODES = ("auto", "off")
 ENGINES = ("inflight", "vllm")
 
@@ -53,7 +54,15 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     Attributes:
         max_running_requests: most requests in the running batch at once.
         max_total_tokens: KV cache capacity in tokens (rounded down to whole blocks).
-            None: derived from free GPU memory on CUDA, 16384 on CPU.
+            None: `kv_cache_bytes` / the bytes one token takes when that is set, else
+            derived from free GPU memory on CUDA, 16384 on CPU.
+        kv_cache_bytes: KV cache capacity in bytes (vLLM's `kv_cache_memory_bytes`): the
+            tokens it holds follow `kv_cache_dtype` and the model's KV layout. Exclusive
+            with `max_total_tokens`.
+        kv_cache_dtype: `auto` (the model's dtype) or `int8` (each token's key and value
+            per KV head in int8 with a float32 scale: `worker/model/kernels/kv_int8.py`;
+            3.8x the tokens of an fp32 cache in the same bytes at head size 64). The torch
+            and CPU attention back ends read it; Triton and latent (MLA) caches refuse it.
         max_input_tokens: longest prompt accepted, in tokens. Unset: the model's
             context minus one (room for one output token). Above the context: a config
             error at start naming both numbers.
@@ -116,6 +125,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     max_running_requests: int = 64
     max_total_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     max_input_tokens: int | None = None
     max_output_tokens: int | None = None
     max_batched_tokens: int = 2048
@@ -176,6 +187,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "serving_tuning",
             max_running_requests=self.max_running_requests,
             max_total_tokens=self.max_total_tokens,
+            kv_cache_bytes=self.kv_cache_bytes,
             max_input_tokens=self.max_input_tokens,
             max_output_tokens=self.max_output_tokens,
             max_batched_tokens=self.max_batched_tokens,
@@ -191,6 +203,10 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("serving_tuning.max_long_prefill_tokens needs serving_tuning.long_prefill_threshold "
                               "(which prompts count as long); set both, or neither")
         one_of("serving_tuning", "kv_policy", self.kv_policy, KV_POLICIES)
+        one_of("serving_tuning", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_bytes is not None and self.max_total_tokens is not None:
+            raise ConfigError("serving_tuning.kv_cache_bytes and serving_tuning.max_total_tokens both size the KV "
+                              "cache; set one")
         one_of("serving_tuning", "overload_policy", self.overload_policy, OVERLOAD_POLICIES)
         for name in ("max_oom_retries", "max_admission_skips"):
             if getattr(self, name) < 0:
@@ -335,6 +351,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     serving_tuning: ServingTuning = msgspec.field(default_factory=ServingTuning)
 
     def __post_init__(self) -> None:
+        t = self.serving_tuning
+        if self.model.engine == "vllm":
+            for name, value, theirs in (("kv_cache_dtype", t.kv_cache_dtype != "auto", "kv_cache_dtype"),
+                                        ("kv_cache_bytes", t.kv_cache_bytes is not None, "kv_cache_memory_bytes")):
+                if value:
+                    raise ConfigError(f"serving_tuning.{name} is set but model.engine is 'vllm': vLLM sizes its "
+                                      f"cache by its own arguments (model.vllm_args: {theirs})")
         per_batch = self.serving_tuning.max_loras_per_batch
         if per_batch is not None and per_batch > self.model.max_loras:
             raise ConfigError(f"serving_tuning.max_loras_per_batch ({per_batch}) must be <= model.max_loras "

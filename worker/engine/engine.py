@@ -49,23 +49,44 @@ if TYPE_CHECKING:
 CPU_DEFAULT_KV_TOKENS = 16384
 
 
+def kv_bytes_per_token(loaded: LoadedModel, tuning: ServingTuning) -> int:
+    """KV cache bytes one token takes over all layers, in `tuning.kv_cache_dtype`."""
+    return loaded.kv_layout.bytes_per_token(loaded.dtype, kv_int8=tuning.kv_cache_dtype == "int8")
+
+
 def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning, reserve_bytes: int = 0) -> int:
     """KV blocks the engine allocates for `loaded` (call after the model is on its device).
 
-    Capacity in tokens: `tuning.max_total_tokens` if set; else on CUDA
+    Capacity in tokens: `tuning.max_total_tokens` if set; else `tuning.kv_cache_bytes` /
+    the KV bytes per token (`kv_bytes_per_token`) if set; else on CUDA
     (`gpu_memory_utilization` x the device's free memory - `reserve_bytes`, what the
-    decode graphs will hold) / the layout's KV bytes per token; else
-    `CPU_DEFAULT_KV_TOKENS`. Rounded down to whole blocks of `kv_block_size` tokens.
+    decode graphs will hold) / the KV bytes per token; else `CPU_DEFAULT_KV_TOKENS`.
+    Rounded down to whole blocks of `kv_block_size` tokens.
     """
-    per_token = loaded.kv_layout.bytes_per_token(loaded.dtype)
+    per_token = kv_bytes_per_token(loaded, tuning)
     if tuning.max_total_tokens is not None:
         kv_tokens = tuning.max_total_tokens
+    elif tuning.kv_cache_bytes is not None:
+        kv_tokens = tuning.kv_cache_bytes // per_token
     elif loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
         kv_tokens = max(0, int(free * tuning.gpu_memory_utilization) - reserve_bytes) // per_token
     else:
         kv_tokens = CPU_DEFAULT_KV_TOKENS
     return kv_tokens // tuning.kv_block_size
+
+
+def check_kv_dtype(loaded: LoadedModel, tuning: ServingTuning) -> None:
+    """Raises ConfigError: `kv_cache_dtype: int8` where nothing reads it (the Triton back
+    end; a latent, MLA, cache)."""
+    if tuning.kv_cache_dtype != "int8":
+        return
+    if not getattr(loaded.backend, "READS_INT8_KV", False):
+        raise ConfigError("serving_tuning.kv_cache_dtype 'int8' needs model.attention_backend 'torch' or 'cpu' "
+                          f"(this engine's is {loaded.backend.__name__.rsplit('.', 1)[-1]}, whose kernels read the "
+                          "model's dtype)")
+    if any(layer is not None and layer.value_in_key for layer in loaded.kv_layout.layers):
+        raise ConfigError("serving_tuning.kv_cache_dtype 'int8' is not served for a latent (MLA) KV cache; use 'auto'")
 
 
 def graph_reserve(loaded: LoadedModel, model_cfg: ModelConfig, tuning: ServingTuning) -> int:
@@ -176,6 +197,7 @@ class Engine:
                 raise ConfigError(f"model.lora_dir {model_cfg.lora_dir!r} is not a directory")
             lora = LoRAWeights(lora_modules(loaded.model), model_cfg.max_loras, model_cfg.max_lora_rank,
                                loaded.device, loaded.dtype)
+        check_kv_dtype(loaded, tuning)
         num_blocks = kv_cache_blocks(loaded, tuning, reserve_bytes=graph_reserve(loaded, model_cfg, tuning))
         runner = ModelRunner(
             loaded.model,
@@ -185,6 +207,7 @@ class Engine:
             device=loaded.device,
             dtype=loaded.dtype,
             backend=loaded.backend,
+            kv_int8=tuning.kv_cache_dtype == "int8",
         )
         runner.lora = lora
         engine = cls(loaded, runner, config, num_blocks)

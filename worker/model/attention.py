@@ -34,6 +34,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from transformers import AttentionInterface
 
 from worker.model.capability import LayerKV
+from worker.model.kernels import kv_int8
 from worker.model.kernels.params import AttentionParams
 
 ATTN_IMPLEMENTATION = "inflight_paged"
@@ -92,6 +93,8 @@ class AttentionMetadata:
             (the load check compares it with the config; `worker.model.load_check`).
         modules: the model's attention modules by `layer_idx` (`attention_modules`), for
             the op of a compiled forward; None while the forward runs eagerly.
+        kv_scales: per layer the key and value scale caches `[num_blocks, block_size,
+            num_kv_heads]` of an int8 KV cache (`kernels/kv_int8.py`); None: float caches.
     """
 
     slot_mapping: torch.Tensor
@@ -107,6 +110,7 @@ class AttentionMetadata:
     backend: ModuleType
     trace: dict[int, LayerCall] | None = field(default=None)
     modules: dict[int, torch.nn.Module] | None = field(default=None)
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = field(default=None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -226,8 +230,13 @@ def paged_attention_forward(
     if latent is not None:
         return latent.attend(q, k, k_cache, v_cache, md, params), None
     v = value[0].transpose(0, 1)
-    md.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
-    out = md.backend.paged_attention(q, k, v, k_cache, v_cache, md, params)
+    scales = md.kv_scales[module.layer_idx] if md.kv_scales is not None else None
+    if scales is not None:  # an int8 cache (serving_tuning.kv_cache_dtype)
+        kv_int8.write_kv(k, v, k_cache, v_cache, scales, md.slot_mapping)
+        out = md.backend.paged_attention(q, k, v, k_cache, v_cache, md, params, scales=scales)
+    else:
+        md.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        out = md.backend.paged_attention(q, k, v, k_cache, v_cache, md, params)
     return out.unsqueeze(0), None
 
 

@@ -87,10 +87,13 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV cache bytes one token takes over all layers."""
-        size = dtype.itemsize
-        return size * sum(layer.values_per_token() for layer in self.layers if layer is not None)
+    def bytes_per_token(self, dtype: torch.dtype, kv_int8: bool = False) -> int:
+        """KV cache bytes one token takes over all layers: in `dtype`, or in int8 with a
+        float32 scale per KV head for keys and for values (`kernels/kv_int8.py`)."""
+        layers = [layer for layer in self.layers if layer is not None]
+        if kv_int8:
+            return sum(layer.values_per_token() + 2 * 4 * layer.num_kv_heads for layer in layers)
+        return dtype.itemsize * sum(layer.values_per_token() for layer in layers)
 
 
 def layer_windows(text_cfg) -> list[int | None]:

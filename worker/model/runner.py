@@ -33,6 +33,7 @@ from worker.model.attention import (
 from worker.model.capability import KVLayout, LayerKV
 from worker.model.compiled import mark_token_dims
 from worker.model.graphs import DecodeGraphs
+from worker.model.kernels.kv_int8 import allocate_scales
 from worker.model.lora import LoRAStep, LoRAWeights, build_step, lora_step
 from worker.model.masks import start_token_bitmask
 from worker.model.sampler import sample_on_device
@@ -50,6 +51,8 @@ class ModelRunner:
         num_blocks, block_size: KV cache geometry.
         kv_layout: per layer the KV shape (`worker.model.capability.KVLayout`, measured at load).
         backend: attention back end module (see `worker.model.kernels`).
+        kv_int8: the KV cache in int8 with per-token-head scales (`kernels/kv_int8.py`);
+            else in `dtype`.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         backend: ModuleType,
+        kv_int8: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -75,10 +79,16 @@ class ModelRunner:
         # logit rows of the vocabulary (structured-output masks are sized before the forward)
         self._vocab_size = getattr(head, "out_features", None) or getattr(getattr(model, "config", None), "vocab_size", 0)
         self.kv_layout = kv_layout
+        kv_dtype = torch.int8 if kv_int8 else dtype  # int8: a scale per token and head beside (kernels/kv_int8.py)
         self.kv_caches = [
-            None if layer is None else self.allocate_layer(layer, num_blocks, block_size, device, dtype)
+            None if layer is None else self.allocate_layer(layer, num_blocks, block_size, device, kv_dtype)
             for layer in kv_layout.layers
         ]
+        self.kv_scales = [
+            None if layer is None else tuple(allocate_scales(num_blocks, block_size, layer.num_kv_heads, device)
+                                             for _ in "kv")
+            for layer in kv_layout.layers
+        ] if kv_int8 else None
         self._forward_thread: ThreadPoolExecutor | None = None  # made by the first launch
         self._busy_s = 0.0  # device time of the steps measured so far
         self._pending_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: the last step's
@@ -207,6 +217,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             backend=self.backend,
             modules=self.attention_modules,
+            kv_scales=self.kv_scales,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         if holes:  # decodes fed the previous step's tokens, where they are (on the device)

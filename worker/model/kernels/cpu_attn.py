@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+READS_INT8_KV = True  # through the reference (kv_int8.py)
 USES_DENSE_METADATA = True  # layers that fall back to the reference read its decode groups
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
@@ -147,10 +148,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     params: AttentionParams | float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`torch_ref.paged_attention`'s contract; decodes through the kernel when it fits
-    (module docstring)."""
+    (module docstring); int8 caches (`scales`) through the reference."""
     p = params if isinstance(params, AttentionParams) else AttentionParams(scale=float(params))
+    if scales is not None:
+        return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p, scales=scales)
     if not _kernel_fits(query, k_cache, v_cache, md, p):
         return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p)
     nd = md.num_decodes

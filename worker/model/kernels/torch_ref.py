@@ -20,10 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from worker.model.kernels import kv_int8
 from worker.model.kernels.params import AttentionParams
 
 if TYPE_CHECKING:
     from worker.model.attention import AttentionMetadata
+
+READS_INT8_KV = True  # int8 caches with their scales (kv_int8.py)
 
 
 def write_kv(
@@ -51,10 +54,13 @@ def write_kv(
             0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """`[..., nblocks]` block ids → `[..., nblocks * block_size, heads, dim]` (a copy).
     `index_select` over the flat ids: on the CPU 2.2x faster than `cache[block_ids]`
-    (32 x 20 blocks of 16 x 4 x 32: 260 vs 579 us), the same values."""
+    (32 x 20 blocks of 16 x 4 x 32: 260 vs 579 us), the same values. `scale`: an int8
+    cache's scales (`kv_int8`): the copy is dequantized, float32."""
+    if scale is not None:
+        return kv_int8.gather(cache, scale, block_ids)
     flat = torch.index_select(cache, 0, block_ids.reshape(-1))
     return flat.view(*block_ids.shape[:-1], block_ids.shape[-1] * cache.shape[1], *cache.shape[2:])
 
@@ -98,6 +104,7 @@ def paged_attention(
     md: AttentionMetadata,
     params: AttentionParams | float,
     out: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed ragged batch over the paged cache (K/V already written).
 
@@ -111,6 +118,7 @@ def paged_attention(
         params: the layer's `AttentionParams` (a float: the softmax scale alone).
         out: where to write the result (rows of sequences not in `md` left as they are);
             None: a new tensor.
+        scales: the key and value scale caches of int8 caches (`kv_int8`); None: float caches.
 
     Returns:
         `[num_tokens, num_heads, v_head_dim]` (`out` when given). Grouped-query attention when num_heads is a
@@ -119,15 +127,16 @@ def paged_attention(
     p = params if isinstance(params, AttentionParams) else AttentionParams(scale=float(params))
     if out is None:
         out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
+    ks, vs = scales if scales is not None else (None, None)
     for g in md.decode_groups:
-        out[g.row_start : g.row_end] = _decode_group(query, k_cache, v_cache, md, g, p)
+        out[g.row_start : g.row_end] = _decode_group(query, k_cache, v_cache, md, g, p, ks, vs)
     for span in md.prefills:
-        out[span.q_start : span.q_end] = _prefill_span(query, key, value, k_cache, v_cache, span, p)
+        out[span.q_start : span.q_end] = _prefill_span(query, key, value, k_cache, v_cache, span, p, ks, vs)
     return out
 
 
 def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                  g, p: AttentionParams) -> torch.Tensor:
+                  g, p: AttentionParams, ks: torch.Tensor | None = None, vs: torch.Tensor | None = None) -> torch.Tensor:
     """One group of decodes (`md.decode_groups`): `[rows, num_heads, v_head_dim]`. Whole
     blocks are gathered (contiguous copies), then the padding past each context is
     masked. GQA without repeating K/V: the query heads sharing a KV head act as that
@@ -136,8 +145,8 @@ def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_kv_heads, v_dim = k_cache.shape[2], v_cache.shape[-1]
     group = num_heads // num_kv_heads
     rows = g.row_end - g.row_start
-    k = _gather(k_cache, g.block_ids).transpose(1, 2)  # [rows, KVH, ctx, D]
-    v = _gather(v_cache, g.block_ids).transpose(1, 2)
+    k = _gather(k_cache, g.block_ids, ks).transpose(1, 2)  # [rows, KVH, ctx, D]
+    v = _gather(v_cache, g.block_ids, vs).transpose(1, 2)
     q = query[g.row_start : g.row_end].reshape(rows, num_kv_heads, group, head_dim)
     allowed = g.mask  # [rows, 1, 1, ctx]
     if p.sliding_window is not None:
@@ -154,7 +163,8 @@ def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _prefill_span(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, span, p: AttentionParams) -> torch.Tensor:
+                  v_cache: torch.Tensor, span, p: AttentionParams, ks: torch.Tensor | None = None,
+                  vs: torch.Tensor | None = None) -> torch.Tensor:
     """One prefill chunk (`md.prefills`): `[q_len, num_heads, v_head_dim]`, causal over
     its earlier context in the cache (or this chunk's own K/V when it has none)."""
     num_heads, head_dim = query.shape[1:]
@@ -171,8 +181,8 @@ def _prefill_span(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k
     else:
         ctx = span.mask.shape[1]
         start = ctx - q_len
-        k = _gather(k_cache, span.ctx_block_ids)[:ctx].transpose(0, 1).unsqueeze(0)
-        v = _gather(v_cache, span.ctx_block_ids)[:ctx].transpose(0, 1).unsqueeze(0)
+        k = _gather(k_cache, span.ctx_block_ids, ks)[:ctx].transpose(0, 1).unsqueeze(0)
+        v = _gather(v_cache, span.ctx_block_ids, vs)[:ctx].transpose(0, 1).unsqueeze(0)
         allowed = span.mask
     plain = not p.changes_logits
     if plain and window is None and allowed is None:
