@@ -55,6 +55,42 @@ def test_decode_kernel_matches_the_reference(head_dim, block_size, group, window
     torch.testing.assert_close(got, expect, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("head_dim,block_size,group,window", [(32, 16, 4, None), (80, 32, 1, 7), (128, 16, 8, None)])
+def test_int8_caches_decode_in_the_kernel_as_the_reference_dequantizes_them(head_dim, block_size, group, window):
+    """`kv_cache_dtype: int8` (kernels/kv_int8.py): the kernel reads the int8 values and their
+    per-token-head scales in place, the reference gathers them dequantized; the same
+    result, decodes and the batch's prefill chunks."""
+    from worker.model.capability import KVLayout
+    from worker.model.kernels import kv_int8
+    from worker.model.runner import ModelRunner
+
+    rng = random.Random(head_dim + group)
+    torch.manual_seed(head_dim + group)
+    sched = make_batch(rng, block_size)
+    r = ModelRunner(None, num_blocks=64, block_size=block_size, kv_layout=KVLayout.uniform(1, NUM_KV_HEADS, head_dim),
+                    device=torch.device("cpu"), dtype=torch.float32, backend=cpu_attn, kv_int8=True)
+    md = r.build_metadata(sched)[2]
+    (k_cache, v_cache), scales = r.kv_caches[0], r.kv_scales[0]
+    assert k_cache.dtype == torch.int8 and md.kv_scales is r.kv_scales
+    n, num_heads = sched.num_scheduled_tokens, NUM_KV_HEADS * group
+    for cache, scale in ((k_cache, scales[0]), (v_cache, scales[1])):  # every slot filled, as earlier steps would
+        q_all, s_all = kv_int8.quantize(torch.randn(cache.shape[0] * cache.shape[1], NUM_KV_HEADS, head_dim))
+        cache.view(-1, NUM_KV_HEADS, head_dim).copy_(q_all)
+        scale.view(-1, NUM_KV_HEADS).copy_(s_all)
+    q = torch.randn(n, num_heads, head_dim)
+    k, v = torch.randn(n, NUM_KV_HEADS, head_dim), torch.randn(n, NUM_KV_HEADS, head_dim)
+    kv_int8.write_kv(k, v, k_cache, v_cache, scales, md.slot_mapping)
+    params = AttentionParams(scale=head_dim**-0.5, sliding_window=window)
+    expect = torch_ref.paged_attention(q, k, v, k_cache, v_cache, md, params, scales=scales)
+    nd = sched.num_decodes
+    decodes = torch.empty(nd, num_heads, head_dim)
+    assert cpu_attn.paged_decode(q[:nd], k_cache, v_cache, md.block_tables, md.seq_lens, params.scale, window,
+                                 decodes, scales)
+    torch.testing.assert_close(decodes, expect[:nd], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(cpu_attn.paged_attention(q, k, v, k_cache, v_cache, md, params, scales=scales), expect,
+                               atol=2e-5, rtol=2e-5)
+
+
 def test_a_value_cache_inside_the_key_cache_and_a_wider_key():
     """Latent attention: the value is the first Dv channels of a wider cached key."""
     rng = random.Random(5)

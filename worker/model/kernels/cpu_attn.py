@@ -10,7 +10,8 @@ with one intra-op thread (the worker's engine process here) 1.33x faster on Shar
 requests (long contexts), 1.02x on the short mixed workload; with two threads about even
 with the reference's two-threaded gather. The kernel is one thread: it is used while torch
 has at most `MAX_THREADS` intra-op threads; layers with soft-capping, sinks or ALiBi,
-non-fp32 caches and prefill chunks take the reference path.
+caches neither fp32 nor int8 (`kv_int8.py`, read with their scales) and prefill chunks take
+the reference path.
 
 The kernel is compiled at first use with the machine's C compiler (`$CC`, else `cc`;
 `-O3 -march=native`, ~0.2 s) into `$XDG_CACHE_HOME/inflight/kernels` (default
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-READS_INT8_KV = True  # through the reference (kv_int8.py)
+READS_INT8_KV = True  # int8 caches with their scales (kv_int8.py): decodes in the kernel too
 USES_DENSE_METADATA = True  # layers that fall back to the reference read its decode groups
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
@@ -98,6 +99,9 @@ def _library() -> ctypes.CDLL | str:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 6 + [i64] * 13 + [ctypes.c_float, i64]
     fn.restype = ctypes.c_int
+    fn8 = lib.inflight_paged_decode_int8
+    fn8.argtypes = [ptr] * 8 + [i64] * 13 + [ctypes.c_float, i64]
+    fn8.restype = ctypes.c_int
     return lib
 
 
@@ -112,30 +116,36 @@ def unavailable_reason() -> str | None:
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, window: int | None, out: torch.Tensor) -> bool:
+                 seq_lens: torch.Tensor, scale: float, window: int | None, out: torch.Tensor,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Decode attention of `query` `[rows, num_heads, head_dim]` (one token per sequence,
     fp32) into `out` `[rows, num_heads, v_head_dim]` (contiguous, fp32), sequence r
     reading its first `seq_lens[r]` positions (the last `window` of them if set) through
-    `block_tables[r]` (int32, contiguous rows). False (out incomplete) if the kernel is
-    unavailable or failed; the caller then uses the reference."""
+    `block_tables[r]` (int32, contiguous rows). `scales`: int8 caches' key and value scales
+    (`kv_int8`, contiguous). False (out incomplete) if the kernel is unavailable or failed;
+    the caller then uses the reference."""
     lib = _library()
     if isinstance(lib, str):
         return False
     q = query.contiguous()
     rows, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_cache.shape[2], v_cache.shape[-1]
-    status = lib.inflight_paged_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        out.data_ptr(), rows, block_tables.stride(0), num_heads, num_kv_heads, head_dim, v_dim, k_cache.shape[1],
-        *k_cache.stride()[:3], *v_cache.stride()[:3], scale, window or 0)
+    ptrs = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()]
+    if scales is not None:
+        ptrs += [scales[0].data_ptr(), scales[1].data_ptr()]
+    fn = lib.inflight_paged_decode if scales is None else lib.inflight_paged_decode_int8
+    status = fn(*ptrs, block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), rows, block_tables.stride(0),
+                num_heads, num_kv_heads, head_dim, v_dim, k_cache.shape[1], *k_cache.stride()[:3],
+                *v_cache.stride()[:3], scale, window or 0)
     return status == 0
 
 
 def _kernel_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                 p: AttentionParams) -> bool:
+                 p: AttentionParams, int8: bool = False) -> bool:
+    cache = torch.int8 if int8 else torch.float32
     return (md.num_decodes > 0 and not p.changes_logits and torch.get_num_threads() <= MAX_THREADS
-            and query.dtype == k_cache.dtype == v_cache.dtype
-            == torch.float32 and not query.is_cuda and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+            and query.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == cache
+            and not query.is_cuda and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
             and md.block_tables.dtype == md.seq_lens.dtype == torch.int32 and md.block_tables.stride(-1) == 1
             and query.shape[1] % k_cache.shape[2] == 0)
 
@@ -153,15 +163,14 @@ def paged_attention(
     """`torch_ref.paged_attention`'s contract; decodes through the kernel when it fits
     (module docstring); int8 caches (`scales`) through the reference."""
     p = params if isinstance(params, AttentionParams) else AttentionParams(scale=float(params))
-    if scales is not None:
+    if not _kernel_fits(query, k_cache, v_cache, md, p, int8=scales is not None):
         return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p, scales=scales)
-    if not _kernel_fits(query, k_cache, v_cache, md, p):
-        return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p)
     nd = md.num_decodes
     out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
     if not paged_decode(query[:nd], k_cache, v_cache, md.block_tables, md.seq_lens, p.scale, p.sliding_window,
-                        out[:nd]):
-        return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p)
+                        out[:nd], scales):
+        return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p, scales=scales)
     if md.prefills:
-        torch_ref.paged_attention(query, key, value, k_cache, v_cache, replace(md, decode_groups=[]), p, out=out)
+        torch_ref.paged_attention(query, key, value, k_cache, v_cache, replace(md, decode_groups=[]), p, out=out,
+                                  scales=scales)
     return out

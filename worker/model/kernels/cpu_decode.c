@@ -11,14 +11,20 @@
  *
  * Per row: scores of every position for every head (one pass over K, reading each
  * position's KV heads together), an exact softmax per head (max, exp, sum), then one pass
- * over V. fp32 throughout, one thread (cpu_attn.py says when it is used).
+ * over V. fp32 arithmetic, one thread (cpu_attn.py says when it is used).
+ *
+ * Two entry points over one body (ROWS_OF): fp32 caches, and int8 caches (kv_int8.py)
+ * whose token p of KV head h has the scales ks / vs [(block * block_size + offset) * KVH
+ * + h]: a score is scale_k * (q . k_int8), a value row adds weight * scale_v * v_int8.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 typedef struct {
-    const float *q, *kc, *vc;
+    const float *q;
+    const void *kc, *vc;
+    const float *ks, *vs; /* int8 caches: per token and KV head scales; else NULL */
     const int32_t *tables, *seq_lens;
     float *out;
     int64_t rows, tbl_stride, H, KVH, D, Dv, bs;
@@ -38,73 +44,107 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
 }
 
-static int rows_of(const Work *w) {
-    const int64_t H = w->H, D = w->D, Dv = w->Dv, group = w->H / w->KVH;
-    int64_t max_len = 0;
-    for (int64_t r = 0; r < w->rows; r++)
-        if (w->seq_lens[r] > max_len) max_len = w->seq_lens[r];
-    float *scratch = malloc(sizeof(float) * (size_t)(H + max_len * H));
-    if (scratch == NULL) return 1;
-    float *inv = scratch;     /* [H]: running max, then 1 / sum */
-    float *sc = scratch + H;  /* [len][H]: scores, then weights */
-    for (int64_t r = 0; r < w->rows; r++) {
-        const int64_t n = w->seq_lens[r];
-        const int64_t start = (w->window > 0 && n > w->window) ? n - w->window : 0;
-        const int64_t len = n - start;
-        const int32_t *tbl = w->tables + r * w->tbl_stride;
-        const float *qr = w->q + r * H * D;
-        float *o = w->out + r * H * Dv;
-        for (int64_t i = 0; i < H; i++) inv[i] = -INFINITY;
-        for (int64_t p = start; p < n; p++) {
-            const float *kb = w->kc + (int64_t)tbl[p / w->bs] * w->k_sb + (p % w->bs) * w->k_st;
-            float *sp = sc + (p - start) * H;
-            for (int64_t h = 0; h < w->KVH; h++) {
-                const float *kp = kb + h * w->k_sh;
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t i = h * group + g;
-                    const float s = dot(qr + i * D, kp, D) * w->scale;
-                    sp[i] = s;
-                    if (s > inv[i]) inv[i] = s;
-                }
-            }
-        }
-        for (int64_t i = 0; i < H; i++) {
-            const float m = inv[i];
-            float l = 0;
-            for (int64_t t = 0; t < len; t++) {
-                const float e = expf(sc[t * H + i] - m);
-                sc[t * H + i] = e;
-                l += e;
-            }
-            inv[i] = len > 0 ? 1.0f / l : 0.0f;
-        }
-        for (int64_t i = 0; i < H * Dv; i++) o[i] = 0;
-        for (int64_t p = start; p < n; p++) {
-            const float *vb = w->vc + (int64_t)tbl[p / w->bs] * w->v_sb + (p % w->bs) * w->v_st;
-            const float *wp = sc + (p - start) * H;
-            for (int64_t h = 0; h < w->KVH; h++) {
-                const float *vp = vb + h * w->v_sh;
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t i = h * group + g;
-                    const float wt = wp[i];
-                    float *oi = o + i * Dv;
-                    for (int64_t d = 0; d < Dv; d++) oi[d] += wt * vp[d];
-                }
-            }
-        }
-        for (int64_t i = 0; i < H; i++)
-            for (int64_t d = 0; d < Dv; d++) o[i * Dv + d] *= inv[i];
+static inline float dot_i8(const float *a, const int8_t *b, int64_t n) {
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) {
+        s0 += a[d] * b[d]; s1 += a[d + 1] * b[d + 1]; s2 += a[d + 2] * b[d + 2]; s3 += a[d + 3] * b[d + 3];
+        s4 += a[d + 4] * b[d + 4]; s5 += a[d + 5] * b[d + 5]; s6 += a[d + 6] * b[d + 6]; s7 += a[d + 7] * b[d + 7];
     }
-    free(scratch);
-    return 0;
+    for (; d < n; d++) s0 += a[d] * b[d];
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
 }
+
+/* the scale of token p's KV head h in an int8 cache, or 1 */
+#define KSCALE(w, blk, off, h) ((w)->ks ? (w)->ks[((int64_t)(blk) * (w)->bs + (off)) * (w)->KVH + (h)] : 1.0f)
+#define VSCALE(w, blk, off, h) ((w)->vs ? (w)->vs[((int64_t)(blk) * (w)->bs + (off)) * (w)->KVH + (h)] : 1.0f)
+
+#define ROWS_OF(NAME, KT, DOT) \
+static int NAME(const Work *w) { \
+    const int64_t H = w->H, D = w->D, Dv = w->Dv, group = w->H / w->KVH; \
+    int64_t max_len = 0; \
+    for (int64_t r = 0; r < w->rows; r++) \
+        if (w->seq_lens[r] > max_len) max_len = w->seq_lens[r]; \
+    float *scratch = malloc(sizeof(float) * (size_t)(H + max_len * H)); \
+    if (scratch == NULL) return 1; \
+    float *inv = scratch;     /* [H]: running max, then 1 / sum */ \
+    float *sc = scratch + H;  /* [len][H]: scores, then weights */ \
+    for (int64_t r = 0; r < w->rows; r++) { \
+        const int64_t n = w->seq_lens[r]; \
+        const int64_t start = (w->window > 0 && n > w->window) ? n - w->window : 0; \
+        const int64_t len = n - start; \
+        const int32_t *tbl = w->tables + r * w->tbl_stride; \
+        const float *qr = w->q + r * H * D; \
+        float *o = w->out + r * H * Dv; \
+        for (int64_t i = 0; i < H; i++) inv[i] = -INFINITY; \
+        for (int64_t p = start; p < n; p++) { \
+            const int64_t blk = tbl[p / w->bs], off = p % w->bs; \
+            const KT *kb = (const KT *)w->kc + blk * w->k_sb + off * w->k_st; \
+            float *sp = sc + (p - start) * H; \
+            for (int64_t h = 0; h < w->KVH; h++) { \
+                const KT *kp = kb + h * w->k_sh; \
+                const float kscale = KSCALE(w, blk, off, h) * w->scale; \
+                for (int64_t g = 0; g < group; g++) { \
+                    const int64_t i = h * group + g; \
+                    const float s = DOT(qr + i * D, kp, D) * kscale; \
+                    sp[i] = s; \
+                    if (s > inv[i]) inv[i] = s; \
+                } \
+            } \
+        } \
+        for (int64_t i = 0; i < H; i++) { \
+            const float m = inv[i]; \
+            float l = 0; \
+            for (int64_t t = 0; t < len; t++) { \
+                const float e = expf(sc[t * H + i] - m); \
+                sc[t * H + i] = e; \
+                l += e; \
+            } \
+            inv[i] = len > 0 ? 1.0f / l : 0.0f; \
+        } \
+        for (int64_t i = 0; i < H * Dv; i++) o[i] = 0; \
+        for (int64_t p = start; p < n; p++) { \
+            const int64_t blk = tbl[p / w->bs], off = p % w->bs; \
+            const KT *vb = (const KT *)w->vc + blk * w->v_sb + off * w->v_st; \
+            const float *wp = sc + (p - start) * H; \
+            for (int64_t h = 0; h < w->KVH; h++) { \
+                const KT *vp = vb + h * w->v_sh; \
+                const float vscale = VSCALE(w, blk, off, h); \
+                for (int64_t g = 0; g < group; g++) { \
+                    const int64_t i = h * group + g; \
+                    const float wt = wp[i] * vscale; \
+                    float *oi = o + i * Dv; \
+                    for (int64_t d = 0; d < Dv; d++) oi[d] += wt * vp[d]; \
+                } \
+            } \
+        } \
+        for (int64_t i = 0; i < H; i++) \
+            for (int64_t d = 0; d < Dv; d++) o[i * Dv + d] *= inv[i]; \
+    } \
+    free(scratch); \
+    return 0; \
+}
+
+ROWS_OF(rows_f32, float, dot)
+ROWS_OF(rows_i8, int8_t, dot_i8)
 
 /* Returns 0, or 1 if its scratch memory could not be had (out is then incomplete). */
 int inflight_paged_decode(const float *q, const float *kc, const float *vc, const int32_t *tables,
                           const int32_t *seq_lens, float *out, int64_t rows, int64_t tbl_stride, int64_t H,
                           int64_t KVH, int64_t D, int64_t Dv, int64_t bs, int64_t k_sb, int64_t k_st, int64_t k_sh,
                           int64_t v_sb, int64_t v_st, int64_t v_sh, float scale, int64_t window) {
-    const Work w = {q, kc, vc, tables, seq_lens, out, rows, tbl_stride, H, KVH, D, Dv, bs,
+    const Work w = {q, kc, vc, NULL, NULL, tables, seq_lens, out, rows, tbl_stride, H, KVH, D, Dv, bs,
                     k_sb, k_st, k_sh, v_sb, v_st, v_sh, scale, window};
-    return rows_of(&w);
+    return rows_f32(&w);
+}
+
+/* The same over int8 caches with their scales (contiguous [num_blocks, block_size, KVH]). */
+int inflight_paged_decode_int8(const float *q, const int8_t *kc, const int8_t *vc, const float *ks, const float *vs,
+                               const int32_t *tables, const int32_t *seq_lens, float *out, int64_t rows,
+                               int64_t tbl_stride, int64_t H, int64_t KVH, int64_t D, int64_t Dv, int64_t bs,
+                               int64_t k_sb, int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh,
+                               float scale, int64_t window) {
+    const Work w = {q, kc, vc, ks, vs, tables, seq_lens, out, rows, tbl_stride, H, KVH, D, Dv, bs,
+                    k_sb, k_st, k_sh, v_sb, v_st, v_sh, scale, window};
+    return rows_i8(&w);
 }
