@@ -16,6 +16,10 @@ E4M3 weights per channel, dynamic FP8 activations per token; float-quantized).
 0 2 4 6 1 3 5 7, `scales` `[groups, out]` fp16, unsigned values and zero points): round to
 nearest per group, no activation-aware search. The packing is ours, checked against
 compressed-tensors' `AutoAWQConverter` (tests/engine/test_quantization.py).
+
+`--scheme mxfp4` puts a GPT-OSS checkpoint's experts in MXFP4 as OpenAI ships them (E2M1
+values in groups of 32 with a power-of-two scale); checked against transformers' own
+dequantization.
 """
 
 from __future__ import annotations
@@ -142,16 +146,67 @@ def make_quantized(src: Path, out: Path, scheme: str, group_size: int | None = N
     return out
 
 
+# FP4 (E2M1) code -> value: codes 0-7 positive, 8-15 their negatives (the OCP MX format)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[..., rows, cols]` float -> MXFP4 as GPT-OSS stores it: blocks `[..., rows, cols / 32,
+    16]` uint8 (two E2M1 codes per byte, the even column in the low nibble) and scales
+    `[..., rows, cols / 32]` uint8 (an E8M0 power of two, biased by 127), one per 32
+    values: the smallest power of two that brings the group's largest value within 6,
+    each value then rounded to the nearest code."""
+    import torch
+
+    *lead, rows, cols = w.shape
+    g = w.detach().float().reshape(*lead, rows, cols // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = g / torch.exp2(exp)[..., None]
+    values = torch.tensor(FP4_VALUES)
+    codes = (scaled[..., None] - values).abs().argmin(-1).to(torch.uint8)  # ties: the first (positive) code
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def make_mxfp4(src: Path, out: Path) -> Path:
+    """A copy of a GPT-OSS checkpoint (`src`, float) with its experts in MXFP4, as OpenAI
+    ships GPT-OSS: `*.mlp.experts.{gate_up,down}_proj` `[experts, in, out]` become
+    `_blocks` / `_scales` over `[experts, out, in]`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(src / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_quantize(tensors.pop(name).transpose(1, 2).contiguous())
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=Path, help="a float Hugging Face checkpoint directory")
     p.add_argument("out", type=Path)
-    p.add_argument("--scheme", choices=[*sorted(SCHEMES), "awq"], default="w8a8")
+    p.add_argument("--scheme", choices=[*sorted(SCHEMES), "awq", "mxfp4"], default="w8a8",
+                   help="mxfp4: the experts of a GPT-OSS checkpoint, as OpenAI ships it")
     p.add_argument("--group-size", type=int, default=None, help="input channels per scale (default: per channel)")
     p.add_argument("--asymmetric", action="store_true", help="zero points (weight-only schemes)")
     a = p.parse_args(argv)
     if a.scheme == "awq":
         make_awq(a.src, a.out, a.group_size or 128)
+    elif a.scheme == "mxfp4":
+        make_mxfp4(a.src, a.out)
     else:
         make_quantized(a.src, a.out, a.scheme, a.group_size, not a.asymmetric)
     print(a.out)

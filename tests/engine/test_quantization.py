@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from schemas.params import SamplingParams
 from tests.conftest import tiny_checkpoint
-from tools.make_quantized import make_awq, make_quantized
+from tools.make_quantized import make_awq, make_mxfp4, make_quantized
 from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
 from worker.engine import Engine
 from worker.model.capability import UnsupportedModel
@@ -257,6 +257,31 @@ def test_an_awq_checkpoint_equals_its_dequantized_weights(tmp_path):
     for n, m in layers.items():
         assert torch.equal(m.dequantized(), ref_modules[n].weight.data), n
     assert eng.scheduler.num_preemptions_total > 0
+    assert got == generate(ref, work)
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_is_dequantized_at_load_as_transformers_does(tmp_path):
+    """GPT-OSS with its experts in MXFP4 (`tools.make_quantized.make_mxfp4`): transformers'
+    own dequantization at load gives each expert weight exactly FP4 value x 2^scale of what
+    was written, and the engine's greedy ids equal transformers' generate on that model."""
+    from transformers import Mxfp4Config
+
+    from tests.conftest import arch_checkpoint
+    from tools.make_quantized import FP4_VALUES, mxfp4_quantize
+
+    base = arch_checkpoint("GPT-OSS")
+    path = make_mxfp4(base, tmp_path / "mxfp4")
+    work = workload(9, 6)
+    got, eng = run(path, work)
+    assert any("MXFP4" in f for f in eng.loaded.features), eng.loaded.features
+    ref = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True),
+                                               dtype=torch.float32).eval()
+    float_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    w = float_model.model.layers[0].mlp.experts.gate_up_proj.detach()
+    blocks, scales = mxfp4_quantize(w.transpose(1, 2).contiguous())
+    codes = torch.stack((blocks & 15, blocks >> 4), -1).reshape(*blocks.shape[:-1], 32).long()
+    expect = (torch.tensor(FP4_VALUES)[codes] * torch.exp2(scales.float() - 127)[..., None]).flatten(-2)
+    assert torch.equal(ref.model.layers[0].mlp.experts.gate_up_proj.detach(), expect.transpose(1, 2))
     assert got == generate(ref, work)
 
 

@@ -5,7 +5,6 @@ a model the paged runner cannot run exactly is refused here, never per request."
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import stat
@@ -157,7 +156,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         raise ConfigError(f"model.quantization is {cfg.quantization!r} but the checkpoint is already quantized "
                           f"({quant.describe()}); set it to 'none'")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = _from_pretrained(path, dtype, model_type, hf_config if quant is not None else None)
+    model = _from_pretrained(path, dtype, model_type, quant_load.load_kwargs(quant, hf_config))
     model.to(device).eval()
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     check_modules(model, model_type)
@@ -200,6 +199,8 @@ def _quantize(model: torch.nn.Module, path: Path, quant: quant_load.CheckpointQu
               method: str) -> list[str]:
     """The checkpoint's quantized layers installed, or the float ones quantized by `method`;
     the feature line for `inflight check` and the log."""
+    if quant is not None and quant.method == "MXFP4":
+        return ["MXFP4 experts dequantized at load by transformers (float memory)"]
     if quant is not None:
         quant_load.install_checkpoint(model, path, quant)
         return [f"{quant.method} {line}" for line in quant_load.describe_layers(model)]
@@ -207,26 +208,21 @@ def _quantize(model: torch.nn.Module, path: Path, quant: quant_load.CheckpointQu
     return [f"{line}, quantized at load" for line in quant_load.describe_layers(model)]
 
 
-def _from_pretrained(path: Path, dtype: torch.dtype, model_type: str,
-                     quantized_config: PretrainedConfig | None = None) -> torch.nn.Module:
+def _from_pretrained(path: Path, dtype: torch.dtype, model_type: str, kwargs: dict | None = None) -> torch.nn.Module:
     """With our attention implementation; a model that picks its attention classes from
     the implementation's name at construction (Falcon) is built with `eager` and switched
     by its adapter (`worker.model.legacy`).
 
-    `quantized_config`: the config of a quantized checkpoint: the model is built without its
-    `quantization_config` (its float layers loaded, the quantized ones left to
-    `quant_load.install_checkpoint`), and transformers' report of the keys it did not load
-    is kept out of the log.
+    `kwargs`: `from_pretrained` keywords for a quantized checkpoint (`quant_load.load_kwargs`:
+    a config without its `quantization_config`, whose quantized layers
+    `quant_load.install_checkpoint` replaces; transformers' report of the keys it did not
+    load is then kept out of the log).
 
     Raises:
         UnsupportedModel: neither works.
     """
-    kwargs = {}
-    if quantized_config is not None:
-        config = copy.deepcopy(quantized_config)
-        del config.quantization_config
-        kwargs["config"] = config
-    with _quiet_load_report(quantized_config is not None):
+    kwargs = kwargs or {}
+    with _quiet_load_report("config" in kwargs):
         try:
             return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
                                                         local_files_only=True, **kwargs)

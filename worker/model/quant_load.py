@@ -8,14 +8,14 @@ dynamic per-token int8 activations (W8A8), in its `int-quantized`, `pack-quantiz
 `naive-quantized` formats, or FP8 E4M3 weights per channel or per tensor with activations
 kept, dynamic per token or static (`float-quantized`); and **AWQ** (AutoAWQ's 4-bit GEMM
 packing), whose layers compressed-tensors' own converter (`AutoAWQConverter`) turns into
-its format as they are read. The format's own library parses and validates the config
+its format as they are read; and **MXFP4** (GPT-OSS's experts), which transformers
+dequantizes while loading (float memory: no FP4 kernel here). The format's own library parses and validates the config
 (`compressed_tensors.QuantizationConfig`), matches its targets to modules
 (`match_named_modules`) and unpacks packed values (`unpack_from_int32`); the tensors are
 read from the checkpoint's safetensors files here, since transformers' loader for this
 format fails on asymmetric packed zero points (transformers 5.24, compressed-tensors 0.20).
 
-Everything else — another `quant_method` (GPTQ, block-scaled `fp8`, MXFP4, bitsandbytes,
-...), AWQ's other packings (GEMV, Marlin, ...), block and 4-bit float schemes, activation
+Everything else — another `quant_method` (GPTQ, block-scaled `fp8`, bitsandbytes, ...), AWQ's other packings (GEMV, Marlin, ...), block and 4-bit float schemes, activation
 orderings with a `g_idx`, output or KV-cache quantization, sparsity, transforms — is refused at load with one line naming the method and the config
 field (`UnsupportedModel`), before any weight is read.
 """
@@ -23,6 +23,7 @@ field (`UnsupportedModel`), before any weight is read.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 from collections import Counter
@@ -87,9 +88,12 @@ def checkpoint_quant(hf_config, model_type: str) -> CheckpointQuant | None:
     method = str(raw.get("quant_method", "?"))
     if method == "awq":
         return _awq(raw, model_type)
+    if method == "mxfp4":  # GPT-OSS's experts: transformers' own dequantization at load
+        return CheckpointQuant(None, {}, None, "MXFP4")
     if method != "compressed-tensors":
         raise UnsupportedModel(model_type, f"weights quantized with {method!r}", f"{_FIELD}.quant_method",
-                               "served: compressed-tensors integer and FP8 weights (W8A8, W8A16, W4A16, FP8), AWQ (GEMM)")
+                               "served: compressed-tensors integer and FP8 weights (W8A8, W8A16, W4A16, FP8), AWQ (GEMM), "
+                               "MXFP4 (dequantized at load)")
     from compressed_tensors.quantization import QuantizationConfig
 
     try:
@@ -111,6 +115,23 @@ def checkpoint_quant(hf_config, model_type: str) -> CheckpointQuant | None:
                                    f"served: {', '.join(_FORMATS)}")
         schemes[name] = _scheme(group, field, model_type)
     return CheckpointQuant(parsed, schemes)
+
+
+def load_kwargs(quant: CheckpointQuant | None, hf_config) -> dict:
+    """`from_pretrained` keywords for a checkpoint quantized by `quant`: MXFP4 is
+    dequantized by transformers while loading (`Mxfp4Config(dequantize=True)`: the format
+    GPT-OSS ships its experts in; no FP4 kernel here); the others load with a config
+    without `quantization_config`, their quantized layers then replaced by
+    `install_checkpoint`."""
+    if quant is None:
+        return {}
+    if quant.method == "MXFP4":
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    config = copy.deepcopy(hf_config)
+    del config.quantization_config
+    return {"config": config}
 
 
 def _awq(raw: dict, model_type: str) -> CheckpointQuant:
