@@ -146,6 +146,82 @@ def make_quantized(src: Path, out: Path, scheme: str, group_size: int | None = N
     return out
 
 
+def gptq_quantize(w: torch.Tensor, bits: int, group_size: int, desc_act: bool, sym: bool,
+                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest in GPTQ's terms: unsigned values `[out, in]`, zero points and fp16
+    scales `[groups, out]`, and `g_idx` `[in]` (with `desc_act`, groups of a random order of
+    the input channels, as activation order leaves them)."""
+    import torch
+
+    n, k = w.shape
+    maxq = (1 << bits) - 1
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if desc_act else torch.arange(k)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // group_size).to(torch.int32)
+    groups = k // group_size
+    scale = torch.empty(groups, n, dtype=torch.float16)
+    zero = torch.empty(groups, n, dtype=torch.int32)
+    for g in range(groups):
+        cols = w.detach().float()[:, g_idx == g]
+        lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+        if sym:
+            s = torch.maximum(-lo, hi) * 2 / maxq
+            z = torch.full((n,), (maxq + 1) // 2)
+        else:
+            s = (hi - lo) / maxq
+            z = torch.round(-lo / s.clamp(min=1e-8))
+        scale[g] = s.clamp(min=1e-8).half()
+        zero[g] = z.to(torch.int32)
+    s_k, z_k = scale.float()[g_idx.long()].t(), zero[g_idx.long()].t()  # [out, in]
+    q = torch.clamp(torch.round(w.detach().float() / s_k) + z_k, 0, maxq).to(torch.int32)
+    return q, zero, scale, g_idx
+
+
+def _pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unsigned values -> int32 words, `32 / bits` per word along `dim` (value j at bits j*bits)."""
+    import torch
+
+    p = 32 // bits
+    v = values.to(torch.int64)
+    v = v.reshape(-1, p, v.shape[1]) if dim == 0 else v.reshape(v.shape[0], -1, p)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    word = (v << (shifts[None, :, None] if dim == 0 else shifts[None, None, :])).sum(1 if dim == 0 else 2)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def make_gptq(src: Path, out: Path, bits: int = 4, group_size: int = 32, desc_act: bool = False,
+              sym: bool = True) -> Path:
+    """A GPTQ checkpoint (`checkpoint_format: gptq`, the original layout: zero points stored
+    minus one) of `src`'s decoder linear layers in `out`."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    head = model.get_output_embeddings()
+    tensors = {name: t.contiguous().clone() for name, t in model.state_dict().items()}
+    for i, (name, m) in enumerate(model.named_modules()):
+        if type(m) is not torch.nn.Linear or m is head:
+            continue
+        q, zero, scale, g_idx = gptq_quantize(m.weight, bits, group_size, desc_act, sym, seed=i)
+        del tensors[f"{name}.weight"]
+        tensors[f"{name}.qweight"] = _pack_int32(q.t().contiguous(), bits, 0)
+        tensors[f"{name}.qzeros"] = _pack_int32((zero - 1) & ((1 << bits) - 1), bits, 1)
+        tensors[f"{name}.scales"] = scale
+        tensors[f"{name}.g_idx"] = g_idx
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+                                     "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
 # FP4 (E2M1) code -> value: codes 0-7 positive, 8-15 their negatives (the OCP MX format)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from schemas.params import SamplingParams
 from tests.conftest import tiny_checkpoint
-from tools.make_quantized import make_awq, make_mxfp4, make_quantized
+from tools.make_quantized import make_awq, make_gptq, make_mxfp4, make_quantized
 from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
 from worker.engine import Engine
 from worker.model.capability import UnsupportedModel
@@ -285,6 +285,37 @@ def test_an_mxfp4_gpt_oss_checkpoint_is_dequantized_at_load_as_transformers_does
     assert got == generate(ref, work)
 
 
+@pytest.mark.parametrize("bits, group, sym, desc_act", [(4, 32, True, False), (4, 32, False, True),
+                                                        (8, 16, True, True)])
+def test_a_gptq_checkpoint_equals_its_dequantized_weights(tmp_path, bits, group, sym, desc_act):
+    """GPTQ's layout (`tools.make_quantized.make_gptq`: values packed along the input
+    channels, zero points along the outputs and stored minus one, `g_idx`; activation order
+    as a random grouping of the channels): each layer's weight is exactly (q - zero) x
+    scale of its group, and the engine's greedy ids equal transformers' float model holding
+    those weights, over chunked prefill and preemption."""
+    from tools.make_quantized import gptq_quantize
+
+    base = tiny_checkpoint("llama")
+    path = make_gptq(base, tmp_path / "gptq", bits, group, desc_act, sym)
+    ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    head = ref.get_output_embeddings()
+    for i, (_, m) in enumerate(ref.named_modules()):
+        if type(m) is torch.nn.Linear and m is not head:
+            q, zero, scale, g_idx = gptq_quantize(m.weight, bits, group, desc_act, sym, seed=i)
+            z = ((zero - 1) & ((1 << bits) - 1)) + 1  # what the stored zero decodes to
+            g = g_idx.long()
+            m.weight.data.copy_((q - z[g].t()).float() * scale.float()[g].t())
+    work = workload(10)
+    got, eng = run(path, work)
+    layers = {n: m for n, m in eng.runner.model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 14 and all((m.perm is not None) == desc_act for m in layers.values())
+    ref_modules = dict(ref.named_modules())
+    for n, m in layers.items():
+        assert torch.equal(m.dequantized(), ref_modules[n].weight.data), n
+    assert eng.scheduler.num_preemptions_total > 0
+    assert got == generate(ref, work)
+
+
 def _with_quantization_config(tmp_path: Path, qc: dict) -> Path:
     out = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint("llama"), out)
@@ -302,8 +333,11 @@ def _fp8_block_group() -> dict:
 
 
 @pytest.mark.parametrize("qc, words", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "weights quantized with 'gptq' "
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "weights quantized with 'bitsandbytes' "
      "(config.quantization_config.quant_method); not supported"),
+    ({"quant_method": "gptq", "bits": 3}, "GPTQ weights of 3 bits (config.quantization_config.bits)"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "a GPTQ checkpoint in the 'marlin' format "
+     "(config.quantization_config.checkpoint_format)"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "an AWQ checkpoint (Unsupported AutoAWQ version: gemv) "
      "(config.quantization_config.version)"),
     ({"quant_method": "awq", "bits": 8}, "(config.quantization_config.bits)"),

@@ -139,22 +139,23 @@ def test_the_worker_refuses_it_at_start_with_exit_2(good, tmp_path, engine_proce
 
 
 def test_an_unsupported_quantization_fails_the_model_check_and_the_worker_exits_2(good, tmp_path):
-    """A GPTQ checkpoint (issue 46: not served yet) is refused like an architecture: the
-    model check's FAIL line names the method and the field, and the worker exits 2 with it."""
+    """A bitsandbytes checkpoint (not served) is refused like an architecture: the model
+    check's FAIL line names the method and the field, and the worker exits 2 with it."""
     import json
     import shutil
 
     from tests.integration.processes import spawn_worker
 
-    path = tmp_path / "gptq"
+    path = tmp_path / "bnb"
     shutil.copytree(good.model.path, path)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (path / "config.json").write_text(json.dumps(config))
     cfg = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, path=str(path)))
-    line = "model 'llama' has weights quantized with 'gptq' (config.quantization_config.quant_method); not supported"
+    line = ("model 'llama' has weights quantized with 'bitsandbytes' (config.quantization_config.quant_method); "
+            "not supported")
     assert line in only_failure(run_preflight(cfg), "model", "model.path").detail
-    proc, log = spawn_worker(tmp_path, cfg, "gptq")
+    proc, log = spawn_worker(tmp_path, cfg, "bnb")
     assert proc.wait(timeout=180) == 2, log.read_text()[-2000:]
     assert line in log.read_text() and "worker started" not in log.read_text()
 

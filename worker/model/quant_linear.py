@@ -131,11 +131,14 @@ class QuantLinear(torch.nn.Module):
 
     Buffers: `qweight` int8 `[out, in]`, or `[in, out]` for W8A8 (the layout `_int_mm`
     reads), or uint8 `[out, in / 2]` for 4 bits and an even `in` (`pack_int4`); `scale` `[out, groups]`
-    float32; `zero` int8 `[out, groups]` when asymmetric.
+    float32; `zero` int8 `[out, groups]` when asymmetric; `perm` `[in]` when the stored
+    columns are the input channels in that order (GPTQ's activation order: groups
+    contiguous), the input then gathered alike.
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: WeightScheme, q: torch.Tensor,
-                 scale: torch.Tensor, zero: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+                 scale: torch.Tensor, zero: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 perm: torch.Tensor | None = None) -> None:
         super().__init__()
         if tuple(q.shape) != (out_features, in_features):
             raise ValueError(f"quantized weight {tuple(q.shape)} for a layer of {out_features} x {in_features}")
@@ -151,6 +154,8 @@ class QuantLinear(torch.nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("zero", None if zero is None else zero.to(torch.int8).contiguous())
+        # GPTQ's activation order: the weight's columns sorted by group; inputs gathered alike
+        self.register_buffer("perm", None if perm is None else perm.to(torch.long).contiguous())
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
@@ -169,12 +174,20 @@ class QuantLinear(torch.nn.Module):
         return unpack_int4(self.qweight) if self.qweight.dtype == torch.uint8 else self.qweight
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """`[out, in]` float weight `(q - zero) * scale` in `dtype`."""
-        return _dequantize(self.int_weight(), self.scale, self.zero, dtype)
+        """`[out, in]` float weight `(q - zero) * scale` in `dtype`, its columns in the
+        layer's input order (`perm` undone)."""
+        w = _dequantize(self.int_weight(), self.scale, self.zero, dtype)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.act_int8:
             return self._w8a8(x)
+        if self.perm is not None:  # the columns are stored sorted by group
+            x = x.index_select(-1, self.perm)
         if x.is_cuda:  # the integers dequantized inside a Triton matmul, no float weight in memory
             from worker.model.kernels import triton_quant
 
@@ -189,7 +202,9 @@ class QuantLinear(torch.nn.Module):
         multiplying each half apart, was 4-5x slower or did not compile with the step's
         unbacked token count)."""
         halves = self._int4_halves(dtype)
-        return self.dequantized(dtype) if halves is None else torch.cat(halves, dim=1)
+        if halves is None:
+            return _dequantize(self.int_weight(), self.scale, self.zero, dtype)
+        return torch.cat(halves, dim=1)
 
     def _int4_halves(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The dequantized weight's two halves of input channels `[out, in / 2]` when the

@@ -8,14 +8,15 @@ dynamic per-token int8 activations (W8A8), in its `int-quantized`, `pack-quantiz
 `naive-quantized` formats, or FP8 E4M3 weights per channel or per tensor with activations
 kept, dynamic per token or static (`float-quantized`); and **AWQ** (AutoAWQ's 4-bit GEMM
 packing), whose layers compressed-tensors' own converter (`AutoAWQConverter`) turns into
-its format as they are read; and **MXFP4** (GPT-OSS's experts), which transformers
-dequantizes while loading (float memory: no FP4 kernel here). The format's own library parses and validates the config
+its format as they are read; **GPTQ** (4 or 8 bits, groups, activation order; `gptq.py`);
+and **MXFP4** (GPT-OSS's experts), which transformers dequantizes while loading (float
+memory: no FP4 kernel here). The format's own library parses and validates the config
 (`compressed_tensors.QuantizationConfig`), matches its targets to modules
 (`match_named_modules`) and unpacks packed values (`unpack_from_int32`); the tensors are
 read from the checkpoint's safetensors files here, since transformers' loader for this
 format fails on asymmetric packed zero points (transformers 5.24, compressed-tensors 0.20).
 
-Everything else — another `quant_method` (GPTQ, block-scaled `fp8`, bitsandbytes, ...), AWQ's other packings (GEMV, Marlin, ...), block and 4-bit float schemes, activation
+Everything else — another `quant_method` (block-scaled `fp8`, bitsandbytes, HQQ, ...), AWQ's other packings (GEMV, Marlin, ...), block and 4-bit float schemes, activation
 orderings with a `g_idx`, output or KV-cache quantization, sparsity, transforms — is refused at load with one line naming the method and the config
 field (`UnsupportedModel`), before any weight is read.
 """
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from worker.model import gptq
 from worker.model.capability import UnsupportedModel
 from worker.model.quant_linear import Fp8Linear, QuantLinear, WeightScheme
 
@@ -67,6 +69,7 @@ class CheckpointQuant:
     # turns another format's tensors of one layer into compressed-tensors' (AutoAWQConverter)
     converter: object | None = None
     method: str = "compressed-tensors"
+    raw: dict | None = None  # the checkpoint's quantization_config (GPTQ reads its fields per layer)
 
     def describe(self) -> str:
         """e.g. "compressed-tensors W8A8 (int8 weights, per-channel scales, ...)"."""
@@ -90,10 +93,12 @@ def checkpoint_quant(hf_config, model_type: str) -> CheckpointQuant | None:
         return _awq(raw, model_type)
     if method == "mxfp4":  # GPT-OSS's experts: transformers' own dequantization at load
         return CheckpointQuant(None, {}, None, "MXFP4")
+    if method == "gptq":
+        return CheckpointQuant(None, {"gptq": gptq.scheme_of(raw, model_type)}, None, "GPTQ", raw)
     if method != "compressed-tensors":
         raise UnsupportedModel(model_type, f"weights quantized with {method!r}", f"{_FIELD}.quant_method",
-                               "served: compressed-tensors integer and FP8 weights (W8A8, W8A16, W4A16, FP8), AWQ (GEMM), "
-                               "MXFP4 (dequantized at load)")
+                               "served: compressed-tensors integer and FP8 weights (W8A8, W8A16, W4A16, FP8), GPTQ, "
+                               "AWQ (GEMM), MXFP4 (dequantized at load)")
     from compressed_tensors.quantization import QuantizationConfig
 
     try:
@@ -212,6 +217,13 @@ def install_checkpoint(model: torch.nn.Module, path: Path, quant: CheckpointQuan
     model_type = str(getattr(model.config, "model_type", "?"))
     replaced = 0
     with _Tensors(path) as tensors:
+        if quant.method == "GPTQ":  # every linear layer whose packed weight the checkpoint holds
+            for mod_name, mod in list(model.named_modules()):
+                if isinstance(mod, torch.nn.Linear) and tensors.has(f"{mod_name}.qweight"):
+                    layer = gptq.read_layer(tensors, mod_name, mod, quant.schemes["gptq"], quant.raw, model_type)
+                    _replace(model, mod_name, layer)
+                    replaced += 1
+            return replaced
         for name, group in quant.config.config_groups.items():
             scheme = quant.schemes[name]
             for mod_name, mod in list(match_named_modules(model, group.targets, quant.config.ignore)):
