@@ -17,6 +17,10 @@ E4M3 weights per channel, dynamic FP8 activations per token; float-quantized).
 nearest per group, no activation-aware search. The packing is ours, checked against
 compressed-tensors' `AutoAWQConverter` (tests/engine/test_quantization.py).
 
+`--scheme gptq` writes GPTQ's original layout (values packed along the input channels,
+zero points along the outputs and stored minus one, fp16 scales, `g_idx`; `--act-order`
+groups a random order of the channels), round to nearest, no Hessian.
+
 `--scheme mxfp4` puts a GPT-OSS checkpoint's experts in MXFP4 as OpenAI ships them (E2M1
 values in groups of 32 with a power-of-two scale); checked against transformers' own
 dequantization.
@@ -274,15 +278,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=Path, help="a float Hugging Face checkpoint directory")
     p.add_argument("out", type=Path)
-    p.add_argument("--scheme", choices=[*sorted(SCHEMES), "awq", "mxfp4"], default="w8a8",
+    p.add_argument("--scheme", choices=[*sorted(SCHEMES), "awq", "gptq", "mxfp4"], default="w8a8",
                    help="mxfp4: the experts of a GPT-OSS checkpoint, as OpenAI ships it")
     p.add_argument("--group-size", type=int, default=None, help="input channels per scale (default: per channel)")
     p.add_argument("--asymmetric", action="store_true", help="zero points (weight-only schemes)")
+    p.add_argument("--bits", type=int, default=4, choices=[4, 8], help="gptq: bits per weight")
+    p.add_argument("--act-order", action="store_true", help="gptq: desc_act (groups in a random channel order)")
     a = p.parse_args(argv)
     if a.scheme == "awq":
         make_awq(a.src, a.out, a.group_size or 128)
     elif a.scheme == "mxfp4":
         make_mxfp4(a.src, a.out)
+    elif a.scheme == "gptq":
+        make_gptq(a.src, a.out, a.bits, a.group_size or 128, a.act_order, not a.asymmetric)
     else:
         make_quantized(a.src, a.out, a.scheme, a.group_size, not a.asymmetric)
     print(a.out)
