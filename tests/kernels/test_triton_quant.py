@@ -23,16 +23,19 @@ def test_the_kernel_equals_the_dequantized_matmul(scheme, rows):
     torch.manual_seed(rows)
     lin = torch.nn.Linear(128, 96, bias=True)
     layer = QuantLinear.quantize(lin, scheme).to(DEVICE)
-    assert triton_quant.fits(layer)
+    assert fits(layer)
     x = torch.randn(2, rows, 128, device=DEVICE)
-    got = triton_quant.woq_matmul(x, layer)
+    got = triton_quant.woq_matmul(x, layer.qweight, layer.scale, layer.zero, layer.bias)
     ref = F.linear(x, layer.dequantized(x.dtype), layer.bias)
     assert got.shape == (2, rows, 96)
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), (got - ref).abs().max()
 
 
+def fits(layer: QuantLinear) -> bool:
+    return triton_quant.fits(layer.in_features, layer.scale.shape[1], layer.qweight.dtype == torch.uint8)
+
+
 def test_layers_the_kernel_does_not_serve_take_the_torch_path():
     lin = torch.nn.Linear(48, 16)  # 48 input channels: not a whole number of 32-channel tiles
-    assert not triton_quant.fits(QuantLinear.quantize(lin, WeightScheme(bits=8)))
-    assert not triton_quant.fits(QuantLinear.quantize(torch.nn.Linear(64, 16), WeightScheme(bits=8, act_int8=True)))
-    assert not triton_quant.fits(QuantLinear.quantize(torch.nn.Linear(64, 16), WeightScheme(bits=4, group_size=16)))
+    assert not fits(QuantLinear.quantize(lin, WeightScheme(bits=8)))
+    assert not fits(QuantLinear.quantize(torch.nn.Linear(64, 16), WeightScheme(bits=4, group_size=16)))

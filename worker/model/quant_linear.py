@@ -191,8 +191,8 @@ class QuantLinear(torch.nn.Module):
         if x.is_cuda:  # the integers dequantized inside a Triton matmul, no float weight in memory
             from worker.model.kernels import triton_quant
 
-            if triton_quant.fits(self):
-                return triton_quant.woq_matmul(x, self)
+            if triton_quant.fits(self.in_features, self.scale.shape[1], self.qweight.dtype == torch.uint8):
+                return triton_quant.woq_matmul(x, self.qweight, self.scale, self.zero, self.bias)
         return F.linear(x, self._weight(x.dtype), self.bias)
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:

@@ -17,14 +17,9 @@ it against the torch path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
-
-if TYPE_CHECKING:
-    from worker.model.quant_linear import QuantLinear
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
@@ -68,37 +63,36 @@ def _woq_matmul_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def fits(layer: QuantLinear) -> bool:
-    """Whether the kernel serves the layer: weight-only, K tiles that stay inside one group
-    (and, for int4, inside one half of K)."""
-    k = layer.in_features
-    group = k // layer.scale.shape[1]
-    int4 = layer.qweight.dtype == torch.uint8
-    return (not layer.scheme.act_int8 and group % BLOCK_K == 0 and k % BLOCK_K == 0
-            and (not int4 or (k // 2) % BLOCK_K == 0))
+def fits(in_features: int, groups: int, int4: bool) -> bool:
+    """Whether the kernel serves a layer of `in_features` inputs in `groups` groups (int4:
+    packed by `pack_int4`): K tiles that stay inside one group (and, for int4, inside one
+    half of K)."""
+    group = in_features // groups
+    return group % BLOCK_K == 0 and in_features % BLOCK_K == 0 and (not int4 or (in_features // 2) % BLOCK_K == 0)
 
 
-def woq_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-    """`layer(x)` for a weight-only `QuantLinear` (`fits(layer)`).
+def woq_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ ((q - zero) * scale).T + bias` for a weight-only layer that `fits`.
 
     Args:
-        x: `[..., in_features]` activations (bf16, fp16 or fp32).
+        x: `[..., in]` activations (bf16, fp16 or fp32).
+        qweight: int8 `[out, in]`, or uint8 `[out, in / 2]` (packed int4, `pack_int4`).
+        scale: `[out, groups]` float32; zero: int8 `[out, groups]` or None; bias: `[out]` or None.
     Returns:
-        `[..., out_features]` in x's dtype.
+        `[..., out]` in x's dtype.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     m, k = x2.shape
-    n = layer.out_features
+    n = qweight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    zero = layer.zero if layer.zero is not None else layer.scale
-    bias = layer.bias if layer.bias is not None else layer.scale
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _woq_matmul_kernel[grid](
-        x2, layer.qweight, layer.scale, zero, bias, y, m, n, k,
-        x2.stride(0), layer.qweight.stride(0), layer.scale.stride(0), y.stride(0),
-        GROUP_SIZE=k // layer.scale.shape[1], INT4=layer.qweight.dtype == torch.uint8,
-        HAS_ZERO=layer.zero is not None, HAS_BIAS=layer.bias is not None,
+        x2, qweight, scale, zero if zero is not None else scale, bias if bias is not None else scale, y, m, n, k,
+        x2.stride(0), qweight.stride(0), scale.stride(0), y.stride(0),
+        GROUP_SIZE=k // scale.shape[1], INT4=qweight.dtype == torch.uint8,
+        HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
     )
     return y.reshape(*shape[:-1], n)
