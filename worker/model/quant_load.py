@@ -62,7 +62,10 @@ _LAYER_INDEX = re.compile(r"\.\d+\.")
 
 @dataclass(frozen=True, slots=True)
 class CheckpointQuant:
-    """A checked compressed-tensors config: its parsed form, and each config group's scheme."""
+    """A checkpoint's checked quantization: `method` (compressed-tensors, AWQ, GPTQ, MXFP4),
+    its config in compressed-tensors' terms where it has one (`config`, and each config
+    group's scheme in `schemes`), the converter of another format's layers, and the raw
+    `quantization_config`."""
 
     config: object  # compressed_tensors.QuantizationConfig
     schemes: dict[str, WeightScheme | Fp8Scheme]
