@@ -19,7 +19,8 @@ compressed-tensors' `AutoAWQConverter` (tests/engine/test_quantization.py).
 
 `--scheme gptq` writes GPTQ's original layout (values packed along the input channels,
 zero points along the outputs and stored minus one, fp16 scales, `g_idx`; `--act-order`
-groups a random order of the channels), round to nearest, no Hessian.
+groups a random order of the channels), round to nearest, no Hessian. Both packings equal
+vLLM's packers (tests/vllm/test_vllm_packing.py).
 
 `--scheme mxfp4` puts a GPT-OSS checkpoint's experts in MXFP4 as OpenAI ships them (E2M1
 values in groups of 32 with a power-of-two scale); checked against transformers' own
@@ -181,7 +182,7 @@ def gptq_quantize(w: torch.Tensor, bits: int, group_size: int, desc_act: bool, s
     return q, zero, scale, g_idx
 
 
-def _pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Unsigned values -> int32 words, `32 / bits` per word along `dim` (value j at bits j*bits)."""
     import torch
 
@@ -211,8 +212,8 @@ def make_gptq(src: Path, out: Path, bits: int = 4, group_size: int = 32, desc_ac
             continue
         q, zero, scale, g_idx = gptq_quantize(m.weight, bits, group_size, desc_act, sym, seed=i)
         del tensors[f"{name}.weight"]
-        tensors[f"{name}.qweight"] = _pack_int32(q.t().contiguous(), bits, 0)
-        tensors[f"{name}.qzeros"] = _pack_int32((zero - 1) & ((1 << bits) - 1), bits, 1)
+        tensors[f"{name}.qweight"] = pack_int32(q.t().contiguous(), bits, 0)
+        tensors[f"{name}.qzeros"] = pack_int32((zero - 1) & ((1 << bits) - 1), bits, 1)
         tensors[f"{name}.scales"] = scale
         tensors[f"{name}.g_idx"] = g_idx
     out.mkdir(parents=True, exist_ok=True)
