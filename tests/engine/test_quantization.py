@@ -71,6 +71,22 @@ def generate(model: torch.nn.Module, work) -> dict[str, list[int]]:
     return refs
 
 
+def dequantized_at_load(path: Path, method: str) -> torch.nn.Module:
+    """transformers' float model of `path` whose linear layers hold the weights `method`
+    quantizes them to at load (`QuantLinear.dequantized`): the reference of weight-only
+    schemes."""
+    from worker.model.quant_load import quantize_at_load
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    quantized = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert quantize_at_load(quantized, method) > 0
+    layers = dict(quantized.named_modules())
+    for name, m in ref.named_modules():
+        if isinstance(layers.get(name), QuantLinear):
+            m.weight.data.copy_(layers[name].dequantized())
+    return ref
+
+
 def decompressed_reference(path: Path) -> torch.nn.Module:
     """transformers' float model of `path` holding the weights compressed-tensors' own
     compressor decompresses (`PackedQuantizationCompressor.decompress`)."""
@@ -180,17 +196,11 @@ def test_quantized_at_load_equals_the_reference_on_the_same_layers(method):
     path = tiny_checkpoint("qwen2")
     work = workload(3)
     got, eng = run(path, work, quantization=method)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert quantize_at_load(ref, method) == 14
     if method in ("int8", "int4"):  # weight-only: a float model with the dequantized weights
-        for name, m in list(ref.named_modules()):
-            if isinstance(m, QuantLinear):
-                lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
-                lin.weight.data.copy_(m.dequantized())
-                if m.bias is not None:
-                    lin.bias.data.copy_(m.bias)
-                parent, _, attr = name.rpartition(".")
-                setattr(ref.get_submodule(parent), attr, lin)
+        ref = dequantized_at_load(path, method)
+    else:  # the same layers, activations rounded by them
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        assert quantize_at_load(ref, method) == 14
     refs = generate(ref, work)
     if method in ("w8a8_int8", "fp8"):  # activations rounded at each layer
         assert_equal_up_to_near_ties(got, refs, ref, work, min_identical=9)
@@ -370,7 +380,6 @@ def test_lora_adds_its_delta_on_top_of_a_quantized_base(tmp_path):
     from peft import PeftModel
 
     from tools.make_lora import make_adapter
-    from worker.model.quant_load import quantize_at_load
 
     base = tiny_checkpoint("llama")
     make_adapter(base, tmp_path / "a4", 4, seed=1, targets=("q_proj", "v_proj", "down_proj"))
@@ -385,13 +394,7 @@ def test_lora_adds_its_delta_on_top_of_a_quantized_base(tmp_path):
     while eng.has_unfinished():
         for o in eng.step():
             got[o.request_id].extend(o.new_token_ids)
-    ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    q = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    quantize_at_load(q, "int8")
-    layers = dict(q.named_modules())
-    for name, m in ref.named_modules():
-        if isinstance(layers.get(name), QuantLinear):
-            m.weight.data.copy_(layers[name].dequantized())
+    ref = dequantized_at_load(base, "int8")
     merged = PeftModel.from_pretrained(ref, str(tmp_path / "a4")).merge_and_unload().eval()
     assert got == generate(merged, work)
 
@@ -402,7 +405,6 @@ def test_other_architectures_quantize_at_load_and_stay_exact(family):
     float) and windows with soft-capping (Gemma 2): int8 weight-only at load equals
     transformers' generate on the float model holding the dequantized weights."""
     from tests.conftest import arch_checkpoint
-    from worker.model.quant_load import quantize_at_load
 
     path = arch_checkpoint(family)
     work = workload(5, 6)
@@ -410,14 +412,7 @@ def test_other_architectures_quantize_at_load_and_stay_exact(family):
     model = eng.runner.model
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) > 0
     assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith("kv_b_proj"))
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    q = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    quantize_at_load(q, "int8")
-    layers = dict(q.named_modules())
-    for name, m in ref.named_modules():
-        if isinstance(layers.get(name), QuantLinear):
-            m.weight.data.copy_(layers[name].dequantized())
-    assert got == generate(ref, work)
+    assert got == generate(dequantized_at_load(path, "int8"), work)
 
 
 @pytest.mark.parametrize("method", ["int4", "int8", "w8a8_int8", "fp8"])

@@ -33,27 +33,22 @@ typedef struct {
     int64_t window;
 } Work;
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
-    int64_t d = 0;
-    for (; d + 8 <= n; d += 8) {
-        s0 += a[d] * b[d]; s1 += a[d + 1] * b[d + 1]; s2 += a[d + 2] * b[d + 2]; s3 += a[d + 3] * b[d + 3];
-        s4 += a[d + 4] * b[d + 4]; s5 += a[d + 5] * b[d + 5]; s6 += a[d + 6] * b[d + 6]; s7 += a[d + 7] * b[d + 7];
+/* a . b over n values, eight partial sums (vectorized); b of the cache's element type */
+#define DEFINE_DOT(NAME, BT) \
+    static inline float NAME(const float *a, const BT *b, int64_t n) { \
+        float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0; \
+        int64_t d = 0; \
+        for (; d + 8 <= n; d += 8) { \
+            s0 += a[d] * b[d]; s1 += a[d + 1] * b[d + 1]; s2 += a[d + 2] * b[d + 2]; s3 += a[d + 3] * b[d + 3]; \
+            s4 += a[d + 4] * b[d + 4]; s5 += a[d + 5] * b[d + 5]; s6 += a[d + 6] * b[d + 6]; \
+            s7 += a[d + 7] * b[d + 7]; \
+        } \
+        for (; d < n; d++) s0 += a[d] * b[d]; \
+        return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)); \
     }
-    for (; d < n; d++) s0 += a[d] * b[d];
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
-}
 
-static inline float dot_i8(const float *a, const int8_t *b, int64_t n) {
-    float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
-    int64_t d = 0;
-    for (; d + 8 <= n; d += 8) {
-        s0 += a[d] * b[d]; s1 += a[d + 1] * b[d + 1]; s2 += a[d + 2] * b[d + 2]; s3 += a[d + 3] * b[d + 3];
-        s4 += a[d + 4] * b[d + 4]; s5 += a[d + 5] * b[d + 5]; s6 += a[d + 6] * b[d + 6]; s7 += a[d + 7] * b[d + 7];
-    }
-    for (; d < n; d++) s0 += a[d] * b[d];
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
-}
+DEFINE_DOT(dot, float)
+DEFINE_DOT(dot_i8, int8_t)
 
 /* the scale of token p's KV head h in an int8 cache, or 1 */
 #define KSCALE(w, blk, off, h) ((w)->ks ? (w)->ks[((int64_t)(blk) * (w)->bs + (off)) * (w)->KVH + (h)] : 1.0f)
