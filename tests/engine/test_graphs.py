@@ -25,10 +25,11 @@ PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(7)]
 PARAMS = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(7)]
 
 
-def engine(path, graphs: str = "auto", async_scheduling: bool = False, max_running: int = 8) -> Engine:
+def engine(path, graphs: str = "auto", async_scheduling: bool = False, max_running: int = 8,
+           kv_cache_dtype: str = "auto") -> Engine:
     cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu", compile="off", cuda_graphs=graphs),
                        serving_tuning=ServingTuning(max_running_requests=max_running, max_total_tokens=2048,
-                                                    async_scheduling=async_scheduling))
+                                                    async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype))
     return Engine.from_pretrained(str(path), cfg)
 
 
@@ -76,10 +77,12 @@ def test_off_the_gpu_the_report_says_nothing_of_graphs(llama_path):
     assert report.describe() == "eager (model.compile is off)"
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sequential", "async"])
-def test_decode_steps_replay_padded_graphs_with_the_eager_tokens(llama_path, emulated, async_scheduling):
-    eager = ids(engine(llama_path, "off", async_scheduling))
-    eng = engine(llama_path, "auto", async_scheduling)
+@pytest.mark.parametrize("async_scheduling, kv_cache_dtype", [(False, "auto"), (True, "auto"), (False, "int8")],
+                         ids=["sequential", "async", "int8-kv"])
+def test_decode_steps_replay_padded_graphs_with_the_eager_tokens(llama_path, emulated, async_scheduling,
+                                                                 kv_cache_dtype):
+    eager = ids(engine(llama_path, "off", async_scheduling, kv_cache_dtype=kv_cache_dtype))
+    eng = engine(llama_path, "auto", async_scheduling, kv_cache_dtype=kv_cache_dtype)
     report = eng.compile_report
     assert report.cuda_graph_sizes == (1, 2, 4, 8) and report.cuda_graph_reason == "model.cuda_graphs is auto"
     assert report.describe() == "eager (model.compile is off); decode graphs emulated for batches of 1-8 (4 sizes)"

@@ -1,8 +1,8 @@
 """The KV cache in int8 (`serving_tuning.kv_cache_dtype: int8`, issue 46) on the tiny real
 models, on the CPU: log-probabilities within a stated tolerance of the fp32 cache's, greedy
 ids equal to the fp32 cache's up to near ties (first divergences reported), over chunked
-prefill, preemption, prefix hits and async steps; the same bytes hold 3.8x the tokens; the
-back ends that cannot read it refuse it at start."""
+prefill, preemption, prefix hits and async steps; the same bytes hold 3.8x the tokens; latent caches and
+the vLLM engine refuse it at start. The kernels' int8 paths: tests/kernels."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_quantize_and_gather_round_trip_within_half_a_step():
     assert ((back - k).abs() <= step * 0.5001).all()
 
 
-def test_back_ends_and_caches_that_cannot_read_it_refuse_it(monkeypatch):
+def test_settings_and_caches_that_cannot_take_it_refuse_it():
     from tests.conftest import arch_checkpoint
 
     with pytest.raises(ConfigError, match=r"serving_tuning.kv_cache_dtype must be one of \['auto', 'int8'\]"):
@@ -112,11 +112,6 @@ def test_back_ends_and_caches_that_cannot_read_it_refuse_it(monkeypatch):
     with pytest.raises(ConfigError, match="model.vllm_args: kv_cache_dtype"):
         EngineConfig(model=ModelConfig(engine="vllm", vllm_python="python"),
                      serving_tuning=ServingTuning(kv_cache_dtype="int8"))
-    with pytest.raises(ConfigError, match="needs model.attention_backend 'torch' or 'cpu' .this engine's is "
-                                          "triton_attn"):
-        Engine.from_pretrained(str(tiny_checkpoint("llama")), EngineConfig(
-            model=ModelConfig(device="cpu", attention_backend="triton"),
-            serving_tuning=ServingTuning(kv_cache_dtype="int8", max_total_tokens=1024)))
     with pytest.raises(ConfigError, match="latent .MLA. KV cache"):
         Engine.from_pretrained(str(arch_checkpoint("DeepSeek-V3")), EngineConfig(
             model=ModelConfig(device="cpu"), serving_tuning=ServingTuning(kv_cache_dtype="int8", max_total_tokens=1024)))

@@ -96,6 +96,49 @@ def test_kernels_match_reference(head_dim, block_size, group):
     torch.testing.assert_close(got, expect, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 4), (128, 32, 1)])
+def test_int8_caches_match_the_reference(head_dim, block_size, group):
+    """`kv_cache_dtype: int8`: the Triton write stores the bytes and scales the torch write
+    does (padding slots skipped), and its attention, dequantizing tile by tile, equals the
+    reference's over dequantized gathers, decodes and prefill chunks, split-K too."""
+    from worker.model.capability import KVLayout
+    from worker.model.kernels import kv_int8
+    from worker.model.runner import ModelRunner
+
+    rng = random.Random(head_dim + group)
+    torch.manual_seed(head_dim + group)
+    sched = make_batch(rng, block_size)
+
+    def int8_runner(backend):
+        return ModelRunner(None, num_blocks=NUM_BLOCKS, block_size=block_size,
+                           kv_layout=KVLayout.uniform(1, NUM_KV_HEADS, head_dim), device=torch.device(DEVICE),
+                           dtype=torch.float32, backend=backend, kv_int8=True)
+
+    ref, tri = int8_runner(torch_ref), int8_runner(triton_attn)
+    md_ref, md_tri = ref.build_metadata(sched)[2], tri.build_metadata(sched)[2]
+    n, num_heads = sched.num_scheduled_tokens, NUM_KV_HEADS * group
+    for (cache, scale), (tcache, tscale) in zip(zip(ref.kv_caches[0], ref.kv_scales[0]),
+                                                 zip(tri.kv_caches[0], tri.kv_scales[0])):
+        values, s = kv_int8.quantize(torch.randn(cache.shape[0] * block_size, NUM_KV_HEADS, head_dim))
+        for c, sc in ((cache, scale), (tcache, tscale)):  # earlier steps' context
+            c.view(-1, NUM_KV_HEADS, head_dim).copy_(values.to(c.device))
+            sc.view(-1, NUM_KV_HEADS).copy_(s.to(sc.device))
+    q = torch.randn(n, num_heads, head_dim, device=DEVICE)
+    k, v = torch.randn(n, NUM_KV_HEADS, head_dim, device=DEVICE), torch.randn(n, NUM_KV_HEADS, head_dim, device=DEVICE)
+    slots = md_tri.slot_mapping.clone()
+    slots[0] = -1  # a padding row of a decode graph: written by neither
+    kv_int8.write_kv(k, v, *ref.kv_caches[0], ref.kv_scales[0], slots.to(md_ref.slot_mapping.device))
+    triton_attn.write_kv_int8(k, v, *tri.kv_caches[0], tri.kv_scales[0], slots)
+    for a, b in zip((*ref.kv_caches[0], *ref.kv_scales[0]), (*tri.kv_caches[0], *tri.kv_scales[0])):
+        assert torch.equal(a.cpu(), b.cpu())
+    params = AttentionParams(scale=head_dim**-0.5)
+    expect = torch_ref.paged_attention(q, k, v, *ref.kv_caches[0], md_ref, params, scales=ref.kv_scales[0])
+    for splits in (None, 3):
+        got = triton_attn.paged_attention(q, k, v, *tri.kv_caches[0], md_tri, params, scales=tri.kv_scales[0],
+                                          num_splits=splits)
+        torch.testing.assert_close(got.cpu(), expect.cpu(), atol=1e-4, rtol=1e-4)
+
+
 def test_write_kv_skips_negative_slots_and_converts_dtype():
     kc = torch.zeros(4, 16, 2, 64, device=DEVICE, dtype=torch.float16)
     vc = torch.zeros_like(kc)

@@ -61,8 +61,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             with `max_total_tokens`.
         kv_cache_dtype: `auto` (the model's dtype) or `int8` (each token's key and value
             per KV head in int8 with a float32 scale: `worker/model/kernels/kv_int8.py`;
-            3.8x the tokens of an fp32 cache in the same bytes at head size 64). The torch
-            and CPU attention back ends read it; Triton and latent (MLA) caches refuse it.
+            3.8x the tokens of an fp32 cache in the same bytes at head size 64). Every
+            attention back end reads it; latent (MLA) caches refuse it.
         max_input_tokens: longest prompt accepted, in tokens. Unset: the model's
             context minus one (room for one output token). Above the context: a config
             error at start naming both numbers.

@@ -77,14 +77,13 @@ def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning, reserve_bytes: i
 
 
 def check_kv_dtype(loaded: LoadedModel, tuning: ServingTuning) -> None:
-    """Raises ConfigError: `kv_cache_dtype: int8` where nothing reads it (the Triton back
-    end; a latent, MLA, cache)."""
+    """Raises ConfigError: `kv_cache_dtype: int8` where nothing reads it (a back end without
+    `READS_INT8_KV`; a latent, MLA, cache)."""
     if tuning.kv_cache_dtype != "int8":
         return
     if not getattr(loaded.backend, "READS_INT8_KV", False):
-        raise ConfigError("serving_tuning.kv_cache_dtype 'int8' needs model.attention_backend 'torch' or 'cpu' "
-                          f"(this engine's is {loaded.backend.__name__.rsplit('.', 1)[-1]}, whose kernels read the "
-                          "model's dtype)")
+        raise ConfigError("serving_tuning.kv_cache_dtype 'int8' is not read by the attention back end "
+                          f"{loaded.backend.__name__.rsplit('.', 1)[-1]}; use 'auto'")
     if any(layer is not None and layer.value_in_key for layer in loaded.kv_layout.layers):
         raise ConfigError("serving_tuning.kv_cache_dtype 'int8' is not served for a latent (MLA) KV cache; use 'auto'")
 

@@ -232,7 +232,7 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1)
     scales = md.kv_scales[module.layer_idx] if md.kv_scales is not None else None
     if scales is not None:  # an int8 cache (serving_tuning.kv_cache_dtype)
-        kv_int8.write_kv(k, v, k_cache, v_cache, scales, md.slot_mapping)
+        getattr(md.backend, "write_kv_int8", kv_int8.write_kv)(k, v, k_cache, v_cache, scales, md.slot_mapping)
         out = md.backend.paged_attention(q, k, v, k_cache, v_cache, md, params, scales=scales)
     else:
         md.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)

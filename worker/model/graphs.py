@@ -118,7 +118,8 @@ class DecodeGraphs:
             slot_mapping=self.slots[:size], num_decodes=size, decode_groups=groups, prefills=[],
             block_tables=self.block_tables[:size], seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start[: size + 1], max_query_len=1, max_seq_len=self.max_model_len,
-            kv_caches=self.runner.kv_caches, backend=self.runner.backend, modules=self.runner.attention_modules)
+            kv_caches=self.runner.kv_caches, backend=self.runner.backend, modules=self.runner.attention_modules,
+            kv_scales=self.runner.kv_scales)
 
     def _forward(self, size: int, md: AttentionMetadata) -> torch.Tensor:
         runner = self.runner

@@ -8,10 +8,11 @@ Bytes per token and layer: `num_kv_heads x (head_dim + v_head_dim + 8)` against 
 or 2x (bf16) the values alone: 3.8x the tokens of an fp32 cache of the same bytes at head
 size 64, 1.9x of a bf16 one.
 
-Used by the torch reference and the CPU back end (`torch_ref.paged_attention(...,
-scales=...)` gathers dequantized blocks; the C decode kernel reads fp32 caches, so int8
-decodes take the reference path); the Triton back end and latent (MLA) caches refuse it at
-start (`worker.engine.engine`).
+Read by every back end: the torch reference gathers dequantized blocks
+(`torch_ref.paged_attention(..., scales=...)`), the C decode kernel reads the int8 values
+and their scales in place, the Triton kernel dequantizes each tile as it loads it and
+writes with `triton_attn.write_kv_int8` (no host sync, so decode graphs can hold it).
+Latent (MLA) caches refuse it at start (`worker.engine.engine`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,18 @@ def allocate_scales(num_blocks: int, block_size: int, num_kv_heads: int, device:
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`[tokens, heads, dim]` -> int8 values of the same shape and float32 scales
     `[tokens, heads]` (`max|x| / 127` per token and head; a row of zeros gets the smallest
-    positive scale)."""
+    positive scale), each value `floor(x / scale + 0.5)`: the rule the Triton write kernel
+    (`triton_attn.write_kv_int8`) computes too, so both back ends store the same bytes."""
     xf = x.float()
     scale = (xf.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.round(xf / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+    return torch.floor(xf / scale[..., None] + 0.5).clamp(-127, 127).to(torch.int8), scale
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """`x` `[tokens, heads, dim]` as the int8 cache holds it (quantized, dequantized),
+    float32: what a chunk with no cached context attends to, as it would read it back."""
+    q, scale = quantize(x)
+    return q.float() * scale[..., None]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -174,8 +174,12 @@ def _prefill_span(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k
     q_len = span.q_end - span.q_start
     q = query[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
     if span.ctx_block_ids is None:  # no earlier context: attend to this chunk only
-        k = key[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
-        v = value[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
+        k = key[span.q_start : span.q_end]
+        v = value[span.q_start : span.q_end]
+        if ks is not None:  # an int8 cache: the values it holds, as every other read sees them
+            k, v = kv_int8.round_trip(k).to(k.dtype), kv_int8.round_trip(v).to(v.dtype)
+        k = k.transpose(0, 1).unsqueeze(0)
+        v = v.transpose(0, 1).unsqueeze(0)
         start, ctx = 0, q_len
         allowed = None
     else:

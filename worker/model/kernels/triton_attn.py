@@ -35,6 +35,7 @@ USES_DENSE_METADATA = False  # the runner may skip the reference back end's padd
 # launches depend on tensor values only (context lengths read on the device, padding slots
 # skipped): a decode step's kernels can be captured in a CUDA graph (worker.model.graphs)
 GRAPH_SAFE = True
+READS_INT8_KV = True  # int8 caches with their scales (kv_int8.py), dequantized tile by tile
 
 
 @triton.jit
@@ -94,6 +95,46 @@ def write_kv(
 
 
 @triton.jit
+def _write_kv_int8_kernel(
+    x, cache, scale, slot_mapping, stride_xt, stride_xh, stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t)
+    if slot < 0:  # padding token: nothing to write
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, H_P2)
+    d = tl.arange(0, D_P2)[None, :]
+    mask = (h[:, None] < NUM_KV_HEADS) & (d < DIM)
+    v = tl.load(x + t * stride_xt + h[:, None] * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(v), 1) / 127.0, 1.1754943508222875e-38)  # kv_int8.quantize's rule
+    q = tl.minimum(tl.maximum(tl.floor(v / s[:, None] + 0.5), -127.0), 127.0)
+    tl.store(cache + blk * stride_cb + off * stride_cs + h[:, None] * stride_ch + d, q.to(tl.int8), mask=mask)
+    tl.store(scale + (blk * BLOCK_SIZE + off) * NUM_KV_HEADS + h, s, mask=h < NUM_KV_HEADS)
+
+
+def write_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  scales: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
+    """`kv_int8.write_kv`'s contract in one program per token and cache, without a host
+    sync (negative slots skipped on the device, as decode graphs need): each row of
+    `[num_tokens, num_kv_heads, dim]` rounded by `kv_int8.quantize`'s rule, its scale
+    beside it."""
+    num_tokens, num_kv_heads = key.shape[:2]
+    if num_tokens == 0:
+        return
+    for x, cache, scale in ((key, k_cache, scales[0]), (value, v_cache, scales[1])):
+        assert x.stride(2) == 1 and cache.stride(3) == 1 and scale.is_contiguous()
+        _write_kv_int8_kernel[(num_tokens,)](
+            x, cache, scale, slot_mapping, x.stride(0), x.stride(1), cache.stride(0), cache.stride(1),
+            cache.stride(2), NUM_KV_HEADS=num_kv_heads, DIM=x.shape[2], H_P2=triton.next_power_of_2(num_kv_heads),
+            D_P2=max(16, triton.next_power_of_2(x.shape[2])), BLOCK_SIZE=cache.shape[1],
+        )
+
+
+@triton.jit
 def _tanh(x):
     # 1 - 2 / (e^2x + 1): exact limits at both ends (e^2x overflows to inf, or underflows to 0)
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -102,7 +143,7 @@ def _tanh(x):
 @triton.jit
 def _paged_attn_kernel(
     query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-    part_acc, part_m, part_l, sinks, alibi_slopes,
+    part_acc, part_m, part_l, sinks, alibi_slopes, k_scale, v_scale,
     seq_offset, scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -111,6 +152,7 @@ def _paged_attn_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    KV_INT8: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     seq = tl.program_id(0) + seq_offset
     if NUM_SPLITS == 1:
@@ -166,6 +208,10 @@ def _paged_attn_kernel(
         blk = blk.to(tl.int64)
         kv_off = blk * stride_cb + (kv_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        if KV_INT8:  # int8 values, a float32 scale per token and KV head (kv_int8.py)
+            slot = (blk * BLOCK_SIZE + kv_pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+            ks = tl.load(k_scale + slot, mask=kv_ok, other=0.0)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N], fp32
         if HAS_ALIBI:
             s = s + slope[:, None] * kv_pos[None, :].to(tl.float32)
@@ -182,6 +228,9 @@ def _paged_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = blk * stride_vb + (kv_pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
         v = tl.load(v_cache + v_off[:, None] + dv[None, :], mask=kv_ok[:, None] & dv_ok[None, :], other=0.0)
+        if KV_INT8:
+            vs = tl.load(v_scale + slot, mask=kv_ok, other=0.0)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if NUM_SPLITS == 1:
@@ -225,7 +274,8 @@ def _reduce_splits_kernel(
 
 
 def _launch(query, k_cache, v_cache, out, md: AttentionMetadata, p: AttentionParams, first_seq: int, num_seqs: int,
-            max_q_len: int, block_q: int, block_n: int, num_splits: int = 1) -> None:
+            max_q_len: int, block_q: int, block_n: int, num_splits: int = 1,
+            scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     v_dim = v_cache.shape[3]
@@ -244,9 +294,10 @@ def _launch(query, k_cache, v_cache, out, md: AttentionMetadata, p: AttentionPar
         grid = (num_seqs, triton.cdiv(max_q_len, block_q), num_kv_heads)
     sinks = p.sinks if p.sinks is not None else out  # unused when absent
     alibi = p.alibi_slopes if p.alibi_slopes is not None else out
+    k_scale, v_scale = scales if scales is not None else (out, out)  # unused for float caches
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, out, md.block_tables, md.seq_lens, md.query_start_loc,
-        part_acc, part_m, part_l, sinks, alibi,
+        part_acc, part_m, part_l, sinks, alibi, k_scale, v_scale,
         first_seq, p.scale, p.sliding_window or 0, p.softcap or 0.0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -258,6 +309,7 @@ def _launch(query, k_cache, v_cache, out, md: AttentionMetadata, p: AttentionPar
         NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
         HAS_WINDOW=p.sliding_window is not None, HAS_SOFTCAP=p.softcap is not None,
         HAS_SINKS=p.sinks is not None, HAS_ALIBI=p.alibi_slopes is not None,
+        KV_INT8=scales is not None, NUM_KV_HEADS=num_kv_heads,
     )
     if num_splits > 1:  # decodes are the first num_seqs tokens (one per sequence)
         _reduce_splits_kernel[(num_seqs, num_heads)](
@@ -290,6 +342,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     params: AttentionParams | float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -309,6 +362,8 @@ def paged_attention(
             int32 (context after this step), `query_start_loc` `[num_seqs + 1]` int32,
             `num_decodes`, `max_query_len`, `max_seq_len`.
         params: the layer's `AttentionParams` (a float: the softmax scale alone).
+        scales: int8 caches' key and value scales `[num_blocks, block_size, num_kv_heads]`
+            float32 (`kv_int8.py`), applied as each tile is loaded; None: float caches.
 
     Returns:
         `[num_tokens, num_heads, v_head_dim]` in query's dtype (fp32 accumulation).
@@ -330,8 +385,9 @@ def paged_attention(
     if nd:  # one query token per sequence: at least 16 rows for tl.dot, mostly the group's heads
         context = min(md.max_seq_len, p.sliding_window or md.max_seq_len)
         splits = num_splits or decode_splits(nd, num_kv_heads, context)
-        _launch(query, k_cache, v_cache, out, md, p, 0, nd, 1, max(1, 16 // group_p2), block_n, splits)
+        _launch(query, k_cache, v_cache, out, md, p, 0, nd, 1, max(1, 16 // group_p2), block_n, splits, scales)
     if num_seqs > nd:
         block_q = max(1, 64 // group_p2)
-        _launch(query, k_cache, v_cache, out, md, p, nd, num_seqs - nd, md.max_query_len, block_q, block_n)
+        _launch(query, k_cache, v_cache, out, md, p, nd, num_seqs - nd, md.max_query_len, block_q, block_n,
+                scales=scales)
     return out
