@@ -12,6 +12,7 @@
      rows and fewer padded), int8 / int4 weight-only through the Triton dequantize-in-the-
      matmul kernel (`kernels/triton_quant.py`), each against the float64 arithmetic of its
      integers, and timed against the bf16 layer; and FP8-dynamic through `torch._scaled_mm`;
+  3c. the int8 KV cache in the Triton kernels (write and attention) against the reference;
   4. the engine benchmark with a random-init ~1.1B-parameter Llama in bf16: Inflight with
      Triton vs Inflight with the torch reference back end (tokens/s and ratio), and
      Triton with decode steps replayed from CUDA graphs (`model.cuda_graphs: auto`, the
@@ -85,9 +86,10 @@ def timed(fn, device: str, iters: int) -> float:
 
 
 def build(backend, seqs: list[tuple[int, int]], block_size: int, num_kv_heads: int, head_dim: int, dtype,
-          device: str, num_blocks: int | None = None, seed: int = 0):
+          device: str, num_blocks: int | None = None, seed: int = 0, kv_int8: bool = False):
     """A runner with a random cache and the metadata of a batch of (start_pos, num_new)
-    sequences over shuffled blocks (decodes must come first)."""
+    sequences over shuffled blocks (decodes must come first); `kv_int8`: an int8 cache with
+    its scales (`kv_int8.py`), filled from the same random values."""
     from schemas.params import SamplingParams
     from worker.engine.outputs import ScheduledRequest, SchedulerOutput
     from worker.model.capability import KVLayout
@@ -107,9 +109,18 @@ def build(backend, seqs: list[tuple[int, int]], block_size: int, num_kv_heads: i
         nd += n == 1 and start > 0
     out = SchedulerOutput(1, sched, sum(n for _, n in seqs), nd)
     runner = ModelRunner(None, num_blocks=num_blocks, block_size=block_size, kv_layout=KVLayout.uniform(1, num_kv_heads, head_dim),
-                         device=torch.device(device), dtype=dtype, backend=backend)
-    for c in runner.kv_caches[0]:
-        c.copy_(torch.randn(c.shape, device=device, dtype=torch.float32).to(dtype))
+                         device=torch.device(device), dtype=dtype, backend=backend, kv_int8=kv_int8)
+    gen = torch.Generator().manual_seed(seed)
+    for i, c in enumerate(runner.kv_caches[0]):
+        values = torch.randn(c.shape, generator=gen).to(device)
+        if kv_int8:
+            from worker.model.kernels import kv_int8 as kv8
+
+            q, scale = kv8.quantize(values.view(-1, *c.shape[2:]))
+            c.copy_(q.view(c.shape))
+            runner.kv_scales[0][i].copy_(scale.view(runner.kv_scales[0][i].shape))
+        else:
+            c.copy_(values.to(dtype))
     _, _, md, _, _ = runner.build_metadata(out)
     return runner, md
 
@@ -154,6 +165,40 @@ def correctness(device: str, smoke: bool) -> list[dict]:
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim,
                              "block_size": block_size, "gqa": group, "feature": feature, "max_abs_err": err,
                              "kv_write_exact": write_ok, "ok": err <= tol})
+    return rows
+
+
+def int8_kv(device: str, smoke: bool) -> list[dict]:
+    """The int8 KV cache (`kv_cache_dtype: int8`) in the Triton back end against the torch
+    reference on the same batch: the write kernel's bytes and scales equal the torch
+    write's, and the attention (dequantized tile by tile) the reference's over
+    dequantized gathers."""
+    from worker.model.kernels import kv_int8 as kv8
+    from worker.model.kernels import torch_ref, triton_attn
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    rows = []
+    for head_dim, block_size, group in ([(64, 16, 4)] if smoke else [(64, 16, 4), (128, 32, 8)]):
+        seqs = [(0 if smoke else 700, 1), (block_size - 1, 1), (0, 37), (block_size, 50 if smoke else 300)]
+        kvh = 2
+        ref_runner, md_ref = build(torch_ref, seqs, block_size, kvh, head_dim, torch.float32, device, kv_int8=True)
+        tri_runner, md_tri = build(triton_attn, seqs, block_size, kvh, head_dim, dtype, device, kv_int8=True)
+        n = md_ref.slot_mapping.shape[0]
+        q = torch.randn(n, kvh * group, head_dim, device=device).to(dtype)
+        k = torch.randn(n, kvh, head_dim, device=device).to(dtype)
+        v = torch.randn(n, kvh, head_dim, device=device).to(dtype)
+        kv8.write_kv(k.float(), v.float(), *ref_runner.kv_caches[0], ref_runner.kv_scales[0], md_ref.slot_mapping)
+        triton_attn.write_kv_int8(k, v, *tri_runner.kv_caches[0], tri_runner.kv_scales[0], md_tri.slot_mapping)
+        write_ok = all(torch.equal(a, b) for a, b in zip((*ref_runner.kv_caches[0], *ref_runner.kv_scales[0]),
+                                                          (*tri_runner.kv_caches[0], *tri_runner.kv_scales[0])))
+        expect = torch_ref.paged_attention(q.float(), k.float(), v.float(), *ref_runner.kv_caches[0], md_ref,
+                                           head_dim**-0.5, scales=ref_runner.kv_scales[0])
+        got = triton_attn.paged_attention(q, k, v, *tri_runner.kv_caches[0], md_tri, head_dim**-0.5,
+                                          scales=tri_runner.kv_scales[0])
+        err = (got.float() - expect).abs().max().item()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        rows.append({"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "block_size": block_size,
+                     "gqa": group, "max_abs_err": err, "kv_write_exact": write_ok, "ok": err <= tol and write_ok})
     return rows
 
 
@@ -387,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
              # small batch, long context: the split-K (flash-decoding) path
              "decode_attention_long_context": lambda: decode_bandwidth(device, a.smoke, peak, batch=4, ctx=16384),
              "prefill_attention": lambda: prefill_tflops(device, a.smoke),
-             "quantized_linear": lambda: quantized_linear(device, a.smoke)}
+             "quantized_linear": lambda: quantized_linear(device, a.smoke),
+             "int8_kv": lambda: int8_kv(device, a.smoke)}
     if not a.skip_engine:
         parts["engine"] = lambda: engine_bench(a, device, on_progress=lambda eng: (report.update(engine=eng), save()))
     failed = []
@@ -400,9 +446,9 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
         print(f"gpu_check: {name} {'failed' if name in failed else 'done'} in {time.time() - started:.1f} s",
               file=sys.stderr, flush=True)
-        report["all_correct"] = (not {"correctness", "quantized_linear"} & set(failed)
-                                 and all(r["ok"] for r in report.get("correctness", []))
-                                 and all(r["ok"] for r in report.get("quantized_linear", [])))
+        checked = ("correctness", "quantized_linear", "int8_kv")
+        report["all_correct"] = (not set(checked) & set(failed)
+                                 and all(r["ok"] for part in checked for r in report.get(part, [])))
         save()
     failed += [k for k, v in report.get("engine", {}).items() if isinstance(v, dict) and "error" in v]
     report["failed"] = failed

@@ -41,6 +41,7 @@ def test_gpu_check_smoke(tmp_path, llama_path):
     assert all(r["kv_write_exact"] for r in report["correctness"])
     quant = report["quantized_linear"]
     assert {r["scheme"] for r in quant} == {"w8a8_int8", "int8", "int4", "fp8_dynamic"} and all(r["ok"] for r in quant)
+    assert report["int8_kv"] and all(r["ok"] and r["kv_write_exact"] for r in report["int8_kv"])
     assert report["decode_attention"]["gb_per_s"] > 0
     assert report["decode_attention_long_context"]["splits"] > 1  # the split-K path ran
     assert report["prefill_attention"][0]["tflops"] > 0
