@@ -377,3 +377,72 @@ def test_a_loop_stops_although_a_call_in_it_swallowed_its_cancellation():
         return task in done and task.cancelled(), len(rounds)
 
     assert asyncio.run(main(True)) == (True, 1)
+
+
+class SwallowingClient:
+    """A client whose every call swallows the caller's cancellation (as aiokafka's offset
+    lookup did) and replies; the calls after that wait 10 s, as a dead connection would."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.awaited = asyncio.Event()
+
+    async def _call(self, *args, **kwargs):
+        self.calls += 1
+        self.awaited.set()
+        try:  # noqa: SIM105 (spelled out: what such a library does)
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass
+        return True
+
+    ping = ping_kafka = _call
+    subscribed = True
+
+    async def get_message(self, timeout: float):
+        await self._call()
+        return None  # nothing arrived
+
+    @property
+    def redis(self):
+        return self
+
+
+def cancel_and_see_it_end(task: asyncio.Task, client: SwallowingClient):
+    async def run() -> bool:
+        waiting = asyncio.ensure_future(client.awaited.wait())
+        await asyncio.wait({waiting, task}, timeout=2, return_when=asyncio.FIRST_COMPLETED)
+        assert client.awaited.is_set(), task  # the loop reached the client (else it failed first)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2)
+        return bool(done) and task.cancelled()
+
+    return run()
+
+
+def test_the_gateways_background_loops_stop_although_a_client_swallowed_the_cancel(monkeypatch, tmp_path):
+    """The kind of the worker's readiness checks running 12 s past a drain, in the gateway and
+    the client: the readiness loop and the pub/sub reader each end at the top of their next
+    round (`honour_cancellation`) when an awaited call swallowed their cancellation."""
+    from tests.integration.gateway_helpers import gateway_config
+    from worker.client.subscriber import SharedSubscriber
+    from worker.gateway import app
+    from worker.gateway.files import FileStore
+
+    monkeypatch.setattr(app, "CHECK_INTERVAL_S", 0.0)
+
+    async def gateway_loop() -> bool:
+        client = SwallowingClient()
+        gw = app.Gateway(gateway_config(("127.0.0.1:1", "redis://127.0.0.1:1/0"), "p", tmp_path))
+        gw.client = client
+        gw.files = FileStore(str(tmp_path))
+        return await cancel_and_see_it_end(asyncio.ensure_future(gw._check_loop()), client)
+
+    async def subscriber_loop() -> bool:
+        client = SwallowingClient()
+        sub = SharedSubscriber(redis=None)
+        sub._pubsub = client
+        return await cancel_and_see_it_end(asyncio.ensure_future(sub._read()), client)
+
+    assert asyncio.run(gateway_loop())
+    assert asyncio.run(subscriber_loop())

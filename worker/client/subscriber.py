@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
 
 from worker.obs.errors import suppressed
+from worker.obs.stopping import honour_cancellation
 from worker.security.redis import REDIS_DOWN
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class SharedSubscriber:
     async def _read(self) -> None:
         delay = 0.05
         while not self._closed:
+            honour_cancellation()  # a read whose client swallowed the close's cancel ends here
             try:
                 if not self._pubsub.subscribed:
                     self._has_channels.clear()

@@ -40,7 +40,7 @@ from worker.gateway.render import TokenText
 from worker.gateway.tokenize import TokenizeHandlers
 from worker.gateway.tracing import tracing_middleware
 from worker.obs.metrics import exposition
-from worker.obs.stopping import start_unless_stopped, stop_within
+from worker.obs.stopping import honour_cancellation, start_unless_stopped, stop_within
 from worker.obs.tracing import setup_tracing
 
 log = structlog.get_logger(__name__)
@@ -290,10 +290,11 @@ class Gateway:
 
     # ---- readiness -------------------------------------------------------------------------------
     async def _check(self) -> None:
-        async def probe(name: str, coro) -> None:
+        async def probe(name: str, call) -> None:
             try:
+                honour_cancellation()  # the previous check's client swallowed a stop's cancel
                 async with asyncio.timeout(CHECK_TIMEOUT_S):
-                    await coro
+                    await call()
                 self._checks[name] = None
             except Exception as e:
                 cause = repr(e)[:200] or type(e).__name__
@@ -301,9 +302,9 @@ class Gateway:
                     log.warning("readiness check failed", service=name, cause=cause)
                 self._checks[name] = cause
 
-        await probe("redis", self.client.redis.ping())
-        await probe("kafka", self.client.ping_kafka())
-        await probe("files", asyncio.to_thread(self._files_writable))
+        await probe("redis", self.client.redis.ping)
+        await probe("kafka", self.client.ping_kafka)
+        await probe("files", lambda: asyncio.to_thread(self._files_writable))
 
     def _files_writable(self) -> None:
         if not os.access(self.files.root, os.W_OK):
@@ -311,5 +312,6 @@ class Gateway:
 
     async def _check_loop(self) -> None:
         while True:
+            honour_cancellation()  # a check whose client swallowed the stop's cancel ends here
             await asyncio.sleep(CHECK_INTERVAL_S)
             await self._check()

@@ -44,7 +44,7 @@ from worker.gateway.batch.state import BatchStore, Manifest
 from worker.gateway.context import GatewayContext
 from worker.gateway.files import FileStore
 from worker.gateway.protocol import ENDPOINT_KINDS
-from worker.obs.stopping import stop_within
+from worker.obs.stopping import honour_cancellation, stop_within
 from worker.security.kafka import kafka_security_kwargs, stop_client
 
 log = structlog.get_logger(__name__)
@@ -105,6 +105,7 @@ class BatchDriver:
 
     async def _renew_loop(self) -> None:
         while True:
+            honour_cancellation()  # a renewal whose client swallowed the stop's cancel ends here
             await asyncio.sleep(self.store.lease_ms / 3000)
             try:
                 if not await self.store.renew_lease(self.batch_id, self.token):
@@ -213,6 +214,7 @@ class BatchDriver:
         c = self._consumer
         ends = await c.end_offsets(list(c.assignment())) if catch_up else None
         while True:
+            honour_cancellation()
             got = await c.getmany(timeout_ms=200 if catch_up else timeout_ms, max_records=5000)
             for recs in got.values():
                 for rec in recs:

@@ -22,7 +22,7 @@ from worker.gateway.context import GatewayContext
 from worker.gateway.errors import ApiError, bad_request
 from worker.gateway.files import FileStore
 from worker.gateway.protocol import ENDPOINT_KINDS
-from worker.obs.stopping import stop_within
+from worker.obs.stopping import honour_cancellation, stop_within
 
 log = structlog.get_logger(__name__)
 
@@ -168,6 +168,7 @@ class BatchManager:
     async def run(self) -> None:
         """Scan every `gateway.batch_scan_interval_s` until cancelled."""
         while True:
+            honour_cancellation()  # a scan whose client swallowed the stop's cancel ends here
             await self.scan()
             await asyncio.sleep(self.ctx.cfg.batch_scan_interval_s)
 
