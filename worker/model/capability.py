@@ -156,6 +156,19 @@ def check_modules(model: torch.nn.Module, model_type: str) -> None:
             raise UnsupportedModel(model_type, "cross-attention layers", f"module {name}")
 
 
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def decoder_projections(model: torch.nn.Module, kinds: tuple[type, ...]) -> dict[str, torch.nn.Module]:
+    """The projections of the decoder layers that take per-projection treatment (LoRA
+    deltas, quantization): modules of exactly one of `kinds` whose name has a layer index,
+    not MoE experts (they see a subset of the tokens, not the packed batch) and not the
+    output embedding. name -> module, in `named_modules` order."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {name: m for name, m in model.named_modules()
+            if type(m) in kinds and m is not head and "expert" not in name and _LAYER_INDEX.search(f".{name}.")}
+
+
 _RECURRENT_WHY = ("they carry per-request recurrent state, which the engine does not keep beside the paged KV "
                  "cache (docs/models.md lists the families refused for it)")
 

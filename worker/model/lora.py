@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine.adapters import WEIGHTS_FILE, AdapterSpec
+from worker.model.capability import decoder_projections
 from worker.model.quant_linear import Fp8Linear, QuantLinear
 
 _STEP: contextvars.ContextVar[LoRAStep | None] = contextvars.ContextVar("inflight_lora_step", default=None)
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
-_LAYER_INDEX = re.compile(r"\.\d+\.")
 
 
 def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -40,10 +40,7 @@ def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     delta is added in the activation dtype on top of the quantized base) inside the
     decoder layers (a name with a layer index), not MoE experts (they see a subset of the
     tokens, not the packed batch) and not the output embedding. name -> module."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {name: m for name, m in model.named_modules()
-            if type(m) in (torch.nn.Linear, QuantLinear, Fp8Linear) and m is not head and _LAYER_INDEX.search(f".{name}.")
-            and "expert" not in name}
+    return decoder_projections(model, (torch.nn.Linear, QuantLinear, Fp8Linear))
 
 
 @dataclass(slots=True)

@@ -26,16 +26,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import re
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from worker.model import gptq
-from worker.model.capability import UnsupportedModel
+from worker.model.capability import UnsupportedModel, decoder_projections
 from worker.model.quant_linear import Fp8Linear, QuantLinear, WeightScheme
 
 
@@ -57,7 +55,6 @@ AT_LOAD: dict[str, WeightScheme | Fp8Scheme | None] = {
 }
 _FORMATS = ("int-quantized", "pack-quantized", "naive-quantized", "float-quantized")
 _FIELD = "config.quantization_config"
-_LAYER_INDEX = re.compile(r"\.\d+\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +205,10 @@ def _fp8_scheme(w, a, refuse) -> Fp8Scheme:
 
 
 def install_checkpoint(model: torch.nn.Module, path: Path, quant: CheckpointQuant) -> int:
-    """Replace each layer `quant`'s groups target with a `QuantLinear` holding the
-    checkpoint's integer weights (read from `path`'s safetensors files). Returns the number
-    of layers replaced.
+    """Replace each layer the checkpoint quantized (`quant`'s config groups' targets; for
+    GPTQ, every linear layer with a `qweight`) with a `QuantLinear` or `Fp8Linear` holding
+    its values (read from `path`'s safetensors files). Returns the number of layers
+    replaced.
 
     Raises:
         UnsupportedModel: a targeted module is not a linear layer, or its tensors are missing.
@@ -339,7 +337,10 @@ def quantize_at_load(model: torch.nn.Module, method: str) -> int:
     if scheme is None:
         return 0
     replaced = 0
-    for name, mod in list(_decoder_linears(model)):
+    layers = decoder_projections(model, (torch.nn.Linear,))
+    for name, mod in layers.items():
+        if name.endswith("kv_b_proj"):
+            continue
         if isinstance(scheme, Fp8Scheme):
             layer = Fp8Linear.quantize(mod, scheme.act)
         else:
@@ -350,14 +351,6 @@ def quantize_at_load(model: torch.nn.Module, method: str) -> int:
         _replace(model, name, layer)
         replaced += 1
     return replaced
-
-
-def _decoder_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Linear]]:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for name, m in model.named_modules():
-        if (type(m) is torch.nn.Linear and m is not head and "expert" not in name
-                and not name.endswith("kv_b_proj") and _LAYER_INDEX.search(f".{name}.")):
-            yield name, m
 
 
 def describe_layers(model: torch.nn.Module) -> list[str]:
