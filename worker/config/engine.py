@@ -281,14 +281,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             forward's at start-up are dropped with one log line saying why.
         quantization: quantize a float checkpoint's decoder linear layers while loading it
             (`worker.model.quant_load`): `none`; `w8a8_int8` (int8 weights per output
-            channel, activations quantized to int8 per token at each step: the CPU's
-            fast path, a decode step 1.3x (1 request) to 1.85x (32) the fp32 one on the
-            benchmark box); `int8` / `int4`
-            (weight-only, int4 in groups of 128: 4x / 8x less weight memory than fp32,
-            slower than float on the CPU); `fp8` (E4M3 weights per output channel,
-            activations rounded to FP8 per token: `torch._scaled_mm` on CUDA; on the CPU,
-            where FP8 is emulated, the weights are dequantized again, so only the
-            rounding remains). A checkpoint that is already quantized (compressed-tensors,
+            channel, activations quantized to int8 per token at each step: a decode step
+            1.3x (1 request) to 1.85x (32) the fp32 one on the benchmark box, the fastest
+            at large batches); `int8` / `int4` (weight-only, int4 in groups of 128: 4x /
+            8x less weight memory than fp32; through a C kernel on the CPU, a decode step
+            1.96x / 2.47x the fp32 one at 1 request, 1.1x at 32); `fp8` (E4M3 weights
+            per output channel, activations rounded to FP8 per token: `torch._scaled_mm`
+            on CUDA; on the CPU, where FP8 is emulated, the weights are dequantized again,
+            so only the rounding remains). A checkpoint that is already quantized (compressed-tensors,
             GPTQ, AWQ, MXFP4) is served as it is and needs `none`. docs/models.md.
         engine: the engine core behind the worker: `inflight` (this project's) or `vllm`
             (vLLM's V1 `EngineCore` in vLLM's own interpreter, `worker.engine.vllm_core`;

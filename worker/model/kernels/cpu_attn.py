@@ -13,32 +13,25 @@ has at most `MAX_THREADS` intra-op threads; layers with soft-capping, sinks or A
 caches neither fp32 nor int8 (`kv_int8.py`, read with their scales) and prefill chunks take
 the reference path.
 
-The kernel is compiled at first use with the machine's C compiler (`$CC`, else `cc`;
-`-O3 -march=native`, ~0.2 s) into `$XDG_CACHE_HOME/inflight/kernels` (default
-`~/.cache/inflight/kernels`), named by a hash of the source, the compiler and the CPU's
-flags, and loaded with ctypes (the call releases the GIL). `available()` says whether it
-could be built; `get_backend("auto", "cpu")` uses this back end then and the reference
-otherwise (the reason is logged once).
+The kernel is compiled at first use by `cbuild` (the machine's C compiler, `-O3
+-march=native`, cached by a hash of the source, compiler and CPU) and loaded with ctypes
+(the call releases the GIL). `available()` says whether it could be built;
+`get_backend("auto", "cpu")` uses this back end then and the reference otherwise (the
+reason is logged once).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from worker.model.kernels import torch_ref
+from worker.model.kernels import cbuild, torch_ref
 from worker.model.kernels.params import AttentionParams
 
 if TYPE_CHECKING:
@@ -49,7 +42,6 @@ log = logging.getLogger(__name__)
 READS_INT8_KV = True  # int8 caches with their scales (kv_int8.py): decodes in the kernel too
 USES_DENSE_METADATA = True  # layers that fall back to the reference read its decode groups
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 # The kernel runs on one thread: used while torch has at most this many intra-op threads
 # (the engine's thread budget), where it was measured faster than the reference's
 # multi-threaded gather and SDPA; with more, the reference.
@@ -58,43 +50,12 @@ MAX_THREADS = 2
 write_kv = torch_ref.write_kv
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inflight" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel library, or why it could not be built (a string)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return "no C compiler (cc / gcc, or $CC) on PATH"
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(CFLAGS), _cpu_flags(),
-                                        platform.machine()]).encode()).hexdigest()[:16]
-        target = cache_dir() / f"cpu_decode-{key}.so"
-        if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                proc = subprocess.run([cc, *CFLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
-                                      text=True, timeout=120)
-                if proc.returncode != 0:
-                    return f"{cc} failed: {(proc.stderr or proc.stdout).strip()[:500]}"
-                os.replace(built, target)  # atomic: engines building at once never load half a file
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"{type(e).__name__}: {e}"
+    lib = cbuild.build(SOURCE)
+    if isinstance(lib, str):
+        return lib
     fn = lib.inflight_paged_decode
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 6 + [i64] * 13 + [ctypes.c_float, i64]

@@ -1,0 +1,148 @@
+"""Weight-only quantized matmul on the CPU (W8A16, W4A16): a C kernel (`cpu_woq.c`) that
+reads `QuantLinear`'s integers as stored and widens them in registers, so a decode step
+reads 1 (int8) or 0.5 (int4) bytes per weight instead of 4, and no float weight is ever
+written. Exposed to `torch.compile` as the custom op `inflight::woq_linear`, which a
+compiled forward keeps as one opaque call.
+
+Why: dequantizing the weight per call (the torch path) writes and re-reads a float copy of
+it, slower than the float model itself (0.8-0.9x its decode step compiled, 0.27x eager).
+Measured on the 2-core AVX-512 box, 8 distinct projections of each of the benchmark model's
+shapes (1024x1024, 3072x1024, 1024x3072), two threads, against fp32 `F.linear`: int8 per
+channel 2.8x (1 row), 3.3x (4), 1.8x (16), 1.3x (32); int4 in groups of 128 2.8x, 3.0x,
+1.4x, 1.06x; the whole decode step of the ~160M-parameter model 1.96x (int8) and 2.47x
+(int4) the fp32 one at 1 request (docs/benchmarks.md). Decode batches of up to 4 rows (and
+per-channel int8 up to 32) widen the integers straight into registers, prefetching each
+weight row 8 KiB ahead into L2; other batches of up to `MAX_ROWS` dequantize 4 output
+channels at a time into a per-thread buffer the rows then share; larger ones (prefill
+chunks) dequantize the weight in the kernel and multiply with torch's GEMM.
+
+Threads: OpenMP over blocks of output channels, in the process's OpenMP runtime (the
+libgomp torch loaded), as many as `torch.get_num_threads()` at each call. The library is
+built by `cbuild`; without a compiler `woq_linear` dequantizes with torch instead (logged
+once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from worker.model.kernels import cbuild
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_woq.c")
+# Batches of more rows (prefill chunks) dequantize the weight in the kernel and multiply it
+# with torch's GEMM: the kernel's own tiles do not block rows for the caches, and at 256 rows
+# of a 3072 x 1024 layer were 1.1-1.6x slower than fp32, at 1024 rows 3x; at 64 they were
+# even with it (int8) or faster (int4).
+MAX_ROWS = 64
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded kernel library, or why it could not be built (a string; logged once)."""
+    lib = cbuild.build(SOURCE, ("-fopenmp",))
+    if isinstance(lib, str):
+        log.warning("CPU weight-only matmul kernel is unavailable (%s); quantized layers dequantize per call", lib)
+        return lib
+    fn = lib.inflight_woq_linear
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr] * 6 + [i64] * 6
+    fn.restype = ctypes.c_int
+    deq = lib.inflight_woq_dequantize
+    deq.argtypes = [ptr] * 4 + [i64] * 5
+    deq.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call)."""
+    return not isinstance(_library(), str)
+
+
+def fits(in_features: int, groups: int, packed: bool) -> bool:
+    """Whether the kernel takes a layer: groups dividing the input channels, and for packed
+    int4 (`pack_int4`) an even width with groups that do not straddle its two halves."""
+    if groups < 1 or in_features % groups:
+        return False
+    if not packed:
+        return True
+    return in_features % 2 == 0 and (groups == 1 or (groups % 2 == 0 and (in_features // 2) % (in_features // groups) == 0))
+
+
+def dequantize_reference(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                         in_features: int) -> torch.Tensor:
+    """`[out, in]` float32 weight `(q - zero) * scale` of the kernel's operands (the torch
+    path, and the tests' reference)."""
+    from worker.model.quant_linear import _dequantize, unpack_int4
+
+    q = unpack_int4(qweight) if qweight.dtype == torch.uint8 else qweight
+    if q.shape[1] != in_features:
+        raise ValueError(f"weight of {q.shape[1]} input channels for a layer of {in_features}")
+    return _dequantize(q, scale, zero, torch.float32)
+
+
+@torch.library.custom_op("inflight::woq_linear", mutates_args=())
+def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               bias: torch.Tensor | None, in_features: int) -> torch.Tensor:
+    """`x @ W.T + bias` for the integer weight `W = (q - zero) * scale`, on the CPU.
+
+    Args:
+        x: `[rows, in_features]` (any float dtype; computed in float32).
+        qweight: int8 `[out, in_features]`, or uint8 `[out, in_features / 2]` (`pack_int4`).
+        scale: `[out, groups]` float32 (groups of `in_features / groups` input channels).
+        zero: `[out, groups]` int8 zero points, or None (symmetric).
+        bias: `[out]` or None.
+        in_features: the layer's input width (what a packed weight's shape halves).
+
+    Returns:
+        `[rows, out]` in `x`'s dtype.
+
+    Raises:
+        ValueError: the operands' shapes disagree, or the kernel does not take them (`fits`).
+    """
+    out_features, groups = scale.shape
+    packed = qweight.dtype == torch.uint8
+    if x.shape[-1] != in_features or qweight.shape[0] != out_features or (
+            qweight.shape[1] != (in_features // 2 if packed else in_features)):
+        raise ValueError(f"woq_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scale "
+                         f"{tuple(scale.shape)} for {in_features} input channels")
+    if not fits(in_features, groups, packed):
+        raise ValueError(f"woq_linear: {groups} groups over {in_features} input channels "
+                         f"({'packed int4' if packed else 'int8'}) are not taken by the kernel")
+    lib = _library()
+    xf = x.float().contiguous()
+    if isinstance(lib, str):  # no compiler: the torch path
+        w = dequantize_reference(qweight, scale, zero, in_features)
+        return F.linear(xf, w, None if bias is None else bias.float()).to(x.dtype)
+    # every operand bound to a name: a temporary's memory would be freed before the call
+    q, s = qweight.contiguous(), scale.contiguous()
+    z = None if zero is None else zero.contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    zp = None if z is None else z.data_ptr()
+    threads = torch.get_num_threads()  # OpenMP's own count is per calling thread: the engine's may not be torch's
+    if xf.shape[0] > MAX_ROWS:
+        w = torch.empty(out_features, in_features, dtype=torch.float32)
+        status = lib.inflight_woq_dequantize(q.data_ptr(), s.data_ptr(), zp, w.data_ptr(), in_features, out_features,
+                                             groups, 4 if packed else 8, threads)
+        if status == 0:
+            return F.linear(xf, w, b).to(x.dtype)
+    else:
+        y = torch.empty(xf.shape[0], out_features, dtype=torch.float32)
+        status = lib.inflight_woq_linear(xf.data_ptr(), q.data_ptr(), s.data_ptr(), zp,
+                                         None if b is None else b.data_ptr(), y.data_ptr(), xf.shape[0], in_features,
+                                         out_features, groups, 4 if packed else 8, threads)
+    if status != 0:
+        raise RuntimeError(f"inflight_woq_linear returned {status} (1: operands refused, 2: out of memory)")
+    return y.to(x.dtype)
+
+
+@woq_linear.register_fake
+def _(x, qweight, scale, zero, bias, in_features):
+    return x.new_empty(x.shape[0], scale.shape[0])
