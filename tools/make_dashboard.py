@@ -59,6 +59,8 @@ ROWS = [
         ("Long-prompt prefill (tiering)", "short", [
             q("sum(rate(long_prefill_tokens_total[$__rate_interval]))", "long prefill tokens/s"),
             q("sum(rate(long_prefill_capped_total[$__rate_interval]))", "chunks capped/s")]),
+        ("Live workers by pool (the gateways' count; at 0 they answer 503)", "short", [
+            q("max by (pool) (gateway_live_workers)", "{{pool}}")]),
     ]),
     ("Tenants (top N by tokens served, the rest as `other`)", [
         ("Tokens served per tenant", "short", [q("sum by (tenant) (rate(tenant_tokens_total[$__rate_interval]))",

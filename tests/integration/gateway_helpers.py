@@ -28,7 +28,8 @@ def gateway_config(services, prefix: str, files_dir, *, tokenizer=None, redis_ur
              api_keys=keys, files_dir=str(files_dir), batch_scan_interval_s=1.0, batch_lease_ms=3000)
     g.update(over)
     return GatewayFileConfig(gateway=GatewayConfig(**g),
-                             kafka=KafkaConfig(bootstrap_servers=services[0], topic_prefix=prefix),
+                             kafka=KafkaConfig(bootstrap_servers=services[0], topic_prefix=prefix,
+                                               group_id=f"{prefix}-workers"),  # the workers' (conftest)
                              redis=RedisConfig(url=redis_url or services[1], key_prefix=prefix))
 
 

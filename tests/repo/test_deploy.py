@@ -44,7 +44,12 @@ def metric_names_in(expr: str) -> set[str]:
 
 
 def exported() -> set[str]:
-    return Metrics(gpu=True).names()
+    """Every series the workers and the gateway export."""
+    from worker.gateway.metrics import GatewayMetrics
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    gateway = {f.name + s for f in GatewayMetrics().registry.collect() for s in suffixes.get(f.type, ("",))}
+    return Metrics(gpu=True).names() | gateway
 
 
 def alert_rules() -> list[dict]:

@@ -104,7 +104,8 @@ def test_acl_recipe():
     grants = {(r.principal, op, n) for r in rows for op in r.operations for n in r.names}
     assert ("User:w", "Read", "inflight.jobs.high") in grants and ("User:w", "Write", "inflight.results") in grants
     assert ("User:p", "Read", "inflight.jobs.high") not in grants and ("User:p", "Write", "inflight.cancel") in grants
-    assert ("User:w", "Read", "g") in grants and not any(p == "User:p" and n == "g" for p, _, n in grants)
+    assert ("User:w", "Read", "g") in grants and ("User:p", "Read", "g") not in grants
+    assert ("User:p", "Describe", "g") in grants  # the gateway counts live workers; it never joins
     assert not any(p == "User:w" and op == "Write" and "jobs" in n for p, op, n in grants)  # one pool: no forwards
 
 
@@ -118,6 +119,7 @@ def test_with_pools_workers_read_and_write_every_pools_job_topics():
         assert {("User:w", "Read", topic), ("User:w", "Write", topic), ("User:p", "Write", topic)} <= grants
         assert ("User:p", "Read", topic) not in grants
     assert {("User:w", "Read", "g"), ("User:w", "Read", "g.long")} <= grants
+    assert {("User:p", "Describe", "g"), ("User:p", "Describe", "g.long")} <= grants
 
 
 def test_refusals_are_explained_with_their_setting_and_exit_code():

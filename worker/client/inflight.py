@@ -39,6 +39,7 @@ from schemas.codec import decode_event, decode_job, encode
 from schemas.params import SamplingParams
 from schemas.pools import Pool, Pools
 from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, check_tenant
+from worker.client import fleet
 from worker.client.routing import load_tokenizer, pool_for
 from worker.client.stream import JobStream
 from worker.client.subscriber import SharedSubscriber
@@ -115,6 +116,7 @@ class InflightClient:
         self.subscriber = SharedSubscriber(self.redis)
         self._producer: AIOKafkaProducer | None = None
         self._results_consumer: AIOKafkaConsumer | None = None
+        self._admin: Any = None  # AIOKafkaAdminClient, for live_workers
         self._results_lock = asyncio.Lock()
         self._lookups: list[tuple[set[str], asyncio.Future]] = []
         self._spans = ProducerSpans(tracing, tracer_provider)
@@ -162,6 +164,9 @@ class InflightClient:
         if self._results_consumer is not None:
             await stop_client(self._results_consumer, "results", timeout_s=10)
             self._results_consumer = None
+        if self._admin is not None:
+            await stop_within("client: Kafka admin client", self._admin.close(), 10)
+            self._admin = None
         await stop_within("client: pub/sub reader", self.subscriber.close(), 5)
         await stop_within("client: Redis connections", self.redis.aclose(), 5)
 
@@ -210,16 +215,22 @@ class InflightClient:
         await self.submit_job(job, priority)
         return job.job_id
 
-    async def submit_job(self, job: Job, priority: str = "normal") -> None:
-        """Produce an already built job.
+    async def submit_job(self, job: Job, priority: str = "normal", *, pool: str | None = None) -> None:
+        """Produce an already built job. `pool`: where it routes, when the caller already
+        asked `pool_of` (None: routed here).
 
         Raises:
             AccessError: the principal may not write the job topic (or cannot connect).
         """
-        pool = pool_for(self.pools, job, self.tokenizer)
+        pool = pool or self.pool_of(job)
         await self._send(keys.job_topic(self.topic_prefix, priority, pool), encode(job), job.job_id.encode(), {
             "inflight.job_id": job.job_id, "inflight.priority": priority, **({"inflight.tenant": job.tenant}
                                                                             if job.tenant else {})})
+
+    def pool_of(self, job: Job) -> str:
+        """The pool `job` routes to (`worker.client.routing.pool_for`: by its prompt's
+        tokens when pools route and a tokenizer is loaded, else the default pool)."""
+        return pool_for(self.pools, job, self.tokenizer)
 
     async def partitions_for(self, topic: str) -> set[int]:
         """The partition ids of `topic` (fetching its metadata; empty if it does not exist).
@@ -237,6 +248,29 @@ class InflightClient:
         """
         producer = await self._kafka()
         await producer.client.fetch_all_metadata()
+
+    async def live_workers(self, group_id: str | None = None) -> dict[str, int]:
+        """Live workers per pool: members of each pool's consumer group subscribed to its
+        job topics (`worker.client.fleet`). `group_id`: `kafka.group_id` (None: this
+        client's Kafka config's).
+
+        Raises:
+            KafkaError: the cluster did not answer; GroupAuthorizationFailedError: the
+                principal may not describe a pool's group.
+        """
+        if self._admin is None:
+            from aiokafka.admin import AIOKafkaAdminClient
+
+            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, client_id="inflight-fleet",
+                                        **self._kafka_security)
+            try:
+                await admin.start()
+            except BaseException:
+                await stop_within("client: Kafka admin client", admin.close(), 10)
+                raise
+            self._admin = admin
+        groups = fleet.pool_groups(self.pools, group_id or self.kafka_config.group_id, self.topic_prefix)
+        return await fleet.live_workers(self._admin, groups)
 
     async def cancel(self, job_id: str, reason: str | None = None) -> None:
         """Cancel a job wherever it is. Also sets the tombstone directly when this Redis

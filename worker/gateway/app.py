@@ -21,6 +21,7 @@ import time
 
 import structlog
 from aiohttp import web
+from aiokafka.errors import KafkaError
 
 from schemas import keys
 from worker.client import InflightClient
@@ -35,6 +36,7 @@ from worker.gateway.context import CLIENT_GONE, AdapterNames, GatewayContext, er
 from worker.gateway.errors import ApiError
 from worker.gateway.files import FileStore
 from worker.gateway.generation import CancelSender
+from worker.gateway.liveness import FleetLiveness, NoLiveWorker
 from worker.gateway.metrics import GatewayMetrics
 from worker.gateway.render import TokenText
 from worker.gateway.tokenize import TokenizeHandlers
@@ -42,6 +44,7 @@ from worker.gateway.tracing import tracing_middleware
 from worker.obs.metrics import exposition
 from worker.obs.stopping import honour_cancellation, start_unless_stopped, stop_within
 from worker.obs.tracing import setup_tracing
+from worker.security.access import AccessError
 
 log = structlog.get_logger(__name__)
 
@@ -77,7 +80,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.port = cfg.gateway.port
         self._checks: dict[str, str | None] = {"kafka": "not checked yet", "redis": "not checked yet",
-                                               "files": "not checked yet"}
+                                               "files": "not checked yet", "workers": "not checked yet"}
+        self._liveness_unknown_logged = False
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
         self.started = asyncio.Event()
@@ -110,7 +114,8 @@ class Gateway:
         await self._check_topics()
         ctx = GatewayContext(cfg=g, client=self.client, keys=keyring, metrics=self.metrics,
                              cancels=CancelSender(self.client, lambda r: self.metrics.cancels.labels(r).inc()),
-                             tokens=tokens, adapters=AdapterNames(g.adapters, g.lora_dir))
+                             tokens=tokens, adapters=AdapterNames(g.adapters, g.lora_dir),
+                             fleet=FleetLiveness(g.model_name, g.no_worker_grace_s))
         self.ctx = ctx
         self.files = files
         store = BatchStore(self.client.redis, files, self.cfg.redis.key_prefix, self.gateway_id, g.batch_lease_ms,
@@ -278,7 +283,7 @@ class Gateway:
     async def _readyz(self, request: web.Request) -> web.Response:
         ready = self._ready
         body = {"status": "ready" if ready else "unready", "checks": {k: v is None for k, v in self._checks.items()},
-                "batches_driven": len(self.batches.driving)}
+                "batches_driven": len(self.batches.driving), "live_workers": self.ctx.fleet.counts}
         errors = {k: v for k, v in self._checks.items() if v}
         if errors:
             body["errors"] = errors
@@ -297,7 +302,7 @@ class Gateway:
                     await call()
                 self._checks[name] = None
             except Exception as e:
-                cause = repr(e)[:200] or type(e).__name__
+                cause = str(e) if isinstance(e, NoLiveWorker) else repr(e)[:200] or type(e).__name__
                 if self._checks.get(name) != cause:
                     log.warning("readiness check failed", service=name, cause=cause)
                 self._checks[name] = cause
@@ -305,6 +310,31 @@ class Gateway:
         await probe("redis", self.client.redis.ping)
         await probe("kafka", self.client.ping_kafka)
         await probe("files", lambda: asyncio.to_thread(self._files_writable))
+        await probe("workers", self._live_workers)
+
+    async def _live_workers(self) -> None:
+        """Count each pool's live workers (`worker.gateway.liveness`). Raises
+        NoLiveWorker when the default pool has had none for the grace; counts that cannot
+        be had (no permission to describe the groups, Kafka down: its own check says so)
+        leave liveness unknown, refusing nothing."""
+        fleet = self.ctx.fleet
+        try:
+            async with asyncio.timeout(CHECK_TIMEOUT_S / 2):
+                counts = await self.client.live_workers()
+        except (KafkaError, AccessError, OSError, TimeoutError) as e:
+            if fleet.counts is not None or not self._liveness_unknown_logged:
+                log.warning("cannot count live workers (the consumer groups could not be described); requests are "
+                            "queued without a liveness check", cause=repr(e)[:200])
+                self._liveness_unknown_logged = True
+            fleet.update(None)
+            self.metrics.live_workers.clear()
+            return
+        fleet.update(counts)
+        for pool, n in counts.items():
+            self.metrics.live_workers.labels(pool).set(n)
+        why = fleet.readiness_error()
+        if why is not None:
+            raise NoLiveWorker(why)
 
     def _files_writable(self) -> None:
         if not os.access(self.files.root, os.W_OK):

@@ -68,7 +68,7 @@ class CompletionHandlers:
         job_id = uuid.uuid4().hex
         job = build_job(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s, adapter)
         gen = Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
-                         retry_after_s=cfg.retry_after_s, cancels=ctx.cancels)
+                         retry_after_s=cfg.retry_after_s, cancels=ctx.cancels, check_pool=ctx.fleet.check)
         prefix = "chatcmpl-" if kind == Kind.CHAT else "cmpl-"
         renderer = Renderer(kind, prefix + job_id, req.model, int(time.time()), ctx.tokens, req.include_usage,
                             req.tool_mode)

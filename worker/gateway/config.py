@@ -106,6 +106,11 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         batch_cancel_grace_s: how long a cancelling batch waits for the outcomes of its
             dispatched lines before lines still unanswered are written off as cancelled.
         drain_timeout_s: on SIGTERM, how long open requests may finish, seconds.
+        no_worker_grace_s: how long a pool may show no live worker (no member of its
+            consumer group on its job topics, checked every 5 s) before its requests are
+            answered 503 `no_live_worker` at once and, for the default pool, `/readyz`
+            turns unready; seconds (covers a worker's group join after a start or a
+            rebalance). worker.gateway.liveness.
     """
 
     host: str = "0.0.0.0"
@@ -132,6 +137,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch_scan_interval_s: float = 5.0
     batch_cancel_grace_s: float = 60.0
     drain_timeout_s: float = 30.0
+    no_worker_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("default_priority", "batch_priority"):
@@ -139,6 +145,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"gateway.{name} must be one of {list(keys.PRIORITIES)}, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"gateway.max_model_len must be >= 1 or null, got {self.max_model_len}")
+        if not self.no_worker_grace_s >= 0:
+            raise ConfigError(f"gateway.no_worker_grace_s must be >= 0, got {self.no_worker_grace_s}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"gateway.port must be in [0, 65535], got {self.port}")
         for name in ("queue_timeout_s", "request_timeout_s", "batch_scan_interval_s", "batch_cancel_grace_s",

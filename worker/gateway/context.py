@@ -20,6 +20,7 @@ from worker.gateway.auth import Grant, KeyRing
 from worker.gateway.config import GatewayConfig
 from worker.gateway.errors import ApiError
 from worker.gateway.generation import CancelSender
+from worker.gateway.liveness import FleetLiveness
 from worker.gateway.metrics import GatewayMetrics
 from worker.gateway.render import TokenText
 
@@ -46,6 +47,8 @@ class GatewayContext:
         return self.keys.authenticate(request.headers.get("Authorization"))
 
     adapters: AdapterNames = dataclasses.field(default_factory=lambda: AdapterNames([], None))
+    # pools without a live worker (worker.gateway.liveness), fed by the readiness checks
+    fleet: FleetLiveness = dataclasses.field(default_factory=lambda: FleetLiveness("inflight", 5.0))
 
     def check_model(self, model: str, grant: Grant | None = None) -> str | None:
         """The LoRA adapter `model` names (`<model_name>:<adapter>`), None for the base

@@ -62,11 +62,15 @@ class Generation:
         request_timeout_s: the whole request's bound (the stream gives up after it).
         retry_after_s: `Retry-After` of a 429.
         cancels: sends this job's cancel if the request ends before the job.
+        check_pool: called with the pool the job routes to before it is produced; what it
+            raises (the gateway's 503 for a pool with no live worker) ends the request with
+            nothing produced.
     """
 
     def __init__(self, client: InflightClient, job: Job, priority: str, *, request_timeout_s: float,
-                 retry_after_s: int, cancels: CancelSender) -> None:
+                 retry_after_s: int, cancels: CancelSender, check_pool: Callable[[str], None] | None = None) -> None:
         self.client = client
+        self._check_pool = check_pool
         self.job = job
         self.priority = priority
         self.retry_after_s = retry_after_s
@@ -95,13 +99,17 @@ class Generation:
 
         Raises:
             ApiError: 429 with `Retry-After` when it did not start before its deadline
-                (the cancel is sent); 503 when Kafka does not take the job.
+                (the cancel is sent); 503 when Kafka does not take the job, or what
+                `check_pool` raises (nothing produced).
         """
         t0 = time.perf_counter()
+        pool = self.client.pool_of(self.job)
+        if self._check_pool is not None:
+            self._check_pool(pool)  # before anything is subscribed or produced
         first = asyncio.ensure_future(self._next())  # subscribes while the job is produced
         try:
             self._submitted = True
-            await self.client.submit_job(self.job, self.priority)
+            await self.client.submit_job(self.job, self.priority, pool=pool)
             self.submit_s = time.perf_counter() - t0
         except (KafkaError, AccessError, OSError) as e:
             first.cancel()

@@ -38,3 +38,6 @@ class GatewayMetrics:
         self.batch_lines = Counter("gateway_batch_lines", "Batch lines by outcome (dispatched, completed, failed, "
                                    "invalid, cancelled, expired)", ("outcome",), registry=r)
         self.batches_active = Gauge("gateway_batches_driven", "Batches this gateway is driving now", registry=r)
+        self.live_workers = Gauge("gateway_live_workers", "Workers of each pool alive at the last readiness check "
+                                  "(members of the pool's consumer group on its job topics; absent when unknown)",
+                                  ("pool",), registry=r)

@@ -9,6 +9,7 @@ Kafka (StandardAuthorizer, LITERAL resource names):
     worker     Write, Describe            topics <p>.dlq, <p>.results
     producer   Write, Describe            topics <p>.jobs.{high,normal,low}, <p>.cancel
     producer   Read, Describe (optional)  topic <p>.results: the client's results fallback
+    producer   Describe                   group <group_id>: the gateway counts live workers
 
 With pools by prompt length (schemas/pools.py) every pool's job topics take the place of
 <p>.jobs.*: a worker reads them and *writes* them (it forwards a job to the pool that
@@ -133,6 +134,8 @@ def kafka_acls(topic_prefix: str = "inflight", group_id: str = "inflight-workers
                                                           keys.results_topic(topic_prefix)),
                  "dead letters; durable outcomes"),
         KafkaAcl(producer, ("Write", "Describe"), "topic", (*jobs, cancel), "submit jobs; send cancels"),
+        KafkaAcl(producer, ("Describe",), "group", groups,
+                 "the gateway counts each pool's live workers (without it: no fleet liveness check)"),
     ]
     if pools is not None and pools.routes:
         out.insert(3, KafkaAcl(worker, ("Write", "Describe"), "topic", jobs,

@@ -18,8 +18,8 @@ chunks) dequantize the weight in the kernel and multiply with torch's GEMM.
 
 Threads: OpenMP over blocks of output channels, in the process's OpenMP runtime (the
 libgomp torch loaded), as many as `torch.get_num_threads()` at each call. The library is
-built by `cbuild`; without a compiler `woq_linear` dequantizes with torch instead (logged
-once).
+built by `cbuild`; without a compiler (logged once) `QuantLinear` dequantizes with torch
+instead and never calls the op.
 """
 
 from __future__ import annotations
@@ -76,18 +76,6 @@ def fits(in_features: int, groups: int, packed: bool) -> bool:
     return in_features % 2 == 0 and (groups == 1 or (groups % 2 == 0 and (in_features // 2) % (in_features // groups) == 0))
 
 
-def dequantize_reference(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                         in_features: int) -> torch.Tensor:
-    """`[out, in]` float32 weight `(q - zero) * scale` of the kernel's operands (the torch
-    path, and the tests' reference)."""
-    from worker.model.quant_linear import _dequantize, unpack_int4
-
-    q = unpack_int4(qweight) if qweight.dtype == torch.uint8 else qweight
-    if q.shape[1] != in_features:
-        raise ValueError(f"weight of {q.shape[1]} input channels for a layer of {in_features}")
-    return _dequantize(q, scale, zero, torch.float32)
-
-
 @torch.library.custom_op("inflight::woq_linear", mutates_args=())
 def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                bias: torch.Tensor | None, in_features: int) -> torch.Tensor:
@@ -106,6 +94,7 @@ def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
 
     Raises:
         ValueError: the operands' shapes disagree, or the kernel does not take them (`fits`).
+        RuntimeError: the kernel could not be built (`available()` is False), or failed.
     """
     out_features, groups = scale.shape
     packed = qweight.dtype == torch.uint8
@@ -117,10 +106,9 @@ def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
         raise ValueError(f"woq_linear: {groups} groups over {in_features} input channels "
                          f"({'packed int4' if packed else 'int8'}) are not taken by the kernel")
     lib = _library()
+    if isinstance(lib, str):  # QuantLinear does not call the op then (`cpu_kernel`): it dequantizes in torch
+        raise RuntimeError(f"inflight::woq_linear: the kernel is unavailable ({lib})")
     xf = x.float().contiguous()
-    if isinstance(lib, str):  # no compiler: the torch path
-        w = dequantize_reference(qweight, scale, zero, in_features)
-        return F.linear(xf, w, None if bias is None else bias.float()).to(x.dtype)
     # every operand bound to a name: a temporary's memory would be freed before the call
     q, s = qweight.contiguous(), scale.contiguous()
     z = None if zero is None else zero.contiguous()
