@@ -97,7 +97,8 @@ ROWS = [
         ("Consumer lag by topic", "short", [q("sum by (topic) (kafka_consumer_lag)", "{{topic}}")]),
         ("Partitions", "short", [q("sum(kafka_assigned_partitions)", "assigned"),
                                  q("sum(kafka_paused_partitions)", "paused (backpressure)")]),
-        ("DLQ records", "short", [q("sum(increase(dlq_records_total[$__rate_interval]))", "dead letters")]),
+        ("DLQ records by reason", "short", [q("sum by (reason) (increase(dlq_records_total[$__rate_interval]))",
+                                              "{{reason}}")]),
         ("Commit failures, rebalances, consumer restarts", "short", [
             q("sum(increase(kafka_commit_failures_total[$__rate_interval]))", "commit failures"),
             q("sum(increase(kafka_rebalances_total[$__rate_interval]))", "revocations"),

@@ -127,7 +127,9 @@ def test_metrics_and_logs_match_a_scripted_workload(services, prefix, llama_path
     assert val(m, "request_finished_total", finish_reason="rejected") == 3
     assert val(m, "request_rejected_total", reason="invalid_params") == 2
     assert val(m, "request_rejected_total", reason="invalid_job") == 1
-    assert val(m, "dlq_records_total") == 3  # every record that will never run: 2 engine rejects + the poison one
+    assert total(m, "dlq_records_total") == 3  # every record that will never run: 2 engine rejects + the poison one
+    assert val(m, "dlq_records_total", reason="invalid_params") == 2  # by reason: client mistakes apart
+    assert val(m, "dlq_records_total", reason="invalid_job") == 1
     assert val(m, "request_abort_total", reason="cancelled") == n_cancel
     assert val(m, "cancel_to_free_seconds_count") == n_cancel
     assert val(m, "cancels_received_total") == n_cancel

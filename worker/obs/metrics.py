@@ -246,7 +246,10 @@ class Metrics:
                                          registry=r)
         self.paused_partitions = Gauge("kafka_paused_partitions", "Job partitions paused by backpressure",
                                        registry=r)
-        self.dlq_records = Counter("dlq_records", "Invalid job records sent to the DLQ topic", registry=r)
+        self.dlq_records = Counter("dlq_records", "Job records sent to the DLQ topic, by reason (the record's "
+                                   "inflight.reason: a rejection's code such as prompt_too_long, a client's "
+                                   "mistake; invalid_job or poison, records no worker can process)", ("reason",),
+                                   registry=r)
         self.commit_failures = Counter("kafka_commit_failures", "Offset commits that failed", registry=r)
         self.rebalances = Counter("kafka_rebalances", "Partition revocations seen by this worker", registry=r)
         self.consumer_restarts = Counter("kafka_consumer_restarts", "Consumers recreated by the stall watchdog",

@@ -84,7 +84,7 @@ class Finalizer:
         tp = rec.tp
         await self.dead_letters.send(rec.raw, rec.key, topic=tp.topic, partition=tp.partition, offset=rec.offset,
                                      reason=reason, error=error, job_id=job_id)
-        self.metrics.dlq_records.inc()
+        self.metrics.dlq_records.labels(reason).inc()
 
     def forward(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
         """A claimed job that belongs to another pool (`pool_router.py`), already handed
@@ -215,7 +215,7 @@ class Finalizer:
                 first = held.offsets[0]
                 await self.dead_letters.send(held.raw, held.raw_key, topic=first.tp.topic, partition=first.tp.partition,
                                              offset=first.offset, reason=reason, error=message, job_id=held.job_id)
-                self.metrics.dlq_records.inc()
+                self.metrics.dlq_records.labels(reason).inc()
                 held.raw = None
         await self.results.record([(held.job_id, held.history[-1][1]) for held in batch if held.history])
 
