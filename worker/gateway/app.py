@@ -115,7 +115,7 @@ class Gateway:
         ctx = GatewayContext(cfg=g, client=self.client, keys=keyring, metrics=self.metrics,
                              cancels=CancelSender(self.client, lambda r: self.metrics.cancels.labels(r).inc()),
                              tokens=tokens, adapters=AdapterNames(g.adapters, g.lora_dir),
-                             fleet=FleetLiveness(g.model_name, g.no_worker_grace_s))
+                             fleet=FleetLiveness(g.model_name, g.no_worker_grace_s), max_model_len=self._max_model_len)
         self.ctx = ctx
         self.files = files
         store = BatchStore(self.client.redis, files, self.cfg.redis.key_prefix, self.gateway_id, g.batch_lease_ms,

@@ -21,6 +21,7 @@ from aiohttp import web
 from schemas.wire import Job
 from worker.gateway.auth import effective_priority
 from worker.gateway.context import CLIENT_GONE, GatewayContext, json_ok
+from worker.gateway.edge import check_context
 from worker.gateway.errors import ApiError, error_for_outcome, overloaded
 from worker.gateway.generation import Generation, seeded
 from worker.gateway.protocol import GenRequest, Kind, parse_request
@@ -61,6 +62,7 @@ class CompletionHandlers:
                            code="request_too_large")
         req = parse_request(kind, await request.read())
         adapter = ctx.check_model(req.model, grant)
+        check_context(req, ctx.tokens.tokenizer, ctx.max_model_len)  # a prompt that cannot fit: 400, nothing produced
         priority = effective_priority(grant, req.priority, cfg.default_priority)
         if self._in_flight >= cfg.max_concurrent_requests:
             raise overloaded(cfg.retry_after_s, "too many requests in flight on this gateway "

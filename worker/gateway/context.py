@@ -49,6 +49,7 @@ class GatewayContext:
     adapters: AdapterNames = dataclasses.field(default_factory=lambda: AdapterNames([], None))
     # pools without a live worker (worker.gateway.liveness), fed by the readiness checks
     fleet: FleetLiveness = dataclasses.field(default_factory=lambda: FleetLiveness("inflight", 5.0))
+    max_model_len: int | None = None  # the model's context (gateway.max_model_len or the tokenizer's config.json)
 
     def check_model(self, model: str, grant: Grant | None = None) -> str | None:
         """The LoRA adapter `model` names (`<model_name>:<adapter>`), None for the base

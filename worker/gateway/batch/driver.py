@@ -123,7 +123,9 @@ class BatchDriver:
         kind = ENDPOINT_KINDS[b.endpoint]
         data = await asyncio.to_thread(self.files.read_content, b.input_file_id)
         self.lines, invalid = await asyncio.to_thread(parse_input, data, batch_id=b.id, endpoint=b.endpoint,
-                                                      kind=kind, model_name=self.ctx.cfg.model_name)
+                                                      kind=kind, model_name=self.ctx.cfg.model_name,
+                                                      tokenizer=self.ctx.tokens.tokenizer,
+                                                      max_model_len=self.ctx.max_model_len)
         self.by_job = {line.job_id: line for line in self.lines}
         if b.status == "validating" and not await self._validate(invalid):
             return

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from schemas.wire import Finished, Job
+from worker.gateway.edge import check_context
 from worker.gateway.errors import ApiError, error_for_outcome
 from worker.gateway.protocol import GenRequest, Kind, parse_body
 from worker.gateway.render import Renderer, TokenText
@@ -56,9 +57,11 @@ def line_job_id(batch_id: str, custom_id: str) -> str:
     return f"{batch_id}-{hashlib.sha256(custom_id.encode()).hexdigest()[:32]}"
 
 
-def parse_input(data: bytes, *, batch_id: str, endpoint: str, kind: Kind, model_name: str
-                ) -> tuple[list[BatchLine], list[LineError]]:
-    """Split an input file into valid lines and errors (blank lines are skipped)."""
+def parse_input(data: bytes, *, batch_id: str, endpoint: str, kind: Kind, model_name: str, tokenizer: Any = None,
+                max_model_len: int | None = None) -> tuple[list[BatchLine], list[LineError]]:
+    """Split an input file into valid lines and errors (blank lines are skipped). With
+    `tokenizer` and `max_model_len`, a line whose prompt cannot fit the context is an error
+    (`context_length_exceeded`, `worker.gateway.edge`), as the same request sent directly."""
     lines: list[BatchLine] = []
     errors: list[LineError] = []
     seen: set[str] = set()
@@ -90,6 +93,7 @@ def parse_input(data: bytes, *, batch_id: str, endpoint: str, kind: Kind, model_
                     raise _invalid("unsupported_parameter", f"'{name}' is not supported in batch lines", f"body.{name}")
             if req.model != model_name:
                 raise _invalid("model_not_found", f"the model `{req.model}` does not exist", "body.model")
+            check_context(req, tokenizer, max_model_len)
         except msgspec.DecodeError:
             errors.append(LineError(line=i, code="invalid_json", message="the line is not valid JSON"))
             continue

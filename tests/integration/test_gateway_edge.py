@@ -1,6 +1,8 @@
-"""Fleet liveness at the gateway against the real broker: with no live worker the gateway
-is unready and a request is answered 503 at once with nothing produced (not a 429 after
-`queue_timeout_s` that the SDK retries for 90 s); with a worker up again it serves."""
+"""What the gateway answers itself, against the real broker: with no live worker it is
+unready and a request is answered 503 at once with nothing produced (not a 429 after
+`queue_timeout_s` that the SDK retries for 90 s), and serves again once a worker is up; a
+prompt that cannot fit the model's context is a 400 with nothing produced and no DLQ
+record (a client's mistake no longer pages)."""
 
 from __future__ import annotations
 
@@ -79,3 +81,32 @@ def test_no_live_worker_is_a_503_at_once_and_an_unready_gateway(services, prefix
     assert out["gauge"] == 0
     assert out["ready"][0] == 200 and out["ready"][1]["live_workers"] == {"default": 1}
     assert out["served"] in ("length", "stop") and out["gauge_up"] == 1
+
+
+def test_a_prompt_that_cannot_fit_is_a_400_with_nothing_produced(services, prefix, llama_path, tmp_path):
+    gcfg = gateway_config(services, prefix, tmp_path / "files", tokenizer=llama_path, no_worker_grace_s=600.0)
+    topics = keys.all_topics(prefix)  # the job topics, the cancel topic and the DLQ among them
+    long_text = "word " * 1100  # the tiny model's context is 1024 tokens (its config.json)
+
+    async def main():
+        async with running_gateway(gcfg) as gw:
+            before = await _end_offsets(services[0], topics)
+            answers = {}
+            for name, call in (
+                    ("chat", lambda c: c.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": long_text}], max_tokens=4)),
+                    ("completion", lambda c: c.completions.create(model=MODEL, prompt=long_text, max_tokens=4)),
+                    ("room", lambda c: c.completions.create(model=MODEL, prompt="word " * 500, max_tokens=600))):
+                t0 = time.monotonic()
+                try:
+                    await call(client(gw))
+                except openai.BadRequestError as e:
+                    answers[name] = (e.status_code, e.body["code"], e.body["param"], time.monotonic() - t0)
+            return answers, await _end_offsets(services[0], topics) == before
+
+    answers, unchanged = asyncio.run(main())
+    assert {k: v[:3] for k, v in answers.items()} == {
+        "chat": (400, "context_length_exceeded", "messages"), "completion": (400, "context_length_exceeded", "prompt"),
+        "room": (400, "context_length_exceeded", "prompt")}  # 500 prompt tokens + 600 to generate
+    assert all(v[3] < 1.0 for v in answers.values())
+    assert unchanged  # no job, no cancel, no DLQ record
