@@ -4,7 +4,8 @@ tested) on their own Kafka broker and Redis server (tools/stack/devstack.sh on o
 jobs of 150-400 tokens arriving at --rate per second, some cancelled, and a nemesis:
 SIGSTOP of a worker past its leases (x2), kill -9 of a worker (x2, replaced as an
 orchestrator would), a Redis outage, a broker outage of 55 s, and a Redis restart that
-loses its data. Then every job is checked against the invariants the README promises:
+loses its data. Then every job is checked against the invariants the README promises
+(`worker.client.audit`, the rules `inflight jobs audit` runs too), and the soak's own:
 
   missing_outcome     no record in the results topic
   log_mid_way         its log does not start at seq 0 (read from its first entry)
@@ -94,9 +95,10 @@ def nemesis_plan(minutes: float, rng: random.Random) -> list[tuple[float, str]]:
 
 async def run_soak(a) -> dict:
     from schemas.params import SamplingParams
-    from schemas.wire import Finished, Started, Token
+    from schemas.wire import Started, Token
     from worker.cli.topics import create_topics
-    from worker.client import InflightClient, text_of
+    from worker.client import InflightClient
+    from worker.client.audit import log_defects
     from worker.config import (
         KafkaConfig,
         MetricsConfig,
@@ -215,30 +217,17 @@ async def run_soak(a) -> dict:
     restarted = 0
     for jid, meta in jobs.items():
         rec = found.get(jid)
+        log = logs[jid]
         if rec is None:
             defects["missing_outcome"].append(jid)
             continue
         reasons[rec.finish_reason.value] = reasons.get(rec.finish_reason.value, 0) + 1
         restarted += rec.attempt > 1
-        log = logs[jid]
         if not log:
             log_expired += 1
             continue
-        seqs = [e.seq for e in log]
-        if seqs[0] != 0:
-            defects["log_mid_way"].append(jid)
-        if seqs != list(range(seqs[0], seqs[0] + len(seqs))):
-            defects["seq_gap"].append(jid)
-        terminals = [e for e in log if isinstance(e, Finished)]
-        if len(terminals) != 1:
-            defects["terminals_not_1"].append(jid)
-        attempts = [e.attempt for e in log]
-        if attempts != sorted(attempts):
-            defects["attempt_backwards"].append(jid)
-        if terminals and seqs[0] == 0 and text_of(log) != terminals[-1].text:
-            defects["text_mismatch"].append(jid)
-        if terminals and (terminals[-1].seq, terminals[-1].text) != (rec.seq, rec.text):
-            defects["log_vs_results"].append(jid)
+        for kind in log_defects(log, rec):  # the invariants `inflight jobs audit` checks too
+            defects[kind].append(jid)
         if jid in cancels:
             starts = [e for e in log if isinstance(e, Started)]
             streamed = any(isinstance(e, Token) for e in log if e.attempt == rec.attempt)

@@ -6,6 +6,8 @@
     inflight submit --prompt "Hi" --priority high --stream
     inflight stream JOB_ID
     inflight cancel JOB_ID
+    inflight jobs audit --since 1h                  every job of a window: one outcome each, logs whole (exit 1: a defect)
+    inflight job show JOB_ID                        one job: where produced, its log, outcome, dead letters
     inflight topics create
     inflight schema                                 JSON Schema of jobs, cancels and events
     inflight acl kafka | acl redis worker | acl redis gateway | acl redis reader --tenant T    the ACLs a deployment needs
@@ -19,27 +21,8 @@ import json
 import os
 import sys
 
-from worker.cli.commands import (
-    STREAM_TIMEOUT_S,
-    client_command,
-    client_routing,
-    client_sections,
-    run_reported,
-)
-
-DEFAULT_KAFKA = "127.0.0.1:19092"  # also INFLIGHT_KAFKA__BOOTSTRAP_SERVERS, read by the config loader
-DEFAULT_REDIS = "redis://127.0.0.1:6390/0"  # also INFLIGHT_REDIS__URL
-
-
-class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` names every default, except where the help text already says it or
-    there is none to name (unset, or a flag that is off)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
-            return text
-        return super()._get_help_string(action)
+from worker.cli.commands import client_command, client_routing, client_sections, run_reported
+from worker.cli.parser import DEFAULT_KAFKA, build_parser
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -170,130 +153,7 @@ def _acl(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="inflight", description="Inflight LLM serving worker")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    w = sub.add_parser("worker", help="run a worker")
-    w.add_argument("--config", help="YAML config file; INFLIGHT_<SECTION>__<FIELD> env vars override it")
-    w.add_argument("--log-level", default="INFO")
-
-    gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (chat / completions, streaming, "
-                        "Batch API) in front of the job topics")
-    gw.add_argument("--config", help="YAML file with `gateway`, `kafka` and `redis` sections; "
-                    "INFLIGHT_<SECTION>__<FIELD> env vars override it")
-    gw.add_argument("--log-level", default="INFO")
-
-    ck = sub.add_parser("check", help="preflight a worker config: one line per check with the setting to fix; "
-                        "exit 0 only if every check passes")
-    ck.add_argument("--config", help="YAML config file; INFLIGHT_<SECTION>__<FIELD> env vars override it")
-    ck.add_argument("--timeout", type=float, default=10.0, help="seconds for each Kafka / Redis step")
-    ck.add_argument("--json", action="store_true", help="print the checks as a JSON array")
-
-    def client_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--config", help="YAML file whose `kafka` and `redis` sections give addresses, prefixes and "
-                        "connection security (SASL, TLS, client certificates, Redis ACL user); INFLIGHT_KAFKA__* / "
-                        "INFLIGHT_REDIS__* env vars override it. submit: its `pools` section and the tokenizer of "
-                        "`model.path` route the job to the pool serving its prompt length")
-        sp.add_argument("--kafka", default=None, help=f"bootstrap servers (default: the config's, else {DEFAULT_KAFKA})")
-        sp.add_argument("--redis", default=None, help=f"Redis URL (default: the config's, else {DEFAULT_REDIS})")
-        sp.add_argument("--prefix", default=None, help="topic and key prefix (default: the config's, else inflight)")
-        sp.add_argument("--timeout", type=float, default=STREAM_TIMEOUT_S,
-                        help="seconds to wait for the job's end (stream, submit --stream); on expiry: a hint, exit 1")
-
-    defaults = ShowDefaults
-    s = sub.add_parser("submit", formatter_class=defaults,
-                       help="produce a job (prints its id; with --stream the id goes to stderr, the text to stdout)",
-                       description="Produce a job. --max-tokens and --temperature default to a short greedy answer "
-                       "for a terminal; a job without them (the wire schema) gets temperature 1.0 and up to the "
-                       "worker's max_output_tokens.")
-    client_args(s)
-    s.add_argument("--prompt", required=True)
-    s.add_argument("--priority", default="normal", choices=["high", "normal", "low"], help="the job's topic")
-    s.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
-    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    s.add_argument("--seed", type=int, default=None, help="sampling seed (none: random)")
-    s.add_argument("--job-id", default=None, help="the job's id (none: a random one)")
-    s.add_argument("--tenant", default=None, help="the job's tenant: its stream goes to the tenant's Redis keys")
-    s.add_argument("--adapter", default=None, help="a LoRA adapter of the workers' model.lora_dir (default: the base model)")
-    s.add_argument("--stream", action="store_true", help="stream the tokens to stdout")
-    fmt = s.add_argument_group("structured output (params.structured; at most one)").add_mutually_exclusive_group()
-    fmt.add_argument("--json-schema", metavar="SCHEMA", default=None,
-                     help="the output is JSON valid against this JSON Schema (inline JSON, or @FILE)")
-    fmt.add_argument("--json-object", action="store_true", help="the output is one JSON object")
-    fmt.add_argument("--regex", default=None, help="the whole output matches this regex")
-    fmt.add_argument("--choice", action="append", default=None, help="the output is one of these (repeat the flag)")
-    fmt.add_argument("--grammar", metavar="LARK", default=None, help="a Lark grammar (inline, or @FILE)")
-    st = sub.add_parser("stream", formatter_class=defaults, help="stream a job's events (replays what already happened; waits for a job "
-                        "not seen yet, up to --timeout)")
-    client_args(st)
-    st.add_argument("job_id")
-    st.add_argument("--tenant", default=None, help="the tenant the job was submitted with")
-    c = sub.add_parser("cancel", formatter_class=defaults, help="cancel a job")
-    client_args(c)
-    c.add_argument("job_id")
-
-    dlq = sub.add_parser("dlq", formatter_class=defaults, help="dead letters: list them by reason, replay chosen ones")
-    dsub = dlq.add_subparsers(dest="dlq_cmd", required=True)
-    for name, help_ in (("list", "show dead letters (one line each: where, when, reason, job id, source, error) and "
-                                 "a count by reason"),
-                        ("replay", "re-produce chosen dead letters to their job topics under new job ids "
-                                   "(<job_id>.replay-<partition>-<offset>: replaying twice runs once)")):
-        d = dsub.add_parser(name, formatter_class=defaults, help=help_, description=help_)
-        client_args(d)
-        d.add_argument("--reason", action="append", default=None, help="only this reason (repeat the flag)")
-        d.add_argument("--job-id", action="append", default=None, help="only this job id (repeat the flag)")
-        d.add_argument("--since", default=None, help="only records written since: seconds ago (600), a duration "
-                       "(10m, 2h, 1d) or an ISO time")
-        d.add_argument("--limit", type=int, default=None, help="at most this many (oldest first)")
-        if name == "list":
-            d.add_argument("--json", action="store_true", help="one JSON object per line")
-        else:
-            d.add_argument("--all", action="store_true", help="replay every record the filters select (without a "
-                           "filter, --all is required)")
-            d.add_argument("--force", action="store_true", help="also send records whose reason can never succeed "
-                           "on the same input (invalid_job, invalid_params, ...)")
-            d.add_argument("--dry-run", action="store_true", help="say what would be sent, send nothing")
-
-    t = sub.add_parser("topics", formatter_class=defaults, help="manage topics")
-    t.add_argument("action", choices=["create"])
-    t.add_argument("--bootstrap", default=None, help=f"bootstrap servers (default: the config's, else {DEFAULT_KAFKA})")
-    t.add_argument("--config", help="YAML file whose `kafka` section gives the connection security (a principal "
-                   "allowed to create topics) and whose `pools` section the pools' job topics; INFLIGHT_KAFKA__* env "
-                   "vars override it")
-    t.add_argument("--prefix", default=None, help="topic prefix (default: the config's, else inflight)")
-    t.add_argument("--partitions", type=int, default=6, help="partitions per topic")
-    t.add_argument("--replication-factor", type=int, default=1, help="replicas per partition")
-    t.add_argument("--quiet", action="store_true")
-
-    sub.add_parser("schema", help="print the JSON Schema of the wire messages")
-
-    acl = sub.add_parser("acl", help="print the ACLs a deployment needs: Kafka's AclCommand (kafka-acls.sh) "
-                         "arguments, one line per grant, or a Redis user's ACL rules")
-    acl.add_argument("system", choices=["kafka", "redis"])
-    acl.add_argument("role", nargs="?", choices=["worker", "gateway", "reader"], help="redis: whose rules")
-    acl.add_argument("--prefix", default="inflight", help="topic prefix (kafka) or key prefix (redis)")
-    acl.add_argument("--group", default="inflight-workers", help="kafka: the workers' group id")
-    acl.add_argument("--config", default=None, help="kafka: take the prefix, group and pools from this worker "
-                     "config (every pool's topics and groups; workers may write other pools' job topics)")
-    acl.add_argument("--worker-principal", default="User:inflight-worker")
-    acl.add_argument("--producer-principal", default="User:inflight-producer")
-    acl.add_argument("--no-results-read", action="store_true",
-                     help="kafka: do not let the producer principal read the results topic")
-    acl.add_argument("--tenant", default=None, help="redis reader: the tenant (none: jobs without a tenant)")
-    acl.add_argument("--may-cancel", action="store_true", help="redis reader: may also set cancel tombstones")
-
-    g = sub.add_parser("generate", formatter_class=defaults,
-                       help="run prompts through the engine in this process and stream the text")
-    g.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
-    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    g.add_argument("--max-tokens", type=int, default=64, help="most tokens per prompt")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (none: random)")
-    g.add_argument("--stop", action="append", help="a stop string (repeat for several)")
-    g.add_argument("--priority", default="normal", choices=["high", "normal", "low"], help="the prompts' class")
-    g.add_argument("--device", default="auto", help="cpu, cuda or auto")
-
+    p = build_parser()
     a = p.parse_args(argv)
     from worker.config import ConfigError
     from worker.model.capability import UnsupportedModel
@@ -317,7 +177,7 @@ def _dispatch(a: argparse.Namespace) -> int:
         return _gateway(a)
     if a.cmd == "check":
         return _check(a)
-    if a.cmd in ("submit", "stream", "cancel", "topics", "dlq"):
+    if a.cmd in ("submit", "stream", "cancel", "topics", "dlq", "jobs", "job"):
         import logging
 
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a refusal is explained in one line instead
@@ -327,6 +187,11 @@ def _dispatch(a: argparse.Namespace) -> int:
         # bad input: job id, tenant, sampling values
         return run_reported(client_command(a, kafka, redis, pools, tokenizer), bad_input="error", kafka=kafka,
                             redis=redis)
+    if a.cmd in ("jobs", "job"):
+        from worker.cli.commands import jobs_command
+
+        kafka, redis = client_sections(a)
+        return run_reported(jobs_command(a, kafka, redis), bad_input="error", kafka=kafka, redis=redis)
     if a.cmd == "dlq":
         from worker.cli.commands import dlq_command
 

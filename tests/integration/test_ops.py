@@ -326,11 +326,15 @@ def test_cli_streams_text_alone_on_stdout_and_a_tenant_miss_gets_a_hint(services
             streamed = await cli("submit", "--prompt", "Hello", "--job-id", "cli-text", "--tenant", "acme",
                                  "--max-tokens", "5", "--stream", *conn)
             missed = await cli("stream", "cli-text", "--timeout", "2", *conn)  # no --tenant
+            # the sampling flags reach the job: past EOS to --max-tokens (issue 49)
+            long = await cli("submit", "--prompt", "Hello", "--max-tokens", "40", "--ignore-eos", "--temperature",
+                             "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3", "--stream", *conn)
         finally:
             await stop_worker(w, task)
-        return streamed, missed
+        return streamed, missed, long
 
-    (code, out, err), (code2, _, err2) = asyncio.run(main())
+    (code, out, err), (code2, _, err2), (code3, _, err3) = asyncio.run(main())
+    assert code3 == 0 and "[finished: length, 40 tokens]" in err3, err3
     assert code == 0, err
     assert "cli-text" not in out and "[job cli-text]" in err  # stdout: the text alone
     assert "[finished: " in err and "[finished" not in out

@@ -34,7 +34,6 @@ FUNCTION_MAX_LINES = 80
 LONG_FUNCTIONS = {
     "worker/obs/metrics.py:Metrics.__init__": "the metric declarations: one statement per series, "
                                               "their names, help texts and buckets in one place",
-    "worker/__main__.py:main": "the argparse table of every command and flag (argparse only)",
     "worker/model/kernels/triton_attn.py:_paged_attn_kernel": "one Triton program: its loads, online "
                                                               "softmax and stores compile as one kernel",
 }

@@ -238,8 +238,9 @@ async def client_command(a: argparse.Namespace, kafka, redis, pools=None, tokeni
 
     async with InflightClient(kafka=kafka, redis=redis, pools=pools, tokenizer=tokenizer) as client:
         if a.cmd == "submit":
-            params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
-                                    structured=structured_arg(a))
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed, top_p=a.top_p,
+                                    top_k=a.top_k, repetition_penalty=a.repetition_penalty, stop=a.stop or [],
+                                    ignore_eos=a.ignore_eos, structured=structured_arg(a))
             job_id = await client.submit(a.prompt, params=params, priority=a.priority, job_id=a.job_id,
                                          tenant=a.tenant, adapter=a.adapter)
             if a.stream:  # stdout carries the text alone
@@ -293,3 +294,28 @@ async def dlq_command(a: argparse.Namespace, kafka) -> int:
     refused = sum(r.status == "refused" for r in results)
     print(f"{sent} sent, {refused} refused" + (" (dry run: nothing sent)" if a.dry_run else ""), file=sys.stderr)
     return 0 if not refused else 1
+
+
+async def jobs_command(a: argparse.Namespace, kafka, redis) -> int:
+    """`inflight jobs audit` / `inflight job show` (worker/cli/jobs.py)."""
+    import json
+
+    from worker.cli import jobs
+    from worker.cli.dlq import parse_since
+    from worker.client import InflightClient
+    from worker.config import load_config
+
+    pools = load_config(a.config).pool_set
+    async with InflightClient(kafka=kafka, redis=redis, pools=pools) as client:
+        if a.cmd == "jobs":
+            report = await jobs.audit(client, kafka, pools, since_ms=parse_since(a.since),
+                                      until_ms=parse_since(a.until), pending_after_s=a.pending_after)
+            if a.json:
+                print(json.dumps(report, indent=1))
+                return 1 if any(report["defects"].values()) else 0
+            return jobs.print_audit(report, sys.stdout)
+        story = await jobs.show(client, kafka, pools, a.job_id, tenant=a.tenant, since_ms=parse_since(a.since))
+        if a.json:
+            print(json.dumps(story, indent=1))
+            return 1 if story["defects"] else 0
+        return jobs.print_show(story, sys.stdout)

@@ -104,55 +104,19 @@ async def read_dead_letters(kafka, *, reasons: set[str] | None = None, since_ms:
         aiokafka.errors.KafkaError: Kafka unreachable, or the principal may not read the DLQ.
         ValueError: the DLQ topic does not exist (or this principal cannot see it).
     """
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    from worker.security.kafka import kafka_security_kwargs, stop_client
+    from worker.cli.scan import scan_topics
 
     topic = keys.dlq_topic(kafka.topic_prefix)
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers, client_id="inflight-dlq",
-                                **kafka_security_kwargs(kafka))
-    await admin.start()
     try:
-        described = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
-    parts = sorted(p["partition"] for t in described if t["error_code"] == 0 for p in t["partitions"])
-    if not parts:
+        records = await scan_topics(kafka, [topic], since_ms)
+    except ValueError:
         raise ValueError(f"no DLQ topic {topic!r} (or not visible to this principal; kafka.topic_prefix "
-                         f"{kafka.topic_prefix!r})")
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=None, enable_auto_commit=False,
-                                max_partition_fetch_bytes=kafka.max_partition_fetch_bytes,
-                                **kafka_security_kwargs(kafka))
-    await consumer.start()
+                         f"{kafka.topic_prefix!r})") from None
     out: list[DeadLetter] = []
-    try:
-        tps = [TopicPartition(topic, p) for p in parts]
-        consumer.assign(tps)
-        ends = await consumer.end_offsets(tps)
-        starts = await consumer.beginning_offsets(tps)
-        if since_ms is not None:
-            found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
-            starts = {tp: (found[tp].offset if found.get(tp) is not None else ends[tp]) for tp in tps}
-        for tp in tps:
-            consumer.seek(tp, starts[tp])
-        pending = {tp for tp in tps if starts[tp] < ends[tp]}
-        while pending:
-            batch = await consumer.getmany(*pending, timeout_ms=1000)
-            for tp, records in batch.items():
-                for r in records:
-                    if r.offset >= ends[tp]:
-                        continue
-                    d = DeadLetter(tp.partition, r.offset, r.timestamp, r.key, r.value,
-                                   {k: v for k, v in (r.headers or ())})
-                    if ((reasons is None or d.reason in reasons) and (job_ids is None or d.job_id in job_ids)
-                            and (since_ms is None or d.timestamp_ms >= since_ms)):
-                        out.append(d)
-            for tp in list(pending):
-                if await consumer.position(tp) >= ends[tp]:
-                    pending.discard(tp)
-    finally:
-        await stop_client(consumer, "dlq")
+    for r in records:
+        d = DeadLetter(r.partition, r.offset, r.timestamp, r.key, r.value, {k: v for k, v in (r.headers or ())})
+        if (reasons is None or d.reason in reasons) and (job_ids is None or d.job_id in job_ids):
+            out.append(d)
     out.sort(key=lambda d: (d.timestamp_ms, d.partition, d.offset))
     return out[:limit] if limit is not None else out
 

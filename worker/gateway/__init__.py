@@ -14,6 +14,8 @@ from a shared file store and the durable results topic.
 | `generation.py` | one interactive job: submit, deadline → 429, deltas across restarts, cancel when abandoned |
 | `completions.py` | `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE) |
 | `tokenize.py` | vLLM's server utilities: `POST /tokenize`, `POST /detokenize`, `GET /version` |
+| `liveness.py` | pools without a live worker: 503 `no_live_worker` at once, `/readyz` unready |
+| `edge.py` | prompts that cannot fit the context: 400 before anything is produced (a lower-bound count) |
 | `files.py` | the file store: uploads, output / error files, batch manifests (atomic writes) |
 | `batch/lines.py` | batch input lines → jobs (ids derived from batch id + custom_id); outcomes → output lines |
 | `batch/state.py` | batch object and manifest; live state in Redis, durable state in the file store; leases |
