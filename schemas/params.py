@@ -79,6 +79,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
         repetition_penalty: > 0; 1 disables it. Applied to every token of the prompt
             and output as in CTRL (Keskar et al., 2019) / transformers: positive logits
             are divided by it, negative ones multiplied.
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token the
+            output already holds (OpenAI's and vLLM's semantics: output tokens only).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time the
+            output already holds it.
+        logit_bias: token id -> bias in [-100, 100], added to that token's logit before
+            penalties and sampling (-100 bans it, 100 all but forces it; OpenAI's
+            `logit_bias`). Ids at or beyond the model's vocabulary are rejected.
         stop: strings that end generation; the stop string is not part of the text.
         stop_token_ids: token ids that end generation, besides the model's EOS.
         seed: per-request seed; the same seed gives the same tokens whatever else
@@ -99,6 +106,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
     seed: int | None = None
@@ -119,6 +129,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError(f"params.min_p must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"params.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"params.{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if token_id < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"params.logit_bias maps token ids >= 0 to biases in [-100, 100], got "
+                                 f"{token_id}: {bias}")
         if any(not s for s in self.stop):
             raise ValueError("params.stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
@@ -129,3 +146,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the tokens so far (a penalty is set)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -45,6 +45,8 @@ def test_asynchronous_steps_sample_what_sequential_steps_sample(llama_path):
         SamplingParams(temperature=0, repetition_penalty=1.8, max_tokens=30, ignore_eos=True),
         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=3, max_tokens=25, ignore_eos=True),
         SamplingParams(temperature=0, logprobs=2, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias={7: 3.0},
+                       max_tokens=24, ignore_eos=True),
     ] * 2
     outs = {}
     for mode in (False, True):
@@ -88,8 +90,67 @@ def test_text_prompt_chat_messages_and_logprobs(engine):
     assert outs[-1].usage.prompt_tokens == len(expected)
 
 
-def sr(params, history=(1,), generator=None):
-    return ScheduledRequest("x", [1], 0, [0], True, params, list(history), generator)
+def sr(params, history=(1,), generator=None, num_prompt_tokens=0):
+    return ScheduledRequest("x", [1], 0, [0], True, params, list(history), generator,
+                            num_prompt_tokens=num_prompt_tokens)
+
+
+def test_presence_frequency_and_logit_bias_follow_openais_formula():
+    logits = torch.tensor([[4.0, 3.5, 3.0, 1.0]])
+    # output so far [0, 0, 1] (the prompt [2] is never penalized): token 0 seen twice, 1 once
+    history, prompt_len = [2, 0, 0, 1], 1
+
+    def greedy(**kw):
+        return sample(logits, [sr(SamplingParams(temperature=0, **kw), history, num_prompt_tokens=prompt_len)])[0][0]
+
+    assert greedy() == 0
+    assert greedy(presence_penalty=0.6) == 0  # 3.4, 2.9, 3.0: once per token seen
+    assert greedy(presence_penalty=1.2) == 2  # 2.8, 2.3, 3.0: token 2 (in the prompt only) is not penalized
+    assert greedy(frequency_penalty=0.3) == 0  # 4 - 2 x .3 = 3.4, 3.5 - .3 = 3.2
+    assert greedy(frequency_penalty=0.6) == 2  # 2.8, 2.9, 3.0: per occurrence
+    assert greedy(presence_penalty=-1.0) == 0 and greedy(logit_bias={3: 3.5}) == 3  # 1 + 3.5 = 4.5
+    assert greedy(logit_bias={0: -100, 1: -100}) == 2
+    # the sampled distribution is softmax of the adjusted logits
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, presence_penalty=1.0, frequency_penalty=0.5, logit_bias={3: 2.0})
+    counts = [0, 0, 0, 0]
+    for _ in range(4000):
+        counts[sample(logits, [sr(params, history, gen, prompt_len)])[0][0]] += 1
+    adjusted = torch.tensor([4.0 - 1.0 - 1.0, 3.5 - 1.0 - 0.5, 3.0, 1.0 + 2.0])
+    assert [c / 4000 for c in counts] == pytest.approx(torch.softmax(adjusted, 0).tolist(), abs=0.03)
+
+
+def test_penalties_equal_a_reference_greedy_loop(engine, llama_path):
+    """Greedy decoding with presence / frequency penalties and a logit bias through the
+    engine equals a plain loop over transformers' full forward applying OpenAI's formula."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(llama_path), dtype=torch.float32).eval()
+    prompt = [5, 9, 5, 9, 5, 9, 31, 7]
+    kw = dict(presence_penalty=0.8, frequency_penalty=0.4, logit_bias={11: 1.5, 12: -100})
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **kw))[0]
+    ids, output = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(24):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            logits[11] += 1.5
+            logits[12] -= 100
+            counts = torch.bincount(torch.tensor(output or [0], dtype=torch.long), minlength=logits.numel()).float()
+            if not output:
+                counts.zero_()
+            logits = logits - 0.4 * counts - 0.8 * (counts > 0).float()
+            tok = int(logits.argmax())
+            ids.append(tok)
+            output.append(tok)
+    assert out.token_ids == output
+    assert 12 not in out.token_ids
+
+
+def test_logit_bias_outside_the_vocabulary_is_rejected(engine):
+    from worker.engine import RequestRejected
+
+    with pytest.raises(RequestRejected, match="logit_bias names token ids outside the vocabulary"):
+        engine.add_request("bias-oov", prompt_token_ids=[5, 6], params=SamplingParams(logit_bias={10**7: 1.0}))
 
 
 def test_sampler_filters():

@@ -43,11 +43,14 @@ def test_supported_fields_map_onto_the_job_params():
     r = parse_request(Kind.CHAT, chat(max_completion_tokens=7, temperature=0.5, top_p=0.9, stop="END", seed=3,
                                       logprobs=True, top_logprobs=4, user="u1", top_k=-1, min_p=0.1,
                                       repetition_penalty=1.2, ignore_eos=True, stream=True,
-                                      stream_options={"include_usage": True}, n=1, presence_penalty=0,
-                                      tools=[], response_format={"type": "text"}, priority="low"))
+                                      stream_options={"include_usage": True}, n=1, presence_penalty=0.5,
+                                      frequency_penalty=-0.25, logit_bias={"5": -100, "7": 2.5}, tools=[],
+                                      response_format={"type": "text"}, priority="low"))
     p = r.params
     assert (p.max_tokens, p.temperature, p.top_p, p.stop, p.seed, p.logprobs) == (7, 0.5, 0.9, ["END"], 3, 4)
     assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos) == (0, 0.1, 1.2, True)
+    assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.5, -0.25, {5: -100.0, 7: 2.5})
+    assert parse_request(Kind.CHAT, chat(logit_bias={})).params.logit_bias is None
     assert r.stream and r.include_usage and r.priority == "low" and r.metadata == {"user": "u1"}
     assert [(m.role, m.content) for m in r.messages] == [("user", "hi")]
     c = parse_request(Kind.COMPLETION, b'{"model": "m", "prompt": [[1, 2, 3]], "logprobs": 2}')
@@ -64,8 +67,6 @@ def test_supported_fields_map_onto_the_job_params():
 @pytest.mark.parametrize(("kind", "field", "value", "param"), [
     (Kind.CHAT, "n", 2, "n"),
     (Kind.COMPLETION, "tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
-    (Kind.CHAT, "presence_penalty", 0.5, "presence_penalty"),
-    (Kind.CHAT, "logit_bias", {"5": 1}, "logit_bias"),
     (Kind.CHAT, "audio", {"voice": "x"}, "audio"),
     (Kind.CHAT, "reasoning_effort", "high", "reasoning_effort"),
     (Kind.COMPLETION, "best_of", 3, "best_of"),
@@ -85,6 +86,10 @@ def test_invalid_values_name_the_field():
                         ({**CHAT, "top_p": 0}, "top_p"), ({**CHAT, "max_tokens": 0}, "max_tokens"),
                         ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),
                         ({**CHAT, "top_logprobs": 2}, "top_logprobs"), ({**CHAT, "stop": [""]}, "stop"),
+                        ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+                        ({**CHAT, "frequency_penalty": -3}, "frequency_penalty"),
+                        ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"), ({**CHAT, "logit_bias": {"5": 101}},
+                                                                              "logit_bias"),
                         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
                         ({**CHAT, "service_tier": "priority", "priority": "low"}, "priority"),
                         ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),

@@ -60,7 +60,7 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
         samples = end == num_known + req.num_output_placeholders
         table = block_table(request_id)
         s = ScheduledRequest(request_id, ids, start, table[:] if copy_tables else table, samples,
-                             req.params, tokens, req.generator, req.grammar, req.lora_slot)
+                             req.params, tokens, req.generator, req.grammar, req.lora_slot, req.num_prompt_tokens)
         if req.lora_slot >= 0:
             loras[req.lora_slot] = resident[req.adapter]
         mark_scheduled(req, end, samples)

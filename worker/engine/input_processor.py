@@ -153,6 +153,11 @@ class InputProcessor:
         t = self.tuning
         n = len(ids)
         max_len = self.facts.max_model_len
+        vocab = self.facts.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            bad = sorted(k for k in params.logit_bias if k >= vocab)[:5]
+            raise RequestRejected(request_id, RejectReason.INVALID_PARAMS,
+                                  f"params.logit_bias names token ids outside the vocabulary [0, {vocab}): {bad}")
         if n > t.max_input_tokens:
             raise RequestRejected(
                 request_id, RejectReason.PROMPT_TOO_LONG, f"prompt has {n} tokens, max_input_tokens is {t.max_input_tokens}"

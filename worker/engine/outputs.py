@@ -73,6 +73,7 @@ class ScheduledRequest:
     generator: torch.Generator | None = None
     grammar: Matcher | None = None  # its structured-output state: the sampler masks its row
     lora_slot: int = -1  # its LoRA adapter's slot (`SchedulerOutput.loras`), -1: the base model
+    num_prompt_tokens: int = 0  # all_token_ids[num_prompt_tokens:] is the output (presence / frequency penalties)
 
     @property
     def num_tokens(self) -> int:

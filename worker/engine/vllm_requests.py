@@ -30,7 +30,9 @@ def sampling_params(req: EngineCoreRequest) -> Any:
     p = req.params
     return SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty, seed=p.seed, max_tokens=req.max_tokens,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias) if p.logit_bias else None,
+        seed=p.seed, max_tokens=req.max_tokens,
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
         detokenize=False, structured_outputs=structured(p.structured))
 

@@ -4,7 +4,7 @@ gateway uses), validated at the edge.
 Every top-level field of a body is one of: supported (mapped onto the job); an
 extension OpenAI has no field for (`priority`, `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, vLLM's `structured_outputs`); an OpenAI field accepted only
-at its no-op value (`n: 1`, `presence_penalty: 0`, ...); or rejected with a 400 naming it:
+at its no-op value (`n: 1`, `echo: false`, ...); or rejected with a 400 naming it:
 OpenAI fields we do not implement ("Unsupported parameter: 'audio' ...") and fields
 nobody defines ("Unrecognized request argument supplied: ..."). Nothing is silently
 ignored. `null` means absent, as in OpenAI's API.
@@ -43,7 +43,8 @@ class Kind(enum.StrEnum):
 ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION}
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
-           "safety_identifier", "service_tier", "metadata", "prompt_cache_key", "response_format"}
+           "safety_identifier", "service_tier", "metadata", "prompt_cache_key", "response_format", "presence_penalty",
+           "frequency_penalty", "logit_bias"}
 EXTENSIONS = {"priority", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "structured_outputs"}
 SUPPORTED = {
     Kind.CHAT: _COMMON | EXTENSIONS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
@@ -52,10 +53,9 @@ SUPPORTED = {
 }
 # OpenAI fields accepted only at the value that changes nothing (else 400 naming them).
 _NOOP: dict[Kind, dict[str, tuple[Any, ...]]] = {
-    Kind.CHAT: {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
-                "functions": ([],), "function_call": ("none",), "store": (False,), "modalities": (["text"],)},
-    Kind.COMPLETION: {"n": (1,), "best_of": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-                      "logit_bias": ({},), "echo": (False,), "suffix": ("",)},
+    Kind.CHAT: {"n": (1,), "functions": ([],), "function_call": ("none",), "store": (False,),
+                "modalities": (["text"],)},
+    Kind.COMPLETION: {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",)},
 }
 # OpenAI fields with no no-op value here: any non-null value is a 400.
 _UNSUPPORTED = {"audio", "prediction", "reasoning_effort", "reasoning", "verbosity", "web_search_options", "tools",
@@ -87,6 +87,9 @@ class _Body(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     response_format: Any = None
@@ -230,9 +233,7 @@ def _why(name: str) -> str:
             "tools": " (tool calls are on /v1/chat/completions)", "tool_choice": " (tool calls are on "
             "/v1/chat/completions)", "functions": " (deprecated: use 'tools')", "function_call": " (deprecated: use "
             "'tool_choice')",
-            "logit_bias": " (no logit bias)", "echo": " (echo must be false)", "suffix": " (no suffix)",
-            "presence_penalty": " (use the repetition_penalty extension)",
-            "frequency_penalty": " (use the repetition_penalty extension)"}.get(name, "")
+            "echo": " (echo must be false)", "suffix": " (no suffix)"}.get(name, "")
 
 
 def _params(kind: Kind, b: _ChatBody | _CompletionBody) -> SamplingParams:
@@ -249,7 +250,11 @@ def _params(kind: Kind, b: _ChatBody | _CompletionBody) -> SamplingParams:
               ("top_p", b.top_p is None or 0.0 < b.top_p <= 1.0, "must be in (0, 1]"),
               ("top_k", b.top_k is None or b.top_k >= -1, "must be >= -1 (-1 or 0 disable it)"),
               ("min_p", b.min_p is None or 0.0 <= b.min_p <= 1.0, "must be in [0, 1]"),
-              ("repetition_penalty", b.repetition_penalty is None or b.repetition_penalty > 0, "must be > 0")]
+              ("repetition_penalty", b.repetition_penalty is None or b.repetition_penalty > 0, "must be > 0"),
+              ("presence_penalty", b.presence_penalty is None or -2.0 <= b.presence_penalty <= 2.0,
+               "must be in [-2, 2]"),
+              ("frequency_penalty", b.frequency_penalty is None or -2.0 <= b.frequency_penalty <= 2.0,
+               "must be in [-2, 2]")]
     for name, ok, rule in checks:
         if not ok:
             raise bad_request(f"'{name}' {rule}.", param=name)
@@ -259,11 +264,25 @@ def _params(kind: Kind, b: _ChatBody | _CompletionBody) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=b.top_p or 1.0,
                               top_k=max(0, b.top_k or 0), min_p=b.min_p or 0.0,
-                              repetition_penalty=b.repetition_penalty or 1.0, stop=stop,
+                              repetition_penalty=b.repetition_penalty or 1.0,
+                              presence_penalty=b.presence_penalty or 0.0, frequency_penalty=b.frequency_penalty or 0.0,
+                              logit_bias=_logit_bias(b.logit_bias), stop=stop,
                               stop_token_ids=b.stop_token_ids or [], seed=b.seed, ignore_eos=b.ignore_eos)
     except ValueError as e:  # the wire contract's own checks (name the field: params.<name>)
         m = re.match(r"params\.(\w+)", str(e))
         raise bad_request(str(e).removeprefix("params."), param=m.group(1) if m else None) from None
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as JSON object keys) with integer keys; None for
+    none or an empty map. Raises ApiError 400 naming `logit_bias` for a key that is not a
+    token id."""
+    if not raw:
+        return None
+    try:
+        return {int(k): float(v) for k, v in raw.items()}
+    except ValueError:
+        raise bad_request("'logit_bias' keys must be token ids (integers as strings).", param="logit_bias") from None
 
 
 def _priority(b: _Body) -> str | None:

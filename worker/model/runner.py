@@ -330,7 +330,7 @@ class ModelRunner:
         # A step of only partial prefill chunks still computes one (discarded) logit row.
         keep = torch.tensor(sample_idx or [0], device=self.device)
         sampling_reqs = [s for s in packed if s.samples_token]
-        if any(s.has_placeholder and s.params.repetition_penalty != 1.0 for s in sampling_reqs):
+        if any(s.has_placeholder and s.params.reads_history for s in sampling_reqs):
             sampling_reqs = self._resolve_for_penalty(sampling_reqs)
         # structured-output masks: on CUDA filled on their own thread while this one queues the
         # forward and the device runs it; on the CPU after the forward (a thread beside torch's
@@ -384,11 +384,11 @@ class ModelRunner:
         return out.logits[0]
 
     def _resolve_for_penalty(self, reqs: list[ScheduledRequest]) -> list[ScheduledRequest]:
-        """Rows with a repetition penalty and a placeholder input get their history with the
-        token in flight (`ScheduledRequest.resolved`): the penalty reads the whole history."""
+        """Rows with a penalty and a placeholder input get their history with the token in
+        flight (`ScheduledRequest.resolved`): the penalties read the whole history."""
         prev_ids, prev_rows = self._last_sampled
         return [s.resolved(int(prev_ids[prev_rows[s.request_id]]))
-                if s.has_placeholder and s.params.repetition_penalty != 1.0 else s for s in reqs]
+                if s.has_placeholder and s.params.reads_history else s for s in reqs]
 
 
 class SampledStep:

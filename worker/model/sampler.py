@@ -1,8 +1,9 @@
 """Token sampling for a batch with per-request parameters, in one vectorized pass.
 
 Order: structured-output masks (rows with a grammar: tokens it does not allow get -inf) →
-repetition penalty (CTRL / transformers semantics) → greedy argmax for
-temperature 0 → temperature → top-k → top-p → min-p → sample. The filters keep or drop
+logit bias → repetition penalty (CTRL / transformers semantics) → presence and frequency
+penalties (OpenAI / vLLM semantics, over the output) → greedy argmax for temperature 0 →
+temperature → top-k → top-p → min-p → sample. The filters keep or drop
 tied logits together (rules in `_filter`), matching transformers' warpers. Sampling uses the
 exponential race (argmax of p / E with E ~ Exp(1)), so each row's randomness comes
 only from its own generator: a seeded request draws the same tokens whatever else
@@ -52,9 +53,13 @@ def sample_on_device(logits: torch.Tensor, reqs: list[ScheduledRequest], timing:
     if any(r.grammar is not None for r in reqs):
         logits = _mask_grammars(logits, reqs, masks, timing)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+    if any(p.logit_bias for p in params):
+        logits = _apply_logit_bias(logits, params)
     penalties = [p.repetition_penalty for p in params]
     if any(x != 1.0 for x in penalties):
         logits = _apply_repetition_penalty(logits, reqs, penalties)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        logits = _apply_output_penalties(logits, reqs, params)
     token_ids = _draw(logits, reqs, params)
     if raw_logprobs is None:
         return token_ids, [None] * len(reqs)
@@ -151,6 +156,36 @@ def _apply_repetition_penalty(
     pen = torch.tensor(penalties, device=logits.device).unsqueeze(1).expand_as(logits)
     penalized = torch.where(logits > 0, logits / pen, logits * pen)
     return torch.where(seen, penalized, logits)
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """`logits` `[num_reqs, vocab]` plus each row's `logit_bias` at its token ids (the
+    input processor rejected ids outside the vocabulary)."""
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token_id)
+            vals.append(bias)
+    bias = torch.zeros_like(logits)
+    bias[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = torch.tensor(
+        vals, dtype=logits.dtype, device=logits.device)
+    return logits + bias
+
+
+def _apply_output_penalties(logits: torch.Tensor, reqs: list[ScheduledRequest], params: list) -> torch.Tensor:
+    """Presence and frequency penalties over each row's output so far (not its prompt):
+    `logit - frequency * count - presence * (count > 0)` (OpenAI's formula, vLLM's scope)."""
+    n, vocab = logits.shape
+    counts = torch.zeros(n, vocab, dtype=logits.dtype, device=logits.device)
+    for i, r in enumerate(reqs):
+        output = r.all_token_ids[r.num_prompt_tokens:]
+        if output and (params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0):
+            ids = torch.tensor(output, device=logits.device)
+            counts[i].index_add_(0, ids, torch.ones(len(output), dtype=logits.dtype, device=logits.device))
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=logits.device)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=logits.device)
+    return logits - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(logits.dtype)
 
 
 def _filter(x: torch.Tensor, params: list) -> torch.Tensor:
