@@ -152,7 +152,7 @@ async def _errors(gw) -> dict:
     c = client(gw)
     base = dict(model=MODEL, messages=MESSAGES, max_tokens=4)
     got = {}
-    for name, kw in (("n", {"n": 2}), ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    for name, kw in (("n", {"n": 17}), ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
                      ("extra", {"extra_body": {"frobnicate": 1}})):
         try:
             await c.chat.completions.create(**base, **kw)
@@ -422,3 +422,41 @@ def test_vllms_server_utilities_tokenize_detokenize_version_health(services, pre
     assert got["version"] == (200, {"version": version()}) and version() != "unknown"
     assert got["health"] == (200, "")
     assert got["unhealthy"][0] == 503 and got["unhealthy"][1]["errors"] == {"redis": "Redis did not answer in 3 s"}
+
+
+def test_n_choices_are_jobs_of_their_own_merged_into_one_response(services, prefix, tmp_path):
+    """`n` > 1: one job per choice (seed, seed + 1, ...), merged as OpenAI shapes it: each
+    choice equals the single request with its seed; usage counts the prompt once; streamed,
+    every choice's chunks carry its index and one usage chunk ends the stream."""
+    cfg = worker_config(services, prefix)
+    engine = slow_null_engine(0.002)
+    body = dict(model=MODEL, prompt="choices", max_tokens=6, temperature=1.0)
+
+    async def main():
+        async with running_worker(cfg, engine), \
+                running_gateway(gateway_config(services, prefix, tmp_path / "files")) as gw:
+            c = client(gw)
+            many = await c.completions.create(**body, n=3, seed=5)
+            singles = [await c.completions.create(**body, seed=5 + i) for i in range(3)]
+            chunks = [ch async for ch in await c.completions.create(**body, n=2, seed=11, stream=True,
+                                                                     stream_options={"include_usage": True})]
+            jobs = await _read_jobs(services[0], keys.job_topic(prefix, "normal"))
+            return many, singles, chunks, jobs
+
+    many, singles, chunks, jobs = asyncio.run(main())
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    assert [ch.text for ch in many.choices] == [s.choices[0].text for s in singles]
+    base = many.id.removeprefix("cmpl-")
+    seeds = {j.job_id: j.params.seed for j in jobs}
+    assert [seeds[base], seeds[f"{base}-1"], seeds[f"{base}-2"]] == [5, 6, 7]  # a job per choice, its own seed
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles) == 18
+    texts = {0: "", 1: ""}
+    reasons = {}
+    for ch in chunks[:-1]:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert reasons == {0: "length", 1: "length"} and all(texts.values())
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12

@@ -51,6 +51,7 @@ def test_supported_fields_map_onto_the_job_params():
     assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos) == (0, 0.1, 1.2, True)
     assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.5, -0.25, {5: -100.0, 7: 2.5})
     assert parse_request(Kind.CHAT, chat(logit_bias={})).params.logit_bias is None
+    assert parse_request(Kind.CHAT, chat(n=3)).n == 3 and parse_request(Kind.CHAT, chat()).n == 1
     assert r.stream and r.include_usage and r.priority == "low" and r.metadata == {"user": "u1"}
     assert [(m.role, m.content) for m in r.messages] == [("user", "hi")]
     c = parse_request(Kind.COMPLETION, b'{"model": "m", "prompt": [[1, 2, 3]], "logprobs": 2}')
@@ -65,7 +66,6 @@ def test_supported_fields_map_onto_the_job_params():
 
 
 @pytest.mark.parametrize(("kind", "field", "value", "param"), [
-    (Kind.CHAT, "n", 2, "n"),
     (Kind.COMPLETION, "tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
     (Kind.CHAT, "audio", {"voice": "x"}, "audio"),
     (Kind.CHAT, "reasoning_effort", "high", "reasoning_effort"),
@@ -86,7 +86,8 @@ def test_invalid_values_name_the_field():
                         ({**CHAT, "top_p": 0}, "top_p"), ({**CHAT, "max_tokens": 0}, "max_tokens"),
                         ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),
                         ({**CHAT, "top_logprobs": 2}, "top_logprobs"), ({**CHAT, "stop": [""]}, "stop"),
-                        ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+                        ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"), ({**CHAT, "n": 0}, "n"),
+                        ({**CHAT, "n": 17}, "n"),
                         ({**CHAT, "frequency_penalty": -3}, "frequency_penalty"),
                         ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"), ({**CHAT, "logit_bias": {"5": 101}},
                                                                               "logit_bias"),

@@ -26,6 +26,7 @@ from aiokafka.errors import KafkaError
 from schemas import keys
 from worker.client import InflightClient
 from worker.config import ConfigError
+from worker.config.worker import pool_set
 from worker.gateway.auth import KeyRing
 from worker.gateway.batch.api import BatchHandlers
 from worker.gateway.batch.manager import BatchManager
@@ -96,6 +97,15 @@ class Gateway:
         self.tracing = setup_tracing(cfg.tracing, "inflight-gateway", instance_id=self.gateway_id,
                                      model=cfg.gateway.model_name)
 
+    def _edge_context(self) -> int | None:
+        """The context the gateway refuses prompts beyond (`worker.gateway.edge`):
+        `gateway.max_model_len` when set; else the checkpoint's, unless pools route by
+        prompt length (a pool may run a longer context than the checkpoint states, set in
+        its workers' `model.max_model_len`, which the gateway cannot see): then none."""
+        if self.cfg.gateway.max_model_len is not None:
+            return self.cfg.gateway.max_model_len
+        return None if pool_set(self.cfg.pools).routes else self._max_model_len
+
     async def start(self) -> None:
         """Raises:
         ConfigError: bad keys, tokenizer or files directory; the port cannot be bound;
@@ -115,7 +125,8 @@ class Gateway:
         ctx = GatewayContext(cfg=g, client=self.client, keys=keyring, metrics=self.metrics,
                              cancels=CancelSender(self.client, lambda r: self.metrics.cancels.labels(r).inc()),
                              tokens=tokens, adapters=AdapterNames(g.adapters, g.lora_dir),
-                             fleet=FleetLiveness(g.model_name, g.no_worker_grace_s), max_model_len=self._max_model_len)
+                             fleet=FleetLiveness(g.model_name, g.no_worker_grace_s),
+                             max_model_len=self._edge_context())
         self.ctx = ctx
         self.files = files
         store = BatchStore(self.client.redis, files, self.cfg.redis.key_prefix, self.gateway_id, g.batch_lease_ms,

@@ -15,21 +15,35 @@ import asyncio
 import time
 import uuid
 
+import msgspec
 import structlog
 from aiohttp import web
 
 from schemas.wire import Job
 from worker.gateway.auth import effective_priority
+from worker.gateway.choices import all_or_none, merge_choices, stream_choices
 from worker.gateway.context import CLIENT_GONE, GatewayContext, json_ok
 from worker.gateway.edge import check_context
 from worker.gateway.errors import ApiError, error_for_outcome, overloaded
 from worker.gateway.generation import Generation, seeded
 from worker.gateway.protocol import GenRequest, Kind, parse_request
-from worker.gateway.render import DONE, Renderer, error_event
+from worker.gateway.render import DONE, SSE_HEADERS, Renderer, error_event
 
 log = structlog.get_logger(__name__)
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+def choice_jobs(req: GenRequest, job_id: str, tenant: str | None, deadline: float | None,
+                adapter: str | None = None) -> list[Job]:
+    """One job per choice (`n`): `job_id`, then `<job_id>-1` …; with a request seed `s`,
+    choice i samples with seed `s + i` (distinct and reproducible), else each is seeded at
+    random (`seeded`)."""
+    jobs = []
+    for i in range(req.n):
+        job = build_job(req, job_id if i == 0 else f"{job_id}-{i}", tenant, deadline, adapter)
+        if i and req.params.seed is not None:
+            job = msgspec.structs.replace(job, params=msgspec.structs.replace(
+                job.params, seed=(req.params.seed + i) & 0x7FFFFFFFFFFFFFFF))
+        jobs.append(job)
+    return jobs
 
 
 def build_job(req: GenRequest, job_id: str, tenant: str | None, deadline: float | None,
@@ -68,27 +82,31 @@ class CompletionHandlers:
             raise overloaded(cfg.retry_after_s, "too many requests in flight on this gateway "
                              "(gateway.max_concurrent_requests); retry later")
         job_id = uuid.uuid4().hex
-        job = build_job(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s, adapter)
-        gen = Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
-                         retry_after_s=cfg.retry_after_s, cancels=ctx.cancels, check_pool=ctx.fleet.check)
+        jobs = choice_jobs(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s, adapter)
+        gens = [Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
+                           retry_after_s=cfg.retry_after_s, cancels=ctx.cancels, check_pool=ctx.fleet.check)
+                for job in jobs]
         prefix = "chatcmpl-" if kind == Kind.CHAT else "cmpl-"
-        renderer = Renderer(kind, prefix + job_id, req.model, int(time.time()), ctx.tokens, req.include_usage,
-                            req.tool_mode)
+        renderers = [Renderer(kind, prefix + job_id, req.model, int(time.time()), ctx.tokens, req.include_usage,
+                              req.tool_mode, index=i) for i in range(len(jobs))]
         endpoint = request.match_info.route.resource.canonical  # the metrics label (route template)
         reason = "client_disconnect"
         self._in_flight += 1
         m.in_flight.inc()
         try:
             try:
-                await gen.start()
+                await all_or_none([g.start() for g in gens])
             except ApiError as e:
                 reason = "overloaded" if e.status == 429 else "error"
                 raise
-            if gen.finished is not None and not gen.finished.finish_reason.is_success:
-                raise error_for_outcome(gen.finished, cfg.retry_after_s)  # ended before any token
+            for gen in gens:
+                if gen.finished is not None and not gen.finished.finish_reason.is_success:
+                    raise error_for_outcome(gen.finished, cfg.retry_after_s)  # ended before any token
+            if req.stream and len(gens) > 1:
+                return await stream_choices(self.ctx, request, gens, renderers, t0, endpoint)
             if req.stream:
-                return await self._stream(request, gen, renderer, t0, endpoint)
-            return await self._whole(gen, renderer, req, t0, endpoint)
+                return await self._stream(request, gens[0], renderers[0], t0, endpoint)
+            return await self._whole(gens, renderers, req, t0, endpoint)
         except asyncio.CancelledError:  # the connection dropped (aiohttp cancels the handler)
             m.disconnects.labels(endpoint).inc()
             raise
@@ -99,19 +117,25 @@ class CompletionHandlers:
         finally:
             self._in_flight -= 1
             m.in_flight.dec()
-            await gen.close(gen.cancel_reason or reason)
+            for gen in gens:
+                await gen.close(gen.cancel_reason or reason)
 
-    async def _whole(self, gen: Generation, renderer: Renderer, req: GenRequest, t0: float,
+    async def _whole(self, gens: list[Generation], renderers: list[Renderer], req: GenRequest, t0: float,
                      endpoint: str) -> web.Response:
-        logprobs = [] if req.logprobs is not None else None
-        async for d in gen.deltas():
-            if logprobs is not None and d.logprobs:
-                logprobs.extend(d.logprobs)
-        fin = gen.finished
-        if not fin.finish_reason.is_success:
-            raise error_for_outcome(fin, self.ctx.cfg.retry_after_s)
-        resp = json_ok(renderer.completion(fin, logprobs),
-                       headers={"X-Request-Id": gen.job_id, "Server-Timing": gen.server_timing()})
+        async def collect(gen: Generation) -> list | None:
+            logprobs = [] if req.logprobs is not None else None
+            async for d in gen.deltas():
+                if logprobs is not None and d.logprobs:
+                    logprobs.extend(d.logprobs)
+            return logprobs
+
+        logprobs = await all_or_none([collect(g) for g in gens])
+        for gen in gens:
+            if not gen.finished.finish_reason.is_success:
+                raise error_for_outcome(gen.finished, self.ctx.cfg.retry_after_s)
+        bodies = [r.completion(g.finished, lp) for r, g, lp in zip(renderers, gens, logprobs, strict=True)]
+        resp = json_ok(merge_choices(bodies, [g.finished.usage for g in gens]),
+                       headers={"X-Request-Id": gens[0].job_id, "Server-Timing": gens[0].server_timing()})
         self.ctx.metrics.ttfb.labels(endpoint).observe(time.monotonic() - t0)
         return resp
 

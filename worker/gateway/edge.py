@@ -4,8 +4,12 @@ anything is produced, instead of going through Kafka to a worker that rejects it
 record and, before the DLQ alert looked at reasons, a page for a client's mistake).
 
 The gateway counts with its own tokenizer (`gateway.tokenizer`, the checkpoint's
-`tokenizer.json`, the one the workers load) against `max_model_len`; without either it
-judges nothing. The count is a **lower bound** of the worker's, so the gateway never
+`tokenizer.json`, the one the workers load) against the context: `gateway.max_model_len`
+when set, else the checkpoint's (`config.json`), except with pools that route by prompt
+length, whose workers may run a longer context (`model.max_model_len`) than the checkpoint
+states: there only an explicit `gateway.max_model_len` is judged by. Without a tokenizer or
+a context it judges nothing. Workers that set `model.max_model_len` above the checkpoint's
+need `gateway.max_model_len` set alike. The count is a **lower bound** of the worker's, so the gateway never
 refuses what a worker would serve:
 
 - `prompt_token_ids`: exact;

@@ -44,7 +44,7 @@ ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COM
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
            "safety_identifier", "service_tier", "metadata", "prompt_cache_key", "response_format", "presence_penalty",
-           "frequency_penalty", "logit_bias"}
+           "frequency_penalty", "logit_bias", "n"}
 EXTENSIONS = {"priority", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "structured_outputs"}
 SUPPORTED = {
     Kind.CHAT: _COMMON | EXTENSIONS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
@@ -53,13 +53,14 @@ SUPPORTED = {
 }
 # OpenAI fields accepted only at the value that changes nothing (else 400 naming them).
 _NOOP: dict[Kind, dict[str, tuple[Any, ...]]] = {
-    Kind.CHAT: {"n": (1,), "functions": ([],), "function_call": ("none",), "store": (False,),
+    Kind.CHAT: {"functions": ([],), "function_call": ("none",), "store": (False,),
                 "modalities": (["text"],)},
-    Kind.COMPLETION: {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",)},
+    Kind.COMPLETION: {"best_of": (1,), "echo": (False,), "suffix": ("",)},
 }
 # OpenAI fields with no no-op value here: any non-null value is a 400.
 _UNSUPPORTED = {"audio", "prediction", "reasoning_effort", "reasoning", "verbosity", "web_search_options", "tools",
                 "tool_choice", "parallel_tool_calls"}  # (the tool fields: chat only)
+MAX_CHOICES = 16  # `n`: each choice is a job of its own
 _SERVICE_TIERS = {"auto": None, "default": None, "flex": "low", "priority": "high"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -90,6 +91,7 @@ class _Body(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    n: int = 1
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     response_format: Any = None
@@ -132,6 +134,7 @@ class GenRequest:
     metadata: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_mode: ToolMode | None = None
+    n: int = 1  # choices: one job each (seeds seed, seed + 1, ... when the request has one)
 
 
 def parse_request(kind: Kind, raw: bytes) -> GenRequest:
@@ -180,6 +183,9 @@ def parse_body(kind: Kind, obj: Any) -> GenRequest:
                           else "logprobs")
     req.params = msgspec.structs.replace(req.params, logprobs=req.logprobs, structured=_structured(body, req))
     req.priority = _priority(body)
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be in [1, {MAX_CHOICES}].", param="n")
+    req.n = body.n
     req.stream = body.stream
     if body.stream_options is not None and not body.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
@@ -229,7 +235,7 @@ def _check_fields(kind: Kind, obj: dict[str, Any]) -> None:
 
 
 def _why(name: str) -> str:
-    return {"n": " (one choice per request: n must be 1)", "best_of": " (best_of must be 1)",
+    return {"best_of": " (best_of must be 1)",
             "tools": " (tool calls are on /v1/chat/completions)", "tool_choice": " (tool calls are on "
             "/v1/chat/completions)", "functions": " (deprecated: use 'tools')", "function_call": " (deprecated: use "
             "'tool_choice')",

@@ -68,6 +68,21 @@ class TokenText:
         return list(self.text(token_id).encode()) if self._tok else None
 
 
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def merged_usage(usages: list[Usage | None]) -> dict[str, Any] | None:
+    """One request's usage over its `n` choices (OpenAI's: the prompt counted once, the
+    completion tokens of every choice summed); None if a choice has none."""
+    if not usages or any(u is None for u in usages):
+        return None
+    first = usages[0]
+    completion = sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}
+
+
 def usage_body(u: Usage | None) -> dict[str, Any] | None:
     if u is None:
         return None
@@ -86,13 +101,15 @@ class Renderer:
         created: Unix seconds.
         tokens: logprob token text.
         include_usage: streamed chunks carry `"usage": null` and a last chunk with usage.
+        index: the choice these objects render (`n` > 1: one renderer per choice).
         tool_mode: the output is a constrained tool call: rendered as `tool_calls`
             (`worker/gateway/tools.py`), finish reason `tool_calls`.
     """
 
     def __init__(self, kind: Kind, response_id: str, model: str, created: int, tokens: TokenText,
-                 include_usage: bool = False, tool_mode: ToolMode | None = None) -> None:
+                 include_usage: bool = False, tool_mode: ToolMode | None = None, index: int = 0) -> None:
         self.kind = kind
+        self.index = index
         self.tokens = tokens
         self.include_usage = include_usage
         self.tool_mode = tool_mode if kind == Kind.CHAT else None
@@ -113,10 +130,11 @@ class Renderer:
                 if calls is not None:  # else (cut by length) the text stays the content
                     message.update(content=None, tool_calls=calls)
                     reason = finish_reason(self.tool_mode, reason)
-            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
+            choice = {"index": self.index, "message": message, "logprobs": lp, "finish_reason": reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": fin.text, "logprobs": lp, "finish_reason": fin.finish_reason.value}
+            choice = {"index": self.index, "text": fin.text, "logprobs": lp,
+                      "finish_reason": fin.finish_reason.value}
             obj = "text_completion"
         return {**self._head, "object": obj, "choices": [choice], "usage": usage_body(fin.usage)}
 
@@ -146,32 +164,41 @@ class Renderer:
         """Chat opens with the assistant role (as OpenAI); completions have no opener."""
         if self.kind != Kind.CHAT:
             return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": None if self.tool_mode else ""},
+        return self._chunk({"index": self.index,
+                            "delta": {"role": "assistant", "content": None if self.tool_mode else ""},
                             "logprobs": None, "finish_reason": None})
 
     def token_chunk(self, text: str, logprobs: list[TokenLogprob] | None) -> bytes:
         lp = self.logprobs(logprobs) if logprobs is not None else None
         if self._tool_stream is not None:
-            return b"".join(self._chunk({"index": 0, "delta": d, "logprobs": lp, "finish_reason": None})
+            return b"".join(self._chunk({"index": self.index, "delta": d, "logprobs": lp, "finish_reason": None})
                             for d in self._tool_stream.text(text))
         if self.kind == Kind.CHAT:
-            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
-        return self._chunk({"index": 0, "text": text, "logprobs": lp, "finish_reason": None})
+            return self._chunk({"index": self.index, "delta": {"content": text}, "logprobs": lp,
+                                "finish_reason": None})
+        return self._chunk({"index": self.index, "text": text, "logprobs": lp, "finish_reason": None})
 
-    def final_chunks(self, fin: Finished) -> bytes:
-        """The chunk with the finish reason, then (with `include_usage`) the usage chunk."""
+    def final_chunks(self, fin: Finished, with_usage: bool = True) -> bytes:
+        """The chunk with the finish reason, then (with `include_usage` and `with_usage`)
+        the usage chunk (`n` > 1: one usage chunk for all choices, `usage_chunk`)."""
         if self._tool_stream is not None:
-            out = b"".join(self._chunk({"index": 0, "delta": d, "logprobs": None, "finish_reason": None})
+            out = b"".join(self._chunk({"index": self.index, "delta": d, "logprobs": None, "finish_reason": None})
                            for d in self._tool_stream.finish())
-            out += self._chunk({"index": 0, "delta": {}, "logprobs": None,
+            out += self._chunk({"index": self.index, "delta": {}, "logprobs": None,
                                 "finish_reason": finish_reason(self.tool_mode, fin.finish_reason.value)})
         elif self.kind == Kind.CHAT:
-            out = self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": fin.finish_reason.value})
+            out = self._chunk({"index": self.index, "delta": {}, "logprobs": None,
+                               "finish_reason": fin.finish_reason.value})
         else:
-            out = self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": fin.finish_reason.value})
-        if self.include_usage:
+            out = self._chunk({"index": self.index, "text": "", "logprobs": None,
+                               "finish_reason": fin.finish_reason.value})
+        if self.include_usage and with_usage:
             out += self._chunk(None, usage_body(fin.usage))
         return out
+
+    def usage_chunk(self, usage: dict[str, Any] | None) -> bytes:
+        """The last chunk of a stream with `include_usage`: no choices, the usage."""
+        return self._chunk(None, usage)
 
 
 def error_event(err: ApiError) -> bytes:

@@ -88,7 +88,7 @@ def parse_input(data: bytes, *, batch_id: str, endpoint: str, kind: Kind, model_
                 raise _invalid("mismatched_url", f"url must be the batch's endpoint {endpoint}", "url")
             req = parse_body(kind, obj.get("body"))
             for name, given in (("stream", req.stream), ("logprobs", req.logprobs is not None),
-                                ("priority", req.priority is not None)):
+                                ("priority", req.priority is not None), ("n", req.n != 1)):
                 if given:
                     raise _invalid("unsupported_parameter", f"'{name}' is not supported in batch lines", f"body.{name}")
             if req.model != model_name:

@@ -1,0 +1,115 @@
+"""Several choices for one request (`n` > 1): each choice is a job of its own (its own seed,
+so the choices differ and each is reproducible), started together, and their outputs
+merged into one response as OpenAI shapes it: `choices[i]` with `index` i, the usage
+counting the prompt once and every choice's completion tokens; streamed, each choice's
+chunks carry its index and arrive interleaved as the jobs produce them, one usage chunk
+at the end. One choice failing fails the request (its error, as for one choice), and the
+others are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+from aiohttp import web
+
+from schemas.wire import Usage
+from worker.gateway.context import CLIENT_GONE, GatewayContext
+from worker.gateway.errors import ApiError, error_for_outcome
+from worker.gateway.generation import Generation
+from worker.gateway.render import DONE, SSE_HEADERS, Renderer, error_event, merged_usage
+
+
+async def all_or_none(coros: list[Awaitable]) -> list:
+    """Run `coros` concurrently and return their results in order; the first exception
+    cancels the others (awaited) and propagates (plain, not an exception group)."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def merge_choices(bodies: list[dict[str, Any]], usages: list[Usage | None]) -> dict[str, Any]:
+    """One non-streamed body from each choice's (`Renderer.completion`): the first's head,
+    every choice, the merged usage."""
+    if len(bodies) == 1:
+        return bodies[0]
+    return {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": merged_usage(usages)}
+
+
+async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[Generation],
+                         renderers: list[Renderer], t0: float, endpoint: str) -> web.StreamResponse:
+    """The SSE response of `n` > 1 started generations: each choice's opener, its token
+    chunks as they come (interleaved), its final chunk; then the usage chunk (with
+    `include_usage`) and `[DONE]`. An error of any choice ends the stream with an error
+    event."""
+    m = ctx.metrics
+    resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gens[0].job_id,
+                                                   "Server-Timing": gens[0].server_timing()})
+    await resp.prepare(request)
+    m.open_streams.inc()
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def pump(gen: Generation, renderer: Renderer) -> None:
+        await queue.put(renderer.first_chunk() or b"")
+        async for d in gen.deltas():
+            m.tokens.inc(d.num_tokens)
+            if d.text or d.logprobs:
+                await queue.put(renderer.token_chunk(d.text, d.logprobs))
+        fin = gen.finished
+        if not fin.finish_reason.is_success:
+            raise error_for_outcome(fin, ctx.cfg.retry_after_s)
+        await queue.put(renderer.final_chunks(fin, with_usage=False))
+
+    try:
+        first = True
+        pumps = asyncio.ensure_future(all_or_none([pump(g, r) for g, r in zip(gens, renderers, strict=True)]))
+        tail = b""
+        try:
+            while not (pumps.done() and queue.empty()):
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, pumps}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                chunk = getter.result()
+                if chunk:
+                    await resp.write(chunk)
+                    if first:
+                        first = False
+                        m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+            pumps.result()  # raises a choice's error
+            if renderers[0].include_usage:
+                tail = renderers[0].usage_chunk(merged_usage([g.finished.usage for g in gens]))
+        except ApiError as e:
+            tail = error_event(e)
+        except TimeoutError:
+            for gen in gens:
+                gen.cancel_reason = "timeout"
+            tail = error_event(ApiError(504, "the request did not finish within gateway.request_timeout_s",
+                                        code="timeout"))
+        finally:
+            pumps.cancel()
+            await asyncio.gather(pumps, return_exceptions=True)
+        await resp.write(tail + DONE)
+        if first:
+            m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+        await resp.write_eof()
+    except ConnectionResetError:
+        m.disconnects.labels(endpoint).inc()
+        request[CLIENT_GONE] = True
+    finally:
+        m.open_streams.dec()
+    return resp
