@@ -32,9 +32,14 @@ POOL_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"  # one segment of a topic name
 
 
 class Pool(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One pool. `max_prompt_tokens`: the longest prompt it serves (None: no bound; only
-    the last pool). `group_id`: its consumer group (None: derived, see the module
-    docstring)."""
+    """One pool of workers.
+
+    Attributes:
+        name: 1-32 characters of `a-z 0-9 _ -` (a segment of its topics' names).
+        max_prompt_tokens: the longest prompt it serves, in tokens (None: no bound; only
+            the last pool).
+        group_id: its consumer group (None: derived, see the module docstring).
+    """
 
     name: str
     max_prompt_tokens: int | None = None

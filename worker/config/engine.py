@@ -96,6 +96,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             and of one output token, in the counters (VTC's w_p = 1, w_q = 2).
         tenants: per-tenant weight and quotas, by the job's `tenant`; tenants not
             listed get `default_tenant`. Jobs without a tenant are the tenant `""`.
+        default_tenant: the weight and quotas of every tenant `tenants` does not list.
         async_scheduling: launch step N+1 on the device (its forward on a thread of its
             own) before step N's outputs are built and handed on, so output work
             (outputs, detokenization, the engine process's pipe) overlaps the forward

@@ -27,7 +27,17 @@ class TlsSettings(msgspec.Struct, kw_only=True):
     """The TLS client fields of the `kafka` and `redis` sections (one definition, one
     check): the CA to verify the server against (`ssl_cafile`; the system's CAs when
     unset), a client certificate for mutual TLS (`ssl_certfile`, `ssl_keyfile` if the key
-    is in another file) and the key's password (`ssl_key_password` or its `*_file` twin)."""
+    is in another file) and the key's password (`ssl_key_password` or its `*_file` twin).
+
+    Attributes:
+        ssl_cafile: PEM file of the CA(s) the server's certificate must chain to. None:
+            the system's CAs.
+        ssl_certfile: PEM client certificate presented for mutual TLS (None: none).
+        ssl_keyfile: its private key, when not in `ssl_certfile`.
+        ssl_key_password: the key's password (from the environment; never logged).
+        ssl_key_password_file: a file whose first line is that password.
+        ssl_check_hostname: verify that the server's certificate names the host dialled.
+    """
 
     SECTION: ClassVar[str]  # the section's name in error messages
 
@@ -58,6 +68,38 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     `ssl_certfile` is set (mutual TLS; `ssl_keyfile` if the key is in another file). Every
     secret (`sasl_password`, `ssl_key_password`) comes from the environment
     (`INFLIGHT_KAFKA__SASL_PASSWORD`) or from its `*_file` twin, and is never logged.
+
+    Attributes:
+        bootstrap_servers: `host:port[,host:port...]` of the brokers to bootstrap from.
+        topic_prefix: the topics' prefix: `<prefix>.jobs.<priority>`, `.cancel`, `.dlq`,
+            `.results` (schemas/keys.py); every worker, producer and gateway of a
+            deployment uses the same.
+        group_id: the workers' consumer group (the default pool's; another pool `P` uses
+            `<group_id>.P` unless its own `group_id` is set). The gateway counts its
+            members as the pool's live workers.
+        security_protocol: PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL.
+        sasl_mechanism: PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 (SASL only).
+        sasl_username: the SASL user (the principal `User:<name>`).
+        sasl_password: its password (from the environment; never logged).
+        sasl_password_file: a file whose first line is that password.
+        session_timeout_ms: how long the group coordinator waits for a worker's heartbeat
+            before it counts the worker gone and moves its partitions, milliseconds.
+        heartbeat_interval_ms: heartbeat period, milliseconds (below the session timeout).
+        max_poll_interval_ms: longest gap between two polls before the consumer leaves the
+            group, milliseconds (intake polls continuously, so only a stalled loop hits it).
+        max_partition_fetch_bytes: most bytes fetched per partition per request (also the
+            largest job record a worker can read).
+        commit_interval_ms: how often finished jobs' offsets are committed, milliseconds.
+        cancel_lookback_s: where the cancel listener starts reading at start: None, the
+            cancel topic's log start (every cancel it keeps); else this many seconds ago.
+        max_cancelled_ids: cancelled job ids a worker keeps in memory.
+        outage_limit_s: how long Kafka may be unreachable before the worker gives up
+            (exit 1), seconds; transient errors are retried meanwhile.
+        stall_timeout_s: lag, free slots and no record for this long: the consumer is
+            recreated, seconds.
+        transient_grace_s: expected transient conditions (coordinator loading, a
+            rebalance, a broker restart) log at info until one has lasted this long, then
+            once at warning, seconds.
     """
 
     SECTION: ClassVar[str] = "kafka"
@@ -75,17 +117,11 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     max_poll_interval_ms: int = 300_000
     max_partition_fetch_bytes: int = 16 * 1024 * 1024
     commit_interval_ms: int = 500
-    # Where the cancel listener starts reading at start: None = the cancel topic's log
-    # start (every cancel it keeps); else this many seconds ago (worker/serve/cancels.py).
-    cancel_lookback_s: float | None = None
-    max_cancelled_ids: int = 1_000_000  # cancelled job ids a worker keeps in memory
-    # A transient broker error is retried; a worker gives up (exit 1) only once Kafka has
-    # been unreachable this long (seconds; worker/serve/kafka_outage.py).
-    outage_limit_s: float = 600.0
-    stall_timeout_s: float = 10.0  # lag, free slots, no record for this long: recreate the consumer
-    # Expected transient conditions (coordinator loading, rebalance, broker restart) log at
-    # info until one has lasted this long (seconds), then once at warning (worker.obs.transient_log).
-    transient_grace_s: float = 30.0
+    cancel_lookback_s: float | None = None  # worker/serve/cancels.py
+    max_cancelled_ids: int = 1_000_000
+    outage_limit_s: float = 600.0  # worker/serve/kafka_outage.py
+    stall_timeout_s: float = 10.0
+    transient_grace_s: float = 30.0  # worker.obs.transient_log
 
     def __post_init__(self) -> None:
         positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,
@@ -161,6 +197,12 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     yes`). Secrets come from the environment or their `*_file` twins, never logged.
 
     Attributes:
+        url: `redis://host:port/db`, `rediss://` for TLS, or `unix://path`.
+        key_prefix: the keys' and channels' prefix (`<prefix>:job:<id>:log`, a tenant's
+            under `<prefix>:t:<tenant>:`; schemas/keys.py).
+        username: the ACL user (None: `default`, or the URL's).
+        password: its password (from the environment; never logged).
+        password_file: a file whose first line is that password.
         log_ttl_s: lifetime of a job's replay log, done mark and counters after its
             last event, seconds.
         log_maxlen: approximate cap of entries per replay log.

@@ -82,8 +82,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             `max_model_len` (as vLLM does). None: read from `config.json` of the
             `tokenizer` directory (`max_position_embeddings`) when there is one, else not
             reported.
-        api_keys: keys and their grants; `api_keys_file` adds more (a YAML list of the
-            same entries, read at start).
+        api_keys: keys and their grants.
+        api_keys_file: a YAML list of more entries of the same form, read at start.
         allow_anonymous: requests without an Authorization header run as no tenant with
             `default_priority` at most (development only); unknown keys still get 401.
         default_priority: priority of requests that name none (capped by the key's grant).
