@@ -42,10 +42,21 @@ def test_no_live_worker_is_a_503_at_once_and_an_unready_gateway(services, prefix
     request = dict(model=MODEL, prompt="hello", max_tokens=4)
     topics = keys.all_topics(prefix)
 
+    async def _unready(gw):
+        return (await _readyz(gw))[0] == 503
+
+    async def _ready(gw):
+        return (await _readyz(gw))[0] == 200
+
     async def main():
         out = {}
         async with running_gateway(gcfg) as gw:
-            await wait_until(lambda: _unready(gw), 15, "the gateway turns unready with no worker")
+            out["never_ran"] = await _readyz(gw)  # no worker ever: the group is unknown, nothing judged
+            async with running_worker(cfg, slow_null_engine(0.01)):  # the fleet runs a job (its group commits)
+                await wait_until(lambda: _ready(gw), 30, "ready once a worker joined")
+                await client(gw).completions.create(**request)
+            # every worker stopped
+            await wait_until(lambda: _unready(gw), 15, "the gateway turns unready with no live worker")
             out["unready"] = await _readyz(gw)
             before = await _end_offsets(services[0], topics)
             t0 = time.monotonic()
@@ -64,13 +75,9 @@ def test_no_live_worker_is_a_503_at_once_and_an_unready_gateway(services, prefix
                 out["gauge_up"] = sample(gw.metrics.registry, "gateway_live_workers", pool="default")
         return out
 
-    async def _unready(gw):
-        return (await _readyz(gw))[0] == 503
-
-    async def _ready(gw):
-        return (await _readyz(gw))[0] == 200
-
     out = asyncio.run(main())
+    # ready: an unknown group (or a first describe that found no coordinator yet) judges nothing
+    assert out["never_ran"][0] == 200 and out["never_ran"][1]["live_workers"] in (None, {"default": None})
     status, body = out["unready"]
     assert status == 503 and body["checks"]["workers"] is False and body["live_workers"] == {"default": 0}
     assert body["errors"]["workers"] == f"no live worker for model '{MODEL}' (pool 'default')"

@@ -39,8 +39,10 @@ def test_only_members_on_the_pools_job_topics_count():
         (0, "unrelated", "Stable", "consumer", "range", [member("x", ["acme.jobs.high"])]),
     ]
     assert fleet.live_members(rows, g) == 3
-    assert fleet.live_members([(0, "workers", "Empty", "consumer", "", [])], g) == 0
-    assert fleet.live_members([], g) == 0  # a group nobody ever joined
+    assert fleet.live_members([(0, "workers", "Empty", "consumer", "", [])], g) == 0  # a fleet that stopped
+    # a group the coordinator does not know: never committed to (not started yet, or not the workers' id)
+    assert fleet.live_members([(0, "workers", "Dead", "", "", [])], g) is None
+    assert fleet.live_members([], g) is None
 
 
 def test_a_refused_describe_raises_the_kafka_error():
@@ -68,6 +70,14 @@ def test_a_dead_pool_is_refused_with_503_naming_the_model_and_pool():
     assert "no live worker for model 'tiny' (pool 'default')" in e.value.message
     assert f.readiness_error() == "no live worker for model 'tiny' (pool 'default')"
     f.check("long")  # a pool the counts do not name is not refused
+
+
+def test_an_unknown_group_refuses_nothing():
+    f = FleetLiveness("tiny", grace_s=0.0)
+    f.update({"default": 0, "long": None}, now=0.0)
+    assert f.dead("default", now=1.0) and not f.dead("long", now=100.0)
+    f.update({"default": None, "long": None}, now=2.0)
+    assert not f.dead("default", now=100.0) and f.readiness_error(now=100.0) is None
 
 
 def test_unknown_counts_refuse_nothing():

@@ -10,7 +10,9 @@ and the consumer protocol's member metadata names each member's subscription. A 
 whose metadata does not decode (a client speaking another protocol) counts as alive.
 
 Used by the gateway (`worker.gateway.app`): a pool without a live worker is refused at
-once with 503 rather than queued until `queue_timeout_s`, and `/readyz` says so.
+once with 503 rather than queued until `queue_timeout_s`, and `/readyz` says so. A group
+the coordinator does not know (never committed to: a fleet not started yet, or a gateway
+whose `kafka.group_id` is not the workers') counts as unknown, not dead.
 """
 
 from __future__ import annotations
@@ -50,29 +52,36 @@ def subscribes(member_metadata: bytes, topics: frozenset[str]) -> bool:
     return bool(topics.intersection(subscription))
 
 
-def live_members(rows: list[Any], group: PoolGroup) -> int:
+def live_members(rows: list[Any], group: PoolGroup) -> int | None:
     """Members of `group` subscribed to its topics, from DescribeGroups response rows
     `(error_code, group, state, protocol_type, protocol, members, ...)` with members
-    `(member_id, client_id, client_host, member_metadata, member_assignment)`; 0 for a
-    group the rows do not name (no one ever joined it).
+    `(member_id, client_id, client_host, member_metadata, member_assignment)`.
+
+    None when the coordinator knows no such group (state `Dead`, or no row): no worker
+    ever committed under that id — a fleet not started yet, or a `group_id` that is not
+    the workers'; a fleet that stopped keeps its group (`Empty`, 0 members) while its
+    committed offsets live.
 
     Raises:
         KafkaError: the row's error code (e.g. GroupAuthorizationFailedError: the principal
             may not describe the group).
     """
-    count = 0
+    count: int | None = None
     for row in rows:
-        error_code, group_id, _state, _ptype, _protocol, members = row[:6]
+        error_code, group_id, state, _ptype, _protocol, members = row[:6]
         if group_id != group.group_id:
             continue
         if error_code:
             raise for_code(error_code)(f"DescribeGroups {group_id!r}")
-        count += sum(subscribes(m[3], group.topics) for m in members)
+        if state == "Dead" and not members:
+            continue
+        count = (count or 0) + sum(subscribes(m[3], group.topics) for m in members)
     return count
 
 
-async def live_workers(admin: Any, groups: list[PoolGroup]) -> dict[str, int]:
-    """Live workers per pool name, through `admin` (an started `AIOKafkaAdminClient`).
+async def live_workers(admin: Any, groups: list[PoolGroup]) -> dict[str, int | None]:
+    """Live workers per pool name (None: the pool's group is unknown, `live_members`),
+    through `admin` (a started `AIOKafkaAdminClient`).
 
     Raises:
         KafkaError: the cluster did not answer, or refused to describe a group.

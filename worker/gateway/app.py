@@ -13,6 +13,7 @@ file store answered the last check) and `/metrics` (Prometheus).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -83,6 +84,7 @@ class Gateway:
         self._checks: dict[str, str | None] = {"kafka": "not checked yet", "redis": "not checked yet",
                                                "files": "not checked yet", "workers": "not checked yet"}
         self._liveness_unknown_logged = False
+        self._unknown_groups_logged: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
         self.started = asyncio.Event()
@@ -342,6 +344,16 @@ class Gateway:
             return
         fleet.update(counts)
         for pool, n in counts.items():
+            if n is None:
+                if pool not in self._unknown_groups_logged:
+                    self._unknown_groups_logged.add(pool)
+                    pools = pool_set(self.cfg.pools)
+                    log.warning("the consumer group of this pool is unknown to Kafka (no worker ever committed "
+                                "under it): no liveness check for it; check that kafka.group_id is the workers'",
+                                pool=pool, group_id=pools.group_id(pools.get(pool), self.cfg.kafka.group_id))
+                with contextlib.suppress(KeyError):
+                    self.metrics.live_workers.remove(pool)
+                continue
             self.metrics.live_workers.labels(pool).set(n)
         why = fleet.readiness_error()
         if why is not None:

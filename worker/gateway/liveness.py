@@ -14,7 +14,10 @@ The counts come from the readiness checks (`worker.client.fleet`: members of eac
 group subscribed to its job topics), every `CHECK_INTERVAL_S`. The grace covers a worker's
 group join after a start or a rebalance, when the group is briefly empty. When the counts
 are unknown (the principal may not describe the groups, Kafka did not answer) nothing is
-refused: the old behaviour, logged once.
+refused: the old behaviour, logged once; likewise for a pool whose group the coordinator
+does not know (no worker ever committed under it: a fleet not started yet, or a
+`kafka.group_id` that is not the workers' — logged once per pool), so a misconfigured
+gateway queues rather than refusing everything.
 """
 
 from __future__ import annotations
@@ -43,15 +46,16 @@ class FleetLiveness:
         self.counts: dict[str, int] | None = None  # None: unknown
         self._empty_since: dict[str, float] = {}
 
-    def update(self, counts: dict[str, int] | None, now: float | None = None) -> None:
-        """Record a check's counts (None: the check could not tell)."""
+    def update(self, counts: dict[str, int | None] | None, now: float | None = None) -> None:
+        """Record a check's counts (None: the check could not tell; a pool's None: its
+        group is unknown to the coordinator, so nothing is judged for it)."""
         now = time.monotonic() if now is None else now
         self.counts = counts
         if counts is None:
             self._empty_since.clear()
             return
         for pool, n in counts.items():
-            if n > 0:
+            if n is None or n > 0:
                 self._empty_since.pop(pool, None)
             else:
                 self._empty_since.setdefault(pool, now)
