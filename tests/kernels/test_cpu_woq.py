@@ -61,9 +61,33 @@ def test_widths_off_the_vector_loop_take_the_plain_loop(scheme, rows):
 
 def test_an_odd_width_int4_layer_is_stored_unpacked_and_served():
     layer = QuantLinear.quantize(torch.nn.Linear(33, 8), WeightScheme(bits=4))
-    assert layer.qweight.dtype == torch.int8 and layer.cpu_kernel
+    assert layer.qweight.dtype == torch.int8
     x = torch.randn(3, 33)
     assert close(op(layer, x), F.linear(x, layer.dequantized(), layer.bias))
+
+
+def test_layers_off_the_vector_loop_dequantize_in_torch():
+    # the plain C loop is correct (above) but 10-50x slower than fp32: such layers take torch's path
+    for lin, scheme in ((torch.nn.Linear(33, 8), WeightScheme(bits=4)), (torch.nn.Linear(36, 12), WeightScheme(bits=8)),
+                        (torch.nn.Linear(96, 8), WeightScheme(bits=8, group_size=24))):
+        layer = QuantLinear.quantize(lin, scheme)
+        assert not layer.cpu_kernel and not cpu_woq.fast(lin.in_features, layer.scale.shape[1],
+                                                         layer.qweight.dtype == torch.uint8)
+        x = torch.randn(2, lin.in_features)
+        assert close(layer(x), F.linear(x, layer.dequantized(), layer.bias))
+    assert cpu_woq.fast(1024, 8, packed=True) and cpu_woq.fast(1024, 1, packed=False)
+
+
+def test_a_build_without_avx512_leaves_layers_to_torch(monkeypatch):
+    real = cpu_woq._library()
+
+    class NoVectors:  # the library as a build without AVX-512 answers
+        def __getattr__(self, name):
+            return (lambda: 0) if name == "inflight_woq_vectorized" else getattr(real, name)
+
+    monkeypatch.setattr(cpu_woq, "_library", lambda: NoVectors())
+    assert not cpu_woq.fast(1024, 1, packed=False)
+    assert not QuantLinear.quantize(torch.nn.Linear(64, 16), WeightScheme(bits=8)).cpu_kernel
 
 
 def test_groups_straddling_the_packed_halves_stay_on_the_torch_path():

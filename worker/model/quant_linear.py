@@ -21,10 +21,10 @@ Two forwards:
   the op `inflight::woq_linear`): a decode step of the benchmark model ran 1.96x (int8) and
   2.47x (int4) the fp32 one at 1 request, 1.1x at 32. On CUDA the integers are dequantized
   inside a Triton matmul (`kernels/triton_quant.py`, checked against the torch path under
-  Triton's interpreter; never run on a GPU yet). Elsewhere (no C compiler, groups the
-  kernel does not take) the weight is dequantized into the activation dtype per call and
-  multiplied in floating point: exact to the checkpoint's values, but slower than the
-  float model.
+  Triton's interpreter; never run on a GPU yet). Elsewhere (no C compiler, a CPU without
+  AVX-512, groups that are not whole 16-wide vectors: `cpu_woq.fast`) the weight is
+  dequantized into the activation dtype per call and multiplied in floating point: exact
+  to the checkpoint's values, but slower than the float model.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class QuantLinear(torch.nn.Module):
 def _cpu_kernel_takes(in_features: int, groups: int, packed: bool) -> bool:
     from worker.model.kernels import cpu_woq
 
-    return cpu_woq.fits(in_features, groups, packed) and cpu_woq.available()
+    return cpu_woq.fast(in_features, groups, packed)
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -19,7 +19,8 @@
  * of 16 lanes), `threads` threads (OpenMP: the process's runtime, the same libgomp torch
  * uses; the caller passes torch's intra-op count, since OpenMP's is per calling thread)
  * over blocks of output channels. Without AVX-512, or with groups not a multiple of 16
- * columns, a plain C loop does the same arithmetic.
+ * columns, a plain C loop does the same arithmetic, correct but 10-50x slower: cpu_woq.py
+ * routes such layers to torch instead (`fast`).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -333,4 +334,14 @@ int inflight_woq_dequantize(const uint8_t *q, const float *scale, const int8_t *
         dequantize_rows(rows, scales, zeros, &w, K, G, nb, out + n0 * K);
     }
     return 0;
+}
+
+/* 1 when this build has the AVX-512 tiles (the only path measured faster than torch's
+ * dequantize-then-GEMM; the plain C loop is a correctness fallback, 10-50x slower). */
+int inflight_woq_vectorized(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -18,7 +18,8 @@ chunks) dequantize the weight in the kernel and multiply with torch's GEMM.
 
 Threads: OpenMP over blocks of output channels, in the process's OpenMP runtime (the
 libgomp torch loaded), as many as `torch.get_num_threads()` at each call. The library is
-built by `cbuild`; without a compiler (logged once) `QuantLinear` dequantizes with torch
+built by `cbuild`; without a compiler (logged once), on a CPU without AVX-512, or for
+groups that are not whole 16-wide vectors (`fast`), `QuantLinear` dequantizes with torch
 instead and never calls the op.
 """
 
@@ -58,12 +59,26 @@ def _library() -> ctypes.CDLL | str:
     deq = lib.inflight_woq_dequantize
     deq.argtypes = [ptr] * 4 + [i64] * 5
     deq.restype = ctypes.c_int
+    lib.inflight_woq_vectorized.restype = ctypes.c_int
+    lib.inflight_woq_vectorized.argtypes = []
     return lib
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on the first call)."""
     return not isinstance(_library(), str)
+
+
+def fast(in_features: int, groups: int, packed: bool) -> bool:
+    """Whether layers of this shape should use the kernel: it takes them (`fits`), it was
+    built with its AVX-512 tiles, and each run of columns sharing a scale is a whole
+    number of 16-wide vectors. Elsewhere its plain C loop is correct but measured 10-50x
+    slower than fp32 (0.02-0.14x on the benchmark box's shapes), so layers then
+    dequantize in torch instead (0.8-0.9x)."""
+    if not fits(in_features, groups, packed) or not available():
+        return False
+    run = in_features // groups if groups > 1 else (in_features // 2 if packed else in_features)
+    return run % 16 == 0 and bool(_library().inflight_woq_vectorized())
 
 
 def fits(in_features: int, groups: int, packed: bool) -> bool:
