@@ -1,6 +1,6 @@
 """Fleet liveness: counting a pool's live workers from DescribeGroups rows
 (`worker.client.fleet`) and the gateway's rule for a dead pool (`worker.gateway.liveness`).
-The same against a real broker and gateway: tests/integration/test_gateway_liveness.py."""
+The same against a real broker and gateway: tests/integration/test_gateway_edge.py."""
 
 from __future__ import annotations
 

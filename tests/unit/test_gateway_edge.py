@@ -1,15 +1,16 @@
 """The gateway's own context check (`worker.gateway.edge`): its token count is a lower
 bound of the worker's (never refusing what a worker serves), and a request that cannot fit
 is a 400 `context_length_exceeded` before anything is produced (against the real broker:
-tests/integration/test_gateway_liveness.py)."""
+tests/integration/test_gateway_edge.py)."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from worker.client.routing import count_prompt_tokens
 from worker.gateway.batch.lines import parse_input
-from worker.gateway.edge import check_context, prompt_tokens_at_least
+from worker.gateway.edge import check_context
 from worker.gateway.errors import ApiError
 from worker.gateway.protocol import Kind, parse_request
 
@@ -38,21 +39,21 @@ def test_the_count_never_exceeds_the_workers(tokenizers):
     fast, hf = tokenizers
     for text in TEXTS:
         worker = len(hf(text)["input_ids"])  # the worker tokenizes a text prompt with special tokens
-        assert prompt_tokens_at_least(completion(prompt=text), fast) <= worker
+        assert count_prompt_tokens(completion(prompt=text), fast, at_least=True) <= worker
     for n in (1, 2, 5):
         messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": TEXTS[i % len(TEXTS)]}
                     for i in range(n)]
         worker = len(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
             "input_ids"])
-        bound = prompt_tokens_at_least(chat(messages), fast)
+        bound = count_prompt_tokens(chat(messages), fast, at_least=True)
         assert 0 < bound <= worker, (n, bound, worker)
-    assert prompt_tokens_at_least(completion(prompt=[5, 6, 7]), fast) == 3  # token ids: exact
+    assert count_prompt_tokens(completion(prompt=[5, 6, 7]), fast, at_least=True) == 3  # token ids: exact
 
 
 def test_a_prompt_that_cannot_fit_is_refused_with_the_numbers(tokenizers):
     fast, _ = tokenizers
     long_text = "The quick brown fox jumps over the lazy dog. " * 40
-    n = prompt_tokens_at_least(completion(prompt=long_text), fast)
+    n = count_prompt_tokens(completion(prompt=long_text), fast, at_least=True)
     check_context(completion(prompt=long_text, max_tokens=10), fast, n + 10)  # exactly fits
     with pytest.raises(ApiError) as e:
         check_context(completion(prompt=long_text, max_tokens=11), fast, n + 10)

@@ -34,20 +34,28 @@ def load_tokenizer(path: str) -> Any:
     return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
 
 
-def _encode(tokenizer: Any, text: str) -> int:
-    ids = tokenizer.encode(text)
+MERGE_SLACK_PER_MESSAGE = 2  # tokens one message boundary may lose to a merge, generously
+
+
+def _encode(tokenizer: Any, text: str, special: bool = True) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=special)
     return len(getattr(ids, "ids", ids))
 
 
-def count_prompt_tokens(job: Job, tokenizer: Any = None) -> int | None:
+def count_prompt_tokens(job: Job, tokenizer: Any = None, *, at_least: bool = False) -> int | None:
     """The job's prompt tokens as the worker will count them (module docstring); None
-    when it cannot be counted here (no tokenizer for a text or chat prompt)."""
+    when it cannot be counted here (no tokenizer for a text or chat prompt). `job`: a
+    `Job`, or anything with its prompt fields (the gateway's `GenRequest`).
+
+    `at_least`: a count never above the worker's (the gateway's context check refuses
+    on it): a text prompt without special tokens, chat contents without a template less
+    `MERGE_SLACK_PER_MESSAGE` per message (a concatenation may merge across a boundary)."""
     if job.prompt_token_ids is not None:
         return len(job.prompt_token_ids)
     if tokenizer is None:
         return None
     if job.prompt is not None:
-        return _encode(tokenizer, job.prompt)
+        return _encode(tokenizer, job.prompt, special=not at_least)
     messages = [m.template_dict() for m in job.messages or ()]
     template = getattr(tokenizer, "apply_chat_template", None)
     if template is not None:
@@ -56,7 +64,12 @@ def count_prompt_tokens(job: Job, tokenizer: Any = None) -> int | None:
                                 return_dict=False))
         except Exception:  # a template the worker will refuse too: it answers for the job
             pass
-    return sum(_encode(tokenizer, m.get("content") or "") for m in messages)
+    contents = [m.get("content") or "" for m in messages]
+    if not at_least:
+        return sum(_encode(tokenizer, c) for c in contents)
+    contents = [c for c in contents if c]
+    counted = sum(_encode(tokenizer, c, special=False) for c in contents)
+    return max(0, counted - MERGE_SLACK_PER_MESSAGE * len(contents))
 
 
 def pool_for(pools: Pools, job: Job, tokenizer: Any = None) -> str:

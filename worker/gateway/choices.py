@@ -51,10 +51,11 @@ def merge_choices(bodies: list[dict[str, Any]], usages: list[Usage | None]) -> d
 
 async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[Generation],
                          renderers: list[Renderer], t0: float, endpoint: str) -> web.StreamResponse:
-    """The SSE response of `n` > 1 started generations: each choice's opener, its token
-    chunks as they come (interleaved), its final chunk; then the usage chunk (with
-    `include_usage`) and `[DONE]`. An error of any choice ends the stream with an error
-    event."""
+    """The SSE response of started generations (one per choice): each choice's opener with
+    its first token chunk, its token chunks as they come (interleaved), its final chunk;
+    then the usage chunk (with `include_usage`) and `[DONE]`. An error of any choice (or
+    the request's timeout) ends the stream with an error event. Time to first byte: the
+    first chunk that carries a token."""
     m = ctx.metrics
     resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gens[0].job_id,
                                                    "Server-Timing": gens[0].server_timing()})
@@ -63,15 +64,21 @@ async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[G
     queue: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def pump(gen: Generation, renderer: Renderer) -> None:
-        await queue.put(renderer.first_chunk() or b"")
-        async for d in gen.deltas():
-            m.tokens.inc(d.num_tokens)
-            if d.text or d.logprobs:
-                await queue.put(renderer.token_chunk(d.text, d.logprobs))
-        fin = gen.finished
-        if not fin.finish_reason.is_success:
-            raise error_for_outcome(fin, ctx.cfg.retry_after_s)
-        await queue.put(renderer.final_chunks(fin, with_usage=False))
+        head = renderer.first_chunk() or b""  # the choice's opener rides with its first token
+        try:
+            async for d in gen.deltas():
+                m.tokens.inc(d.num_tokens)
+                if d.text or d.logprobs:  # else held back (a partial character, a stop string's start)
+                    await queue.put(head + renderer.token_chunk(d.text, d.logprobs))
+                    head = b""
+            fin = gen.finished
+            if not fin.finish_reason.is_success:
+                raise error_for_outcome(fin, ctx.cfg.retry_after_s)
+            await queue.put(head + renderer.final_chunks(fin, with_usage=False))
+        except BaseException:
+            if head:
+                queue.put_nowait(head)  # the opener still precedes the error event
+            raise
 
     try:
         first = True

@@ -22,12 +22,12 @@ from aiohttp import web
 from schemas.wire import Job
 from worker.gateway.auth import effective_priority
 from worker.gateway.choices import all_or_none, merge_choices, stream_choices
-from worker.gateway.context import CLIENT_GONE, GatewayContext, json_ok
+from worker.gateway.context import GatewayContext, json_ok
 from worker.gateway.edge import check_context
 from worker.gateway.errors import ApiError, error_for_outcome, overloaded
 from worker.gateway.generation import Generation, seeded
 from worker.gateway.protocol import GenRequest, Kind, parse_request
-from worker.gateway.render import DONE, SSE_HEADERS, Renderer, error_event
+from worker.gateway.render import Renderer
 
 log = structlog.get_logger(__name__)
 
@@ -102,10 +102,8 @@ class CompletionHandlers:
             for gen in gens:
                 if gen.finished is not None and not gen.finished.finish_reason.is_success:
                     raise error_for_outcome(gen.finished, cfg.retry_after_s)  # ended before any token
-            if req.stream and len(gens) > 1:
-                return await stream_choices(self.ctx, request, gens, renderers, t0, endpoint)
             if req.stream:
-                return await self._stream(request, gens[0], renderers[0], t0, endpoint)
+                return await stream_choices(self.ctx, request, gens, renderers, t0, endpoint)
             return await self._whole(gens, renderers, req, t0, endpoint)
         except asyncio.CancelledError:  # the connection dropped (aiohttp cancels the handler)
             m.disconnects.labels(endpoint).inc()
@@ -137,44 +135,4 @@ class CompletionHandlers:
         resp = json_ok(merge_choices(bodies, [g.finished.usage for g in gens]),
                        headers={"X-Request-Id": gens[0].job_id, "Server-Timing": gens[0].server_timing()})
         self.ctx.metrics.ttfb.labels(endpoint).observe(time.monotonic() - t0)
-        return resp
-
-    async def _stream(self, request: web.Request, gen: Generation, renderer: Renderer, t0: float,
-                      endpoint: str) -> web.StreamResponse:
-        m = self.ctx.metrics
-        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gen.job_id,
-                                                       "Server-Timing": gen.server_timing()})
-        await resp.prepare(request)
-        m.open_streams.inc()
-        try:
-            head = renderer.first_chunk() or b""
-            first = True
-            try:
-                async for d in gen.deltas():
-                    m.tokens.inc(d.num_tokens)
-                    if not d.text and not d.logprobs:
-                        continue  # tokens whose text is held back (a partial character, a stop string's start)
-                    await resp.write(head + renderer.token_chunk(d.text, d.logprobs))
-                    head = b""
-                    if first:
-                        first = False
-                        m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
-                fin = gen.finished
-                tail = (renderer.final_chunks(fin) if fin.finish_reason.is_success
-                        else error_event(error_for_outcome(fin, self.ctx.cfg.retry_after_s)))
-            except ApiError as e:  # e.g. a restart that diverged: said inside the stream
-                tail = error_event(e)
-            except TimeoutError:
-                gen.cancel_reason = "timeout"
-                tail = error_event(ApiError(504, "the request did not finish within gateway.request_timeout_s",
-                                            code="timeout"))
-            await resp.write(head + tail + DONE)
-            if first:
-                m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
-            await resp.write_eof()
-        except ConnectionResetError:  # a write found the connection closed before aiohttp cancelled us
-            m.disconnects.labels(endpoint).inc()
-            request[CLIENT_GONE] = True  # counted as 499; the caller sends the cancel
-        finally:
-            m.open_streams.dec()
         return resp

@@ -16,7 +16,10 @@ refuses what a worker would serve:
 - a text `prompt`: its tokens without special tokens (the worker adds BOS and the like);
 - chat `messages`: each message's content tokens, less 2 per message for tokens that a
   concatenation may merge across a boundary; the chat template, the roles and `tools` only
-  add tokens. The workers render the template (the gateway has no template engine), so a
+  add tokens.
+
+(`worker.client.routing.count_prompt_tokens(..., at_least=True)`, the counter pool routing
+uses, in its lower-bound mode.) The workers render the template (the gateway has no template engine), so a
   chat request just over the limit still reaches a worker, which rejects it as before.
 
 A request is refused when that bound plus its `max_tokens` (1 when unset: the worker
@@ -28,24 +31,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker.client.routing import count_prompt_tokens
 from worker.gateway.errors import ApiError
 from worker.gateway.protocol import GenRequest
-
-MERGE_SLACK_PER_MESSAGE = 2  # tokens one message boundary may lose to a merge, generously
-
-
-def prompt_tokens_at_least(req: GenRequest, tokenizer: Any) -> int:
-    """A lower bound of the tokens the worker will count in `req`'s prompt (see the
-    module docstring). `tokenizer`: a `tokenizers.Tokenizer`."""
-    if req.prompt_token_ids is not None:
-        return len(req.prompt_token_ids)
-    if req.prompt is not None:
-        return len(tokenizer.encode(req.prompt, add_special_tokens=False).ids)
-    contents = [m.content for m in req.messages or () if m.content]
-    if not contents:
-        return 0
-    counted = sum(len(e.ids) for e in tokenizer.encode_batch(contents, add_special_tokens=False))
-    return max(0, counted - MERGE_SLACK_PER_MESSAGE * len(contents))
 
 
 def check_context(req: GenRequest, tokenizer: Any, max_model_len: int | None) -> None:
@@ -54,7 +42,7 @@ def check_context(req: GenRequest, tokenizer: Any, max_model_len: int | None) ->
     tokenizer or a known context."""
     if tokenizer is None or max_model_len is None:
         return
-    n = prompt_tokens_at_least(req, tokenizer)
+    n = count_prompt_tokens(req, tokenizer, at_least=True)
     wanted = req.params.max_tokens or 1
     if n + wanted <= max_model_len:
         return

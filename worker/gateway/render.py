@@ -77,10 +77,8 @@ def merged_usage(usages: list[Usage | None]) -> dict[str, Any] | None:
     if not usages or any(u is None for u in usages):
         return None
     first = usages[0]
-    completion = sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}
+    return usage_body(Usage(prompt_tokens=first.prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages),
+                            cached_prompt_tokens=first.cached_prompt_tokens))
 
 
 def usage_body(u: Usage | None) -> dict[str, Any] | None:
