@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from schemas.params import SamplingParams
-from worker.config import EngineConfig, ModelConfig, ServingTuning, TenantPolicy
+from worker.config import EngineConfig, ModelConfig, ServingTuning, SpeculativeConfig, TenantPolicy
 from worker.engine import Engine
 from worker.engine import compile as compile_rules
 
@@ -56,17 +56,19 @@ def staggered_workload(seed: int, n: int = 24, vocab: int = 512):
 
 SEED = 1234
 
-CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs)
-    ("optimistic", False, "off", False), ("optimistic", True, "off", False), ("reserve", False, "off", True),
-    ("reserve", True, "off", False), ("optimistic", True, "on", True), ("reserve", False, "on", False),
+CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs, speculative decoding)
+    ("optimistic", False, "off", False, False), ("optimistic", True, "off", False, False),
+    ("reserve", False, "off", True, False), ("reserve", True, "off", False, False),
+    ("optimistic", True, "on", True, False), ("reserve", False, "on", False, False),
+    ("optimistic", False, "off", False, True), ("reserve", False, "on", False, True),
 ]
 
 
-@pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode", "graphs"), CASES,
+@pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode", "graphs", "speculative"), CASES,
                          ids=[f"{p}-{'async' if a else 'sequential'}{'-compiled' if c == 'on' else ''}"
-                              f"{'-graphs' if g else ''}" for p, a, c, g in CASES])
+                              f"{'-graphs' if g else ''}{'-ngram' if n else ''}" for p, a, c, g, n in CASES])
 def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_scheduling, compile_mode, graphs,
-                                             monkeypatch):
+                                             speculative, monkeypatch):
     if graphs:  # decode steps replay graphs (emulated here: worker.model.graphs), padded to their sizes
         monkeypatch.setattr(compile_rules, "GRAPH_REPLAY", {"cpu": "emulated"})
     cfg = EngineConfig(
@@ -80,6 +82,9 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
             kv_policy=kv_policy,
             tenants={"t0": TenantPolicy(weight=3), "t1": TenantPolicy(max_running_requests=2)},
             async_scheduling=async_scheduling,
+            # prompt lookup on every request (the random models' greedy text repeats itself: drafts hit and miss)
+            speculative=SpeculativeConfig(method="ngram" if speculative else "off", num_speculative_tokens=3,
+                                          prompt_lookup_min=1, disable_by_batch_size=None, min_acceptance_rate=0.0),
         ),
     )
     engine = Engine.from_pretrained(str(any_arch_path), cfg)
@@ -132,6 +137,9 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
     assert engine.runner.compiled == (compile_mode == "on") and engine.runner.compile_error is None
     if graphs:  # decode steps of several batch sizes replayed, some padded
         assert len(set(replayed)) >= 4 and {3, 5, 6, 7} & set(replayed), sorted(set(replayed))
+    if speculative:  # drafts verified, some guesses kept and some rejected (both paths ran)
+        stats = engine.scheduler.speculation.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
     refs = references(str(any_arch_path), SEED)
     mismatches = []

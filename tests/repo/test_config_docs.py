@@ -11,10 +11,11 @@ import pytest
 from schemas.pools import Pool
 from worker.config.engine import ModelConfig, ServingTuning, TenantPolicy
 from worker.config.services import KafkaConfig, RedisConfig
+from worker.config.speculative import SpeculativeConfig
 from worker.config.worker import MetricsConfig, TracingConfig, WorkerSettings
 from worker.gateway.config import ApiKey, GatewayConfig
 
-SECTIONS = [ModelConfig, ServingTuning, TenantPolicy, KafkaConfig, RedisConfig, WorkerSettings, MetricsConfig,
+SECTIONS = [ModelConfig, ServingTuning, SpeculativeConfig, TenantPolicy, KafkaConfig, RedisConfig, WorkerSettings, MetricsConfig,
             TracingConfig, GatewayConfig, ApiKey, Pool]
 
 

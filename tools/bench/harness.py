@@ -128,7 +128,7 @@ def decode_step(path: Path, running: int, **model) -> tuple[Callable[[], object]
     while not steps or steps[-1].num_decodes < running:
         engine.step()
     sched = steps[-1]
-    ids = list(real(sched).sampled_token_ids.values())
+    ids = [t for new in real(sched).sampled_token_ids.values() for t in new]
     return (lambda: real(sched)), ids, engine.compile_report.describe()
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from worker.config.checks import ConfigError, one_of, positive
+from worker.config.speculative import SpeculativeConfig
 
 KV_POLICIES = ("optimistic", "reserve")
 OVERLOAD_POLICIES = ("queue_or_reject", "reject")
@@ -104,7 +105,8 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             Unset (None): on where the forward thread mostly waits for a device (CUDA,
             the emulated device of `null_engine(device_ms=...)`: the runner's
             `capabilities.overlaps_host`), off on the CPU, where both threads run Python and share
-            the GIL (measured 0.42-1.05x of sequential steps: docs/benchmarks.md).
+            the GIL (measured 0.42-1.05x of sequential steps: docs/benchmarks.md), and
+            off with `speculative` (true with it is a config error).
         max_structured_output_bytes: largest `params.structured` constraint accepted, in
             bytes of its JSON (a larger one is rejected `invalid_structured_output`, not
             compiled).
@@ -122,6 +124,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_loras_per_batch: most distinct LoRA adapters among the running requests
             (S-LoRA / SGLang's `--max-loras-per-batch`); a request of another adapter
             waits (bounded skipping: it is not starved). Unset: `model.max_loras`.
+        speculative: speculative decoding (`SpeculativeConfig`); off by default.
     """
 
     max_running_requests: int = 64
@@ -151,6 +154,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     long_prefill_threshold: int | None = None
     max_loras_per_batch: int | None = None
     max_long_prefill_tokens: int | None = None
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
 
     @property
     def long_prefill_cap(self) -> int | None:
@@ -200,6 +204,10 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             long_prefill_threshold=self.long_prefill_threshold,
             max_long_prefill_tokens=self.max_long_prefill_tokens,
         )
+        if self.speculative.enabled and self.async_scheduling:
+            raise ConfigError("serving_tuning.async_scheduling is true and serving_tuning.speculative.method is "
+                              f"{self.speculative.method!r}: speculative decoding runs sequential steps (a draft "
+                              "is proposed from the request's known tokens); unset async_scheduling")
         if self.max_long_prefill_tokens is not None and self.long_prefill_threshold is None:
             raise ConfigError("serving_tuning.max_long_prefill_tokens needs serving_tuning.long_prefill_threshold "
                               "(which prompts count as long); set both, or neither")

@@ -30,12 +30,15 @@ MAX_SKIPPED_PER_STEP = 64
 @dataclass(slots=True)
 class StepPlan:
     """One step's decisions so far: the token budget left, the tokens of each request in
-    the batch (request id -> tokens), the requests it preempted (ids) and admitted (ids)."""
+    the batch (request id -> tokens), the requests it preempted (ids) and admitted (ids),
+    and the drafts of speculating decodes (request id -> guesses; their tokens in
+    `scheduled` are 1 + len(draft))."""
 
     budget: int
     scheduled: dict[str, int] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     admitted: set[str] = field(default_factory=set)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler(Protocol):

@@ -15,6 +15,10 @@ c tokens at positions [p, p + c) in step N:
 A decode built while the step before it is in flight reads the token that step samples:
 its input is `PLACEHOLDER_TOKEN`, resolved by the runner (or by `resolve_placeholders`
 once that step was applied).
+
+A speculating decode (speculative.py) is a chunk of 1 + k tokens, its last token and its
+draft: built, it counts as computed up to its draft's end; applied, its progress rolls
+back to the tokens the verification kept (the KV of rejected guesses is never read).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.engine.request import Request, RequestStatus
+from worker.engine.speculative import Speculation
 
 
 def mark_scheduled(req: Request, end: int, samples_token: bool) -> None:
@@ -37,9 +42,11 @@ def mark_scheduled(req: Request, end: int, samples_token: bool) -> None:
 
 def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Request],
                 block_table: Callable[[str], list[int]], copy_tables: bool,
-                resident: dict[str, Any] | None = None) -> SchedulerOutput:
+                resident: dict[str, Any] | None = None, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
     """Step `step`'s batch from `scheduled` (request id -> tokens), decodes first; each
-    request's progress advances to the end of its chunk. `copy_tables`: give the runner
+    request's progress advances to the end of its chunk. `drafts`: the guesses of the
+    speculating decodes (request id -> d_1..d_k; their chunk is the last token and the
+    draft, placed after the decodes). `copy_tables`: give the runner
     copies of the block tables (steps run ahead: a table changed by the next schedule,
     a sliding window freeing behind, must not reach a step already launched).
     `resident`: the LoRA adapters resident (name -> `ResidentAdapter`); those of the
@@ -49,18 +56,26 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
     decode_reqs: list[Request] = []
     prefill_reqs: list[Request] = []
     loras: dict[int, Any] = {}
+    num_spec_tokens = 0
     for request_id, num_new in scheduled.items():
         req = requests[request_id]
         start = req.num_computed_tokens
         end = start + num_new
         tokens = req.all_token_ids
         num_known = len(tokens)
-        ids = tokens[start:end] if end <= num_known else tokens[start:num_known] + [PLACEHOLDER_TOKEN] * (
-            end - num_known)
-        samples = end == num_known + req.num_output_placeholders
+        draft = drafts.get(request_id) if drafts else None
+        if draft:  # the last token, then the guesses (the scheduler sized num_new to 1 + k)
+            ids = tokens[start:num_known] + draft
+            samples = True
+            num_spec_tokens += num_new
+        else:
+            ids = tokens[start:end] if end <= num_known else tokens[start:num_known] + [PLACEHOLDER_TOKEN] * (
+                end - num_known)
+            samples = end == num_known + req.num_output_placeholders
         table = block_table(request_id)
         s = ScheduledRequest(request_id, ids, start, table[:] if copy_tables else table, samples,
-                             req.params, tokens, req.generator, req.grammar, req.lora_slot, req.num_prompt_tokens)
+                             req.params, tokens, req.generator, req.grammar, req.lora_slot, req.num_prompt_tokens,
+                             draft or [])
         if req.lora_slot >= 0:
             loras[req.lora_slot] = resident[req.adapter]
         mark_scheduled(req, end, samples)
@@ -77,52 +92,72 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
         num_decodes=len(decodes),
         requests=decode_reqs + prefill_reqs if prefill_reqs else decode_reqs,
         loras=loras,
+        num_spec_tokens=num_spec_tokens,
     )
 
 
 def apply_batch(out: SchedulerOutput, runner_out: ModelRunnerOutput, kv: KVCacheManager, fair: bool,
-                finish: Callable[[str, RequestStatus], object]) -> list[Request]:
+                finish: Callable[[str, RequestStatus], object],
+                speculation: Speculation | None = None) -> list[tuple[Request, int]]:
     """Apply a step whose forward succeeded: publish newly full blocks to the prefix
     cache, append sampled tokens, `finish` on EOS / stop token / length (in that
-    precedence). A request preempted since the step was built still gets its token
+    precedence: a token that ends the request is its last, the tokens a verified draft
+    kept after it are dropped). A request preempted since the step was built still gets its tokens
     (computed on its KV before the blocks were freed), and so does one the scheduler
     ended because that token is its last by length; one that ended otherwise meanwhile
-    does not (it is dropped: never emitted, never counted). `fair`: charge each token to
-    its tenant's share. Returns requests that got a token."""
+    does not (they are dropped: never emitted, never counted). `fair`: charge each
+    position sampled to its tenant's share. A speculating decode's progress rolls back to
+    the tokens kept, and `speculation` records its acceptance. Returns the requests that
+    got tokens, each with how many (the last ones of its `all_token_ids`)."""
     sampled = runner_out.sampled_token_ids
     cache_full_blocks = kv.cache_full_blocks
     bs = kv.block_size
     running = RequestStatus.RUNNING
     preempted = RequestStatus.PREEMPTED
     ended_early = RequestStatus.FINISHED_LENGTH  # only a request ended while its last token was in flight
-    got_token = []
+    got_tokens = []
     for s, req in zip(out.scheduled, out.requests):
         req.num_in_flight_steps -= 1
         samples = s.samples_token
         if samples:
             req.num_output_placeholders -= 1
+        draft = s.draft
         status = req.status
-        if status == running:
+        if status == running and not draft:
             done = s.start_pos + len(s.token_ids)
             if done // bs != s.start_pos // bs:  # a block just filled up: publish it to the prefix cache
                 cache_full_blocks(req, done)
-        elif status != preempted and status != ended_early:
+        if status != running and status != preempted and status != ended_early:
             continue
         if not samples:
             continue
-        token_id = sampled[s.request_id]
-        req.all_token_ids.append(token_id)
+        new = sampled[s.request_id]
+        if draft and speculation is not None:
+            speculation.verified(req, len(draft), len(new) - 1, out.step)
         if fair:
             share = req.share
-            share.counter += share.decode_cost
-        got_token.append(req)
+            share.counter += share.decode_cost * (1 + len(draft))  # a draft's positions count as decodes
+        tokens = req.all_token_ids
+        end_status = None
+        kept = 0
+        for token_id in new:
+            tokens.append(token_id)
+            kept += 1
+            end_status = req.stop_status(token_id)
+            if end_status is not None:
+                break
+        got_tokens.append((req, kept))
         if status == ended_early:  # its last token: EOS or a stop id still wins over length
-            req.status = req.stop_status(token_id)
+            req.status = end_status or ended_early
             continue
-        status = req.stop_status(token_id)
-        if status is not None:
-            finish(req.request_id, status)
-    return got_token
+        if draft and status == running:  # back to the tokens kept; their KV is the verified part
+            req.num_computed_tokens = s.start_pos + len(new)
+            done = s.start_pos + kept
+            if done // bs != s.start_pos // bs:
+                cache_full_blocks(req, done)
+        if end_status is not None:
+            finish(req.request_id, end_status)
+    return got_tokens
 
 
 def unschedule(out: SchedulerOutput) -> None:

@@ -39,11 +39,13 @@ from worker.engine.outputs import (
     RequestTimes,
     Runner,
     SchedulerOutput,
+    SpecStepStats,
     StepHandle,
     StepStats,
 )
 from worker.engine.request import FINISH_REASONS, ErrorCode, Request, RequestStatus
 from worker.engine.scheduler import Scheduler
+from worker.engine.speculative import SpecStats
 from worker.engine.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -82,14 +84,22 @@ class EngineCore:
                 num_blocks, tuning.kv_block_size, sliding_window=sliding_window, max_chunk=tuning.max_batched_tokens,
                 enable_prefix_caching=tuning.enable_prefix_caching, namespace=model_id.encode())
         self.scheduler = Scheduler(tuning, self.kv)
+        if self.scheduler.speculation is not None and (sliding_window is not None
+                                                       or not runner.capabilities.speculation):
+            log.warning("serving_tuning.speculative is off: %s", "the model is windowed (its KV behind the window "
+                        "is freed as progress advances, which a rejected draft would take back)"
+                        if sliding_window is not None else "this model runner does not verify drafts")
+            self.scheduler.speculation = None
+        self._spec_before = SpecStats()  # the proposer's counters at the last step's end
         self._traced = False  # a traced request was added: prefill chunks are recorded from then on
         self._aborts: deque[str] = deque()
         self._arrival = itertools.count()
         self.failures = ForwardFailures(self.scheduler, runner, tuning, self._final_output)
         self.last_step_stats: StepStats | None = None
         self._forward_total_s = 0.0  # device time of runners that do not measure it themselves
+        # speculative decoding runs sequential steps: a draft is proposed from the request's known tokens
         self.async_scheduling = (tuning.async_scheduling if tuning.async_scheduling is not None
-                                 else runner.capabilities.overlaps_host)
+                                 else runner.capabilities.overlaps_host) and self.scheduler.speculation is None
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()  # launched, not applied (async)
         self.scheduler.copy_block_tables = self.async_scheduling
         self.arrivals = Arrivals(self.scheduler, grammars, self._make_request, self._final_output)
@@ -168,7 +178,7 @@ class EngineCore:
             done, forward_s = self._step_async(outputs, failed)
         else:
             done, forward_s = self._step_sync(outputs, failed)
-        num_decode = done.num_decodes if done is not None else 0  # tokens of forwards that succeeded
+        num_decode = done.num_decodes + done.num_spec_tokens if done is not None else 0  # of forwards that succeeded
         num_prefill = done.num_scheduled_tokens - num_decode if done is not None else 0
         self._forward_total_s += forward_s
         sched_ = self.scheduler
@@ -197,8 +207,23 @@ class EngineCore:
             num_long_prefill_capped=sched_.long_prefills.num_capped_total - capped_before,
             num_long_prefill_tokens=sched_.long_prefills.num_tokens_total - long_before,
             lora=sched_.loras.step_stats() if sched_.loras is not None else None,
+            spec=self._spec_step_stats(),
         )
         return outputs
+
+    def _spec_step_stats(self) -> SpecStepStats | None:
+        """The proposer's counters since the last step (None: speculation is off)."""
+        spec = self.scheduler.speculation
+        if spec is None:
+            return None
+        now, before = spec.stats, self._spec_before
+        out = SpecStepStats(now.num_drafts - before.num_drafts, now.num_draft_tokens - before.num_draft_tokens,
+                            now.num_accepted_tokens - before.num_accepted_tokens,
+                            [a - b for a, b in zip(now.accepted_per_pos, before.accepted_per_pos or
+                                                   [0] * len(now.accepted_per_pos))])
+        self._spec_before = SpecStats(now.num_drafts, now.num_draft_tokens, now.num_accepted_tokens,
+                                      list(now.accepted_per_pos))
+        return out
 
     def _step_sync(self, outputs: list[EngineCoreOutput], failed: Failures) -> tuple[SchedulerOutput | None, float]:
         """apply queued work -> schedule -> forward -> update. Returns the part of the
@@ -316,23 +341,26 @@ class EngineCore:
         logprobs = runner_out.logprobs
         if self._traced:  # prefill chunks of traced requests (none is looked for before one came)
             batch.note_prefill_chunks(sched, now)
-        for req in self.scheduler.update_from_output(sched, runner_out):
+        for req, num_new in self.scheduler.update_from_output(sched, runner_out):
             if req.first_token_time is None:
                 req.first_token_time = now
-            token_id = req.all_token_ids[-1]
-            lp = logprobs.get(req.request_id)
+            new_ids = req.all_token_ids[-num_new:]
+            lps = logprobs.get(req.request_id)
+            if lps is not None:
+                lps = lps[:num_new]
             if req.is_finished:
                 error = None
                 if req.status == RequestStatus.FINISHED_ERROR and req.grammar is not None:
                     error = (ErrorCode.INTERNAL, f"structured output: {req.grammar.error}")
-                outputs.append(self._final_output(req, [token_id], lp, error))
+                outputs.append(self._final_output(req, new_ids, lps, error))
             else:
-                outputs.append(EngineCoreOutput(req.request_id, [token_id], [lp] if lp is not None else None))
+                outputs.append(EngineCoreOutput(req.request_id, new_ids, lps))
 
     @staticmethod
-    def _final_output(req: Request, new_ids: list[int], lp=None, error: tuple[str, str] | None = None) -> EngineCoreOutput:
+    def _final_output(req: Request, new_ids: list[int], lps: list | None = None,
+                      error: tuple[str, str] | None = None) -> EngineCoreOutput:
         return EngineCoreOutput(
-            req.request_id, new_ids, [lp] if lp is not None else None, FINISH_REASONS[req.status],
+            req.request_id, new_ids, lps, FINISH_REASONS[req.status],
             req.num_cached_tokens, req.num_preemptions,
             RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time, time.time(), req.trace),
             str(error[0]) if error else None, error[1] if error else None, req.stop_in_text,

@@ -102,7 +102,8 @@ class ForwardFailures:
         for i, (s, req) in enumerate(zip(sched.scheduled, sched.requests)):
             is_decode = i < sched.num_decodes
             alone = SchedulerOutput(step=sched.step, scheduled=[s], num_scheduled_tokens=s.num_tokens,
-                                    num_decodes=int(is_decode), requests=[req])
+                                    num_decodes=int(is_decode), requests=[req],
+                                    num_spec_tokens=s.num_tokens if s.draft else 0)
             batch.reschedule(alone)
             try:
                 out = self.runner.execute(alone)
@@ -123,7 +124,8 @@ class ForwardFailures:
                 merged.mask_s += out.mask_s
         if not ok:
             return None
-        return SchedulerOutput(sched.step, ok, sum(s.num_tokens for s in ok), num_decodes, ok_reqs), merged
+        return SchedulerOutput(sched.step, ok, sum(s.num_tokens for s in ok), num_decodes, ok_reqs,
+                               num_spec_tokens=sum(s.num_tokens for s in ok if s.draft)), merged
 
     def _fail_internal(
         self, s: ScheduledRequest, exc: Exception, outputs: list[EngineCoreOutput], failed: Failures

@@ -60,7 +60,10 @@ class ScheduledRequest:
     penalty uses it); of a decode with a placeholder only the first `start_pos` entries
     are final (the token in flight may be appended while the step runs: `resolved`).
     `grammar`: its constraint's state, read (never advanced) by the runner to mask the
-    row it samples.
+    row it samples. `draft`: a speculating decode's guesses d_1..d_k (`token_ids` is
+    `[last token] + draft`); the step samples at each of its 1 + k positions
+    (`verify_rows`) and returns the tokens its verification kept
+    (`worker/engine/speculative.py`).
     """
 
     request_id: str
@@ -74,10 +77,28 @@ class ScheduledRequest:
     grammar: Matcher | None = None  # its structured-output state: the sampler masks its row
     lora_slot: int = -1  # its LoRA adapter's slot (`SchedulerOutput.loras`), -1: the base model
     num_prompt_tokens: int = 0  # all_token_ids[num_prompt_tokens:] is the output (presence / frequency penalties)
+    draft: list[int] = field(default_factory=list)  # speculative guesses verified in this step
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this request samples in the step: 1 + len(draft), 0 if it samples none."""
+        return 1 + len(self.draft) if self.samples_token else 0
+
+    def verify_rows(self, with_history: bool) -> list[ScheduledRequest]:
+        """A speculating decode as 1 + k one-token decodes, one per position it samples:
+        row i reads `token_ids[i]` at `start_pos + i`, its history being the request's
+        tokens followed by d_1..d_i (built only `with_history`: penalties and the null
+        runner read it; else every row shares the request's list)."""
+        rows = []
+        for i, token_id in enumerate(self.token_ids):
+            history = self.all_token_ids + self.draft[:i] if with_history and i else self.all_token_ids
+            rows.append(replace(self, token_ids=[token_id], start_pos=self.start_pos + i, all_token_ids=history,
+                                draft=[]))
+        return rows
 
     @property
     def has_placeholder(self) -> bool:
@@ -105,6 +126,7 @@ class SchedulerOutput:
     num_decodes: int  # the first `num_decodes` entries have exactly one token and start_pos > 0
     requests: list[Any] = field(default_factory=list)  # engine `Request`s (request.py imports this module)
     loras: dict[int, Any] = field(default_factory=dict)  # slot -> ResidentAdapter of the requests' adapters
+    num_spec_tokens: int = 0  # positions of speculating decodes (1 + k each; among the entries after the decodes)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -118,8 +140,12 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    """A step's sampled tokens: for each request whose chunk samples, its new tokens in
+    order (one; 1 to 1 + k for a speculating decode: the tokens its verification kept),
+    with their logprobs where asked."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     mask_s: float = 0.0  # seconds spent computing and applying structured-output masks
 
 
@@ -135,11 +161,14 @@ class RunnerCapabilities:
         overlaps_host: the forward thread mostly waits for a device (kernels queued, the
             GIL released in the sync), so asynchronous steps pay: the default of
             `serving_tuning.async_scheduling`.
+        speculation: it verifies drafts (`ScheduledRequest.draft`), so the engine may
+            propose them (`serving_tuning.speculative`).
     """
 
     async_launch: bool = False
     device_time: bool = False
     overlaps_host: bool = False
+    speculation: bool = False
 
 
 class Runner(Protocol):
@@ -323,6 +352,18 @@ class StepStats(msgspec.Struct, frozen=True):
     num_long_prefill_capped: int = 0
     num_long_prefill_tokens: int = 0
     lora: LoRAStepStats | None = None  # LoRA adapters (model.lora_dir), None when none are served
+    spec: SpecStepStats | None = None  # speculative decoding this step, None when it is off
+
+
+class SpecStepStats(msgspec.Struct, frozen=True):
+    """Speculative decoding in one step (serving_tuning.speculative; vLLM's spec-decode
+    metrics): drafts verified, tokens they proposed, tokens accepted, and accepted
+    tokens by position in the draft (index 0: the first guess)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
 
 
 class LoRAStepStats(msgspec.Struct, frozen=True):

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from schemas.params import SamplingParams
+    from worker.engine.speculative import SpecState
     from worker.engine.structured import Matcher
 
 
@@ -154,6 +155,7 @@ class Request:
         "trace",
         "adapter",
         "lora_slot",
+        "spec",
     )
 
     def __init__(
@@ -206,6 +208,7 @@ class Request:
         self.adapter: str | None = None  # its LoRA adapter's name (lora_slots.py); None: the base model
         self.lora_slot = -1  # the adapter's device slot while it runs
         self.trace: list[TraceEvent] | None = None  # what the engine did to it, if traced; None: not traced
+        self.spec: SpecState | None = None  # its speculative proposer's state, once it proposed (speculative.py)
 
     @classmethod
     def from_core_request(cls, r: EngineCoreRequest, *, eos_token_ids: frozenset[int], arrival_seq: int,

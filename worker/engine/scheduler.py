@@ -11,6 +11,11 @@ A request leaves the batch the step it finishes; its slot is filled the next ste
 With `serving_tuning.long_prefill_threshold`, long prompts' prefill chunks share a
 per-step cap in 1 and 2 alike (tiering.py: prompt-length tiering).
 
+With `serving_tuning.speculative`, a decode in 1 may carry a draft of up to k guesses
+(speculative.py): 1 + k tokens of the budget, blocks for all of them if they are free
+(else it decodes plainly: a guess never preempts anyone), tenants charged for every
+position.
+
 Classes, aging and tenants. A class's rank is its priority minus one per
 `priority_aging_steps` its earliest waiting request has waited; the class of best rank
 (then earliest request) admits next, and the request admitted holds that rank while it
@@ -68,6 +73,7 @@ from worker.engine.lora_slots import LoRASlots
 from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.engine.preemption import RESERVE_AFTER_PREEMPTIONS, room_victims, victim_for
 from worker.engine.request import Priority, Request, RequestStatus
+from worker.engine.speculative import Speculation
 from worker.engine.tiering import LongPrefillCap
 
 
@@ -93,6 +99,8 @@ class Scheduler:
         self._num_freed = 0  # running requests that left the batch since the last schedule()
         self.copy_block_tables = False  # steps run ahead (EngineCore's asynchronous steps): snapshot tables
         self.may_yield = False  # this step: no slot freed since the last one (fair_share Yield)
+        # the proposer of speculative decoding; the engine core turns it off where its runner cannot verify
+        self.speculation = Speculation(tuning.speculative) if tuning.speculative.enabled else None
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -174,7 +182,7 @@ class Scheduler:
         if not plan.preempted:  # as vLLM V1: a victim is never re-admitted in the step it lost its blocks
             AdmissionPass(self, plan).run()
         return build_batch(self.step_count, plan.scheduled, self.requests, self.kv.block_table,
-                           self.copy_block_tables, self.loras.resident if self.loras else None)
+                           self.copy_block_tables, self.loras.resident if self.loras else None, plan.drafts)
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Phase 1: decodes first, then continuing prefill chunks, each in rank order; a
@@ -195,10 +203,15 @@ class Scheduler:
         for r in ending:
             self.finish(r.request_id, RequestStatus.FINISHED_LENGTH)
         longs = self.long_prefills
+        spec = self.speculation
+        if spec is not None and not spec.active(len(self.running)):
+            spec = None
         for req in decodes + prefills:
             if req.status != RequestStatus.RUNNING or plan.budget == 0:
                 continue  # preempted by one ranked before it this step, or no budget left
             num_new = min(len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens, plan.budget)
+            if spec is not None and num_new == 1 and self._speculate(req, spec, plan):
+                continue
             is_long = num_new > 1 and longs.is_long(req)
             if is_long:
                 num_new = longs.chunk(num_new)
@@ -222,10 +235,27 @@ class Scheduler:
                 if victim is req:
                     break
 
-    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
-        """Apply a step whose forward succeeded (`batch.apply_batch`). Returns requests that
-        got a token."""
-        return apply_batch(out, runner_out, self.kv, self.fair, self.finish)
+    def _speculate(self, req: Request, spec: Speculation, plan: StepPlan) -> bool:
+        """Schedule decode `req` with a draft if it has one and its 1 + k tokens fit its
+        blocks (allocated only from free ones) and its tenant's KV quota; False: it was
+        not scheduled (it decodes plainly)."""
+        draft = spec.propose(req, self.step_count, plan.budget - 1)
+        if not draft:
+            return False
+        num_new = 1 + len(draft)
+        if self._kv_quotas and self._over_kv_quota(req, num_new):
+            return False
+        if not self.kv.allocate(req, num_new, reserve_tokens=self.reserve_tokens(req)):
+            return False
+        plan.scheduled[req.request_id] = num_new
+        plan.drafts[req.request_id] = draft
+        plan.budget -= num_new
+        return True
+
+    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[tuple[Request, int]]:
+        """Apply a step whose forward succeeded (`batch.apply_batch`). Returns the requests
+        that got tokens, each with how many."""
+        return apply_batch(out, runner_out, self.kv, self.fair, self.finish, self.speculation)
 
     # ---- helpers -------------------------------------------------------------------
     def reserve_tokens(self, req: Request) -> int:

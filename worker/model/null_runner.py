@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from worker.engine.outputs import ModelRunnerOutput, RunnerCapabilities, ScheduledRequest, SchedulerOutput
+from worker.engine.speculative import num_accepted
 
 
 def default_next_token(s: ScheduledRequest, vocab_size: int, avoid: frozenset[int]) -> int:
@@ -103,7 +104,7 @@ class NullRunner:
         self.emulated = EmulatedDevice(device_ms / 1000) if device_ms > 0 else None
         # asynchronous steps pay only with an emulated device (the default of async_scheduling)
         self.capabilities = RunnerCapabilities(async_launch=True, device_time=True,
-                                               overlaps_host=self.emulated is not None)
+                                               overlaps_host=self.emulated is not None, speculation=True)
         self.lora = None  # no adapters
         self._last_sampled: dict[str, int] = {}  # the previous step's tokens (the "device" memory)
 
@@ -121,24 +122,31 @@ class NullRunner:
     def _start(self, sched: SchedulerOutput) -> _Launched:
         ready = self.emulated.launch() if self.emulated is not None else None
         last = self._last_sampled
-        sampled: dict[str, int] = {}
-        custom = self._next
-        vocab, avoid = self.vocab_size, self._avoid
+        sampled: dict[str, int] = {}  # the plain decodes' tokens: next step's placeholder inputs
+        out: dict[str, list[int]] = {}
         for s in sched.scheduled:
             if not s.samples_token:
                 continue
             rid = s.request_id
-            if custom is not None:
-                sampled[rid] = custom(s.resolved(last[rid]) if s.has_placeholder else s)
-            elif s.has_placeholder:  # history = the first start_pos ids + the token in flight
-                ids = s.all_token_ids
-                sampled[rid] = _hash_token(s.start_pos + 1, last[rid], ids[0], vocab, avoid)
+            if s.draft:  # a token per position; the verification keeps the confirmed run (speculative.py)
+                xs = [self._token(row, last) for row in s.verify_rows(with_history=True)]
+                out[rid] = xs[: 1 + num_accepted(xs, s.draft)]
             else:
-                ids = s.all_token_ids
-                end = s.start_pos + len(s.token_ids)
-                sampled[rid] = _hash_token(end, ids[end - 1], ids[0], vocab, avoid)
+                out[rid] = [self._token(s, last)]
+                sampled[rid] = out[rid][0]
         self._last_sampled = sampled
-        return _Launched(ModelRunnerOutput(sampled_token_ids=sampled), ready, self.emulated)
+        return _Launched(ModelRunnerOutput(sampled_token_ids=out), ready, self.emulated)
+
+    def _token(self, s: ScheduledRequest, last: dict[str, int]) -> int:
+        """The token decode / last chunk `s` samples (`last`: the previous step's tokens,
+        the inputs of placeholders)."""
+        if self._next is not None:
+            return self._next(s.resolved(last[s.request_id]) if s.has_placeholder else s)
+        ids = s.all_token_ids
+        if s.has_placeholder:  # history = the first start_pos ids + the token in flight
+            return _hash_token(s.start_pos + 1, last[s.request_id], ids[0], self.vocab_size, self._avoid)
+        end = s.start_pos + len(s.token_ids)
+        return _hash_token(end, ids[end - 1], ids[0], self.vocab_size, self._avoid)
 
     def device_busy_s(self) -> float:
         """Seconds the (emulated) device has been busy; 0 without one."""

@@ -23,6 +23,7 @@ from worker.engine.outputs import (
     StepSkipped,
     TokenLogprobs,
 )
+from worker.engine.speculative import num_accepted
 from worker.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -73,7 +74,8 @@ class ModelRunner:
         # the forward thread mostly waits for the device (kernels queued, the GIL released
         # in the sync), so the engine core's asynchronous steps overlap host work with it
         self.overlaps_host = device.type == "cuda"
-        self.capabilities = RunnerCapabilities(async_launch=True, device_time=True, overlaps_host=self.overlaps_host)
+        self.capabilities = RunnerCapabilities(async_launch=True, device_time=True, overlaps_host=self.overlaps_host,
+                                               speculation=True)
         self.backend = backend
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         # logit rows of the vocabulary (structured-output masks are sized before the forward)
@@ -192,8 +194,8 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
-            if s.samples_token:
-                sample_idx.append(query_start[-1] - 1)
+            if s.samples_token:  # the last position; a speculating decode's every position
+                sample_idx.extend(range(query_start[-1] - s.num_rows, query_start[-1]))
 
         max_blocks = max(len(s.block_ids) for s in packed)
         block_tables = torch.tensor(
@@ -330,6 +332,10 @@ class ModelRunner:
         # A step of only partial prefill chunks still computes one (discarded) logit row.
         keep = torch.tensor(sample_idx or [0], device=self.device)
         sampling_reqs = [s for s in packed if s.samples_token]
+        speculating = len(sample_idx) > len(sampling_reqs)
+        if speculating:  # a speculating decode samples a row per position (its draft's verification)
+            sampling_reqs = [row for s in sampling_reqs
+                             for row in (s.verify_rows(s.params.reads_history) if s.draft else (s,))]
         if any(s.has_placeholder and s.params.reads_history for s in sampling_reqs):
             sampling_reqs = self._resolve_for_penalty(sampling_reqs)
         # structured-output masks: on CUDA filled on their own thread while this one queues the
@@ -354,9 +360,37 @@ class ModelRunner:
             self._last_sampled = (input_ids[:0], {})
             return SampledStep([], None, [], 0.0)
         timing: dict[str, float] = {}
-        token_ids, logprobs = sample_on_device(logits, sampling_reqs, timing, masks)
-        self._last_sampled = (token_ids, {s.request_id: i for i, s in enumerate(sampling_reqs)})
-        return SampledStep([s.request_id for s in sampling_reqs], token_ids, logprobs, timing.get("mask_s", 0.0))
+        if not speculating:
+            token_ids, logprobs = sample_on_device(logits, sampling_reqs, timing, masks)
+            self._last_sampled = (token_ids, {s.request_id: i for i, s in enumerate(sampling_reqs)})
+            return SampledStep([s.request_id for s in sampling_reqs], token_ids, logprobs, timing.get("mask_s", 0.0))
+        return self._verify(logits, [s for s in packed if s.samples_token], sampling_reqs, timing, masks)
+
+    def _verify(self, logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[ScheduledRequest],
+                timing: dict[str, float], masks) -> SampledStep:
+        """Sample a step with speculating decodes (`rows`: one per sampled position of
+        `reqs`) and keep, per speculating request, the tokens its draft's verification
+        accepts (`worker.engine.speculative`); a seeded request's generator is wound back
+        to just after its last kept draw. The ids come to the host here (the acceptance
+        decides what the step returns)."""
+        states: dict[int, torch.Tensor] = {}
+        r = 0
+        for s in reqs:
+            if s.draft and s.generator is not None and s.params.temperature != 0.0:
+                states.update((row, None) for row in range(r, r + s.num_rows))
+            r += s.num_rows
+        token_ids, logprobs = sample_on_device(logits, rows, timing, masks, generator_states=states)
+        ids = token_ids.tolist()
+        spans: list[tuple[int, int]] = []
+        r = 0
+        for s in reqs:
+            n = 1 + num_accepted(ids[r: r + len(s.draft)], s.draft) if s.draft else 1
+            if r + n - 1 in states:
+                s.generator.set_state(states[r + n - 1])
+            spans.append((r, n))
+            r += s.num_rows
+        self._last_sampled = (token_ids, {s.request_id: r0 for s, (r0, n) in zip(reqs, spans) if not s.draft})
+        return SampledStep([s.request_id for s in reqs], token_ids, logprobs, timing.get("mask_s", 0.0), spans)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, md: AttentionMetadata,
                  keep: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
@@ -392,18 +426,21 @@ class ModelRunner:
 
 
 class SampledStep:
-    """A step's sampled ids, still on the device (`token_ids`), with the rows' request ids;
-    `output()` brings them to the host. On CUDA the copy is queued at once, right behind
-    the sampling on the same stream, into pinned memory, and `output()` waits for that copy
-    alone (an event), not for the steps queued after it."""
+    """A step's sampled ids, still on the device (`token_ids`, one per sampled row), with
+    the requests' ids and each request's rows (`spans`: first row and how many it keeps;
+    None: one row each, in order); `output()` brings them to the host. On CUDA the copy
+    is queued at once, right behind the sampling on the same stream, into pinned memory,
+    and `output()` waits for that copy alone (an event), not for the steps queued after it."""
 
-    __slots__ = ("request_ids", "_ids", "_ready", "logprobs", "mask_s")
+    __slots__ = ("request_ids", "_ids", "_ready", "logprobs", "mask_s", "spans")
 
     def __init__(self, request_ids: list[str], token_ids: torch.Tensor | None,
-                 logprobs: list[TokenLogprobs | None], mask_s: float) -> None:
+                 logprobs: list[TokenLogprobs | None], mask_s: float,
+                 spans: list[tuple[int, int]] | None = None) -> None:
         self.request_ids = request_ids
         self.logprobs = logprobs
         self.mask_s = mask_s
+        self.spans = spans
         self._ready = None
         if token_ids is not None and token_ids.is_cuda:
             token_ids = token_ids.to("cpu", non_blocking=True)
@@ -417,10 +454,11 @@ class SampledStep:
         if self._ready is not None:
             self._ready.synchronize()  # releases the GIL while it waits
         ids = self._ids.tolist()
-        rids = self.request_ids
+        lps = self.logprobs
+        spans = self.spans or [(i, 1) for i in range(len(self.request_ids))]
         return ModelRunnerOutput(
-            sampled_token_ids=dict(zip(rids, ids)),
-            logprobs={rid: lp for rid, lp in zip(rids, self.logprobs) if lp is not None},
+            sampled_token_ids={rid: ids[r: r + n] for rid, (r, n) in zip(self.request_ids, spans)},
+            logprobs={rid: lps[r: r + n] for rid, (r, n) in zip(self.request_ids, spans) if lps[r] is not None},
             mask_s=self.mask_s,
         )
 

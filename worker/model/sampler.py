@@ -28,7 +28,8 @@ def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], timing: dict[str,
 
 
 def sample_on_device(logits: torch.Tensor, reqs: list[ScheduledRequest], timing: dict[str, float] | None = None,
-                     masks: Future | None = None) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+                     masks: Future | None = None, generator_states: dict[int, torch.Tensor | None] | None = None,
+                     ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
     """Sample one token per row; the ids stay on the logits' device (no sync unless a row
     asks for logprobs).
 
@@ -40,6 +41,10 @@ def sample_on_device(logits: torch.Tensor, reqs: list[ScheduledRequest], timing:
             masks (computing the step's bitmask and applying it).
         masks: the step's masks started before the forward (`worker.model.masks.start_token_bitmask`
             for these `reqs`); None: computed here.
+        generator_states: rows (keys) of seeded sampled requests whose generator state
+            just after their row's draw is wanted: filled in (a speculating request's
+            verification winds its generator back to its last kept draw). Rows of one
+            generator draw in row order.
 
     Returns:
         (token ids `[num_reqs]` int64 on the logits' device, per-row TokenLogprobs or
@@ -60,7 +65,7 @@ def sample_on_device(logits: torch.Tensor, reqs: list[ScheduledRequest], timing:
         logits = _apply_repetition_penalty(logits, reqs, penalties)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         logits = _apply_output_penalties(logits, reqs, params)
-    token_ids = _draw(logits, reqs, params)
+    token_ids = _draw(logits, reqs, params, generator_states)
     if raw_logprobs is None:
         return token_ids, [None] * len(reqs)
     return token_ids, _logprobs(raw_logprobs, token_ids, reqs, params)
@@ -94,7 +99,8 @@ def _mask_grammars(logits: torch.Tensor, reqs: list[ScheduledRequest], masks: Fu
     return logits
 
 
-def _draw(logits: torch.Tensor, reqs: list[ScheduledRequest], params: list) -> torch.Tensor:
+def _draw(logits: torch.Tensor, reqs: list[ScheduledRequest], params: list,
+          states: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
     """One token id per row `[num_reqs]` on the logits' device: argmax where the
     temperature is 0; else temperature, top-k / top-p / min-p, and an exponential race
     (Gumbel-max) drawn from the row's own generator when seeded, so a seeded row draws
@@ -117,7 +123,10 @@ def _draw(logits: torch.Tensor, reqs: list[ScheduledRequest], params: list) -> t
         seeded = [j for j, i in enumerate(sample_rows) if reqs[i].generator is not None]
         unseeded = [j for j, i in enumerate(sample_rows) if reqs[i].generator is None]
         for j in seeded:
-            noise[j].exponential_(generator=reqs[sample_rows[j]].generator)
+            generator = reqs[sample_rows[j]].generator
+            noise[j].exponential_(generator=generator)
+            if states and sample_rows[j] in states:
+                states[sample_rows[j]] = generator.get_state()
         if unseeded:
             idx = torch.tensor(unseeded, device=device)
             noise[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()

@@ -1,0 +1,59 @@
+"""Speculative decoding settings (`serving_tuning.speculative`): which proposer guesses
+the next tokens and how far, and when the engine stops guessing."""
+
+from __future__ import annotations
+
+import msgspec
+
+from worker.config.checks import ConfigError, one_of, positive
+
+SPECULATIVE_METHODS = ("off", "ngram")
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How a decoding request guesses its next tokens for one forward of the model to
+    verify (speculative decoding: Leviathan et al., ICML 2023; Chen et al., 2023). The
+    engine's tokens are the same with it on or off (`worker/engine/speculative.py`):
+    greedy requests accept a guess only where it equals the model's argmax, sampled ones
+    draw each position exactly as without speculation and accept a guess only where the
+    draw equals it.
+
+    Attributes:
+        method: `off`, or `ngram` (prompt lookup: the last n tokens of the request,
+            n from `prompt_lookup_max` down to `prompt_lookup_min`, are looked up in its
+            prompt and output so far, and the tokens that followed their latest earlier
+            occurrence are proposed; vLLM's `ngram` method).
+        num_speculative_tokens: most tokens proposed per request per step (k); a step
+            computes 1 + k positions for it, counted in `max_batched_tokens`.
+        prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram matched.
+        disable_by_batch_size: speculate only while at most this many requests run
+            (vLLM's `disable_by_batch_size` idea): a full batch keeps the device busy
+            without guesses, and verifying them would cost throughput. None: always.
+        min_acceptance_rate: a request whose recent guesses are accepted at less than
+            this rate (a moving average over its drafts) stops proposing for a pause
+            that doubles each time it happens again (16 steps, at most 1024), so text
+            that does not repeat itself costs nothing after a few steps. 0: never pause.
+    """
+
+    method: str = "off"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = 8
+    min_acceptance_rate: float = 0.2
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    def __post_init__(self) -> None:
+        section = "serving_tuning.speculative"
+        one_of(section, "method", self.method, SPECULATIVE_METHODS)
+        positive(section, num_speculative_tokens=self.num_speculative_tokens,
+                 prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+                 disable_by_batch_size=self.disable_by_batch_size)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"{section}.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                              f"{section}.prompt_lookup_max ({self.prompt_lookup_max})")
+        if not 0.0 <= self.min_acceptance_rate < 1.0:
+            raise ConfigError(f"{section}.min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate}")

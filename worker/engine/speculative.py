@@ -1,0 +1,173 @@
+"""Speculative decoding in the continuous batch: a proposer guesses up to k tokens for a
+decoding request, one forward verifies them, and every accepted guess is a decode step
+saved (Leviathan et al., "Fast Inference from Transformers via Speculative Decoding",
+ICML 2023; Chen et al., "Accelerating LLM Decoding with Speculative Sampling", 2023;
+the n-gram proposer is prompt lookup decoding, Saxena 2023, vLLM's `ngram` method).
+
+A request of context L (its last token not yet computed) with a draft d_1..d_k is
+scheduled as one chunk of 1 + k tokens, [t_L, d_1, ..., d_k] at positions L-1 .. L-1+k,
+and the step samples a token at each of the 1 + k positions (`ScheduledRequest.draft`):
+x_0 from the true context, x_i from the context extended by d_1..d_i. The output is
+x_0 .. x_a where a is the number of leading positions with x_i == d_{i+1}
+(`num_accepted`): each x_i is what the request would sample at that point without
+speculation, and only positions whose context holds accepted guesses alone are kept.
+So the tokens are the same as without speculation, not just the distribution:
+  - greedy rows: x_i is the argmax (the longest prefix equal to the target's argmax);
+  - sampled rows: x_i is the exponential race of the sampler with the request's own
+    noise; a seeded request's generator is wound back to just after draw a
+    (`worker/model/sampler.py`), so it draws exactly as many noise vectors as tokens it
+    keeps. For a guess d this accepts with probability p(d) and otherwise yields a token
+    of p with d removed, renormalized: rejection sampling for a one-point draft
+    (the rule of the papers above with q = 1 at d).
+The KV written at the rejected positions is never read: progress rolls back to
+L + a (`batch.apply_batch`), the next step overwrites those slots, and prefix-cache
+hashes are taken over accepted tokens only.
+
+Not speculated (their step is an ordinary decode): requests with a grammar, the last token
+of `max_tokens`, sliding-window models, and every request while more than
+`disable_by_batch_size` run. Steps are sequential while speculation is on (the engine core
+turns `async_scheduling` off): a draft is proposed from the request's known tokens, and the
+step behind a speculating one cannot know where the request will stand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from worker.config.speculative import SpeculativeConfig
+
+PAUSE_STEPS = 16  # a request's first pause after its acceptance rate fell below the floor
+MAX_PAUSE_STEPS = 1024
+EWMA_WEIGHT = 0.25  # weight of the newest draft in a request's acceptance rate
+
+
+def num_accepted(sampled: list[int], draft: list[int]) -> int:
+    """How many leading guesses of `draft` (d_1..d_k) the step's samples `sampled`
+    (x_0..x_k, or at least the first len(draft) of them) confirm: the largest a with
+    x_i == d_{i+1} for every i < a."""
+    a = 0
+    for x, d in zip(sampled, draft):
+        if x != d:
+            break
+        a += 1
+    return a
+
+
+def ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup: the up to `k` tokens that followed the latest earlier occurrence of
+    the longest suffix of `tokens` (n from `max_n` down to `min_n` tokens) in `tokens`;
+    [] when no suffix of `min_n` tokens occurred before.
+
+    Args:
+        tokens: `[num_tokens]` the request's prompt + output so far (int).
+    """
+    n_tok = len(tokens)
+    if n_tok < min_n + 1:
+        return []
+    # candidates j: the position where an earlier occurrence of the suffix ends (j < n_tok - 1)
+    cand = np.flatnonzero(tokens[:-1] == tokens[-1])
+    length = 1
+    while length < max_n and cand.size:
+        room = cand[cand >= length]
+        longer = room[tokens[room - length] == tokens[n_tok - 1 - length]]
+        if not longer.size:
+            break
+        cand = longer
+        length += 1
+    if length < min_n or not cand.size:
+        return []
+    j = int(cand[-1])  # the latest occurrence
+    return tokens[j + 1: j + 1 + k].tolist()
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One request's proposer state: its tokens as an array (grown as they are
+    appended), its acceptance rate and its pause."""
+
+    tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    num_tokens: int = 0
+    acceptance: float = 1.0  # moving average of accepted / proposed over its drafts
+    paused_until: int = 0  # the scheduler step from which it proposes again
+    pause: int = PAUSE_STEPS  # its next pause's length
+
+    def sync(self, all_token_ids: list[int]) -> np.ndarray:
+        """The token array brought up to `all_token_ids` (appends only; amortized O(new))."""
+        n = len(all_token_ids)
+        if n > len(self.tokens):
+            grown = np.empty(max(2 * len(self.tokens), n + 64), dtype=np.int64)
+            grown[: self.num_tokens] = self.tokens[: self.num_tokens]
+            self.tokens = grown
+        if n > self.num_tokens:
+            self.tokens[self.num_tokens: n] = all_token_ids[self.num_tokens: n]
+        self.num_tokens = n
+        return self.tokens[:n]
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Counters since the engine started (vLLM's spec-decode metrics): drafts proposed,
+    tokens proposed, tokens accepted, and accepted tokens by position in the draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class Speculation:
+    """The scheduler's proposer: decides per step whether to speculate, proposes a
+    request's draft, and learns from what its verification accepted.
+
+    Args:
+        config: `serving_tuning.speculative` (must be enabled).
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+
+    def active(self, num_running: int) -> bool:
+        """Whether this step speculates at all (the batch-size rule)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def propose(self, req, step: int, max_new: int) -> list[int]:
+        """A draft for decoding request `req` (a scheduler `Request`) of at most `max_new`
+        tokens (the step's budget left, minus its own token); [] when it does not
+        speculate now (see the module docstring)."""
+        if req.grammar is not None:
+            return []
+        k = min(self.k, max_new, req.max_tokens - req.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        state = req.spec
+        if state is None:
+            state = req.spec = SpecState()
+        elif step < state.paused_until:
+            return []
+        cfg = self.config
+        return ngram_proposal(state.sync(req.all_token_ids), cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+
+    def verified(self, req, num_proposed: int, num_accepted_: int, step: int) -> None:
+        """Record a verified draft of `req`: the counters, its acceptance rate, and a pause
+        when that rate is below `min_acceptance_rate`."""
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_proposed
+        stats.num_accepted_tokens += num_accepted_
+        for i in range(num_accepted_):
+            stats.accepted_per_pos[i] += 1
+        state = req.spec
+        if state is None:  # a draft from elsewhere than `propose` (tests force them)
+            state = req.spec = SpecState()
+        state.acceptance += EWMA_WEIGHT * (num_accepted_ / num_proposed - state.acceptance)
+        if state.acceptance < self.config.min_acceptance_rate:
+            state.paused_until = step + state.pause
+            state.pause = min(2 * state.pause, MAX_PAUSE_STEPS)
+            state.acceptance = self.config.min_acceptance_rate  # it resumes on probation
+        elif state.acceptance >= 2 * self.config.min_acceptance_rate:
+            state.pause = PAUSE_STEPS
