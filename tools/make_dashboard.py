@@ -83,6 +83,17 @@ ROWS = [
         ("Jobs per adapter", "reqps", [q("sum by (adapter) (rate(lora_requests_total[$__rate_interval]))",
                                          "{{adapter}}")]),
     ]),
+    ("Speculative decoding (serving_tuning.speculative)", [
+        ("Acceptance rate", "percentunit", [
+            q("sum(rate(spec_decode_num_accepted_tokens_total[$__rate_interval])) / "
+              "sum(rate(spec_decode_num_draft_tokens_total[$__rate_interval]))", "accepted / proposed")]),
+        ("Mean accepted length (tokens per speculating step)", "short", [
+            q("1 + sum(rate(spec_decode_num_accepted_tokens_total[$__rate_interval])) / "
+              "sum(rate(spec_decode_num_drafts_total[$__rate_interval]))", "tokens per draft")]),
+        ("Accepted tokens by draft position", "short", [
+            q("sum by (position) (rate(spec_decode_num_accepted_tokens_per_pos_total[$__rate_interval]))",
+              "position {{position}}")]),
+    ]),
     ("Outcomes", [
         ("Finished jobs by reason", "reqps", [q("sum by (finish_reason) (rate(request_finished_total[$__rate_interval]))",
                                                 "{{finish_reason}}")]),

@@ -7,7 +7,8 @@ a running quota, Yields) — yields exactly the token ids of transformers' own
 both KV policies and both kinds of steps between the cases) too, and its warm-up
 built every graph the workload needs: serving it compiles nothing more. And with the
 decode steps replayed from graphs (`model.cuda_graphs`, emulated on the CPU), eager and
-compiled, padded to the graph sizes.
+compiled, padded to the graph sizes. And with speculative decoding (prompt lookup, eager
+and compiled; suffix decoding), its guesses both kept and rejected.
 """
 
 from __future__ import annotations
@@ -56,17 +57,18 @@ def staggered_workload(seed: int, n: int = 24, vocab: int = 512):
 
 SEED = 1234
 
-CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs, speculative decoding)
-    ("optimistic", False, "off", False, False), ("optimistic", True, "off", False, False),
-    ("reserve", False, "off", True, False), ("reserve", True, "off", False, False),
-    ("optimistic", True, "on", True, False), ("reserve", False, "on", False, False),
-    ("optimistic", False, "off", False, True), ("reserve", False, "on", False, True),
+CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs, speculative decoding's method)
+    ("optimistic", False, "off", False, "off"), ("optimistic", True, "off", False, "off"),
+    ("reserve", False, "off", True, "off"), ("reserve", True, "off", False, "off"),
+    ("optimistic", True, "on", True, "off"), ("reserve", False, "on", False, "off"),
+    ("optimistic", False, "off", False, "ngram"), ("reserve", False, "on", False, "ngram"),
+    ("optimistic", False, "off", False, "suffix"),
 ]
 
 
 @pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode", "graphs", "speculative"), CASES,
                          ids=[f"{p}-{'async' if a else 'sequential'}{'-compiled' if c == 'on' else ''}"
-                              f"{'-graphs' if g else ''}{'-ngram' if n else ''}" for p, a, c, g, n in CASES])
+                              f"{'-graphs' if g else ''}{'' if n == 'off' else '-' + n}" for p, a, c, g, n in CASES])
 def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_scheduling, compile_mode, graphs,
                                              speculative, monkeypatch):
     if graphs:  # decode steps replay graphs (emulated here: worker.model.graphs), padded to their sizes
@@ -82,8 +84,8 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
             kv_policy=kv_policy,
             tenants={"t0": TenantPolicy(weight=3), "t1": TenantPolicy(max_running_requests=2)},
             async_scheduling=async_scheduling,
-            # prompt lookup on every request (the random models' greedy text repeats itself: drafts hit and miss)
-            speculative=SpeculativeConfig(method="ngram" if speculative else "off", num_speculative_tokens=3,
+            # speculation for every request (the random models' greedy text repeats itself: drafts hit and miss)
+            speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=3,
                                           prompt_lookup_min=1, disable_by_batch_size=None, min_acceptance_rate=0.0),
         ),
     )
@@ -137,7 +139,7 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
     assert engine.runner.compiled == (compile_mode == "on") and engine.runner.compile_error is None
     if graphs:  # decode steps of several batch sizes replayed, some padded
         assert len(set(replayed)) >= 4 and {3, 5, 6, 7} & set(replayed), sorted(set(replayed))
-    if speculative:  # drafts verified, some guesses kept and some rejected (both paths ran)
+    if speculative != "off":  # drafts verified, some guesses kept and some rejected (both paths ran)
         stats = engine.scheduler.speculation.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 

@@ -217,3 +217,36 @@ def test_late_subscriber_gets_the_whole_sequence(services, prefix, engine_factor
     assert len(token_ids(events)) == 12
     assert fin.text == "".join(e.text for e in events if isinstance(e, Token))
     assert isinstance(fin, Finished) and fin.finish_reason == "length"
+
+
+def test_speculating_worker_streams_every_kept_token_in_order(services, prefix, engine_factory):
+    """Prompt lookup on (serving_tuning.speculative): a step may give a job several tokens;
+    the stream carries them all, seq unbroken, and the ids are the engine's without it."""
+    from worker.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="ngram", prompt_lookup_min=1, min_acceptance_rate=0.0)
+    cfg = worker_config(services, prefix, tuning={"speculative": spec})
+    engine = engine_factory(cfg)
+    prompts = [f"Job {i}: the module provides the module provides the module" for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=24 + i, ignore_eos=True) for i in range(5)]
+    params.append(SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True, stop=["the"]))
+
+    async def main():
+        w, task = await start_worker(cfg, engine)
+        async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            ids = [await client.submit(p, params=sp, job_id=f"spec-{i}") for i, (p, sp) in
+                   enumerate(zip(prompts, params))]
+            results = await asyncio.gather(*(collect(client, j) for j in ids))
+        await stop_worker(w, task)
+        return ids, results
+
+    ids, results = asyncio.run(main())
+    assert engine.scheduler.speculation.stats.num_accepted_tokens > 0
+    plain = worker_config(services, prefix).engine  # the same engine settings, speculation off
+    reference = Engine.from_pretrained(engine.config.model.path, plain).generate(prompts, params)
+    for jid, events, ref in zip(ids, results, reference):
+        fin = assert_well_formed(events, jid)
+        assert token_ids(events) == ref.token_ids
+        assert fin.text == ref.text == "".join(e.text for e in events if isinstance(e, Token))
+        assert fin.usage.completion_tokens == len(ref.token_ids)
+    assert any(len(e.token_ids) > 1 for ev in results for e in ev if isinstance(e, Token))  # a step's run, streamed

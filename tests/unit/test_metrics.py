@@ -160,3 +160,18 @@ def test_labelled_counters_read_zero_before_their_first_event():
                                 ("request_errors_total", "code", mod.ERROR_CODES)):
         assert all(get(name, {label: v}) == 0.0 for v in values), name
     assert all(get("llm_ttft_seconds_count", {"priority": p}) == 0.0 for p in ("high", "normal", "low"))
+
+
+def test_speculative_decoding_counters_follow_the_steps():
+    from msgspec.structs import replace
+
+    from worker.engine.outputs import SpecStepStats
+
+    m = Metrics()
+    m.observe_step(replace(stats(1.0, 0, 8), spec=SpecStepStats(2, 6, 4, [2, 1, 1])))
+    m.observe_step(replace(stats(1.1, 0, 4), spec=SpecStepStats(1, 3, 1, [1, 0, 0])))
+    m.observe_step(stats(1.2, 0, 1))  # speculation off: nothing
+    get = m.registry.get_sample_value
+    assert (get("spec_decode_num_drafts_total"), get("spec_decode_num_draft_tokens_total"),
+            get("spec_decode_num_accepted_tokens_total")) == (3, 9, 5)
+    assert [get("spec_decode_num_accepted_tokens_per_pos_total", {"position": p}) for p in "012"] == [3, 1, 1]

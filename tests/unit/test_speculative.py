@@ -226,3 +226,11 @@ def test_step_stats_count_the_drafts():
     assert (drafts, accepted) == (stats.num_drafts, stats.num_accepted_tokens) and drafts > 0
     assert sum(stats.accepted_per_pos) == accepted
     assert decode_tokens == stats.num_draft_tokens + stats.num_drafts + (8 - accepted - stats.num_drafts)
+
+
+def test_vllm_engine_refuses_our_speculative_section():
+    from worker.config import ModelConfig
+
+    with pytest.raises(ConfigError, match="speculative_config"):
+        EngineConfig(model=ModelConfig(engine="vllm", vllm_python="/usr/bin/python3"),
+                     serving_tuning=ServingTuning(speculative=SpeculativeConfig(method="ngram")))

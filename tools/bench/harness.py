@@ -27,12 +27,15 @@ from tools.bench.connections import worker_sections
 DEFAULT_MODEL = Path(".cache/models/bench-llama")
 GPU_MODEL = Path(".cache/models/bench-llama-1b")
 WEIGHTS_MODEL = Path(".cache/models/bench-llama-160m")
+TRAINED_MODEL = Path(".cache/models/bench-llama-trained")  # the CPU shape, trained briefly: text-like output
 # random-init Llama shapes: small for the CPU; ~160M parameters (fp32 weights of 640 MB,
 # more than the benchmark box's caches) for what weight formats change; ~1.1B for a GPU
 MODEL_SHAPES = {
     DEFAULT_MODEL: dict(arch="llama", vocab_size=2048, hidden=256, layers=4, heads=8, kv_heads=4, max_len=2048),
     WEIGHTS_MODEL: dict(arch="llama", vocab_size=8192, hidden=1024, layers=12, heads=16, kv_heads=4, max_len=2048),
     GPU_MODEL: dict(arch="llama", vocab_size=32000, hidden=2048, layers=20, heads=32, kv_heads=8, max_len=4096),
+    TRAINED_MODEL: dict(arch="llama", vocab_size=2048, hidden=256, layers=4, heads=8, kv_heads=4, max_len=2048,
+                        train_steps=600),
 }
 
 

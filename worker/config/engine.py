@@ -368,6 +368,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 if value:
                     raise ConfigError(f"serving_tuning.{name} is set but model.engine is 'vllm': vLLM sizes its "
                                       f"cache by its own arguments (model.vllm_args: {theirs})")
+            if t.speculative.enabled:
+                raise ConfigError("serving_tuning.speculative is on but model.engine is 'vllm': vLLM speculates by "
+                                  "its own arguments (model.vllm_args: speculative_config)")
         per_batch = self.serving_tuning.max_loras_per_batch
         if per_batch is not None and per_batch > self.model.max_loras:
             raise ConfigError(f"serving_tuning.max_loras_per_batch ({per_batch}) must be <= model.max_loras "

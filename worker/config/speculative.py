@@ -7,7 +7,7 @@ import msgspec
 
 from worker.config.checks import ConfigError, one_of, positive
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -22,10 +22,23 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         method: `off`, or `ngram` (prompt lookup: the last n tokens of the request,
             n from `prompt_lookup_max` down to `prompt_lookup_min`, are looked up in its
             prompt and output so far, and the tokens that followed their latest earlier
-            occurrence are proposed; vLLM's `ngram` method).
+            occurrence are proposed; vLLM's `ngram` method), or `suffix` (suffix
+            decoding, Oliaro et al. 2024: the request's tokens and those of the last
+            `suffix_cache_requests` finished requests are searched for the longest
+            match of the request's last tokens, up to `suffix_max_depth`, and the
+            guesses follow the most frequent continuation of the matches while its
+            share stays above `suffix_min_token_prob`: agents and tools that repeat
+            the same formats across requests).
         num_speculative_tokens: most tokens proposed per request per step (k); a step
             computes 1 + k positions for it, counted in `max_batched_tokens`.
-        prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram matched.
+        prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram matched
+            (`suffix`: the shortest match; the longest is `suffix_max_depth`).
+        suffix_max_depth: `suffix`'s longest match, in tokens.
+        suffix_cache_requests: finished requests whose tokens (prompt and output)
+            `suffix` searches besides the request's own, oldest dropped first (memory:
+            about 100 bytes a token). 0: the request's own tokens only.
+        suffix_min_token_prob: `suffix` stops guessing where the product of its
+            guesses' shares among the matches' continuations falls below this.
         disable_by_batch_size: speculate only while at most this many requests run
             (vLLM's `disable_by_batch_size` idea): a full batch keeps the device busy
             without guesses, and verifying them would cost throughput. None: always.
@@ -41,6 +54,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = 8
     min_acceptance_rate: float = 0.2
+    suffix_max_depth: int = 24
+    suffix_cache_requests: int = 256
+    suffix_min_token_prob: float = 0.1
 
     @property
     def enabled(self) -> bool:
@@ -51,9 +67,13 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         one_of(section, "method", self.method, SPECULATIVE_METHODS)
         positive(section, num_speculative_tokens=self.num_speculative_tokens,
                  prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
-                 disable_by_batch_size=self.disable_by_batch_size)
+                 disable_by_batch_size=self.disable_by_batch_size, suffix_max_depth=self.suffix_max_depth)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"{section}.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                               f"{section}.prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.suffix_cache_requests < 0:
+            raise ConfigError(f"{section}.suffix_cache_requests must be >= 0, got {self.suffix_cache_requests}")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ConfigError(f"{section}.suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
         if not 0.0 <= self.min_acceptance_rate < 1.0:
             raise ConfigError(f"{section}.min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate}")

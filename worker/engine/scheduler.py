@@ -12,9 +12,9 @@ With `serving_tuning.long_prefill_threshold`, long prompts' prefill chunks share
 per-step cap in 1 and 2 alike (tiering.py: prompt-length tiering).
 
 With `serving_tuning.speculative`, a decode in 1 may carry a draft of up to k guesses
-(speculative.py): 1 + k tokens of the budget, blocks for all of them if they are free
-(else it decodes plainly: a guess never preempts anyone), tenants charged for every
-position.
+(speculative.py): 1 + k tokens of the budget, blocks for all of them if that leaves a
+free block per running request (else it decodes plainly: a guess never makes anyone
+preempt), tenants charged for every position.
 
 Classes, aging and tenants. A class's rank is its priority minus one per
 `priority_aging_steps` its earliest waiting request has waited; the class of best rank
@@ -143,6 +143,8 @@ class Scheduler:
             cq.remove(req)
         self.kv.free(request_id)
         req.status = status
+        if self.speculation is not None:
+            self.speculation.finished(req)
         tenant = req.share.tenant
         tenant.num_requests -= 1
         if not tenant.num_requests:
@@ -236,16 +238,22 @@ class Scheduler:
                     break
 
     def _speculate(self, req: Request, spec: Speculation, plan: StepPlan) -> bool:
-        """Schedule decode `req` with a draft if it has one and its 1 + k tokens fit its
-        blocks (allocated only from free ones) and its tenant's KV quota; False: it was
-        not scheduled (it decodes plainly)."""
+        """Schedule decode `req` with a draft if it has one, its 1 + k tokens fit its
+        tenant's KV quota, and the blocks the guesses add leave a free block per running
+        request (so guesses never make a plain decode preempt); False: it was not
+        scheduled (it decodes plainly)."""
         draft = spec.propose(req, self.step_count, plan.budget - 1)
         if not draft:
             return False
         num_new = 1 + len(draft)
         if self._kv_quotas and self._over_kv_quota(req, num_new):
             return False
-        if not self.kv.allocate(req, num_new, reserve_tokens=self.reserve_tokens(req)):
+        reserve = self.reserve_tokens(req)
+        extra = self.kv.table_growth(req, num_new, reserve_tokens=reserve) - self.kv.table_growth(
+            req, 1, reserve_tokens=reserve)
+        if extra and self.kv.num_free_blocks - extra < len(self.running):
+            return False
+        if not self.kv.allocate(req, num_new, reserve_tokens=reserve):
             return False
         plan.scheduled[req.request_id] = num_new
         plan.drafts[req.request_id] = draft

@@ -2,7 +2,8 @@
 decoding request, one forward verifies them, and every accepted guess is a decode step
 saved (Leviathan et al., "Fast Inference from Transformers via Speculative Decoding",
 ICML 2023; Chen et al., "Accelerating LLM Decoding with Speculative Sampling", 2023;
-the n-gram proposer is prompt lookup decoding, Saxena 2023, vLLM's `ngram` method).
+the proposers: prompt lookup decoding, Saxena 2023, vLLM's `ngram` method, here; suffix
+decoding across requests in suffix.py).
 
 A request of context L (its last token not yet computed) with a draft d_1..d_k is
 scheduled as one chunk of 1 + k tokens, [t_L, d_1, ..., d_k] at positions L-1 .. L-1+k,
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from worker.config.speculative import SpeculativeConfig
+from worker.engine.suffix import SuffixCache, suffix_proposal
 
 PAUSE_STEPS = 16  # a request's first pause after its acceptance rate fell below the floor
 MAX_PAUSE_STEPS = 1024
@@ -129,6 +131,9 @@ class Speculation:
         self.config = config
         self.k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+        # suffix decoding's tokens of recently finished requests (suffix.py)
+        self.cache = (SuffixCache(config.suffix_cache_requests, config.prompt_lookup_min)
+                      if config.method == "suffix" else None)
 
     def active(self, num_running: int) -> bool:
         """Whether this step speculates at all (the batch-size rule)."""
@@ -150,7 +155,16 @@ class Speculation:
         elif step < state.paused_until:
             return []
         cfg = self.config
-        return ngram_proposal(state.sync(req.all_token_ids), cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+        tokens = state.sync(req.all_token_ids)
+        if cfg.method == "suffix":
+            return suffix_proposal(tokens, self.cache, cfg.prompt_lookup_min, cfg.suffix_max_depth, k,
+                                   cfg.suffix_min_token_prob)
+        return ngram_proposal(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+
+    def finished(self, req) -> None:
+        """A request left the scheduler: suffix decoding caches its tokens if it produced any."""
+        if self.cache is not None and req.num_output_tokens > 0:
+            self.cache.add(req.all_token_ids)
 
     def verified(self, req, num_proposed: int, num_accepted_: int, step: int) -> None:
         """Record a verified draft of `req`: the counters, its acceptance rate, and a pause

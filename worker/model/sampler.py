@@ -104,7 +104,8 @@ def _draw(logits: torch.Tensor, reqs: list[ScheduledRequest], params: list,
     """One token id per row `[num_reqs]` on the logits' device: argmax where the
     temperature is 0; else temperature, top-k / top-p / min-p, and an exponential race
     (Gumbel-max) drawn from the row's own generator when seeded, so a seeded row draws
-    the same whatever else is in the batch."""
+    the same whatever else is in the batch. `states`: rows whose generator state after
+    their draw is recorded into it (`sample_on_device`'s `generator_states`)."""
     n, vocab = logits.shape
     device = logits.device
     token_ids = torch.empty(n, dtype=torch.long, device=device)

@@ -37,6 +37,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 
 from schemas.wire import FINISH_REASONS
 from worker.obs.lora_metrics import LoRAMetrics
+from worker.obs.spec_metrics import SpecMetrics
 
 if TYPE_CHECKING:
     from worker.engine import KVStats, StepStats
@@ -189,6 +190,7 @@ class Metrics:
         self.tenants = TenantLabels(tenant_labels, tenant_rank_interval_s, self._evict_tenant, clock=clock)
         self.lora = LoRAMetrics(r, TenantLabels(tenant_labels, tenant_rank_interval_s, lambda a: self.lora.evict(a),
                                                 clock=clock))  # LoRA adapters (lora_metrics.py)
+        self.spec = SpecMetrics(r)  # speculative decoding (spec_metrics.py)
         # ---- per step (engine thread) ----------------------------------------------------
         self.running = Gauge("running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("waiting_requests", "Requests waiting for admission (incl. preempted)", registry=r)
@@ -331,6 +333,8 @@ class Metrics:
         self.structured_requests.set(s.num_constrained)
         if s.lora is not None:
             self.lora.observe(s.lora)
+        if s.spec is not None:
+            self.spec.observe(s.spec)
         if s.mask_s:
             self.grammar_mask.observe(s.mask_s)
         for c in s.grammar_compile_s:
