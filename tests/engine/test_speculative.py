@@ -40,7 +40,10 @@ def force_drafts(engine: Engine, drafts: list[list[int]]) -> None:
     tokens exact anyway)."""
     def propose(req, step, max_new):
         guess = drafts[int(req.request_id.rsplit("-", 1)[1])][req.num_output_tokens:]
-        return guess[: min(3, max_new, req.max_tokens - req.num_output_tokens - 1)]
+        guess = guess[: min(3, max_new, req.max_tokens - req.num_output_tokens - 1)]
+        if req.grammar is not None:  # as the real proposer: up to the first guess the grammar refuses
+            guess = guess[: req.grammar.raw.validate_tokens(guess)]
+        return guess
 
     engine.scheduler.speculation.propose = propose
 
@@ -133,3 +136,46 @@ def test_unseeded_sampling_has_the_distribution_of_plain_decoding(engines):
     a = collections.Counter(tuple(o.token_ids[1:]) for o in plain)
     b = collections.Counter(tuple(o.token_ids[1:]) for o in spec)
     assert chi_square_p(a, b) > 0.001, (a.most_common(8), b.most_common(8))
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 6}},
+          "required": ["name", "tags"], "additionalProperties": False}
+
+
+def test_constrained_requests_verify_every_position_under_their_grammar(engines):
+    """Structured outputs speculate: guesses cut where the grammar refuses them, each
+    verified position masked by the grammar past the guesses before it, the grammar
+    advanced by kept tokens only. Greedy and seeded ids equal plain decoding's, whatever
+    the guesses, and every output validates."""
+    import json
+
+    import jsonschema
+
+    from schemas.params import JsonSchemaOutput
+
+    params = [SamplingParams(max_tokens=80, temperature=0.0, structured=JsonSchemaOutput(schema=SCHEMA)),
+              SamplingParams(max_tokens=80, temperature=1.0, seed=4, structured=JsonSchemaOutput(schema=SCHEMA))]
+    prompts = [PROMPT, PROMPT[3:]]
+    truth = [o.token_ids for o in engines["off"].generate(prompts, params)]
+    spec_engine = engines["ngram"]
+    stats = spec_engine.scheduler.speculation.stats
+    real_propose = spec_engine.scheduler.speculation.propose
+    try:
+        for name, guess in (("lookup", None), ("good", lambda t: t), ("bad", lambda t: [(x + 1) % 300 for x in t]),
+                            ("half", lambda t: [x if i % 2 == 0 else 3 for i, x in enumerate(t)])):
+            if guess is None:
+                spec_engine.scheduler.speculation.propose = real_propose
+            else:
+                force_drafts(spec_engine, [guess(t) for t in truth])
+            kept = stats.num_accepted_tokens
+            outs = spec_engine.generate(prompts, params)
+            assert [o.token_ids for o in outs] == truth, name
+            for o in outs:
+                assert o.finish_reason == "stop", (name, o.text)
+                jsonschema.validate(json.loads(o.text), SCHEMA)
+            if name == "good":
+                assert stats.num_accepted_tokens - kept >= sum(len(t) for t in truth) // 2
+    finally:
+        spec_engine.scheduler.speculation.propose = real_propose

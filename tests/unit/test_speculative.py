@@ -102,6 +102,26 @@ def test_proposals_respect_max_tokens_budget_and_batch_size():
     assert spec.active(2) and not spec.active(3)
 
 
+class Grammar:
+    """A grammar state that allows tokens below 3 only."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+        self.raw = self
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        return next((i for i, t in enumerate(tokens) if t >= 3), len(tokens))
+
+
+def test_a_constrained_requests_draft_stops_at_the_first_guess_its_grammar_refuses():
+    spec = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    req = Req([1, 2, 0, 1, 5, 1, 2])
+    req.grammar = Grammar()
+    assert spec.propose(req, 1, 10) == [0, 1]  # the lookup's [0, 1, 5, 1] cut before 5
+    req.grammar = Grammar(done=True)
+    assert spec.propose(req, 1, 10) == []
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="serving_tuning.speculative.method"):
         SpeculativeConfig(method="eagle")

@@ -78,6 +78,7 @@ class ScheduledRequest:
     lora_slot: int = -1  # its LoRA adapter's slot (`SchedulerOutput.loras`), -1: the base model
     num_prompt_tokens: int = 0  # all_token_ids[num_prompt_tokens:] is the output (presence / frequency penalties)
     draft: list[int] = field(default_factory=list)  # speculative guesses verified in this step
+    ahead: list[int] = field(default_factory=list)  # a verification row's guesses before its position
 
     @property
     def num_tokens(self) -> int:
@@ -90,14 +91,15 @@ class ScheduledRequest:
 
     def verify_rows(self, with_history: bool) -> list[ScheduledRequest]:
         """A speculating decode as 1 + k one-token decodes, one per position it samples:
-        row i reads `token_ids[i]` at `start_pos + i`, its history being the request's
-        tokens followed by d_1..d_i (built only `with_history`: penalties and the null
-        runner read it; else every row shares the request's list)."""
+        row i reads `token_ids[i]` at `start_pos + i` after the guesses d_1..d_i (`ahead`:
+        its grammar's mask is the state past them, `worker.model.masks`), its history
+        being the request's tokens followed by them (built only `with_history`: penalties
+        and the null runner read it; else every row shares the request's list)."""
         rows = []
         for i, token_id in enumerate(self.token_ids):
             history = self.all_token_ids + self.draft[:i] if with_history and i else self.all_token_ids
             rows.append(replace(self, token_ids=[token_id], start_pos=self.start_pos + i, all_token_ids=history,
-                                draft=[]))
+                                draft=[], ahead=self.draft[:i]))
         return rows
 
     @property

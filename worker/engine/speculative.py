@@ -24,9 +24,13 @@ The KV written at the rejected positions is never read: progress rolls back to
 L + a (`batch.apply_batch`), the next step overwrites those slots, and prefix-cache
 hashes are taken over accepted tokens only.
 
-Not speculated (their step is an ordinary decode): requests with a grammar, the last token
-of `max_tokens`, sliding-window models, and every request while more than
-`disable_by_batch_size` run. Steps are sequential while speculation is on (the engine core
+A request with a grammar (structured outputs) guesses only what its grammar allows from
+its state (the draft is cut at the first refused guess), and each verified position is
+masked by the grammar advanced through the guesses before it (then rolled back:
+`worker/model/masks.py`); only kept tokens advance it for good.
+
+Not speculated (their step is an ordinary decode): the last token of `max_tokens`,
+sliding-window models, and every request while more than `disable_by_batch_size` run. Steps are sequential while speculation is on (the engine core
 turns `async_scheduling` off): a draft is proposed from the request's known tokens, and the
 step behind a speculating one cannot know where the request will stand.
 """
@@ -144,7 +148,8 @@ class Speculation:
         """A draft for decoding request `req` (a scheduler `Request`) of at most `max_new`
         tokens (the step's budget left, minus its own token); [] when it does not
         speculate now (see the module docstring)."""
-        if req.grammar is not None:
+        grammar = req.grammar
+        if grammar is not None and grammar.done:
             return []
         k = min(self.k, max_new, req.max_tokens - req.num_output_tokens - 1)
         if k <= 0:
@@ -157,9 +162,13 @@ class Speculation:
         cfg = self.config
         tokens = state.sync(req.all_token_ids)
         if cfg.method == "suffix":
-            return suffix_proposal(tokens, self.cache, cfg.prompt_lookup_min, cfg.suffix_max_depth, k,
-                                   cfg.suffix_min_token_prob)
-        return ngram_proposal(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+            draft = suffix_proposal(tokens, self.cache, cfg.prompt_lookup_min, cfg.suffix_max_depth, k,
+                                    cfg.suffix_min_token_prob)
+        else:
+            draft = ngram_proposal(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+        if grammar is not None and draft:  # up to the first guess the grammar refuses
+            draft = draft[: grammar.raw.validate_tokens(draft)]
+        return draft
 
     def finished(self, req) -> None:
         """A request left the scheduler: suffix decoding caches its tokens if it produced any."""

@@ -30,8 +30,12 @@ def _parallel_fill(device: torch.device) -> bool:
     return device.type == "cuda" or usable_cpus() > torch.get_num_threads() + 1
 
 
-def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device) -> torch.Tensor:
+def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device,
+                  ahead: list[list[int]] | None = None) -> torch.Tensor:
     """Allowed next tokens of each matcher: bool `[len(matchers), vocab_size]` on `device`.
+    `ahead[i]`: tokens row i's mask comes after (a speculating decode's guesses before
+    its position): consumed, the mask filled, rolled back (one row at a time then, since
+    rows share their request's matcher).
 
     One int32 bitmask (`[rows, ceil(vocab/32)]`, bit j of word w = token 32w + j) filled
     by llguidance with the GIL released (on its executor's threads where spare cores
@@ -45,7 +49,14 @@ def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device
     n = len(matchers)
     words = (vocab_size + 31) // 32
     bitmask = np.full((n, words), -1, dtype=np.int32)
-    if n > 1 and _parallel_fill(device):
+    if ahead is not None and any(ahead):
+        for i, (m, guesses) in enumerate(zip(matchers, ahead)):
+            if guesses and not m.raw.consume_tokens(guesses):  # the proposer validated them: a broken invariant
+                raise RuntimeError(f"a verified row's guesses {guesses} are not allowed by its grammar")
+            lln.fill_next_token_bitmask(m.raw, bitmask, i)
+            if guesses:
+                m.raw.rollback(len(guesses))
+    elif n > 1 and _parallel_fill(device):
         if _EXECUTOR is None:
             _EXECUTOR = llguidance.LLExecutor()
         lln.fill_next_token_bitmask_par(_EXECUTOR, [(m.raw, i) for i, m in enumerate(matchers)], bitmask)
@@ -71,12 +82,13 @@ def start_token_bitmask(reqs: list[Any], vocab_size: int, device: torch.device) 
     matchers = [r.grammar for r in reqs if r.grammar is not None]
     if not matchers:
         return None
+    ahead = [r.ahead for r in reqs if r.grammar is not None]
     if _MASK_THREAD is None:
         _MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-mask")
 
     def run() -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
-        allowed = token_bitmask(matchers, vocab_size, device)
+        allowed = token_bitmask(matchers, vocab_size, device, ahead)
         return allowed, time.perf_counter() - t0
 
     return _MASK_THREAD.submit(run)

@@ -87,7 +87,8 @@ def _mask_grammars(logits: torch.Tensor, reqs: list[ScheduledRequest], masks: Fu
             allowed = None
     t1 = time.perf_counter()
     if allowed is None:
-        allowed = token_bitmask([reqs[i].grammar for i in grammar_rows], vocab, logits.device)
+        allowed = token_bitmask([reqs[i].grammar for i in grammar_rows], vocab, logits.device,
+                                [reqs[i].ahead for i in grammar_rows])
     if len(grammar_rows) == n:
         logits = logits.masked_fill(~allowed, float("-inf"))
     else:
