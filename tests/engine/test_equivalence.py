@@ -86,7 +86,7 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
             async_scheduling=async_scheduling,
             # speculation for every request (the random models' greedy text repeats itself: drafts hit and miss)
             speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=3,
-                                          prompt_lookup_min=1, disable_by_batch_size=None, min_acceptance_rate=0.0),
+                                          prompt_lookup_min=1, disable_by_batch_size=None, min_accepted_tokens=0.0),
         ),
     )
     engine = Engine.from_pretrained(str(any_arch_path), cfg)

@@ -78,18 +78,20 @@ class Req:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
 
-def test_low_acceptance_pauses_a_request_and_the_pause_doubles():
-    spec = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4, min_acceptance_rate=0.5))
+def test_drafts_that_keep_little_pause_a_request_and_the_pause_doubles():
+    spec = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4, min_accepted_tokens=2.0))
     req = Req([1, 2, 3, 1, 2])
     assert spec.propose(req, 1, 10) == [3, 1, 2]
-    for _ in range(3):  # the rate (from 1) falls 1 -> 0.75 -> 0.56 -> 0.42
+    spec.verified(req, 3, 3, 1)  # a draft kept whole: the average (from k = 4) stays high
+    assert req.spec.paused_until == 0
+    for _ in range(3):  # nothing kept: the average falls 3.75 -> 2.81 -> 2.11 -> 1.58
         spec.verified(req, 3, 0, 1)
     assert req.spec.paused_until == 1 + PAUSE_STEPS
     assert spec.propose(req, PAUSE_STEPS, 10) == []
     assert spec.propose(req, PAUSE_STEPS + 1, 10) == [3, 1, 2]
     spec.verified(req, 3, 0, 20)  # on probation: one more miss pauses it twice as long
     assert req.spec.paused_until == 20 + 2 * PAUSE_STEPS
-    assert spec.stats.num_drafts == 4 and spec.stats.num_draft_tokens == 12 and spec.stats.num_accepted_tokens == 0
+    assert spec.stats.num_drafts == 5 and spec.stats.num_draft_tokens == 15 and spec.stats.num_accepted_tokens == 3
 
 
 def test_proposals_respect_max_tokens_budget_and_batch_size():
@@ -147,7 +149,7 @@ def drifting(s) -> int:
 
 def engine(method: str, next_token=periodic, **tuning):
     spec = SpeculativeConfig(method=method, prompt_lookup_min=1, disable_by_batch_size=None,
-                             min_acceptance_rate=0.0)
+                             min_accepted_tokens=0.0)
     return null_engine(EngineConfig(serving_tuning=ServingTuning(speculative=spec, **tuning)), next_token=next_token,
                        eos_token_ids=frozenset({0}))
 

@@ -42,10 +42,13 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         disable_by_batch_size: speculate only while at most this many requests run
             (vLLM's `disable_by_batch_size` idea): a full batch keeps the device busy
             without guesses, and verifying them would cost throughput. None: always.
-        min_acceptance_rate: a request whose recent guesses are accepted at less than
-            this rate (a moving average over its drafts) stops proposing for a pause
-            that doubles each time it happens again (16 steps, at most 1024), so text
-            that does not repeat itself costs nothing after a few steps. 0: never pause.
+        min_accepted_tokens: a request whose drafts keep fewer guesses than this on
+            average (a moving average over its drafts) stops proposing for a pause that
+            doubles each time it happens again (16 steps, at most 1024), so text that
+            does not repeat itself costs little after a few steps. The default is the
+            break-even measured on the 2-core CPU box (drafts keeping under one guess
+            made steps slower: docs/benchmarks.md); a GPU, where verifying costs less,
+            would gain from a lower one (unmeasured). 0: never pause.
     """
 
     method: str = "off"
@@ -53,7 +56,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = 8
-    min_acceptance_rate: float = 0.2
+    min_accepted_tokens: float = 1.0
     suffix_max_depth: int = 24
     suffix_cache_requests: int = 256
     suffix_min_token_prob: float = 0.1
@@ -75,5 +78,6 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise ConfigError(f"{section}.suffix_cache_requests must be >= 0, got {self.suffix_cache_requests}")
         if not 0.0 <= self.suffix_min_token_prob <= 1.0:
             raise ConfigError(f"{section}.suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
-        if not 0.0 <= self.min_acceptance_rate < 1.0:
-            raise ConfigError(f"{section}.min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate}")
+        if not 0.0 <= self.min_accepted_tokens < self.num_speculative_tokens:
+            raise ConfigError(f"{section}.min_accepted_tokens must be in [0, num_speculative_tokens), got "
+                              f"{self.min_accepted_tokens}")

@@ -44,9 +44,9 @@ import numpy as np
 from worker.config.speculative import SpeculativeConfig
 from worker.engine.suffix import SuffixCache, suffix_proposal
 
-PAUSE_STEPS = 16  # a request's first pause after its acceptance rate fell below the floor
+PAUSE_STEPS = 16  # a request's first pause after its drafts' kept guesses fell below the floor
 MAX_PAUSE_STEPS = 1024
-EWMA_WEIGHT = 0.25  # weight of the newest draft in a request's acceptance rate
+EWMA_WEIGHT = 0.25  # weight of the newest draft in a request's moving average of kept guesses
 
 
 def num_accepted(sampled: list[int], draft: list[int]) -> int:
@@ -91,11 +91,11 @@ def ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[i
 @dataclass(slots=True)
 class SpecState:
     """One request's proposer state: its tokens as an array (grown as they are
-    appended), its acceptance rate and its pause."""
+    appended), its drafts' kept guesses (a moving average) and its pause."""
 
     tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     num_tokens: int = 0
-    acceptance: float = 1.0  # moving average of accepted / proposed over its drafts
+    kept: float = float("inf")  # moving average of the guesses its drafts kept (inf: no draft yet)
     paused_until: int = 0  # the scheduler step from which it proposes again
     pause: int = PAUSE_STEPS  # its next pause's length
 
@@ -176,8 +176,8 @@ class Speculation:
             self.cache.add(req.all_token_ids)
 
     def verified(self, req, num_proposed: int, num_accepted_: int, step: int) -> None:
-        """Record a verified draft of `req`: the counters, its acceptance rate, and a pause
-        when that rate is below `min_acceptance_rate`."""
+        """Record a verified draft of `req`: the counters, its moving average of kept
+        guesses, and a pause when that average is below `min_accepted_tokens`."""
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_proposed
@@ -187,10 +187,13 @@ class Speculation:
         state = req.spec
         if state is None:  # a draft from elsewhere than `propose` (tests force them)
             state = req.spec = SpecState()
-        state.acceptance += EWMA_WEIGHT * (num_accepted_ / num_proposed - state.acceptance)
-        if state.acceptance < self.config.min_acceptance_rate:
+        floor = self.config.min_accepted_tokens
+        if state.kept == float("inf"):
+            state.kept = float(self.k)  # optimistic start: a few drafts decide
+        state.kept += EWMA_WEIGHT * (num_accepted_ - state.kept)
+        if state.kept < floor:
             state.paused_until = step + state.pause
             state.pause = min(2 * state.pause, MAX_PAUSE_STEPS)
-            state.acceptance = self.config.min_acceptance_rate  # it resumes on probation
-        elif state.acceptance >= 2 * self.config.min_acceptance_rate:
+            state.kept = floor  # it resumes on probation
+        elif state.kept >= 2 * floor:
             state.pause = PAUSE_STEPS

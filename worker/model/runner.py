@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -21,9 +21,7 @@ from worker.engine.outputs import (
     ScheduledRequest,
     SchedulerOutput,
     StepSkipped,
-    TokenLogprobs,
 )
-from worker.engine.speculative import num_accepted
 from worker.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -37,7 +35,8 @@ from worker.model.graphs import DecodeGraphs
 from worker.model.kernels.kv_int8 import allocate_scales
 from worker.model.lora import LoRAStep, LoRAWeights, build_step, lora_step
 from worker.model.masks import start_token_bitmask
-from worker.model.sampler import sample_on_device
+from worker.model.sampler import sample_on_device, verify_drafts
+from worker.model.step_result import LaunchedStep, SampledStep
 
 log = logging.getLogger(__name__)
 # torch >= 2.5 exposes the CUDA OOM as torch.OutOfMemoryError (alias of torch.cuda.OutOfMemoryError)
@@ -364,32 +363,9 @@ class ModelRunner:
             token_ids, logprobs = sample_on_device(logits, sampling_reqs, timing, masks)
             self._last_sampled = (token_ids, {s.request_id: i for i, s in enumerate(sampling_reqs)})
             return SampledStep([s.request_id for s in sampling_reqs], token_ids, logprobs, timing.get("mask_s", 0.0))
-        return self._verify(logits, [s for s in packed if s.samples_token], sampling_reqs, timing, masks)
-
-    def _verify(self, logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[ScheduledRequest],
-                timing: dict[str, float], masks) -> SampledStep:
-        """Sample a step with speculating decodes (`rows`: one per sampled position of
-        `reqs`) and keep, per speculating request, the tokens its draft's verification
-        accepts (`worker.engine.speculative`); a seeded request's generator is wound back
-        to just after its last kept draw. The ids come to the host here (the acceptance
-        decides what the step returns)."""
-        states: dict[int, torch.Tensor] = {}
-        r = 0
-        for s in reqs:
-            if s.draft and s.generator is not None and s.params.temperature != 0.0:
-                states.update((row, None) for row in range(r, r + s.num_rows))
-            r += s.num_rows
-        token_ids, logprobs = sample_on_device(logits, rows, timing, masks, generator_states=states)
-        ids = token_ids.tolist()
-        spans: list[tuple[int, int]] = []
-        r = 0
-        for s in reqs:
-            n = 1 + num_accepted(ids[r: r + len(s.draft)], s.draft) if s.draft else 1
-            if r + n - 1 in states:
-                s.generator.set_state(states[r + n - 1])
-            spans.append((r, n))
-            r += s.num_rows
-        self._last_sampled = (token_ids, {s.request_id: r0 for s, (r0, n) in zip(reqs, spans) if not s.draft})
+        reqs = [s for s in packed if s.samples_token]
+        token_ids, logprobs, spans = verify_drafts(logits, reqs, sampling_reqs, timing, masks)
+        self._last_sampled = (token_ids, {s.request_id: r0 for s, (r0, _) in zip(reqs, spans) if not s.draft})
         return SampledStep([s.request_id for s in reqs], token_ids, logprobs, timing.get("mask_s", 0.0), spans)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, md: AttentionMetadata,
@@ -423,58 +399,3 @@ class ModelRunner:
         prev_ids, prev_rows = self._last_sampled
         return [s.resolved(int(prev_ids[prev_rows[s.request_id]]))
                 if s.has_placeholder and s.params.reads_history else s for s in reqs]
-
-
-class SampledStep:
-    """A step's sampled ids, still on the device (`token_ids`, one per sampled row), with
-    the requests' ids and each request's rows (`spans`: first row and how many it keeps;
-    None: one row each, in order); `output()` brings them to the host. On CUDA the copy
-    is queued at once, right behind the sampling on the same stream, into pinned memory,
-    and `output()` waits for that copy alone (an event), not for the steps queued after it."""
-
-    __slots__ = ("request_ids", "_ids", "_ready", "logprobs", "mask_s", "spans")
-
-    def __init__(self, request_ids: list[str], token_ids: torch.Tensor | None,
-                 logprobs: list[TokenLogprobs | None], mask_s: float,
-                 spans: list[tuple[int, int]] | None = None) -> None:
-        self.request_ids = request_ids
-        self.logprobs = logprobs
-        self.mask_s = mask_s
-        self.spans = spans
-        self._ready = None
-        if token_ids is not None and token_ids.is_cuda:
-            token_ids = token_ids.to("cpu", non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        self._ids = token_ids
-
-    def output(self) -> ModelRunnerOutput:
-        if self._ids is None:
-            return ModelRunnerOutput(sampled_token_ids={})
-        if self._ready is not None:
-            self._ready.synchronize()  # releases the GIL while it waits
-        ids = self._ids.tolist()
-        lps = self.logprobs
-        spans = self.spans or [(i, 1) for i in range(len(self.request_ids))]
-        return ModelRunnerOutput(
-            sampled_token_ids={rid: ids[r: r + n] for rid, (r, n) in zip(self.request_ids, spans)},
-            logprobs={rid: lps[r: r + n] for rid, (r, n) in zip(self.request_ids, spans) if lps[r] is not None},
-            mask_s=self.mask_s,
-        )
-
-
-class LaunchedStep:
-    """A step on the runner's forward thread (`ModelRunner.launch`)."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Future[SampledStep]) -> None:
-        self._future = future
-
-    def result(self) -> ModelRunnerOutput:
-        return self._future.result().output()
-
-    def failed(self) -> bool:
-        """Whether the step raised (waits for it), being skipped aside."""
-        e = self._future.exception()
-        return e is not None and not isinstance(e, StepSkipped)

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 import torch
 
 from worker.engine.outputs import ScheduledRequest, TokenLogprobs
+from worker.engine.speculative import num_accepted
 
 
 def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], timing: dict[str, float] | None = None,
@@ -69,6 +70,42 @@ def sample_on_device(logits: torch.Tensor, reqs: list[ScheduledRequest], timing:
     if raw_logprobs is None:
         return token_ids, [None] * len(reqs)
     return token_ids, _logprobs(raw_logprobs, token_ids, reqs, params)
+
+
+def verify_drafts(logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[ScheduledRequest],
+                  timing: dict[str, float], masks: Future | None
+                  ) -> tuple[torch.Tensor, list[TokenLogprobs | None], list[tuple[int, int]]]:
+    """Sample a step with speculating decodes and keep, per speculating request, the
+    tokens its draft's verification accepts (`worker.engine.speculative`).
+
+    Args:
+        logits: `[len(rows), vocab_size]`, a row per sampled position.
+        reqs: the step's requests that sample, in row order; `rows`: their rows (a
+            speculating decode's `verify_rows`, one row for the others).
+
+    Returns:
+        (token ids `[len(rows)]` on the logits' device, per-row logprobs, per request the
+        first row and how many tokens it keeps). A seeded request's generator is wound
+        back to just after its last kept draw; the ids come to the host here (the
+        acceptance decides what the step returns).
+    """
+    states: dict[int, torch.Tensor | None] = {}
+    r = 0
+    for s in reqs:
+        if s.draft and s.generator is not None and s.params.temperature != 0.0:
+            states.update((row, None) for row in range(r, r + s.num_rows))
+        r += s.num_rows
+    token_ids, logprobs = sample_on_device(logits, rows, timing, masks, generator_states=states)
+    ids = token_ids.tolist()
+    spans: list[tuple[int, int]] = []
+    r = 0
+    for s in reqs:
+        n = 1 + num_accepted(ids[r: r + len(s.draft)], s.draft) if s.draft else 1
+        if r + n - 1 in states:
+            s.generator.set_state(states[r + n - 1])
+        spans.append((r, n))
+        r += s.num_rows
+    return token_ids, logprobs, spans
 
 
 def _mask_grammars(logits: torch.Tensor, reqs: list[ScheduledRequest], masks: Future | None,
