@@ -30,9 +30,10 @@ masked by the grammar advanced through the guesses before it (then rolled back:
 `worker/model/masks.py`); only kept tokens advance it for good.
 
 Not speculated (their step is an ordinary decode): the last token of `max_tokens`,
-sliding-window models, and every request while more than `disable_by_batch_size` run. Steps are sequential while speculation is on (the engine core
-turns `async_scheduling` off): a draft is proposed from the request's known tokens, and the
-step behind a speculating one cannot know where the request will stand.
+sliding-window models, and every request while more than `disable_by_batch_size` run.
+Steps are sequential while speculation is on (the engine core turns `async_scheduling`
+off): a draft is proposed from the request's known tokens, and the step behind a
+speculating one cannot know where the request will stand.
 """
 
 from __future__ import annotations
