@@ -157,6 +157,21 @@ def test_a_job_gives_one_consumer_span_with_its_phases_as_children():
     assert "offset_done" in events and root.status.status_code == StatusCode.UNSET
 
 
+def test_every_span_of_a_job_carries_the_producers_tracestate():
+    """W3C trace context: a child inherits its parent's trace state. The producer's
+    `tracestate` header reaches the CONSUMER span and every phase span under it."""
+    exporter = InMemorySpanExporter()
+    tr = tracing(exporter)
+    job = Job(job_id="j1", prompt="hi", params=SamplingParams(max_tokens=2))
+    headers = (("traceparent", f"00-{PARENT_TRACE}-{PARENT_SPAN}-01".encode()),
+               ("tracestate", b"vendor=abc,other=x1"))
+    run_job(tr, JobTable("w1", clock=clock), job, headers)
+    spans = [s for found in finished(tr, exporter).values() for s in found]
+    assert len(spans) == 9
+    for s in spans:
+        assert list(s.context.trace_state.items()) == [("vendor", "abc"), ("other", "x1")], s.name
+
+
 def test_rejected_cancelled_restarted_and_handed_back_jobs_say_so():
     exporter = InMemorySpanExporter()
     tr = tracing(exporter, capture_content=True)

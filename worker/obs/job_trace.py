@@ -55,6 +55,8 @@ class SpanKit:
             start_time=ns(start), end_time=ns(max(end, start)), instrumentation_scope=self.scope))
 
     def new_context(self, trace_id: int, trace_state: Any = None) -> Any:
+        """A new span's context in trace `trace_id`, carrying `trace_state` (W3C: a span's
+        trace state is its parent's unless the sampler changed it)."""
         return self.SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=self.sampled,
                                 trace_state=trace_state)
 
@@ -112,7 +114,7 @@ class JobTrace:
         """Emit a finished child span of the CONSUMER span (`start`, `end`: Unix s);
         `events`: (name, attributes, Unix s)."""
         kit = self.kit
-        kit.emit(name, kit.new_context(self.ctx.trace_id), self.ctx, start, end, attributes,
+        kit.emit(name, kit.new_context(self.ctx.trace_id, self.ctx.trace_state), self.ctx, start, end, attributes,
                  [kit.Event(n, a, ns(t)) for n, a, t in events])
 
     def event(self, name: str, attributes: dict | None = None, t: float | None = None) -> None:
