@@ -229,9 +229,9 @@ class AdapterCatalog:
         num_params = 0
         for module, ab in sorted(shapes.items()):
             if module not in self.modules:
-                hint = " (an MoE expert or a layer LoRA cannot serve here)" if module.endswith(
-                    tuple(n.rsplit(".", 1)[-1] for n in self.modules)) else " (made for another base model?)"
-                raise invalid(f"module {module!r} is not a linear projection of this model's decoder layers{hint}")
+                base = cfg.get("base_model_name_or_path")
+                raise invalid(absent_module_reason(module, self.modules)
+                              + (f" (the adapter names base model {base!r})" if base else ""))
             if set(ab) != {"A", "B"}:
                 raise invalid(f"module {module!r} has lora_{'A' if 'A' in ab else 'B'} without its pair")
             (r, n_in), (n_out, r_b) = ab["A"], ab["B"]
@@ -246,6 +246,30 @@ class AdapterCatalog:
             num_params += r * (n_in + n_out)
         return AdapterSpec(name, path, modules, max(r for r, _ in modules.values()), num_params,
                            "/".join(sorted(dtypes)), version)
+
+
+_LAYER = re.compile(r"(?P<stack>.*\.layers)\.(?P<index>\d+)\.(?P<rest>.+)")
+
+
+def absent_module_reason(module: str, modules: Mapping[str, object]) -> str:
+    """Why adapter module `module` is not among this model's LoRA targets `modules`
+    (their names), as the first concrete mismatch: a layer index beyond the model's
+    layers, a projection its layers do not have (listing theirs), an MoE expert, or a
+    module outside the decoder layers."""
+    m = _LAYER.fullmatch(module)
+    if m is None:
+        return f"module {module!r} is not in this model's decoder layers (LoRA targets their linear projections)"
+    layers = [_LAYER.fullmatch(n) for n in modules]
+    ours = {int(x["index"]) for x in layers if x is not None and x["stack"] == m["stack"]}
+    if not ours:
+        return f"module {module!r}: this model has no layer stack {m['stack']!r}"
+    index = int(m["index"])
+    if index not in ours:
+        return f"module {module!r}: layer {index} is beyond this model's {max(ours) + 1} decoder layers"
+    if ".experts." in f".{m['rest']}":
+        return f"module {module!r} is an MoE expert (experts see a subset of the tokens: not served)"
+    rests = sorted({x["rest"] for x in layers if x is not None and x["stack"] == m["stack"] and int(x["index"]) == index})
+    return f"module {module!r}: layer {index} of this model has no {m['rest']!r} (its projections: {', '.join(rests)})"
 
 
 def _pattern_value(pattern: Mapping[str, float], module: str, default: float) -> float:
