@@ -5,11 +5,11 @@
 
 from __future__ import annotations
 
-import re
+import unicodedata
 
 import msgspec
 
-from schemas.wire import JOB_ID_MAX_LENGTH, JOB_ID_PATTERN, Cancel, Event, Job, check_tenant
+from schemas.wire import JOB_ID_MAX_LENGTH, Cancel, Event, Job, check_tenant
 
 _encoder = msgspec.json.Encoder()
 _job = msgspec.json.Decoder(Job)
@@ -34,28 +34,35 @@ def decode_event(data: bytes) -> Event:
 
 
 def recover_job_id(data: bytes, key: bytes | None = None) -> str | None:
-    """Best effort: the job id of a record that failed to decode as a Job, so whoever
-    streams that id still gets `finished(rejected)`: its `job_id` field when the record
-    is a JSON object whose `job_id` is a valid job id, else its Kafka `key` when that is a
-    valid job id (UTF-8); None otherwise. An invalid id is never used (it would name Redis
-    keys the wire forbids)."""
+    """Best effort: the id whose stream gets the `finished(rejected)` of a record that
+    failed to decode as a Job: its `job_id` field when the record is a JSON object whose
+    `job_id` can name a stream (`streamable_job_id`), else its Kafka `key` when that can
+    (UTF-8); None otherwise. An id the wire refuses for a job (say `jöb-€`, outside
+    `JOB_ID_PATTERN`) still names its stream, so a producer waiting on it hears why."""
     try:
         obj = msgspec.json.decode(data)
     except msgspec.DecodeError:
         obj = None
-    if isinstance(obj, dict) and (jid := valid_job_id(obj.get("job_id"))):
+    if isinstance(obj, dict) and (jid := streamable_job_id(obj.get("job_id"))):
         return jid
     if key:
         try:
-            return valid_job_id(key.decode("utf-8"))
+            return streamable_job_id(key.decode("utf-8"))
         except UnicodeDecodeError:
             return None
     return None
 
 
-def valid_job_id(jid: object) -> str | None:
-    """`jid` if it is a valid job id (1-200 characters of `JOB_ID_PATTERN`), else None."""
-    if isinstance(jid, str) and 0 < len(jid) <= JOB_ID_MAX_LENGTH and re.fullmatch(JOB_ID_PATTERN, jid):
+def streamable_job_id(jid: object) -> str | None:
+    """`jid` if it can name a job's stream, else None: text of 1 to `JOB_ID_MAX_LENGTH`
+    characters with no control character. Redis keys and channels are binary-safe and the
+    id is the last segment of its keys (after the tenant's), so no ACL pattern changes
+    with it; a control character could forge log lines and terminal output where the id
+    is shown, and an empty or over-long id is no name a producer sent on purpose. Ids
+    outside this set get no event: their record goes to the DLQ only
+    (docs/concepts.md)."""
+    if (isinstance(jid, str) and 0 < len(jid) <= JOB_ID_MAX_LENGTH
+            and not any(unicodedata.category(c) == "Cc" for c in jid)):
         return jid
     return None
 

@@ -138,6 +138,7 @@ def test_poison_records_go_to_dlq_and_never_block(services, prefix, engine_facto
         (b"p-missing", b'{"prompt": "no job id"}'),
         (b"p-version", b'{"v": 9, "job_id": "bad-version", "prompt": "x"}'),
         (b"p-big", b'{"job_id": "huge", "prompt": "' + b"x" * (10 * 1024 * 1024) + b'"'),
+        (b"p-unicode", '{"job_id": "jöb-ünïcode-€", "prompt": "x"}'.encode()),  # an id the wire refuses
     ]
 
     async def main():
@@ -159,6 +160,8 @@ def test_poison_records_go_to_dlq_and_never_block(services, prefix, engine_facto
         async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
             results = await asyncio.gather(*(collect(client, j, 90) for j in good))
             rejected = await collect(client, "bad-version", 30)
+            # its raw producer waits on the id it sent: it hears why (issue 50)
+            unicode_id = await collect(client, "jöb-ünïcode-€", 30)
             # no readable job_id: answered under the record's key, a valid job id (issue 32)
             by_key = await asyncio.gather(*(collect(client, k, 30) for k in ("p-notjson", "p-types", "p-missing")))
         committed = await committed_reaches_end(services[0], cfg.kafka.group_id, prefix)
@@ -174,9 +177,12 @@ def test_poison_records_go_to_dlq_and_never_block(services, prefix, engine_facto
                 break
         await dlq.stop()
         await stop_worker(w, task)
-        return good, results, rejected, committed, dead, w, by_key
+        return good, results, rejected, committed, dead, w, by_key, unicode_id
 
-    good, results, rejected, committed, dead, w, by_key_events = asyncio.run(main())
+    good, results, rejected, committed, dead, w, by_key_events, unicode_id = asyncio.run(main())
+    fin_u = assert_well_formed(unicode_id, "jöb-ünïcode-€")
+    assert len(unicode_id) == 1 and fin_u.finish_reason == "rejected" and fin_u.error.code == "invalid_job"
+    assert "job_id" in fin_u.error.message
     for k, evs in zip(("p-notjson", "p-types", "p-missing"), by_key_events):
         fin_k = assert_well_formed(evs, k)
         assert len(evs) == 1 and fin_k.finish_reason == "rejected" and fin_k.error.code == "invalid_job", (k, evs)

@@ -39,10 +39,15 @@ def test_recover_job_id_and_cancel():
     assert recover_job_id(b"garbage", b"job-7") == "job-7"
     assert recover_job_id(b'{"job_id": 5}', b"job-7") == "job-7"
     assert recover_job_id(b'{"job_id": "body-id"}', b"key-id") == "body-id"  # the field wins
-    # an id the wire forbids is never used, from the body or the key
-    assert recover_job_id(b'{"job_id": "a b"}') is None
-    assert recover_job_id(b"garbage", b"a b") is None and recover_job_id(b"garbage", b"\xff") is None
-    assert recover_job_id(b"garbage", b"x" * 201) is None
+    # an id the wire refuses for a job still names its stream: its producer hears why
+    assert recover_job_id('{"job_id": "jöb-ünïcode-€", "prompt": "x"}'.encode()) == "jöb-ünïcode-€"
+    assert recover_job_id(b"garbage", "jöb-€".encode()) == "jöb-€"
+    assert recover_job_id(b'{"job_id": "a b*?[x]"}') == "a b*?[x]"
+    # ids no stream can take: empty, over-long, control characters, not text
+    assert recover_job_id(b'{"job_id": ""}') is None
+    assert recover_job_id(('{"job_id": "' + "x" * 201 + '"}').encode()) is None
+    assert recover_job_id(b'{"job_id": "line\\u000abreak"}') is None and recover_job_id(b"x", b"bell\x07") is None
+    assert recover_job_id(b"garbage", b"\xff") is None and recover_job_id(b"garbage", b"x" * 201) is None
     assert decode_cancel(b'{"job_id": "x1"}').job_id == "x1"
 
 
