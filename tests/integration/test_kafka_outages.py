@@ -140,3 +140,40 @@ def test_an_outage_past_kafka_outage_limit_s_stops_the_worker_cleanly(own_stack,
         assert fin.finish_reason == "length" and fin.usage.completion_tokens == 1500 and fin.attempt == 2
         evs = logs[j]
         assert whole(evs, j).seq == fin.seq and any(isinstance(e, Restarted) for e in evs)
+
+
+def test_a_worker_started_while_the_broker_is_away_waits_for_it(own_stack, prefix):
+    """Issue 50: a worker whose broker is away at start used to exit at once (its
+    orchestrator restarting it in a loop); it now waits, not started and with
+    `kafka_outage` at 1, and serves once the broker is back."""
+    from worker.serve.worker import Worker
+
+    asyncio.run(create_and_see_topics(own_stack.bootstrap, prefix))
+    cfg = stack_config(own_stack, prefix, kafka={"outage_limit_s": 120.0})
+    own_stack.stop_kafka()
+
+    async def main():
+        w = Worker(cfg, engine=slow_null_engine(0.0))
+        task = asyncio.create_task(w.run(install_signals=False))
+        try:
+            await asyncio.sleep(12)
+            waiting = not task.done() and not w.started.is_set()
+            gauge = w.metrics.kafka_outage._value.get()
+        finally:
+            own_stack.up()
+        deadline = time.monotonic() + 90
+        while not (w.started.is_set() and w.intake.consumer.assignment()):
+            assert not task.done() or task.result() is None, "the worker stopped"
+            assert time.monotonic() < deadline, "the worker did not start once the broker was back"
+            await asyncio.sleep(0.2)
+        async with InflightClient(own_stack.bootstrap, own_stack.redis_url, topic_prefix=prefix,
+                                  key_prefix=prefix) as client:
+            jid = await client.submit("after the outage", params=SamplingParams(max_tokens=5, ignore_eos=True))
+            fin = await client.result(jid, 60)
+        episodes = w.kafka_outage.num_episodes
+        await stop_worker(w, task)
+        return waiting, gauge, fin, episodes
+
+    waiting, gauge, fin, episodes = asyncio.run(main())
+    assert waiting and gauge == 1 and episodes == 1
+    assert fin.finish_reason == "length" and fin.usage.completion_tokens == 5

@@ -94,7 +94,8 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
             cancel topic's log start (every cancel it keeps); else this many seconds ago.
         max_cancelled_ids: cancelled job ids a worker keeps in memory.
         outage_limit_s: how long Kafka may be unreachable before the worker gives up
-            (exit 1), seconds; transient errors are retried meanwhile.
+            (exit 1), seconds, while it runs or while it starts; transient errors are
+            retried meanwhile.
         stall_timeout_s: lag, free slots and no record for this long: the consumer is
             recreated, seconds.
         transient_grace_s: expected transient conditions (coordinator loading, a

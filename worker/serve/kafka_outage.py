@@ -6,7 +6,9 @@ outcomes wait for the results topic (a finishing job keeps its slot, so intake s
 when `worker.max_local_jobs` more are waiting); offsets are committed when the broker is
 back (a redelivered job is not run again: its done mark answers it). Only a refusal
 (authorization, credentials: `access.is_fatal_kafka`) or an outage longer than
-`kafka.outage_limit_s` stops the worker (`KafkaUnavailable`, exit 1).
+`kafka.outage_limit_s` stops the worker (`KafkaUnavailable`, exit 1). The same holds for a
+broker that is away while the worker starts (`ride_out`): it waits, not ready, instead of
+exiting for its orchestrator to restart it.
 
 `KafkaOutage` is the shared record: each part reports `failed(part, error)` /
 `ok(part)`; an episode starts at the first failure of any part (one warning naming the
@@ -22,10 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import structlog
+from aiokafka.errors import KafkaError
 
+from worker.security.access import is_fatal_kafka
 from worker.security.kafka import KafkaUnavailable
 
 if TYPE_CHECKING:
@@ -79,6 +84,35 @@ class KafkaOutage:
         self.episode_since = None
         if self.metrics is not None:
             self.metrics.kafka_outage.set(0)
+
+    async def ride_out(self, part: str, start: Callable[[], Awaitable[None]],
+                       sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        """Start a Kafka client of the worker's start (`part`: "producer", "intake",
+        "cancels"), riding out a broker that is away as the running worker does: a
+        transient error is reported (`failed`: the warning, `kafka_outage` at 1; the
+        worker is not ready until its start ends) and retried with backoff (0.5 s
+        doubling to 5 s), and `ok` once it started.
+
+        Raises:
+            KafkaUnavailable: still failing `kafka.outage_limit_s` after the first failure.
+            the error itself when it is a refusal (`access.is_fatal_kafka`) or not Kafka's.
+        """
+        delay = 0.5
+        while True:
+            try:
+                await start()
+            except KafkaError as e:
+                if is_fatal_kafka(e):
+                    raise
+                self.failed(part, e)
+                if self.down_s > self.limit_s:
+                    raise KafkaUnavailable(f"Kafka unreachable at start for more than kafka.outage_limit_s = "
+                                           f"{self.limit_s} s ({part}: {e!r})") from e
+                await sleep(delay)
+                delay = min(2 * delay, 5.0)
+            else:
+                self.ok(part)
+                return
 
     async def watch(self, interval_s: float = 1.0) -> None:
         """Until cancelled; raises KafkaUnavailable once a failure is unresolved for

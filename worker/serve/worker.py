@@ -146,7 +146,7 @@ class Worker:
         self.producer = AIOKafkaProducer(bootstrap_servers=kc.bootstrap_servers, client_id=f"{self.worker_id}-out",
                                          max_request_size=kc.max_partition_fetch_bytes + 1024 * 1024, acks="all",
                                          linger_ms=2, **kafka_security_kwargs(kc))
-        await self.producer.start()
+        await self.kafka_outage.ride_out("producer", self.producer.start)  # a broker away at start: wait for it
         self.dead_letters = DeadLetters(self.producer, kc.topic_prefix, self.worker_id)
         self.results = ResultsLog(self.producer, kc.topic_prefix)
         self.finalizer = Finalizer(self.table, self.tracker, self.dead_letters, self.results, self.metrics,
@@ -165,10 +165,10 @@ class Worker:
                              tenant_cap=tenant_cap, fair=cfg.serving_tuning.fair_share,
                              high_priority_reserve=reserve,
                              outage=self.kafka_outage, pool=cfg.worker.pool, group_id=cfg.job_group_id)
-        await self.intake.start()
+        await self.kafka_outage.ride_out("intake", self.intake.start)
         self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for,
                                       outage=self.kafka_outage)
-        await self.cancels.start()
+        await self.kafka_outage.ride_out("cancels", self.cancels.start)
         self.health.attach(self.redis, self.intake, self.claims, self.publisher, self.table, self.engine,
                            is_draining=lambda: self.draining or self._stop_requested.is_set())
         self._tasks = [
