@@ -95,14 +95,21 @@ def run(eng: Engine, work, step_s: list[float] | None = None) -> dict[str, list[
     return got
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sequential", "async"])
-def test_a_mixed_batch_equals_peft_merged_generate(base_and_loras, async_scheduling):
+@pytest.mark.parametrize(("async_scheduling", "speculative"), [(False, False), (True, False), (False, True)],
+                         ids=["sequential", "async", "sequential-ngram"])
+def test_a_mixed_batch_equals_peft_merged_generate(base_and_loras, async_scheduling, speculative):
     """16 requests cycling base / a4 / b8 / c16 over one shared 48-token prefix, 32-token
     steps (chunked prefill) and 384 tokens of KV (preemption): each equals its own
-    reference; the base model's requests equal their solo run."""
+    reference; the base model's requests equal their solo run. With speculative decoding
+    (prompt lookup) each request's guesses are verified with its own adapter."""
+    from worker.config import SpeculativeConfig
+
     base, root = base_and_loras
     work = workload(1, 16, [None, "a4", "b8", "c16"])
-    eng = engine(base, root, max_batched_tokens=32, max_total_tokens=384, async_scheduling=async_scheduling)
+    spec = SpeculativeConfig(method="ngram" if speculative else "off", num_speculative_tokens=3, prompt_lookup_min=1,
+                             disable_by_batch_size=None, min_accepted_tokens=0.0)
+    eng = engine(base, root, max_batched_tokens=32, max_total_tokens=384, async_scheduling=async_scheduling,
+                 speculative=spec)
     chunks = []
     real = eng.runner.build_metadata
 
@@ -117,6 +124,9 @@ def test_a_mixed_batch_equals_peft_merged_generate(base_and_loras, async_schedul
         assert got[rid] == refs[rid], (rid, adapter)
     assert eng.scheduler.num_preemptions_total > 0  # preemption happened
     assert max(chunks) == 32 and any(c < 32 for c in chunks)  # prompts were split into chunks
+    if speculative:  # guesses kept and rejected, under adapters
+        stats = eng.scheduler.speculation.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     base_refs = references(base, root, [(rid, p, m, None) for rid, p, m, a in work if a is not None])
     assert sum(refs[rid] != ids for rid, ids in base_refs.items()) >= 10  # of 12: the adapters change the output
 
