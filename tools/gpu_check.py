@@ -18,7 +18,8 @@
      Triton with decode steps replayed from CUDA graphs (`model.cuda_graphs: auto`, the
      default) vs without (`off`), and with the forward compiled too (`model.compile: on`):
      tokens/s ratios, greedy agreement, and how each engine's forward ran (its start line's
-     `forward=`: graphs captured or why not).
+     `forward=`: graphs captured or why not); and sequential steps with speculative
+     decoding (prompt lookup, k = 4) vs without: tokens/s ratio and greedy agreement.
 
 Prints one JSON object, also written to results/gpu_check.json after every part (a run cut
 short, say by a lease's time limit, keeps what it measured). A part or engine run that
@@ -346,15 +347,20 @@ def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
     # the device) and decode graphs (the CUDA default), forced so the CPU smoke run takes the
     # same path; "triton_no_graphs": the same without graphs; "triton_compiled": with the
     # forward under torch.compile too (model.compile: on)
-    runs = (("triton", "triton", True, "off", "auto"), ("triton_no_graphs", "triton", True, "off", "off"),
-            ("torch", "torch", None, "off", "auto"), ("triton_sequential", "triton", False, "off", "auto"),
-            ("triton_compiled", "triton", True, "on", "auto"))
-    for name, backend, async_steps, compiled, graphs in runs:
+    # "triton_ngram": sequential steps with prompt lookup (speculative decoding) on every request
+    from worker.config import SpeculativeConfig
+
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=None)
+    runs = (("triton", "triton", True, "off", "auto", None), ("triton_no_graphs", "triton", True, "off", "off", None),
+            ("torch", "torch", None, "off", "auto", None), ("triton_sequential", "triton", False, "off", "auto", None),
+            ("triton_compiled", "triton", True, "on", "auto", None), ("triton_ngram", "triton", None, "off", "auto", ngram))
+    for name, backend, async_steps, compiled, graphs, spec in runs:
         forward, t0 = [], time.time()
         try:
             secs, ids[name] = run_inflight(path, work, a.max_batch, kv, 2048, NoBar(), device, backend, async_steps,
                                            compile_mode=compiled, cuda_graphs=graphs, max_model_len=max_model_len,
-                                           on_engine=lambda e, seen=forward: seen.append(e.compile_report.describe()))
+                                           on_engine=lambda e, seen=forward: seen.append(e.compile_report.describe()),
+                                           speculative=spec)
         except Exception as e:  # one mode that breaks (a first GPU) must not lose the others' figures
             out[name] = {"error": _error(e), "forward": forward[0] if forward else None}
             on_progress(out)
@@ -370,9 +376,10 @@ def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
              # the same ids (fp32 on the CPU: all; bf16 on a GPU: batch composition may move a few)
              "async_vs_sequential": ("triton", "triton_sequential"),
              "graphs_vs_no_graphs": ("triton", "triton_no_graphs"),
-             "compiled_vs_eager": ("triton_compiled", "triton")}
+             "compiled_vs_eager": ("triton_compiled", "triton"),
+             "ngram_vs_sequential": ("triton_ngram", "triton_sequential")}
     agreements = {"async_vs_sequential": "async_sequential_agreement", "graphs_vs_no_graphs": "graphs_agreement",
-                  "compiled_vs_eager": "compiled_eager_agreement"}
+                  "compiled_vs_eager": "compiled_eager_agreement", "ngram_vs_sequential": "ngram_agreement"}
     for key, (x, y) in pairs.items():
         if x in ids and y in ids:
             out[key] = out[x]["output_tokens_per_s"] / out[y]["output_tokens_per_s"]

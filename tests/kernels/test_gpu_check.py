@@ -61,3 +61,6 @@ def test_gpu_check_smoke(tmp_path, llama_path):
     assert eng["graphs_vs_no_graphs"] > 0
     graphs = eng["graphs_agreement"]
     assert graphs["requests"] == 3 and (torch.cuda.is_available() or graphs["identical"] == 3)
+    assert eng["ngram_vs_sequential"] > 0  # speculative decoding (prompt lookup) on the Triton kernels
+    ngram = eng["ngram_agreement"]
+    assert ngram["requests"] == 3 and (torch.cuda.is_available() or ngram["identical"] == 3)

@@ -58,17 +58,21 @@ from tools.bench.workloads import KINDS, TextTokens, make_workload
 def run_inflight(path: Path, work, max_batch: int, kv_tokens: int, budget: int, pbar, device: str = "cpu",
                  backend: str = "auto", async_scheduling: bool | None = None,
                  compile_mode: str = "auto", cuda_graphs: str = "auto",
-                 on_engine=None, max_model_len: int | None = None) -> tuple[float, dict[str, list[int]]]:
+                 on_engine=None, max_model_len: int | None = None,
+                 speculative=None) -> tuple[float, dict[str, list[int]]]:
     """Inflight's `Engine` over `work` offline: (seconds, greedy ids per request).
     `on_engine(engine)` is called once it is built (e.g. to read its `compile_report`);
-    `max_model_len`: `model.max_model_len` (None: the checkpoint's)."""
+    `max_model_len`: `model.max_model_len` (None: the checkpoint's); `speculative`:
+    `serving_tuning.speculative` (None: off)."""
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
     from worker.engine.gc_tuning import tune_gc
 
+    extra = {} if speculative is None else {"speculative": speculative}
     tuning = ServingTuning(max_running_requests=max_batch, max_total_tokens=kv_tokens, max_batched_tokens=budget,
-                           enable_prefix_caching=False, async_scheduling=async_scheduling)  # limits: the model's context
+                           enable_prefix_caching=False, async_scheduling=async_scheduling,
+                           **extra)  # limits: the model's context
     cfg = EngineConfig(model=ModelConfig(device=device, attention_backend=backend, compile=compile_mode,
                                          cuda_graphs=cuda_graphs, max_model_len=max_model_len),
                        serving_tuning=tuning)
