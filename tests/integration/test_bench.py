@@ -62,6 +62,25 @@ def test_engine_modes_write_consistent_results(tmp_path, llama_path):
         assert 0 <= p["max_preemptions_per_request"] <= p["preemptions"]
 
 
+def test_speculative_decoding_bench_writes_consistent_results(tmp_path, llama_path):
+    from tools.bench import spec as bench_spec
+
+    assert bench_spec.main(["--model", str(llama_path), "--running", "1", "2", "--methods", "ngram:2", "suffix:2",
+                            "--rounds", "2", "--max-tokens", "12", "--saturation", "3", "--compile", "off",
+                            "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "bench_spec.json").read_text())
+    assert set(r["by_workload"]) == {"prompt", "repeat"}
+    for by_running in list(r["by_workload"].values()) + [r["saturation"]]:
+        for rows in by_running.values():
+            assert set(rows) >= {"off", "ngram:2"}
+            assert rows["off"]["tpot_ratio_vs_off"] == 1.0 and rows["off"]["throughput_ratio_vs_off"] == 1.0
+            for name, row in rows.items():
+                assert row["tpot_ms"] > 0 and row["output_tokens_per_s"] > 0, name
+                if row.get("drafts"):
+                    assert 0 <= row["acceptance_rate"] <= 1 and 1 <= row["mean_accepted_length"] <= 3
+    opens(tmp_path / "bench_spec.png")
+
+
 @pytest.mark.parametrize("consumer,rates", [("stream", ["3", "8"]), ("result", ["5"])])
 def test_e2e_sweep_writes_consistent_results(tmp_path, llama_path, services, consumer, rates):
     argv = ["--out", str(tmp_path), "--kafka", services[0], "--redis", services[1], "--model", str(llama_path),
