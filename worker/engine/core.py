@@ -45,7 +45,6 @@ from worker.engine.outputs import (
 )
 from worker.engine.request import FINISH_REASONS, ErrorCode, Request, RequestStatus
 from worker.engine.scheduler import Scheduler
-from worker.engine.speculative import SpecStats
 from worker.engine.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -90,7 +89,8 @@ class EngineCore:
                         "is freed as progress advances, which a rejected draft would take back)"
                         if sliding_window is not None else "this model runner does not verify drafts")
             self.scheduler.speculation = None
-        self._spec_before = SpecStats()  # the proposer's counters at the last step's end
+        # the proposer's counters at the last step's end
+        self._spec_before = self.scheduler.speculation.stats.copy() if self.scheduler.speculation else None
         self._traced = False  # a traced request was added: prefill chunks are recorded from then on
         self._aborts: deque[str] = deque()
         self._arrival = itertools.count()
@@ -216,13 +216,8 @@ class EngineCore:
         spec = self.scheduler.speculation
         if spec is None:
             return None
-        now, before = spec.stats, self._spec_before
-        out = SpecStepStats(now.num_drafts - before.num_drafts, now.num_draft_tokens - before.num_draft_tokens,
-                            now.num_accepted_tokens - before.num_accepted_tokens,
-                            [a - b for a, b in zip(now.accepted_per_pos, before.accepted_per_pos or
-                                                   [0] * len(now.accepted_per_pos))])
-        self._spec_before = SpecStats(now.num_drafts, now.num_draft_tokens, now.num_accepted_tokens,
-                                      list(now.accepted_per_pos))
+        out = spec.stats.since(self._spec_before)
+        self._spec_before = spec.stats.copy()
         return out
 
     def _step_sync(self, outputs: list[EngineCoreOutput], failed: Failures) -> tuple[SchedulerOutput | None, float]:

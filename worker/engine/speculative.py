@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from worker.config.speculative import SpeculativeConfig
+from worker.engine.outputs import SpecStepStats
 from worker.engine.suffix import SuffixCache, suffix_proposal
 
 PAUSE_STEPS = 16  # a request's first pause after its drafts' kept guesses fell below the floor
@@ -122,6 +123,15 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+
+    def copy(self) -> SpecStats:
+        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos))
+
+    def since(self, before: SpecStats) -> SpecStepStats:
+        """What was counted after `before` (a `copy` of these counters)."""
+        return SpecStepStats(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+                             self.num_accepted_tokens - before.num_accepted_tokens,
+                             [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)])
 
 
 class Speculation:
