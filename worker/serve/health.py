@@ -6,8 +6,8 @@
                    has not ticked for `metrics.engine_stall_s`. Kubernetes restarts
                    the pod on repeated failures.
     GET /readyz    readiness: 200 when the model is loaded, Kafka and Redis answered the
-                   last check (every `metrics.check_interval_s`) and the worker is not
-                   draining; else 503. Both health bodies are JSON naming each check.
+                   last check (every `metrics.check_interval_s`) and the worker is
+                   neither draining nor stopping; else 503. Both health bodies are JSON naming each check.
 
 Readiness does not gate Kafka traffic (the worker pulls work; nothing routes to it),
 but it tells operators and rollouts (`maxUnavailable`) which workers can take jobs.
@@ -122,11 +122,35 @@ class HealthChecks:
             self._logged[service] = (cause, now)
             log.warning("readiness check failed", service=service, cause=cause)
 
+    def stopped_by(self, e: BaseException) -> None:
+        """A worker task failed with `e` and the worker is stopping: if `e` is a refusal by
+        Redis or Kafka (credentials rotated away, an ACL removed), readiness names it now,
+        since the check loop stops with the worker and would keep its last verdict."""
+        redis_cfg = self._parts["publisher"].cfg if "publisher" in self._parts else None
+        kafka_cfg = self._parts["intake"].cfg if "intake" in self._parts else None
+        if redis_cfg is not None and (err := access.explain_redis(e, redis_cfg)) is not None and err.service == "Redis":
+            self.redis_ok, self.redis_error = False, str(err)
+        elif kafka_cfg is not None and (err := access.explain_kafka(e, kafka_cfg)) is not None:
+            self.kafka_ok, self.kafka_error = False, str(err)
+
     async def check(self, timeout: float) -> None:
-        """Redis PING (and the dataset epoch), Kafka end offsets of the assigned job
-        partitions (or cluster metadata when none are assigned); sets readiness and the
-        lag / partition / local-job / GPU gauges."""
+        """Redis PING (and the dataset epoch) and, concurrently, Kafka end offsets of the
+        assigned job partitions (or cluster metadata when none are assigned); sets
+        readiness and the lag / partition / local-job / GPU gauges.
+
+        The halves run side by side so one service's verdict never waits for the other's:
+        a Kafka request queues behind the consumer's long-poll fetch on the same broker
+        connection (up to `fetch_max_wait_ms`), and a timed-out half adds `timeout`."""
+        await asyncio.gather(self._check_redis(timeout), self._check_kafka(timeout))
         p, m = self._parts, self.metrics
+        if m.gpu_utilization is not None:
+            with suppressed(log, "reading GPU utilization"):  # an NVML hiccup keeps the last value
+                import torch
+
+                m.gpu_utilization.set(torch.cuda.utilization(p["engine"].device) / 100.0)
+
+    async def _check_redis(self, timeout: float) -> None:
+        p = self._parts
         try:
             async with asyncio.timeout(timeout):
                 await p["redis"].ping()
@@ -140,7 +164,10 @@ class HealthChecks:
             err = access.explain_redis(e, p["publisher"].cfg)
             self.redis_ok, self.redis_error = False, str(err) if err is not None else repr(e)[:200]
             self._log_cause("redis", self.redis_error)
-        intake = p["intake"]
+
+    async def _check_kafka(self, timeout: float) -> None:
+        m = self.metrics
+        intake = self._parts["intake"]
         consumer = intake.consumer
         assigned = sorted(consumer.assignment(), key=lambda tp: (tp.topic, tp.partition))
         try:
@@ -167,11 +194,6 @@ class HealthChecks:
                 self.kafka_outage.failed("checks", e)
         m.assigned_partitions.set(len(assigned))
         m.paused_partitions.set(len(consumer.paused()))
-        if m.gpu_utilization is not None:
-            with suppressed(log, "reading GPU utilization"):  # an NVML hiccup keeps the last value
-                import torch
-
-                m.gpu_utilization.set(torch.cuda.utilization(p["engine"].device) / 100.0)
 
 
 class OpsServer:

@@ -170,7 +170,7 @@ class Worker:
                                       outage=self.kafka_outage)
         await self.kafka_outage.ride_out("cancels", self.cancels.start)
         self.health.attach(self.redis, self.intake, self.claims, self.publisher, self.table, self.engine,
-                           is_draining=lambda: self.draining or self._stop_requested.is_set())
+                           is_draining=lambda: self.draining or self._stop_requested.is_set() or self._stopping.is_set())
         self._tasks = [
             asyncio.create_task(self.publisher.run(self._on_published), name="publisher"),
             asyncio.create_task(self.finalizer.run(), name="finalize"),
@@ -219,6 +219,7 @@ class Worker:
             for t in done:
                 if t is not waiter and t.exception() is not None:
                     self._crash = t.exception()
+                    self.health.stopped_by(self._crash)
                     log.error("worker task failed; stopping (unfinished jobs will be redelivered)",
                               task=t.get_name(), error=repr(t.exception())[:300])
             if self._crash is None:
