@@ -326,7 +326,11 @@ def test_the_gateways_readiness_loop_stops_when_cancelled_as_a_check_replies(mon
 
     async def main():
         gw = app.Gateway(gateway_config(("127.0.0.1:1", "redis://127.0.0.1:1/0"), "p", tmp_path))
-        gw.client = type("Client", (), {"redis": planted})()
+        async def answered() -> None:
+            return None
+
+        gw.client = type("Client", (), {"redis": planted, "ping_kafka": staticmethod(answered),
+                                        "live_workers": staticmethod(answered)})()
         gw.files = FileStore(str(tmp_path))
         return await planted.cancel_as_it_replies(asyncio.ensure_future(gw._check_loop()))
 

@@ -320,10 +320,10 @@ class Gateway:
                     log.warning("readiness check failed", service=name, cause=cause)
                 self._checks[name] = cause
 
-        await probe("redis", self.client.redis.ping)
-        await probe("kafka", self.client.ping_kafka)
-        await probe("files", lambda: asyncio.to_thread(self._files_writable))
-        await probe("workers", self._live_workers)
+        # side by side: one service's verdict never waits for another's timeout
+        await asyncio.gather(probe("redis", self.client.redis.ping), probe("kafka", self.client.ping_kafka),
+                             probe("files", lambda: asyncio.to_thread(self._files_writable)),
+                             probe("workers", self._live_workers))
 
     async def _live_workers(self) -> None:
         """Count each pool's live workers (`worker.gateway.liveness`). Raises
