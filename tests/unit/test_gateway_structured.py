@@ -56,8 +56,6 @@ def test_forced_tool_calls_constrain_to_the_functions_parameters():
 
 
 @pytest.mark.parametrize("kw, param, code", [
-    ({"tools": [FN]}, "tool_choice", "unsupported_parameter"),  # OpenAI's default is auto
-    ({"tools": [FN], "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
     ({"tools": [FN], "tool_choice": {"type": "function", "function": {"name": "h"}}}, "tool_choice.function.name",
      None),
     ({"tool_choice": "required"}, "tool_choice", None),

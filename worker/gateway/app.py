@@ -28,6 +28,7 @@ from schemas import keys
 from worker.client import InflightClient
 from worker.config import ConfigError
 from worker.config.worker import pool_set
+from worker.gateway.agents import OutputFormats
 from worker.gateway.auth import KeyRing
 from worker.gateway.batch.api import BatchHandlers
 from worker.gateway.batch.manager import BatchManager
@@ -127,6 +128,8 @@ class Gateway:
         ctx = GatewayContext(cfg=g, client=self.client, keys=keyring, metrics=self.metrics,
                              cancels=CancelSender(self.client, lambda r: self.metrics.cancels.labels(r).inc()),
                              tokens=tokens, adapters=AdapterNames(g.adapters, g.lora_dir),
+                             formats=OutputFormats.resolve(g.tool_parser, g.reasoning_parser, g.constrained_tool_calls,
+                                                           g.tokenizer),
                              fleet=FleetLiveness(g.model_name, g.no_worker_grace_s),
                              max_model_len=self._edge_context())
         self.ctx = ctx

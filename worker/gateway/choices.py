@@ -20,7 +20,7 @@ from schemas.wire import Usage
 from worker.gateway.context import CLIENT_GONE, GatewayContext
 from worker.gateway.errors import ApiError, error_for_outcome
 from worker.gateway.generation import Generation
-from worker.gateway.render import DONE, SSE_HEADERS, Renderer, error_event, merged_usage
+from worker.gateway.render import DONE, SSE_HEADERS, Renderer, error_event, merged_usage, with_reasoning
 
 
 async def all_or_none(coros: list[Awaitable]) -> list:
@@ -41,12 +41,14 @@ async def all_or_none(coros: list[Awaitable]) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def merge_choices(bodies: list[dict[str, Any]], usages: list[Usage | None]) -> dict[str, Any]:
+def merge_choices(bodies: list[dict[str, Any]], usages: list[Usage | None],
+                  renderers: list[Renderer] | None = None) -> dict[str, Any]:
     """One non-streamed body from each choice's (`Renderer.completion`): the first's head,
     every choice, the merged usage."""
     if len(bodies) == 1:
         return bodies[0]
-    return {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": merged_usage(usages)}
+    return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
+            "usage": with_reasoning(merged_usage(usages), renderers or [])}
 
 
 async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[Generation],
@@ -69,8 +71,10 @@ async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[G
             async for d in gen.deltas():
                 m.tokens.inc(d.num_tokens)
                 if d.text or d.logprobs:  # else held back (a partial character, a stop string's start)
-                    await queue.put(head + renderer.token_chunk(d.text, d.logprobs))
-                    head = b""
+                    chunk = renderer.token_chunk(d.text, d.logprobs, d.num_tokens)
+                    if chunk:  # (else a parser holds the text back: a tag's start)
+                        await queue.put(head + chunk)
+                        head = b""
             fin = gen.finished
             if not fin.finish_reason.is_success:
                 raise error_for_outcome(fin, ctx.cfg.retry_after_s)
@@ -99,7 +103,8 @@ async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[G
                         m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
             pumps.result()  # raises a choice's error
             if renderers[0].include_usage:
-                tail = renderers[0].usage_chunk(merged_usage([g.finished.usage for g in gens]))
+                tail = renderers[0].usage_chunk(with_reasoning(merged_usage([g.finished.usage for g in gens]),
+                                                               renderers))
         except ApiError as e:
             tail = error_event(e)
         except TimeoutError:

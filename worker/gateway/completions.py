@@ -20,6 +20,7 @@ import structlog
 from aiohttp import web
 
 from schemas.wire import Job
+from worker.gateway.agents import auto_tool_calls
 from worker.gateway.auth import effective_priority
 from worker.gateway.choices import all_or_none, merge_choices, stream_choices
 from worker.gateway.context import GatewayContext, json_ok
@@ -75,6 +76,7 @@ class CompletionHandlers:
             raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes (gateway.max_body_bytes)",
                            code="request_too_large")
         req = parse_request(kind, await request.read())
+        auto_tool_calls(req, ctx.formats)
         adapter = ctx.check_model(req.model, grant)
         check_context(req, ctx.tokens.tokenizer, ctx.max_model_len)  # a prompt that cannot fit: 400, nothing produced
         priority = effective_priority(grant, req.priority, cfg.default_priority)
@@ -88,7 +90,7 @@ class CompletionHandlers:
                 for job in jobs]
         prefix = "chatcmpl-" if kind == Kind.CHAT else "cmpl-"
         renderers = [Renderer(kind, prefix + job_id, req.model, int(time.time()), ctx.tokens, req.include_usage,
-                              req.tool_mode, index=i) for i in range(len(jobs))]
+                              req.tool_mode, index=i, parser=ctx.output_parser(req)) for i in range(len(jobs))]
         endpoint = request.match_info.route.resource.canonical  # the metrics label (route template)
         reason = "client_disconnect"
         self._in_flight += 1
@@ -120,19 +122,20 @@ class CompletionHandlers:
 
     async def _whole(self, gens: list[Generation], renderers: list[Renderer], req: GenRequest, t0: float,
                      endpoint: str) -> web.Response:
-        async def collect(gen: Generation) -> list | None:
+        async def collect(gen: Generation, renderer: Renderer) -> list | None:
             logprobs = [] if req.logprobs is not None else None
             async for d in gen.deltas():
+                renderer.observe(d.text, d.num_tokens)
                 if logprobs is not None and d.logprobs:
                     logprobs.extend(d.logprobs)
             return logprobs
 
-        logprobs = await all_or_none([collect(g) for g in gens])
+        logprobs = await all_or_none([collect(g, r) for g, r in zip(gens, renderers, strict=True)])
         for gen in gens:
             if not gen.finished.finish_reason.is_success:
                 raise error_for_outcome(gen.finished, self.ctx.cfg.retry_after_s)
         bodies = [r.completion(g.finished, lp) for r, g, lp in zip(renderers, gens, logprobs, strict=True)]
-        resp = json_ok(merge_choices(bodies, [g.finished.usage for g in gens]),
+        resp = json_ok(merge_choices(bodies, [g.finished.usage for g in gens], renderers),
                        headers={"X-Request-Id": gens[0].job_id, "Server-Timing": gens[0].server_timing()})
         self.ctx.metrics.ttfb.labels(endpoint).observe(time.monotonic() - t0)
         return resp

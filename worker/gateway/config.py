@@ -9,7 +9,7 @@ import re
 
 import msgspec
 
-from schemas import keys
+from schemas import keys, reasoning, tool_parsers
 from schemas.pools import Pool
 from schemas.wire import ADAPTER_PATTERN, TENANT_PATTERN
 from worker.config import ConfigError, KafkaConfig, RedisConfig, TracingConfig, load_config
@@ -111,6 +111,14 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             answered 503 `no_live_worker` at once and, for the default pool, `/readyz`
             turns unready; seconds (covers a worker's group join after a start or a
             rebalance). worker.gateway.liveness.
+        tool_parser: how "auto" tool calls are read from the model's text: `auto` (from
+            the chat template of `tokenizer`), `none` ("auto" requests get 400), or a
+            family: `hermes` (Qwen, Hermes), `llama3_json`, `mistral`.
+        reasoning_parser: how reasoning is split from the answer (`reasoning_content`):
+            `auto` (from the template), `none`, `deepseek_r1` (the template opens
+            `<think>`), `qwen3` (the model opens it). worker.gateway.agents.
+        constrained_tool_calls: an "auto" request carries a grammar: a call the model
+            opens is held to the tools' JSON Schemas (its text before that is free).
     """
 
     host: str = "0.0.0.0"
@@ -138,8 +146,15 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch_cancel_grace_s: float = 60.0
     drain_timeout_s: float = 30.0
     no_worker_grace_s: float = 5.0
+    tool_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    constrained_tool_calls: bool = True
 
     def __post_init__(self) -> None:
+        for name, allowed in (("tool_parser", ("auto", "none", *tool_parsers.FAMILIES)),
+                              ("reasoning_parser", ("auto", "none", *reasoning.FAMILIES))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"gateway.{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         for name in ("default_priority", "batch_priority"):
             if getattr(self, name) not in keys.PRIORITIES:
                 raise ConfigError(f"gateway.{name} must be one of {list(keys.PRIORITIES)}, got {getattr(self, name)!r}")

@@ -9,13 +9,14 @@ import math
 import os
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 
 from schemas.wire import ADAPTER_PATTERN
 from worker.client import InflightClient
+from worker.gateway.agents import OutputFormats, OutputParser, output_parser
 from worker.gateway.auth import Grant, KeyRing
 from worker.gateway.config import GatewayConfig
 from worker.gateway.errors import ApiError
@@ -23,6 +24,9 @@ from worker.gateway.generation import CancelSender
 from worker.gateway.liveness import FleetLiveness
 from worker.gateway.metrics import GatewayMetrics
 from worker.gateway.render import TokenText
+
+if TYPE_CHECKING:
+    from worker.gateway.protocol import GenRequest
 
 _encode = msgspec.json.Encoder().encode
 
@@ -50,6 +54,11 @@ class GatewayContext:
     # pools without a live worker (worker.gateway.liveness), fed by the readiness checks
     fleet: FleetLiveness = dataclasses.field(default_factory=lambda: FleetLiveness("inflight", 5.0))
     max_model_len: int | None = None  # the model's context (gateway.max_model_len or the tokenizer's config.json)
+    formats: OutputFormats = dataclasses.field(default_factory=OutputFormats)  # tool call / reasoning families
+
+    def output_parser(self, req: GenRequest) -> OutputParser | None:
+        """The reasoning / "auto" tool-call reader of one of `req`'s choices (None: plain)."""
+        return output_parser(req, self.formats)
 
     def check_model(self, model: str, grant: Grant | None = None) -> str | None:
         """The LoRA adapter `model` names (`<model_name>:<adapter>`), None for the base

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from schemas.wire import Finished, TokenLogprob, Usage
+from worker.gateway.agents import OutputParser
 from worker.gateway.errors import ApiError
 from worker.gateway.protocol import Kind
 from worker.gateway.tools import ToolMode, ToolStream, finish_reason, tool_calls
@@ -81,6 +82,15 @@ def merged_usage(usages: list[Usage | None]) -> dict[str, Any] | None:
                             cached_prompt_tokens=first.cached_prompt_tokens))
 
 
+def with_reasoning(usage: dict[str, Any] | None, renderers: list[Renderer]) -> dict[str, Any] | None:
+    """`usage` with `completion_tokens_details.reasoning_tokens` summed over the choices
+    read for reasoning (unchanged when none is)."""
+    counts = [n for r in renderers if (n := r.reasoning_tokens()) is not None]
+    if usage is not None and counts:
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
+    return usage
+
+
 def usage_body(u: Usage | None) -> dict[str, Any] | None:
     if u is None:
         return None
@@ -102,15 +112,20 @@ class Renderer:
         index: the choice these objects render (`n` > 1: one renderer per choice).
         tool_mode: the output is a constrained tool call: rendered as `tool_calls`
             (`worker/gateway/tools.py`), finish reason `tool_calls`.
+        parser: reads reasoning and "auto" tool calls from the text (`agents.OutputParser`);
+            chat only.
     """
 
     def __init__(self, kind: Kind, response_id: str, model: str, created: int, tokens: TokenText,
-                 include_usage: bool = False, tool_mode: ToolMode | None = None, index: int = 0) -> None:
+                 include_usage: bool = False, tool_mode: ToolMode | None = None, index: int = 0,
+                 parser: OutputParser | None = None) -> None:
         self.kind = kind
         self.index = index
         self.tokens = tokens
         self.include_usage = include_usage
-        self.tool_mode = tool_mode if kind == Kind.CHAT else None
+        self.tool_mode = tool_mode if kind == Kind.CHAT and not (tool_mode and tool_mode.auto) else None
+        self.parser = parser if kind == Kind.CHAT and parser is not None and parser.active else None
+        self._observed = False  # the parser saw the deltas (its reasoning token count holds)
         self._tool_stream = ToolStream(self.tool_mode) if self.tool_mode is not None else None
         self._head = {"id": response_id, "object": "chat.completion.chunk" if kind == Kind.CHAT else "text_completion",
                       "created": created, "model": model}
@@ -123,7 +138,11 @@ class Renderer:
         if self.kind == Kind.CHAT:
             message: dict[str, Any] = {"role": "assistant", "content": fin.text, "refusal": None}
             reason = fin.finish_reason.value
-            if self.tool_mode is not None:
+            if self.parser is not None:
+                message.update(self.parser.message(fin.text))
+                if message.get("tool_calls") and reason == "stop":
+                    reason = "tool_calls"
+            elif self.tool_mode is not None:
                 calls = tool_calls(self.tool_mode, fin.text)
                 if calls is not None:  # else (cut by length) the text stays the content
                     message.update(content=None, tool_calls=calls)
@@ -134,7 +153,27 @@ class Renderer:
             choice = {"index": self.index, "text": fin.text, "logprobs": lp,
                       "finish_reason": fin.finish_reason.value}
             obj = "text_completion"
-        return {**self._head, "object": obj, "choices": [choice], "usage": usage_body(fin.usage)}
+        return {**self._head, "object": obj, "choices": [choice], "usage": self._usage(fin.usage)}
+
+    def observe(self, text: str, num_tokens: int) -> None:
+        """A delta of a non-streamed answer: counts its reasoning tokens."""
+        if self.parser is not None:
+            self._observed = True
+            self.parser.feed(text, num_tokens)
+
+    def _usage(self, u: Usage | None) -> dict[str, Any] | None:
+        """`usage_body`, with `completion_tokens_details.reasoning_tokens` when the
+        answer is read for reasoning."""
+        return with_reasoning(usage_body(u), [self])
+
+    def reasoning_tokens(self) -> int | None:
+        """Tokens of the answer's reasoning (None: not read for reasoning): counted from
+        the deltas the parser saw, else by the gateway's tokenizer."""
+        if self.parser is None or self.parser.formats.reasoning is None:
+            return None
+        if not self._observed and self.tokens.tokenizer is not None and self.parser.reasoning_text:
+            return len(self.tokens.tokenizer.encode(self.parser.reasoning_text, add_special_tokens=False).ids)
+        return self.parser.reasoning_tokens
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         t = self.tokens
@@ -166,8 +205,14 @@ class Renderer:
                             "delta": {"role": "assistant", "content": None if self.tool_mode else ""},
                             "logprobs": None, "finish_reason": None})
 
-    def token_chunk(self, text: str, logprobs: list[TokenLogprob] | None) -> bytes:
+    def token_chunk(self, text: str, logprobs: list[TokenLogprob] | None, num_tokens: int = 0) -> bytes:
+        """The chunks of newly generated text (b"" when a parser holds all of it back)."""
         lp = self.logprobs(logprobs) if logprobs is not None else None
+        if self.parser is not None:
+            self._observed = True
+            deltas = self.parser.feed(text, num_tokens) or ([{}] if lp is not None else [])
+            return b"".join(self._chunk({"index": self.index, "delta": d, "logprobs": lp if i == 0 else None,
+                                         "finish_reason": None}) for i, d in enumerate(deltas))
         if self._tool_stream is not None:
             return b"".join(self._chunk({"index": self.index, "delta": d, "logprobs": lp, "finish_reason": None})
                             for d in self._tool_stream.text(text))
@@ -179,7 +224,13 @@ class Renderer:
     def final_chunks(self, fin: Finished, with_usage: bool = True) -> bytes:
         """The chunk with the finish reason, then (with `include_usage` and `with_usage`)
         the usage chunk (`n` > 1: one usage chunk for all choices, `usage_chunk`)."""
-        if self._tool_stream is not None:
+        if self.parser is not None:
+            out = b"".join(self._chunk({"index": self.index, "delta": d, "logprobs": None, "finish_reason": None})
+                           for d in self.parser.finish())
+            reason = fin.finish_reason.value
+            out += self._chunk({"index": self.index, "delta": {}, "logprobs": None,
+                                "finish_reason": "tool_calls" if self.parser.num_calls and reason == "stop" else reason})
+        elif self._tool_stream is not None:
             out = b"".join(self._chunk({"index": self.index, "delta": d, "logprobs": None, "finish_reason": None})
                            for d in self._tool_stream.finish())
             out += self._chunk({"index": self.index, "delta": {}, "logprobs": None,
@@ -191,7 +242,7 @@ class Renderer:
             out = self._chunk({"index": self.index, "text": "", "logprobs": None,
                                "finish_reason": fin.finish_reason.value})
         if self.include_usage and with_usage:
-            out += self._chunk(None, usage_body(fin.usage))
+            out += self._chunk(None, self._usage(fin.usage))
         return out
 
     def usage_chunk(self, usage: dict[str, Any] | None) -> bytes:

@@ -10,10 +10,10 @@ Tool calls are constrained, not parsed from free text:
     `parameters` (one item when `parallel_tool_calls` is false), as vLLM's
     `required` mode; one call per item.
   - `tool_choice: "none"`: plain text (the tools still reach the chat template).
-  - `tool_choice: "auto"` (OpenAI's default when `tools` are given): refused with a 400,
-    since whether the model calls a tool would have to be parsed from free text in the
-    model's own tool format; send "required" or a named function.
-Outputs are always constrained. `strict` of a `json_schema` response format, unless it
+  - `tool_choice: "auto"` (OpenAI's default when `tools` are given): the model decides;
+    its calls are read from its text in its family's format (`worker/gateway/agents.py`),
+    and with `gateway.constrained_tool_calls` a call it opens is held to the schemas.
+Named and `required` outputs are always constrained. `strict` of a `json_schema` response format, unless it
 is `false`, also closes every object the schema leaves open (`additionalProperties:
 false`, as OpenAI's strict mode requires of the schema and xgrammar assumes); function
 parameters are always closed that way.
@@ -42,10 +42,15 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class ToolMode:
-    """How a constrained output becomes `tool_calls`: `name` for a named function (the
-    output is its arguments), None for `required` (the output is an array of calls)."""
+    """How an output becomes `tool_calls`: `name` for a named function (the output is
+    its arguments), None for `required` (the output is an array of calls); `auto`: the
+    calls are parsed from free text (`functions`: name -> parameters schema, for the
+    constrained-auto grammar; `parallel`: more than one call allowed)."""
 
     name: str | None = None
+    auto: bool = False
+    functions: dict[str, Any] | None = None
+    parallel: bool = True
 
 
 def response_format(value: Any) -> StructuredOutput | None:
@@ -128,10 +133,11 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
 def tool_constraint(tools: Any, tool_choice: Any, parallel: bool | None) -> tuple[StructuredOutput | None,
                                                                                    ToolMode | None]:
     """(`tools`, `tool_choice`, `parallel_tool_calls`) → (constraint, how to read the output).
-    No tools, or `tool_choice: "none"`: (None, None).
+    No tools, or `tool_choice: "none"`: (None, None); "auto": (None, an auto mode) — the
+    gateway adds the model family's grammar (`agents.auto_tool_calls`).
 
     Raises:
-        ApiError: 400 naming the field (`auto`, an unknown function, a malformed tool).
+        ApiError: 400 naming the field (an unknown function, a malformed tool).
     """
     functions = _functions(tools) if tools else {}
     if tool_choice is None:
@@ -141,9 +147,7 @@ def tool_constraint(tools: Any, tool_choice: Any, parallel: bool | None) -> tupl
     if not functions:
         raise bad_request("'tool_choice' needs 'tools'.", param="tool_choice")
     if tool_choice == "auto":
-        raise unsupported("tool_choice", " ('auto': tool calls are constrained, not detected in free text; send "
-                          "tool_choice 'required' or {'type': 'function', 'function': {'name': ...}}, "
-                          "or 'none' for text)")
+        return None, ToolMode(auto=True, functions=functions, parallel=parallel is not False)
     if tool_choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
                   "required": ["name", "parameters"], "additionalProperties": False}

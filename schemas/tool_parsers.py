@@ -1,0 +1,496 @@
+"""Tool calls in a model's free text ("auto" tool choice): each model family writes its
+calls in the format its chat template teaches, and these parsers read them back, whole
+(`parse`) or as the text streams (`ToolCallStream`). No torch, no tokenizer: the gateway
+and the worker both use them.
+
+Families (the formats vLLM's tool parsers of the same names read; this is our own code):
+
+  - `hermes` (Hermes 2/3, Qwen2.5, Qwen3): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`,
+    any number, text allowed around them.
+  - `llama3_json` (Llama 3.1–3.3 JSON tool calling): the whole output is one or more
+    `{"name": N, "parameters": {...}}` objects separated by `;`, optionally after
+    `<|python_tag|>`; an output that does not start that way is text.
+  - `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` objects, or
+    (tokenizer v11+) `[TOOL_CALLS]N[ARGS]{...}`, repeated; text may precede it.
+
+A call's `arguments` are returned as JSON text (OpenAI's `function.arguments`) exactly
+as generated (`"parameters"` is read as `"arguments"`; an arguments value that is a JSON
+string holding JSON is unwrapped). A call whose JSON is malformed or cut short is not a
+call: it stays in the content, so a client sees the model's text rather than an error.
+Streamed, a call's id and name go out once the name is complete and its arguments as
+they are generated; a call that then breaks keeps what was sent (the whole parse of the
+same text returns it as content) — with constrained "auto" (`tool_call_grammar`) calls
+cannot break except by `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+
+FAMILIES = ("hermes", "llama3_json", "mistral")
+_WS = " \t\r\n"
+_PRIMITIVE = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
+
+
+def call_id() -> str:
+    """An OpenAI-style tool call id (`call_` + 24 hex digits)."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclasses.dataclass(slots=True)
+class ParsedCall:
+    """One call read from the text: `arguments` is JSON text."""
+
+    name: str
+    arguments: str
+    id: str = dataclasses.field(default_factory=call_id)
+
+
+@dataclasses.dataclass(slots=True)
+class Parsed:
+    """A whole output split into text (`content`, None when only calls remain) and calls."""
+
+    content: str | None
+    calls: list[ParsedCall]
+
+
+# ---- a partial JSON object scanner ----------------------------------------------------------
+@dataclasses.dataclass(slots=True)
+class _Scan:
+    """What is known of a call object `{...}` in a text that may still grow: the name
+    once its string is complete, the arguments' text so far (`args_prefix`, certainly
+    part of the value) and whole (`args`), `end` (index after `}`) once closed, `error`
+    when the text cannot be a call object."""
+
+    name: str | None = None
+    args_prefix: str = ""
+    args: str | None = None
+    end: int | None = None
+    error: bool = False
+
+
+def _skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+def _string_end(s: str, i: int) -> int | None:
+    """Index after the JSON string starting at `s[i] == '"'`, None if not closed yet."""
+    j = i + 1
+    while j < len(s):
+        c = s[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def _value_end(s: str, i: int) -> int | None:
+    """Index after the JSON value starting at `i`, None if it is not complete in `s`;
+    -1 if `s[i]` cannot start a value."""
+    c = s[i]
+    if c == '"':
+        return _string_end(s, i)
+    if c in "{[":
+        depth, j = 0, i
+        while j < len(s):
+            c = s[j]
+            if c == '"':
+                k = _string_end(s, j)
+                if k is None:
+                    return None
+                j = k
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    m = _PRIMITIVE.match(s, i)
+    if m is None:
+        return -1
+    return m.end() if m.end() < len(s) else None  # a number may still grow
+
+
+def scan_call(s: str, i: int) -> _Scan:
+    """Scan the call object starting at `s[i]` (whitespace first is skipped)."""
+    out = _Scan()
+    i = _skip_ws(s, i)
+    if i >= len(s):
+        return out
+    if s[i] != "{":
+        out.error = True
+        return out
+    i += 1
+    while True:
+        i = _skip_ws(s, i)
+        if i >= len(s):
+            return out
+        if s[i] == "}":
+            out.end = i + 1
+            return out
+        if s[i] != '"':
+            out.error = True
+            return out
+        k = _string_end(s, i)
+        if k is None:
+            return out
+        try:
+            key = json.loads(s[i:k])
+        except ValueError:
+            out.error = True
+            return out
+        i = _skip_ws(s, k)
+        if i >= len(s):
+            return out
+        if s[i] != ":":
+            out.error = True
+            return out
+        v = _skip_ws(s, i + 1)
+        if v >= len(s):
+            return out
+        end = _value_end(s, v)
+        if end == -1:
+            out.error = True
+            return out
+        if key == "name":
+            if s[v] != '"':
+                out.error = True
+                return out
+            if end is None:
+                return out
+            out.name = json.loads(s[v:end])
+        elif key in ("arguments", "parameters"):
+            if end is None:
+                if s[v] in "{[":
+                    out.args_prefix = s[v:]
+                return out
+            out.args = s[v:end]
+            out.args_prefix = out.args if s[v] in "{[" else ""  # a quoted value goes out whole, unwrapped
+        elif end is None:
+            return out
+        i = _skip_ws(s, end)
+        if i >= len(s):
+            return out
+        if s[i] == ",":
+            i += 1
+        elif s[i] != "}":
+            out.error = True
+            return out
+
+
+def _arguments(raw: str | None) -> str | None:
+    """A complete arguments value as JSON text of an object, or None if it is not one."""
+    if raw is None:
+        return "{}"
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    if isinstance(value, str):  # some models quote the arguments
+        try:
+            inner = json.loads(value)
+        except ValueError:
+            return None
+        return value if isinstance(inner, dict) else None
+    return raw if isinstance(value, dict) else None
+
+
+def _complete(scan: _Scan) -> ParsedCall | None:
+    if scan.error or scan.end is None or scan.name is None:
+        return None
+    args = _arguments(scan.args)
+    return None if args is None else ParsedCall(scan.name, args)
+
+
+def _closed_outside(s: str, i: int) -> bool:
+    """Whether hermes' closing tag occurs after `i` outside every JSON string."""
+    j = s.find(_HERMES_END, i)
+    while j >= 0:
+        k, inside = i, False
+        while k < j:
+            if s[k] == "\\" and inside:
+                k += 2
+                continue
+            if s[k] == '"':
+                inside = not inside
+            k += 1
+        if not inside and k == j:
+            return True
+        j = s.find(_HERMES_END, j + 1)
+    return False
+
+
+def _held_back(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+# ---- whole outputs ----------------------------------------------------------------------------
+def parse(family: str, text: str) -> Parsed:
+    """Split a whole output into content and calls.
+
+    Raises:
+        ValueError: `family` is not one of FAMILIES.
+    """
+    stream = ToolCallStream(family)
+    events = stream.feed(text) + stream.finish()
+    return stream.parsed(events)
+
+
+# ---- streamed outputs -------------------------------------------------------------------------
+_TEXT, _CALLS, _AFTER_CALL, _REST = "text", "calls", "after_call", "rest"
+_OPENER = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
+_HERMES_END = "</tool_call>"
+_ARGS_TAG = "[ARGS]"
+
+
+class ToolCallStream:
+    """Incremental parse of one output. `feed(piece)` and then `finish()` return events:
+    `("content", text)`, `("call", index, id, name)` (a call opens), `("args", index,
+    text)` (more of its arguments), `("broken", index, text)` (the call opened at
+    `index` turned out malformed; `text` is its raw text, content for a whole parse). Text that may be the start of a call's opening tag is
+    held back until it is known; whitespace between calls is dropped.
+
+    States: text (looking for the opening tag), calls (inside the call region: one call
+    for hermes, the rest of the output for the others), after_call (hermes: the closing
+    tag), rest (mistral / llama3_json after their calls, or after a region that was not
+    a call: everything is text).
+
+    Raises:
+        ValueError: `family` is not one of FAMILIES (from the constructor).
+    """
+
+    def __init__(self, family: str) -> None:
+        if family not in FAMILIES:
+            raise ValueError(f"tool call parser {family!r}: one of {list(FAMILIES)}")
+        self.family = family
+        self.opener = _OPENER[family]
+        self.buf = ""
+        self.pos = 0  # the text before this is handled
+        self.state = _TEXT
+        self.calls: list[ParsedCall] = []
+        self._raw_start = 0  # where the current call region's text begins (for a fall back to text)
+        self._array = False  # mistral: inside `[...]`
+        self._open_id: str | None = None  # the call being generated, once its name was sent
+        self._sent_args = ""  # what of its arguments was sent
+        self._pending_ws = ""
+
+    def feed(self, piece: str) -> list[tuple]:
+        self.buf += piece
+        return self._advance(final=False)
+
+    def finish(self) -> list[tuple]:
+        return self._advance(final=True)
+
+    def parsed(self, events: list[tuple]) -> Parsed:
+        """The whole parse from all of one output's events."""
+        text = "".join(e[1] if e[0] == "content" else e[2] for e in events if e[0] in ("content", "broken"))
+        if self.calls:
+            text = text.strip(_WS)
+        return Parsed(content=text or None, calls=list(self.calls))
+
+    # ---- the state machine
+    def _advance(self, final: bool) -> list[tuple]:
+        out: list[tuple] = []
+        step = {_TEXT: self._text, _CALLS: self._calls, _AFTER_CALL: self._after_call, _REST: self._rest}
+        while True:
+            before = (self.pos, self.state)
+            step[self.state](out, final)
+            if (self.pos, self.state) == before:
+                break
+        if final:
+            if self.state == _CALLS and self.buf[self.pos:].strip(_WS):
+                self._fall_back(out)  # cut short: not a call
+            if self._pending_ws and not self.calls:
+                out.append(("content", self._pending_ws))
+            self._pending_ws = ""
+        return out
+
+    def _content(self, out: list[tuple], text: str) -> None:
+        if not text:
+            return
+        if not text.strip(_WS):
+            self._pending_ws += text
+            return
+        out.append(("content", self._pending_ws + text))
+        self._pending_ws = ""
+
+    def _enter_calls(self, at: int, body: int) -> None:
+        self.state, self._raw_start, self.pos = _CALLS, at, body
+
+    def _text(self, out: list[tuple], final: bool) -> None:
+        buf = self.buf
+        if self.family == "llama3_json":  # calls only at the very start of the output
+            i = _skip_ws(buf, self.pos)
+            if i >= len(buf):
+                return
+            if buf.startswith(self.opener, i):
+                self._enter_calls(self.pos, i + len(self.opener))
+            elif buf[i] == "{":
+                self._enter_calls(self.pos, i)
+            elif self.opener.startswith(buf[i:]) and not final:
+                return  # maybe the tag, still arriving
+            else:
+                self.state = _REST
+            return
+        k = buf.find(self.opener, self.pos)
+        if k >= 0:
+            self._content(out, buf[self.pos:k])
+            self._enter_calls(k, k + len(self.opener))
+            return
+        keep = 0 if final else _held_back(buf[self.pos:], self.opener)
+        self._content(out, buf[self.pos:len(buf) - keep])
+        self.pos = len(buf) - keep
+
+    def _rest(self, out: list[tuple], final: bool) -> None:
+        self._content(out, self.buf[self.pos:])
+        self.pos = len(self.buf)
+
+    def _after_call(self, out: list[tuple], final: bool) -> None:
+        buf = self.buf
+        j = _skip_ws(buf, self.pos)
+        if buf.startswith(_HERMES_END, j):
+            self.state, self.pos = _TEXT, j + len(_HERMES_END)
+        elif j < len(buf) and not _HERMES_END.startswith(buf[j:]):
+            self.state = _TEXT  # no closing tag: the call stands, text follows
+        elif final:
+            self.state = _TEXT
+
+    def _calls(self, out: list[tuple], final: bool) -> None:
+        buf = self.buf
+        i = _skip_ws(buf, self.pos)
+        if i >= len(buf):
+            return
+        if self.family == "mistral":
+            i = self._mistral_separators(buf, i)
+            if i is None or i >= len(buf):
+                return
+            if buf[i] == "]" and self._array:
+                self.state, self.pos = _REST, i + 1
+                return
+            if buf[i] != "{":
+                self._mistral_v11(out, buf, i, final)
+                return
+        elif self.family == "llama3_json" and self.calls:
+            if buf[i] != ";":
+                self.state = _REST  # text after the calls
+                return
+            i = _skip_ws(buf, i + 1)
+            if i >= len(buf):
+                return
+        scan = scan_call(buf, i)
+        self._emit(out, scan.name, scan.args_prefix, scan.error)
+        if scan.error:
+            self._fall_back(out)
+            return
+        if scan.end is None:
+            if self.family == "hermes" and _closed_outside(buf, i):
+                self._fall_back(out)  # `</tool_call>` before the object closed
+            return
+        call = _complete(scan)
+        if call is None:
+            self._fall_back(out)
+            return
+        self._close(out, call)
+        self.pos = self._raw_start = scan.end
+        if self.family == "hermes":
+            self.state = _AFTER_CALL
+
+    def _mistral_separators(self, buf: str, i: int) -> int | None:
+        """Consume the `[` opening the array, a `,` between its items, or a repeated
+        opener (moves `pos` past it); None: cannot tell yet."""
+        if not self._array and not self.calls and buf[i] == "[":
+            if _ARGS_TAG.startswith(buf[i:i + len(_ARGS_TAG)]) and len(buf) - i < len(_ARGS_TAG):
+                return None
+            self._array = True
+            self.pos = i + 1
+        elif self._array and buf[i] == "," and self.calls:
+            self.pos = i + 1
+        elif not self._array and buf.startswith(self.opener, i):
+            self.pos = i + len(self.opener)
+        else:
+            return i
+        return _skip_ws(buf, self.pos)
+
+    def _mistral_v11(self, out: list[tuple], buf: str, i: int, final: bool) -> None:
+        """`N[ARGS]{...}`: the name up to `[ARGS]`, then one JSON object."""
+        if self._array:
+            self._fall_back(out)
+            return
+        k = buf.find(_ARGS_TAG, i)
+        if k < 0:
+            if final or len(buf) - i > 256 or any(c in buf[i:] for c in '{}"\n'):
+                self._fall_back(out)
+            return
+        name = buf[i:k].strip()
+        v = _skip_ws(buf, k + len(_ARGS_TAG))
+        if v >= len(buf):
+            return
+        end = _value_end(buf, v)
+        if end == -1 or not name or buf[v] != "{":
+            self._fall_back(out)
+            return
+        self._emit(out, name, buf[v:] if end is None else buf[v:end], False)
+        if end is None:
+            return
+        args = _arguments(buf[v:end])
+        if args is None:
+            self._fall_back(out)
+            return
+        self._close(out, ParsedCall(name, args))
+        self.pos = self._raw_start = end
+
+    def _emit(self, out: list[tuple], name: str | None, args_prefix: str, error: bool) -> None:
+        """Open the call once its name is known; send what of its arguments is new."""
+        if name is None or error:
+            return
+        index = len(self.calls)
+        if self._open_id is None:
+            self._open_id = call_id()
+            out.append(("call", index, self._open_id, name))
+        if len(args_prefix) > len(self._sent_args):
+            out.append(("args", index, args_prefix[len(self._sent_args):]))
+            self._sent_args = args_prefix
+
+    def _close(self, out: list[tuple], call: ParsedCall) -> None:
+        """A complete call: the rest of its arguments (all of them when they were a
+        quoted string, or absent) goes out, and it is kept."""
+        if self._open_id is None:
+            self._open_id = call_id()
+            out.append(("call", len(self.calls), self._open_id, call.name))
+        if call.arguments.startswith(self._sent_args):
+            rest = call.arguments[len(self._sent_args):]
+        else:  # sent nothing that differs: only a quoted value (never streamed) gets here
+            rest = call.arguments
+        if rest:
+            out.append(("args", len(self.calls), rest))
+        call.id = self._open_id
+        self.calls.append(call)
+        self._raw_start = len(self.buf)  # (set to the call's end by the caller)
+        self._open_id, self._sent_args = None, ""
+
+    def _fall_back(self, out: list[tuple]) -> None:
+        """A call region that is not a call: its text from the opening tag on is content
+        (unless the call's name was already streamed: then what was sent stands)."""
+        raw = self.buf[self._raw_start:]
+        if self._open_id is None:
+            self._content(out, raw)
+        else:
+            out.append(("broken", len(self.calls), raw))
+        self._open_id, self._sent_args = None, ""
+        self.pos = len(self.buf)
+        self.state = _TEXT if self.family == "hermes" else _REST

@@ -1,0 +1,269 @@
+"""What agent clients need of a chat answer: tool calls the model chose to make
+(`tool_choice: "auto"`) and its reasoning, read from the free text in the format of the
+model's family (`schemas/tool_parsers.py`, `schemas/reasoning.py`) and rendered as
+OpenAI's `tool_calls`, `reasoning_content` and their streamed deltas.
+
+The families come from `gateway.tool_parser` / `gateway.reasoning_parser`, or with
+`auto` from the chat template of `gateway.tokenizer` (`detect`). With
+`gateway.constrained_tool_calls` (on by default) an "auto" request carries a grammar
+(`tool_call_grammar`): free text until the model writes the family's opening tag, then
+the call is held to the `tools`' JSON Schemas, so a call the model opens always parses
+and validates; what it writes before that is not constrained at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from schemas import reasoning as reasoning_formats
+from schemas import tool_parsers
+from schemas.params import GrammarOutput
+from schemas.structured import StructuredOutputError, strict_schema
+from schemas.structured import check as check_constraint
+from worker.gateway.errors import ApiError
+
+if TYPE_CHECKING:
+    from worker.gateway.protocol import GenRequest
+
+log = structlog.get_logger(__name__)
+
+TOOL_PARSERS = ("auto", "none", *tool_parsers.FAMILIES)
+REASONING_PARSERS = ("auto", "none", *reasoning_formats.FAMILIES)
+
+
+def chat_template(tokenizer: str | None) -> str | None:
+    """The chat template of a checkpoint directory (`chat_template.jinja`, else
+    `tokenizer_config.json`'s `chat_template`, the default one of a named list); None
+    when there is none to read."""
+    if tokenizer is None or not os.path.isdir(tokenizer):
+        return None
+    path = os.path.join(tokenizer, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    try:
+        with open(os.path.join(tokenizer, "tokenizer_config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("tool_use") or named.get("default")
+    return value if isinstance(value, str) else None
+
+
+def detect(template: str | None) -> tuple[str | None, str | None]:
+    """(tool call family, reasoning family) a chat template teaches, each None when it
+    shows none (or more than one tool format)."""
+    if not template:
+        return None, None
+    tools = [f for f, marks in (("hermes", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)),
+                                ("llama3_json", ("<|python_tag|>",))) if any(m in template for m in marks)]
+    tool = tools[0] if len(tools) == 1 else None
+    think = None
+    if reasoning_formats.CLOSE in template:
+        # the generation prompt opens the reasoning itself (and does not close it): deepseek_r1
+        gen = re.split(r"add_generation_prompt", template)[-1][:200]
+        opens = reasoning_formats.OPEN in gen and reasoning_formats.CLOSE not in gen
+        think = "deepseek_r1" if opens else "qwen3"
+    return tool, think
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputFormats:
+    """The served model's output conventions (None: not read)."""
+
+    tool: str | None = None
+    reasoning: str | None = None
+    constrained: bool = True
+
+    @classmethod
+    def resolve(cls, tool_parser: str, reasoning_parser: str, constrained: bool,
+                tokenizer: str | None) -> OutputFormats:
+        """The configured families, `auto` ones detected from the template."""
+        found_tool, found_reasoning = detect(chat_template(tokenizer)) if "auto" in (
+            tool_parser, reasoning_parser) else (None, None)
+        tool = found_tool if tool_parser == "auto" else None if tool_parser == "none" else tool_parser
+        think = found_reasoning if reasoning_parser == "auto" else None if reasoning_parser == "none" \
+            else reasoning_parser
+        log.info("model output formats", tool_parser=tool, reasoning_parser=think, constrained_tool_calls=constrained,
+                 detected=tool_parser == "auto" or reasoning_parser == "auto")
+        return cls(tool, think, constrained)
+
+
+# ---- constrained "auto" ---------------------------------------------------------------------------
+_CALL_SYNTAX = {  # family -> (opening text, text between the opener and the JSON, closing text)
+    "hermes": ("<tool_call>", "", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]", "[", "]"),
+    "llama3_json": ("<|python_tag|>", "", ""),
+}
+
+
+def _lark_string(s: str) -> str:
+    return json.dumps(s)
+
+
+def call_schema(family: str, functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The JSON Schema of one call object in `family`'s format: `name` one of the
+    functions and its arguments (`parameters` for llama3_json) valid against that
+    function's schema (closed, as strict mode does)."""
+    key = "parameters" if family == "llama3_json" else "arguments"
+    options = [{"type": "object", "properties": {"name": {"const": name}, key: strict_schema(params)},
+                "required": ["name", key], "additionalProperties": False}
+               for name, params in functions.items()]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_call_grammar(family: str, functions: dict[str, dict[str, Any]], parallel: bool = True) -> str:
+    """A Lark grammar (llguidance) for a constrained "auto" answer: any text, or text up to
+    the family's opening tag and then calls whose JSON follows `call_schema`. hermes:
+    calls between tags, text between and after them (one call when not `parallel`);
+    mistral: one JSON array of calls; llama3_json: calls only at the start (any text
+    otherwise), separated by `;`."""
+    opener, lead, closer = _CALL_SYNTAX[family]
+    schema = json.dumps(call_schema(family, functions))
+    lines = ["%llguidance {}", "TEXT: /(.|\\n)*/"]
+    if family == "hermes":
+        lines += [f"call_open[lazy]: TEXT {_lark_string(opener)}",
+                  f"call: call_open /[ \\n]*/ %json {schema} /[ \\n]*/ {_lark_string(closer)}"]
+        lines += ["start: call* TEXT" if parallel else "start: call? TEXT"]
+    elif family == "mistral":
+        item = f"%json {schema}"
+        items = f"{item} (\", \" {item})*" if parallel else item
+        lines += [f"calls_open[lazy]: TEXT {_lark_string(opener)}",
+                  f"start: TEXT | calls_open {_lark_string(lead)} {items} {_lark_string(closer)}"]
+    else:  # llama3_json: the whole answer is the calls, or it is text not starting with "{" or the tag
+        item = f"%json {schema}"
+        items = f"{item} (\"; \" {item})*" if parallel else item
+        lines += ["PLAIN: /([^{<]|<[^|]|<\\|[^p])(.|\\n)*/",
+                  f"start: PLAIN | {_lark_string(opener)}? {items}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---- reading an answer -----------------------------------------------------------------------------
+class OutputParser:
+    """One chat choice's answer read for reasoning and (with `tools`) tool calls.
+
+    `feed(text, num_tokens)` / `finish()` return OpenAI chat deltas (`{"reasoning_content":
+    …}`, `{"content": …}`, `{"tool_calls": [{"index", "id", "type", "function": {"name",
+    "arguments"}}]}` then argument pieces); `message(text)` the whole message fields.
+    `reasoning_tokens`: tokens of deltas that were all reasoning (a delta that mixes the
+    end of the reasoning with the answer counts as answer).
+    """
+
+    def __init__(self, formats: OutputFormats, tools: bool) -> None:
+        self.formats = formats
+        self.tool_family = formats.tool if tools else None
+        self._reasoning = reasoning_formats.ReasoningStream(formats.reasoning) if formats.reasoning else None
+        self._calls = tool_parsers.ToolCallStream(self.tool_family) if self.tool_family else None
+        self.reasoning_tokens = 0
+        self.reasoning_text = ""  # of a whole answer (`message`)
+        self.num_calls = 0
+
+    @property
+    def active(self) -> bool:
+        return self._reasoning is not None or self._calls is not None
+
+    def feed(self, text: str, num_tokens: int = 0) -> list[dict[str, Any]]:
+        events = self._reasoning.feed(text) if self._reasoning else [("content", text)]
+        deltas = self._deltas(events, final=False)
+        if num_tokens and events and all(kind == "reasoning" for kind, _ in events):
+            self.reasoning_tokens += num_tokens
+        return deltas
+
+    def finish(self) -> list[dict[str, Any]]:
+        events = self._reasoning.finish() if self._reasoning else []
+        return self._deltas(events, final=True)
+
+    def _deltas(self, events: list[tuple[str, str]], final: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for kind, text in events:
+            if kind == "reasoning":
+                out.append({"reasoning_content": text})
+            elif self._calls is None:
+                out.append({"content": text})
+            else:
+                out += self._tool_deltas(self._calls.feed(text))
+        if final and self._calls is not None:
+            out += self._tool_deltas(self._calls.finish())
+        return out
+
+    def _tool_deltas(self, events: list[tuple]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for e in events:
+            if e[0] == "content":
+                out.append({"content": e[1]})
+            elif e[0] == "call":
+                self.num_calls += 1
+                out.append({"tool_calls": [{"index": e[1], "id": e[2], "type": "function",
+                                            "function": {"name": e[3], "arguments": ""}}]})
+            elif e[0] == "args":
+                out.append({"tool_calls": [{"index": e[1], "function": {"arguments": e[2]}}]})
+        return out  # ("broken", …): a call already streamed stays as sent
+
+    def message(self, text: str) -> dict[str, Any]:
+        """`content`, `reasoning_content` (when the model reasoned) and `tool_calls` (when
+        it made calls) of a whole answer."""
+        reasoning, answer = (reasoning_formats.split(self.formats.reasoning, text) if self.formats.reasoning
+                             else (None, text))
+        fields: dict[str, Any] = {"content": answer}
+        self.reasoning_text = reasoning or ""
+        if reasoning is not None:
+            fields["reasoning_content"] = reasoning
+        if self.tool_family is not None:
+            parsed = tool_parsers.parse(self.tool_family, answer)
+            if parsed.calls:
+                fields["content"] = parsed.content
+                fields["tool_calls"] = [{"id": c.id, "type": "function",
+                                         "function": {"name": c.name, "arguments": c.arguments}}
+                                        for c in parsed.calls]
+        return fields
+
+
+def auto_tool_calls(req: GenRequest, formats: OutputFormats) -> None:
+    """Prepare a chat request with `tool_choice: "auto"`: with `constrained`, its
+    `params.structured` becomes the family's call grammar (unless `response_format`
+    already constrains the answer).
+
+    Raises:
+        ApiError: 400 when the model's tool call format is not known (no
+            `gateway.tool_parser` and no template to read it from), or the tools'
+            schemas cannot be compiled.
+    """
+    mode = req.tool_mode
+    if mode is None or not mode.auto:
+        return
+    if formats.tool is None:
+        raise ApiError(400, "'tool_choice' 'auto' needs the model's tool call format: set gateway.tool_parser (one of "
+                       f"{list(tool_parsers.FAMILIES)}) or gateway.tokenizer to the checkpoint, whose chat template "
+                       "shows it; or send 'required', a named function, or 'none'.", param="tool_choice",
+                       code="unsupported_parameter")
+    if not formats.constrained or req.params.structured is not None:
+        return
+    grammar = GrammarOutput(grammar=tool_call_grammar(formats.tool, mode.functions or {}, mode.parallel))
+    try:
+        check_constraint(grammar)
+    except StructuredOutputError as e:
+        raise ApiError(400, f"Invalid tool parameters: {e}", param="tools", code="invalid_structured_output") from None
+    req.params = msgspec.structs.replace(req.params, structured=grammar)
+
+
+def output_parser(req: GenRequest, formats: OutputFormats) -> OutputParser | None:
+    """The parser of one chat choice: reasoning unless another constraint shapes the whole
+    answer (a named or `required` tool call, `response_format`), tool calls with "auto"."""
+    from worker.gateway.protocol import Kind
+
+    if req.kind != Kind.CHAT:
+        return None
+    auto = req.tool_mode is not None and req.tool_mode.auto
+    shaped = req.params.structured is not None and not (auto and formats.constrained)
+    parser = OutputParser(OutputFormats(formats.tool, None if shaped else formats.reasoning, formats.constrained),
+                          tools=auto)
+    return parser if parser.active else None
