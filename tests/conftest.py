@@ -107,6 +107,18 @@ def llama_path() -> Path:
     return tiny_checkpoint("llama")
 
 
+@pytest.fixture(scope="session")
+def agent_path() -> Path:
+    """The agent checkpoint (tools/make_agent_model.py): reasons in <think> and calls tools
+    in the Hermes format on its own (made once, about 90 s on 2 cores, cached)."""
+    from tools.make_agent_model import make_agent_checkpoint
+
+    out = MODEL_CACHE / "agent-tiny-v1"
+    if not (out / "model.safetensors").is_file():
+        make_agent_checkpoint(out, log=lambda *_: None)
+    return out
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2"])
 def any_arch_path(request) -> Path:
     return tiny_checkpoint(request.param)

@@ -30,6 +30,8 @@ ZONES = ["Europe/Paris", "Asia/Tokyo", "America/Lima", "Africa/Cairo", "Europe/O
 SKIES = ["sunny", "cloudy", "rainy", "windy", "snowy"]
 SYSTEMS = ["You are a helpful assistant.", "You are a weather agent. Use the tools.", "Answer briefly.",
            "You help people plan their day.", "You are an assistant with tools."]
+SYSTEM_WORDS = ["you", "are", "an", "agent", "assistant", "bot", "that", "helps", "users", "answer", "questions", "use",
+                "tools", "when", "needed", "be", "brief"]
 WEATHER_ASKS = ["What is the weather in {c}?", "How is the weather in {c} today?", "Weather in {c}, please.",
                 "Is it warm in {c}?", "Tell me the weather for {c}."]
 TIME_ASKS = ["What time is it in {z}?", "Current time in {z}?", "Tell me the time in {z}."]
@@ -97,8 +99,7 @@ def _system(rng: random.Random) -> list[dict]:
         return []
     if rng.random() < 0.5:
         return [{"role": "system", "content": rng.choice(SYSTEMS)}]
-    words = "you are an agent assistant bot that helps users answer questions use tools when needed be brief".split()
-    return [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(rng.randint(3, 12))).capitalize()
+    return [{"role": "system", "content": " ".join(rng.choice(SYSTEM_WORDS) for _ in range(rng.randint(3, 12))).capitalize()
              + "."}]
 
 

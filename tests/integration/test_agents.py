@@ -1,0 +1,98 @@
+"""Agents through the gateway, with a model that reasons and calls tools on its own
+(tools/make_agent_model.py: Hermes `<tool_call>` format, `<think>` opened by its
+template): the official `openai` client sends `tools` with no `tool_choice` (OpenAI's
+default, "auto"), streamed and not, and feeds the tool's result back; the gateway
+detects both formats from the chat template and returns `tool_calls`,
+`reasoning_content` and `finish_reason: "tool_calls"` from real generations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from tests.integration.conftest import worker_config
+from tests.integration.gateway_helpers import MODEL, client, gateway_config, running_gateway
+from tests.integration.helpers import running_worker
+from tools.make_agent_model import TIME_TOOL, WEATHER_TOOL
+from worker.engine import Engine
+
+ASK = [{"role": "system", "content": "You are a helpful assistant."},
+       {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def streamed(stream) -> dict:
+    """A streamed chat answer put back together: content, reasoning, calls by index."""
+    out = {"content": "", "reasoning": "", "calls": {}, "finish": None, "usage": None}
+    async for chunk in stream:
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        for choice in chunk.choices:
+            d = choice.delta
+            out["content"] += d.content or ""
+            out["reasoning"] += (d.model_extra or {}).get("reasoning_content") or ""
+            for c in d.tool_calls or []:
+                call = out["calls"].setdefault(c.index, {"id": None, "name": None, "arguments": ""})
+                if c.id:
+                    assert call["id"] is None  # id and name come once, in the call's first delta
+                    call["id"], call["name"] = c.id, c.function.name
+                call["arguments"] += c.function.arguments or ""
+            out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+def test_auto_tool_calls_and_reasoning_through_the_openai_client(services, prefix, agent_path, tmp_path):
+    cfg = worker_config(services, prefix)
+    engine = Engine.from_pretrained(str(agent_path), cfg.engine)
+
+    async def main():
+        out = {}
+        async with running_worker(cfg, engine), \
+                running_gateway(gateway_config(services, prefix, tmp_path / "files", tokenizer=agent_path)) as gw:
+            c = client(gw)
+            out["formats"] = gw.ctx.formats
+            base = dict(model=MODEL, temperature=0, max_tokens=80)
+            tools = [WEATHER_TOOL, TIME_TOOL]
+            out["call"] = await c.chat.completions.create(messages=ASK, tools=tools, **base)
+            out["stream"] = await streamed(await c.chat.completions.create(
+                messages=ASK, tools=tools, stream=True, stream_options={"include_usage": True}, **base))
+            call = out["call"].choices[0].message.tool_calls[0]
+            result = {"city": "Paris", "sky": "sunny", "temperature_c": 21}
+            follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                            {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}]
+            out["answer"] = await c.chat.completions.create(messages=follow, tools=tools, **base)
+            out["answer_stream"] = await streamed(await c.chat.completions.create(
+                messages=follow, tools=tools, stream=True, **base))
+            out["time"] = await c.chat.completions.create(
+                messages=[{"role": "user", "content": "What time is it in Asia/Tokyo?"}], tools=tools, **base)
+            out["hello"] = await c.chat.completions.create(messages=[{"role": "user", "content": "Hello!"}],
+                                                           tools=tools, **base)
+            out["no_tools"] = await c.chat.completions.create(messages=ASK, **base)
+        return out
+
+    out = asyncio.run(main())
+    assert (out["formats"].tool, out["formats"].reasoning, out["formats"].constrained) == ("hermes", "deepseek_r1", True)
+    choice = out["call"].choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    reasoning = choice.message.model_extra["reasoning_content"]
+    assert "weather in Paris" in reasoning and "</think>" not in reasoning
+    details = out["call"].usage.completion_tokens_details
+    assert 0 < details.reasoning_tokens < out["call"].usage.completion_tokens
+    s = out["stream"]
+    assert s["finish"] == "tool_calls" and s["content"] == "" and s["reasoning"] == reasoning
+    assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"].values()] == [("get_weather", {"city": "Paris"})]
+    assert s["calls"][0]["id"].startswith("call_")
+    assert s["usage"].completion_tokens == out["call"].usage.completion_tokens
+    assert s["usage"].completion_tokens_details.reasoning_tokens == details.reasoning_tokens
+    answer = out["answer"].choices[0]
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls
+    assert answer.message.content.startswith("It is sunny in Paris")
+    assert out["answer_stream"]["content"] == answer.message.content and not out["answer_stream"]["calls"]
+    (t,) = out["time"].choices[0].message.tool_calls  # (the tiny model may pick another zone: its arguments' shape)
+    assert t.function.name == "get_time" and list(json.loads(t.function.arguments)) == ["timezone"]
+    hello = out["hello"].choices[0]
+    assert hello.finish_reason == "stop" and not hello.message.tool_calls and hello.message.content.startswith("Hello")
+    # no tools: reasoning is still split off; the answer is whatever the model writes after it
+    assert out["no_tools"].choices[0].message.model_extra["reasoning_content"]
