@@ -96,3 +96,49 @@ def test_auto_tool_calls_and_reasoning_through_the_openai_client(services, prefi
     assert hello.finish_reason == "stop" and not hello.message.tool_calls and hello.message.content.startswith("Hello")
     # no tools: reasoning is still split off; the answer is whatever the model writes after it
     assert out["no_tools"].choices[0].message.model_extra["reasoning_content"]
+
+
+def test_an_openai_agents_sdk_agent_and_a_langchain_model_with_tools_run_unchanged(services, prefix, agent_path,
+                                                                                    tmp_path):
+    """The OpenAI Agents SDK runs an agent with one function tool to completion (the model
+    calls the tool, the SDK runs it and feeds the result back, the model answers), and
+    LangChain's `ChatOpenAI.bind_tools` reads the same call as `tool_calls`."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from langchain_openai import ChatOpenAI
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "sky": "rainy", "temperature_c": 12})
+
+    cfg = worker_config(services, prefix)
+    engine = Engine.from_pretrained(str(agent_path), cfg.engine)
+
+    async def main():
+        async with running_worker(cfg, engine), \
+                running_gateway(gateway_config(services, prefix, tmp_path / "files", tokenizer=agent_path)) as gw:
+            c = client(gw)
+            agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[get_weather],
+                          model=OpenAIChatCompletionsModel(model=MODEL, openai_client=c),
+                          model_settings=ModelSettings(temperature=0, max_tokens=80))
+            run = await Runner.run(agent, "What is the weather in Berlin?", max_turns=4)
+            llm = ChatOpenAI(model=MODEL, base_url=f"http://127.0.0.1:{gw.port}/v1", api_key=c.api_key,
+                             temperature=0, max_tokens=80, max_retries=0)
+            message = await llm.bind_tools([WEATHER_TOOL]).ainvoke("What is the weather in Lima?")
+            return run, message
+
+    run, message = asyncio.run(main())
+    assert calls == ["Berlin"]  # called once, with the city from the question
+    assert run.final_output.startswith("It is rainy in Berlin")
+    assert [(t["name"], t["args"]) for t in message.tool_calls] == [("get_weather", {"city": "Lima"})]
