@@ -169,7 +169,11 @@ def scan_call(s: str, i: int) -> _Scan:
                 return out
             if end is None:
                 return out
-            out.name = json.loads(s[v:end])
+            try:
+                out.name = json.loads(s[v:end])
+            except ValueError:  # e.g. a raw control character in the string
+                out.error = True
+                return out
         elif key in ("arguments", "parameters"):
             if end is None:
                 if s[v] in "{[":

@@ -111,11 +111,15 @@ def llama_path() -> Path:
 def agent_path() -> Path:
     """The agent checkpoint (tools/make_agent_model.py): reasons in <think> and calls tools
     in the Hermes format on its own (made once, about 90 s on 2 cores, cached)."""
+    from filelock import FileLock
+
     from tools.make_agent_model import make_agent_checkpoint
 
     out = MODEL_CACHE / "agent-tiny-v1"
-    if not (out / "model.safetensors").is_file():
-        make_agent_checkpoint(out, log=lambda *_: None)
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):  # two xdist workers may want it at once
+        if not (out / "model.safetensors").is_file():
+            make_agent_checkpoint(out, log=lambda *_: None)
     return out
 
 

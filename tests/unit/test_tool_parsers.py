@@ -49,6 +49,9 @@ CASES = [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ', '<tool_call>{"name": "f", "arguments": {"a": ', []),
     ("hermes", '<tool_call>{"name": "f"}</tool_call>', None, [("f", {})]),
     ("hermes", '<tool_call>[1, 2]</tool_call>', "<tool_call>[1, 2]</tool_call>", []),
+    # a raw control character in the name (JSON forbids it): text, never an exception (found by tools.bench.agents)
+    ("hermes", '<tool_call>{"name": "get\nx", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "get\nx", "arguments": {}}</tool_call>', []),
     ("llama3_json", '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}', None,
      [("f", {"x": 1}), ("g", {})]),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": "a;b"}}', None, [("f", {"x": "a;b"})]),

@@ -110,15 +110,22 @@ def _lark_string(s: str) -> str:
     return json.dumps(s)
 
 
+# JSON as the families' templates write it (`{"name": "f", "arguments": {"x": 1}}`), with no
+# other whitespace: a sampled model cannot spend its tokens on blank lines inside a call.
+CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def call_schema(family: str, functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The JSON Schema of one call object in `family`'s format: `name` one of the
     functions and its arguments (`parameters` for llama3_json) valid against that
-    function's schema (closed, as strict mode does)."""
+    function's schema (closed, as strict mode does); llguidance's `x-guidance` options
+    fix the spacing (CALL_JSON)."""
     key = "parameters" if family == "llama3_json" else "arguments"
     options = [{"type": "object", "properties": {"name": {"const": name}, key: strict_schema(params)},
                 "required": ["name", key], "additionalProperties": False}
                for name, params in functions.items()]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": CALL_JSON}
 
 
 def tool_call_grammar(family: str, functions: dict[str, dict[str, Any]], parallel: bool = True) -> str:
