@@ -153,6 +153,14 @@ def batch_key(batch_id: str, prefix: str = "inflight") -> str:
     return f"{prefix}:gw:batch:{batch_id}"
 
 
+def response_key(response_id: str, tenant: str | None, prefix: str = "inflight") -> str:
+    """String with a stored Responses-API response and its conversation (JSON), for
+    `previous_response_id` and `GET /v1/responses/<id>`: per tenant (`…:anon` without
+    one), so a key of another tenant never finds it; expires after
+    `gateway.responses_ttl_s`."""
+    return f"{prefix}:gw:resp:{'t:' + tenant if tenant else 'anon'}:{response_id}"
+
+
 def batch_owner_key(batch_id: str, prefix: str = "inflight") -> str:
     """`SET NX PX` lease of the gateway process driving the batch (dispatch, collect,
     finalize): value `<gateway id>:<nonce>`."""

@@ -142,3 +142,79 @@ def test_an_openai_agents_sdk_agent_and_a_langchain_model_with_tools_run_unchang
     assert calls == ["Berlin"]  # called once, with the city from the question
     assert run.final_output.startswith("It is rainy in Berlin")
     assert [(t["name"], t["args"]) for t in message.tool_calls] == [("get_weather", {"city": "Lima"})]
+
+
+FLAT_WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat spelling
+
+
+def test_the_responses_api_through_the_openai_client_and_the_agents_sdks_default_model(services, prefix, agent_path,
+                                                                                        tmp_path):
+    """`client.responses.create` and `.stream`: the model's reasoning item, its function
+    call, the tool's output fed back by `previous_response_id` (the conversation kept in
+    Redis), the final text; GET and DELETE of a stored response; and an Agents SDK agent
+    on its default model (the Responses API) run to completion."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "sky": "windy", "temperature_c": 9})
+
+    cfg = worker_config(services, prefix)
+    engine = Engine.from_pretrained(str(agent_path), cfg.engine)
+
+    async def main():
+        out = {}
+        async with running_worker(cfg, engine), \
+                running_gateway(gateway_config(services, prefix, tmp_path / "files", tokenizer=agent_path)) as gw:
+            c = client(gw)
+            base = dict(model=MODEL, temperature=0, max_output_tokens=80, tools=[FLAT_WEATHER],
+                        instructions="You are a helpful assistant.")
+            first = await c.responses.create(input="What is the weather in Paris?", **base)
+            call = next(i for i in first.output if i.type == "function_call")
+            result = json.dumps({"city": "Paris", "sky": "cloudy", "temperature_c": 17})
+            out["first"], out["second"] = first, await c.responses.create(
+                previous_response_id=first.id, **base,
+                input=[{"type": "function_call_output", "call_id": call.call_id, "output": result}])
+            async with c.responses.stream(input="What is the weather in Paris?", **base) as stream:
+                out["events"] = [e.type async for e in stream]
+                out["streamed"] = await stream.get_final_response()
+            out["got"] = await c.responses.retrieve(first.id)
+            out["deleted"] = await c.responses.delete(first.id)
+            try:
+                await c.responses.retrieve(first.id)
+            except Exception as e:  # noqa: BLE001 (the SDK's NotFoundError)
+                out["after_delete"] = type(e).__name__
+            agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[get_weather],
+                          model=OpenAIResponsesModel(model=MODEL, openai_client=c),
+                          model_settings=ModelSettings(temperature=0, max_tokens=80))
+            out["agent"] = await Runner.run(agent, "What is the weather in Berlin?", max_turns=4)
+        return out
+
+    out = asyncio.run(main())
+    first = out["first"]
+    assert first.status == "completed" and first.id.startswith("resp_")
+    assert [i.type for i in first.output] == ["reasoning", "function_call"]
+    assert "weather in Paris" in first.output[0].content[0].text
+    fc = first.output[1]
+    assert (fc.name, json.loads(fc.arguments)) == ("get_weather", {"city": "Paris"}) and fc.call_id.startswith("call_")
+    assert first.usage.output_tokens_details.reasoning_tokens > 0
+    second = out["second"]
+    assert second.status == "completed" and second.output_text.startswith("It is cloudy in Paris")
+    assert [i.type for i in second.output] == ["reasoning", "message"]
+    events = out["events"]
+    assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "response.completed"
+    for kind in ("response.output_item.added", "response.reasoning_text.delta", "response.function_call_arguments.delta",
+                 "response.function_call_arguments.done", "response.output_item.done"):
+        assert kind in events, kind
+    streamed = out["streamed"]
+    assert [(i.type, getattr(i, "arguments", None)) for i in streamed.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in first.output]
+    assert out["got"].id == first.id and out["got"].output[1].arguments == fc.arguments
+    assert out["deleted"] is None or getattr(out["deleted"], "deleted", True)
+    assert out["after_delete"] == "NotFoundError"
+    assert calls == ["Berlin"] and out["agent"].final_output.startswith("It is windy in Berlin")

@@ -42,6 +42,7 @@ from worker.gateway.generation import CancelSender
 from worker.gateway.liveness import FleetLiveness, NoLiveWorker
 from worker.gateway.metrics import GatewayMetrics
 from worker.gateway.render import TokenText
+from worker.gateway.responses import ResponsesHandlers
 from worker.gateway.tokenize import TokenizeHandlers
 from worker.gateway.tracing import tracing_middleware
 from worker.obs.metrics import exposition
@@ -143,6 +144,10 @@ class Gateway:
         gen, bat = CompletionHandlers(ctx), BatchHandlers(ctx, files, self.batches)
         app.router.add_post("/v1/chat/completions", gen.chat)
         app.router.add_post("/v1/completions", gen.completions)
+        resp = ResponsesHandlers(ctx)
+        app.router.add_post("/v1/responses", resp.create)
+        app.router.add_get("/v1/responses/{response_id}", resp.get)
+        app.router.add_delete("/v1/responses/{response_id}", resp.delete)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/files", bat.upload)

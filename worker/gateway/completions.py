@@ -60,7 +60,6 @@ class CompletionHandlers:
 
     def __init__(self, ctx: GatewayContext) -> None:
         self.ctx = ctx
-        self._in_flight = 0  # generation requests in progress (the limit's count)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, Kind.CHAT)
@@ -80,7 +79,7 @@ class CompletionHandlers:
         adapter = ctx.check_model(req.model, grant)
         check_context(req, ctx.tokens.tokenizer, ctx.max_model_len)  # a prompt that cannot fit: 400, nothing produced
         priority = effective_priority(grant, req.priority, cfg.default_priority)
-        if self._in_flight >= cfg.max_concurrent_requests:
+        if ctx.in_flight >= cfg.max_concurrent_requests:
             raise overloaded(cfg.retry_after_s, "too many requests in flight on this gateway "
                              "(gateway.max_concurrent_requests); retry later")
         job_id = uuid.uuid4().hex
@@ -93,7 +92,7 @@ class CompletionHandlers:
                               req.tool_mode, index=i, parser=ctx.output_parser(req)) for i in range(len(jobs))]
         endpoint = request.match_info.route.resource.canonical  # the metrics label (route template)
         reason = "client_disconnect"
-        self._in_flight += 1
+        ctx.in_flight += 1
         m.in_flight.inc()
         try:
             try:
@@ -115,7 +114,7 @@ class CompletionHandlers:
             raise ApiError(504, f"the request did not finish within gateway.request_timeout_s "
                            f"({cfg.request_timeout_s} s)", code="timeout") from None
         finally:
-            self._in_flight -= 1
+            ctx.in_flight -= 1
             m.in_flight.dec()
             for gen in gens:
                 await gen.close(gen.cancel_reason or reason)

@@ -119,6 +119,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             `<think>`), `qwen3` (the model opens it). worker.gateway.agents.
         constrained_tool_calls: an "auto" request carries a grammar: a call the model
             opens is held to the tools' JSON Schemas (its text before that is free).
+        responses_ttl_s: how long a `/v1/responses` answer stays retrievable and usable as
+            `previous_response_id` (in Redis, per tenant), seconds; 0: never stored.
     """
 
     host: str = "0.0.0.0"
@@ -149,6 +151,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_parser: str = "auto"
     reasoning_parser: str = "auto"
     constrained_tool_calls: bool = True
+    responses_ttl_s: int = 3600
 
     def __post_init__(self) -> None:
         for name, allowed in (("tool_parser", ("auto", "none", *tool_parsers.FAMILIES)),
@@ -168,6 +171,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                      "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"gateway.{name} must be > 0, got {getattr(self, name)}")
+        if self.responses_ttl_s < 0:
+            raise ConfigError(f"gateway.responses_ttl_s must be >= 0 (0: not stored), got {self.responses_ttl_s}")
         for name in ("retry_after_s", "max_concurrent_requests", "max_body_bytes", "max_file_bytes",
                      "max_batch_lines", "batch_lease_ms"):
             if getattr(self, name) < 1:

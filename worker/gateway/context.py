@@ -55,6 +55,7 @@ class GatewayContext:
     fleet: FleetLiveness = dataclasses.field(default_factory=lambda: FleetLiveness("inflight", 5.0))
     max_model_len: int | None = None  # the model's context (gateway.max_model_len or the tokenizer's config.json)
     formats: OutputFormats = dataclasses.field(default_factory=OutputFormats)  # tool call / reasoning families
+    in_flight: int = 0  # generation requests in progress, every endpoint (gateway.max_concurrent_requests)
 
     def output_parser(self, req: GenRequest) -> OutputParser | None:
         """The reasoning / "auto" tool-call reader of one of `req`'s choices (None: plain)."""

@@ -1,0 +1,256 @@
+"""`POST /v1/responses` (OpenAI's Responses API), `GET` and `DELETE /v1/responses/<id>`.
+
+A request becomes the chat body it stands for (`responses_protocol.chat_body`), is
+validated and served as one chat job (reasoning and "auto" tool calls read as in chat,
+`worker.gateway.agents`), and its answer comes back as output items, whole or as typed
+events. A client that goes away cancels the job at once, as in chat.
+
+Stored responses (unless `store: false`, or `gateway.responses_ttl_s` is 0) live in
+Redis under the caller's tenant for `responses_ttl_s` (default one hour): the response
+object for `GET`, and its conversation (the `previous_response_id` chain's messages,
+this input, the answer; not `instructions`, which OpenAI does not carry over either)
+for a next request naming it. Any gateway of the fleet finds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from schemas import keys
+from schemas.wire import Finished
+from worker.gateway.agents import auto_tool_calls
+from worker.gateway.auth import effective_priority
+from worker.gateway.completions import choice_jobs
+from worker.gateway.context import CLIENT_GONE, GatewayContext, json_ok
+from worker.gateway.edge import check_context
+from worker.gateway.errors import ApiError, bad_request, error_for_outcome, invalid_json, overloaded
+from worker.gateway.generation import Generation
+from worker.gateway.protocol import GenRequest, Kind, parse_body
+from worker.gateway.render import SSE_HEADERS
+from worker.gateway.responses_protocol import ResponseOutput, chat_body, input_messages
+from worker.gateway.tools import ToolStream
+
+_encode = msgspec.json.Encoder().encode
+
+
+class _Answer:
+    """One answer read into output items: the chat-style deltas of its reader (the
+    reasoning / "auto" tool-call parser, a forced call's `ToolStream`, or the text)."""
+
+    def __init__(self, ctx: GatewayContext, req: GenRequest) -> None:
+        self.parser = ctx.output_parser(req)
+        mode = req.tool_mode
+        self.tools = ToolStream(mode) if mode is not None and not mode.auto and self.parser is None else None
+        self.output = ResponseOutput()
+
+    def feed(self, text: str, num_tokens: int) -> list[dict[str, Any]]:
+        if self.parser is not None:
+            deltas = self.parser.feed(text, num_tokens)
+        elif self.tools is not None:
+            deltas = self.tools.text(text)
+        else:
+            deltas = [{"content": text}] if text else []
+        return [e for d in deltas for e in self.output.apply(d)]
+
+    def finish(self) -> list[dict[str, Any]]:
+        deltas = self.parser.finish() if self.parser is not None else self.tools.finish() if self.tools else []
+        return [e for d in deltas for e in self.output.apply(d)] + self.output.close()
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.parser.reasoning_tokens if self.parser is not None else 0
+
+
+class ResponsesHandlers:
+    """The Responses API endpoints. Args: ctx: the gateway's shared context."""
+
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+
+    # ---- stored responses ---------------------------------------------------------------
+    def _key(self, response_id: str, tenant: str | None) -> str:
+        return keys.response_key(response_id, tenant, self.ctx.client.key_prefix)
+
+    async def _stored(self, response_id: str, tenant: str | None, param: str | None = None) -> dict[str, Any]:
+        raw = await self.ctx.client.redis.get(self._key(response_id, tenant))
+        if raw is None:
+            raise ApiError(404, f"Response with id '{response_id}' not found (responses are kept "
+                           f"{self.ctx.cfg.responses_ttl_s} s: gateway.responses_ttl_s).", param=param,
+                           code="not_found")
+        return msgspec.json.decode(raw)
+
+    async def get(self, request: web.Request) -> web.Response:
+        grant = self.ctx.grant(request)
+        return json_ok((await self._stored(request.match_info["response_id"], grant.tenant))["response"])
+
+    async def delete(self, request: web.Request) -> web.Response:
+        grant = self.ctx.grant(request)
+        response_id = request.match_info["response_id"]
+        if not await self.ctx.client.redis.delete(self._key(response_id, grant.tenant)):
+            raise ApiError(404, f"Response with id '{response_id}' not found.", code="not_found")
+        return json_ok({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    # ---- create -------------------------------------------------------------------------
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        ctx, cfg, m = self.ctx, self.ctx.cfg, self.ctx.metrics
+        t0 = time.monotonic()
+        grant = ctx.grant(request)
+        if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+            raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes (gateway.max_body_bytes)",
+                           code="request_too_large")
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError:
+            raise invalid_json() from None
+        if not isinstance(body, dict):
+            raise bad_request("The request body must be a JSON object.", code="invalid_json")
+        previous = body.get("previous_response_id")
+        history = (await self._stored(previous, grant.tenant, "previous_response_id"))["messages"] if previous else []
+        chat = chat_body(body, history)
+        req = parse_body(Kind.CHAT, chat)
+        auto_tool_calls(req, ctx.formats)
+        adapter = ctx.check_model(req.model, grant)
+        check_context(req, ctx.tokens.tokenizer, ctx.max_model_len)
+        priority = effective_priority(grant, req.priority, cfg.default_priority)
+        if ctx.in_flight >= cfg.max_concurrent_requests:
+            raise overloaded(cfg.retry_after_s, "too many requests in flight on this gateway "
+                             "(gateway.max_concurrent_requests); retry later")
+        job_id = uuid.uuid4().hex
+        (job,) = choice_jobs(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s, adapter)
+        gen = Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
+                         retry_after_s=cfg.retry_after_s, cancels=ctx.cancels, check_pool=ctx.fleet.check)
+        answer = _Answer(ctx, req)
+        head = _head("resp_" + job_id, body, req)
+        conversation = history + input_messages(body.get("input"))
+        store = body.get("store") is not False and cfg.responses_ttl_s > 0
+        endpoint = request.match_info.route.resource.canonical
+        reason = "client_disconnect"
+        ctx.in_flight += 1
+        m.in_flight.inc()
+        try:
+            try:
+                await gen.start()
+            except ApiError as e:
+                reason = "overloaded" if e.status == 429 else "error"
+                raise
+            if gen.finished is not None and not gen.finished.finish_reason.is_success:
+                raise error_for_outcome(gen.finished, cfg.retry_after_s)
+
+            async def done(fin: Finished) -> dict[str, Any]:
+                obj = _final(head, answer, fin)
+                if store:
+                    message = answer.output.chat_message()
+                    record = {"response": obj, "messages": conversation + ([message] if message else [])}
+                    await ctx.client.redis.set(self._key(obj["id"], grant.tenant), _encode(record),
+                                               ex=cfg.responses_ttl_s)
+                return obj
+
+            if body.get("stream"):
+                return await self._stream(request, gen, answer, head, done, t0, endpoint)
+            async for d in gen.deltas():
+                answer.feed(d.text, d.num_tokens)
+            if not gen.finished.finish_reason.is_success:
+                raise error_for_outcome(gen.finished, cfg.retry_after_s)
+            answer.finish()
+            resp = json_ok(await done(gen.finished), headers={"X-Request-Id": job_id,
+                                                               "Server-Timing": gen.server_timing()})
+            m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+            return resp
+        except asyncio.CancelledError:
+            m.disconnects.labels(endpoint).inc()
+            raise
+        except TimeoutError:
+            reason = "timeout"
+            raise ApiError(504, f"the request did not finish within gateway.request_timeout_s "
+                           f"({cfg.request_timeout_s} s)", code="timeout") from None
+        finally:
+            ctx.in_flight -= 1
+            m.in_flight.dec()
+            await gen.close(gen.cancel_reason or reason)
+
+    async def _stream(self, request: web.Request, gen: Generation, answer: _Answer, head: dict[str, Any], done,
+                      t0: float, endpoint: str) -> web.StreamResponse:
+        m = self.ctx.metrics
+        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gen.job_id,
+                                                       "Server-Timing": gen.server_timing()})
+        await resp.prepare(request)
+        m.open_streams.inc()
+        seq = 0
+
+        def events(items: list[dict[str, Any]]) -> bytes:
+            nonlocal seq
+            out = []
+            for e in items:
+                e["sequence_number"] = seq
+                seq += 1
+                out.append(b"event: " + e["type"].encode() + b"\ndata: " + _encode(e) + b"\n\n")
+            return b"".join(out)
+
+        try:
+            opened = {**head, "status": "in_progress", "output": [], "usage": None}
+            await resp.write(events([{"type": "response.created", "response": opened},
+                                     {"type": "response.in_progress", "response": opened}]))
+            first = True
+            try:
+                async for d in gen.deltas():
+                    m.tokens.inc(d.num_tokens)
+                    chunk = events(answer.feed(d.text, d.num_tokens))
+                    if chunk:
+                        await resp.write(chunk)
+                        if first:
+                            first = False
+                            m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+                fin = gen.finished
+                if not fin.finish_reason.is_success:
+                    raise error_for_outcome(fin, self.ctx.cfg.retry_after_s)
+                tail = answer.finish()
+                obj = await done(fin)
+                kind = "response.completed" if obj["status"] == "completed" else "response.incomplete"
+                await resp.write(events(tail + [{"type": kind, "response": obj}]))
+            except ApiError as e:
+                await resp.write(events([{"type": "error", "code": e.code, "message": e.message, "param": e.param}]))
+            except TimeoutError:
+                gen.cancel_reason = "timeout"
+                await resp.write(events([{"type": "error", "code": "timeout", "param": None,
+                                          "message": "the request did not finish within gateway.request_timeout_s"}]))
+            if first:
+                m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+            await resp.write_eof()
+        except ConnectionResetError:
+            m.disconnects.labels(endpoint).inc()
+            request[CLIENT_GONE] = True
+        finally:
+            m.open_streams.dec()
+        return resp
+
+
+def _head(response_id: str, body: dict[str, Any], req: GenRequest) -> dict[str, Any]:
+    """The response object's fields known before the answer."""
+    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+    return {"id": response_id, "object": "response", "created_at": int(time.time()), "model": req.model,
+            "status": "in_progress", "error": None, "incomplete_details": None,
+            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"), "reasoning": body.get("reasoning") or {},
+            "store": body.get("store") is not False, "temperature": req.params.temperature,
+            "text": {"format": fmt}, "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
+            "tools": body.get("tools") or [], "top_p": req.params.top_p, "truncation": "disabled",
+            "user": body.get("user"), "output": []}
+
+
+def _final(head: dict[str, Any], answer: _Answer, fin: Finished) -> dict[str, Any]:
+    cut = fin.finish_reason.value == "length"
+    u = fin.usage
+    usage = None if u is None else {
+        "input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
+        "total_tokens": u.prompt_tokens + u.completion_tokens}
+    return {**head, "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "output": [dict(i) for i in answer.output.items], "usage": usage}
