@@ -120,6 +120,15 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
         return d
 
 
+# The chat template call's own arguments and variables (transformers' apply_chat_template):
+# never taken from `chat_template_kwargs`.
+TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "chat_template",
+                               "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                               "truncation", "max_length", "return_tensors", "return_dict",
+                               "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+                               "raise_exception", "strftime_now"})
+
+
 class Job(msgspec.Struct, kw_only=True):
     """A generation job, produced to `inflight.jobs.<priority>` keyed by `job_id`.
 
@@ -134,6 +143,10 @@ class Job(msgspec.Struct, kw_only=True):
     readers to its own jobs; without one, on `inflight:job:<id>`. `adapter` names a LoRA
     adapter of the worker's `model.lora_dir` (none: the base model); a name the worker
     cannot serve ends `finished(rejected)`, code `unknown_adapter` or `invalid_adapter`.
+    `chat_template_kwargs` (with `messages`): extra variables of the chat template, e.g.
+    `{"reasoning_effort": "low"}` or `{"enable_thinking": false}` where the template has
+    such a knob (a template without it ignores them); names are identifiers other than
+    the template call's own arguments (`TEMPLATE_RESERVED`).
     """
 
     v: Literal[1] = 1
@@ -148,6 +161,7 @@ class Job(msgspec.Struct, kw_only=True):
     created_at: float | None = None
     metadata: dict[str, Any] | None = None
     adapter: AdapterName | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
@@ -155,6 +169,13 @@ class Job(msgspec.Struct, kw_only=True):
             raise ValueError("exactly one of `prompt`, `messages`, `prompt_token_ids` must be given")
         if self.tools is not None and self.messages is None:
             raise ValueError("`tools` needs `messages` (they are rendered by the chat template)")
+        if self.chat_template_kwargs:
+            if self.messages is None:
+                raise ValueError("`chat_template_kwargs` needs `messages` (they go to the chat template)")
+            bad = [k for k in self.chat_template_kwargs if not k.isidentifier() or k in TEMPLATE_RESERVED]
+            if bad:
+                raise ValueError(f"`chat_template_kwargs`: {bad[0]!r} is not a template variable name (identifiers "
+                                 f"other than {sorted(TEMPLATE_RESERVED)})")
 
 
 class Cancel(msgspec.Struct, kw_only=True):

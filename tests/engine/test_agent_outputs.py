@@ -37,3 +37,29 @@ def test_the_judge_tells_calls_apart():
     assert judge(good.replace('"Paris"', "3")) == (True, "arguments: 3 is not of type 'string'")
     assert judge("<think>x</think>\n\nHello!") == (False, None)
     assert judge(good.replace("get_weather", "get_rain"))[1] == "unknown tool 'get_rain'"
+
+
+def test_chat_template_kwargs_reach_the_template(llama_path):
+    """A job's `chat_template_kwargs` (the gateway's `reasoning_effort`) are variables of
+    the chat template; a template without them renders as before."""
+    from schemas.params import SamplingParams
+
+    engine = Engine.from_pretrained(str(llama_path), EngineConfig(
+        model=ModelConfig(dtype="float32", device="cpu"), serving_tuning=ServingTuning(max_running_requests=2)))
+    tok = engine.input.tokenizer
+    plain = tok.chat_template
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %} effort {{ reasoning_effort | default('') }}"
+
+    def prompt(rid: str, **kw) -> str:
+        engine.add_request(rid, messages=[{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=4, temperature=0), **kw)
+        engine.step()
+        ids = engine.scheduler.requests[rid].all_token_ids[:engine.scheduler.requests[rid].num_prompt_tokens]
+        while engine.has_unfinished():
+            engine.step()
+        return tok.decode(ids)
+
+    try:
+        assert prompt("low", template_kwargs={"reasoning_effort": "low"}).endswith("effort low")
+        assert prompt("none").endswith("effort ")
+    finally:
+        tok.chat_template = plain

@@ -68,7 +68,6 @@ def test_supported_fields_map_onto_the_job_params():
 @pytest.mark.parametrize(("kind", "field", "value", "param"), [
     (Kind.COMPLETION, "tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
     (Kind.CHAT, "audio", {"voice": "x"}, "audio"),
-    (Kind.CHAT, "reasoning_effort", "high", "reasoning_effort"),
     (Kind.COMPLETION, "best_of", 3, "best_of"),
     (Kind.COMPLETION, "echo", True, "echo"),
     (Kind.COMPLETION, "suffix", "x", "suffix"),

@@ -124,7 +124,7 @@ class InputProcessor:
                     ids = list(
                         self.tokenizer.apply_chat_template(
                             prompt.messages, tools=prompt.tools or None, add_generation_prompt=True, tokenize=True,
-                            return_dict=False,
+                            return_dict=False, **(prompt.template_kwargs or {}),
                         )
                     )
                 except Exception as e:  # template errors are the producer's input errors

@@ -33,10 +33,12 @@ class TextPrompt:
 @dataclass(slots=True, frozen=True)
 class ChatPrompt:
     """OpenAI-style chat messages rendered with the tokenizer's chat template (generation
-    prompt added); `tools`: OpenAI function definitions passed to the template."""
+    prompt added); `tools`: OpenAI function definitions passed to the template;
+    `template_kwargs`: more template variables (a job's `chat_template_kwargs`)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,9 +71,11 @@ class RequestInput:
     @classmethod
     def of(cls, request_id: str, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
            messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
-           params: SamplingParams | None = None, **options: Any) -> RequestInput:
+           template_kwargs: dict[str, Any] | None = None, params: SamplingParams | None = None,
+           **options: Any) -> RequestInput:
         """The keyword form: exactly one of `prompt` (text), `prompt_token_ids`,
-        `messages` (with `tools`); `options` are `RequestOptions` fields by name.
+        `messages` (with `tools` and `template_kwargs`); `options` are `RequestOptions`
+        fields by name.
 
         Raises:
             RequestRejected: `invalid_prompt` when not exactly one prompt is given.
@@ -83,7 +87,7 @@ class RequestInput:
         if prompt is not None:
             value: Prompt = TextPrompt(prompt)
         elif messages is not None:
-            value = ChatPrompt(messages, tools)
+            value = ChatPrompt(messages, tools, template_kwargs)
         else:
             value = TokenPrompt(prompt_token_ids)
         return cls(request_id, value, SamplingParams() if params is None else params, RequestOptions(**options))
@@ -96,7 +100,7 @@ class RequestInput:
         if job.prompt is not None:
             prompt: Prompt = TextPrompt(job.prompt)
         elif job.messages is not None:
-            prompt = ChatPrompt([m.template_dict() for m in job.messages], job.tools)
+            prompt = ChatPrompt([m.template_dict() for m in job.messages], job.tools, job.chat_template_kwargs)
         else:
             prompt = TokenPrompt(job.prompt_token_ids or [])
         return cls(job.job_id, prompt, job.params, RequestOptions.from_job(job, priority, arrival_time, traced=traced))

@@ -52,7 +52,7 @@ def build_job(req: GenRequest, job_id: str, tenant: str | None, deadline: float 
     """The job a validated request becomes (seeded: see `generation.seeded`)."""
     return seeded(Job(job_id=job_id, prompt=req.prompt, messages=req.messages, prompt_token_ids=req.prompt_token_ids,
                       params=req.params, tools=req.tools, tenant=tenant, deadline=deadline, created_at=time.time(),
-                      metadata=req.metadata, adapter=adapter))
+                      metadata=req.metadata, adapter=adapter, chat_template_kwargs=req.chat_template_kwargs))
 
 
 class CompletionHandlers:

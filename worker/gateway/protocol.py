@@ -45,11 +45,12 @@ ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COM
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
            "safety_identifier", "service_tier", "metadata", "prompt_cache_key", "response_format", "presence_penalty",
            "frequency_penalty", "logit_bias", "n"}
-EXTENSIONS = {"priority", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "structured_outputs"}
+EXTENSIONS = {"priority", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "structured_outputs",
+              "chat_template_kwargs"}
 SUPPORTED = {
     Kind.CHAT: _COMMON | EXTENSIONS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                       "tool_choice", "parallel_tool_calls"},
-    Kind.COMPLETION: _COMMON | EXTENSIONS | {"prompt", "logprobs"},
+                                       "tool_choice", "parallel_tool_calls", "reasoning_effort"},
+    Kind.COMPLETION: (_COMMON | EXTENSIONS | {"prompt", "logprobs"}) - {"chat_template_kwargs"},
 }
 # OpenAI fields accepted only at the value that changes nothing (else 400 naming them).
 _NOOP: dict[Kind, dict[str, tuple[Any, ...]]] = {
@@ -59,7 +60,7 @@ _NOOP: dict[Kind, dict[str, tuple[Any, ...]]] = {
 }
 # OpenAI fields with no no-op value here: any non-null value is a 400.
 _UNSUPPORTED = {"audio", "prediction", "reasoning_effort", "reasoning", "verbosity", "web_search_options", "tools",
-                "tool_choice", "parallel_tool_calls"}  # (the tool fields: chat only)
+                "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}  # (the tool fields: chat only)
 MAX_CHOICES = 16  # `n`: each choice is a job of its own
 _SERVICE_TIERS = {"auto": None, "default": None, "flex": "low", "priority": "high"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -106,6 +107,8 @@ class _ChatBody(_Body):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class _CompletionBody(_Body):
@@ -134,6 +137,7 @@ class GenRequest:
     metadata: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_mode: ToolMode | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # `reasoning_effort` goes here (templates with the knob read it)
     n: int = 1  # choices: one job each (seeds seed, seed + 1, ... when the request has one)
 
 
@@ -172,6 +176,7 @@ def parse_body(kind: Kind, obj: Any) -> GenRequest:
     req = GenRequest(kind=kind, model=body.model, params=_params(kind, body))
     if isinstance(body, _ChatBody):
         req.messages = _messages(body.messages)
+        req.chat_template_kwargs = _template_kwargs(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
         req.logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -218,6 +223,24 @@ def _structured(body: _ChatBody | _CompletionBody, req: GenRequest):
             raise ApiError(400, f"Invalid {'tool parameters' if tool else param}: {e}",
                            param="tools" if tool else param, code="invalid_structured_output") from None
     return constraint
+
+
+def _template_kwargs(body: _ChatBody) -> dict[str, Any] | None:
+    """vLLM's `chat_template_kwargs` extension, with `reasoning_effort` added as the
+    template variable of that name (templates with the knob read it; others ignore it)."""
+    from schemas.wire import TEMPLATE_RESERVED
+
+    out = dict(body.chat_template_kwargs or {})
+    for k in out:
+        if not k.isidentifier() or k in TEMPLATE_RESERVED:
+            raise bad_request(f"'chat_template_kwargs.{k}' is not a template variable name (identifiers other than "
+                              f"{sorted(TEMPLATE_RESERVED)}).", param="chat_template_kwargs")
+    if body.reasoning_effort is not None:
+        if body.reasoning_effort not in ("minimal", "low", "medium", "high"):
+            raise bad_request("'reasoning_effort' must be one of ['high', 'low', 'medium', 'minimal'].",
+                              param="reasoning_effort")
+        out.setdefault("reasoning_effort", body.reasoning_effort)
+    return out or None
 
 
 def _check_fields(kind: Kind, obj: dict[str, Any]) -> None:

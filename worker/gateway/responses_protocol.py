@@ -7,8 +7,9 @@ Request: `input` (text, or items: messages with text parts, `function_call`,
 `instructions` (a system message first), function `tools` (flat, as this API spells
 them) with `tool_choice` and `parallel_tool_calls`, `text.format` (`text`,
 `json_object`, `json_schema`), `max_output_tokens`, `temperature`, `top_p`, `metadata`,
-`user`, `store`, `previous_response_id` (its conversation goes first). Accepted with no
-effect: `reasoning` (no template knob here), `include`, `truncation: "disabled"`,
+`user`, `store`, `previous_response_id` (its conversation goes first), `reasoning.effort`
+(to the chat template, as chat's `reasoning_effort`). Accepted with no effect:
+`reasoning.summary`, `include`, `truncation: "disabled"`,
 `text.verbosity`, `prompt_cache_key`, `service_tier` (mapped as in chat). Refused with
 a 400 naming them: built-in tools (web search, file search, computer use, code
 interpreter, MCP, image generation, shell), `background: true`, `truncation: "auto"`,
@@ -78,6 +79,9 @@ def chat_body(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, 
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     fmt = _format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt

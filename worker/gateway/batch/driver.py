@@ -125,7 +125,7 @@ class BatchDriver:
         self.lines, invalid = await asyncio.to_thread(parse_input, data, batch_id=b.id, endpoint=b.endpoint,
                                                       kind=kind, model_name=self.ctx.cfg.model_name,
                                                       tokenizer=self.ctx.tokens.tokenizer,
-                                                      max_model_len=self.ctx.max_model_len)
+                                                      max_model_len=self.ctx.max_model_len, formats=self.ctx.formats)
         self.by_job = {line.job_id: line for line in self.lines}
         if b.status == "validating" and not await self._validate(invalid):
             return
@@ -285,7 +285,7 @@ class BatchDriver:
                 usage["output_tokens"] += fin.usage.completion_tokens
                 usage["cached"] += fin.usage.cached_prompt_tokens
             if fin is not None and fin.finish_reason.is_success:
-                out.append(output_line(line, fin, self.ctx.cfg.model_name, now))
+                out.append(output_line(line, fin, self.ctx.cfg.model_name, now, self.ctx.formats))
             elif fin is not None and fin.finish_reason.value not in ("cancelled", "expired"):
                 errors.append(failed_line(line, fin))
             else:

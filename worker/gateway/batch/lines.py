@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from schemas.wire import Finished, Job
+from worker.gateway.agents import OutputFormats, auto_tool_calls, output_parser
 from worker.gateway.edge import check_context
 from worker.gateway.errors import ApiError, error_for_outcome
 from worker.gateway.protocol import GenRequest, Kind, parse_body
@@ -58,10 +59,12 @@ def line_job_id(batch_id: str, custom_id: str) -> str:
 
 
 def parse_input(data: bytes, *, batch_id: str, endpoint: str, kind: Kind, model_name: str, tokenizer: Any = None,
-                max_model_len: int | None = None) -> tuple[list[BatchLine], list[LineError]]:
+                max_model_len: int | None = None,
+                formats: OutputFormats | None = None) -> tuple[list[BatchLine], list[LineError]]:
     """Split an input file into valid lines and errors (blank lines are skipped). With
     `tokenizer` and `max_model_len`, a line whose prompt cannot fit the context is an error
-    (`context_length_exceeded`, `worker.gateway.edge`), as the same request sent directly."""
+    (`context_length_exceeded`, `worker.gateway.edge`), as the same request sent directly;
+    "auto" tool calls get the grammar of `formats` as they would directly."""
     lines: list[BatchLine] = []
     errors: list[LineError] = []
     seen: set[str] = set()
@@ -87,6 +90,7 @@ def parse_input(data: bytes, *, batch_id: str, endpoint: str, kind: Kind, model_
             if obj.get("url") != endpoint:
                 raise _invalid("mismatched_url", f"url must be the batch's endpoint {endpoint}", "url")
             req = parse_body(kind, obj.get("body"))
+            auto_tool_calls(req, formats or OutputFormats())
             for name, given in (("stream", req.stream), ("logprobs", req.logprobs is not None),
                                 ("priority", req.priority is not None), ("n", req.n != 1)):
                 if given:
@@ -119,7 +123,7 @@ def line_job(line: BatchLine, tenant: str | None, deadline: float, batch_id: str
         params = msgspec.structs.replace(params, seed=seed)
     return Job(job_id=line.job_id, prompt=line.req.prompt, messages=line.req.messages,
                prompt_token_ids=line.req.prompt_token_ids, params=params, tools=line.req.tools, tenant=tenant,
-               deadline=deadline,
+               deadline=deadline, chat_template_kwargs=line.req.chat_template_kwargs,
                created_at=time.time(), metadata={"batch_id": batch_id, "custom_id": line.custom_id})
 
 
@@ -127,11 +131,13 @@ def _line_id(job_id: str) -> str:
     return "batch_req_" + hashlib.sha256(job_id.encode()).hexdigest()[:32]
 
 
-def output_line(line: BatchLine, fin: Finished, model: str, created: int) -> dict[str, Any]:
-    """The output-file line of a successful request."""
+def output_line(line: BatchLine, fin: Finished, model: str, created: int,
+                formats: OutputFormats | None = None) -> dict[str, Any]:
+    """The output-file line of a successful request (reasoning and "auto" tool calls read
+    with `formats`, as for the same request sent directly)."""
     prefix = "chatcmpl-" if line.req.kind == Kind.CHAT else "cmpl-"
-    body = Renderer(line.req.kind, prefix + line.job_id, model, created, _NO_TOKENS,
-                    tool_mode=line.req.tool_mode).completion(fin, None)
+    body = Renderer(line.req.kind, prefix + line.job_id, model, created, _NO_TOKENS, tool_mode=line.req.tool_mode,
+                    parser=output_parser(line.req, formats or OutputFormats())).completion(fin, None)
     return {"id": _line_id(line.job_id), "custom_id": line.custom_id,
             "response": {"status_code": 200, "request_id": line.job_id, "body": body}, "error": None}
 
