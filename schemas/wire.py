@@ -146,7 +146,11 @@ class Job(msgspec.Struct, kw_only=True):
     `chat_template_kwargs` (with `messages`): extra variables of the chat template, e.g.
     `{"reasoning_effort": "low"}` or `{"enable_thinking": false}` where the template has
     such a knob (a template without it ignores them); names are identifiers other than
-    the template call's own arguments (`TEMPLATE_RESERVED`).
+    the template call's own arguments (`TEMPLATE_RESERVED`). `parse_output`: the
+    `finished` event also carries the answer read in the model's formats (its
+    `reasoning`, the `content` around calls, and `tool_calls` when `tools` were given),
+    as the gateway returns them; the worker reads the formats from the model's chat
+    template (`schemas/output_formats.py`).
     """
 
     v: Literal[1] = 1
@@ -162,6 +166,7 @@ class Job(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     adapter: AdapterName | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    parse_output: bool = False
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
@@ -262,7 +267,11 @@ class Restarted(msgspec.Struct, kw_only=True, tag="restarted", tag_field="type")
 
 
 class Finished(msgspec.Struct, kw_only=True, tag="finished", tag_field="type"):
-    """Terminal event: exactly one per job, always last."""
+    """Terminal event: exactly one per job, always last. `text` is the whole output as
+    generated; for a job with `parse_output` (and a model whose chat template shows its
+    formats) `content`, `reasoning` and `tool_calls` are that text read: the answer
+    without reasoning and calls (None when only calls remain), the reasoning (None: none),
+    the calls (None: none)."""
 
     v: Literal[1] = 1
     job_id: str
@@ -274,6 +283,9 @@ class Finished(msgspec.Struct, kw_only=True, tag="finished", tag_field="type"):
     timings: Timings | None = None
     error: ErrorInfo | None = None
     metadata: dict[str, Any] | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 Event = Started | Token | Restarted | Finished

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+from schemas.params import SamplingParams
 from tests.integration.conftest import worker_config
 from tests.integration.gateway_helpers import MODEL, client, gateway_config, running_gateway
 from tests.integration.helpers import running_worker
 from tools.make_agent_model import TIME_TOOL, WEATHER_TOOL
+from worker.client import InflightClient
 from worker.engine import Engine
 
 ASK = [{"role": "system", "content": "You are a helpful assistant."},
@@ -67,6 +69,11 @@ def test_auto_tool_calls_and_reasoning_through_the_openai_client(services, prefi
             out["hello"] = await c.chat.completions.create(messages=[{"role": "user", "content": "Hello!"}],
                                                            tools=tools, **base)
             out["no_tools"] = await c.chat.completions.create(messages=ASK, reasoning_effort="low", **base)  # no knob: ignored
+            async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as direct:
+                params = SamplingParams(max_tokens=80, temperature=0)
+                read = await direct.submit(messages=ASK, tools=tools, params=params, parse_output=True)
+                raw = await direct.submit(messages=ASK, tools=tools, params=params)
+                out["wire"] = (await direct.result(read, 60), await direct.result(raw, 60))
         return out
 
     out = asyncio.run(main())
@@ -96,6 +103,12 @@ def test_auto_tool_calls_and_reasoning_through_the_openai_client(services, prefi
     assert hello.finish_reason == "stop" and not hello.message.tool_calls and hello.message.content.startswith("Hello")
     # no tools: reasoning is still split off; the answer is whatever the model writes after it
     assert out["no_tools"].choices[0].message.model_extra["reasoning_content"]
+    # on the Kafka wire: a job with parse_output gets the same reading on its finished event
+    read, raw = out["wire"]
+    assert read.text == raw.text and read.reasoning == reasoning and read.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in read.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    assert (raw.content, raw.reasoning, raw.tool_calls) == (None, None, None)
 
 
 def test_an_openai_agents_sdk_agent_and_a_langchain_model_with_tools_run_unchanged(services, prefix, agent_path,

@@ -184,11 +184,15 @@ class InflightClient:
         tenant: str | None = None,
         metadata: dict[str, Any] | None = None,
         adapter: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        parse_output: bool = False,
     ) -> str:
         """Produce a job to `inflight.jobs.<priority>` (or its pool's); returns its job_id.
         `messages` are OpenAI-style chat messages (tool calls and results included);
         `tools` OpenAI function definitions for the chat template; `params.structured`
-        constrains the output; `adapter` a LoRA adapter of the workers' `model.lora_dir`.
+        constrains the output; `adapter` a LoRA adapter of the workers' `model.lora_dir`;
+        `chat_template_kwargs` more template variables; `parse_output`: the finished event
+        carries `content`, `reasoning` and `tool_calls` (see `schemas.wire.Job`).
 
         Raises:
             ValueError: invalid priority or job fields.
@@ -206,7 +210,7 @@ class InflightClient:
             deadline=deadline,
             tenant=tenant,
             created_at=time.time(),
-            metadata=metadata, adapter=adapter,
+            metadata=metadata, adapter=adapter, chat_template_kwargs=chat_template_kwargs, parse_output=parse_output,
         )
         try:  # the checks a worker applies (id pattern and length, field constraints)
             decode_job(encode(job))

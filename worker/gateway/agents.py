@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -24,6 +23,7 @@ import structlog
 
 from schemas import reasoning as reasoning_formats
 from schemas import tool_parsers
+from schemas.output_formats import detect, read_answer
 from schemas.params import GrammarOutput
 from schemas.structured import StructuredOutputError, strict_schema
 from schemas.structured import check as check_constraint
@@ -57,23 +57,6 @@ def chat_template(tokenizer: str | None) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("tool_use") or named.get("default")
     return value if isinstance(value, str) else None
-
-
-def detect(template: str | None) -> tuple[str | None, str | None]:
-    """(tool call family, reasoning family) a chat template teaches, each None when it
-    shows none (or more than one tool format)."""
-    if not template:
-        return None, None
-    tools = [f for f, marks in (("hermes", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)),
-                                ("llama3_json", ("<|python_tag|>",))) if any(m in template for m in marks)]
-    tool = tools[0] if len(tools) == 1 else None
-    think = None
-    if reasoning_formats.CLOSE in template:
-        # the generation prompt opens the reasoning itself (and does not close it): deepseek_r1
-        gen = re.split(r"add_generation_prompt", template)[-1][:200]
-        opens = reasoning_formats.OPEN in gen and reasoning_formats.CLOSE not in gen
-        think = "deepseek_r1" if opens else "qwen3"
-    return tool, think
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -218,21 +201,15 @@ class OutputParser:
     def message(self, text: str) -> dict[str, Any]:
         """`content`, `reasoning_content` (when the model reasoned) and `tool_calls` (when
         it made calls) of a whole answer."""
-        reasoning, answer = (reasoning_formats.split(self.formats.reasoning, text) if self.formats.reasoning
-                             else (None, text))
-        fields: dict[str, Any] = {"content": answer}
-        self.reasoning_text = reasoning or ""
-        if reasoning is not None:
-            fields["reasoning_content"] = reasoning
-        if self.tool_family is not None:
-            parsed = tool_parsers.parse(self.tool_family, answer)
-            if parsed.calls:
-                fields["content"] = parsed.content
-                fields["tool_calls"] = [{"id": c.id, "type": "function",
-                                         "function": {"name": c.name, "arguments": c.arguments}}
-                                        for c in parsed.calls]
+        read = read_answer(text, self.tool_family, self.formats.reasoning)
+        self.reasoning_text = read.reasoning or ""
+        fields: dict[str, Any] = {"content": read.content}
+        if read.reasoning is not None:
+            fields["reasoning_content"] = read.reasoning
+        if read.calls:
+            fields["tool_calls"] = [{"id": c.id, "type": "function",
+                                     "function": {"name": c.name, "arguments": c.arguments}} for c in read.calls]
         return fields
-
 
 def auto_tool_calls(req: GenRequest, formats: OutputFormats) -> None:
     """Prepare a chat request with `tool_choice: "auto"`: with `constrained`, its

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from schemas.codec import encode
+from schemas.output_formats import read_answer
 from schemas.wire import (
     ErrorInfo,
     Event,
@@ -37,6 +38,8 @@ from schemas.wire import (
     Timings,
     Token,
     TokenLogprob,
+    ToolCall,
+    ToolCallFunction,
     Usage,
 )
 from worker.serve.history import Published, RecentHistories
@@ -82,6 +85,9 @@ class JobTable:
         self._num_unfinished = 0  # CLAIMED or IN_ENGINE jobs
         self._dirty: dict[str, LocalJob] = {}  # jobs with drafts, in the order they got them
         self._recent = RecentHistories(clock)  # what was published for jobs finished lately
+        # (tool call, reasoning) families of the model's chat template, for jobs with
+        # `parse_output` (set by the worker once the engine's tokenizer is loaded)
+        self.output_formats: tuple[str | None, str | None] = (None, None)
 
     # ---- queries ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -295,11 +301,24 @@ class JobTable:
         held.error = error
         # seq is set when the round is drained
         term = Finished(job_id=held.job_id, seq=-1, attempt=held.attempt, finish_reason=reason, text=held.text,
-                        usage=usage, timings=timings, error=error, metadata=held.metadata)
+                        usage=usage, timings=timings, error=error, metadata=held.metadata,
+                        **self._read_output(held, reason))
         held.draft_terminal(term)
         self._dirty.setdefault(held.job_id, held)
         if held.trace is not None:
             held.trace.terminated(held, term, self._clock())
+
+    def _read_output(self, held: LocalJob, reason: FinishReason) -> dict:
+        """`content`, `reasoning`, `tool_calls` of a finished event whose job asked for
+        them (`parse_output`); {} otherwise."""
+        job = held.job
+        if job is None or not job.parse_output or not reason.is_success:
+            return {}
+        tool, think = self.output_formats
+        read = read_answer(held.text, tool if job.tools else None, think)
+        calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+                 for c in read.calls] or None
+        return {"content": read.content, "reasoning": read.reasoning, "tool_calls": calls}
 
     def _draft(self, held: LocalJob, *, opening: str) -> None:
         if opening == "started":

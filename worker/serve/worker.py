@@ -27,6 +27,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from schemas.output_formats import detect
 from worker.config import WorkerConfig, redacted_config
 from worker.engine.core_client import EngineClient, ProcessEngineClient, make_engine_client
 from worker.engine.core_proc import EngineSpec
@@ -169,6 +170,7 @@ class Worker:
         self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for,
                                       outage=self.kafka_outage)
         await self.kafka_outage.ride_out("cancels", self.cancels.start)
+        self.table.output_formats = detect(getattr(self.engine.tokenizer, "chat_template", None))
         self.health.attach(self.redis, self.intake, self.claims, self.publisher, self.table, self.engine,
                            is_draining=lambda: self.draining or self._stop_requested.is_set() or self._stopping.is_set())
         self._tasks = [
