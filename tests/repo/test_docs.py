@@ -1,7 +1,7 @@
 """The README and the documentation site hold together: every relative link in
 `README.md`, `docs/*.md` and `tests/README.md` points at a file that exists (and, for a
 Markdown target with `#anchor`, at a heading it has), every page is in the site's nav,
-and the README stays a front page (at most 220 lines). No services, no Markdown library:
+and the README stays a front page (its sections, in order: README_SECTIONS). No services, no Markdown library:
 headings are turned into anchors the way Python-Markdown's `toc` extension (MkDocs) does.
 `mkdocs build --strict` in tools/test.sh checks the built site on top of this."""
 
