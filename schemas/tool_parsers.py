@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import uuid
 
+from schemas.partial_json import WS as _WS
+from schemas.partial_json import CallScan, scan_call, skip_ws, value_end
+
 FAMILIES = ("hermes", "llama3_json", "mistral")
-_WS = " \t\r\n"
-_PRIMITIVE = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
 
 
 def call_id() -> str:
@@ -57,142 +57,6 @@ class Parsed:
     calls: list[ParsedCall]
 
 
-# ---- a partial JSON object scanner ----------------------------------------------------------
-@dataclasses.dataclass(slots=True)
-class _Scan:
-    """What is known of a call object `{...}` in a text that may still grow: the name
-    once its string is complete, the arguments' text so far (`args_prefix`, certainly
-    part of the value) and whole (`args`), `end` (index after `}`) once closed, `error`
-    when the text cannot be a call object."""
-
-    name: str | None = None
-    args_prefix: str = ""
-    args: str | None = None
-    end: int | None = None
-    error: bool = False
-
-
-def _skip_ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _WS:
-        i += 1
-    return i
-
-
-def _string_end(s: str, i: int) -> int | None:
-    """Index after the JSON string starting at `s[i] == '"'`, None if not closed yet."""
-    j = i + 1
-    while j < len(s):
-        c = s[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
-
-
-def _value_end(s: str, i: int) -> int | None:
-    """Index after the JSON value starting at `i`, None if it is not complete in `s`;
-    -1 if `s[i]` cannot start a value."""
-    c = s[i]
-    if c == '"':
-        return _string_end(s, i)
-    if c in "{[":
-        depth, j = 0, i
-        while j < len(s):
-            c = s[j]
-            if c == '"':
-                k = _string_end(s, j)
-                if k is None:
-                    return None
-                j = k
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        return None
-    m = _PRIMITIVE.match(s, i)
-    if m is None:
-        return -1
-    return m.end() if m.end() < len(s) else None  # a number may still grow
-
-
-def scan_call(s: str, i: int) -> _Scan:
-    """Scan the call object starting at `s[i]` (whitespace first is skipped)."""
-    out = _Scan()
-    i = _skip_ws(s, i)
-    if i >= len(s):
-        return out
-    if s[i] != "{":
-        out.error = True
-        return out
-    i += 1
-    while True:
-        i = _skip_ws(s, i)
-        if i >= len(s):
-            return out
-        if s[i] == "}":
-            out.end = i + 1
-            return out
-        if s[i] != '"':
-            out.error = True
-            return out
-        k = _string_end(s, i)
-        if k is None:
-            return out
-        try:
-            key = json.loads(s[i:k])
-        except ValueError:
-            out.error = True
-            return out
-        i = _skip_ws(s, k)
-        if i >= len(s):
-            return out
-        if s[i] != ":":
-            out.error = True
-            return out
-        v = _skip_ws(s, i + 1)
-        if v >= len(s):
-            return out
-        end = _value_end(s, v)
-        if end == -1:
-            out.error = True
-            return out
-        if key == "name":
-            if s[v] != '"':
-                out.error = True
-                return out
-            if end is None:
-                return out
-            try:
-                out.name = json.loads(s[v:end])
-            except ValueError:  # e.g. a raw control character in the string
-                out.error = True
-                return out
-        elif key in ("arguments", "parameters"):
-            if end is None:
-                if s[v] in "{[":
-                    out.args_prefix = s[v:]
-                return out
-            out.args = s[v:end]
-            out.args_prefix = out.args if s[v] in "{[" else ""  # a quoted value goes out whole, unwrapped
-        elif end is None:
-            return out
-        i = _skip_ws(s, end)
-        if i >= len(s):
-            return out
-        if s[i] == ",":
-            i += 1
-        elif s[i] != "}":
-            out.error = True
-            return out
-
-
 def _arguments(raw: str | None) -> str | None:
     """A complete arguments value as JSON text of an object, or None if it is not one."""
     if raw is None:
@@ -210,7 +74,7 @@ def _arguments(raw: str | None) -> str | None:
     return raw if isinstance(value, dict) else None
 
 
-def _complete(scan: _Scan) -> ParsedCall | None:
+def _complete(scan: CallScan) -> ParsedCall | None:
     if scan.error or scan.end is None or scan.name is None:
         return None
     args = _arguments(scan.args)
@@ -339,7 +203,7 @@ class ToolCallStream:
     def _text(self, out: list[tuple], final: bool) -> None:
         buf = self.buf
         if self.family == "llama3_json":  # calls only at the very start of the output
-            i = _skip_ws(buf, self.pos)
+            i = skip_ws(buf, self.pos)
             if i >= len(buf):
                 return
             if buf.startswith(self.opener, i):
@@ -366,7 +230,7 @@ class ToolCallStream:
 
     def _after_call(self, out: list[tuple], final: bool) -> None:
         buf = self.buf
-        j = _skip_ws(buf, self.pos)
+        j = skip_ws(buf, self.pos)
         if buf.startswith(_HERMES_END, j):
             self.state, self.pos = _TEXT, j + len(_HERMES_END)
         elif j < len(buf) and not _HERMES_END.startswith(buf[j:]):
@@ -376,7 +240,7 @@ class ToolCallStream:
 
     def _calls(self, out: list[tuple], final: bool) -> None:
         buf = self.buf
-        i = _skip_ws(buf, self.pos)
+        i = skip_ws(buf, self.pos)
         if i >= len(buf):
             return
         if self.family == "mistral":
@@ -393,7 +257,7 @@ class ToolCallStream:
             if buf[i] != ";":
                 self.state = _REST  # text after the calls
                 return
-            i = _skip_ws(buf, i + 1)
+            i = skip_ws(buf, i + 1)
             if i >= len(buf):
                 return
         scan = scan_call(buf, i)
@@ -428,7 +292,7 @@ class ToolCallStream:
             self.pos = i + len(self.opener)
         else:
             return i
-        return _skip_ws(buf, self.pos)
+        return skip_ws(buf, self.pos)
 
     def _mistral_v11(self, out: list[tuple], buf: str, i: int, final: bool) -> None:
         """`N[ARGS]{...}`: the name up to `[ARGS]`, then one JSON object."""
@@ -441,10 +305,10 @@ class ToolCallStream:
                 self._fall_back(out)
             return
         name = buf[i:k].strip()
-        v = _skip_ws(buf, k + len(_ARGS_TAG))
+        v = skip_ws(buf, k + len(_ARGS_TAG))
         if v >= len(buf):
             return
-        end = _value_end(buf, v)
+        end = value_end(buf, v)
         if end == -1 or not name or buf[v] != "{":
             self._fall_back(out)
             return
