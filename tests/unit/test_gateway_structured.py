@@ -133,11 +133,21 @@ def test_streamed_tool_calls_open_with_id_and_name_then_stream_arguments():
     assert ch[-1]["finish_reason"] == "tool_calls" and ch[-1]["delta"] == {}
     required = chat(tools=[FN, G], tool_choice="required")
     r = Renderer(Kind.CHAT, "chatcmpl-4", "m", 0, TokenText(None), tool_mode=required.tool_mode)
-    text = '[{"name":"f","parameters":{"x":1}}]'
-    raw = r.token_chunk(text[:9], None) + r.token_chunk(text[9:], None) + r.final_chunks(fin(text))
+    text = '[{"name":"f","parameters":{"x":1}},{"name":"g","parameters":{}}]'
+    raw = b"".join(r.token_chunk(text[i:i + 5], None) for i in range(0, len(text), 5)) + r.final_chunks(fin(text))
     ch = _deltas(raw)
-    assert ch[0]["delta"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x":1}'}
-    assert ch[-1]["finish_reason"] == "tool_calls"
+    calls = [c for d in ch for c in d["delta"].get("tool_calls", [])]
+    opened = [c for c in calls if "id" in c]  # each call opens once its name is complete, before its arguments
+    assert [(c["index"], c["function"]["name"]) for c in opened] == [(0, "f"), (1, "g")]
+    assert calls.index(opened[1]) > 1  # the first call's arguments streamed before the second opened
+    args = {i: "".join(c["function"]["arguments"] for c in calls if c["index"] == i) for i in (0, 1)}
+    assert args == {0: '{"x":1}', 1: "{}"} and ch[-1]["finish_reason"] == "tool_calls"
+    r = Renderer(Kind.CHAT, "chatcmpl-5", "m", 0, TokenText(None), tool_mode=required.tool_mode)
+    cut = '[{"name":"f","parameters":{"x":1}},{"name":"g","param'  # max_tokens cut the second call
+    ch = _deltas(r.token_chunk(cut, None) + r.final_chunks(fin(cut, FinishReason.LENGTH)))
+    calls = [c for d in ch for c in d["delta"].get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls if "id" in c] == ["f", "g"] and ch[-1]["finish_reason"] == "length"
+    assert "".join(c["function"]["arguments"] for c in calls if c["index"] == 0) == '{"x":1}'
 
 
 def test_batch_lines_take_the_same_fields():

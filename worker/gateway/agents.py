@@ -28,6 +28,7 @@ from schemas.params import GrammarOutput
 from schemas.structured import StructuredOutputError, strict_schema
 from schemas.structured import check as check_constraint
 from worker.gateway.errors import ApiError
+from worker.gateway.tools import chat_deltas
 
 if TYPE_CHECKING:
     from worker.gateway.protocol import GenRequest
@@ -186,17 +187,8 @@ class OutputParser:
         return out
 
     def _tool_deltas(self, events: list[tuple]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for e in events:
-            if e[0] == "content":
-                out.append({"content": e[1]})
-            elif e[0] == "call":
-                self.num_calls += 1
-                out.append({"tool_calls": [{"index": e[1], "id": e[2], "type": "function",
-                                            "function": {"name": e[3], "arguments": ""}}]})
-            elif e[0] == "args":
-                out.append({"tool_calls": [{"index": e[1], "function": {"arguments": e[2]}}]})
-        return out  # ("broken", …): a call already streamed stays as sent
+        self.num_calls += sum(e[0] == "call" for e in events)
+        return chat_deltas(events)
 
     def message(self, text: str) -> dict[str, Any]:
         """`content`, `reasoning_content` (when the model reasoned) and `tool_calls` (when

@@ -35,6 +35,7 @@ from schemas.params import (
     RegexOutput,
     StructuredOutput,
 )
+from schemas.tool_parsers import ToolCallStream
 from worker.gateway.errors import ApiError, bad_request, unsupported
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -184,21 +185,44 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
             for it in items]
 
 
+def chat_deltas(events: list[tuple]) -> list[dict[str, Any]]:
+    """`schemas.tool_parsers.ToolCallStream` events as OpenAI chat deltas: text as
+    `content`; a call's first delta with its id and name, then its argument pieces (a
+    call that broke after it opened stays as sent)."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if e[0] == "content":
+            out.append({"content": e[1]})
+        elif e[0] == "call":
+            out.append({"tool_calls": [{"index": e[1], "id": e[2], "type": "function",
+                                        "function": {"name": e[3], "arguments": ""}}]})
+        elif e[0] == "args":
+            out.append({"tool_calls": [{"index": e[1], "function": {"arguments": e[2]}}]})
+    return out
+
+
 class ToolStream:
-    """Streamed `delta.tool_calls` of one response: a named call streams its arguments as
-    they are generated (the first delta carries its id and name); `required` calls are
-    sent whole, one delta per call, when the output is complete."""
+    """Streamed `delta.tool_calls` of one response, as the arguments are generated (the
+    first delta of a call carries its id and name): a named call's output is its
+    arguments; a `required` output, a JSON array of `{"name", "parameters"}` items, is
+    read item by item as it grows (`schemas.tool_parsers`, the array form), so each call
+    opens once its name is complete, and calls already complete stream even when
+    `max_tokens` cuts a later one."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
         self._opened = False
         self._text = ""
+        self._array: ToolCallStream | None = None
+        if mode.name is None:
+            self._array = ToolCallStream("mistral")  # `[TOOL_CALLS][{…}, …]`: the same array, after its opener
+            self._array.feed("[TOOL_CALLS]")
 
     def text(self, piece: str) -> list[dict[str, Any]]:
         """Deltas for newly generated text (JSON fragments)."""
         self._text += piece
-        if self.mode.name is None:
-            return []
+        if self._array is not None:
+            return [d for d in chat_deltas(self._array.feed(piece)) if "tool_calls" in d]
         if not self._opened:
             self._opened = True
             return [{"tool_calls": [{"index": 0, "id": call_id(), "type": "function",
@@ -207,10 +231,9 @@ class ToolStream:
 
     def finish(self) -> list[dict[str, Any]]:
         """Deltas once the output ended."""
-        if self.mode.name is not None:
-            return [] if self._opened else self.text("")
-        calls = tool_calls(self.mode, self._text) or []
-        return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
+        if self._array is not None:
+            return [d for d in chat_deltas(self._array.finish()) if "tool_calls" in d]
+        return [] if self._opened else self.text("")
 
 
 def finish_reason(mode: ToolMode | None, reason: str) -> str:
