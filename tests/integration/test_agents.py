@@ -69,6 +69,11 @@ def test_auto_tool_calls_and_reasoning_through_the_openai_client(services, prefi
             out["hello"] = await c.chat.completions.create(messages=[{"role": "user", "content": "Hello!"}],
                                                            tools=tools, **base)
             out["no_tools"] = await c.chat.completions.create(messages=ASK, reasoning_effort="low", **base)  # no knob: ignored
+            city = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+                "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+            out["format"] = await c.chat.completions.create(messages=ASK, response_format=city, **base)
+            out["format_tools"] = [await c.chat.completions.create(messages=m, tools=tools, response_format=city, **base)
+                                   for m in (ASK, [{"role": "user", "content": "Hello!"}])]
             async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as direct:
                 params = SamplingParams(max_tokens=80, temperature=0)
                 read = await direct.submit(messages=ASK, tools=tools, params=params, parse_output=True)
@@ -103,6 +108,17 @@ def test_auto_tool_calls_and_reasoning_through_the_openai_client(services, prefi
     assert hello.finish_reason == "stop" and not hello.message.tool_calls and hello.message.content.startswith("Hello")
     # no tools: reasoning is still split off; the answer is whatever the model writes after it
     assert out["no_tools"].choices[0].message.model_extra["reasoning_content"]
+    # a JSON answer still comes after the reasoning (the constraint starts where the reasoning ends)
+    fmt = out["format"].choices[0].message
+    assert fmt.model_extra["reasoning_content"] and list(json.loads(fmt.content)) == ["city"]
+    # tools and a response format: either calls, or the format's JSON
+    called, answered = (r.choices[0] for r in out["format_tools"])
+    assert called.finish_reason == "tool_calls" and called.message.tool_calls[0].function.name == "get_weather"
+    # small talk: prose is neither, so the model must pick one of the two (never text to the limit)
+    if answered.message.tool_calls:
+        assert answered.finish_reason == "tool_calls" and json.loads(answered.message.tool_calls[0].function.arguments)
+    else:
+        assert answered.finish_reason == "stop" and list(json.loads(answered.message.content)) == ["city"]
     # on the Kafka wire: a job with parse_output gets the same reading on its finished event
     read, raw = out["wire"]
     assert read.text == raw.text and read.reasoning == reasoning and read.content is None

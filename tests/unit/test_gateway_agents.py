@@ -56,8 +56,35 @@ def test_auto_needs_a_family_and_gets_its_grammar():
     auto_tool_calls(free, OutputFormats("hermes", None, constrained=False))
     assert free.params.structured is None
     fmt = chat(tools=[FN], response_format={"type": "json_object"})
-    auto_tool_calls(fmt, OutputFormats("hermes", None))
-    assert not isinstance(fmt.params.structured, GrammarOutput)  # the format wins
+    auto_tool_calls(fmt, OutputFormats("hermes", "deepseek_r1"))
+    grammar = fmt.params.structured.grammar  # calls, or the format's JSON after the reasoning
+    assert "<tool_call>" in grammar and "</think>" in grammar and '"type": "object"' in grammar
+    assert fmt.reasoning_first
+    other = chat(tools=[FN], response_format={"type": "json_object"})
+    auto_tool_calls(other, OutputFormats("mistral", None))
+    assert not isinstance(other.params.structured, GrammarOutput)  # mistral: the format alone
+
+
+def test_a_json_constraint_starts_after_the_reasoning_and_others_leave_no_room_for_it():
+    fmt = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}})
+    auto_tool_calls(fmt, OutputFormats(None, "deepseek_r1"))
+    assert fmt.reasoning_first and fmt.params.structured.grammar.count("</think>") == 1
+    assert '"additionalProperties": false' in fmt.params.structured.grammar  # strict, as the engine compiles it
+    forced = chat(tools=[FN], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    auto_tool_calls(forced, OutputFormats("hermes", "qwen3"))
+    assert forced.reasoning_first and isinstance(forced.params.structured, GrammarOutput)
+    parser = output_parser(forced, OutputFormats("hermes", "qwen3"))
+    assert parser.forced is forced.tool_mode
+    message = parser.message('<think>plan</think>\n{"city": "Paris"}')
+    assert message["reasoning_content"] == "plan" and message["tool_calls"][0]["function"]["arguments"] == (
+        '{"city": "Paris"}') and message["content"] is None
+    regex = chat(structured_outputs={"regex": "[a-z]+"})
+    auto_tool_calls(regex, OutputFormats(None, "deepseek_r1"))
+    assert not regex.reasoning_first and output_parser(regex, OutputFormats(None, "deepseek_r1")) is None
+    plain = chat()
+    auto_tool_calls(plain, OutputFormats(None, None))
+    assert plain.reasoning_first and plain.params.structured is None
 
 
 def fin(text: str, reason: FinishReason = FinishReason.STOP) -> Finished:
@@ -99,11 +126,10 @@ def test_a_streamed_answer_gives_reasoning_then_content_then_the_call():
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
-def test_no_reasoning_is_read_from_an_answer_another_constraint_shapes():
+def test_no_reasoning_is_read_from_an_answer_whose_constraint_leaves_no_room_for_it():
     named = chat(tools=[FN], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named.reasoning_first = False  # (a model without reasoning when the constraint was made)
     assert output_parser(named, OutputFormats("hermes", "deepseek_r1")) is None
-    fmt = chat(response_format={"type": "json_object"})
-    assert output_parser(fmt, OutputFormats("hermes", "deepseek_r1")) is None
     assert output_parser(chat(), OutputFormats("hermes", "deepseek_r1")) is not None  # reasoning only
 
 

@@ -24,11 +24,11 @@ import structlog
 from schemas import reasoning as reasoning_formats
 from schemas import tool_parsers
 from schemas.output_formats import detect, read_answer
-from schemas.params import GrammarOutput
-from schemas.structured import StructuredOutputError, strict_schema
+from schemas.params import GrammarOutput, JsonObjectOutput, JsonSchemaOutput
+from schemas.structured import COMPACT_JSON, StructuredOutputError, strict_schema
 from schemas.structured import check as check_constraint
 from worker.gateway.errors import ApiError
-from worker.gateway.tools import chat_deltas
+from worker.gateway.tools import ToolMode, ToolStream, chat_deltas, tool_calls
 
 if TYPE_CHECKING:
     from worker.gateway.protocol import GenRequest
@@ -112,19 +112,73 @@ def call_schema(family: str, functions: dict[str, dict[str, Any]]) -> dict[str, 
     return {**schema, "x-guidance": CALL_JSON}
 
 
-def tool_call_grammar(family: str, functions: dict[str, dict[str, Any]], parallel: bool = True) -> str:
+def _reasoning_first(family: str | None) -> tuple[list[str], str]:
+    """(Lark lines, the expression before the answer) letting the model reason first:
+    deepseek_r1 must close the `<think>` its template opened; qwen3 may write a whole
+    `<think>…</think>`. Each is one lazy lexeme: it ends at the first `</think>`, which the
+    lexer commits to before any other lexeme that could go on (free text)."""
+    if family is None:
+        return [], ""
+    close = _lark_string(reasoning_formats.CLOSE)
+    if family == "deepseek_r1":
+        return [f"think[lazy]: TEXT {close}"], "think"
+    return [f"think[lazy]: {_lark_string(reasoning_formats.OPEN)} TEXT {close}"], "think?"
+
+
+def json_answer(c: Any) -> dict[str, Any] | None:
+    """The JSON Schema a JSON constraint (`response_format`, a forced call) stands for, as
+    the engine would compile it (strict objects closed, compact spacing); None for other
+    kinds (regex, choice, grammar)."""
+    if isinstance(c, JsonSchemaOutput):
+        schema = strict_schema(c.schema) if c.strict else c.schema
+    elif isinstance(c, JsonObjectOutput):
+        schema = {"type": "object"}
+    else:
+        return None
+    if not isinstance(schema, dict):
+        return None
+    return {**schema, "x-guidance": {**COMPACT_JSON, **(schema.get("x-guidance") or {})}}
+
+
+def reasoning_grammar(answer: dict[str, Any], family: str) -> str:
+    """A Lark grammar for a JSON answer (`json_answer`) that may come after the model's
+    reasoning in `family`'s convention: the constraint applies once the reasoning ends."""
+    rules, before = _reasoning_first(family)
+    return "\n".join(["%llguidance {}", "TEXT: /(.|\\n)*/", *rules,
+                      f"start: {before} /\\s*/ %json {json.dumps(answer)}"]) + "\n"
+
+
+def tool_call_grammar(family: str, functions: dict[str, dict[str, Any]], parallel: bool = True,
+                      answer: dict[str, Any] | None = None, reasoning: str | None = None) -> str:
     """A Lark grammar (llguidance) for a constrained "auto" answer: any text, or text up to
     the family's opening tag and then calls whose JSON follows `call_schema`. hermes:
     calls between tags, text between and after them (one call when not `parallel`);
     mistral: one JSON array of calls; llama3_json: calls only at the start (any text
-    otherwise), separated by `;`."""
+    otherwise), separated by `;`. With `answer` (hermes only: a `response_format`'s
+    schema, `json_answer`): after the `reasoning` family's reasoning, either calls and
+    nothing else, or that JSON.
+
+    Raises:
+        ValueError: `answer` with a family other than hermes.
+    """
     opener, lead, closer = _CALL_SYNTAX[family]
     schema = json.dumps(call_schema(family, functions))
     lines = ["%llguidance {}", "TEXT: /(.|\\n)*/"]
-    if family == "hermes":
+    if answer is not None and family != "hermes":
+        raise ValueError(f"a response format beside auto tool calls: hermes only, not {family}")
+    if family == "hermes" and answer is None:
         lines += [f"call_open[lazy]: TEXT {_lark_string(opener)}",
-                  f"call: call_open /[ \\n]*/ %json {schema} /[ \\n]*/ {_lark_string(closer)}"]
-        lines += ["start: call* TEXT" if parallel else "start: call? TEXT"]
+                  f"call: call_open /[ \\n]*/ %json {schema} /[ \\n]*/ {_lark_string(closer)}",
+                  f"start: {'call* TEXT' if parallel else 'call? TEXT'}"]
+    elif family == "hermes":
+        # The reasoning first (one lazy lexeme), then calls or the format's JSON and
+        # nothing else: free text would be a prefix of neither, so a model that answers
+        # in prose is steered to one of the two instead of writing to the limit.
+        rules, before = _reasoning_first(reasoning)
+        lines += rules + [f"bare_call: {_lark_string(opener)} /[ \\n]*/ %json {schema} /[ \\n]*/ "
+                          f"{_lark_string(closer)}"]
+        calls = "bare_call (/\\s*/ bare_call)*" if parallel else "bare_call"
+        lines += [f"start: {before} /\\s*/ ({calls} /\\s*/ | %json {json.dumps(answer)})"]
     elif family == "mistral":
         item = f"%json {schema}"
         items = f"{item} (\", \" {item})*" if parallel else item
@@ -149,11 +203,13 @@ class OutputParser:
     end of the reasoning with the answer counts as answer).
     """
 
-    def __init__(self, formats: OutputFormats, tools: bool) -> None:
+    def __init__(self, formats: OutputFormats, tools: bool, forced: ToolMode | None = None) -> None:
         self.formats = formats
         self.tool_family = formats.tool if tools else None
+        self.forced = forced  # a named or `required` call: the answer after the reasoning is its JSON
         self._reasoning = reasoning_formats.ReasoningStream(formats.reasoning) if formats.reasoning else None
         self._calls = tool_parsers.ToolCallStream(self.tool_family) if self.tool_family else None
+        self._forced = ToolStream(forced) if forced is not None else None
         self.reasoning_tokens = 0
         self.reasoning_text = ""  # of a whole answer (`message`)
         self.num_calls = 0
@@ -178,13 +234,21 @@ class OutputParser:
         for kind, text in events:
             if kind == "reasoning":
                 out.append({"reasoning_content": text})
+            elif self._forced is not None:
+                out += self._counted(self._forced.text(text))
             elif self._calls is None:
                 out.append({"content": text})
             else:
                 out += self._tool_deltas(self._calls.feed(text))
         if final and self._calls is not None:
             out += self._tool_deltas(self._calls.finish())
+        if final and self._forced is not None:
+            out += self._counted(self._forced.finish())
         return out
+
+    def _counted(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        self.num_calls += sum("id" in c for d in deltas for c in d.get("tool_calls", []))
+        return deltas
 
     def _tool_deltas(self, events: list[tuple]) -> list[dict[str, Any]]:
         self.num_calls += sum(e[0] == "call" for e in events)
@@ -198,48 +262,73 @@ class OutputParser:
         fields: dict[str, Any] = {"content": read.content}
         if read.reasoning is not None:
             fields["reasoning_content"] = read.reasoning
+        if self.forced is not None:
+            calls = tool_calls(self.forced, read.content or "")
+            if calls is not None:  # else (cut by max_tokens) the text stays the content
+                fields.update(content=None, tool_calls=calls)
         if read.calls:
             fields["tool_calls"] = [{"id": c.id, "type": "function",
                                      "function": {"name": c.name, "arguments": c.arguments}} for c in read.calls]
         return fields
 
 def auto_tool_calls(req: GenRequest, formats: OutputFormats) -> None:
-    """Prepare a chat request with `tool_choice: "auto"`: with `constrained`, its
-    `params.structured` becomes the family's call grammar (unless `response_format`
-    already constrains the answer).
+    """Fit a chat request's constraint to the model's formats:
+
+    - `tool_choice: "auto"`: with `constrained`, `params.structured` becomes the family's
+      call grammar; with a JSON `response_format` too (hermes), a grammar of either calls
+      or that JSON after the reasoning (else the format alone constrains).
+    - A JSON constraint (`response_format`, a forced call) on a model that reasons: the
+      constraint starts after the reasoning (`reasoning_grammar`), so the model still
+      thinks first and the parser reads its reasoning apart.
+    Sets `req.reasoning_first` when the answer's reasoning is to be read.
 
     Raises:
-        ApiError: 400 when the model's tool call format is not known (no
-            `gateway.tool_parser` and no template to read it from), or the tools'
-            schemas cannot be compiled.
+        ApiError: 400 when "auto" needs a tool call format that is not known (no
+            `gateway.tool_parser` and no template to read it from), or the grammar does
+            not compile (the tools' or the format's schemas).
     """
     mode = req.tool_mode
-    if mode is None or not mode.auto:
-        return
-    if formats.tool is None:
+    auto = mode is not None and mode.auto
+    if auto and formats.tool is None:
         raise ApiError(400, "'tool_choice' 'auto' needs the model's tool call format: set gateway.tool_parser (one of "
                        f"{list(tool_parsers.FAMILIES)}) or gateway.tokenizer to the checkpoint, whose chat template "
                        "shows it; or send 'required', a named function, or 'none'.", param="tool_choice",
                        code="unsupported_parameter")
-    if not formats.constrained or req.params.structured is not None:
+    current = req.params.structured
+    answer = json_answer(current) if current is not None else None
+    grammar = None
+    if auto and formats.constrained:
+        if current is None:
+            grammar = tool_call_grammar(formats.tool, mode.functions or {}, mode.parallel)
+        elif answer is not None and formats.tool == "hermes":
+            grammar = tool_call_grammar(formats.tool, mode.functions or {}, mode.parallel, answer=answer,
+                                        reasoning=formats.reasoning)
+    elif answer is not None and formats.reasoning is not None:
+        grammar = reasoning_grammar(answer, formats.reasoning)
+    req.reasoning_first = current is None or grammar is not None
+    if grammar is None:
         return
-    grammar = GrammarOutput(grammar=tool_call_grammar(formats.tool, mode.functions or {}, mode.parallel))
+    constraint = GrammarOutput(grammar=grammar)
     try:
-        check_constraint(grammar)
+        check_constraint(constraint)
     except StructuredOutputError as e:
-        raise ApiError(400, f"Invalid tool parameters: {e}", param="tools", code="invalid_structured_output") from None
-    req.params = msgspec.structs.replace(req.params, structured=grammar)
+        raise ApiError(400, f"Invalid tool parameters or response format: {e}", param="tools" if auto else
+                       "response_format", code="invalid_structured_output") from None
+    req.params = msgspec.structs.replace(req.params, structured=constraint)
 
 
 def output_parser(req: GenRequest, formats: OutputFormats) -> OutputParser | None:
-    """The parser of one chat choice: reasoning unless another constraint shapes the whole
-    answer (a named or `required` tool call, `response_format`), tool calls with "auto"."""
+    """The parser of one chat choice: its reasoning when the constraint leaves room for it
+    (`req.reasoning_first`, set by `auto_tool_calls`), "auto" tool calls, and a forced
+    call's output after the reasoning; None when there is nothing to read (plain text,
+    or a forced call the renderer reads itself)."""
     from worker.gateway.protocol import Kind
 
     if req.kind != Kind.CHAT:
         return None
-    auto = req.tool_mode is not None and req.tool_mode.auto
-    shaped = req.params.structured is not None and not (auto and formats.constrained)
-    parser = OutputParser(OutputFormats(formats.tool, None if shaped else formats.reasoning, formats.constrained),
-                          tools=auto)
+    mode = req.tool_mode
+    auto = mode is not None and mode.auto
+    think = formats.reasoning if req.reasoning_first else None
+    parser = OutputParser(OutputFormats(formats.tool, think, formats.constrained), tools=auto,
+                          forced=mode if mode is not None and not auto and think else None)
     return parser if parser.active else None

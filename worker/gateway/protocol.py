@@ -138,6 +138,7 @@ class GenRequest:
     tools: list[dict[str, Any]] | None = None
     tool_mode: ToolMode | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # `reasoning_effort` goes here (templates with the knob read it)
+    reasoning_first: bool = True  # the constraint leaves room for reasoning (`agents.auto_tool_calls` decides)
     n: int = 1  # choices: one job each (seeds seed, seed + 1, ... when the request has one)
 
 

@@ -123,8 +123,9 @@ class Renderer:
         self.index = index
         self.tokens = tokens
         self.include_usage = include_usage
-        self.tool_mode = tool_mode if kind == Kind.CHAT and not (tool_mode and tool_mode.auto) else None
         self.parser = parser if kind == Kind.CHAT and parser is not None and parser.active else None
+        forced = kind == Kind.CHAT and tool_mode is not None and not tool_mode.auto
+        self.tool_mode = tool_mode if forced and (self.parser is None or self.parser.forced is None) else None
         self._observed = False  # the parser saw the deltas (its reasoning token count holds)
         self._tool_stream = ToolStream(self.tool_mode) if self.tool_mode is not None else None
         self._head = {"id": response_id, "object": "chat.completion.chunk" if kind == Kind.CHAT else "text_completion",
