@@ -12,6 +12,7 @@ cancelled at once, streamed or not, and is counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -55,6 +56,71 @@ def build_job(req: GenRequest, job_id: str, tenant: str | None, deadline: float 
                       metadata=req.metadata, adapter=adapter, chat_template_kwargs=req.chat_template_kwargs))
 
 
+async def read_body(request: web.Request, cfg) -> bytes:
+    """The request body. Raises ApiError 413 over `gateway.max_body_bytes`."""
+    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+        raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes (gateway.max_body_bytes)",
+                       code="request_too_large")
+    return await request.read()
+
+
+def admit(ctx: GatewayContext, req: GenRequest, grant, job_id: str) -> list[Generation]:
+    """A validated request's generations (one per choice, not started yet), after the
+    checks every generation endpoint makes: the model formats (`agents.auto_tool_calls`),
+    the model or adapter, the context, the priority the key allows, the in-flight limit.
+
+    Raises:
+        ApiError: 400 / 404 / 429 from those checks.
+    """
+    cfg = ctx.cfg
+    auto_tool_calls(req, ctx.formats)
+    adapter = ctx.check_model(req.model, grant)
+    check_context(req, ctx.tokens.tokenizer, ctx.max_model_len)  # a prompt that cannot fit: 400, nothing produced
+    priority = effective_priority(grant, req.priority, cfg.default_priority)
+    if ctx.in_flight >= cfg.max_concurrent_requests:
+        raise overloaded(cfg.retry_after_s, "too many requests in flight on this gateway "
+                         "(gateway.max_concurrent_requests); retry later")
+    jobs = choice_jobs(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s, adapter)
+    return [Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
+                       retry_after_s=cfg.retry_after_s, cancels=ctx.cancels, check_pool=ctx.fleet.check)
+            for job in jobs]
+
+
+@contextlib.asynccontextmanager
+async def serving(ctx: GatewayContext, gens: list[Generation], endpoint: str):
+    """Run the body with `gens` started and counted in flight: a start refused ends the
+    request with its error (429: `overloaded`), a job that ended before any token with
+    its outcome's error; a dropped connection (aiohttp cancels the handler) is counted, a
+    timeout becomes 504; every job left unfinished is cancelled at the end, with the
+    reason (`client_disconnect`, `timeout`, `overloaded`, `error`)."""
+    cfg, m = ctx.cfg, ctx.metrics
+    reason = "client_disconnect"
+    ctx.in_flight += 1
+    m.in_flight.inc()
+    try:
+        try:
+            await all_or_none([g.start() for g in gens])
+        except ApiError as e:
+            reason = "overloaded" if e.status == 429 else "error"
+            raise
+        for gen in gens:
+            if gen.finished is not None and not gen.finished.finish_reason.is_success:
+                raise error_for_outcome(gen.finished, cfg.retry_after_s)  # ended before any token
+        yield
+    except asyncio.CancelledError:
+        m.disconnects.labels(endpoint).inc()
+        raise
+    except TimeoutError:
+        reason = "timeout"
+        raise ApiError(504, f"the request did not finish within gateway.request_timeout_s "
+                       f"({cfg.request_timeout_s} s)", code="timeout") from None
+    finally:
+        ctx.in_flight -= 1
+        m.in_flight.dec()
+        for gen in gens:
+            await gen.close(gen.cancel_reason or reason)
+
+
 class CompletionHandlers:
     """The two generation endpoints. Args: ctx: the gateway's shared context."""
 
@@ -68,56 +134,20 @@ class CompletionHandlers:
         return await self._handle(request, Kind.COMPLETION)
 
     async def _handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
-        ctx, cfg, m = self.ctx, self.ctx.cfg, self.ctx.metrics
+        ctx = self.ctx
         t0 = time.monotonic()
         grant = ctx.grant(request)
-        if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-            raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes (gateway.max_body_bytes)",
-                           code="request_too_large")
-        req = parse_request(kind, await request.read())
-        auto_tool_calls(req, ctx.formats)
-        adapter = ctx.check_model(req.model, grant)
-        check_context(req, ctx.tokens.tokenizer, ctx.max_model_len)  # a prompt that cannot fit: 400, nothing produced
-        priority = effective_priority(grant, req.priority, cfg.default_priority)
-        if ctx.in_flight >= cfg.max_concurrent_requests:
-            raise overloaded(cfg.retry_after_s, "too many requests in flight on this gateway "
-                             "(gateway.max_concurrent_requests); retry later")
-        job_id = uuid.uuid4().hex
-        jobs = choice_jobs(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s, adapter)
-        gens = [Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
-                           retry_after_s=cfg.retry_after_s, cancels=ctx.cancels, check_pool=ctx.fleet.check)
-                for job in jobs]
+        req = parse_request(kind, await read_body(request, ctx.cfg))
+        gens = admit(ctx, req, grant, uuid.uuid4().hex)
+        job_id = gens[0].job_id
         prefix = "chatcmpl-" if kind == Kind.CHAT else "cmpl-"
         renderers = [Renderer(kind, prefix + job_id, req.model, int(time.time()), ctx.tokens, req.include_usage,
-                              req.tool_mode, index=i, parser=ctx.output_parser(req)) for i in range(len(jobs))]
+                              req.tool_mode, index=i, parser=ctx.output_parser(req)) for i in range(len(gens))]
         endpoint = request.match_info.route.resource.canonical  # the metrics label (route template)
-        reason = "client_disconnect"
-        ctx.in_flight += 1
-        m.in_flight.inc()
-        try:
-            try:
-                await all_or_none([g.start() for g in gens])
-            except ApiError as e:
-                reason = "overloaded" if e.status == 429 else "error"
-                raise
-            for gen in gens:
-                if gen.finished is not None and not gen.finished.finish_reason.is_success:
-                    raise error_for_outcome(gen.finished, cfg.retry_after_s)  # ended before any token
+        async with serving(ctx, gens, endpoint):
             if req.stream:
                 return await stream_choices(self.ctx, request, gens, renderers, t0, endpoint)
             return await self._whole(gens, renderers, req, t0, endpoint)
-        except asyncio.CancelledError:  # the connection dropped (aiohttp cancels the handler)
-            m.disconnects.labels(endpoint).inc()
-            raise
-        except TimeoutError:
-            reason = "timeout"
-            raise ApiError(504, f"the request did not finish within gateway.request_timeout_s "
-                           f"({cfg.request_timeout_s} s)", code="timeout") from None
-        finally:
-            ctx.in_flight -= 1
-            m.in_flight.dec()
-            for gen in gens:
-                await gen.close(gen.cancel_reason or reason)
 
     async def _whole(self, gens: list[Generation], renderers: list[Renderer], req: GenRequest, t0: float,
                      endpoint: str) -> web.Response:

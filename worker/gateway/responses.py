@@ -14,7 +14,6 @@ for a next request naming it. Any gateway of the fleet finds them.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -24,12 +23,9 @@ from aiohttp import web
 
 from schemas import keys
 from schemas.wire import Finished
-from worker.gateway.agents import auto_tool_calls
-from worker.gateway.auth import effective_priority
-from worker.gateway.completions import choice_jobs
+from worker.gateway.completions import admit, read_body, serving
 from worker.gateway.context import CLIENT_GONE, GatewayContext, json_ok
-from worker.gateway.edge import check_context
-from worker.gateway.errors import ApiError, bad_request, error_for_outcome, invalid_json, overloaded
+from worker.gateway.errors import ApiError, bad_request, error_for_outcome, invalid_json
 from worker.gateway.generation import Generation
 from worker.gateway.protocol import GenRequest, Kind, parse_body
 from worker.gateway.render import SSE_HEADERS
@@ -98,81 +94,46 @@ class ResponsesHandlers:
 
     # ---- create -------------------------------------------------------------------------
     async def create(self, request: web.Request) -> web.StreamResponse:
-        ctx, cfg, m = self.ctx, self.ctx.cfg, self.ctx.metrics
+        ctx = self.ctx
         t0 = time.monotonic()
         grant = ctx.grant(request)
-        if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-            raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes (gateway.max_body_bytes)",
-                           code="request_too_large")
         try:
-            body = msgspec.json.decode(await request.read())
+            body = msgspec.json.decode(await read_body(request, ctx.cfg))
         except msgspec.DecodeError:
             raise invalid_json() from None
         if not isinstance(body, dict):
             raise bad_request("The request body must be a JSON object.", code="invalid_json")
         previous = body.get("previous_response_id")
         history = (await self._stored(previous, grant.tenant, "previous_response_id"))["messages"] if previous else []
-        chat = chat_body(body, history)
-        req = parse_body(Kind.CHAT, chat)
-        auto_tool_calls(req, ctx.formats)
-        adapter = ctx.check_model(req.model, grant)
-        check_context(req, ctx.tokens.tokenizer, ctx.max_model_len)
-        priority = effective_priority(grant, req.priority, cfg.default_priority)
-        if ctx.in_flight >= cfg.max_concurrent_requests:
-            raise overloaded(cfg.retry_after_s, "too many requests in flight on this gateway "
-                             "(gateway.max_concurrent_requests); retry later")
-        job_id = uuid.uuid4().hex
-        (job,) = choice_jobs(req, job_id, grant.tenant, time.time() + cfg.queue_timeout_s, adapter)
-        gen = Generation(ctx.client, job, priority, request_timeout_s=cfg.request_timeout_s,
-                         retry_after_s=cfg.retry_after_s, cancels=ctx.cancels, check_pool=ctx.fleet.check)
+        req = parse_body(Kind.CHAT, chat_body(body, history))
+        (gen,) = admit(ctx, req, grant, uuid.uuid4().hex)
         answer = _Answer(ctx, req)
-        head = _head("resp_" + job_id, body, req)
+        head = _head("resp_" + gen.job_id, body, req)
         conversation = history + input_messages(body.get("input"))
-        store = body.get("store") is not False and cfg.responses_ttl_s > 0
+        store = body.get("store") is not False and ctx.cfg.responses_ttl_s > 0
+
+        async def done(fin: Finished) -> dict[str, Any]:
+            obj = _final(head, answer, fin)
+            if store:
+                message = answer.output.chat_message()
+                record = {"response": obj, "messages": conversation + ([message] if message else [])}
+                await ctx.client.redis.set(self._key(obj["id"], grant.tenant), _encode(record),
+                                           ex=ctx.cfg.responses_ttl_s)
+            return obj
+
         endpoint = request.match_info.route.resource.canonical
-        reason = "client_disconnect"
-        ctx.in_flight += 1
-        m.in_flight.inc()
-        try:
-            try:
-                await gen.start()
-            except ApiError as e:
-                reason = "overloaded" if e.status == 429 else "error"
-                raise
-            if gen.finished is not None and not gen.finished.finish_reason.is_success:
-                raise error_for_outcome(gen.finished, cfg.retry_after_s)
-
-            async def done(fin: Finished) -> dict[str, Any]:
-                obj = _final(head, answer, fin)
-                if store:
-                    message = answer.output.chat_message()
-                    record = {"response": obj, "messages": conversation + ([message] if message else [])}
-                    await ctx.client.redis.set(self._key(obj["id"], grant.tenant), _encode(record),
-                                               ex=cfg.responses_ttl_s)
-                return obj
-
+        async with serving(ctx, [gen], endpoint):
             if body.get("stream"):
                 return await self._stream(request, gen, answer, head, done, t0, endpoint)
             async for d in gen.deltas():
                 answer.feed(d.text, d.num_tokens)
             if not gen.finished.finish_reason.is_success:
-                raise error_for_outcome(gen.finished, cfg.retry_after_s)
+                raise error_for_outcome(gen.finished, ctx.cfg.retry_after_s)
             answer.finish()
-            resp = json_ok(await done(gen.finished), headers={"X-Request-Id": job_id,
+            resp = json_ok(await done(gen.finished), headers={"X-Request-Id": gen.job_id,
                                                                "Server-Timing": gen.server_timing()})
-            m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+            ctx.metrics.ttfb.labels(endpoint).observe(time.monotonic() - t0)
             return resp
-        except asyncio.CancelledError:
-            m.disconnects.labels(endpoint).inc()
-            raise
-        except TimeoutError:
-            reason = "timeout"
-            raise ApiError(504, f"the request did not finish within gateway.request_timeout_s "
-                           f"({cfg.request_timeout_s} s)", code="timeout") from None
-        finally:
-            ctx.in_flight -= 1
-            m.in_flight.dec()
-            await gen.close(gen.cancel_reason or reason)
 
     async def _stream(self, request: web.Request, gen: Generation, answer: _Answer, head: dict[str, Any], done,
                       t0: float, endpoint: str) -> web.StreamResponse:
