@@ -131,3 +131,40 @@ def test_reasoning_whole_and_streamed_agree(family, text, thought, answer, step)
     assert (got_thought if stream.reasoned else None, "".join(t for k, t in events if k == "content")) == (
         thought, answer)
     assert all("</think>" not in t for k, t in events if k == "reasoning")
+
+
+# ---- any text: never an exception, and the stream agrees with the whole parse -------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<think>", "</think>",
+             '{"name": "f", "arguments": ', '{"name": "g", "parameters": ', '{"x": 1}', "}", "{", "[", "]", ",",
+             ";", '"', "\\", "\n", " ", "é✓", "\x00", '"a\nb"', "text", "null", "-1e", "<tool", "_call>"]
+
+
+@given(st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=24), st.integers(1, 7),
+       st.sampled_from(["hermes", "llama3_json", "mistral"]))
+@settings(max_examples=400, deadline=None)
+def test_any_text_parses_without_error_and_streams_as_it_parses_whole(pieces, step, family):
+    text = "".join(pieces)
+    whole = parse(family, text)
+    got, args, _ = streamed(family, text, step)
+    assert (got.content, calls(got)) == (whole.content, calls(whole))
+    for i, call in enumerate(got.calls):  # (an empty arguments value streams as "{}" at its close)
+        assert args.get(i, "") == call.arguments  # the streamed pieces add up to the arguments
+        json.loads(call.arguments)  # every call's arguments are JSON
+
+
+@given(st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=24), st.integers(1, 7),
+       st.sampled_from(["deepseek_r1", "qwen3"]))
+@settings(max_examples=300, deadline=None)
+def test_any_text_splits_reasoning_without_error_and_streams_as_it_splits_whole(pieces, step, family):
+    text = "".join(pieces)
+    thought, answer = reasoning.split(family, text)
+    stream = reasoning.ReasoningStream(family)
+    events = []
+    for i in range(0, len(text), step):
+        events += stream.feed(text[i:i + step])
+    events += stream.finish()
+    assert "".join(t for k, t in events if k == "content") == answer
+    assert ("".join(t for k, t in events if k == "reasoning") if stream.reasoned else None) == thought

@@ -7,7 +7,8 @@
                    the pod on repeated failures.
     GET /readyz    readiness: 200 when the model is loaded, Kafka and Redis answered the
                    last check (every `metrics.check_interval_s`) and the worker is
-                   neither draining nor stopping; else 503. Both health bodies are JSON naming each check.
+                   neither draining nor stopping; else 503. Both health bodies are
+                   JSON naming each check.
 
 Readiness does not gate Kafka traffic (the worker pulls work; nothing routes to it),
 but it tells operators and rollouts (`maxUnavailable`) which workers can take jobs.

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import structlog
+
 from schemas.codec import encode
 from schemas.output_formats import read_answer
 from schemas.wire import (
@@ -49,6 +51,8 @@ if TYPE_CHECKING:
     from worker.engine import RequestOutput
     from worker.serve.claims import Claimed
     from worker.serve.read_ahead import JobRecord
+
+log = structlog.get_logger(__name__)
 
 RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
 
@@ -315,7 +319,11 @@ class JobTable:
         if job is None or not job.parse_output or not reason.is_success:
             return {}
         tool, think = self.output_formats
-        read = read_answer(held.text, tool if job.tools else None, think)
+        try:
+            read = read_answer(held.text, tool if job.tools else None, think)
+        except Exception as e:  # a parser bug costs the reading, never the job or the worker
+            log.warning("could not read a finished job's output (parse_output)", job_id=held.job_id, error=repr(e))
+            return {}
         calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
                  for c in read.calls] or None
         return {"content": read.content, "reasoning": read.reasoning, "tool_calls": calls}
