@@ -85,6 +85,9 @@ def test_a_json_constraint_starts_after_the_reasoning_and_others_leave_no_room_f
     plain = chat()
     auto_tool_calls(plain, OutputFormats(None, None))
     assert plain.reasoning_first and plain.params.structured is None
+    completion = parse_body(Kind.COMPLETION, {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}})
+    auto_tool_calls(completion, OutputFormats(None, "deepseek_r1"))  # no chat template: no reasoning to wait for
+    assert not isinstance(completion.params.structured, GrammarOutput)
 
 
 def fin(text: str, reason: FinishReason = FinishReason.STOP) -> Finished:

@@ -4,11 +4,15 @@ model's family (`schemas/tool_parsers.py`, `schemas/reasoning.py`) and rendered 
 OpenAI's `tool_calls`, `reasoning_content` and their streamed deltas.
 
 The families come from `gateway.tool_parser` / `gateway.reasoning_parser`, or with
-`auto` from the chat template of `gateway.tokenizer` (`detect`). With
-`gateway.constrained_tool_calls` (on by default) an "auto" request carries a grammar
-(`tool_call_grammar`): free text until the model writes the family's opening tag, then
-the call is held to the `tools`' JSON Schemas, so a call the model opens always parses
-and validates; what it writes before that is not constrained at all.
+`auto` from the chat template of `gateway.tokenizer` (`schemas.output_formats.detect`).
+Grammars (llguidance Lark, `auto_tool_calls` picks one per request):
+
+- constrained "auto" (`gateway.constrained_tool_calls`, on by default): free text until
+  the model writes the family's opening tag, then the call is held to the `tools`' JSON
+  Schemas, so a call the model opens always parses and validates (`tool_call_grammar`);
+  with a JSON `response_format` too: calls or that JSON (hermes);
+- a JSON constraint on a model that reasons: the constraint starts where the reasoning
+  ends (`reasoning_grammar`).
 """
 
 from __future__ import annotations
@@ -34,10 +38,6 @@ if TYPE_CHECKING:
     from worker.gateway.protocol import GenRequest
 
 log = structlog.get_logger(__name__)
-
-TOOL_PARSERS = ("auto", "none", *tool_parsers.FAMILIES)
-REASONING_PARSERS = ("auto", "none", *reasoning_formats.FAMILIES)
-
 
 def chat_template(tokenizer: str | None) -> str | None:
     """The chat template of a checkpoint directory (`chat_template.jinja`, else
@@ -271,6 +271,7 @@ class OutputParser:
                                      "function": {"name": c.name, "arguments": c.arguments}} for c in read.calls]
         return fields
 
+
 def auto_tool_calls(req: GenRequest, formats: OutputFormats) -> None:
     """Fit a chat request's constraint to the model's formats:
 
@@ -303,8 +304,8 @@ def auto_tool_calls(req: GenRequest, formats: OutputFormats) -> None:
         elif answer is not None and formats.tool == "hermes":
             grammar = tool_call_grammar(formats.tool, mode.functions or {}, mode.parallel, answer=answer,
                                         reasoning=formats.reasoning)
-    elif answer is not None and formats.reasoning is not None:
-        grammar = reasoning_grammar(answer, formats.reasoning)
+    elif answer is not None and formats.reasoning is not None and req.messages is not None:
+        grammar = reasoning_grammar(answer, formats.reasoning)  # (chat only: a completion has no template)
     req.reasoning_first = current is None or grammar is not None
     if grammar is None:
         return
