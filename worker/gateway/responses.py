@@ -104,6 +104,8 @@ class ResponsesHandlers:
         if not isinstance(body, dict):
             raise bad_request("The request body must be a JSON object.", code="invalid_json")
         previous = body.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):
+            raise bad_request("'previous_response_id' must be a string.", param="previous_response_id")
         history = (await self._stored(previous, grant.tenant, "previous_response_id"))["messages"] if previous else []
         req = parse_body(Kind.CHAT, chat_body(body, history))
         (gen,) = admit(ctx, req, grant, uuid.uuid4().hex)
