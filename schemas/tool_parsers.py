@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 
 from schemas.partial_json import WS as _WS
@@ -124,6 +125,7 @@ _TEXT, _CALLS, _AFTER_CALL, _REST = "text", "calls", "after_call", "rest"
 _OPENER = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
 _HERMES_END = "</tool_call>"
 _ARGS_TAG = "[ARGS]"
+_V11_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,256}")  # a function name before `[ARGS]`
 
 
 class ToolCallStream:
@@ -181,17 +183,17 @@ class ToolCallStream:
             if (self.pos, self.state) == before:
                 break
         if final:
-            if self.state == _CALLS and self.buf[self.pos:].strip(_WS):
-                self._fall_back(out)  # cut short: not a call
-            if self._pending_ws and not self.calls:
-                out.append(("content", self._pending_ws))
-            self._pending_ws = ""
+            if self.state == _CALLS and self.buf[self._raw_start:].strip(_WS):
+                self._fall_back(out)  # cut short (or only the opening tag came): not a call
+            self._pending_ws = ""  # blanks after the last call
         return out
 
     def _content(self, out: list[tuple], text: str) -> None:
+        """Text for the client; blanks after a call are held until text follows them
+        (dropped before another call or at the end), whatever the chunking."""
         if not text:
             return
-        if not text.strip(_WS):
+        if self.calls and not text.strip(_WS):
             self._pending_ws += text
             return
         out.append(("content", self._pending_ws + text))
@@ -290,6 +292,8 @@ class ToolCallStream:
             self.pos = i + 1
         elif not self._array and buf.startswith(self.opener, i):
             self.pos = i + len(self.opener)
+        elif not self._array and self.calls and self.opener.startswith(buf[i:]):
+            return None  # the next call's opener, still arriving
         else:
             return i
         return skip_ws(buf, self.pos)
@@ -300,16 +304,19 @@ class ToolCallStream:
             self._fall_back(out)
             return
         k = buf.find(_ARGS_TAG, i)
+        name = buf[i:k] if k >= 0 else buf[i:len(buf) - _held_back(buf[i:], _ARGS_TAG)]  # (less a tag arriving)
+        if not _V11_NAME.fullmatch(name) and not (k < 0 and not name):  # the same rule whole or streamed
+            self._fall_back(out)
+            return
         if k < 0:
-            if final or len(buf) - i > 256 or any(c in buf[i:] for c in '{}"\n'):
+            if final:
                 self._fall_back(out)
             return
-        name = buf[i:k].strip()
         v = skip_ws(buf, k + len(_ARGS_TAG))
         if v >= len(buf):
             return
         end = value_end(buf, v)
-        if end == -1 or not name or buf[v] != "{":
+        if end == -1 or buf[v] != "{":
             self._fall_back(out)
             return
         self._emit(out, name, buf[v:] if end is None else buf[v:end], False)
@@ -328,7 +335,7 @@ class ToolCallStream:
             return
         index = len(self.calls)
         if self._open_id is None:
-            self._open_id = call_id()
+            self._open_id, self._pending_ws = call_id(), ""
             out.append(("call", index, self._open_id, name))
         if len(args_prefix) > len(self._sent_args):
             out.append(("args", index, args_prefix[len(self._sent_args):]))
@@ -338,7 +345,7 @@ class ToolCallStream:
         """A complete call: the rest of its arguments (all of them when they were a
         quoted string, or absent) goes out, and it is kept."""
         if self._open_id is None:
-            self._open_id = call_id()
+            self._open_id, self._pending_ws = call_id(), ""
             out.append(("call", len(self.calls), self._open_id, call.name))
         if call.arguments.startswith(self._sent_args):
             rest = call.arguments[len(self._sent_args):]
@@ -358,7 +365,8 @@ class ToolCallStream:
         if self._open_id is None:
             self._content(out, raw)
         else:
-            out.append(("broken", len(self.calls), raw))
+            out.append(("broken", len(self.calls), self._pending_ws + raw))
+            self._pending_ws = ""
         self._open_id, self._sent_args = None, ""
         self.pos = len(self.buf)
         self.state = _TEXT if self.family == "hermes" else _REST

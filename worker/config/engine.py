@@ -112,6 +112,9 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             compiled).
         grammar_cache_size: compiled grammars kept, by content (least recently used
             dropped), so jobs sharing a schema compile it once.
+        structured_closing: budget-aware constrained outputs: a constrained request whose
+            remaining `max_tokens` fall to what its grammar needs to end is steered to
+            end, so its JSON or tool call still parses (`worker/engine/closing.py`).
         long_prefill_threshold: prompt-length tiering inside a worker (vLLM's
             `long_prefill_token_threshold` idea): a request whose prefill covers more than
             this many tokens (prompt, plus outputs when recomputed after a preemption) is
@@ -151,6 +154,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     async_scheduling: bool | None = None
     max_structured_output_bytes: int = 65536
     grammar_cache_size: int = 1024
+    structured_closing: bool = True
     long_prefill_threshold: int | None = None
     max_loras_per_batch: int | None = None
     max_long_prefill_tokens: int | None = None

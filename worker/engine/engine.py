@@ -132,7 +132,7 @@ class Engine:
                                 eos_token_ids=loaded.eos_token_ids, model_id=loaded.model_id,
                                 block_size=self.tuning.kv_block_size, sliding_window=window, lora=lora_facts)
         grammars = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids,
-                                   cache_size=self.tuning.grammar_cache_size)
+                                   cache_size=self.tuning.grammar_cache_size, closing=self.tuning.structured_closing)
         self.core = EngineCore(runner, self.tuning, num_blocks, loaded.eos_token_ids, loaded.model_id, window,
                                grammars)
         self.input = InputProcessor(loaded.tokenizer, self.facts, self.tuning)

@@ -37,6 +37,7 @@ from typing import Any
 
 from schemas.params import StructuredOutput
 from schemas.structured import StructuredOutputError, grammar_of
+from worker.engine.closing import ClosingTable
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> Any:
@@ -133,8 +134,10 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], *,
-                 cache_size: int = 1024) -> None:
+                 cache_size: int = 1024, closing: bool = True) -> None:
         self._tok = _LazyTokenizer(tokenizer, vocab_size, eos_token_ids)
+        self._closing_args = (tokenizer, vocab_size, eos_token_ids) if closing else None
+        self.closing_table: ClosingTable | None = None  # built with the first compile (`closing`)
         self.vocab_size = vocab_size
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._cache_size = cache_size
@@ -168,6 +171,8 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         t0 = time.perf_counter()
+        if self._closing_args is not None and self.closing_table is None:  # (the compile thread only)
+            self.closing_table = ClosingTable.of_tokenizer(*self._closing_args)
         m = LLMatcher(self._tok.get(), grammar, log_level=0)  # drops the GIL while it builds
         with self._stats_lock:
             self.compile_s.append(time.perf_counter() - t0)
@@ -225,7 +230,7 @@ class PendingGrammars:
                 out.append((r, None, "this engine has no grammar compiler"))
                 continue
             try:
-                out.append((r, Matcher(fut.result().deep_copy()), ""))
+                out.append((r, Matcher(fut.result().deep_copy(), self.compiler.closing_table), ""))
             except Exception as e:  # StructuredOutputError, or the library's own
                 out.append((r, None, str(e)))
         return out
@@ -251,12 +256,13 @@ class Matcher:
 
     `accept(token_id)` advances it by a kept token and returns False when the token was
     not allowed (then `error` says why); `done` is True once the output is complete and
-    nothing may follow."""
+    nothing may follow. `closing`: the table budget-aware closing reads (None: off)."""
 
-    __slots__ = ("_m", "error")
+    __slots__ = ("_m", "closing", "error")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, closing: ClosingTable | None = None) -> None:
         self._m = matcher
+        self.closing = closing
         self.error = ""
 
     def accept(self, token_id: int) -> bool:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from worker.engine.closing import narrow
+
 if TYPE_CHECKING:
     from worker.engine.structured import Matcher
 
@@ -30,12 +32,23 @@ def _parallel_fill(device: torch.device) -> bool:
     return device.type == "cuda" or usable_cpus() > torch.get_num_threads() + 1
 
 
+def remaining_budget(r: Any) -> int | None:
+    """Output tokens a sampling row's request may still generate, the sampled one included
+    (None: no limit that closing would honour: no `max_tokens`, or `ignore_eos`)."""
+    p = r.params
+    if p.max_tokens is None or p.ignore_eos:
+        return None
+    return p.max_tokens - (r.start_pos + r.num_tokens - r.num_prompt_tokens)
+
+
 def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device,
-                  ahead: list[list[int]] | None = None) -> torch.Tensor:
+                  ahead: list[list[int]] | None = None, remaining: list[int | None] | None = None) -> torch.Tensor:
     """Allowed next tokens of each matcher: bool `[len(matchers), vocab_size]` on `device`.
     `ahead[i]`: tokens row i's mask comes after (a speculating decode's guesses before
     its position): consumed, the mask filled, rolled back (one row at a time then, since
-    rows share their request's matcher).
+    rows share their request's matcher). `remaining[i]`: row i's output tokens left
+    (`remaining_budget`): a row near its limit is narrowed towards its grammar's end
+    (`worker.engine.closing`).
 
     One int32 bitmask (`[rows, ceil(vocab/32)]`, bit j of word w = token 32w + j) filled
     by llguidance with the GIL released (on its executor's threads where spare cores
@@ -49,11 +62,14 @@ def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device
     n = len(matchers)
     words = (vocab_size + 31) // 32
     bitmask = np.full((n, words), -1, dtype=np.int32)
+    left = remaining if remaining is not None else [None] * n
     if ahead is not None and any(ahead):
         for i, (m, guesses) in enumerate(zip(matchers, ahead)):
             if guesses and not m.raw.consume_tokens(guesses):  # the proposer validated them: a broken invariant
                 raise RuntimeError(f"a verified row's guesses {guesses} are not allowed by its grammar")
             lln.fill_next_token_bitmask(m.raw, bitmask, i)
+            if m.closing is not None and left[i] is not None:
+                narrow(m.raw, m.closing, left[i], bitmask, i)
             if guesses:
                 m.raw.rollback(len(guesses))
     elif n > 1 and _parallel_fill(device):
@@ -63,6 +79,10 @@ def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device
     else:
         for i, m in enumerate(matchers):
             lln.fill_next_token_bitmask(m.raw, bitmask, i)
+    if ahead is None or not any(ahead):
+        for i, m in enumerate(matchers):
+            if m.closing is not None and left[i] is not None:
+                narrow(m.raw, m.closing, left[i], bitmask, i)
     if device.type == "cpu":
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
         return torch.from_numpy(bits).bool()
@@ -83,12 +103,13 @@ def start_token_bitmask(reqs: list[Any], vocab_size: int, device: torch.device) 
     if not matchers:
         return None
     ahead = [r.ahead for r in reqs if r.grammar is not None]
+    remaining = [remaining_budget(r) for r in reqs if r.grammar is not None]
     if _MASK_THREAD is None:
         _MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-mask")
 
     def run() -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
-        allowed = token_bitmask(matchers, vocab_size, device, ahead)
+        allowed = token_bitmask(matchers, vocab_size, device, ahead, remaining)
         return allowed, time.perf_counter() - t0
 
     return _MASK_THREAD.submit(run)

@@ -112,7 +112,7 @@ def _mask_grammars(logits: torch.Tensor, reqs: list[ScheduledRequest], masks: Fu
                    timing: dict[str, float] | None) -> torch.Tensor:
     """`logits` `[num_reqs, vocab]` with every token its row's grammar forbids at -inf
     (rows without a grammar unchanged); the masks' seconds into `timing["mask_s"]`."""
-    from worker.model.masks import token_bitmask
+    from worker.model.masks import remaining_budget, token_bitmask
 
     n, vocab = logits.shape
     grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
@@ -125,7 +125,8 @@ def _mask_grammars(logits: torch.Tensor, reqs: list[ScheduledRequest], masks: Fu
     t1 = time.perf_counter()
     if allowed is None:
         allowed = token_bitmask([reqs[i].grammar for i in grammar_rows], vocab, logits.device,
-                                [reqs[i].ahead for i in grammar_rows])
+                                [reqs[i].ahead for i in grammar_rows],
+                                [remaining_budget(reqs[i]) for i in grammar_rows])
     if len(grammar_rows) == n:
         logits = logits.masked_fill(~allowed, float("-inf"))
     else:

@@ -1,0 +1,70 @@
+"""Budget-aware closing (worker/engine/closing.py) on a real model: constrained requests
+that run into `max_tokens` in the middle of their JSON (a random-init model writes
+strings until it is stopped) end parseable and valid with closing on, and mostly broken
+with it off (so the check can fail); rows far from their limit are never narrowed."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from schemas.params import JsonSchemaOutput, SamplingParams
+from tests.engine.test_structured import PROMPTS, make_engine
+from worker.engine.closing import LOOKAHEAD, ClosingTable, closing_path, first_step, narrow
+
+SCHEMA = {"type": "object", "properties": {"note": {"type": "string"},
+                                           "tags": {"type": "array", "items": {"type": "string"}},
+                                           "n": {"type": "integer"}},
+          "required": ["note", "tags", "n"], "additionalProperties": False}
+
+
+def outputs(engine, max_tokens: int, seeds: range):
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s, structured=JsonSchemaOutput(schema=SCHEMA))
+              for s in seeds]
+    return engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
+
+
+def valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("max_tokens", [30, 44])
+def test_outputs_cut_by_max_tokens_still_parse_with_closing_and_not_without(llama_path, max_tokens):
+    on = outputs(make_engine(llama_path), max_tokens, range(16))
+    off = outputs(make_engine(llama_path, structured_closing=False), max_tokens, range(16))
+    assert all(valid(o.text) for o in on), [o.text for o in on if not valid(o.text)]
+    assert all(len(o.token_ids) <= max_tokens for o in on)
+    assert sum(not valid(o.text) for o in off) >= 8  # the same requests without it are cut mid-JSON
+
+
+def test_the_table_ranks_closers_first_and_openers_last_and_far_rows_are_left_alone(llama_path):
+    table = ClosingTable(['"}', '"', "}", "a", "ab", ",", '{"', None, "x", " "], frozenset({8}))
+    order = list(np.argsort(table.rank, kind="stable"))
+    assert order[:3] == [0, 1, 2] and order[3] == 5 and order[4:6] == [3, 4] and order[6:8] == [6, 9]
+    assert table.rank[7] == table.rank[8] == 1 << 30  # special and EOS tokens are never picked
+
+    from llguidance import LLMatcher
+
+    engine = make_engine(llama_path)
+    tok = engine.input.tokenizer
+    from worker.engine.structured import ll_tokenizer
+
+    lt = ll_tokenizer(tok, engine.core.runner.vocab_size if hasattr(engine.core.runner, "vocab_size") else len(tok),
+                      frozenset({tok.eos_token_id}))
+    m = LLMatcher(lt, LLMatcher.grammar_from_json_schema(SCHEMA))  # whitespace allowed anywhere: blanks ranked last
+    table = ClosingTable.of_tokenizer(tok, len(tok), frozenset({tok.eos_token_id}))
+    path = closing_path(m, table, 200)
+    assert path is not None and valid(tok.decode(path))  # from the start state: a whole valid answer
+    bitmask = np.full((1, (len(tok) + 31) // 32), -1, dtype=np.int32)
+    assert not narrow(m, table, LOOKAHEAD + 1, bitmask, 0) and (bitmask == -1).all()
+    token, steps = first_step(m, table, 200)
+    assert steps <= len(path) and narrow(m, table, steps, bitmask, 0)
+    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
+    assert list(np.flatnonzero(bits)) == [token]
