@@ -7,11 +7,11 @@ the middle of a string.
 The way to an end is found greedily on a copy of the request's llguidance matcher: from
 the tokens the grammar allows, prefer those made only of closing characters (`"`, `}`,
 `]`; the longest first), then one holding a `,` (ends a number or a value), then the
-shortest other token, tokens that open an object or array, and blanks last; stop when the
+longest other token (where only a key, an enum value or a closing tag may follow, it
+spells the most of it), tokens that open an object or array, and blanks last; stop when the
 grammar accepts (then EOS is allowed). The first step is chosen with one token of
 look-ahead (`first_step`), and the way is planned again at every step. Greedy is not the
-shortest way in general (a required key or an enum value is spelled a token at a time),
-but it only narrows rows already at their limit, and every token it picks is one the
+shortest way in general, but it only narrows rows already at their limit, and every token it picks is one the
 grammar allows, so it never makes an output invalid. The search runs only for rows within `LOOKAHEAD` tokens of their
 limit, on the mask's thread.
 
@@ -51,7 +51,7 @@ class ClosingTable:
             elif "," in t:
                 rank[i] = 1000 + len(t)
             else:
-                rank[i] = 2000 + len(t)
+                rank[i] = 2000 + max(0, 100 - len(t))  # the longest: spells a key, a value or a tag fastest
         self.rank = rank
         self.eos_token_ids = eos_token_ids
 
@@ -64,30 +64,49 @@ class ClosingTable:
         return cls(texts + [None] * (vocab_size - n), eos_token_ids)
 
 
+def _allowed(m: Any, bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    import llguidance.numpy as lln
+
+    lln.fill_next_token_bitmask(m, bitmask, 0)
+    return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
 def closing_path(matcher: Any, table: ClosingTable, limit: int) -> list[int] | None:
     """Greedy tokens from `matcher`'s state (an llguidance `LLMatcher`, left unchanged) to
     a state its grammar accepts: [] when it accepts already, None when `limit` tokens do
-    not get there."""
-    import llguidance.numpy as lln
-
+    not get there. A token after which the grammar allows exactly what it allowed before
+    made no progress (a `}` inside a string, one more digit): it is taken back and the
+    next best is tried at that position."""
     if matcher.is_accepting():
         return []
     m = matcher.deep_copy()
     vocab = len(table.rank)
     bitmask = np.zeros((1, (vocab + 31) // 32), dtype=np.int32)
     path: list[int] = []
-    for _ in range(limit):
-        lln.fill_next_token_bitmask(m, bitmask, 0)
-        allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+    masks = [_allowed(m, bitmask, vocab)]  # masks[k]: what the state before path[k] allows
+    banned: list[set[int]] = [set()]
+    for _ in range(3 * limit):
+        allowed = masks[-1].copy()
+        if banned[-1]:
+            allowed[list(banned[-1])] = False
         ids = np.flatnonzero(allowed)
         if ids.size == 0:
             return None
         token = int(ids[np.argmin(table.rank[ids])])
         if token in table.eos_token_ids or not m.consume_token(token):
             return None
-        path.append(token)
         if m.is_accepting():
-            return path
+            return path + [token]
+        after = _allowed(m, bitmask, vocab)
+        if np.array_equal(after, masks[-1]):  # no progress: take it back, try the next
+            m.rollback(1)
+            banned[-1].add(token)
+            continue
+        path.append(token)
+        if len(path) >= limit:
+            return None
+        masks.append(after)
+        banned.append(set())
     return None
 
 
@@ -119,16 +138,30 @@ def first_step(matcher: Any, table: ClosingTable, limit: int, candidates: int = 
     return None if best is None else (best[1], best[0])
 
 
-def narrow(matcher: Any, table: ClosingTable, remaining: int, bitmask: np.ndarray, row: int) -> bool:
+def narrow(matcher: Any, table: ClosingTable, remaining: int, bitmask: np.ndarray, row: int,
+           plan: list[int] | None = None) -> bool:
     """Narrow `bitmask[row]` (the grammar's allowed tokens, already filled) to the first
     token of the way to an end when that way needs every token left (`remaining`: output
     tokens the request may still generate, this one included; its EOS counts as one) or
-    more. Returns True when it narrowed."""
-    if remaining > LOOKAHEAD:
+    more. Returns True when it narrowed.
+
+    `plan`: a one-item list holding the `remaining` at which to look again (kept on the
+    request's `Matcher`): a look finding room to spare waits until the remaining tokens
+    come within 3 of the way it found, or 8 fewer, whichever comes first, so a request is
+    searched every step only while it is being closed (an accepting state costs one
+    check per step: a call may open at any token)."""
+    if remaining > LOOKAHEAD or (plan is not None and remaining > plan[0]):
+        return False
+    if matcher.is_accepting():
+        return False  # EOS is allowed now (looked at again next step: a call may open)
+    base = closing_path(matcher, table, remaining + 8)
+    if base is None or len(base) + 1 < remaining:  # no way found, or room to spare
+        if plan is not None:
+            plan[0] = max(len(base) + 3, remaining - 8) if base else remaining - 4
         return False
     step = first_step(matcher, table, remaining + 8)
-    if step is None or step[1] + 1 < remaining:
-        return False  # already accepting (EOS allowed), room to spare, or no way found
+    if step is None:
+        return False
     token = step[0]
     bitmask[row, :] = 0
     bitmask[row, token // 32] = np.int32(np.uint32(1 << (token % 32)).view(np.int32))

@@ -37,7 +37,7 @@ from typing import Any
 
 from schemas.params import StructuredOutput
 from schemas.structured import StructuredOutputError, grammar_of
-from worker.engine.closing import ClosingTable
+from worker.engine.closing import LOOKAHEAD, ClosingTable
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> Any:
@@ -258,11 +258,12 @@ class Matcher:
     not allowed (then `error` says why); `done` is True once the output is complete and
     nothing may follow. `closing`: the table budget-aware closing reads (None: off)."""
 
-    __slots__ = ("_m", "closing", "error")
+    __slots__ = ("_m", "closing", "closing_plan", "error")
 
     def __init__(self, matcher: Any, closing: ClosingTable | None = None) -> None:
         self._m = matcher
         self.closing = closing
+        self.closing_plan = [LOOKAHEAD]  # the remaining tokens at which closing looks again
         self.error = ""
 
     def accept(self, token_id: int) -> bool:

@@ -69,7 +69,7 @@ def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device
                 raise RuntimeError(f"a verified row's guesses {guesses} are not allowed by its grammar")
             lln.fill_next_token_bitmask(m.raw, bitmask, i)
             if m.closing is not None and left[i] is not None:
-                narrow(m.raw, m.closing, left[i], bitmask, i)
+                narrow(m.raw, m.closing, left[i], bitmask, i, m.closing_plan)
             if guesses:
                 m.raw.rollback(len(guesses))
     elif n > 1 and _parallel_fill(device):
@@ -82,7 +82,7 @@ def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device
     if ahead is None or not any(ahead):
         for i, m in enumerate(matchers):
             if m.closing is not None and left[i] is not None:
-                narrow(m.raw, m.closing, left[i], bitmask, i)
+                narrow(m.raw, m.closing, left[i], bitmask, i, m.closing_plan)
     if device.type == "cpu":
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
         return torch.from_numpy(bits).bool()
