@@ -39,6 +39,7 @@ class ClosingTable:
 
     def __init__(self, texts: list[str | None], eos_token_ids: frozenset[int]) -> None:
         rank = np.full(len(texts), 1 << 30, dtype=np.int64)
+        self.length = np.array([len(t) if t else 0 for t in texts], dtype=np.int64)
         for i, t in enumerate(texts):
             if not t or i in eos_token_ids:
                 continue
@@ -132,8 +133,12 @@ def first_step(matcher: Any, table: ClosingTable, limit: int, candidates: int = 
         m = matcher.deep_copy()
         if not m.consume_token(token):
             continue
-        rest = closing_path(m, table, (best[0] if best else limit) - 1)
-        if rest is not None and (best is None or 1 + len(rest) < best[0]):
+        rest = closing_path(m, table, best[0] if best else limit - 1)
+        if rest is None:
+            continue
+        # fewer tokens to the end, then less text: of two tokens that both end it (`>` and
+        # `>,` after a closing tag), the one that adds nothing the answer did not need
+        if best is None or (1 + len(rest), table.length[token]) < (best[0], table.length[best[1]]):
             best = (1 + len(rest), token)
     return None if best is None else (best[1], best[0])
 
