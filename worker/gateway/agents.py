@@ -199,8 +199,7 @@ class OutputParser:
     `feed(text, num_tokens)` / `finish()` return OpenAI chat deltas (`{"reasoning_content":
     …}`, `{"content": …}`, `{"tool_calls": [{"index", "id", "type", "function": {"name",
     "arguments"}}]}` then argument pieces); `message(text)` the whole message fields.
-    `reasoning_tokens`: tokens of deltas that were all reasoning (a delta that mixes the
-    end of the reasoning with the answer counts as answer).
+    `reasoning_text`: the reasoning read so far; `reasoning_count(tokenizer)` its tokens.
     """
 
     def __init__(self, formats: OutputFormats, tools: bool, forced: ToolMode | None = None) -> None:
@@ -210,8 +209,8 @@ class OutputParser:
         self._reasoning = reasoning_formats.ReasoningStream(formats.reasoning) if formats.reasoning else None
         self._calls = tool_parsers.ToolCallStream(self.tool_family) if self.tool_family else None
         self._forced = ToolStream(forced) if forced is not None else None
-        self.reasoning_tokens = 0
-        self.reasoning_text = ""  # of a whole answer (`message`)
+        self._delta_tokens: int | None = None  # tokens of deltas that were all reasoning (without a tokenizer)
+        self.reasoning_text = ""
         self.num_calls = 0
 
     @property
@@ -220,19 +219,30 @@ class OutputParser:
 
     def feed(self, text: str, num_tokens: int = 0) -> list[dict[str, Any]]:
         events = self._reasoning.feed(text) if self._reasoning else [("content", text)]
-        deltas = self._deltas(events, final=False)
+        self._delta_tokens = self._delta_tokens or 0
         if num_tokens and events and all(kind == "reasoning" for kind, _ in events):
-            self.reasoning_tokens += num_tokens
-        return deltas
+            self._delta_tokens += num_tokens
+        return self._deltas(events, final=False)
 
     def finish(self) -> list[dict[str, Any]]:
         events = self._reasoning.finish() if self._reasoning else []
         return self._deltas(events, final=True)
 
+    def reasoning_count(self, tokenizer: Any = None) -> int | None:
+        """Tokens of the reasoning: the gateway's tokenizer (`tokenizers.Tokenizer`) over
+        its text, the same however the answer was chunked; without one, the tokens of the
+        deltas that were all reasoning (a delta mixing its end with the answer counts as
+        answer, so the count can differ by a token between deliveries); None with neither
+        (a whole answer read without its deltas, e.g. a batch line)."""
+        if tokenizer is not None:
+            return len(tokenizer.encode(self.reasoning_text, add_special_tokens=False).ids) if self.reasoning_text else 0
+        return self._delta_tokens
+
     def _deltas(self, events: list[tuple[str, str]], final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for kind, text in events:
             if kind == "reasoning":
+                self.reasoning_text += text
                 out.append({"reasoning_content": text})
             elif self._forced is not None:
                 out += self._counted(self._forced.text(text))
@@ -258,7 +268,7 @@ class OutputParser:
         """`content`, `reasoning_content` (when the model reasoned) and `tool_calls` (when
         it made calls) of a whole answer."""
         read = read_answer(text, self.tool_family, self.formats.reasoning)
-        self.reasoning_text = read.reasoning or ""
+        self.reasoning_text = read.reasoning or ""  # (the whole answer's, as the deltas' would be)
         fields: dict[str, Any] = {"content": read.content}
         if read.reasoning is not None:
             fields["reasoning_content"] = read.reasoning

@@ -126,7 +126,6 @@ class Renderer:
         self.parser = parser if kind == Kind.CHAT and parser is not None and parser.active else None
         forced = kind == Kind.CHAT and tool_mode is not None and not tool_mode.auto
         self.tool_mode = tool_mode if forced and (self.parser is None or self.parser.forced is None) else None
-        self._observed = False  # the parser saw the deltas (its reasoning token count holds)
         self._tool_stream = ToolStream(self.tool_mode) if self.tool_mode is not None else None
         self._head = {"id": response_id, "object": "chat.completion.chunk" if kind == Kind.CHAT else "text_completion",
                       "created": created, "model": model}
@@ -159,7 +158,6 @@ class Renderer:
     def observe(self, text: str, num_tokens: int) -> None:
         """A delta of a non-streamed answer: counts its reasoning tokens."""
         if self.parser is not None:
-            self._observed = True
             self.parser.feed(text, num_tokens)
 
     def _usage(self, u: Usage | None) -> dict[str, Any] | None:
@@ -168,13 +166,11 @@ class Renderer:
         return with_reasoning(usage_body(u), [self])
 
     def reasoning_tokens(self) -> int | None:
-        """Tokens of the answer's reasoning (None: not read for reasoning): counted from
-        the deltas the parser saw, else by the gateway's tokenizer."""
+        """Tokens of the answer's reasoning (None: not read for reasoning;
+        `OutputParser.reasoning_count`)."""
         if self.parser is None or self.parser.formats.reasoning is None:
             return None
-        if not self._observed and self.tokens.tokenizer is not None and self.parser.reasoning_text:
-            return len(self.tokens.tokenizer.encode(self.parser.reasoning_text, add_special_tokens=False).ids)
-        return self.parser.reasoning_tokens
+        return self.parser.reasoning_count(self.tokens.tokenizer)
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         t = self.tokens
@@ -210,7 +206,6 @@ class Renderer:
         """The chunks of newly generated text (b"" when a parser holds all of it back)."""
         lp = self.logprobs(logprobs) if logprobs is not None else None
         if self.parser is not None:
-            self._observed = True
             deltas = self.parser.feed(text, num_tokens) or ([{}] if lp is not None else [])
             return b"".join(self._chunk({"index": self.index, "delta": d, "logprobs": lp if i == 0 else None,
                                          "finish_reason": None}) for i, d in enumerate(deltas))

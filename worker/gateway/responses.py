@@ -41,6 +41,7 @@ class _Answer:
 
     def __init__(self, ctx: GatewayContext, req: GenRequest) -> None:
         self.parser = ctx.output_parser(req)
+        self.tokenizer = ctx.tokens.tokenizer
         mode = req.tool_mode
         self.tools = ToolStream(mode) if mode is not None and not mode.auto and self.parser is None else None
         self.output = ResponseOutput()
@@ -60,7 +61,7 @@ class _Answer:
 
     @property
     def reasoning_tokens(self) -> int:
-        return self.parser.reasoning_tokens if self.parser is not None else 0
+        return (self.parser.reasoning_count(self.tokenizer) or 0) if self.parser is not None else 0
 
 
 class ResponsesHandlers:
