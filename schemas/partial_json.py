@@ -1,7 +1,8 @@
 """A scanner of JSON call objects (`{"name": …, "arguments": {…}}`) in a text that may
 still grow: what is known of a call so far (its name once complete, its arguments' text
-so far), so a streamed call can open and send arguments before the object closes. Used
-by `schemas/tool_parsers.py`; no JSON library can say this of a prefix.
+so far), so a streamed call can open and send arguments before the object closes; and how much
+of a growing text may be the start of a tag. Used by `schemas/tool_parsers.py` and
+`schemas/reasoning.py`; no JSON library can say this of a prefix.
 """
 
 from __future__ import annotations
@@ -147,3 +148,12 @@ def scan_call(s: str, i: int) -> CallScan:
         elif s[i] != "}":
             out.error = True
             return out
+
+
+def held_back(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag` (what a stream
+    must hold back until it knows whether the tag follows)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

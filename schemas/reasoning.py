@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import re
 
+from schemas.partial_json import held_back
+
 FAMILIES = ("deepseek_r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -34,13 +36,6 @@ def split(family: str, text: str) -> tuple[str | None, str]:
     reasoning = "".join(t for kind, t in events if kind == "reasoning")
     answer = "".join(t for kind, t in events if kind == "content")
     return (reasoning if stream.reasoned else None), answer
-
-
-def _held_back(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ReasoningStream:
@@ -96,7 +91,7 @@ class ReasoningStream:
                 out.append(("reasoning", self.buf[self.pos:k]))
             self.pos, self.state = k + len(CLOSE), "answer_start"
             return
-        keep = 0 if final else _held_back(self.buf[self.pos:], CLOSE)
+        keep = 0 if final else held_back(self.buf[self.pos:], CLOSE)
         end = len(self.buf) - keep
         if end > self.pos:
             out.append(("reasoning", self.buf[self.pos:end]))

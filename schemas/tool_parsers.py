@@ -31,7 +31,7 @@ import re
 import uuid
 
 from schemas.partial_json import WS as _WS
-from schemas.partial_json import CallScan, scan_call, skip_ws, value_end
+from schemas.partial_json import CallScan, held_back, scan_call, skip_ws, value_end
 
 FAMILIES = ("hermes", "llama3_json", "mistral")
 
@@ -98,14 +98,6 @@ def _closed_outside(s: str, i: int) -> bool:
             return True
         j = s.find(_HERMES_END, j + 1)
     return False
-
-
-def _held_back(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 # ---- whole outputs ----------------------------------------------------------------------------
@@ -222,7 +214,7 @@ class ToolCallStream:
             self._content(out, buf[self.pos:k])
             self._enter_calls(k, k + len(self.opener))
             return
-        keep = 0 if final else _held_back(buf[self.pos:], self.opener)
+        keep = 0 if final else held_back(buf[self.pos:], self.opener)
         self._content(out, buf[self.pos:len(buf) - keep])
         self.pos = len(buf) - keep
 
@@ -304,7 +296,7 @@ class ToolCallStream:
             self._fall_back(out)
             return
         k = buf.find(_ARGS_TAG, i)
-        name = buf[i:k] if k >= 0 else buf[i:len(buf) - _held_back(buf[i:], _ARGS_TAG)]  # (less a tag arriving)
+        name = buf[i:k] if k >= 0 else buf[i:len(buf) - held_back(buf[i:], _ARGS_TAG)]  # (less a tag arriving)
         if not _V11_NAME.fullmatch(name) and not (k < 0 and not name):  # the same rule whole or streamed
             self._fall_back(out)
             return

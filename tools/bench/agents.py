@@ -201,7 +201,7 @@ async def run_loop(a, model: Path) -> dict:
     import tempfile
 
     from tools.bench.connections import connection_sections
-    from tools.bench.gateway import KEY, start_gateway, write_configs
+    from tools.bench.gateway import KEY, readyz, start_gateway, write_configs
     from worker.cli.topics import create_topics
 
     a.kafka_cfg, a.redis_cfg = connection_sections(a)
@@ -225,7 +225,7 @@ async def run_loop(a, model: Path) -> dict:
                                                    str(sub / "worker.yaml")], stdout=log, stderr=subprocess.STDOUT,
                                                   env=env))
                 procs.append(start_gateway(sub, log, env))
-                await _ready(port)
+                await readyz(port, 180.0)
                 await _agent_runs(port, KEY, argparse.Namespace(**{**vars(a), "agents": 2, "runs": 1}))  # warm-up
                 out["grammar" if constrained else "free"] = await _agent_runs(port, KEY, a)
         finally:
@@ -236,23 +236,6 @@ async def run_loop(a, model: Path) -> dict:
                 except subprocess.TimeoutExpired:
                     p.kill()
     return out
-
-
-async def _ready(port: int, timeout: float = 180.0) -> None:
-    """The gateway answers /readyz 200 (its default pool has a live worker)."""
-    import aiohttp
-
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            try:
-                async with http.get(f"http://127.0.0.1:{port}/readyz") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError("the gateway did not become ready (is the dev stack up?)")
 
 
 def _plot(report: dict, png: Path) -> None:

@@ -83,10 +83,10 @@ def start_processes(a, prefix: str, tmp: Path) -> tuple[subprocess.Popen, subpro
     return worker, start_gateway(tmp, out, env), port
 
 
-async def wait_ready(port: int, direct, timeout: float = 120.0) -> None:
+async def readyz(port: int, timeout: float = 120.0) -> None:
+    """Poll the gateway's /readyz until it answers 200 (its default pool has a live
+    worker). Raises TimeoutError after `timeout` seconds."""
     import aiohttp
-
-    from schemas.params import SamplingParams
 
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as http:
@@ -94,12 +94,18 @@ async def wait_ready(port: int, direct, timeout: float = 120.0) -> None:
             try:
                 async with http.get(f"http://127.0.0.1:{port}/readyz") as r:
                     if r.status == 200:
-                        break
+                        return
             except aiohttp.ClientError:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError("the gateway did not become ready")
             await asyncio.sleep(0.5)
+
+
+async def wait_ready(port: int, direct, timeout: float = 120.0) -> None:
+    from schemas.params import SamplingParams
+
+    await readyz(port, timeout)
     job = await direct.submit(prompt_token_ids=prompt_ids(0), params=SamplingParams(max_tokens=2, ignore_eos=True),
                               tenant=TENANT)
     await direct.result(job, timeout_s=timeout, tenant=TENANT)  # the worker is up

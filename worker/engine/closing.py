@@ -116,16 +116,12 @@ def first_step(matcher: Any, table: ClosingTable, limit: int, candidates: int = 
     token against the `candidates` best-ranked allowed tokens, each followed by the greedy
     way from there (greedy alone cannot tell a `]` that closes an array from one inside a
     string: this one-token look-ahead can); None when no way within `limit` is found."""
-    import llguidance.numpy as lln
-
     base = closing_path(matcher, table, limit)
     if base == []:
         return None  # accepting: nothing to close
     best = (len(base), base[0]) if base else None
     vocab = len(table.rank)
-    bitmask = np.zeros((1, (vocab + 31) // 32), dtype=np.int32)
-    lln.fill_next_token_bitmask(matcher, bitmask, 0)
-    ids = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab])
+    ids = np.flatnonzero(_allowed(matcher, np.zeros((1, (vocab + 31) // 32), dtype=np.int32), vocab))
     ids = ids[np.argsort(table.rank[ids], kind="stable")][:candidates]
     for token in ids.tolist():
         if token in table.eos_token_ids or (best is not None and token == best[1]):

@@ -10,6 +10,7 @@ others are cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -51,6 +52,26 @@ def merge_choices(bodies: list[dict[str, Any]], usages: list[Usage | None],
             "usage": with_reasoning(merged_usage(usages), renderers or [])}
 
 
+@contextlib.asynccontextmanager
+async def sse_response(ctx: GatewayContext, request: web.Request, gen: Generation, endpoint: str):
+    """A prepared server-sent-events response for `gen`'s job (its id and timings in the
+    headers), counted in `gateway_open_streams` while open; a client that goes away
+    mid-stream (`ConnectionResetError` on a write) is counted and marked `CLIENT_GONE`
+    (status 499), not raised."""
+    m = ctx.metrics
+    resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gen.job_id,
+                                                   "Server-Timing": gen.server_timing()})
+    await resp.prepare(request)
+    m.open_streams.inc()
+    try:
+        yield resp
+    except ConnectionResetError:
+        m.disconnects.labels(endpoint).inc()
+        request[CLIENT_GONE] = True
+    finally:
+        m.open_streams.dec()
+
+
 async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[Generation],
                          renderers: list[Renderer], t0: float, endpoint: str) -> web.StreamResponse:
     """The SSE response of started generations (one per choice): each choice's opener with
@@ -59,10 +80,6 @@ async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[G
     the request's timeout) ends the stream with an error event. Time to first byte: the
     first chunk that carries a token."""
     m = ctx.metrics
-    resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gens[0].job_id,
-                                                   "Server-Timing": gens[0].server_timing()})
-    await resp.prepare(request)
-    m.open_streams.inc()
     queue: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def pump(gen: Generation, renderer: Renderer) -> None:
@@ -84,7 +101,7 @@ async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[G
                 queue.put_nowait(head)  # the opener still precedes the error event
             raise
 
-    try:
+    async with sse_response(ctx, request, gens[0], endpoint) as resp:
         first = True
         pumps = asyncio.ensure_future(all_or_none([pump(g, r) for g, r in zip(gens, renderers, strict=True)]))
         tail = b""
@@ -119,9 +136,4 @@ async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[G
         if first:
             m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
         await resp.write_eof()
-    except ConnectionResetError:
-        m.disconnects.labels(endpoint).inc()
-        request[CLIENT_GONE] = True
-    finally:
-        m.open_streams.dec()
     return resp

@@ -23,12 +23,12 @@ from aiohttp import web
 
 from schemas import keys
 from schemas.wire import Finished
+from worker.gateway.choices import sse_response
 from worker.gateway.completions import admit, read_body, serving
-from worker.gateway.context import CLIENT_GONE, GatewayContext, json_ok
+from worker.gateway.context import GatewayContext, json_ok
 from worker.gateway.errors import ApiError, bad_request, error_for_outcome, invalid_json
 from worker.gateway.generation import Generation
 from worker.gateway.protocol import GenRequest, Kind, parse_body
-from worker.gateway.render import SSE_HEADERS
 from worker.gateway.responses_protocol import ResponseOutput, chat_body, input_messages
 from worker.gateway.tools import ToolStream
 
@@ -141,10 +141,6 @@ class ResponsesHandlers:
     async def _stream(self, request: web.Request, gen: Generation, answer: _Answer, head: dict[str, Any], done,
                       t0: float, endpoint: str) -> web.StreamResponse:
         m = self.ctx.metrics
-        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": gen.job_id,
-                                                       "Server-Timing": gen.server_timing()})
-        await resp.prepare(request)
-        m.open_streams.inc()
         seq = 0
 
         def events(items: list[dict[str, Any]]) -> bytes:
@@ -156,7 +152,7 @@ class ResponsesHandlers:
                 out.append(b"event: " + e["type"].encode() + b"\ndata: " + _encode(e) + b"\n\n")
             return b"".join(out)
 
-        try:
+        async with sse_response(self.ctx, request, gen, endpoint) as resp:
             opened = {**head, "status": "in_progress", "output": [], "usage": None}
             await resp.write(events([{"type": "response.created", "response": opened},
                                      {"type": "response.in_progress", "response": opened}]))
@@ -186,11 +182,6 @@ class ResponsesHandlers:
             if first:
                 m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
             await resp.write_eof()
-        except ConnectionResetError:
-            m.disconnects.labels(endpoint).inc()
-            request[CLIENT_GONE] = True
-        finally:
-            m.open_streams.dec()
         return resp
 
 

@@ -13,16 +13,15 @@ Tool calls are constrained, not parsed from free text:
   - `tool_choice: "auto"` (OpenAI's default when `tools` are given): the model decides;
     its calls are read from its text in its family's format (`worker/gateway/agents.py`),
     and with `gateway.constrained_tool_calls` a call it opens is held to the schemas.
-Named and `required` outputs are always constrained. `strict` of a `json_schema` response format, unless it
-is `false`, also closes every object the schema leaves open (`additionalProperties:
-false`, as OpenAI's strict mode requires of the schema and xgrammar assumes); function
-parameters are always closed that way.
+Named and `required` outputs are always constrained. `strict` of a `json_schema`
+response format, unless it is `false`, also closes every object the schema leaves open
+(`additionalProperties: false`, as OpenAI's strict mode requires of the schema and
+xgrammar assumes); function parameters are always closed that way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from typing import Any
 
 import msgspec
@@ -35,7 +34,7 @@ from schemas.params import (
     RegexOutput,
     StructuredOutput,
 )
-from schemas.tool_parsers import ToolCallStream
+from schemas.tool_parsers import ToolCallStream, call_id
 from worker.gateway.errors import ApiError, bad_request, unsupported
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -167,10 +166,6 @@ def tool_constraint(tools: Any, tool_choice: Any, parallel: bool | None) -> tupl
                       "{'name': ...}}.", param="tool_choice")
 
 
-def call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
 def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
     """The OpenAI `tool_calls` of a constrained output, or None if the text is not a
     complete call (a `length` finish cut it)."""
@@ -212,7 +207,6 @@ class ToolStream:
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
         self._opened = False
-        self._text = ""
         self._array: ToolCallStream | None = None
         if mode.name is None:
             self._array = ToolCallStream("mistral")  # `[TOOL_CALLS][{…}, …]`: the same array, after its opener
@@ -220,7 +214,6 @@ class ToolStream:
 
     def text(self, piece: str) -> list[dict[str, Any]]:
         """Deltas for newly generated text (JSON fragments)."""
-        self._text += piece
         if self._array is not None:
             return [d for d in chat_deltas(self._array.feed(piece)) if "tool_calls" in d]
         if not self._opened:
