@@ -206,14 +206,15 @@ async def running_on(client, job_ids: list[str], worker_id: str, tenant: str | N
 
 
 async def read_whole_log(redis_url: str, prefix: str, job_id: str) -> list:
-    """Every event of the job's log, from its first entry, decoded."""
+    """Every event of the job's log, from its first entry, decoded (a compacted run
+    expanded into the events it stands for: `schemas.replay`)."""
     import redis.asyncio as aioredis
 
-    from schemas.codec import decode_event
+    from schemas.replay import entry_of, expand
 
     r = aioredis.from_url(redis_url)
     try:
-        return [decode_event(f[b"e"]) for _, f in await r.xrange(keys.log_key(job_id, prefix))]
+        return [ev for _, f in await r.xrange(keys.log_key(job_id, prefix)) for ev in expand(entry_of(f))]
     finally:
         await r.aclose()
 

@@ -59,8 +59,9 @@ def test_audit_is_clean_then_finds_every_planted_defect(services, prefix):
             await client.submit("never run", job_id="lost")
             r = aioredis.from_url(services[1])
             try:
-                e = await _entries(r, "j1", prefix)
-                await r.xdel(keys.log_key("j1", prefix), e[2][0])  # seq_gap (and its text is short)
+                e = await _entries(r, "j1", prefix)  # started, its tokens (one compacted run), finished
+                assert len(e) == 3 and b"s" in e[1][1]
+                await r.xdel(keys.log_key("j1", prefix), e[1][0])  # seq_gap (and its text is short)
                 rec = found["j2"]
                 await _append(r, "j2", prefix, Finished(job_id="j2", seq=rec.seq + 1, attempt=rec.attempt,
                                                         finish_reason=rec.finish_reason, text=rec.text))

@@ -94,3 +94,73 @@ def test_resent_events_are_dropped(services, prefix):
     assert log == [0, 1, 2]
     assert live == [0, 1, 2]
     assert text == "ab" and job.next_seq == 3
+
+
+def test_an_ended_jobs_log_is_compacted_in_place_and_replays_the_same(services, prefix):
+    """The terminal round rewrites the log (`redis.compact_logs`): started, one run,
+    finished; the stream ids of what stays are kept; live readers saw every event and
+    never the run; `read_log` from anywhere gives what it gave before; a re-sent terminal
+    round changes nothing; a restore after data loss writes the compacted log back."""
+    from worker.client import InflightClient
+
+    async def main():
+        out = {}
+        r = aioredis.from_url(services[1])
+        cfg = RedisConfig(url=services[1], key_prefix=prefix)
+        claims = ClaimStore(r, prefix, "w1", lease_ms=5000, ttl_s=60, tombstone_ttl_s=60)
+        await claims.adopt_epoch()
+        table = JobTable("w1")
+        pub = Publisher(r, cfg, claims, table)
+        ps = r.pubsub()
+        await ps.subscribe(keys.channel("c", prefix))
+        await ps.get_message(timeout=1)
+        (c,) = await claims.take(["c"])
+        held = table.open(JobRecord(Job(job_id="c", prompt="x"), "normal", None, 0, 0.0, None, None),
+                          Claimed(c.token, c.attempt, c.next_seq, 0, False))
+        table.accepted("c")
+        for ids, text in (([1], "Hé"), ([2, 3], "ll"), ([], "o"), ([4], " wö")):
+            table.apply_outputs([RequestOutput("c", ids, text)])
+            await pub.send(table.drain())
+        log_key = keys.log_key("c", prefix)
+        before = await r.xrange(log_key)
+        async with InflightClient(services[0], services[1], key_prefix=prefix) as client:
+            out["read_before"] = await client.read_log("c")
+            table.apply_outputs([RequestOutput("c", [5], "rld", finished=True, finish_reason="stop")])
+            end = table.drain()
+            await pub.send(end)
+            out["after"] = await r.xrange(log_key)
+            out["read_after"] = await client.read_log("c")
+            out["resume_inside_run"] = await client.read_log("c", after_seq=2)
+            await pub.send(end)  # re-sent: nothing changes
+            out["resent"] = await r.xrange(log_key)
+            out["ttl"] = await r.ttl(log_key)
+            live = []
+            while (m := await ps.get_message(timeout=0.5)) is not None:
+                if m["type"] == "message":
+                    live.append(decode_event(m["data"]))
+            out["live"] = live
+            # Redis loses the log and the epoch: the restore writes the compacted log back
+            table.done(held)
+            await r.delete(log_key, keys.epoch_key(prefix), keys.done_key("c", prefix))
+            await pub.restore(claims.epoch)
+            out["restored"] = await r.xrange(log_key)
+            out["read_restored"] = await client.read_log("c")
+        out["before"] = before
+        await ps.aclose()
+        await r.aclose()
+        return out
+
+    out = asyncio.run(main())
+    events = out["read_after"]
+    assert [e.seq for e in events] == list(range(7))
+    assert out["read_before"] == events[:-2]  # the same events, seq for seq (5 and 6: the last round)
+    assert "".join(e.text for e in events[1:-1]) == "Héllo wörld" == events[-1].text
+    assert out["resume_inside_run"] == events[3:]
+    after = out["after"]
+    assert [f.get(b"s") for _, f in after] == [None, b"3,2:2,1:0,4,3", None]
+    # what stays keeps its stream id; the run takes its last event's (appended in the last round)
+    before_ids = {f[b"q"]: i for i, f in out["before"]}
+    assert after[0][0] == before_ids[b"0"] and after[1][0] > before_ids[b"4"]
+    assert out["resent"] == after and out["ttl"] > 0
+    assert [e.seq for e in out["live"]] == list(range(7))  # live: every event, never the run
+    assert [f for _, f in out["restored"]] == [f for _, f in after] and out["read_restored"] == events

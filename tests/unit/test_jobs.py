@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from schemas.replay import LogEntry, expand
 from schemas.wire import ErrorInfo, Finished, FinishReason, Job, Restarted, Started, Token
 from worker.engine import RequestOutput, Usage
 from worker.serve.claims import Claimed
@@ -132,7 +133,7 @@ def test_histories_hold_what_redis_must_hold_after_data_loss():
     done = open_job(t, "done")
     old = open_job(t, "old")
     open_job(t, "running")
-    prior = ((0, 1, b"started"), (1, 1, b"token"))  # attempt 1's entries, found at the claim
+    prior = (LogEntry(0, 1, b"started"), LogEntry(1, 1, b"token"))  # attempt 1's entries, found at the claim
     t.open(JobRecord(Job(job_id="finishing", prompt="hi"), "high", "tp", 7, 100.0, None, None), Claimed("token", 2, 5, 0, False, prior))
     for jid in ("done", "old", "running", "finishing"):
         t.accepted(jid)
@@ -145,11 +146,11 @@ def test_histories_hold_what_redis_must_hold_after_data_loss():
     t.done(done)
     hist = {jid: (attempt, token, h, reason) for jid, attempt, token, h, reason, _ in t.histories()}
     assert sorted(hist) == ["done", "finishing", "running"]
-    assert [s for s, _ in hist["running"][2]] == [0, 1] and hist["running"][3] is None
-    assert [s for s, _ in hist["done"][2]] == [0, 1, 2] and hist["done"][:2] == (1, "token")
+    assert [e.seq for e in hist["running"][2]] == [0, 1] and hist["running"][3] is None
+    assert [e.seq for e in hist["done"][2]] == [0, 1, 2] and hist["done"][:2] == (1, "token")
     assert hist["done"][3] == "stop"
     # a held job whose terminal event is numbered: restored with its done mark
-    assert [s for s, _ in hist["finishing"][2]] == [5, 6, 7, 8] and hist["finishing"][0] == 2
+    assert [e.seq for e in hist["finishing"][2]] == [5, 6, 7, 8] and hist["finishing"][0] == 2
     assert hist["finishing"][3] == "stop"
     assert {jid: p for jid, *_, p in t.histories()}["finishing"] == prior  # restored before its own
 
@@ -228,3 +229,51 @@ def test_finishing_jobs_hold_no_slot_but_are_bounded_by_as_many_again():
     assert free() == 1
     starter.host.intake_paused = lambda: True
     assert free() == 0
+
+
+def run_rounds(t: JobTable, job_id: str, deltas: list[tuple[list[int], str]], reason: str = "stop"):
+    """Each delta in a round of its own, then the end: the rounds' events and the last round."""
+    t.accepted(job_id)
+    events = []
+    for ids, text in deltas:
+        t.apply_outputs([out(job_id, ids, text)])
+        events += t.drain().events
+    t.apply_outputs([out(job_id, [], "", reason)])
+    last = t.drain()
+    return events + last.events, last
+
+
+def test_an_ending_job_gets_its_log_compacted_to_the_same_events():
+    t = JobTable("w1")
+    held = open_job(t)
+    deltas = [([5], "Hé"), ([6, 7], "llo"), ([8], " wörld"), ([], "!"), ([9], "")]
+    events, last = run_rounds(t, "j", deltas)
+    assert kinds(events) == ["Started"] + ["Token"] * 5 + ["Finished"]
+    entries = last.compacted["j"]
+    assert [e.seq for e in entries] == [0, 5] and entries[0].splits == "" and entries[1].splits == "3,3:2,7,1:0,0"
+    replayed = [ev for e in entries for ev in expand(e)]
+    assert replayed == events[:-1]  # seq for seq, text, ids
+    # what a restore re-appends is the compacted log with the terminal event
+    assert held.history[:-1] == entries and isinstance(expand(held.history[-1])[0], Finished)
+    assert last.encoded[-1] == held.history[-1].data
+
+
+def test_compaction_keeps_attempts_apart_and_can_be_turned_off():
+    t = JobTable("w1")
+    prior_events = [Started(job_id="j", seq=0, attempt=1, worker_id="w0"),
+                    Token(job_id="j", seq=1, attempt=1, text="a", token_ids=[1]),
+                    Token(job_id="j", seq=2, attempt=1, text="b", token_ids=[2])]
+    from schemas.codec import encode
+    prior = tuple(LogEntry(e.seq, 1, encode(e)) for e in prior_events)
+    t.open(JobRecord(Job(job_id="j", prompt="hi"), "high", "tp", 7, 100.0, None, None),
+           Claimed("token", 2, 3, 0, False, prior))
+    events, last = run_rounds(t, "j", [([3], "x"), ([4], "y")])
+    entries = last.compacted["j"]
+    # attempt 1's run, then attempt 2's restarted and started, then its own run
+    assert [(e.seq, e.attempt, e.splits) for e in entries] == [(0, 1, ""), (2, 1, "1,1"), (3, 2, ""), (4, 2, ""),
+                                                                (6, 2, "1,1")]
+    assert [ev for e in entries for ev in expand(e)] == prior_events + events[:-1]
+    off = JobTable("w1", compact_logs=False)
+    open_job(off)
+    _, last = run_rounds(off, "j", [([3], "x"), ([4], "y")])
+    assert last.compacted == {}

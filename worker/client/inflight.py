@@ -35,9 +35,10 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import NoPermissionError
 
 from schemas import keys
-from schemas.codec import decode_event, decode_job, encode
+from schemas.codec import decode_job, encode
 from schemas.params import SamplingParams
 from schemas.pools import Pool, Pools
+from schemas.replay import entry_of, expand
 from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, check_tenant
 from worker.client import fleet
 from worker.client.routing import load_tokenizer, pool_for
@@ -287,8 +288,9 @@ class InflightClient:
                          job_id.encode(), {"inflight.job_id": job_id})
 
     async def read_log(self, job_id: str, after_seq: int = -1, *, tenant: str | None = None) -> list[Event]:
-        """Events already in the job's log with seq > after_seq, in order. `tenant`: the
-        job's tenant (its log is under the tenant's keys).
+        """Events already in the job's log with seq > after_seq, in order; a finished job's
+        compacted log gives the same events, seq for seq (`schemas.replay`). `tenant`:
+        the job's tenant (its log is under the tenant's keys).
 
         Raises:
             ValueError: invalid tenant id.
@@ -300,9 +302,9 @@ class InflightClient:
             raise access.explain_redis(e, self.redis_config) from None
         out = []
         for _, fields in entries:
-            ev = decode_event(fields[b"e"])
-            if ev.seq > after_seq:
-                out.append(ev)
+            entry = entry_of(fields)
+            if entry.seq > after_seq:
+                out += [ev for ev in expand(entry) if ev.seq > after_seq]
         return out
 
     def stream(self, job_id: str, *, tenant: str | None = None, timeout_s: float | None = None,

@@ -41,7 +41,7 @@ end
 # KEYS: epoch, restore window, then per job: done, claim, attempts, log, failures, cancelled.
 # ARGV: epoch, lease_ms, ttl_s, then per job: claim token. Returns per job:
 # {'done', reason, {events}} | {'contested'} | {'restoring'}
-# | {'claimed', attempt, next_seq, failures, cancelled, {seq, attempt, event, ...} of the log (a later attempt)}.
+# | {'claimed', attempt, next_seq, failures, cancelled, {seq, attempt, event, splits, ...} of the log (a later attempt)}.
 TAKE_LUA = _EPOCH_CHECK + LAST_SEQ + LAST_EVENTS + """
 local out = {}
 local restoring = redis.call('EXISTS', KEYS[2]) == 1
@@ -71,11 +71,14 @@ for j = 0, n - 1 do
     local prior = {}  -- a later attempt keeps the earlier attempts' entries (restored with its own)
     if attempt > 1 then
       for _, entry in ipairs(redis.call('XRANGE', KEYS[k + 4], '-', '+')) do
-        local f, e, s, at = entry[2], false, -1, 0
+        local f, e, s, at, sp = entry[2], false, -1, 0, ''
         for i = 1, #f, 2 do
-          if f[i] == 'e' then e = f[i + 1] elseif f[i] == 'q' then s = f[i + 1] elseif f[i] == 'a' then at = f[i + 1] end
+          if f[i] == 'e' then e = f[i + 1] elseif f[i] == 'q' then s = f[i + 1] elseif f[i] == 'a' then at = f[i + 1]
+          elseif f[i] == 's' then sp = f[i + 1] end
         end
-        if e then prior[#prior + 1] = s; prior[#prior + 1] = at; prior[#prior + 1] = e end
+        if e then
+          prior[#prior + 1] = s; prior[#prior + 1] = at; prior[#prior + 1] = e; prior[#prior + 1] = sp
+        end
       end
     end
     out[j + 1] = {'claimed', attempt, q + 1, failures, redis.call('EXISTS', KEYS[k + 6]), prior}

@@ -39,6 +39,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
 from schemas import keys
+from schemas.replay import LogEntry
 from worker.serve.claim_scripts import ADOPT_LUA, RECLAIM_LUA, RELEASE_LUA, RENEW_LUA, TAKE_LUA, UNCLAIM_LUA
 
 
@@ -56,15 +57,15 @@ class EpochChanged(Exception):
 class Claimed:
     """This worker now holds the job: `attempt` for its events, `next_seq` continues the
     log, `failures` earlier attempts that never ended cleanly, `cancelled` a tombstone;
-    `prior` the log's entries (seq, attempt, event JSON) on a later attempt, restored with
-    this attempt's own if Redis loses its data."""
+    `prior` the log's entries on a later attempt, restored with this attempt's own if
+    Redis loses its data."""
 
     token: str
     attempt: int
     next_seq: int
     failures: int
     cancelled: bool
-    prior: tuple[tuple[int, int, bytes], ...] = ()
+    prior: tuple[LogEntry, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -179,8 +180,8 @@ class ClaimStore:
                 out.append(RESTORING)
             else:
                 flat = r[5] if len(r) > 5 else []
-                prior = tuple((int(flat[i]), int(flat[i + 1]), flat[i + 2] if isinstance(flat[i + 2], bytes)
-                               else str(flat[i + 2]).encode()) for i in range(0, len(flat), 3))
+                prior = tuple(LogEntry(int(flat[i]), int(flat[i + 1]), _as_bytes(flat[i + 2]), _as_bytes(flat[i + 3]).decode())
+                              for i in range(0, len(flat), 4))
                 out.append(Claimed(token, int(r[1]), int(r[2]), int(r[3]), bool(r[4]), prior))
         return out
 
@@ -283,3 +284,7 @@ class ClaimStore:
             raise
         except NoScriptError:  # register_script reloads by itself; a flush mid-call is retried once
             return await self._scripts[name](keys=ks, args=args)
+
+
+def _as_bytes(v: bytes | str | int) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode()

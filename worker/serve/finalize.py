@@ -217,7 +217,7 @@ class Finalizer:
                                              offset=first.offset, reason=reason, error=message, job_id=held.job_id)
                 self.metrics.dlq_records.labels(reason).inc()
                 held.raw = None
-        await self.results.record([(held.job_id, held.history[-1][1]) for held in batch if held.history])
+        await self.results.record([(held.job_id, held.history[-1].data) for held in batch if held.history])
 
     def _priority_metrics(self, priority: str) -> tuple:
         m = self._by_priority.get(priority)

@@ -10,23 +10,25 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from schemas.replay import LogEntry
+
 # Published histories of finished jobs kept to re-append if Redis restarts empty.
 RECENT_MAX_JOBS = 4096
 RECENT_MAX_AGE_S = 120.0
 
 
 class Published(NamedTuple):
-    """One finished job's published events: (seq, event bytes) in order, ending with its
-    terminal event (finish reason `reason`), under `claim_token` and `attempt`; `prior`
-    the log's entries of earlier attempts when it was claimed."""
+    """One finished job's published log entries in order (compacted with log compaction
+    on), ending with its terminal event (finish reason `reason`), under `claim_token` and
+    `attempt`; `prior` the log's entries of earlier attempts when it was claimed."""
 
     done_time: float
-    history: list[tuple[int, bytes]]
+    history: list[LogEntry]
     reason: str
     claim_token: str
     attempt: int
     tenant: str | None
-    prior: tuple[tuple[int, int, bytes], ...] = ()  # earlier attempts' entries (seq, attempt, event)
+    prior: tuple[LogEntry, ...] = ()  # earlier attempts' entries
 
 
 class RecentHistories:

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
 
 from schemas.codec import encode
 from schemas.output_formats import read_answer
+from schemas.replay import LogEntry, compact
 from schemas.wire import (
     ErrorInfo,
     Event,
@@ -70,6 +71,9 @@ class Round:
     finished: list[LocalJob]
     tenants: list[str | None] | None = None
     tokens: list[str] | None = None  # the claim token of each event's job (None: no claims, tests)
+    # per job ending in this round (log compaction on): its log as it is to be rewritten,
+    # without the terminal event (`schemas.replay`); the publisher writes it with the end
+    compacted: dict[str, list[LogEntry]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.events)
@@ -79,11 +83,14 @@ class JobTable:
     """Every job this worker holds, by job id. Args:
     worker_id: written into `started` events.
     clock: wall clock (seconds), replaceable in tests.
+    compact_logs: when a job ends, its log is rewritten compacted with the terminal event
+        (`redis.compact_logs`; `schemas.replay`).
     """
 
-    def __init__(self, worker_id: str, clock=time.time) -> None:
+    def __init__(self, worker_id: str, clock=time.time, *, compact_logs: bool = True) -> None:
         self.worker_id = worker_id
         self._clock = clock
+        self.compact_logs = compact_logs
         self._jobs: dict[str, LocalJob] = {}
         self._per_tenant: dict[str, int] = {}  # CLAIMED or IN_ENGINE jobs per tenant ("" for none)
         self._num_unfinished = 0  # CLAIMED or IN_ENGINE jobs
@@ -345,6 +352,7 @@ class JobTable:
         tenants: list[str | None] = []
         tokens: list[str] = []
         finished: list[LocalJob] = []
+        compacted: dict[str, list[LogEntry]] = {}
         dirty, self._dirty = self._dirty, {}
         for held in dirty.values():
             n = len(events)
@@ -361,13 +369,29 @@ class JobTable:
                            token_ids=drafts.token_ids, logprobs=drafts.logprobs)
                 self._add(held, ev, events, encoded, tenants)
             if drafts.terminal is not None:
+                if self.compact_logs and held.history:
+                    compacted[held.job_id] = self._compact(held)
                 term = drafts.terminal
                 term.seq = held.next_seq
                 self._add(held, term, events, encoded, tenants)
                 held.terminal_published = True
                 finished.append(held)
             tokens += [held.claim_token] * (len(events) - n)
-        return Round(events, encoded, finished, tenants, tokens)
+        return Round(events, encoded, finished, tenants, tokens, compacted)
+
+    @staticmethod
+    def _compact(held: LocalJob) -> list[LogEntry]:
+        """The job's log compacted, its terminal event not yet in it: the earlier attempts'
+        entries and this attempt's, each compacted apart. What the worker keeps to restore
+        the log after a Redis data loss becomes that too."""
+        try:
+            prior, own = compact(held.prior), compact(held.history)
+        except Exception as e:  # an entry that does not decode: the log stays as it is
+            log.warning("could not compact a finished job's log; left uncompacted", job_id=held.job_id,
+                        error=repr(e)[:200])
+            return [*held.prior, *held.history]
+        held.prior, held.history = tuple(prior), own
+        return [*prior, *own]
 
     @staticmethod
     def _add(held: LocalJob, ev: Event, events: list, encoded: list, tenants: list) -> None:
@@ -375,7 +399,7 @@ class JobTable:
         events.append(ev)
         encoded.append(data)
         tenants.append(held.tenant)
-        held.history.append((ev.seq, data))
+        held.history.append(LogEntry(ev.seq, held.attempt, data))
         held.next_seq += 1
 
     def done(self, held: LocalJob) -> None:
@@ -395,13 +419,12 @@ class JobTable:
         _decrement(self._per_tenant, held.tenant or "")
         self._num_unfinished -= 1
 
-    def histories(self) -> Iterator[tuple[str, int, str, list[tuple[int, bytes]], str | None,
-                                          tuple[tuple[int, int, bytes], ...]]]:
+    def histories(self) -> Iterator[tuple[str, int, str, list[LogEntry], str | None, tuple[LogEntry, ...]]]:
         """What Redis must hold of the jobs this worker holds and of each job it finished
-        in the last RECENT_MAX_AGE_S: (job_id, attempt, claim token, [(seq, event)] it
-        published, finish reason, the earlier attempts' entries (seq, attempt, event) it
-        found at its claim); the finish reason is None unless the history ends with the
-        job's terminal event."""
+        in the last RECENT_MAX_AGE_S: (job_id, attempt, claim token, the log entries it
+        published (compacted once the job ended, with log compaction on), finish reason,
+        the earlier attempts' entries it found at its claim); the finish reason is None
+        unless the history ends with the job's terminal event."""
         for held in self._jobs.values():
             if held.history or held.prior:
                 reason = held.finish_reason.value if held.terminal_published and held.finish_reason else None

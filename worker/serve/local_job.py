@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from schemas.replay import LogEntry
 from schemas.wire import ErrorInfo, Finished, FinishReason, TokenLogprob
 from worker.serve.input_size import input_bytes
 
@@ -67,7 +68,7 @@ class LocalJob:
         self.attempt = claim.attempt
         self.next_seq = claim.next_seq
         self.isolated = claim.failures > 0  # an earlier attempt died with its worker: run it alone
-        self.prior = claim.prior  # earlier attempts' log entries (seq, attempt, event)
+        self.prior = claim.prior  # earlier attempts' log entries
         self.state = JobState.CLAIMED
         self.claim_time = claim_time
         self.first_token_time: float | None = None
@@ -84,7 +85,7 @@ class LocalJob:
         self.finish_reason: FinishReason | None = None
         self.error: ErrorInfo | None = None
         self.dead_letter: tuple[str, str] | None = None  # (reason code, message): the record goes to the DLQ
-        self.history: list[tuple[int, bytes]] = []  # published (seq, event) of this attempt
+        self.history: list[LogEntry] = []  # published entries of this attempt (compacted once it ended)
         self.summary: dict[str, Any] = {}  # timings for the job's summary log line
         self.terminal_published = False  # the terminal event is numbered (in `history`; being published)
         self.trace: JobTrace | None = None  # its trace when tracing is on and it is sampled (worker.obs.tracing)

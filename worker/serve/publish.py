@@ -55,7 +55,12 @@ log = structlog.get_logger(__name__)
 
 # KEYS: epoch, then per event: log, channel, done, claim, failures, attempts.
 # ARGV: epoch, maxlen, ttl, lease_ms, then per event: kind ('t' token, 'o' other, 'f'
-# terminal), data, seq, attempt, claim token, finish reason ('' unless 'f').
+# terminal, 'p' an entry of the job's compacted log), data, seq, attempt, claim token, and
+# the finish reason for 'f', the entry's splits for 'p' and 'o' ('' for none).
+# 'p' entries precede their job's 'f' in the same call: when the 'f' is appended, the log
+# is first rewritten as those entries (each keeps the stream id its seq had, when every
+# one is still in the log), then the 'f' follows. An 'o' with splits (a compacted run,
+# restored) is appended without being published: live readers never see a run whole.
 # Per job (its first event in the call decides): the claim is ours (or lapsed with
 # nobody claiming the job since: no done mark, the attempt counter still ours; taken
 # back) -> its events are appended unless the log already holds
@@ -64,10 +69,27 @@ log = structlog.get_logger(__name__)
 # An appended terminal event sets the done mark and releases the claim. Returns
 # {appended, refused event indices (1-based, the first of each refused job)}.
 APPEND_LUA = FINISH_LUA + LAST_SEQ + LAST_EVENTS + """
+local function rewrite(log, entries)
+  local ids, explicit = {}, true
+  for _, e in ipairs(redis.call('XRANGE', log, '-', '+')) do
+    local f = e[2]
+    for i = 1, #f, 2 do if f[i] == 'q' then ids[f[i + 1]] = e[1] end end
+  end
+  for _, p in ipairs(entries) do if not ids[p[2]] then explicit = false end end
+  redis.call('DEL', log)
+  for _, p in ipairs(entries) do
+    local id = explicit and ids[p[2]] or '*'
+    if p[4] ~= '' then
+      redis.call('XADD', log, id, 'e', p[1], 'q', p[2], 'a', p[3], 's', p[4])
+    else
+      redis.call('XADD', log, id, 'e', p[1], 'q', p[2], 'a', p[3])
+    end
+  end
+end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('EPOCH changed') end
 local ttl = tonumber(ARGV[3])
 local ki, ai, appended, ev = 2, 5, 0, 0
-local last, owner, refused = {}, {}, {}
+local last, owner, refused, pending = {}, {}, {}, {}
 while ai <= #ARGV do
   ev = ev + 1
   local kind, data, seq, attempt, token = ARGV[ai], ARGV[ai + 1], tonumber(ARGV[ai + 2]), ARGV[ai + 3], ARGV[ai + 4]
@@ -94,17 +116,29 @@ while ai <= #ARGV do
     owner[log] = ours and 'ended-by-us' or 'theirs'
     if not ours then refused[#refused + 1] = ev end
   end
-  local q = last[log]
-  if q == nil then q = last_entry(log) end
-  if seq > q and owner[log] == 'ours' then
-    redis.call('XADD', log, 'MAXLEN', '~', ARGV[2], '*', 'e', data, 'q', seq, 'a', attempt)
-    redis.call('PUBLISH', chan, data)
-    if kind ~= 't' or redis.call('TTL', log) < ttl / 2 then redis.call('EXPIRE', log, ttl) end
-    appended = appended + 1
-    q = seq
-    if kind == 'f' then finish_job(done, claim, KEYS[ki + 4], ARGV[ai + 5], token, attempt, ttl) end
+  if kind == 'p' then
+    if owner[log] == 'ours' then
+      pending[log] = pending[log] or {}
+      table.insert(pending[log], {data, ARGV[ai + 2], attempt, ARGV[ai + 5]})
+    end
+  else
+    local q = last[log]
+    if q == nil then q = last_entry(log) end
+    if seq > q and owner[log] == 'ours' then
+      if kind == 'f' and pending[log] then rewrite(log, pending[log]) end
+      if kind == 'o' and ARGV[ai + 5] ~= '' then
+        redis.call('XADD', log, 'MAXLEN', '~', ARGV[2], '*', 'e', data, 'q', seq, 'a', attempt, 's', ARGV[ai + 5])
+      else
+        redis.call('XADD', log, 'MAXLEN', '~', ARGV[2], '*', 'e', data, 'q', seq, 'a', attempt)
+        redis.call('PUBLISH', chan, data)
+      end
+      if kind ~= 't' or redis.call('TTL', log) < ttl / 2 then redis.call('EXPIRE', log, ttl) end
+      appended = appended + 1
+      q = seq
+      if kind == 'f' then finish_job(done, claim, KEYS[ki + 4], ARGV[ai + 5], token, attempt, ttl) end
+    end
+    last[log] = q
   end
-  last[log] = q
   ki, ai = ki + 6, ai + 6
 end
 return {appended, refused}
@@ -239,12 +273,12 @@ class Publisher:
         async with self._lock:
             if self._restore_pending:
                 await self._restore()
-            ks, args = self._script_args(rnd)
+            ks, args, job_of = self._script_args(rnd)
             raw = await self._call(ks, args)
         appended, refused = int(raw[0]), raw[1]
         self.num_rounds += 1
         self.num_events += appended
-        return {rnd.events[int(i) - 1].job_id for i in refused}
+        return {job_of[int(i) - 1] for i in refused}
 
     async def _call(self, ks: list[str], args: list):
         epoch = args[0]
@@ -257,21 +291,30 @@ class Publisher:
         except NoScriptError:  # flushed between load and call: AsyncScript reloads on the next call
             return await self._append(keys=ks, args=args)
 
-    def _script_args(self, rnd: Round) -> tuple[list[str], list]:
+    def _script_args(self, rnd: Round) -> tuple[list[str], list, list[str]]:
+        """KEYS and ARGV of `APPEND_LUA` for a round, and the job of each event sent (a
+        job's compacted log goes just before its terminal event)."""
         p = self.cfg.key_prefix
         ks: list[str] = [keys.epoch_key(p)]
         args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms]
+        job_of: list[str] = []
         tenants = rnd.tenants or [None] * len(rnd.events)
         tokens = rnd.tokens or [""] * len(rnd.events)
         for ev, data, tenant, token in zip(rnd.events, rnd.encoded, tenants, tokens):
             jid = ev.job_id
-            ks += [keys.log_key(jid, p, tenant), keys.channel(jid, p, tenant), *self.claims.finish_keys(jid),
-                   keys.attempts_key(jid, p)]
+            job_keys = [keys.log_key(jid, p, tenant), keys.channel(jid, p, tenant), *self.claims.finish_keys(jid),
+                        keys.attempts_key(jid, p)]
             if isinstance(ev, Finished):
+                for entry in rnd.compacted.get(jid, ()):
+                    ks += job_keys
+                    args += ["p", entry.data, entry.seq, entry.attempt, token, entry.splits]
+                    job_of.append(jid)
                 args += ["f", data, ev.seq, ev.attempt, token, ev.finish_reason.value]
             else:
                 args += ["t" if ev.__struct_config__.tag == "token" else "o", data, ev.seq, ev.attempt, token, ""]
-        return ks, args
+            ks += job_keys
+            job_of.append(jid)
+        return ks, args, job_of
 
     async def restore(self, stale_epoch: str | None = None) -> None:
         """Redis lost its data (a write was refused with `stale_epoch`, or the health check
@@ -322,17 +365,17 @@ class Publisher:
             tenant = self.table.tenant_of(job_id)
             job_keys = [keys.log_key(job_id, p, tenant), keys.channel(job_id, p, tenant),
                         *self.claims.finish_keys(job_id), keys.attempts_key(job_id, p)]
-            for seq, prior_attempt, data in prior:  # the earlier attempts' entries, as they were
+            for entry in prior:  # the earlier attempts' entries, as they were
                 ks += job_keys
-                args += ["o", data, seq, prior_attempt, token, ""]
+                args += ["o", entry.data, entry.seq, entry.attempt, token, entry.splits]
                 job_of.append(job_id)
             last = len(history) - 1
-            for i, (seq, data) in enumerate(history):
+            for i, entry in enumerate(history):
                 ks += job_keys
                 if reason is not None and i == last:
-                    args += ["f", data, seq, attempt, token, reason]
+                    args += ["f", entry.data, entry.seq, attempt, token, reason]
                 else:
-                    args += ["o", data, seq, attempt, token, ""]
+                    args += ["o", entry.data, entry.seq, attempt, token, entry.splits]
                 job_of.append(job_id)
         refused: set[str] = set()
         if job_of:

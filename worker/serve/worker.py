@@ -82,7 +82,7 @@ class Worker:
         self._engine = engine
         self._engine_spec = engine_spec or engine_spec_for(cfg.model.path, cfg.engine)
         self.max_local_jobs = cfg.worker.max_local_jobs or 2 * cfg.serving_tuning.max_running_requests
-        self.table = JobTable(self.worker_id)
+        self.table = JobTable(self.worker_id, compact_logs=cfg.redis.compact_logs)
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self.metrics = Metrics(gpu=nvml_available(), tenant_labels=cfg.metrics.tenant_labels,
                                tenant_rank_interval_s=cfg.metrics.tenant_rank_interval_s)
