@@ -8,8 +8,10 @@ attempt becomes **one** entry, a `token` event whose `seq` is the run's last, wh
 is the run's texts concatenated and whose `token_ids` (and `logprobs`) are theirs
 concatenated, with a fourth field `s` listing the size of each event it replaced, in
 order: the UTF-8 byte length of its text, followed by `:` and its number of token ids
-when that is not 1 (`"3,5,0:2,4"`). Other entries stay as they were, with their stream
-ids; the run keeps the stream id of its last event.
+when that is not 1 (`"3,5,0:2,4"`). Other entries stay as they were. The first entry
+keeps the log's first stream id (when the job's first event was written); the others get
+the time of the rewrite (reading each entry's old id back would cost the rewrite a scan of
+the whole log).
 
 So a compacted run is exactly the events it replaced: `expand` gives them back, seq for
 seq (seqs `q - n + 1 .. q` for n sizes), and `InflightClient.read_log` returns a
@@ -25,7 +27,7 @@ Why: a token event's JSON is ~140 bytes for ~4 bytes of text, kept for `redis.lo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from schemas.codec import decode_event, encode
@@ -51,16 +53,6 @@ def entry_of(fields: Mapping[bytes, bytes]) -> LogEntry:
     splits = fields.get(b"s", b"")
     return LogEntry(int(fields.get(b"q", b"-1")), int(fields.get(b"a", b"0")), fields[b"e"],
                     splits.decode() if isinstance(splits, bytes) else str(splits))
-
-
-def encode_splits(events: Sequence[Token]) -> str:
-    """The `s` field of a run of token events (see the module docstring)."""
-    parts = []
-    for ev in events:
-        size = str(len(ev.text.encode()))
-        n = len(ev.token_ids)
-        parts.append(size if n == 1 else f"{size}:{n}")
-    return ",".join(parts)
 
 
 def parse_splits(splits: str) -> list[tuple[int, int]]:
@@ -113,38 +105,68 @@ def compact(entries: Iterable[LogEntry]) -> list[LogEntry]:
     Raises:
         msgspec.DecodeError / ValidationError, ValueError: as `expand`.
     """
-    out: list[LogEntry] = []
-    run: list[Token] = []
-    run_entries: list[LogEntry] = []
-
-    def close_run() -> None:
-        if len(run) == 1:
-            out.append(run_entries[0])
-        elif run:
-            out.append(_merged(run))
-        run.clear()
-        run_entries.clear()
-
+    c = Compactor()
     for entry in entries:
-        for ev in expand(entry):
+        c.add(entry)
+    return c.finish()
+
+
+class Compactor:
+    """`compact`, fed one entry at a time, so a writer that still holds each event (the
+    worker's job table, as it numbers them) pays no decoding: `add(entry, event)`; then
+    `finish()` once. Holds the open run as parts (texts, ids, sizes), not as events."""
+
+    def __init__(self) -> None:
+        self._out: list[LogEntry] = []
+        self._first: LogEntry | None = None  # the open run's first entry (kept as is if alone)
+        self._texts: list[str] = []
+        self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] | None = None
+        self._sizes: list[int] = []  # UTF-8 bytes of each event's text
+        self._counts: list[int] = []  # token ids of each event
+        self._job_id = ""
+        self._attempt = self._seq = -1
+
+    def add(self, entry: LogEntry, event: Event | None = None) -> None:
+        """The next entry of the log (`event`: its event, when the caller has it decoded).
+
+        Raises:
+            msgspec.DecodeError / ValidationError, ValueError: as `expand` (without `event`).
+        """
+        events = [event] if event is not None and not entry.splits else expand(entry)
+        for ev in events:
+            whole = entry if not entry.splits else LogEntry(ev.seq, ev.attempt, encode(ev))
             if not isinstance(ev, Token) or (ev.logprobs is not None and len(ev.logprobs) != len(ev.token_ids)):
-                close_run()  # not a token event, or one whose logprobs a run could not split back
-                out.append(entry if not entry.splits else LogEntry(ev.seq, ev.attempt, encode(ev)))
+                self._close()  # not a token event, or one whose logprobs a run could not split back
+                self._out.append(whole)
                 continue
-            if run and not (ev.attempt == run[-1].attempt and ev.seq == run[-1].seq + 1
-                            and (ev.logprobs is None) == (run[-1].logprobs is None)):
-                close_run()
-            run.append(ev)
-            run_entries.append(entry if not entry.splits else LogEntry(ev.seq, ev.attempt, encode(ev)))
-    close_run()
-    return out
+            if self._first is not None and not (ev.attempt == self._attempt and ev.seq == self._seq + 1
+                                                and (ev.logprobs is None) == (self._logprobs is None)):
+                self._close()
+            if self._first is None:
+                self._first, self._job_id, self._attempt = whole, ev.job_id, ev.attempt
+                self._logprobs = [] if ev.logprobs is not None else None
+            self._seq = ev.seq
+            self._texts.append(ev.text)
+            self._ids += ev.token_ids
+            if ev.logprobs is not None:
+                self._logprobs += ev.logprobs
+            self._sizes.append(len(ev.text.encode()))
+            self._counts.append(len(ev.token_ids))
 
+    def finish(self) -> list[LogEntry]:
+        """The compacted entries of everything added."""
+        self._close()
+        return self._out
 
-def _merged(run: list[Token]) -> LogEntry:
-    last = run[-1]
-    logprobs: list[TokenLogprob] | None = None
-    if last.logprobs is not None:
-        logprobs = [lp for ev in run for lp in (ev.logprobs or ())]
-    merged = Token(job_id=last.job_id, seq=last.seq, attempt=last.attempt, text="".join(ev.text for ev in run),
-                   token_ids=[t for ev in run for t in ev.token_ids], logprobs=logprobs)
-    return LogEntry(last.seq, last.attempt, encode(merged), encode_splits(run))
+    def _close(self) -> None:
+        if self._first is None:
+            return
+        if len(self._sizes) == 1:
+            self._out.append(self._first)
+        else:
+            merged = Token(job_id=self._job_id, seq=self._seq, attempt=self._attempt, text="".join(self._texts),
+                           token_ids=self._ids, logprobs=self._logprobs)
+            splits = ",".join(str(b) if n == 1 else f"{b}:{n}" for b, n in zip(self._sizes, self._counts))
+            self._out.append(LogEntry(self._seq, self._attempt, encode(merged), splits))
+        self._first, self._texts, self._ids, self._logprobs, self._sizes, self._counts = None, [], [], None, [], []

@@ -98,7 +98,7 @@ def test_resent_events_are_dropped(services, prefix):
 
 def test_an_ended_jobs_log_is_compacted_in_place_and_replays_the_same(services, prefix):
     """The terminal round rewrites the log (`redis.compact_logs`): started, one run,
-    finished; the stream ids of what stays are kept; live readers saw every event and
+    finished; the first stream id is kept; live readers saw every event and
     never the run; `read_log` from anywhere gives what it gave before; a re-sent terminal
     round changes nothing; a restore after data loss writes the compacted log back."""
     from worker.client import InflightClient
@@ -158,7 +158,7 @@ def test_an_ended_jobs_log_is_compacted_in_place_and_replays_the_same(services, 
     assert out["resume_inside_run"] == events[3:]
     after = out["after"]
     assert [f.get(b"s") for _, f in after] == [None, b"3,2:2,1:0,4,3", None]
-    # what stays keeps its stream id; the run takes its last event's (appended in the last round)
+    # the first entry keeps its stream id; the others get the rewrite's time
     before_ids = {f[b"q"]: i for i, f in out["before"]}
     assert after[0][0] == before_ids[b"0"] and after[1][0] > before_ids[b"4"]
     assert out["resent"] == after and out["ttl"] > 0

@@ -30,7 +30,7 @@ import structlog
 
 from schemas.codec import encode
 from schemas.output_formats import read_answer
-from schemas.replay import LogEntry, compact
+from schemas.replay import Compactor, LogEntry, compact
 from schemas.wire import (
     ErrorInfo,
     Event,
@@ -168,6 +168,8 @@ class JobTable:
         if held.job_id in self._jobs:
             raise ValueError(f"job {held.job_id!r} is already held by this worker")
         self._jobs[held.job_id] = held
+        if self.compact_logs:
+            held.compactor = Compactor()
         tenant = held.tenant or ""
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         self._num_unfinished += 1
@@ -382,15 +384,15 @@ class JobTable:
     @staticmethod
     def _compact(held: LocalJob) -> list[LogEntry]:
         """The job's log compacted, its terminal event not yet in it: the earlier attempts'
-        entries and this attempt's, each compacted apart. What the worker keeps to restore
-        the log after a Redis data loss becomes that too."""
+        entries and this attempt's (compacted as they were numbered), each apart. What the
+        worker keeps to restore the log after a Redis data loss becomes that too."""
         try:
-            prior, own = compact(held.prior), compact(held.history)
-        except Exception as e:  # an entry that does not decode: the log stays as it is
-            log.warning("could not compact a finished job's log; left uncompacted", job_id=held.job_id,
-                        error=repr(e)[:200])
-            return [*held.prior, *held.history]
-        held.prior, held.history = tuple(prior), own
+            prior = compact(held.prior)
+        except Exception as e:  # an earlier attempt's entry that does not decode: kept as it is
+            log.warning("could not compact an earlier attempt's log entries", job_id=held.job_id, error=repr(e)[:200])
+            prior = list(held.prior)
+        own = held.compactor.finish() if held.compactor is not None else held.history
+        held.prior, held.history, held.compactor = tuple(prior), own, None
         return [*prior, *own]
 
     @staticmethod
@@ -399,7 +401,10 @@ class JobTable:
         events.append(ev)
         encoded.append(data)
         tenants.append(held.tenant)
-        held.history.append(LogEntry(ev.seq, held.attempt, data))
+        entry = LogEntry(ev.seq, held.attempt, data)
+        held.history.append(entry)
+        if held.compactor is not None:
+            held.compactor.add(entry, ev)
         held.next_seq += 1
 
     def done(self, held: LocalJob) -> None:

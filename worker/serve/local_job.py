@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from schemas.replay import LogEntry
+from schemas.replay import Compactor, LogEntry
 from schemas.wire import ErrorInfo, Finished, FinishReason, TokenLogprob
 from worker.serve.input_size import input_bytes
 
@@ -49,7 +49,7 @@ class LocalJob:
                  "next_seq", "raw", "raw_key", "isolated", "state", "claim_time", "first_token_time", "num_tokens",
                  "text_parts", "cancel_time_mono", "_opening", "_delta_text", "_delta_ids", "_delta_logprobs",
                  "_terminal", "opened", "finish_reason", "error", "dead_letter", "history", "summary",
-                 "terminal_published", "prior", "trace", "headers", "input_bytes")
+                 "terminal_published", "prior", "trace", "headers", "input_bytes", "compactor")
 
     def __init__(self, record: JobRecord, claim: Claimed, claim_time: float, *, job_id: str | None = None,
                  tenant: str | None = None) -> None:
@@ -86,6 +86,7 @@ class LocalJob:
         self.error: ErrorInfo | None = None
         self.dead_letter: tuple[str, str] | None = None  # (reason code, message): the record goes to the DLQ
         self.history: list[LogEntry] = []  # published entries of this attempt (compacted once it ended)
+        self.compactor: Compactor | None = None  # this attempt's entries compacted as they are numbered
         self.summary: dict[str, Any] = {}  # timings for the job's summary log line
         self.terminal_published = False  # the terminal event is numbered (in `history`; being published)
         self.trace: JobTrace | None = None  # its trace when tracing is on and it is sampled (worker.obs.tracing)

@@ -58,8 +58,8 @@ log = structlog.get_logger(__name__)
 # terminal, 'p' an entry of the job's compacted log), data, seq, attempt, claim token, and
 # the finish reason for 'f', the entry's splits for 'p' and 'o' ('' for none).
 # 'p' entries precede their job's 'f' in the same call: when the 'f' is appended, the log
-# is first rewritten as those entries (each keeps the stream id its seq had, when every
-# one is still in the log), then the 'f' follows. An 'o' with splits (a compacted run,
+# is first rewritten as those entries (the first keeps the log's first stream id, the
+# others get the rewrite's time), then the 'f' follows. An 'o' with splits (a compacted run,
 # restored) is appended without being published: live readers never see a run whole.
 # Per job (its first event in the call decides): the claim is ours (or lapsed with
 # nobody claiming the job since: no done mark, the attempt counter still ours; taken
@@ -70,15 +70,11 @@ log = structlog.get_logger(__name__)
 # {appended, refused event indices (1-based, the first of each refused job)}.
 APPEND_LUA = FINISH_LUA + LAST_SEQ + LAST_EVENTS + """
 local function rewrite(log, entries)
-  local ids, explicit = {}, true
-  for _, e in ipairs(redis.call('XRANGE', log, '-', '+')) do
-    local f = e[2]
-    for i = 1, #f, 2 do if f[i] == 'q' then ids[f[i + 1]] = e[1] end end
-  end
-  for _, p in ipairs(entries) do if not ids[p[2]] then explicit = false end end
+  local first = redis.call('XRANGE', log, '-', '+', 'COUNT', 1)[1]
   redis.call('DEL', log)
-  for _, p in ipairs(entries) do
-    local id = explicit and ids[p[2]] or '*'
+  for i, p in ipairs(entries) do
+    local id = '*'
+    if i == 1 and first then id = first[1] end
     if p[4] ~= '' then
       redis.call('XADD', log, id, 'e', p[1], 'q', p[2], 'a', p[3], 's', p[4])
     else
