@@ -8,7 +8,8 @@ attempt becomes **one** entry, a `token` event whose `seq` is the run's last, wh
 is the run's texts concatenated and whose `token_ids` (and `logprobs`) are theirs
 concatenated, with a fourth field `s` listing the size of each event it replaced, in
 order: the UTF-8 byte length of its text, followed by `:` and its number of token ids
-when that is not 1 (`"3,5,0:2,4"`). Other entries stay as they were. The first entry
+when that is not 1 (`"3,5,0:2,4"`: four events, the third with no text and two token
+ids). Other entries stay as they were. The first entry
 keeps the log's first stream id (when the job's first event was written); the others get
 the time of the rewrite (reading each entry's old id back would cost the rewrite a scan of
 the whole log).

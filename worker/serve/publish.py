@@ -17,7 +17,9 @@ or Redis lost the claim) is refused, the job is handed back (`on_lost`) and its 
 event, if it had one, is neither published nor recorded. A terminal event also sets the
 done mark, releases the claim and clears the attempt's failure mark
 (`claims.FINISH_LUA`). Each log entry holds the event (`e`), its seq (`q`) and attempt
-(`a`). When the publisher falls behind the engine (a slow Redis, a burst), rounds simply
+(`a`). With `redis.compact_logs` the terminal event's round first rewrites the job's log
+in its compacted form (each run of token events one entry, `schemas.replay`), in the same
+script call, so a reader sees either the whole log or the compacted one. When the publisher falls behind the engine (a slow Redis, a burst), rounds simply
 carry more tokens per event: fewer, larger deltas, the same text (token coalescing).
 
 Outages: a round that cannot reach Redis is retried with backoff while the engine keeps
