@@ -212,12 +212,16 @@ def test_late_subscriber_gets_the_whole_sequence(services, prefix, engine_factor
                 if await client.redis.exists(keys.done_key("late", prefix)):
                     break
                 await asyncio.sleep(0.1)
+            raw = await client.redis.xrange(keys.log_key("late", prefix))
         async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as late_client:
             events = await collect(late_client, "late", 10)
         await stop_worker(w, task)
-        return events
+        return events, raw
 
-    events = asyncio.run(main())
+    events, raw = asyncio.run(main())
+    # what it read was the compacted log (redis.compact_logs): started, one run, finished
+    sizes = raw[1][1].get(b"s")
+    assert len(raw) == 3 and len(kinds(events)) - 2 == (len(sizes.split(b",")) if sizes else 1)
     fin = assert_well_formed(events, "late")
     assert kinds(events)[0] == "Started"
     assert len(token_ids(events)) == 12

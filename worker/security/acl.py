@@ -44,7 +44,7 @@ WORKER_COMMANDS = (
     "get", "set", "del", "exists",               # epoch, tombstones, done marks, preflight probe; in scripts
     "incr", "expire", "pexpire", "ttl",          # attempts, TTLs, leases (in scripts)
     "sadd", "srem", "scard",                     # failure marks (in scripts)
-    "xadd", "xrevrange", "xrange",               # the replay log (in scripts; xrange: a later attempt keeps the log so far)
+    "xadd", "xrevrange", "xrange",               # the replay log (in scripts; xrange: a later attempt keeps the log so far, the end's rewrite its first id)
     "publish",                                   # live events (in the publish script)
 )
 READER_COMMANDS = ("ping", "subscribe", "unsubscribe", "psubscribe", "punsubscribe",
