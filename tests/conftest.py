@@ -107,6 +107,23 @@ def llama_path() -> Path:
     return tiny_checkpoint("llama")
 
 
+def draft_checkpoint(arch: str) -> Path:
+    """A draft model for the tiny `arch` checkpoint (`speculative.method: draft`): the
+    checkpoint with noise of 0.3 x each weight's std (tools/make_draft.py `--perturb`),
+    so its guesses are often right and often wrong (made once, cached; a lock for
+    pytest-xdist's workers)."""
+    from filelock import FileLock
+
+    from tools.make_draft import perturbed_copy
+
+    out = MODEL_CACHE / f"tiny-{arch}-draft-v1"
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "model.safetensors").is_file():
+            perturbed_copy(tiny_checkpoint(arch), out, sigma=0.3)
+    return out
+
+
 @pytest.fixture(scope="session")
 def agent_path() -> Path:
     """The agent checkpoint (tools/make_agent_model.py): reasons in <think> and calls tools

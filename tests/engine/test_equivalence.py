@@ -8,7 +8,8 @@ both KV policies and both kinds of steps between the cases) too, and its warm-up
 built every graph the workload needs: serving it compiles nothing more. And with the
 decode steps replayed from graphs (`model.cuda_graphs`, emulated on the CPU), eager and
 compiled, padded to the graph sizes. And with speculative decoding (prompt lookup, eager
-and compiled; suffix decoding), its guesses both kept and rejected.
+and compiled; suffix decoding; a draft model: a noisy copy of the checkpoint), its
+guesses both kept and rejected.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from schemas.params import SamplingParams
+from tests.conftest import draft_checkpoint
 from worker.config import EngineConfig, ModelConfig, ServingTuning, SpeculativeConfig, TenantPolicy
 from worker.engine import Engine
 from worker.engine import compile as compile_rules
@@ -62,7 +64,7 @@ CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs, specula
     ("reserve", False, "off", True, "off"), ("reserve", True, "off", False, "off"),
     ("optimistic", True, "on", True, "off"), ("reserve", False, "on", False, "off"),
     ("optimistic", False, "off", False, "ngram"), ("reserve", False, "on", False, "ngram"),
-    ("optimistic", False, "off", False, "suffix"),
+    ("optimistic", False, "off", False, "suffix"), ("optimistic", False, "off", False, "draft"),
 ]
 
 
@@ -86,7 +88,9 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
             async_scheduling=async_scheduling,
             # speculation for every request (the random models' greedy text repeats itself: drafts hit and miss)
             speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=3,
-                                          prompt_lookup_min=1, disable_by_batch_size=None, min_accepted_tokens=0.0),
+                                          prompt_lookup_min=1, disable_by_batch_size=None, min_accepted_tokens=0.0,
+                                          draft_model=str(draft_checkpoint(any_arch_path.name.split("-")[1]))
+                                          if speculative == "draft" else None),
         ),
     )
     engine = Engine.from_pretrained(str(any_arch_path), cfg)

@@ -20,19 +20,26 @@ from worker.serve.publish import Publisher
 from worker.serve.read_ahead import JobRecord
 
 
+async def publishing(services, prefix: str, job_id: str):
+    """A worker's publishing parts on the real Redis (claims, job table, publisher), a
+    subscriber on `job_id`'s channel and the job claimed: (redis, claims, table,
+    publisher, pubsub, claim)."""
+    r = aioredis.from_url(services[1])
+    claims = ClaimStore(r, prefix, "w1", lease_ms=5000, ttl_s=60, tombstone_ttl_s=60)
+    await claims.adopt_epoch()
+    table = JobTable("w1")
+    pub = Publisher(r, RedisConfig(url=services[1], key_prefix=prefix), claims, table)
+    ps = r.pubsub()
+    await ps.subscribe(keys.channel(job_id, prefix))
+    await ps.get_message(timeout=1)  # subscribe confirmation
+    (c,) = await claims.take([job_id])
+    return r, claims, table, pub, ps, c
+
+
 def test_resent_events_are_dropped(services, prefix):
     async def main():
-        r = aioredis.from_url(services[1])
+        r, claims, table, pub, ps, c = await publishing(services, prefix, "j")
         await r.script_flush()  # the first publish must recover from NOSCRIPT
-        cfg = RedisConfig(url=services[1], key_prefix=prefix)
-        claims = ClaimStore(r, prefix, "w1", lease_ms=5000, ttl_s=60, tombstone_ttl_s=60)
-        await claims.adopt_epoch()
-        table = JobTable("w1")
-        pub = Publisher(r, cfg, claims, table)
-        ps = r.pubsub()
-        await ps.subscribe(keys.channel("j", prefix))
-        await ps.get_message(timeout=1)  # subscribe confirmation
-        (c,) = await claims.take(["j"])
         job = table.open(JobRecord(Job(job_id="j", prompt="x"), "normal", None, 0, 0.0, None, None), Claimed(c.token, c.attempt, c.next_seq, 0, False))
         table.accepted("j")
         table.apply_outputs([RequestOutput("j", [1], "a")])
@@ -105,16 +112,7 @@ def test_an_ended_jobs_log_is_compacted_in_place_and_replays_the_same(services, 
 
     async def main():
         out = {}
-        r = aioredis.from_url(services[1])
-        cfg = RedisConfig(url=services[1], key_prefix=prefix)
-        claims = ClaimStore(r, prefix, "w1", lease_ms=5000, ttl_s=60, tombstone_ttl_s=60)
-        await claims.adopt_epoch()
-        table = JobTable("w1")
-        pub = Publisher(r, cfg, claims, table)
-        ps = r.pubsub()
-        await ps.subscribe(keys.channel("c", prefix))
-        await ps.get_message(timeout=1)
-        (c,) = await claims.take(["c"])
+        r, claims, table, pub, ps, c = await publishing(services, prefix, "c")
         held = table.open(JobRecord(Job(job_id="c", prompt="x"), "normal", None, 0, 0.0, None, None),
                           Claimed(c.token, c.attempt, c.next_seq, 0, False))
         table.accepted("c")

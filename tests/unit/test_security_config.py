@@ -188,7 +188,7 @@ def test_publisher_builds_each_events_keys_with_its_jobs_tenant():
     assert rnd.tenants == ["acme", "acme", "acme", None, None, None]
     pub = Publisher(FakeRedis(), RedisConfig(), ClaimStore(FakeRedis(), "inflight", "w1", lease_ms=1000, ttl_s=60,
                                                            tombstone_ttl_s=60), table)
-    ks, _ = pub._script_args(rnd)
+    ks, _, _ = pub._script_args(rnd)
     assert "inflight:t:acme:job:a1:log" in ks and "inflight:t:acme:job:a1" in ks
     assert "inflight:job:n1:log" in ks and not any(k.startswith("inflight:job:a1") and k.endswith((":log", "a1"))
                                                    for k in ks)

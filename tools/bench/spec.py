@@ -22,6 +22,7 @@ per speculating step, 1 + accepted / drafts). `--saturation N` adds a batch of N
 `bench_spec.json` and `bench_spec.png`.
 
     python -m tools.bench.spec --running 1 2 4 --methods ngram:2 ngram:4 ngram:8 suffix:4 --saturation 32
+    python -m tools.bench.spec --running 1 2 4 --methods draft:2 draft:4   # a distilled 1-layer draft model
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ def workloads(tokenizer, n: int, seed: int) -> dict[str, list[list[int]]]:
     return {"prompt": passages(1 + seed), "repeat": passages(0)}
 
 
-def make_engine(path: Path, method: str, k: int, running: int, compile_mode: str):
+def make_engine(path: Path, method: str, k: int, running: int, compile_mode: str, draft: Path | None = None):
     from worker.config import EngineConfig, ModelConfig, ServingTuning, SpeculativeConfig
     from worker.engine import Engine
 
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=k)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k,
+                             draft_model=str(draft) if method == "draft" else None)
     cfg = EngineConfig(model=ModelConfig(device="cpu", compile=compile_mode),
                        serving_tuning=ServingTuning(max_running_requests=max(running, 1), max_batched_tokens=4096,
                                                     max_total_tokens=max(running, 1) * 640, speculative=spec))
@@ -121,13 +123,23 @@ def compare(engines: dict, prompts, max_tokens: int, rounds: int) -> dict:
     return out
 
 
-def engines_for(path: Path, methods: list[str], running: int, compile_mode: str) -> dict:
+def engines_for(path: Path, methods: list[str], running: int, compile_mode: str, draft: Path | None) -> dict:
     """Plain decoding and one engine per `method:k`."""
     engines = {"off": make_engine(path, "off", 4, running, compile_mode)}
     for m in methods:
         method, _, k = m.partition(":")
-        engines[m] = make_engine(path, method, int(k or 4), running, compile_mode)
+        engines[m] = make_engine(path, method, int(k or 4), running, compile_mode, draft)
     return engines
+
+
+def ensure_draft(path: Path, model: Path) -> Path:
+    """The draft model at `path`, distilled from `model` if missing (tools/make_draft.py:
+    1 layer, 400 steps, ~2 minutes on 2 cores)."""
+    if not (path / "model.safetensors").is_file():
+        from tools.make_draft import distill
+
+        distill(model, path, layers=1, steps=400)
+    return path
 
 
 def empty_caches(engines: dict) -> None:
@@ -152,13 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--saturation", type=int, default=0, help="also N requests at once (0: skip)")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--draft-model", default=None, help="the draft of `draft:k` methods (default: a 1-layer draft "
+                                                        "distilled from --model, made if missing)")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
     path = ensure_model(Path(a.model))
-    report: dict = {"machine": machine(), "model": str(path), "compile": a.compile, "rounds": a.rounds,
+    draft = None
+    if any(m.startswith("draft") for m in a.methods):
+        draft = ensure_draft(Path(a.draft_model or f"{path}-draft"), path)
+    report: dict = {"machine": machine(), "model": str(path), "draft_model": str(draft) if draft else None,
+                    "compile": a.compile, "rounds": a.rounds,
                     "max_tokens": a.max_tokens, "by_workload": {}}
     for running in a.running:
-        engines = engines_for(path, a.methods, running, a.compile)
+        engines = engines_for(path, a.methods, running, a.compile, draft)
         tok = engines["off"].tokenizer
         for workload in a.workloads:
             empty_caches(engines)
@@ -168,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             _print(f"{workload} at {running} running", res)
     if a.saturation:
         n = a.saturation
-        engines = engines_for(path, a.methods[:1] + a.methods[-1:], n, a.compile)
+        engines = engines_for(path, a.methods[:1] + a.methods[-1:], n, a.compile, draft)
         tok = engines["off"].tokenizer
         res = compare(engines, lambda r: workloads(tok, n, r)["prompt"], a.max_tokens, a.rounds)
         report["saturation"] = {str(n): res}

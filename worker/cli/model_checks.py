@@ -16,7 +16,8 @@ def model_checks(cfg: WorkerConfig) -> list[Check]:
     chat template and the capability verdict reported (an architecture the engine cannot
     reproduce fails here, with the loader's one-line reason); `kv cache`: the engine's KV sizing for `serving_tuning`
     against the memory left after loading (free GPU memory x gpu_memory_utilization on
-    CUDA, available RAM (cgroup limit included) on CPU)."""
+    CUDA, available RAM (cgroup limit included) on CPU); `draft model` with
+    `speculative.method: draft`."""
     if not cfg.model.path:
         return [Check("model", "fail", "model.path", "not set (or INFLIGHT_MODEL__PATH)"), *_skipped("no model")]
     if cfg.model.engine == "vllm":
@@ -41,7 +42,24 @@ def model_checks(cfg: WorkerConfig) -> list[Check]:
     checks.append(limits_check(cfg, loaded))
     checks.append(kv_check(cfg, loaded))
     checks.append(compile_check(cfg, loaded))
+    if cfg.serving_tuning.speculative.method == "draft":
+        checks.append(draft_check(cfg, loaded))
     return checks
+
+
+def draft_check(cfg: WorkerConfig, loaded) -> Check:
+    """`draft model`: the draft checkpoint of `speculative.method: draft` loads beside the
+    model and shares its tokenizer (`worker.engine.draft.load_draft`)."""
+    from worker.config import ConfigError
+    from worker.engine.draft import load_draft
+
+    field = "serving_tuning.speculative.draft_model"
+    try:
+        draft = load_draft(cfg.serving_tuning.speculative, cfg.model, loaded)
+    except ConfigError as e:
+        return Check("draft model", "fail", field, _short(e))
+    return Check("draft model", "pass", field, f"{cfg.serving_tuning.speculative.draft_model!r}: {draft.num_layers} "
+                                               f"layers, the model's tokenizer; {draft.verdict()}")
 
 
 def vllm_checks(cfg: WorkerConfig) -> list[Check]:

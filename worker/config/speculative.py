@@ -7,7 +7,7 @@ import msgspec
 
 from worker.config.checks import ConfigError, one_of, positive
 
-SPECULATIVE_METHODS = ("off", "ngram", "suffix")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "draft")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -28,7 +28,13 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             match of the request's last tokens, up to `suffix_max_depth`, and the
             guesses follow the most frequent continuation of the matches while its
             share stays above `suffix_min_token_prob`: agents and tools that repeat
-            the same formats across requests).
+            the same formats across requests), or `draft` (a small model with the same
+            tokenizer, `draft_model`, guesses k tokens greedily, one forward of it per
+            guess, over its own KV cache kept beside the model's in the same blocks:
+            `worker/engine/draft.py`; LoRA requests draft with the base draft).
+        draft_model: the draft checkpoint's directory (`method: draft` only; its
+            tokenizer must be the model's). `tools/make_draft.py` distills one from a
+            checkpoint.
         num_speculative_tokens: most tokens proposed per request per step (k); a step
             computes 1 + k positions for it, counted in `max_batched_tokens`.
         prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram matched
@@ -52,6 +58,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """
 
     method: str = "off"
+    draft_model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -71,6 +78,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         positive(section, num_speculative_tokens=self.num_speculative_tokens,
                  prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
                  disable_by_batch_size=self.disable_by_batch_size, suffix_max_depth=self.suffix_max_depth)
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ConfigError(f"{section}.draft_model is the checkpoint `method: draft` guesses with: set both or "
+                              f"neither (method {self.method!r}, draft_model {self.draft_model!r})")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"{section}.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                               f"{section}.prompt_lookup_max ({self.prompt_lookup_max})")

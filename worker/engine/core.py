@@ -27,6 +27,7 @@ import torch
 from worker.config import ServingTuning
 from worker.engine import batch
 from worker.engine.arrivals import Arrivals
+from worker.engine.draft import Drafter
 from worker.engine.failures import Failures, ForwardFailures
 from worker.engine.forward import start_forward
 from worker.engine.kv_cache import KVCacheManager
@@ -63,6 +64,8 @@ class EngineCore:
             (blocks behind it are freed: `kv_window.py`); None otherwise.
         grammars: compiles the grammars of constrained requests (`structured.py`); None:
             a request with a grammar ends `rejected`.
+        drafter: the draft model of `speculative.method: draft` (`draft.py`); without one
+            that method is off.
 
     Structured outputs: a request with a grammar waits outside the scheduler until its
     grammar is compiled (on the compiler's thread; cached by content), then joins it like
@@ -71,7 +74,8 @@ class EngineCore:
     """
 
     def __init__(self, runner: Runner, tuning: ServingTuning, num_blocks: int, eos_token_ids: frozenset[int],
-                 model_id: str, sliding_window: int | None = None, grammars: GrammarCompiler | None = None) -> None:
+                 model_id: str, sliding_window: int | None = None, grammars: GrammarCompiler | None = None,
+                 drafter: Drafter | None = None) -> None:
         self._runner = runner
         self.tuning = tuning
         self.eos_token_ids = eos_token_ids
@@ -89,6 +93,11 @@ class EngineCore:
                         "is freed as progress advances, which a rejected draft would take back)"
                         if sliding_window is not None else "this model runner does not verify drafts")
             self.scheduler.speculation = None
+        spec = self.scheduler.speculation
+        if spec is not None and spec.config.method == "draft" and drafter is None:
+            log.warning("serving_tuning.speculative is off: method 'draft' and no draft model loaded")
+            self.scheduler.speculation = None
+        self.drafter = drafter if self.scheduler.speculation is not None else None
         # the proposer's counters at the last step's end
         self._spec_before = self.scheduler.speculation.stats.copy() if self.scheduler.speculation else None
         self._traced = False  # a traced request was added: prefill chunks are recorded from then on
@@ -233,6 +242,8 @@ class EngineCore:
             self._await_grammars()
             return None, 0.0
         f0 = time.perf_counter()
+        if self.drafter is not None:  # the draft model's guesses, in the blocks just scheduled
+            self.drafter.fill(sched)
         try:  # the forward, under the failure rules of `step`
             done = sched, self.runner.execute(sched)
         except Exception as e:

@@ -26,6 +26,7 @@ from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
 from worker.engine.adapters import LoRAFacts
 from worker.engine.compile import CompileReport, compile_engine, graphs_wanted
 from worker.engine.core import EngineCore
+from worker.engine.draft import Drafter, load_draft
 from worker.engine.input_processor import InputProcessor, ModelFacts
 from worker.engine.inputs import RequestInput, TextPrompt, TokenPrompt
 from worker.engine.lora_slots import LoRASlots
@@ -54,16 +55,19 @@ def kv_bytes_per_token(loaded: LoadedModel, tuning: ServingTuning) -> int:
     return loaded.kv_layout.bytes_per_token(loaded.dtype, kv_int8=tuning.kv_cache_dtype == "int8")
 
 
-def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning, reserve_bytes: int = 0) -> int:
+def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning, reserve_bytes: int = 0,
+                    draft: LoadedModel | None = None) -> int:
     """KV blocks the engine allocates for `loaded` (call after the model is on its device).
 
     Capacity in tokens: `tuning.max_total_tokens` if set; else `tuning.kv_cache_bytes` /
     the KV bytes per token (`kv_bytes_per_token`) if set; else on CUDA
     (`gpu_memory_utilization` x the device's free memory - `reserve_bytes`, what the
     decode graphs will hold) / the KV bytes per token; else `CPU_DEFAULT_KV_TOKENS`.
-    Rounded down to whole blocks of `kv_block_size` tokens.
+    With a draft model (`speculative.method: draft`) a token's bytes are both models'
+    (its KV lives in the same blocks: `draft.py`). Rounded down to whole blocks of
+    `kv_block_size` tokens.
     """
-    per_token = kv_bytes_per_token(loaded, tuning)
+    per_token = kv_bytes_per_token(loaded, tuning) + (kv_bytes_per_token(draft, tuning) if draft else 0)
     if tuning.max_total_tokens is not None:
         kv_tokens = tuning.max_total_tokens
     elif tuning.kv_cache_bytes is not None:
@@ -115,7 +119,8 @@ class Engine:
                 print(out.request_id, out.text, out.finish_reason)
     """
 
-    def __init__(self, loaded: LoadedModel, runner: Runner, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, loaded: LoadedModel, runner: Runner, config: EngineConfig, num_blocks: int,
+                 drafter: Drafter | None = None) -> None:
         """Raises:
             ConfigError: a serving_tuning limit is above the model's context (`ServingTuning.for_model`).
         """
@@ -134,7 +139,7 @@ class Engine:
         grammars = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids,
                                    cache_size=self.tuning.grammar_cache_size, closing=self.tuning.structured_closing)
         self.core = EngineCore(runner, self.tuning, num_blocks, loaded.eos_token_ids, loaded.model_id, window,
-                               grammars)
+                               grammars, drafter)
         self.input = InputProcessor(loaded.tokenizer, self.facts, self.tuning)
         if lora_facts is not None:  # adapters load on the loader thread (lora_slots.py)
             from worker.model.lora import read_adapter
@@ -197,7 +202,9 @@ class Engine:
             lora = LoRAWeights(lora_modules(loaded.model), model_cfg.max_loras, model_cfg.max_lora_rank,
                                loaded.device, loaded.dtype)
         check_kv_dtype(loaded, tuning)
-        num_blocks = kv_cache_blocks(loaded, tuning, reserve_bytes=graph_reserve(loaded, model_cfg, tuning))
+        draft = load_draft(tuning.speculative, model_cfg, loaded) if tuning.speculative.method == "draft" else None
+        num_blocks = kv_cache_blocks(loaded, tuning, reserve_bytes=graph_reserve(loaded, model_cfg, tuning),
+                                     draft=draft)
         runner = ModelRunner(
             loaded.model,
             num_blocks=num_blocks,
@@ -209,7 +216,13 @@ class Engine:
             kv_int8=tuning.kv_cache_dtype == "int8",
         )
         runner.lora = lora
-        engine = cls(loaded, runner, config, num_blocks)
+        drafter = None
+        if draft is not None:
+            drafter = Drafter(ModelRunner(draft.model, num_blocks=num_blocks, block_size=tuning.kv_block_size,
+                                          kv_layout=draft.kv_layout, device=draft.device, dtype=draft.dtype,
+                                          backend=draft.backend, kv_int8=tuning.kv_cache_dtype == "int8"),
+                              loaded.vocab_size, draft.max_model_len)
+        engine = cls(loaded, runner, config, num_blocks, drafter)
         engine.compile_report = compile_engine(runner, model_cfg.compile, engine.generate, model_cfg.cuda_graphs,
                                                engine.tuning.max_running_requests, engine.max_model_len,
                                                model_cfg.precompile)

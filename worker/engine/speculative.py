@@ -46,6 +46,9 @@ from worker.config.speculative import SpeculativeConfig
 from worker.engine.outputs import SpecStepStats
 from worker.engine.suffix import SuffixCache, suffix_proposal
 
+# `method: draft`: the guesses of a scheduled draft are this until the draft model fills
+# them in, after the step is scheduled and before its forward (worker/engine/draft.py)
+DRAFT_PENDING = -2
 PAUSE_STEPS = 16  # a request's first pause after its drafts' kept guesses fell below the floor
 MAX_PAUSE_STEPS = 1024
 EWMA_WEIGHT = 0.25  # weight of the newest draft in a request's moving average of kept guesses
@@ -100,6 +103,12 @@ class SpecState:
     kept: float = float("inf")  # moving average of the guesses its drafts kept (inf: no draft yet)
     paused_until: int = 0  # the scheduler step from which it proposes again
     pause: int = PAUSE_STEPS  # its next pause's length
+    # `method: draft` (draft.py): positions [0, draft_valid) of the draft model's KV hold the
+    # request's tokens; `draft_fed` the guesses it was fed after them (valid where they
+    # were kept); `draft_preemptions` the request's preemptions then (a preemption frees them)
+    draft_valid: int = 0
+    draft_fed: list[int] = field(default_factory=list)
+    draft_preemptions: int = 0
 
     def sync(self, all_token_ids: list[int]) -> np.ndarray:
         """The token array brought up to `all_token_ids` (appends only; amortized O(new))."""
@@ -171,6 +180,8 @@ class Speculation:
         elif step < state.paused_until:
             return []
         cfg = self.config
+        if cfg.method == "draft":  # guessed by the draft model once the step is scheduled
+            return [DRAFT_PENDING] * k
         tokens = state.sync(req.all_token_ids)
         if cfg.method == "suffix":
             draft = suffix_proposal(tokens, self.cache, cfg.prompt_lookup_min, cfg.suffix_max_depth, k,
