@@ -350,7 +350,7 @@ def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
     # "triton_ngram": sequential steps with prompt lookup (speculative decoding) on every request
     from worker.config import SpeculativeConfig
 
-    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=None)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=None, min_speedup=None)
     runs = (("triton", "triton", True, "off", "auto", None), ("triton_no_graphs", "triton", True, "off", "off", None),
             ("torch", "torch", None, "off", "auto", None), ("triton_sequential", "triton", False, "off", "auto", None),
             ("triton_compiled", "triton", True, "on", "auto", None), ("triton_ngram", "triton", None, "off", "auto", ngram))

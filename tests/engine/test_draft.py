@@ -23,7 +23,7 @@ from worker.engine import Engine
 
 
 def make_engine(path, draft=None, *, kv_tokens: int = 4096, batched: int = 256, k: int = 3) -> Engine:
-    spec = SpeculativeConfig(method="draft" if draft else "off", draft_model=str(draft) if draft else None,
+    spec = SpeculativeConfig(method="draft" if draft else "off", draft_model=str(draft) if draft else None, min_speedup=None,
                              num_speculative_tokens=k, disable_by_batch_size=None, min_accepted_tokens=0.0)
     cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu"),
                        serving_tuning=ServingTuning(max_total_tokens=kv_tokens, max_batched_tokens=batched,

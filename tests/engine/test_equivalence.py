@@ -87,7 +87,7 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
             tenants={"t0": TenantPolicy(weight=3), "t1": TenantPolicy(max_running_requests=2)},
             async_scheduling=async_scheduling,
             # speculation for every request (the random models' greedy text repeats itself: drafts hit and miss)
-            speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=3,
+            speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=3, min_speedup=None,
                                           prompt_lookup_min=1, disable_by_batch_size=None, min_accepted_tokens=0.0,
                                           draft_model=str(draft_checkpoint(any_arch_path.name.split("-")[1]))
                                           if speculative == "draft" else None),

@@ -107,6 +107,7 @@ def test_a_mixed_batch_equals_peft_merged_generate(base_and_loras, async_schedul
     base, root = base_and_loras
     work = workload(1, 16, [None, "a4", "b8", "c16"])
     spec = SpeculativeConfig(method="ngram" if speculative else "off", num_speculative_tokens=3, prompt_lookup_min=1,
+                             min_speedup=None,
                              disable_by_batch_size=None, min_accepted_tokens=0.0)
     eng = engine(base, root, max_batched_tokens=32, max_total_tokens=384, async_scheduling=async_scheduling,
                  speculative=spec)

@@ -21,7 +21,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
 
 
 def make_engine(path, method: str) -> Engine:
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, prompt_lookup_min=1,
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, prompt_lookup_min=1, min_speedup=None,
                              disable_by_batch_size=None, min_accepted_tokens=0.0)
     cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu"),
                        serving_tuning=ServingTuning(max_total_tokens=4096, max_batched_tokens=256,

@@ -234,7 +234,7 @@ def test_speculating_worker_streams_every_kept_token_in_order(services, prefix, 
     the stream carries them all, seq unbroken, and the ids are the engine's without it."""
     from worker.config import SpeculativeConfig
 
-    spec = SpeculativeConfig(method="ngram", prompt_lookup_min=1, min_accepted_tokens=0.0)
+    spec = SpeculativeConfig(method="ngram", prompt_lookup_min=1, min_accepted_tokens=0.0, min_speedup=None)
     cfg = worker_config(services, prefix, tuning={"speculative": spec})
     engine = engine_factory(cfg)
     prompts = [f"Job {i}: the module provides the module provides the module" for i in range(6)]

@@ -148,7 +148,7 @@ def drifting(s) -> int:
 
 
 def engine(method: str, next_token=periodic, **tuning):
-    spec = SpeculativeConfig(method=method, prompt_lookup_min=1, disable_by_batch_size=None,
+    spec = SpeculativeConfig(method=method, prompt_lookup_min=1, disable_by_batch_size=None, min_speedup=None,
                              min_accepted_tokens=0.0)
     return null_engine(EngineConfig(serving_tuning=ServingTuning(speculative=spec, **tuning)), next_token=next_token,
                        eos_token_ids=frozenset({0}))
@@ -256,3 +256,47 @@ def test_vllm_engine_refuses_our_speculative_section():
     with pytest.raises(ConfigError, match="speculative_config"):
         EngineConfig(model=ModelConfig(engine="vllm", vllm_python="/usr/bin/python3"),
                      serving_tuning=ServingTuning(speculative=SpeculativeConfig(method="ngram")))
+
+
+def test_step_cost_measures_both_ways_then_keeps_the_faster_and_looks_again():
+    from worker.engine.speculative import EXPLORE_EVERY, StepCost
+
+    cost = StepCost(1.0)
+    assert cost.allows(2)  # nothing measured at 2: with guesses first
+    cost.observe(True, 6, 0.010)  # 600 tokens/s with guesses
+    assert not cost.allows(2)  # then without
+    cost.observe(False, 2, 0.002)  # 1000 tokens/s without: guesses do not pay here
+    decisions = [cost.allows(2) for _ in range(3 * EXPLORE_EVERY)]
+    assert decisions.count(True) == 3  # only the re-measuring steps speculate
+    assert cost.allows(1)  # another batch size is measured apart
+    cost.observe(True, 3, 0.001)
+    assert not cost.allows(1)
+    cost.observe(False, 1, 0.001)
+    assert sum(cost.allows(1) for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1  # 3000 vs 1000: guesses pay
+    off = StepCost(None)
+    off.observe(True, 1, 1.0)
+    assert all(off.allows(n) for n in range(1, 9))
+
+
+@pytest.mark.parametrize("slow_guesses", [False, True])
+def test_guesses_that_make_steps_slower_turn_themselves_off(slow_guesses):
+    """The null runner verifies for free; made to spend 20 ms on every step with a draft, its
+    guesses cost more than they save, and speculation stops but for its re-measuring steps."""
+    import time
+
+    spec = SpeculativeConfig(method="ngram", prompt_lookup_min=1, disable_by_batch_size=None, min_accepted_tokens=0.0)
+    eng = null_engine(EngineConfig(serving_tuning=ServingTuning(speculative=spec)), next_token=periodic,
+                      eos_token_ids=frozenset({0}))
+    real = eng.runner.execute
+
+    def execute(sched):
+        time.sleep(0.02 if slow_guesses and any(s.draft for s in sched.scheduled) else 0.001)
+        return real(sched)
+
+    eng.runner.execute = execute
+    run(eng, [[3, 4, 5, 6, 8, 9, 10]], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    drafts = eng.scheduler.speculation.stats.num_drafts
+    if slow_guesses:
+        assert drafts <= 2 + 300 // 32, drafts  # the first measurement and one in 32 after it
+    else:
+        assert drafts > 50, drafts

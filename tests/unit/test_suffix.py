@@ -53,7 +53,8 @@ def test_finished_requests_are_searched_and_the_cache_is_bounded():
 
 
 def suffix_engine(method: str):
-    spec = SpeculativeConfig(method=method, prompt_lookup_min=2, disable_by_batch_size=None, min_accepted_tokens=0.0)
+    spec = SpeculativeConfig(method=method, prompt_lookup_min=2, disable_by_batch_size=None, min_accepted_tokens=0.0,
+                             min_speedup=None)
     return null_engine(EngineConfig(serving_tuning=ServingTuning(speculative=spec)), eos_token_ids=frozenset({0}))
 
 

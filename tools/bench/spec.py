@@ -56,11 +56,12 @@ def workloads(tokenizer, n: int, seed: int) -> dict[str, list[list[int]]]:
     return {"prompt": passages(1 + seed), "repeat": passages(0)}
 
 
-def make_engine(path: Path, method: str, k: int, running: int, compile_mode: str, draft: Path | None = None):
+def make_engine(path: Path, method: str, k: int, running: int, compile_mode: str, draft: Path | None = None,
+                min_speedup: float | None = 1.0):
     from worker.config import EngineConfig, ModelConfig, ServingTuning, SpeculativeConfig
     from worker.engine import Engine
 
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=k,
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, min_speedup=min_speedup,
                              draft_model=str(draft) if method == "draft" else None)
     cfg = EngineConfig(model=ModelConfig(device="cpu", compile=compile_mode),
                        serving_tuning=ServingTuning(max_running_requests=max(running, 1), max_batched_tokens=4096,
@@ -123,12 +124,13 @@ def compare(engines: dict, prompts, max_tokens: int, rounds: int) -> dict:
     return out
 
 
-def engines_for(path: Path, methods: list[str], running: int, compile_mode: str, draft: Path | None) -> dict:
+def engines_for(path: Path, methods: list[str], running: int, compile_mode: str, draft: Path | None,
+                min_speedup: float | None) -> dict:
     """Plain decoding and one engine per `method:k`."""
     engines = {"off": make_engine(path, "off", 4, running, compile_mode)}
     for m in methods:
         method, _, k = m.partition(":")
-        engines[m] = make_engine(path, method, int(k or 4), running, compile_mode, draft)
+        engines[m] = make_engine(path, method, int(k or 4), running, compile_mode, draft, min_speedup)
     return engines
 
 
@@ -166,17 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--draft-model", default=None, help="the draft of `draft:k` methods (default: a 1-layer draft "
                                                         "distilled from --model, made if missing)")
+    p.add_argument("--min-speedup", default="1.0", help="speculative.min_speedup of the speculating engines "
+                                                         "(`none`: guesses at every step, the step-cost rule off)")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
+    min_speedup = None if a.min_speedup.lower() == "none" else float(a.min_speedup)
     path = ensure_model(Path(a.model))
     draft = None
     if any(m.startswith("draft") for m in a.methods):
         draft = ensure_draft(Path(a.draft_model or f"{path}-draft"), path)
     report: dict = {"machine": machine(), "model": str(path), "draft_model": str(draft) if draft else None,
-                    "compile": a.compile, "rounds": a.rounds,
+                    "compile": a.compile, "min_speedup": min_speedup, "rounds": a.rounds,
                     "max_tokens": a.max_tokens, "by_workload": {}}
     for running in a.running:
-        engines = engines_for(path, a.methods, running, a.compile, draft)
+        engines = engines_for(path, a.methods, running, a.compile, draft, min_speedup)
         tok = engines["off"].tokenizer
         for workload in a.workloads:
             empty_caches(engines)
@@ -186,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             _print(f"{workload} at {running} running", res)
     if a.saturation:
         n = a.saturation
-        engines = engines_for(path, a.methods[:1] + a.methods[-1:], n, a.compile, draft)
+        engines = engines_for(path, a.methods[:1] + a.methods[-1:], n, a.compile, draft, min_speedup)
         tok = engines["off"].tokenizer
         res = compare(engines, lambda r: workloads(tok, n, r)["prompt"], a.max_tokens, a.rounds)
         report["saturation"] = {str(n): res}

@@ -48,6 +48,12 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         disable_by_batch_size: speculate only while at most this many requests run
             (vLLM's `disable_by_batch_size` idea): a full batch keeps the device busy
             without guesses, and verifying them would cost throughput. None: always.
+        min_speedup: speculate at a number of running requests only while the decode
+            steps there emit at least this many times the output tokens per second with
+            guesses that they emit without (both measured by the engine, each re-measured
+            every 32nd step; `worker/engine/speculative.py` `StepCost`): guesses that cost
+            more to draft and verify than they save turn themselves off. None: no
+            measuring (every step may speculate; tests that need guesses use it).
         min_accepted_tokens: a request whose drafts keep fewer guesses than this on
             average (a moving average over its drafts) stops proposing for a pause that
             doubles each time it happens again (16 steps, at most 1024), so text that
@@ -64,6 +70,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = 8
     min_accepted_tokens: float = 1.0
+    min_speedup: float | None = 1.0
     suffix_max_depth: int = 24
     suffix_cache_requests: int = 256
     suffix_min_token_prob: float = 0.1
@@ -88,6 +95,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise ConfigError(f"{section}.suffix_cache_requests must be >= 0, got {self.suffix_cache_requests}")
         if not 0.0 <= self.suffix_min_token_prob <= 1.0:
             raise ConfigError(f"{section}.suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
+        if self.min_speedup is not None and not 0.0 < self.min_speedup <= 10.0:
+            raise ConfigError(f"{section}.min_speedup must be in (0, 10] or null, got {self.min_speedup}")
         if not 0.0 <= self.min_accepted_tokens < self.num_speculative_tokens:
             raise ConfigError(f"{section}.min_accepted_tokens must be in [0, num_speculative_tokens), got "
                               f"{self.min_accepted_tokens}")

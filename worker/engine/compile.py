@@ -79,6 +79,8 @@ class CompileReport(msgspec.Struct, frozen=True):
             the graphs hold.
         cuda_graph_replay: how they replay (`worker.model.graphs.REPLAYS`; `emulated`:
             tests and tools on the CPU).
+        draft: how the draft model's forward runs (`speculative.method: draft`:
+            `compiled`, or `eager (why)`); "" without one, or with an eager model.
     """
 
     compiled: bool
@@ -92,6 +94,7 @@ class CompileReport(msgspec.Struct, frozen=True):
     cuda_graph_seconds: float = 0.0
     cuda_graph_bytes: int = 0
     cuda_graph_replay: str = ""
+    draft: str = ""
 
     def describe(self) -> str:
         if not self.compiled:
@@ -113,6 +116,8 @@ class CompileReport(msgspec.Struct, frozen=True):
                      f"{self.cuda_graph_bytes / 2**20:.0f} MiB)")
         elif self.cuda_graph_reason:
             text += f"; no CUDA graphs ({self.cuda_graph_reason})"
+        if self.draft:
+            text += f"; draft model {self.draft}"
         return text
 
 
@@ -144,7 +149,7 @@ def inductor_cache_dir() -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-def _warm_up(generate: Generate) -> list[list[int]]:
+def warm_up(generate: Generate) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=WARM_UP_TOKENS, ignore_eos=True)
     ids = []
     for prompts in WARM_UP:
@@ -192,7 +197,7 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate, graphs
     replay, graphs_why = graphs_wanted(graphs_setting, runner.device.type, runner.lora is not None, runner.backend)
     if not on and replay is None:
         return CompileReport(False, reason, cuda_graph_reason=graphs_why)
-    expected = _warm_up(generate)  # eager: the reference ids
+    expected = warm_up(generate)  # eager: the reference ids
     report = _compile(runner, reason, generate, expected, precompile) if on else CompileReport(False, reason)
     if replay is None:
         return msgspec.structs.replace(report, cuda_graph_reason=graphs_why)
@@ -217,7 +222,7 @@ def _compile(runner: ModelRunner, reason: str, generate: Generate, expected: lis
     got = None
     try:
         runner.compile(precompiled_dir() if precompile else None)
-        got = _warm_up(generate)
+        got = warm_up(generate)
     except Exception as e:
         error = e
     # a compiled step that raised: the runner went eager, ran the step again and kept the error
@@ -257,7 +262,7 @@ def _capture(runner: ModelRunner, report: CompileReport, generate: Generate, exp
     got = checked = None
     try:
         graphs = runner.capture_graphs(max_batch, max_model_len, replay)
-        got, checked = _warm_up(generate), _graph_check(generate, max_batch)
+        got, checked = warm_up(generate), _graph_check(generate, max_batch)
     except Exception as e:
         error = e
     if error is not None or got != expected or checked != reference:

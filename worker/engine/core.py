@@ -218,6 +218,11 @@ class EngineCore:
             lora=sched_.loras.step_stats() if sched_.loras is not None else None,
             spec=self._spec_step_stats(),
         )
+        stats = self.last_step_stats
+        if stats.spec is not None and done is not None and num_prefill == 0 and not failed.num_failed_forwards:
+            # a decode-only step: what it cost, with or without guesses (the step-cost rule)
+            sched_.speculation.cost.observe(stats.spec.num_drafts > 0, len(done.scheduled) + stats.spec.num_accepted_tokens,
+                                            stats.duration_s)
         return outputs
 
     def _spec_step_stats(self) -> SpecStepStats | None:

@@ -72,6 +72,27 @@ class Drafter:
         self.num_failures = 0
         self.seconds = 0.0  # spent in fills, wall seconds
 
+    def compile(self, generate) -> str:
+        """Run the draft model's forward compiled (`ModelRunner.compile`, as the model's is
+        with `model.compile`), its graph built by the engine's warm-up requests through
+        `generate` (`Engine.generate`; they draft). Never raises: a draft model that does
+        not compile stays eager. Returns how its forward runs, in words."""
+        from worker.engine.compile import warm_up
+
+        runner = self.runner
+        try:
+            runner.compile()
+            warm_up(generate)
+            if runner.compile_error is not None:
+                raise runner.compile_error
+            runner.forward_fn.warm = True  # the graph is built: no more guard checks
+        except Exception as e:
+            runner.uncompile()
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning("the draft model's forward stays eager: compiling it failed (%s)", why)
+            return f"eager (compiling failed: {why})"
+        return "compiled"
+
     def fill(self, sched: SchedulerOutput) -> None:
         """Replace each pending draft of `sched` by the draft model's guesses (fewer, or
         none, where a rule of the module docstring cuts them); the step's token count and

@@ -226,6 +226,9 @@ class Engine:
         engine.compile_report = compile_engine(runner, model_cfg.compile, engine.generate, model_cfg.cuda_graphs,
                                                engine.tuning.max_running_requests, engine.max_model_len,
                                                model_cfg.precompile)
+        if drafter is not None and engine.compile_report.compiled:  # the draft model's forward too
+            engine.compile_report = msgspec.structs.replace(engine.compile_report,
+                                                            draft=drafter.compile(engine.generate))
         return engine
 
     # ---- requests in (any thread) ----------------------------------------------------

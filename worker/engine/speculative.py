@@ -52,6 +52,8 @@ DRAFT_PENDING = -2
 PAUSE_STEPS = 16  # a request's first pause after its drafts' kept guesses fell below the floor
 MAX_PAUSE_STEPS = 1024
 EWMA_WEIGHT = 0.25  # weight of the newest draft in a request's moving average of kept guesses
+EXPLORE_EVERY = 32  # StepCost: every so many steps at a batch size run the other way
+COST_EWMA_WEIGHT = 0.1  # StepCost: weight of the newest step in a rate's moving average
 
 
 def num_accepted(sampled: list[int], draft: list[int]) -> int:
@@ -143,6 +145,47 @@ class SpecStats:
                              [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)])
 
 
+class StepCost:
+    """The adaptive rule's measured half: whether guesses pay at a batch size, from the
+    steps themselves (what verifying costs against what it saves, on this device, for
+    this model and proposer).
+
+    Per number of running requests R: a moving average of the output tokens per second
+    of decode-only steps (no prefill chunk) with guesses, and of those without. A step
+    at R speculates while the rate with guesses is at least `min_speedup` x the rate
+    without; each rate is measured first, and every EXPLORE_EVERY-th step at R runs the
+    other way, so a change (longer contexts, a proposer doing better) is seen. None: the
+    rule is off (every step may speculate).
+    """
+
+    def __init__(self, min_speedup: float | None) -> None:
+        self.min_speedup = min_speedup
+        self.rates: dict[tuple[int, bool], float] = {}  # (R, with guesses) -> tokens/s (EWMA)
+        self.steps: dict[int, int] = {}  # steps decided at R
+        self.batch: int | None = None  # R of the step being decided (None: not speculating by batch size)
+
+    def allows(self, num_running: int) -> bool:
+        self.batch = num_running
+        if self.min_speedup is None:
+            return True
+        with_, without = self.rates.get((num_running, True)), self.rates.get((num_running, False))
+        if with_ is None or without is None:
+            return with_ is None  # measure with guesses first, then without
+        n = self.steps[num_running] = self.steps.get(num_running, 0) + 1
+        pays = with_ >= self.min_speedup * without
+        return pays != (n % EXPLORE_EVERY == 0)
+
+    def observe(self, speculated: bool, num_tokens: int, seconds: float) -> None:
+        """A decode-only step of the batch just decided: `num_tokens` output tokens in
+        `seconds` of step (schedule, guesses, forward, update), with guesses or not."""
+        if self.batch is None or seconds <= 0:
+            return
+        key = (self.batch, speculated)
+        rate = num_tokens / seconds
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + COST_EWMA_WEIGHT * (rate - old)
+
+
 class Speculation:
     """The scheduler's proposer: decides per step whether to speculate, proposes a
     request's draft, and learns from what its verification accepted.
@@ -155,14 +198,19 @@ class Speculation:
         self.config = config
         self.k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+        self.cost = StepCost(config.min_speedup)
         # suffix decoding's tokens of recently finished requests (suffix.py)
         self.cache = (SuffixCache(config.suffix_cache_requests, config.prompt_lookup_min)
                       if config.method == "suffix" else None)
 
     def active(self, num_running: int) -> bool:
-        """Whether this step speculates at all (the batch-size rule)."""
+        """Whether this step speculates at all: the batch-size rule, then the step-cost
+        rule (`StepCost`)."""
         limit = self.config.disable_by_batch_size
-        return limit is None or num_running <= limit
+        if limit is not None and num_running > limit:
+            self.cost.batch = None
+            return False
+        return self.cost.allows(num_running)
 
     def propose(self, req, step: int, max_new: int) -> list[int]:
         """A draft for decoding request `req` (a scheduler `Request`) of at most `max_new`
