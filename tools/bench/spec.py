@@ -18,7 +18,8 @@ between workloads). Reported per configuration: median TPOT (ms, per request: (l
 token - first token) / (tokens - 1)), its ratio to plain decoding in the same round
 (median over rounds), tokens accepted / proposed, and the mean accepted length (tokens
 per speculating step, 1 + accepted / drafts). `--saturation N` adds a batch of N requests
-(prompt workload, the default `disable_by_batch_size`): output tokens/s / plain's. Writes
+(prompt workload, the default `disable_by_batch_size`): output tokens/s / plain's. Also
+the rounds' whole wall time against plain decoding's (`wall_ratio_vs_off`). Writes
 `bench_spec.json` and `bench_spec.png`.
 
     python -m tools.bench.spec --running 1 2 4 --methods ngram:2 ngram:4 ngram:8 suffix:4 --saturation 32
@@ -93,7 +94,8 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int) -> dict:
             total += len(o.new_token_ids)
             if o.finished and count[o.request_id] > 1:
                 tpot.append((now - first[o.request_id]) * 1000 / (count[o.request_id] - 1))
-    row = {"tpot_ms": statistics.median(tpot), "output_tokens_per_s": total / (time.perf_counter() - t0)}
+    wall = time.perf_counter() - t0
+    row = {"tpot_ms": statistics.median(tpot), "output_tokens_per_s": total / wall, "wall_s": wall}
     if spec:
         drafts = spec.stats.num_drafts - before[0]
         proposed = spec.stats.num_draft_tokens - before[1]
@@ -115,7 +117,9 @@ def compare(engines: dict, prompts, max_tokens: int, rounds: int) -> dict:
              "output_tokens_per_s": statistics.median(x["output_tokens_per_s"] for x in rows),
              "tpot_ratio_vs_off": statistics.median(x["tpot_ms"] / b["tpot_ms"] for x, b in zip(rows, runs["off"])),
              "throughput_ratio_vs_off": statistics.median(x["output_tokens_per_s"] / b["output_tokens_per_s"]
-                                                          for x, b in zip(rows, runs["off"]))}
+                                                          for x, b in zip(rows, runs["off"])),
+             # the rounds' whole wall time against plain decoding's (the same batches)
+             "wall_ratio_vs_off": sum(x["wall_s"] for x in rows) / sum(b["wall_s"] for b in runs["off"])}
         if "drafts" in rows[0]:
             drafts, proposed, accepted = (sum(x[f] for x in rows) for f in ("drafts", "proposed", "accepted"))
             r.update(acceptance_rate=accepted / proposed if proposed else None,
@@ -207,7 +211,7 @@ def _print(title: str, res: dict) -> None:
         extra = (f"  accepted {r['acceptance_rate']:.2f} of proposed, {r['mean_accepted_length']:.2f} tokens/step"
                  if r.get("drafts") else "")
         print(f"  {name:<10} TPOT {r['tpot_ms']:7.2f} ms  {r['tpot_ratio_vs_off']:5.2f}x off  "
-              f"{r['output_tokens_per_s']:7.1f} tok/s{extra}")
+              f"{r['output_tokens_per_s']:7.1f} tok/s  wall {r['wall_ratio_vs_off']:5.2f}x off{extra}")
 
 
 def _plot(report: dict, png: Path) -> None:

@@ -52,8 +52,10 @@ DRAFT_PENDING = -2
 PAUSE_STEPS = 16  # a request's first pause after its drafts' kept guesses fell below the floor
 MAX_PAUSE_STEPS = 1024
 EWMA_WEIGHT = 0.25  # weight of the newest draft in a request's moving average of kept guesses
-EXPLORE_EVERY = 32  # StepCost: every so many steps at a batch size run the other way
+EXPLORE_EVERY = 32  # StepCost: steps at a batch size before one runs the other way (doubling)
+MAX_EXPLORE_EVERY = 1024
 COST_EWMA_WEIGHT = 0.1  # StepCost: weight of the newest step in a rate's moving average
+EXPLORE_EWMA_WEIGHT = 0.3  # ... of a step run the other way
 
 
 def num_accepted(sampled: list[int], draft: list[int]) -> int:
@@ -147,33 +149,46 @@ class SpecStats:
 
 class StepCost:
     """The adaptive rule's measured half: whether guesses pay at a batch size, from the
-    steps themselves (what verifying costs against what it saves, on this device, for
-    this model and proposer).
+    steps themselves (what drafting and verifying cost against what they save, on this
+    device, for this model and proposer).
 
     Per number of running requests R: a moving average of the output tokens per second
     of decode-only steps (no prefill chunk) with guesses, and of those without. A step
     at R speculates while the rate with guesses is at least `min_speedup` x the rate
-    without; each rate is measured first, and every EXPLORE_EVERY-th step at R runs the
-    other way, so a change (longer contexts, a proposer doing better) is seen. None: the
-    rule is off (every step may speculate).
+    without. Each way is measured first; then a step at R runs the other way after
+    EXPLORE_EVERY steps, then after twice as many each time the verdict stands (up to
+    MAX_EXPLORE_EVERY), and after EXPLORE_EVERY again once it flips: a change (longer
+    contexts, a proposer doing better) is seen, and a way that keeps losing costs less
+    and less. None: the rule is off (every step may speculate).
     """
 
     def __init__(self, min_speedup: float | None) -> None:
         self.min_speedup = min_speedup
-        self.rates: dict[tuple[int, bool], float] = {}  # (R, with guesses) -> tokens/s (EWMA)
-        self.steps: dict[int, int] = {}  # steps decided at R
+        self.rates: dict[tuple[int, bool], float] = {}  # (R, with guesses) -> tokens/s (moving average)
+        self.verdict: dict[int, bool] = {}  # R -> whether guesses paid at the last decision
+        self.since: dict[int, int] = {}  # R -> decisions since its last step the other way
+        self.gap: dict[int, int] = {}  # R -> decisions until its next step the other way
         self.batch: int | None = None  # R of the step being decided (None: not speculating by batch size)
+        self.exploring = False  # the step being decided runs the way the verdict does not choose
 
     def allows(self, num_running: int) -> bool:
-        self.batch = num_running
+        self.batch, self.exploring = num_running, False
         if self.min_speedup is None:
             return True
         with_, without = self.rates.get((num_running, True)), self.rates.get((num_running, False))
         if with_ is None or without is None:
             return with_ is None  # measure with guesses first, then without
-        n = self.steps[num_running] = self.steps.get(num_running, 0) + 1
         pays = with_ >= self.min_speedup * without
-        return pays != (n % EXPLORE_EVERY == 0)
+        if self.verdict.get(num_running, pays) != pays:
+            self.gap[num_running] = EXPLORE_EVERY  # the verdict flipped: look again soon
+        self.verdict[num_running] = pays
+        n = self.since[num_running] = self.since.get(num_running, 0) + 1
+        gap = self.gap.get(num_running, EXPLORE_EVERY)
+        if n < gap:
+            return pays
+        self.since[num_running], self.gap[num_running] = 0, min(2 * gap, MAX_EXPLORE_EVERY)
+        self.exploring = True
+        return not pays
 
     def observe(self, speculated: bool, num_tokens: int, seconds: float) -> None:
         """A decode-only step of the batch just decided: `num_tokens` output tokens in
@@ -183,7 +198,8 @@ class StepCost:
         key = (self.batch, speculated)
         rate = num_tokens / seconds
         old = self.rates.get(key)
-        self.rates[key] = rate if old is None else old + COST_EWMA_WEIGHT * (rate - old)
+        weight = EXPLORE_EWMA_WEIGHT if self.exploring else COST_EWMA_WEIGHT  # a rare sample says more
+        self.rates[key] = rate if old is None else old + weight * (rate - old)
 
 
 class Speculation:
