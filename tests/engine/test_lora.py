@@ -95,22 +95,27 @@ def run(eng: Engine, work, step_s: list[float] | None = None) -> dict[str, list[
     return got
 
 
-@pytest.mark.parametrize(("async_scheduling", "speculative"), [(False, False), (True, False), (False, True)],
-                         ids=["sequential", "async", "sequential-ngram"])
+@pytest.mark.parametrize(("async_scheduling", "speculative"),
+                         [(False, "off"), (True, "off"), (False, "ngram"), (False, "draft")],
+                         ids=["sequential", "async", "sequential-ngram", "sequential-draft"])
 def test_a_mixed_batch_equals_peft_merged_generate(base_and_loras, async_scheduling, speculative):
     """16 requests cycling base / a4 / b8 / c16 over one shared 48-token prefix, 32-token
     steps (chunked prefill) and 384 tokens of KV (preemption): each equals its own
     reference; the base model's requests equal their solo run. With speculative decoding
-    (prompt lookup) each request's guesses are verified with its own adapter."""
+    (prompt lookup; a draft model, which drafts without adapters) each request's guesses
+    are verified with its own adapter."""
+    from tests.conftest import draft_checkpoint
     from worker.config import SpeculativeConfig
 
     base, root = base_and_loras
     work = workload(1, 16, [None, "a4", "b8", "c16"])
-    spec = SpeculativeConfig(method="ngram" if speculative else "off", num_speculative_tokens=3, prompt_lookup_min=1,
-                             min_speedup=None,
-                             disable_by_batch_size=None, min_accepted_tokens=0.0)
-    eng = engine(base, root, max_batched_tokens=32, max_total_tokens=384, async_scheduling=async_scheduling,
-                 speculative=spec)
+    spec = SpeculativeConfig(method=speculative, num_speculative_tokens=3, prompt_lookup_min=1, min_speedup=None,
+                             disable_by_batch_size=None, min_accepted_tokens=0.0,
+                             draft_model=str(draft_checkpoint(base.name.split("-")[1])) if speculative == "draft"
+                             else None)
+    # (a draft model's guesses differ from prompt lookup's: 320 tokens for it to preempt too)
+    eng = engine(base, root, max_batched_tokens=32, max_total_tokens=320 if speculative == "draft" else 384,
+                 async_scheduling=async_scheduling, speculative=spec)
     chunks = []
     real = eng.runner.build_metadata
 
@@ -125,7 +130,7 @@ def test_a_mixed_batch_equals_peft_merged_generate(base_and_loras, async_schedul
         assert got[rid] == refs[rid], (rid, adapter)
     assert eng.scheduler.num_preemptions_total > 0  # preemption happened
     assert max(chunks) == 32 and any(c < 32 for c in chunks)  # prompts were split into chunks
-    if speculative:  # guesses kept and rejected, under adapters
+    if speculative != "off":  # guesses kept and rejected, under adapters
         stats = eng.scheduler.speculation.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     base_refs = references(base, root, [(rid, p, m, None) for rid, p, m, a in work if a is not None])

@@ -229,12 +229,16 @@ def test_late_subscriber_gets_the_whole_sequence(services, prefix, engine_factor
     assert isinstance(fin, Finished) and fin.finish_reason == "length"
 
 
-def test_speculating_worker_streams_every_kept_token_in_order(services, prefix, engine_factory):
-    """Prompt lookup on (serving_tuning.speculative): a step may give a job several tokens;
-    the stream carries them all, seq unbroken, and the ids are the engine's without it."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculating_worker_streams_every_kept_token_in_order(services, prefix, engine_factory, method):
+    """Prompt lookup, or a draft model, on (serving_tuning.speculative): a step may give a
+    job several tokens; the stream carries them all, seq unbroken, and the ids are the
+    engine's without it."""
+    from tests.conftest import draft_checkpoint
     from worker.config import SpeculativeConfig
 
-    spec = SpeculativeConfig(method="ngram", prompt_lookup_min=1, min_accepted_tokens=0.0, min_speedup=None)
+    spec = SpeculativeConfig(method=method, prompt_lookup_min=1, min_accepted_tokens=0.0, min_speedup=None,
+                             draft_model=str(draft_checkpoint("llama")) if method == "draft" else None)
     cfg = worker_config(services, prefix, tuning={"speculative": spec})
     engine = engine_factory(cfg)
     prompts = [f"Job {i}: the module provides the module provides the module" for i in range(6)]
