@@ -124,7 +124,18 @@ def test_a_failing_draft_model_costs_the_guesses_not_the_requests(llama_path, en
         raise RuntimeError("draft device lost")
 
     engine.core.drafter.runner.execute = broken
+    stats = []
+    real_step = engine.core.step
+
+    def step():
+        out = real_step()
+        stats.append(engine.core.last_step_stats)
+        return out
+
+    engine.core.step = step
     outs = engine.generate(prompts, params)
+    # the guesses taken back leave the step's counts whole (no negative prefill: metrics counters)
+    assert all(s.num_prefill_tokens >= 0 and s.num_decode_tokens >= 0 for s in stats)
     assert [o.token_ids for o in outs] == truth and all(o.finish_reason == "length" for o in outs)
     assert len(calls) > 5 and engine.core.drafter.num_failures == len(calls)
     assert engine.scheduler.speculation.stats.num_draft_tokens == 0  # every step decoded plainly

@@ -117,7 +117,9 @@ class Drafter:
             draft = guesses.get(s.request_id, [])
             if s.grammar is not None and draft:
                 draft = draft[: s.grammar.raw.validate_tokens(draft)]
-            sched.num_scheduled_tokens -= len(s.draft) - len(draft)
+            cut = len(s.draft) - len(draft)
+            sched.num_scheduled_tokens -= cut
+            sched.num_spec_tokens -= cut  # its last token stays a decode position
             s.draft = draft
             s.token_ids = s.token_ids[:1] + draft
             req.num_computed_tokens = s.start_pos + len(s.token_ids)

@@ -203,6 +203,8 @@ class Engine:
                                loaded.device, loaded.dtype)
         check_kv_dtype(loaded, tuning)
         draft = load_draft(tuning.speculative, model_cfg, loaded) if tuning.speculative.method == "draft" else None
+        if draft is not None:
+            check_kv_dtype(draft, tuning)  # its KV is kept in the same dtype
         num_blocks = kv_cache_blocks(loaded, tuning, reserve_bytes=graph_reserve(loaded, model_cfg, tuning),
                                      draft=draft)
         runner = ModelRunner(
