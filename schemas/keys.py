@@ -120,6 +120,13 @@ def cancelled_key(job_id: str, prefix: str = "inflight") -> str:
     return f"{prefix}:job:{job_id}:cancelled"
 
 
+def suspect_key(job_id: str, prefix: str = "inflight") -> str:
+    """When (Redis server time, ms) a claim first found the job at `worker.max_job_failures`:
+    it is called poison only `worker.poison_grace_s` after that (a stalled worker may come
+    back and clear its failure mark)."""
+    return f"{prefix}:job:{job_id}:suspect"
+
+
 def failures_key(job_id: str, prefix: str = "inflight") -> str:
     """Attempts that started and never ended cleanly (the worker died, or the engine
     failed on the job): incremented on claim, decremented on a clean end. At

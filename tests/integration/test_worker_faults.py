@@ -275,7 +275,8 @@ def test_a_job_that_kills_its_workers_becomes_poison(services, prefix, llama_pat
     next worker, where the poison job kills a second worker by itself; the third worker
     does not run it (`worker.max_job_failures` 2): `finished(error)`, code `poison`, the
     record to the DLQ. Every other job finishes exactly once; none is poisoned."""
-    cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"})
+    cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
+                        worker={"poison_grace_s": 3.0})  # the workers it killed never come back
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     from tests.integration.processes import spawn_worker
 
@@ -312,6 +313,50 @@ def test_a_job_that_kills_its_workers_becomes_poison(services, prefix, llama_pat
     assert sorted(codes) == [0, 70, 70], f"exactly two workers died: exit codes {codes}"
     for j in ids:
         assert assert_well_formed(results[j], j).finish_reason == "length"
+
+
+def test_a_job_killed_once_and_stalled_once_is_not_poison(services, prefix, tmp_path):
+    """The soak's case: a job whose first attempt died with its worker (kill -9) runs alone
+    on a second worker, which is then frozen (SIGSTOP) past its lease and its session. The
+    third worker finds two failure marks, as it would after two deaths, but the second
+    worker is alive: the third waits `worker.poison_grace_s` instead of calling the job
+    poison, the second comes back (SIGCONT), takes its claim back and finishes the job.
+    Exactly one outcome, `length`; no DLQ record. (Before: `finished(error)`, `poison`.)"""
+    import redis.asyncio as aioredis
+
+    from tests.integration.processes import spawn_worker, wait_for_starts, wait_started
+
+    cfg = worker_config(services, prefix, worker={"poison_grace_s": 60.0})
+    job = "stalled-once"
+    command = ("tests.integration.null_worker",)
+
+    async def main():
+        r = aioredis.from_url(services[1])
+        await r.set(keys.attempts_key(job, prefix), 1, ex=600)  # attempt 1 ran, and its worker died:
+        await r.sadd(keys.failures_key(job, prefix), 1)  # its failure mark stayed
+        await r.aclose()
+        b, b_log = spawn_worker(tmp_path, cfg, "worker-b", command=command, extra=("--step-delay", "0.05"))
+        await wait_started(b_log, b)
+        async with InflightClient(services[0], services[1], topic_prefix=prefix, key_prefix=prefix) as client:
+            await client.submit("x", params=SamplingParams(max_tokens=300, ignore_eos=True), job_id=job)
+            await wait_for_starts(client, [job], "worker-b", 1)
+            b.send_signal(signal.SIGSTOP)  # frozen past its 3 s lease and 6 s session
+            c, c_log = spawn_worker(tmp_path, cfg, "worker-c", command=command, extra=("--step-delay", "0.05"))
+            deadline = time.monotonic() + 90
+            while "reached its failure limit" not in c_log.read_text():
+                assert time.monotonic() < deadline, c_log.read_text()[-3000:]
+                assert c.poll() is None, c_log.read_text()[-3000:]
+                await asyncio.sleep(0.2)
+            b.send_signal(signal.SIGCONT)  # back: takes its claim back (the third gave it back) and goes on
+            events = await collect(client, job, 120)
+            dead = await read_dlq(services[0], prefix, 1, timeout=3.0)  # none expected: 3 s of looking
+        return events, dead, c_log.read_text()
+
+    events, dead, c_text = asyncio.run(main())
+    fin = assert_well_formed(events, job)
+    assert fin.finish_reason == "length" and fin.usage.completion_tokens == 300, fin
+    assert "poison job not run again" not in c_text
+    assert not [d for d in dead if d.key == job.encode()]
 
 
 def test_a_done_job_whose_results_record_was_lost_gets_it_from_its_log(services, prefix):

@@ -49,6 +49,9 @@ class Claims:
         asyncio.current_task().cancel()
         return set(claims)
 
+    async def release(self, claims: list[tuple[str, str, int]]) -> None:
+        self.released = sorted(claims)
+
 
 def held_jobs():
     """Two jobs held here: "running" (in the engine) and "finished" (its terminal event
@@ -96,3 +99,21 @@ def test_claims_another_worker_took_are_handed_back_and_aborted():
     assert host.aborted == ["running"]  # the finished one is out of the engine already
     assert len(table) == 0 and lost_count(metrics) == 2
     assert not table.drain()  # its terminal event is dropped: the holder's counts
+
+
+def test_a_worker_that_lived_through_losing_its_claims_clears_their_failure_marks():
+    """A stalled worker comes back to find its claims taken: its attempts did not die with
+    it, so their failure marks go (a job at its failure limit waits for exactly that:
+    `worker.poison_grace_s`); a job whose terminal event it published keeps its own end."""
+    table = held_jobs()
+    claims = Claims(lambda: None)
+    leases = ClaimLeases(table, claims, Metrics(), lease_ms=30, host=Host())
+
+    async def main():
+        table.drain()  # "finished" has its terminal event numbered: not lost
+        leases.hand_back_lost(["finished", "running"])
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert claims.released == [("running", "tok", 1)]

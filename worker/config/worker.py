@@ -26,6 +26,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_job_failures: a job whose earlier attempts died this many times (a worker
             crashed running it) is not run again: `finished(error)`, code `poison`, and
             the record goes to the DLQ.
+        poison_grace_s: how long a job at `max_job_failures` waits before it is called
+            poison, seconds: a worker that stalled (paused, swapped out, frozen) past its
+            claim lease looks dead until it comes back; when it does, it clears the mark
+            its attempt left, and the job runs (alone) instead. 0: at once.
         tokenizer_threads: threads that tokenize prompts and render chat templates, off
             the event loop.
         engine_process: run the engine core (model, KV cache, scheduler) in its own
@@ -63,6 +67,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_local_jobs: int | None = None
     drain_timeout_s: float = 30.0
     max_job_failures: int = 2
+    poison_grace_s: float = 60.0
     tokenizer_threads: int = 2
     engine_process: bool = True
     engine_threads: int | None = None
@@ -77,6 +82,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                   tokenizer_threads=self.tokenizer_threads, engine_threads=self.engine_threads,
                   max_local_jobs_per_tenant=self.max_local_jobs_per_tenant,
                   read_ahead_per_partition=self.read_ahead_per_partition, read_ahead_bytes=self.read_ahead_bytes)
+        if not 0 <= self.poison_grace_s <= 86_400:
+            raise ConfigError(f"worker.poison_grace_s must be in [0, 86400], got {self.poison_grace_s}")
         if self.high_priority_reserve is not None and self.high_priority_reserve < 0:
             raise ConfigError(f"worker.high_priority_reserve must be >= 0, got {self.high_priority_reserve}")
         if (self.max_local_jobs is not None and self.high_priority_reserve is not None

@@ -178,3 +178,17 @@ for j = 0, (#KEYS - 1) / 4 - 1 do
 end
 return out
 """
+
+# A job at its failure limit: since when (Redis server time) claims have found it so.
+# KEYS: per job: suspect. ARGV: ttl_s. Returns per job the milliseconds since the first
+# such claim (0 for this one).
+SUSPECT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {}
+for j = 1, #KEYS do
+  redis.call('SET', KEYS[j], now, 'NX', 'EX', ARGV[1])
+  out[j] = now - tonumber(redis.call('GET', KEYS[j]))
+end
+return out
+"""

@@ -10,8 +10,11 @@ Per job (keys from `schemas.keys`; job id only, whatever the tenant: see there):
     failures   set of attempts that went to the engine and did not end cleanly: added on
                claim (a suspect job, one with failures, only when it enters the engine
                alone), removed on a clean end (terminal event or hand-back); a worker
-               that died running it leaves its attempt in it. A job with failures runs
-               alone; at `max_job_failures` it is poison.
+               that died running it leaves its attempt in it, a worker that stalled
+               past its lease and came back removes it (it hands the job back). A job
+               with failures runs alone; at `max_job_failures` it is poison once
+               `poison_grace_s` has passed since a claim first found it there (suspect).
+    suspect    when a claim first found the job at its failure limit (server time)
     done       the finish reason, set with the terminal event (TTL = the log's)
     cancelled  tombstone (TTL): a job that arrives after its cancel is dropped
 
@@ -40,7 +43,15 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from schemas import keys
 from schemas.replay import LogEntry
-from worker.serve.claim_scripts import ADOPT_LUA, RECLAIM_LUA, RELEASE_LUA, RENEW_LUA, TAKE_LUA, UNCLAIM_LUA
+from worker.serve.claim_scripts import (
+    ADOPT_LUA,
+    RECLAIM_LUA,
+    RELEASE_LUA,
+    RENEW_LUA,
+    SUSPECT_LUA,
+    TAKE_LUA,
+    UNCLAIM_LUA,
+)
 
 
 class EpochChanged(Exception):
@@ -114,7 +125,7 @@ class ClaimStore:
         self._num_tokens = 0
         self._scripts = {name: redis.register_script(src) for name, src in (
             ("take", TAKE_LUA), ("renew", RENEW_LUA), ("release", RELEASE_LUA), ("reclaim", RECLAIM_LUA),
-            ("unclaim", UNCLAIM_LUA),
+            ("unclaim", UNCLAIM_LUA), ("suspect", SUSPECT_LUA),
             ("adopt", ADOPT_LUA))}
 
     # ---- the dataset epoch ---------------------------------------------------------
@@ -268,6 +279,17 @@ class ClaimStore:
 
     async def tombstone(self, job_id: str) -> None:
         await self.redis.set(keys.cancelled_key(job_id, self.prefix), b"1", ex=self.tombstone_ttl_s)
+
+    async def suspected_for(self, job_ids: list[str]) -> list[float]:
+        """Seconds since a claim first found each job at its failure limit (0.0: now, the
+        first time); the mark lives `ttl_s`.
+
+        Raises:
+            redis.exceptions.ConnectionError / TimeoutError: Redis unreachable.
+        """
+        p = self.prefix
+        out = await self._scripts["suspect"](keys=[keys.suspect_key(j, p) for j in job_ids], args=[self.ttl_s])
+        return [int(ms) / 1000 for ms in out]
 
     def finish_keys(self, job_id: str) -> list[str]:
         """Keys `FINISH_LUA`'s `finish_job` takes for a job: done, claim, failures."""

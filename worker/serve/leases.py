@@ -4,9 +4,10 @@ Every third of `redis.claim_lease_ms` the claims of every job held here (claimed
 engine, finishing) are renewed in one round trip. A claim that is another worker's now
 (this one stalled past its lease, or Redis lost the claim and a restore gave it away)
 means the job is that worker's: it is aborted here, nothing more of it is published or
-recorded (a terminal event not yet published is dropped: the holder's counts), and its
+recorded (a terminal event not yet published is dropped: the holder's counts), its
 records go back to the intake as contested, their offsets open until the holder's
-terminal event appears. A renewal that finds Redis empty (a new dataset epoch) restores
+terminal event appears, and the failure mark of its attempt is cleared (this worker
+lived: the attempt is no evidence the job kills workers; `claims.py`). A renewal that finds Redis empty (a new dataset epoch) restores
 first (`Publisher.restore`: claims, then logs) and renews at the next turn.
 
 Owned by the worker; the only writer of the lease-loss outcome in the job table
@@ -66,6 +67,7 @@ class ClaimLeases:
         self.lease_ms = lease_ms
         self.host = host
         self._warned = 0.0  # time.monotonic() of the last "Redis unreachable" warning
+        self._clearing: set[asyncio.Task] = set()  # failure marks being cleared (`hand_back_lost`)
 
     async def run(self) -> None:
         """Renew until cancelled."""
@@ -95,6 +97,7 @@ class ClaimLeases:
         the claim (the claim deleted, the done mark set), so a renewal that runs after it
         finds no claim of ours. Its fate is the publisher's: published, it is recorded as
         usual; refused (the claim really was taken), the publisher hands it back itself."""
+        alive: list[tuple[str, str, int]] = []
         for job_id in job_ids:
             held = self.table.get(job_id)
             if held is None or held.terminal_published:
@@ -108,3 +111,19 @@ class ClaimLeases:
                 self.host.abort_in_engine(job_id)
             self.metrics.aborted.labels("lease_lost").inc()
             self.host.retake(held.retake_records())
+            alive.append((job_id, held.claim_token, held.attempt))
+        if alive:  # this worker is alive: its attempts did not die with it (no poison evidence)
+            task = asyncio.get_running_loop().create_task(self._clear_failure_marks(alive))
+            self._clearing.add(task)
+            task.add_done_callback(self._clearing.discard)
+
+    async def _clear_failure_marks(self, attempts: list[tuple[str, str, int]]) -> None:
+        """Clear the failure marks of attempts this worker lost but lived through (the
+        claim stays whoever's it is now: `ClaimStore.release` deletes only ours). A job
+        at its failure limit waits `worker.poison_grace_s` for exactly this
+        (`JobStarter._suspects_wait`). Unreachable Redis: the marks stay (logged)."""
+        try:
+            await self.claims.release(attempts)
+        except REDIS_DOWN as e:
+            log.warning("could not clear the failure marks of jobs handed back; they count toward poison",
+                        job_ids=[j for j, _, _ in attempts][:20], error=repr(e)[:200])

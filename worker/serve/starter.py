@@ -15,7 +15,10 @@ engine alone) and cleared when it ends cleanly, so a worker that dies leaves a m
 every job it held — the culprit and its innocent neighbours alike. A job with a mark
 therefore runs *alone* (`worker.serve.isolation.IsolationGate`). If it kills that worker
 too, the death is its own; at `worker.max_job_failures` marks (default 2: one crash
-among neighbours, one alone) it is not run again.
+among neighbours, one alone) it is not run again — once `worker.poison_grace_s` has
+passed since a claim first found it there: a worker that stalled past its lease leaves a
+mark too, and clears it when it comes back (`leases.py`); meanwhile the job is given
+back and retried as a contested record (`_suspects_wait`).
 
 Small inputs (token ids, prompts up to `INLINE_INPUT_BYTES`) are processed on the event
 loop, cheaper than a thread hop; larger ones are tokenized (chat templates rendered) in
@@ -95,6 +98,8 @@ class JobStarter:
     max_local_jobs: jobs held at once before their terminal event (claimed, in the engine);
         as many again may be finishing.
     max_job_failures: earlier unclean attempts after which a job is poison.
+    poison_grace_s: how long a job at that limit waits before it is called poison
+        (`worker.poison_grace_s`), seconds.
     tokenizer_threads: size of the input-processing pool.
     tracing: the worker's tracing (`worker.obs.tracing`; default off): each claimed job
         that is sampled gets its `JobTrace`.
@@ -104,8 +109,8 @@ class JobStarter:
 
     def __init__(self, table: JobTable, claims: ClaimStore, engine: EngineClient,
                  finalizer: Finalizer, metrics: Metrics, host: StarterHost, *, max_local_jobs: int,
-                 max_job_failures: int, tokenizer_threads: int = 2, tracing: Tracing = OFF,
-                 router: PoolRouter | None = None) -> None:
+                 max_job_failures: int, poison_grace_s: float = 0.0, tokenizer_threads: int = 2,
+                 tracing: Tracing = OFF, router: PoolRouter | None = None) -> None:
         self.table = table
         self.claims = claims
         self.engine = engine
@@ -114,6 +119,7 @@ class JobStarter:
         self.host = host
         self.max_local_jobs = max_local_jobs
         self.max_job_failures = max_job_failures
+        self.poison_grace_s = poison_grace_s
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="inflight-input")
         self._tasks: set[asyncio.Task] = set()
         self.router = router if router is not None and router.active else None
@@ -166,10 +172,12 @@ class JobStarter:
             log.info("claims unavailable; will retry the batch", error=repr(e)[:200], records=len(fresh))
             return fresh
         claimed = (claim_start, time.time())  # the claim batch's span (Unix s), for traced jobs
-        contested = []
+        contested = await self._suspects_wait(fresh, results)
         to_run: list[LocalJob] = []
         num_restoring = 0
         for rec, res in zip(fresh, results):
+            if res is None:  # a suspect within its grace: given back, retried as contested
+                continue
             if isinstance(res, Done):  # its outcome may predate its results record (a crash between)
                 self.finalizer.settle(rec.tp, rec.offset, rec.job.job_id, res.tail)
             elif isinstance(res, Contested):
@@ -199,6 +207,44 @@ class JobStarter:
                 task.add_done_callback(self._tasks.discard)
         self.host.wake()
         return contested
+
+    async def _suspects_wait(self, records: list[JobRecord], results: list) -> list[JobRecord]:
+        """Jobs claimed at their failure limit (`max_job_failures`) before
+        `poison_grace_s` has passed since a claim first found them there: the claim is
+        given back (attempt undone) and the record retried as contested, its result set
+        to None. A worker that stalled past its lease looks dead until it comes back;
+        when it does, it clears the failure mark its attempt left (`ClaimLeases`), and
+        the job runs instead of being called poison. Returns the records given back."""
+        at_limit = [i for i, res in enumerate(results)
+                    if isinstance(res, Claimed) and res.failures >= self.max_job_failures]
+        if not at_limit or self.poison_grace_s <= 0:
+            return []
+        ids = [records[i].job.job_id for i in at_limit]
+        try:
+            ages = await self.claims.suspected_for(ids)
+        except REDIS_DOWN as e:  # cannot tell: wait (the claims lapse with their leases)
+            if is_fatal_redis(e):
+                raise
+            ages = [0.0] * len(ids)
+        waiting = [(i, age) for i, age in zip(at_limit, ages) if age < self.poison_grace_s]
+        if not waiting:
+            return []
+        for i, age in waiting:
+            if age == 0.0:
+                log.warning("a job reached its failure limit: waiting worker.poison_grace_s in case a stalled "
+                            "worker comes back before calling it poison", job_id=records[i].job.job_id,
+                            failures=results[i].failures, grace_s=self.poison_grace_s)
+        give_back = [(records[i].job.job_id, results[i].token, results[i].attempt) for i, _ in waiting]
+        try:
+            await self.claims.unclaim(give_back)
+        except REDIS_DOWN as e:
+            if is_fatal_redis(e):
+                raise
+        out = []
+        for i, _ in waiting:
+            out.append(records[i])
+            results[i] = None
+        return out
 
     def _open(self, rec: JobRecord, c: Claimed, claimed: tuple[float, float]) -> LocalJob | None:
         """Open a claimed job; end it at once where a rule says so. Returns it if it

@@ -157,6 +157,7 @@ class Worker:
         self.metrics.pool_info.labels(cfg.worker.pool).set(1)
         self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self,
                                   max_local_jobs=self.max_local_jobs, max_job_failures=cfg.worker.max_job_failures,
+                                  poison_grace_s=cfg.worker.poison_grace_s,
                                   tokenizer_threads=cfg.worker.tokenizer_threads, tracing=self.tracing, router=router)
         reserve = high_priority_reserve(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
         tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs, reserve)
