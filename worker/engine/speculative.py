@@ -38,6 +38,7 @@ speculating one cannot know where the request will stand.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +46,8 @@ import numpy as np
 from worker.config.speculative import SpeculativeConfig
 from worker.engine.outputs import SpecStepStats
 from worker.engine.suffix import SuffixCache, suffix_proposal
+
+log = logging.getLogger(__name__)
 
 # `method: draft`: the guesses of a scheduled draft are this until the draft model fills
 # them in, after the step is scheduled and before its forward (worker/engine/draft.py)
@@ -179,8 +182,12 @@ class StepCost:
         if with_ is None or without is None:
             return with_ is None  # measure with guesses first, then without
         pays = with_ >= self.min_speedup * without
-        if self.verdict.get(num_running, pays) != pays:
-            self.gap[num_running] = EXPLORE_EVERY  # the verdict flipped: look again soon
+        if self.verdict.get(num_running) != pays:
+            log.info("speculative decoding %s at %d running: decode steps give %.0f tokens/s with guesses, %.0f "
+                     "without (min_speedup %.2f)", "on" if pays else "off", num_running, with_, without,
+                     self.min_speedup)
+            if num_running in self.verdict:
+                self.gap[num_running] = EXPLORE_EVERY  # the verdict flipped: look again soon
         self.verdict[num_running] = pays
         n = self.since[num_running] = self.since.get(num_running, 0) + 1
         gap = self.gap.get(num_running, EXPLORE_EVERY)
