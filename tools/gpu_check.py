@@ -351,9 +351,19 @@ def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
     from worker.config import SpeculativeConfig
 
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=None, min_speedup=None)
+    # "triton_draft": sequential steps with a draft model (the checkpoint cut to its first layer, untrained: the
+    # mechanism's cost and exactness, not a good draft's acceptance)
+    draft_path = path.parent / f"{path.name}-cut1"
+    if not (draft_path / "model.safetensors").is_file():
+        from tools.make_draft import distill
+
+        distill(path, draft_path, layers=1, steps=0, corpus_chars=200_000, log=lambda *_: None)
+    draft = SpeculativeConfig(method="draft", draft_model=str(draft_path), num_speculative_tokens=4,
+                              disable_by_batch_size=None, min_speedup=None)
     runs = (("triton", "triton", True, "off", "auto", None), ("triton_no_graphs", "triton", True, "off", "off", None),
             ("torch", "torch", None, "off", "auto", None), ("triton_sequential", "triton", False, "off", "auto", None),
-            ("triton_compiled", "triton", True, "on", "auto", None), ("triton_ngram", "triton", None, "off", "auto", ngram))
+            ("triton_compiled", "triton", True, "on", "auto", None), ("triton_ngram", "triton", None, "off", "auto", ngram),
+            ("triton_draft", "triton", None, "off", "auto", draft))
     for name, backend, async_steps, compiled, graphs, spec in runs:
         forward, t0 = [], time.time()
         try:
@@ -377,9 +387,11 @@ def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
              "async_vs_sequential": ("triton", "triton_sequential"),
              "graphs_vs_no_graphs": ("triton", "triton_no_graphs"),
              "compiled_vs_eager": ("triton_compiled", "triton"),
-             "ngram_vs_sequential": ("triton_ngram", "triton_sequential")}
+             "ngram_vs_sequential": ("triton_ngram", "triton_sequential"),
+             "draft_vs_sequential": ("triton_draft", "triton_sequential")}
     agreements = {"async_vs_sequential": "async_sequential_agreement", "graphs_vs_no_graphs": "graphs_agreement",
-                  "compiled_vs_eager": "compiled_eager_agreement", "ngram_vs_sequential": "ngram_agreement"}
+                  "compiled_vs_eager": "compiled_eager_agreement", "ngram_vs_sequential": "ngram_agreement",
+                  "draft_vs_sequential": "draft_agreement"}
     for key, (x, y) in pairs.items():
         if x in ids and y in ids:
             out[key] = out[x]["output_tokens_per_s"] / out[y]["output_tokens_per_s"]

@@ -56,10 +56,9 @@ def perturbed_copy(src: str | Path, out: str | Path, sigma: float, seed: int = 0
 
 def distill(src: str | Path, out: str | Path, *, layers: int = 1, steps: int = 400, seq: int = 128, batch: int = 16,
             lr: float = 2e-3, corpus_chars: int = 1_500_000, seed: int = 0, log=print) -> dict:
-    """Write a `layers`-layer draft of `src` to `out` (module docstring); returns the
-    held-out greedy agreement before and after training."""
+    """Write a `layers`-layer draft of `src` to `out` (module docstring; `steps` 0: the cut
+    alone); returns the held-out greedy agreement before and after training."""
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tools.make_model import stdlib_docstrings
@@ -95,6 +94,16 @@ def distill(src: str | Path, out: str | Path, *, layers: int = 1, steps: int = 4
                          .float().mean())
 
     before = agreement()
+    if steps:
+        _train(student, teacher, data, steps=steps, seq=seq, batch=batch, lr=lr, gen=gen, log=log)
+    return _save(student, teacher, src, out, layers, before, agreement(), log)
+
+
+def _train(student, teacher, data, *, steps: int, seq: int, batch: int, lr: float, gen, log) -> None:
+    """`steps` AdamW steps on the KL divergence from the teacher's next-token distribution."""
+    import torch
+    import torch.nn.functional as F
+
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     student.train()
@@ -114,7 +123,9 @@ def distill(src: str | Path, out: str | Path, *, layers: int = 1, steps: int = 4
         if step % 50 == 0 or step == steps - 1:
             log(f"distill step {step + 1}/{steps} KL {loss.item():.3f} ({time.time() - t0:.0f}s)")
     student.eval()
-    after = agreement()
+
+
+def _save(student, teacher, src: Path, out: Path, layers: int, before: float, after: float, log) -> dict:
     student.generation_config = teacher.generation_config
     student.save_pretrained(out, safe_serialization=True)
     copy_tokenizer(src, out)

@@ -64,3 +64,6 @@ def test_gpu_check_smoke(tmp_path, llama_path):
     assert eng["ngram_vs_sequential"] > 0  # speculative decoding (prompt lookup) on the Triton kernels
     ngram = eng["ngram_agreement"]
     assert ngram["requests"] == 3 and (torch.cuda.is_available() or ngram["identical"] == 3)
+    assert eng["draft_vs_sequential"] > 0  # speculative decoding with a draft model on the Triton kernels
+    drafted = eng["draft_agreement"]
+    assert drafted["requests"] == 3 and (torch.cuda.is_available() or drafted["identical"] == 3)
