@@ -191,3 +191,29 @@ def test_inflight_check_loads_the_draft_model(llama_path, tmp_path):
     assert good.status == "pass" and good.setting == "serving_tuning.speculative.draft_model", good
     bad = checks(tmp_path / "missing")["draft model"]
     assert bad.status == "fail" and "no config.json" in bad.detail, bad
+
+
+def test_the_draft_models_guesses_replay_from_decode_graphs(llama_path, engines, monkeypatch):
+    """With decode graphs (emulated on the CPU: worker.model.graphs), the draft model's
+    one-token guesses replay its graphs too, and they are the ones its forward gives: the
+    model as its own draft still keeps every guess."""
+    from worker.engine import compile as compile_rules
+
+    monkeypatch.setattr(compile_rules, "GRAPH_REPLAY", {"cpu": "emulated"})
+    prompts, params = workload(seed=9, n=4)
+    truth = [o.token_ids for o in engines["off"].generate(prompts, params)]
+    engine = make_engine(llama_path, llama_path)
+    assert engine.compile_report.draft.startswith("eager, decode graphs for batches of 1-"), engine.compile_report
+    graphs = engine.core.drafter.runner.graphs
+    replayed = []
+    real_run = graphs.run
+
+    def count(input_ids, position_ids, md):
+        replayed.append(input_ids.shape[0])
+        return real_run(input_ids, position_ids, md)
+
+    graphs.run = count
+    assert [o.token_ids for o in engine.generate(prompts, params)] == truth
+    stats = engine.scheduler.speculation.stats
+    assert replayed and stats.num_draft_tokens > 50
+    assert stats.num_accepted_tokens >= 0.98 * stats.num_draft_tokens, stats

@@ -80,7 +80,8 @@ class CompileReport(msgspec.Struct, frozen=True):
         cuda_graph_replay: how they replay (`worker.model.graphs.REPLAYS`; `emulated`:
             tests and tools on the CPU).
         draft: how the draft model's forward runs (`speculative.method: draft`:
-            `compiled`, or `eager (why)`); "" without one, or with an eager model.
+            `compiled` or `eager (why)`, and its decode graphs where the model has
+            them); "" without one, or with a model neither compiled nor captured.
     """
 
     compiled: bool

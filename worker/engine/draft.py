@@ -93,6 +93,24 @@ class Drafter:
             return f"eager (compiling failed: {why})"
         return "compiled"
 
+    def capture_graphs(self, max_batch: int, max_model_len: int, replay: str, generate) -> str:
+        """Capture the draft model's decode graphs (`ModelRunner.capture_graphs`, as the
+        model's are with `model.cuda_graphs`): its guesses after the first are one-token
+        decodes of the step's speculating requests, replayed from graphs for batches up to
+        `max_batch`; exercised through `generate` (`Engine.generate`). Never raises: a
+        draft model that does not capture runs its forward. Returns what happened, in words."""
+        from worker.engine.compile import warm_up
+
+        try:
+            graphs = self.runner.capture_graphs(max_batch, min(max_model_len, self.max_model_len), replay)
+            warm_up(generate)
+        except Exception as e:
+            self.runner.drop_graphs()
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning("the draft model's decode steps run without graphs: capturing failed (%s)", why)
+            return f"no decode graphs (capturing failed: {why})"
+        return f"decode graphs for batches of 1-{graphs.sizes[-1]}"
+
     def fill(self, sched: SchedulerOutput) -> None:
         """Replace each pending draft of `sched` by the draft model's guesses (fewer, or
         none, where a rule of the module docstring cuts them); the step's token count and

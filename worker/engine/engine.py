@@ -228,9 +228,13 @@ class Engine:
         engine.compile_report = compile_engine(runner, model_cfg.compile, engine.generate, model_cfg.cuda_graphs,
                                                engine.tuning.max_running_requests, engine.max_model_len,
                                                model_cfg.precompile)
-        if drafter is not None and engine.compile_report.compiled:  # the draft model's forward too
-            engine.compile_report = msgspec.structs.replace(engine.compile_report,
-                                                            draft=drafter.compile(engine.generate))
+        report = engine.compile_report
+        if drafter is not None and (report.compiled or report.cuda_graph_sizes):  # the draft model's forward too
+            how = [drafter.compile(engine.generate)] if report.compiled else ["eager"]
+            if report.cuda_graph_sizes:
+                how.append(drafter.capture_graphs(engine.tuning.max_running_requests, engine.max_model_len,
+                                                  report.cuda_graph_replay, engine.generate))
+            engine.compile_report = msgspec.structs.replace(report, draft=", ".join(how))
         return engine
 
     # ---- requests in (any thread) ----------------------------------------------------
