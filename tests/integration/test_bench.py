@@ -63,22 +63,39 @@ def test_engine_modes_write_consistent_results(tmp_path, llama_path):
 
 
 def test_speculative_decoding_bench_writes_consistent_results(tmp_path, llama_path):
+    from tests.conftest import draft_checkpoint
     from tools.bench import spec as bench_spec
 
     assert bench_spec.main(["--model", str(llama_path), "--running", "1", "2", "--methods", "ngram:2", "suffix:2",
-                            "--rounds", "2", "--max-tokens", "12", "--saturation", "3", "--compile", "off",
+                            "draft:2", "--draft-model", str(draft_checkpoint("llama")), "--rounds", "2",
+                            "--max-tokens", "12", "--saturation", "3", "--compile", "off", "--min-speedup", "none",
                             "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "bench_spec.json").read_text())
-    assert set(r["by_workload"]) == {"prompt", "repeat"}
+    assert set(r["by_workload"]) == {"prompt", "repeat"} and r["min_speedup"] is None
     for by_running in list(r["by_workload"].values()) + [r["saturation"]]:
         for rows in by_running.values():
             assert set(rows) >= {"off", "ngram:2"}
             assert rows["off"]["tpot_ratio_vs_off"] == 1.0 and rows["off"]["throughput_ratio_vs_off"] == 1.0
+            assert rows["off"]["wall_ratio_vs_off"] == 1.0
             for name, row in rows.items():
                 assert row["tpot_ms"] > 0 and row["output_tokens_per_s"] > 0, name
                 if row.get("drafts"):
                     assert 0 <= row["acceptance_rate"] <= 1 and 1 <= row["mean_accepted_length"] <= 3
     opens(tmp_path / "bench_spec.png")
+
+
+def test_redis_log_bench_writes_consistent_results(tmp_path, services):
+    from tools.bench import redis_log
+
+    assert redis_log.main(["--redis", services[1], "--jobs", "3", "--tokens", "40", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "bench_redis_log.json").read_text())
+    off, on = r["configs"]
+    assert (off["compact_logs"], on["compact_logs"]) == (False, True)
+    assert off["replay_identical"] and on["replay_identical"]  # read_log gave the same events both ways
+    assert on["entries_per_log_ended"] == 3 and off["entries_per_log_ended"] > 40  # started, one run, finished
+    assert r["ended_on_vs_off"] == round(on["bytes_ended"] / off["bytes_ended"], 3) < 1
+    assert on["bytes_per_1k_tokens_ended"] == round(on["bytes_ended"] / 120 * 1000)
+    opens(tmp_path / "bench_redis_log.png")
 
 
 @pytest.mark.parametrize("consumer,rates", [("stream", ["3", "8"]), ("result", ["5"])])

@@ -136,7 +136,7 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--redis", default="redis://127.0.0.1:6390/0")
     ap.add_argument("--jobs", type=int, default=20)
@@ -146,8 +146,8 @@ def main() -> None:
     ap.add_argument("--logprobs", action="store_true", help="every token with its logprob and one top logprob")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results")
-    a = ap.parse_args()
-    a.command_line = " ".join(sys.argv)
+    a = ap.parse_args(argv)
+    a.command_line = " ".join(sys.argv if argv is None else ["python -m tools.bench.redis_log", *argv])
     from tools.bench.harness import machine, write_report
 
     rng = random.Random(a.seed)
@@ -168,7 +168,8 @@ def main() -> None:
         print(f"{c['compact_logs']!s:>12} {c['bytes_per_1k_tokens_running']:>17} {c['bytes_per_1k_tokens_ended']:>15} "
               f"{c['entries_per_log_ended']:>14.1f} {c['terminal_round_ms_p50']:>13.2f} {c['replay_identical']!s:>12}")
     print(f"after the end: {report['ended_on_vs_off']}x the bytes of an uncompacted log -> {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
