@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
-import time
 from pathlib import Path
+
+from tools.make_model import fit
 
 CITIES = ["Paris", "Berlin", "Tokyo", "Lima", "Oslo", "Cairo", "Madrid", "Seoul", "Quito", "Dakar", "Sydney", "Rome",
           "Lagos", "Denver", "Hanoi", "Porto"]
@@ -179,13 +179,10 @@ def _train(model, pairs: list[tuple[list[int], list[int]]], steps: int, log) -> 
     learn)."""
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     gen = torch.Generator().manual_seed(0)
-    batch, t0 = 16, time.time()
-    model.train()
-    for step in range(steps):
+    batch = 16
+
+    def loss_at(step: int):
         picks = torch.randint(0, len(pairs), (batch,), generator=gen).tolist()
         longest = max(len(pairs[i][0]) + len(pairs[i][1]) for i in picks)
         x = torch.zeros(batch, longest, dtype=torch.long)
@@ -195,15 +192,9 @@ def _train(model, pairs: list[tuple[list[int], list[int]]], steps: int, log) -> 
             n = len(prompt) + len(answer)
             x[row, :n] = torch.tensor(prompt + answer)
             labels[row, len(prompt):n] = torch.tensor(answer)
-        loss = model(input_ids=x, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"train step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
-    model.eval()
+        return model(input_ids=x, labels=labels).loss
+
+    fit(model, loss_at, steps, lr=3e-3, weight_decay=0.01, warmup=50, log=log, log_every=100)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,11 +20,11 @@ always, for tests of the verification.
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import sys
-import time
 from pathlib import Path
+
+from tools.make_model import fit
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json")
@@ -104,25 +104,15 @@ def _train(student, teacher, data, *, steps: int, seq: int, batch: int, lr: floa
     import torch
     import torch.nn.functional as F
 
-    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    student.train()
-    t0 = time.time()
-    for step in range(steps):
+    def loss_at(step: int):
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
         x = torch.stack([data[s: s + seq] for s in starts])
         with torch.no_grad():
             target = F.log_softmax(teacher(input_ids=x).logits, -1)
         pred = F.log_softmax(student(input_ids=x).logits, -1)
-        loss = F.kl_div(pred, target, log_target=True, reduction="batchmean") / seq
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"distill step {step + 1}/{steps} KL {loss.item():.3f} ({time.time() - t0:.0f}s)")
-    student.eval()
+        return F.kl_div(pred, target, log_target=True, reduction="batchmean") / seq
+
+    fit(student, loss_at, steps, lr=lr, weight_decay=0.0, warmup=20, log=log, what="distill step", loss_name="KL")
 
 
 def _save(student, teacher, src: Path, out: Path, layers: int, before: float, after: float, log) -> dict:

@@ -154,22 +154,38 @@ def _train(model, tokenizer, texts: list[str], steps: int, max_len: int, log) ->
         ids.append(eos)
     data = torch.tensor(ids, dtype=torch.long)
     seq, batch = min(128, max_len), 16
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    model.train()
     gen = torch.Generator().manual_seed(0)
-    t0 = time.time()
-    for step in range(steps):
+
+    def loss_at(step: int):
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
         x = torch.stack([data[s : s + seq] for s in starts])
-        loss = model(input_ids=x, labels=x).loss
+        return model(input_ids=x, labels=x).loss
+
+    fit(model, loss_at, steps, lr=3e-3, weight_decay=0.01, warmup=50, log=log)
+
+
+def fit(model, loss_at, steps: int, *, lr: float, weight_decay: float, warmup: int, log, log_every: int = 50,
+        what: str = "train step", loss_name: str = "loss") -> None:
+    """`steps` AdamW steps on the scalar `loss_at(step)` (the tools' training loop: this
+    file's, make_agent_model's, make_draft's), gradients clipped to norm 1, the learning
+    rate warmed up linearly over `warmup` steps into a cosine decay; logged every
+    `log_every` steps and at the last; the model is left in eval mode."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    model.train()
+    t0 = time.time()
+    for step in range(steps):
+        loss = loss_at(step)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"train step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+        if step % log_every == 0 or step == steps - 1:
+            log(f"{what} {step + 1}/{steps} {loss_name} {loss.item():.3f} ({time.time() - t0:.0f}s)")
     model.eval()
 
 
