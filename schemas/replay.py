@@ -60,7 +60,7 @@ def parse_splits(splits: str) -> list[tuple[int, int]]:
     """(text bytes, token ids) of each event of a run, in order.
 
     Raises:
-        ValueError: not a list of sizes as `encode_splits` writes them.
+        ValueError: not a list of sizes as `Compactor` writes them.
     """
     out = []
     for part in splits.split(","):

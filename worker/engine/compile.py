@@ -235,7 +235,7 @@ def _compile(runner: ModelRunner, reason: str, generate: Generate, expected: lis
     graphs += bool(artifact)  # a captured or loaded forward is one graph Dynamo never saw
     if error is not None or got != expected:
         runner.uncompile()
-        why = f"compiling failed: {_one_line(error)}" if error is not None else \
+        why = f"compiling failed: {one_line(error)}" if error is not None else \
             "compiled greedy ids differ from eager ones"
         log.warning("model.compile: the forward stays eager: %s", why)
         return CompileReport(False, why)
@@ -268,7 +268,7 @@ def _capture(runner: ModelRunner, report: CompileReport, generate: Generate, exp
         error = e
     if error is not None or got != expected or checked != reference:
         runner.drop_graphs()
-        why = (f"capturing failed: {_one_line(error)}" if error is not None
+        why = (f"capturing failed: {one_line(error)}" if error is not None
                else "greedy ids on the graphs differ from the forward's without them")
         log.warning("model.cuda_graphs: decode steps run without graphs: %s", why)
         return msgspec.structs.replace(report, cuda_graph_reason=why)
@@ -279,5 +279,6 @@ def _capture(runner: ModelRunner, report: CompileReport, generate: Generate, exp
     return report
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
+    """`Type: the message's first line` (300 characters at most), for a log line or a report."""
     return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"

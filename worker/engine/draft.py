@@ -41,6 +41,7 @@ import time
 from typing import TYPE_CHECKING
 
 from schemas.params import SamplingParams
+from worker.engine.compile import one_line, warm_up
 from worker.engine.outputs import ScheduledRequest, SchedulerOutput
 from worker.engine.speculative import DRAFT_PENDING, SpecState
 
@@ -77,8 +78,6 @@ class Drafter:
         with `model.compile`), its graph built by the engine's warm-up requests through
         `generate` (`Engine.generate`; they draft). Never raises: a draft model that does
         not compile stays eager. Returns how its forward runs, in words."""
-        from worker.engine.compile import warm_up
-
         runner = self.runner
         try:
             runner.compile()
@@ -88,7 +87,7 @@ class Drafter:
             runner.forward_fn.warm = True  # the graph is built: no more guard checks
         except Exception as e:
             runner.uncompile()
-            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            why = one_line(e)
             log.warning("the draft model's forward stays eager: compiling it failed (%s)", why)
             return f"eager (compiling failed: {why})"
         return "compiled"
@@ -99,14 +98,12 @@ class Drafter:
         decodes of the step's speculating requests, replayed from graphs for batches up to
         `max_batch`; exercised through `generate` (`Engine.generate`). Never raises: a
         draft model that does not capture runs its forward. Returns what happened, in words."""
-        from worker.engine.compile import warm_up
-
         try:
             graphs = self.runner.capture_graphs(max_batch, min(max_model_len, self.max_model_len), replay)
             warm_up(generate)
         except Exception as e:
             self.runner.drop_graphs()
-            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            why = one_line(e)
             log.warning("the draft model's decode steps run without graphs: capturing failed (%s)", why)
             return f"no decode graphs (capturing failed: {why})"
         return f"decode graphs for batches of 1-{graphs.sizes[-1]}"
@@ -125,8 +122,8 @@ class Drafter:
         except Exception as e:  # the step decodes plainly; its requests are not at fault
             self.num_failures += 1
             if self.num_failures % 100 == 1:
-                log.error("the draft model failed (%s: %s); this step decodes without guesses (%d failures so far)",
-                          type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", self.num_failures)
+                log.error("the draft model failed (%s); this step decodes without guesses (%d failures so far)",
+                          one_line(e), self.num_failures)
             guesses = {}
             for _, req in pending:
                 if req.spec is not None:

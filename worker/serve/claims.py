@@ -183,7 +183,7 @@ class ClaimStore:
         for token, r in zip(tokens, raw):
             kind = r[0].decode() if isinstance(r[0], bytes) else r[0]
             if kind == "done":
-                tail = tuple(e if isinstance(e, bytes) else str(e).encode() for e in (r[2] if len(r) > 2 else []))
+                tail = tuple(_as_bytes(e) for e in (r[2] if len(r) > 2 else []))
                 out.append(Done(r[1].decode() if isinstance(r[1], bytes) else str(r[1]), tail))
             elif kind == "contested":
                 out.append(CONTESTED)

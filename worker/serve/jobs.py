@@ -371,7 +371,7 @@ class JobTable:
                            token_ids=drafts.token_ids, logprobs=drafts.logprobs)
                 self._add(held, ev, events, encoded, tenants)
             if drafts.terminal is not None:
-                if self.compact_logs and held.history:
+                if held.compactor is not None and held.history:
                     compacted[held.job_id] = self._compact(held)
                 term = drafts.terminal
                 term.seq = held.next_seq
@@ -391,7 +391,7 @@ class JobTable:
         except Exception as e:  # an earlier attempt's entry that does not decode: kept as it is
             log.warning("could not compact an earlier attempt's log entries", job_id=held.job_id, error=repr(e)[:200])
             prior = list(held.prior)
-        own = held.compactor.finish() if held.compactor is not None else held.history
+        own = held.compactor.finish()
         held.prior, held.history, held.compactor = tuple(prior), own, None
         return [*prior, *own]
 
