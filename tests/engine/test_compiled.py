@@ -43,12 +43,10 @@ def artifacts(tmp_path, monkeypatch):
 
 def test_the_setting_and_the_device_decide(monkeypatch):
     monkeypatch.setattr(compile_rules, "AUTO_DEVICES", frozenset({"cpu"}))  # the product's (tests/conftest.py)
-    assert compile_rules.wanted("auto", "cpu", has_lora=False) == (True, "model.compile auto: on for cpu")
-    assert compile_rules.wanted("auto", "cuda", has_lora=False)[0] is False
-    assert compile_rules.wanted("on", "cuda", has_lora=False) == (True, "model.compile is on")
-    assert compile_rules.wanted("off", "cpu", has_lora=False) == (False, "model.compile is off")
-    on, why = compile_rules.wanted("on", "cpu", has_lora=True)
-    assert not on and "LoRA" in why
+    assert compile_rules.wanted("auto", "cpu") == (True, "model.compile auto: on for cpu")
+    assert compile_rules.wanted("auto", "cuda")[0] is False
+    assert compile_rules.wanted("on", "cuda") == (True, "model.compile is on")
+    assert compile_rules.wanted("off", "cpu") == (False, "model.compile is off")
 
 
 def test_an_unknown_setting_names_the_field_and_the_values():

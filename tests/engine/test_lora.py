@@ -61,11 +61,13 @@ def references(base: Path, root: Path, work: list[tuple[str, list[int], int, str
     return refs
 
 
-def engine(base: Path, root: Path | None, max_loras: int = 4, **tuning) -> Engine:
+def engine(base: Path, root: Path | None, max_loras: int = 4, compile: str = "auto", precompile: bool = True,
+           **tuning) -> Engine:
     t = dict(max_total_tokens=4096, max_batched_tokens=256, max_running_requests=8, enable_prefix_caching=True)
     t.update(tuning)
     return Engine.from_pretrained(str(base), EngineConfig(
-        model=ModelConfig(dtype="float32", device="cpu", lora_dir=str(root) if root else None, max_loras=max_loras),
+        model=ModelConfig(dtype="float32", device="cpu", lora_dir=str(root) if root else None, max_loras=max_loras,
+                          compile=compile, precompile=precompile),
         serving_tuning=ServingTuning(**t)))
 
 
@@ -135,6 +137,41 @@ def test_a_mixed_batch_equals_peft_merged_generate(base_and_loras, async_schedul
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     base_refs = references(base, root, [(rid, p, m, None) for rid, p, m, a in work if a is not None])
     assert sum(refs[rid] != ids for rid, ids in base_refs.items()) >= 10  # of 12: the adapters change the output
+
+
+@pytest.mark.parametrize("precompile", [True, False], ids=["captured", "dynamo"])
+def test_a_compiled_forward_serves_adapters_exactly(base_and_loras, precompile, tmp_path, monkeypatch):
+    """A LoRA model compiles (the delta an opaque op, `worker.model.lora`): the mixed batch
+    of the eager test, chunked prefill and preemption included, equals the references;
+    a captured forward is keyed apart from the base model's (its hooks add ops), and a
+    second engine loads it and serves the same ids without compiling again."""
+    import torch._dynamo
+
+    from worker.engine import compile as compile_rules
+    from worker.model.compiled import artifact_key
+
+    monkeypatch.setattr(compile_rules, "precompiled_dir", lambda: tmp_path / "precompiled")
+    base, root = base_and_loras
+    work = workload(1, 16, [None, "a4", "b8", "c16"])
+    eng = engine(base, root, compile="on", precompile=precompile, max_batched_tokens=32, max_total_tokens=384)
+    report = eng.compile_report
+    assert report.compiled, report.describe()
+    assert report.artifact == ("captured" if precompile else "")
+    plain = engine(base, None, compile="off")
+    assert artifact_key(eng.runner.model) != artifact_key(plain.runner.model)
+    refs = references(base, root, work)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    got = run(eng, work)
+    for rid, *_, adapter in work:
+        assert got[rid] == refs[rid], (rid, adapter)
+    assert eng.scheduler.num_preemptions_total > 0
+    assert eng.runner.compiled and eng.runner.compile_error is None  # never fell back to eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before  # no graph built while serving
+    if precompile:
+        again = engine(base, root, compile="on", max_batched_tokens=32, max_total_tokens=384)
+        assert again.compile_report.artifact == "loaded"
+        got = run(again, workload(1, 16, [None, "a4", "b8", "c16"]))
+        assert all(got[rid] == refs[rid] for rid, *_ in work)
 
 
 def test_prefix_cache_is_salted_by_adapter(base_and_loras):

@@ -109,7 +109,7 @@ def compile_check(cfg: WorkerConfig, loaded) -> Check:
     from worker.engine import compile as rules
     from worker.model import compiled
 
-    on, why = rules.wanted(cfg.model.compile, loaded.device.type, cfg.model.lora_dir is not None)
+    on, why = rules.wanted(cfg.model.compile, loaded.device.type)
     if not on:
         return Check("compile", "info", "model.compile", f"eager ({why})")
     if loaded.device.type == "cpu":

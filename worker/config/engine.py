@@ -279,8 +279,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             `on`, `off`, or `auto` = on where it was measured faster (the CPU: decode steps
             1.16x, offline throughput 1.01x on the benchmark model, docs/benchmarks.md),
             off on CUDA until a GPU measures it. The graph is built at start-up (7-30 s
-            on a 2-core box); a model with LoRA adapters, or whose compiled forward fails
-            its warm-up, runs eagerly with one log line saying why.
+            on a 2-core box); a model whose compiled forward fails its warm-up runs
+            eagerly with one log line saying why (LoRA adapters compile too).
         precompile: with `compile` on, capture the compiled forward ahead of time
             (`torch.compiler.precompile`, torch >= 2.15, the CPU) into
             `$XDG_CACHE_HOME/inflight/precompiled`, and load it at the next start with the

@@ -2,7 +2,7 @@
 fallback to eager.
 
 `compile_engine` decides from the setting and the model (`auto` = on where measured
-faster: the CPU; off on CUDA until a GPU measures it; LoRA keeps a model eager), then
+faster: the CPU; off on CUDA until a GPU measures it), then
 builds the graph by running warm-up requests through the engine itself: steps of
 several tokens keeping several logit rows, of several tokens keeping one, and of one
 token (the sizes are unbacked, `worker.model.compiled`, so one graph serves them all).
@@ -122,12 +122,11 @@ class CompileReport(msgspec.Struct, frozen=True):
         return text
 
 
-def wanted(setting: str, device_type: str, has_lora: bool) -> tuple[bool, str]:
-    """Whether to compile, and why: `setting` is `ModelConfig.compile`."""
+def wanted(setting: str, device_type: str) -> tuple[bool, str]:
+    """Whether to compile, and why: `setting` is `ModelConfig.compile`. LoRA adapters
+    compile too: their delta is an opaque op of the graph (`worker.model.lora`)."""
     if setting == "off":
         return False, "model.compile is off"
-    if has_lora:
-        return False, "LoRA adapters (their forward hooks change between steps)"
     if setting == "on":
         return True, "model.compile is on"
     if device_type in AUTO_DEVICES:
@@ -171,7 +170,7 @@ def graphs_wanted(setting: str, device_type: str, has_lora: bool, backend: Modul
     if setting == "off":
         return None, "model.cuda_graphs is off"
     if has_lora:
-        return None, "LoRA adapters (their forward hooks change between steps)"
+        return None, "LoRA adapters (a step's grouping of tokens by adapter is built on the host)"
     if replay == "cuda" and not getattr(backend, "GRAPH_SAFE", False):
         return None, f"the attention back end {backend.__name__.rsplit('.', 1)[-1]} is not graph-safe"
     return replay, "model.cuda_graphs is auto"
@@ -194,7 +193,7 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate, graphs
     them on this device, for batches up to `max_batch` and contexts up to
     `max_model_len` (module docstring). Never raises for a model that does not compile
     or capture: the engine stays eager (or without graphs) and the report says why."""
-    on, reason = wanted(setting, runner.device.type, runner.lora is not None)
+    on, reason = wanted(setting, runner.device.type)
     replay, graphs_why = graphs_wanted(graphs_setting, runner.device.type, runner.lora is not None, runner.backend)
     if not on and replay is None:
         return CompileReport(False, reason, cuda_graph_reason=graphs_why)

@@ -197,7 +197,7 @@ def paged_attention_forward(
         RuntimeError: called without `inflight_metadata` (the model was run outside the engine).
     """
     latent = getattr(module, "inflight_latent", None)
-    if _traced():  # one opaque op of the compiled graph (worker.model.compiled)
+    if traced():  # one opaque op of the compiled graph (worker.model.compiled)
         out = torch.ops.inflight.attention(
             query, key, value, module.layer_idx, float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
             int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux"),
@@ -244,7 +244,7 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
 # ---- attention as one opaque op of a compiled forward (worker.model.compiled) --------------
-def _traced() -> bool:
+def traced() -> bool:
     """True while the forward is traced rather than run: by Dynamo (`torch.compile`) or
     by a `make_fx` trace (`torch.compiler.precompile`, whose tensors are proxies)."""
     return torch.compiler.is_compiling() or get_proxy_mode() is not None

@@ -31,9 +31,9 @@ its value, not even on 0 or 1 as it does for plain dynamic sizes, so one graph s
 every step, a decode of one request as well as a 2048-token prefill, and a warmed-up
 model never compiles again while it serves (the equivalence tests check it).
 
-Not compiled (the eager forward is used, with one log line naming the reason): a model
-with LoRA adapters (their forward hooks change between steps), and any model whose
-compiled forward fails its warm-up.
+LoRA adapters' deltas are opaque ops too (`torch.ops.inflight.lora_delta`,
+`worker.model.lora`). Not compiled (the eager forward is used, with one log line naming
+the reason): any model whose compiled forward fails its warm-up.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class CompiledForward:
     Once `warm` is set (after a warm-up that built the one graph) the calls skip Dynamo's
     guard checks (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): they cost
     about 0.6 ms a step on the CPU benchmark model, a check that every parameter is still
-    the one traced, which nothing changes while the engine serves (a LoRA model is not
-    compiled). A call that would need another graph raises instead of compiling it; the
+    the one traced, which nothing changes while the engine serves (LoRA adapters fill
+    buffers that are no graph input). A call that would need another graph raises instead of compiling it; the
     runner then goes back to the eager forward (`ModelRunner._execute`). vLLM skips the
     guards the same way, by calling its compiled code directly.
 
@@ -111,9 +111,10 @@ def precompile_available(device_type: str) -> bool:
 
 def artifact_key(model: torch.nn.Module) -> str:
     """What a captured forward depends on, hashed (hex): the model's class and config, the
-    name, shape, dtype, stride and device type of every parameter and buffer, the source
-    of its modeling module and of this package's modules (what the trace runs through),
-    and the versions of Python, torch and transformers. Weights' values are inputs of the
+    name, shape, dtype, stride and device type of every parameter and buffer, the forward
+    hooks on its modules (LoRA's, `worker.model.lora`: they add ops to the graph), the
+    source of its modeling module and of this package's modules (what the trace runs
+    through), and the versions of Python, torch and transformers. Weights' values are inputs of the
     artifact, not part of it: a checkpoint with other weights of the same shapes shares it."""
     import inspect
 
@@ -126,6 +127,9 @@ def artifact_key(model: torch.nn.Module) -> str:
         h.update(part.encode() + b"\0")
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.stride()}:{t.device.type}\0".encode())
+    for name, m in model.named_modules():
+        for hook in m._forward_hooks.values():
+            h.update(f"hook:{name}:{getattr(hook, '__qualname__', type(hook).__qualname__)}\0".encode())
     sources = [inspect.getsourcefile(type(model)), *sorted(str(p) for p in Path(__file__).parent.glob("*.py"))]
     for src in sources:
         if src:

@@ -348,8 +348,8 @@ class ModelRunner:
                 self.lora.fill(slot, adapter.load_id, adapter.weights)
             lora = build_step([s.lora_slot for s in packed for _ in range(s.num_tokens)], self.device,
                               self.lora.max_loras)
-        if self.lora is not None:
-            self.lora.attach(lora is not None)
+            if lora is not None:
+                lora.weights = self.lora
         graphs = self.graphs  # never set with LoRA adapters (worker.engine.compile.graphs_wanted)
         if graphs is not None and lora is None and graphs.fits(sched.num_decodes, len(packed), len(sample_idx)):
             logits = graphs.run(input_ids, position_ids, md)  # [num_decodes, vocab]

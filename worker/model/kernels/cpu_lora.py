@@ -1,0 +1,120 @@
+"""The batched LoRA delta on the CPU: a C kernel (`cpu_lora.c`, SGMV as Punica computes it,
+Chen et al. 2023) that adds every token's adapter delta `(x @ A^T) @ (B * scale)^T` in one
+call per projection, tokens taken four at a time within their adapter's segment, rows
+read and written in place by index. The torch path (`worker.model.lora.add_lora_delta`'s
+grouped `bmm`s) costs a gather, two batched matmuls and a scatter per projection, each a
+dispatch of several microseconds on a decode step whose arithmetic is a few microseconds.
+
+float32 only (the CPU's serving dtype); built by `cbuild` at first use; without a compiler
+(logged once) or for other dtypes, `worker.model.lora` keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from worker.model.kernels import cbuild
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_lora.c")
+MAX_RANK = 64  # the C source's MAX_RANK
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded kernel library, or why it is not used (a string; logged once): no
+    compiler, a failed build, or a CPU without AVX-512."""
+    lib = cbuild.build(SOURCE, ("-fopenmp",))
+    if isinstance(lib, str):
+        log.warning("CPU LoRA kernel is unavailable (%s); LoRA deltas use torch's batched matmuls", lib)
+        return lib
+    lib.inflight_lora_vectorized.restype = ctypes.c_int
+    lib.inflight_lora_vectorized.argtypes = []
+    if not lib.inflight_lora_vectorized():
+        log.info("CPU LoRA kernel needs AVX-512; LoRA deltas use torch's batched matmuls")
+        return "built without AVX-512"
+    fn = lib.inflight_lora_sgmv
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call)."""
+    return not isinstance(_library(), str)
+
+
+def takes(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether the kernel serves this projection: float32 CPU tensors with unit column
+    stride, a rank it holds, and the library built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and a.dtype == torch.float32 and x.stride(-1) == 1
+            and a.shape[2] <= MAX_RANK and available())
+
+
+class Segments:
+    """A step's adapter tokens grouped by slot, checked once and held for the kernel's
+    calls (one per projection): segment g is `order[seg_start[g]:seg_start[g + 1]]`, tokens
+    of slot `seg_slot[g]`.
+
+    Args:
+        order: `[M]` int64 token indices below `num_tokens`; seg_start: `[G + 1]` int64
+            offsets into it, from 0 to M; seg_slot: `[G]` int64 slots. CPU tensors.
+        num_tokens: the step's packed tokens (the rows of x and y).
+        max_loras: the slots in the weight buffers (every `seg_slot` below it).
+
+    Raises:
+        ValueError: an index out of range, or tensors of another dtype or device.
+    """
+
+    def __init__(self, order: torch.Tensor, seg_start: torch.Tensor, seg_slot: torch.Tensor, num_tokens: int,
+                 max_loras: int) -> None:
+        index = (order, seg_start, seg_slot)
+        if any(t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous() for t in index):
+            raise ValueError("Segments: order, seg_start and seg_slot must be contiguous int64 CPU tensors")
+        g, m = seg_slot.shape[0], order.shape[0]
+        if (seg_start.shape != (g + 1,) or (g and (int(seg_start[0]) != 0 or int(seg_start[-1]) != m))
+                or (m and not (int(order.min()) >= 0 and int(order.max()) < num_tokens))
+                or (g and not (int(seg_slot.min()) >= 0 and int(seg_slot.max()) < max_loras))):
+            raise ValueError(f"Segments: order {order.tolist()}, seg_start {seg_start.tolist()}, seg_slot "
+                             f"{seg_slot.tolist()} for {num_tokens} tokens and {max_loras} slots")
+        self.tensors = index  # kept alive while the pointers are used
+        self.num_tokens = num_tokens
+        self.max_loras = max_loras
+        self.pointers = (order.data_ptr(), seg_start.data_ptr(), seg_slot.data_ptr(), g)
+
+
+def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: Segments) -> None:
+    """`y[t] += (x[t] @ a[s]) @ b[s]` in place for every token t of every segment (slot s).
+
+    Args:
+        x: `[N, in]` float32, unit column stride (any row stride); y: `[N, out]` likewise (mutated).
+        a: `[max_loras, in, r]`, b: `[max_loras, r, out]` float32, contiguous (`LoRAWeights`'
+            buffers: checked here only for what the call's memory safety needs).
+        segments: the step's grouping, N tokens.
+
+    Raises:
+        ValueError: shapes or layouts the kernel does not take.
+        RuntimeError: the library is unavailable (`available()` False) or refused the call.
+    """
+    lib = _library()
+    if isinstance(lib, str):
+        raise RuntimeError(f"inflight_lora_sgmv: the kernel is unavailable ({lib})")
+    n, d_in = x.shape
+    loras, _, r = a.shape
+    d_out = b.shape[2]
+    if (y.shape[0] != n or y.shape[1] != d_out or n != segments.num_tokens or a.shape[1] != d_in
+            or loras < segments.max_loras or b.shape[0] != loras or b.shape[1] != r or x.stride(1) != 1
+            or y.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous())):
+        raise ValueError(f"lora_sgmv: x {tuple(x.shape)}, y {tuple(y.shape)}, a {tuple(a.shape)}, "
+                         f"b {tuple(b.shape)} for {segments.num_tokens} tokens and {segments.max_loras} slots")
+    status = lib.inflight_lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), b.data_ptr(),
+                                    *segments.pointers, d_in, d_out, r, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"inflight_lora_sgmv returned {status} (rank {r}; 1: over {MAX_RANK}, 2: no AVX-512)")
