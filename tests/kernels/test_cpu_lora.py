@@ -86,6 +86,8 @@ def test_what_the_kernel_does_not_take_is_refused_with_its_shapes():
         cpu_lora.lora_sgmv(torch.randn(3, 8), torch.zeros(3, 6), torch.randn(2, 8, 4), torch.randn(2, 4, 6), seg)
     with pytest.raises(ValueError, match=r"order \[0, 5\]"):
         cpu_lora.Segments(torch.tensor([0, 5]), torch.tensor([0, 2]), torch.tensor([1]), 4, 2)
+    with pytest.raises(ValueError, match=r"seg_start \[0, 2, 1, 2\]"):
+        cpu_lora.Segments(torch.tensor([0, 1]), torch.tensor([0, 2, 1, 2]), torch.tensor([1, 0, 1]), 4, 2)
     with pytest.raises(ValueError, match="seg_slot"):
         cpu_lora.Segments(torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([2]), 4, 2)
     with pytest.raises(ValueError, match="int64 CPU tensors"):

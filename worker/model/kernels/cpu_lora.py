@@ -65,7 +65,8 @@ class Segments:
 
     Args:
         order: `[M]` int64 token indices below `num_tokens`; seg_start: `[G + 1]` int64
-            offsets into it, from 0 to M; seg_slot: `[G]` int64 slots. CPU tensors.
+            offsets into it, from 0 to M, never decreasing; seg_slot: `[G]` int64 slots.
+            CPU tensors.
         num_tokens: the step's packed tokens (the rows of x and y).
         max_loras: the slots in the weight buffers (every `seg_slot` below it).
 
@@ -80,6 +81,7 @@ class Segments:
             raise ValueError("Segments: order, seg_start and seg_slot must be contiguous int64 CPU tensors")
         g, m = seg_slot.shape[0], order.shape[0]
         if (seg_start.shape != (g + 1,) or (g and (int(seg_start[0]) != 0 or int(seg_start[-1]) != m))
+                or bool((seg_start[1:] < seg_start[:-1]).any())
                 or (m and not (int(order.min()) >= 0 and int(order.max()) < num_tokens))
                 or (g and not (int(seg_slot.min()) >= 0 and int(seg_slot.max()) < max_loras))):
             raise ValueError(f"Segments: order {order.tolist()}, seg_start {seg_start.tolist()}, seg_slot "

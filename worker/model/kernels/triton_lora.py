@@ -29,18 +29,25 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
 
 @triton.jit
-def _shrink_kernel(x, a, h, order, seg_start, seg_slot, K, R_ACT, stride_x,
-                   R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+def _block_rows(order, seg_start, seg_slot, BM: tl.constexpr):
+    """This program's rows: block `program_id(1)` of segment `program_id(0)`. Returns
+    (whether the block is past the segment's end, the slot, the positions in `order`, which
+    of them are in the segment, their token rows)."""
     g = tl.program_id(0)
-    start = tl.load(seg_start + g)
     end = tl.load(seg_start + g + 1)
-    first = start + tl.program_id(1) * BM
-    if first >= end:
-        return
-    slot = tl.load(seg_slot + g).to(tl.int64)
+    first = tl.load(seg_start + g) + tl.program_id(1) * BM
     pos = first + tl.arange(0, BM)
     ok = pos < end
     rows = tl.load(order + pos, mask=ok, other=0).to(tl.int64)
+    return first >= end, tl.load(seg_slot + g).to(tl.int64), pos, ok, rows
+
+
+@triton.jit
+def _shrink_kernel(x, a, h, order, seg_start, seg_slot, K, R_ACT, stride_x,
+                   R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    past, slot, pos, ok, rows = _block_rows(order, seg_start, seg_slot, BM)
+    if past:
+        return
     rr = tl.arange(0, R)
     r_ok = rr < R_ACT
     acc = tl.zeros((BM, R), dtype=tl.float32)
@@ -57,16 +64,9 @@ def _shrink_kernel(x, a, h, order, seg_start, seg_slot, K, R_ACT, stride_x,
 @triton.jit
 def _expand_kernel(h, b, y, order, seg_start, seg_slot, N, R_ACT, stride_y,
                    R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
-    g = tl.program_id(0)
-    start = tl.load(seg_start + g)
-    end = tl.load(seg_start + g + 1)
-    first = start + tl.program_id(1) * BM
-    if first >= end:
+    past, slot, pos, ok, rows = _block_rows(order, seg_start, seg_slot, BM)
+    if past:
         return
-    slot = tl.load(seg_slot + g).to(tl.int64)
-    pos = first + tl.arange(0, BM)
-    ok = pos < end
-    rows = tl.load(order + pos, mask=ok, other=0).to(tl.int64)
     rr = tl.arange(0, R)
     rn = tl.program_id(2) * BN + tl.arange(0, BN)
     n_ok = rn < N
