@@ -27,16 +27,9 @@ def reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 
 def segments(token_slots: list[int], max_loras: int) -> cpu_lora.Segments:
-    groups: dict[int, list[int]] = {}
-    for t, s in enumerate(token_slots):
-        if s >= 0:
-            groups.setdefault(s, []).append(t)
-    order = [t for s in sorted(groups) for t in groups[s]]
-    starts = [0]
-    for s in sorted(groups):
-        starts.append(starts[-1] + len(groups[s]))
-    return cpu_lora.Segments(torch.tensor(order, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64),
-                             torch.tensor(sorted(groups), dtype=torch.int64), len(token_slots), max_loras)
+    order, starts, slots = (torch.tensor(v, dtype=torch.int64)
+                            for v in build_step(token_slots, torch.device("cpu")).segment_lists())
+    return cpu_lora.Segments(order, starts, slots, len(token_slots), max_loras)
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -50,8 +43,8 @@ def test_the_kernel_equals_a_per_token_loop(rank, d_in, d_out, threads, one_torc
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(rank * 1000 + d_in + d_out)
     loras, n = 5, 23
-    token_slots = [(t * 7) % (loras + 2) - 1 for t in range(n)]  # -1s, segments of 3-4 tokens, slot 4 unused
-    token_slots[0] = -1
+    token_slots = [(t * 5) % (loras + 1) - 1 for t in range(n)]  # base tokens (-1) and 3-4 tokens per slot
+    assert sorted(set(token_slots)) == [-1, 0, 1, 2, 3, 4]
     wide = torch.randn(n, d_in + 9, generator=g)
     x = wide[:, 3:3 + d_in]  # rows 9 floats apart from where they end: the kernel reads by stride
     y = torch.randn(n, d_out, generator=g)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from worker.model.kernels import triton_lora
+from worker.model.lora import build_step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,11 +30,8 @@ def test_the_kernels_equal_a_per_token_loop(rank, d_in, d_out):
     for t, s in enumerate(token_slots):
         if s >= 0:
             want[t] += (x[t].double() @ a[s].double()) @ b[s].double()
-    groups: dict[int, list[int]] = {}
-    for t, s in enumerate(token_slots):
-        if s >= 0:
-            groups.setdefault(s, []).append(t)
     x, y, a, b = (v.to(DEVICE) for v in (x, y, a, b))
-    triton_lora.lora_sgmv(x, y, a, b, triton_lora.DeviceSegments(dict(sorted(groups.items())), x.device))
+    step = build_step(token_slots, x.device)
+    triton_lora.lora_sgmv(x, y, a, b, triton_lora.DeviceSegments(*step.segment_lists(), x.device))
     assert torch.allclose(y.cpu().double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), \
         (y.cpu().double() - want).abs().max()

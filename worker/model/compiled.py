@@ -73,9 +73,10 @@ class CompiledForward:
     guard checks (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): they cost
     about 0.6 ms a step on the CPU benchmark model, a check that every parameter is still
     the one traced, which nothing changes while the engine serves (LoRA adapters fill
-    buffers that are no graph input). A call that would need another graph raises instead of compiling it; the
-    runner then goes back to the eager forward (`ModelRunner._execute`). vLLM skips the
-    guards the same way, by calling its compiled code directly.
+    buffers that are no graph input). A call that would need another graph raises
+    instead of compiling it; the runner then goes back to the eager forward
+    (`ModelRunner._execute`). vLLM skips the guards the same way, by calling its
+    compiled code directly.
 
     Inductor's freezing (weights as graph constants, pre-packed for oneDNN) was measured
     no faster with unbacked sizes on the CPU benchmark model and takes longer to compile:

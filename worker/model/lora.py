@@ -84,6 +84,16 @@ class LoRAStep:
     segments: Any = None
     weights: LoRAWeights | None = None
 
+    def segment_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """The grouping as the kernels take it: the adapter tokens' indices grouped by slot
+        (`order`), each segment's start in it plus the end (`starts`, G + 1), and the
+        segments' slots (G)."""
+        order = [i for tokens in self.groups.values() for i in tokens]
+        starts = [0]
+        for tokens in self.groups.values():
+            starts.append(starts[-1] + len(tokens))
+        return order, starts, list(self.groups)
+
 
 def build_step(token_slots: list[int], device: torch.device, max_loras: int | None = None) -> LoRAStep | None:
     """The grouping of a step whose packed tokens have `token_slots` (-1: the base
@@ -143,7 +153,7 @@ def add_lora_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.T
         from worker.model.kernels import triton_lora
 
         if step.segments is None:
-            step.segments = triton_lora.DeviceSegments(step.groups, x.device)
+            step.segments = triton_lora.DeviceSegments(*step.segment_lists(), x.device)
         triton_lora.lora_sgmv(x, y, a, b, step.segments)
         return
     if cpu_lora.takes(x, a) and y.stride(-1) == 1:
@@ -168,15 +178,8 @@ def add_lora_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.T
 
 def _segments(step: LoRAStep, max_loras: int) -> cpu_lora.Segments:
     """The step's grouping as the CPU kernel takes it."""
-    order = [i for tokens in step.groups.values() for i in tokens]
-    starts = [0]
-    for tokens in step.groups.values():
-        starts.append(starts[-1] + len(tokens))
-
-    def t(v: list[int]) -> torch.Tensor:
-        return torch.tensor(v, dtype=torch.int64)
-
-    return cpu_lora.Segments(t(order), t(starts), t(list(step.groups)), step.num_tokens, max_loras)
+    order, starts, slots = (torch.tensor(v, dtype=torch.int64) for v in step.segment_lists())
+    return cpu_lora.Segments(order, starts, slots, step.num_tokens, max_loras)
 
 
 # The compiled forward's op (module docstring), declared with `torch.library.Library` rather

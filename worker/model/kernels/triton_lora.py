@@ -81,19 +81,16 @@ def _expand_kernel(h, b, y, order, seg_start, seg_slot, N, R_ACT, stride_y,
 
 class DeviceSegments:
     """A step's adapter tokens grouped by slot, on the device, for the kernels' calls (one
-    pair per projection): `order` `[M]`, `seg_start` `[G + 1]`, `seg_slot` `[G]` int64,
-    and the longest segment's length (the grid's second dimension)."""
+    pair per projection): `order` `[M]`, `seg_start` `[G + 1]`, `seg_slot` `[G]` int64
+    (from `LoRAStep.segment_lists`), and the longest segment's length (the grid's second
+    dimension)."""
 
-    def __init__(self, groups: dict[int, list[int]], device: torch.device) -> None:
-        order = [t for tokens in groups.values() for t in tokens]
-        starts = [0]
-        for tokens in groups.values():
-            starts.append(starts[-1] + len(tokens))
+    def __init__(self, order: list[int], starts: list[int], slots: list[int], device: torch.device) -> None:
         self.order = torch.tensor(order, dtype=torch.int64, device=device)
         self.seg_start = torch.tensor(starts, dtype=torch.int64, device=device)
-        self.seg_slot = torch.tensor(list(groups), dtype=torch.int64, device=device)
+        self.seg_slot = torch.tensor(slots, dtype=torch.int64, device=device)
         self.num_rows = len(order)
-        self.longest = max(len(tokens) for tokens in groups.values())
+        self.longest = max(e - s for s, e in zip(starts, starts[1:]))
 
 
 def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: DeviceSegments) -> None:
