@@ -28,7 +28,14 @@ from dataclasses import replace
 from typing import Any
 
 from worker.engine.kv_cache import KVCacheManager
-from worker.engine.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.engine.outputs import (
+    NO_DRAFT,
+    PLACEHOLDER_INPUT,
+    PLACEHOLDER_TOKEN,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from worker.engine.request import Request, RequestStatus
 from worker.engine.speculative import Speculation
 
@@ -57,10 +64,12 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
     prefill_reqs: list[Request] = []
     loras: dict[int, Any] = {}
     num_spec_tokens = 0
+    num_tokens = 0
     for request_id, num_new in scheduled.items():
         req = requests[request_id]
         start = req.num_computed_tokens
         end = start + num_new
+        num_tokens += num_new
         tokens = req.all_token_ids
         num_known = len(tokens)
         draft = drafts.get(request_id) if drafts else None
@@ -69,16 +78,24 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
             samples = True
             num_spec_tokens += num_new
         else:
-            ids = tokens[start:end] if end <= num_known else tokens[start:num_known] + [PLACEHOLDER_TOKEN] * (
-                end - num_known)
+            draft = NO_DRAFT
+            if end <= num_known:
+                ids = tokens[start:end]
+            elif start == num_known and num_new == 1:  # a decode behind the step that samples its input
+                ids = PLACEHOLDER_INPUT
+            else:
+                ids = tokens[start:num_known] + [PLACEHOLDER_TOKEN] * (end - num_known)
             samples = end == num_known + req.num_output_placeholders
         table = block_table(request_id)
         s = ScheduledRequest(request_id, ids, start, table[:] if copy_tables else table, samples,
                              req.params, tokens, req.generator, req.grammar, req.lora_slot, req.num_prompt_tokens,
-                             draft or [])
+                             draft)
         if req.lora_slot >= 0:
             loras[req.lora_slot] = resident[req.adapter]
-        mark_scheduled(req, end, samples)
+        req.num_computed_tokens = end  # mark_scheduled, inlined: this loop runs for every request every step
+        req.num_in_flight_steps += 1
+        if samples:
+            req.num_output_placeholders += 1
         if num_new == 1 and start > 0:
             decodes.append(s)
             decode_reqs.append(req)
@@ -88,7 +105,7 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
     return SchedulerOutput(
         step=step,
         scheduled=decodes + prefills if prefills else decodes,
-        num_scheduled_tokens=sum(scheduled.values()),
+        num_scheduled_tokens=num_tokens,
         num_decodes=len(decodes),
         requests=decode_reqs + prefill_reqs if prefill_reqs else decode_reqs,
         loras=loras,
@@ -116,6 +133,7 @@ def apply_batch(out: SchedulerOutput, runner_out: ModelRunnerOutput, kv: KVCache
     preempted = RequestStatus.PREEMPTED
     ended_early = RequestStatus.FINISHED_LENGTH  # only a request ended while its last token was in flight
     got_tokens = []
+    append = got_tokens.append
     for s, req in zip(out.scheduled, out.requests):
         req.num_in_flight_steps -= 1
         samples = s.samples_token
@@ -124,10 +142,11 @@ def apply_batch(out: SchedulerOutput, runner_out: ModelRunnerOutput, kv: KVCache
         draft = s.draft
         status = req.status
         if status == running and not draft:
-            done = s.start_pos + len(s.token_ids)
-            if done // bs != s.start_pos // bs:  # a block just filled up: publish it to the prefix cache
+            start = s.start_pos
+            done = start + len(s.token_ids)
+            if done // bs != start // bs:  # a block just filled up: publish it to the prefix cache
                 cache_full_blocks(req, done)
-        if status != running and status != preempted and status != ended_early:
+        elif status != running and status != preempted and status != ended_early:
             continue
         if not samples:
             continue
@@ -138,15 +157,21 @@ def apply_batch(out: SchedulerOutput, runner_out: ModelRunnerOutput, kv: KVCache
             share = req.share
             share.counter += share.decode_cost * (1 + len(draft))  # a draft's positions count as decodes
         tokens = req.all_token_ids
-        end_status = None
-        kept = 0
-        for token_id in new:
+        if len(new) == 1:  # one token: no draft, or one whose first guess was refused
+            token_id = new[0]
             tokens.append(token_id)
-            kept += 1
+            kept = 1
             end_status = req.stop_status(token_id)
-            if end_status is not None:
-                break
-        got_tokens.append((req, kept))
+        else:
+            end_status = None
+            kept = 0
+            for token_id in new:
+                tokens.append(token_id)
+                kept += 1
+                end_status = req.stop_status(token_id)
+                if end_status is not None:
+                    break
+        append((req, kept))
         if status == ended_early:  # its last token: EOS or a stop id still wins over length
             req.status = end_status or ended_early
             continue

@@ -352,20 +352,22 @@ class EngineCore:
         logprobs = runner_out.logprobs
         if self._traced:  # prefill chunks of traced requests (none is looked for before one came)
             batch.note_prefill_chunks(sched, now)
+        finished = RequestStatus.FINISHED_STOPPED  # and every status after it
+        append = outputs.append
         for req, num_new in self.scheduler.update_from_output(sched, runner_out):
             if req.first_token_time is None:
                 req.first_token_time = now
             new_ids = req.all_token_ids[-num_new:]
-            lps = logprobs.get(req.request_id)
+            lps = logprobs.get(req.request_id) if logprobs else None
             if lps is not None:
                 lps = lps[:num_new]
-            if req.is_finished:
+            if req.status >= finished:
                 error = None
                 if req.status == RequestStatus.FINISHED_ERROR and req.grammar is not None:
                     error = (ErrorCode.INTERNAL, f"structured output: {req.grammar.error}")
-                outputs.append(self._final_output(req, new_ids, lps, error))
+                append(self._final_output(req, new_ids, lps, error))
             else:
-                outputs.append(EngineCoreOutput(req.request_id, new_ids, lps))
+                append(EngineCoreOutput(req.request_id, new_ids, lps))
 
     @staticmethod
     def _final_output(req: Request, new_ids: list[int], lps: list | None = None,

@@ -136,7 +136,7 @@ class Drafter:
             sched.num_scheduled_tokens -= cut
             sched.num_spec_tokens -= cut  # its last token stays a decode position
             s.draft = draft
-            s.token_ids = s.token_ids[:1] + draft
+            s.token_ids = [s.token_ids[0], *draft]
             req.num_computed_tokens = s.start_pos + len(s.token_ids)
         self.seconds += time.perf_counter() - t0
 

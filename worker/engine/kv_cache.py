@@ -241,30 +241,34 @@ class KVCacheManager:
         Returns False, changing nothing, if not enough blocks are free.
         """
         table = self._block_tables.get(req.request_id)
-        if table is not None:  # fast path: the decode of a running request usually needs no new block
-            capacity = len(table) * self.block_size
-            if req.num_computed_tokens + num_new_tokens <= capacity and reserve_tokens <= capacity:
-                return True
+        if table is not None:  # a running request's next chunk: no prefix to revive, no cached blocks
+            num_tokens = max(req.num_computed_tokens + num_new_tokens, reserve_tokens)
+            num_new_blocks = -(-num_tokens // self.block_size) - len(table)
+            if num_new_blocks <= 0:
+                return True  # the usual decode: its last block has room
+            new_blocks = self.pool.take(num_new_blocks)
+            if new_blocks is None:
+                return False
+            table.extend(new_blocks)
+            self._num_held[req.tenant] = self._num_held.get(req.tenant, 0) + num_new_blocks
+            return True
         num_needed = self.num_blocks_to_allocate(req, num_new_tokens, cached_blocks, reserve_tokens)
         if num_needed > self.pool.num_free_blocks:
             return False
         cached_blocks = cached_blocks or []
         num_tokens = self._num_tokens_to_cover(req, num_new_tokens, len(cached_blocks), reserve_tokens)
-        num_before = 0 if table is None else len(table)
-        if table is None:
-            table = []
-            self._block_tables[req.request_id] = table
-            self._num_registered[req.request_id] = len(cached_blocks)
-            self._tenants[req.request_id] = req.tenant
-            self.pool.touch(cached_blocks)
-            table.extend(cached_blocks)
+        table = list(cached_blocks)
+        self._block_tables[req.request_id] = table
+        self._num_registered[req.request_id] = len(cached_blocks)
+        self._tenants[req.request_id] = req.tenant
+        self.pool.touch(cached_blocks)
         num_new_blocks = self.num_blocks_for(num_tokens) - len(table)
         if num_new_blocks > 0:
             new_blocks = self.pool.take(num_new_blocks)
             assert new_blocks is not None  # checked above
             table.extend(new_blocks)
-        if len(table) != num_before:
-            self._num_held[req.tenant] = self._num_held.get(req.tenant, 0) + len(table) - num_before
+        if table:
+            self._num_held[req.tenant] = self._num_held.get(req.tenant, 0) + len(table)
         return True
 
     def cache_full_blocks(self, req: Request, num_computed: int | None = None) -> None:

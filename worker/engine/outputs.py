@@ -11,6 +11,7 @@ out. After output processing (detokenization, stop strings): `RequestOutput` del
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,6 +46,10 @@ class KVStats(msgspec.Struct, frozen=True):
 # steps: the core schedules step N+1 while step N runs). The runner substitutes the id it
 # sampled for that request in its previous step, without a round trip to the host.
 PLACEHOLDER_TOKEN = -1
+# Shared read-only values of the fields most steps give every request (one list fewer to
+# build per request per step): never mutate them; replace the field instead.
+PLACEHOLDER_INPUT: Sequence[int] = (PLACEHOLDER_TOKEN,)  # a decode's input while the step before samples it
+NO_DRAFT: Sequence[int] = ()  # no guesses
 
 
 @dataclass(slots=True)
@@ -67,7 +72,7 @@ class ScheduledRequest:
     """
 
     request_id: str
-    token_ids: list[int]
+    token_ids: Sequence[int]
     start_pos: int
     block_ids: list[int]
     samples_token: bool
@@ -77,8 +82,8 @@ class ScheduledRequest:
     grammar: Matcher | None = None  # its structured-output state: the sampler masks its row
     lora_slot: int = -1  # its LoRA adapter's slot (`SchedulerOutput.loras`), -1: the base model
     num_prompt_tokens: int = 0  # all_token_ids[num_prompt_tokens:] is the output (presence / frequency penalties)
-    draft: list[int] = field(default_factory=list)  # speculative guesses verified in this step
-    ahead: list[int] = field(default_factory=list)  # a verification row's guesses before its position
+    draft: Sequence[int] = NO_DRAFT  # speculative guesses verified in this step
+    ahead: Sequence[int] = NO_DRAFT  # a verification row's guesses before its position
 
     @property
     def num_tokens(self) -> int:

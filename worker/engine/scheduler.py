@@ -194,8 +194,9 @@ class Scheduler:
         prefills: list[Request] = []
         ending: list[Request] = []
         for r in self.running:
-            num_tokens = len(r.all_token_ids) + r.num_output_placeholders
-            if r.num_output_placeholders:  # a step in flight owes it a token
+            num_placeholders = r.num_output_placeholders
+            num_tokens = len(r.all_token_ids) + num_placeholders
+            if num_placeholders:  # a step in flight owes it a token
                 if num_tokens - r.num_prompt_tokens >= r.max_tokens:
                     ending.append(r)  # its last: it ends now, and the step in flight delivers it
                     continue
@@ -204,38 +205,71 @@ class Scheduler:
             (decodes if num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
         for r in ending:
             self.finish(r.request_id, RequestStatus.FINISHED_LENGTH)
-        longs = self.long_prefills
         spec = self.speculation
         if spec is not None and not spec.active(len(self.running)):
             spec = None
-        for req in decodes + prefills:
-            if req.status != RequestStatus.RUNNING or plan.budget == 0:
-                continue  # preempted by one ranked before it this step, or no budget left
-            num_new = min(len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens, plan.budget)
-            if spec is not None and num_new == 1 and self._speculate(req, spec, plan):
-                continue
-            is_long = num_new > 1 and longs.is_long(req)
-            if is_long:
-                num_new = longs.chunk(num_new)
-                if num_new == 0:
-                    continue  # the cap is spent: it keeps its blocks and goes on next step
-            while True:  # only a decode asks for a new block: admission allocated the whole prefill
-                if self._kv_quotas and self._over_kv_quota(req, num_new):
-                    victim = self._victim_for(req, req.share.tenant)
-                    why = "kv_quota"
-                elif self.kv.allocate(req, num_new, reserve_tokens=self.reserve_tokens(req)):
-                    plan.scheduled[req.request_id] = num_new
-                    plan.budget -= num_new
-                    if is_long:
-                        longs.spend(num_new)
-                    break
-                else:
-                    victim = self._victim_for(req)
-                    why = "kv_full"
-                plan.budget += self._preempt(victim, plan.scheduled, why)
-                plan.preempted.append(victim.request_id)
-                if victim is req:
-                    break
+        if spec is None and not self._kv_quotas:
+            self._schedule_decodes(decodes, plan)
+        else:
+            for req in decodes:
+                self._schedule_one(req, plan, spec)
+        for req in prefills:
+            self._schedule_one(req, plan, None)
+
+    def _schedule_decodes(self, decodes: list[Request], plan: StepPlan) -> None:
+        """Plain decodes (no speculation, no KV quotas): a token each, `_schedule_one`'s
+        rules without the ones that cannot apply to them; most find their block table
+        already covers the new token (`KVCacheManager.allocate`'s fast path). This loop
+        runs for every running request every step: keep it lean (host time per step)."""
+        running = RequestStatus.RUNNING
+        scheduled = plan.scheduled
+        allocate = self.kv.allocate
+        reserve_all = self.tuning.kv_policy == "reserve"
+        for req in decodes:
+            if req.status != running:
+                continue  # preempted by one ranked before it this step
+            if plan.budget == 0:
+                return  # nothing more this phase: prefills see the same budget
+            reserve = (req.num_prompt_tokens + req.max_tokens
+                       if reserve_all or req.num_preemptions >= RESERVE_AFTER_PREEMPTIONS else 0)
+            if allocate(req, 1, reserve_tokens=reserve):
+                scheduled[req.request_id] = 1
+                plan.budget -= 1
+            else:
+                self._schedule_one(req, plan, None)  # preempts until it fits or is the victim
+
+    def _schedule_one(self, req: Request, plan: StepPlan, spec: Speculation | None) -> None:
+        """Schedule running `req`'s next chunk (a decode, with a draft when `spec` gives
+        one, or a prefill chunk under the long-prefill cap), preempting victims while its
+        blocks do not fit or its tenant is over its KV quota."""
+        if req.status != RequestStatus.RUNNING or plan.budget == 0:
+            return  # preempted by one ranked before it this step, or no budget left
+        num_new = min(len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens, plan.budget)
+        if spec is not None and num_new == 1 and self._speculate(req, spec, plan):
+            return
+        longs = self.long_prefills
+        is_long = num_new > 1 and longs.is_long(req)
+        if is_long:
+            num_new = longs.chunk(num_new)
+            if num_new == 0:
+                return  # the cap is spent: it keeps its blocks and goes on next step
+        while True:  # only a decode asks for a new block: admission allocated the whole prefill
+            if self._kv_quotas and self._over_kv_quota(req, num_new):
+                victim = self._victim_for(req, req.share.tenant)
+                why = "kv_quota"
+            elif self.kv.allocate(req, num_new, reserve_tokens=self.reserve_tokens(req)):
+                plan.scheduled[req.request_id] = num_new
+                plan.budget -= num_new
+                if is_long:
+                    longs.spend(num_new)
+                return
+            else:
+                victim = self._victim_for(req)
+                why = "kv_full"
+            plan.budget += self._preempt(victim, plan.scheduled, why)
+            plan.preempted.append(victim.request_id)
+            if victim is req:
+                return
 
     def _speculate(self, req: Request, spec: Speculation, plan: StepPlan) -> bool:
         """Schedule decode `req` with a draft if it has one, its 1 + k tokens fit its

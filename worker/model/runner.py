@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from worker.engine.outputs import (
@@ -32,6 +33,7 @@ from worker.model.attention import (
 from worker.model.capability import KVLayout, LayerKV
 from worker.model.compiled import mark_token_dims
 from worker.model.graphs import DecodeGraphs
+from worker.model.input_batch import BlockTableBuffer, step_positions
 from worker.model.kernels.kv_int8 import allocate_scales
 from worker.model.lora import LoRAStep, LoRAWeights, build_step, lora_step
 from worker.model.masks import start_token_bitmask
@@ -91,6 +93,7 @@ class ModelRunner:
             for layer in kv_layout.layers
         ] if kv_int8 else None
         self._forward_thread: ThreadPoolExecutor | None = None  # made by the first launch
+        self.block_table_buffer = BlockTableBuffer()  # the requests' block tables, updated by diffs (input_batch.py)
         self._busy_s = 0.0  # device time of the steps measured so far
         self._pending_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: the last step's
         # the last step's sampled ids (on the device) and their row per request: the next
@@ -176,45 +179,50 @@ class ModelRunner:
         nd = sched.num_decodes
         packed = sorted(sched.scheduled[:nd], key=lambda s: -s.start_pos) + sched.scheduled[nd:]
         token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_idx: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
+        starts: list[int] = []
+        lengths: list[int] = []
+        num_rows: list[int] = []  # rows each request samples (0, 1, or 1 + k when it speculates)
         holes: list[int] = []  # flat positions of placeholder inputs
         hole_ids: list[str] = []
-        for s in packed:
-            start, n, table = s.start_pos, s.num_tokens, s.block_ids
-            if s.token_ids[-1] == PLACEHOLDER_TOKEN:
-                holes.append(len(token_ids) + n - 1)
+        for s in packed:  # one light pass per request; the per-token work is numpy's below
+            ids = s.token_ids
+            if ids[-1] == PLACEHOLDER_TOKEN:
+                holes.append(len(token_ids) + len(ids) - 1)
                 hole_ids.append(s.request_id)
-            token_ids.extend(s.token_ids)
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-            if s.samples_token:  # the last position; a speculating decode's every position
-                sample_idx.extend(range(query_start[-1] - s.num_rows, query_start[-1]))
-
-        max_blocks = max(len(s.block_ids) for s in packed)
-        block_tables = torch.tensor(
-            [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in packed], dtype=torch.int64
-        ).clamp_(min=0)  # blocks freed behind a sliding window (-1) read as block 0, masked out
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+            token_ids += ids
+            starts.append(s.start_pos)
+            lengths.append(len(ids))
+            num_rows.append(1 + len(s.draft) if s.samples_token else 0)
+        starts_np = np.array(starts, dtype=np.int64)
+        lengths_np = np.array(lengths, dtype=np.int64)
+        rows = self.block_table_buffer.rows([s.request_id for s in packed], [s.block_ids for s in packed])
+        positions, owner = step_positions(starts_np, lengths_np)
+        table = self.block_table_buffer.table
+        slots = table[rows[owner], positions // bs] * bs + positions % bs
+        ends = np.cumsum(lengths_np)
+        query_start = [0, *ends.tolist()]
+        rows_np = np.array(num_rows, dtype=np.int64)
+        sample_idx = (np.arange(int(rows_np.sum()), dtype=np.int64)
+                      + np.repeat(ends - np.cumsum(rows_np), rows_np)).tolist()  # each sampling request's last rows
+        seq_lens_np = starts_np + lengths_np
+        max_blocks = int(self.block_table_buffer.num_blocks(rows).max())
+        # blocks freed behind a sliding window (-1) read as block 0, masked out
+        block_tables = torch.from_numpy(self.block_table_buffer.gather(rows, max_blocks)).clamp_(min=0)
+        seq_lens_t = torch.from_numpy(seq_lens_np)
         if getattr(self.backend, "USES_DENSE_METADATA", True):  # kernel back ends need only the tables
             decode_groups, prefills = self._dense_spans(packed, nd, seq_lens_t, query_start, block_tables)
         else:
             decode_groups, prefills = [], []
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=torch.from_numpy(slots).to(device=dev),
             num_decodes=nd,
             decode_groups=decode_groups,
             prefills=prefills,
             block_tables=block_tables.to(device=dev, dtype=torch.int32),
             seq_lens=seq_lens_t.to(device=dev, dtype=torch.int32),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            max_query_len=max((b - a for a, b in zip(query_start[nd:], query_start[nd + 1:])), default=1),
-            max_seq_len=max(seq_lens),
+            max_query_len=int(lengths_np[nd:].max()) if len(packed) > nd else 1,
+            max_seq_len=int(seq_lens_np.max()),
             kv_caches=self.kv_caches,
             backend=self.backend,
             modules=self.attention_modules,
@@ -223,7 +231,7 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         if holes:  # decodes fed the previous step's tokens, where they are (on the device)
             self._fill_placeholders(input_ids, holes, hole_ids)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
+        position_ids = torch.from_numpy(positions).to(device=dev)
         return input_ids, position_ids, md, sample_idx, packed
 
     def _dense_spans(self, packed: list[ScheduledRequest], nd: int, seq_lens: torch.Tensor, query_start: list[int],
