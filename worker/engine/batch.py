@@ -54,8 +54,9 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
     request's progress advances to the end of its chunk. `drafts`: the guesses of the
     speculating decodes (request id -> d_1..d_k; their chunk is the last token and the
     draft, placed after the decodes). `copy_tables`: give the runner
-    copies of the block tables (steps run ahead: a table changed by the next schedule,
-    a sliding window freeing behind, must not reach a step already launched).
+    copies of the block tables (steps run ahead and the KV manager changes tables in place:
+    a sliding window freeing behind must not reach a step already launched; appends
+    may, the step reads only its context's blocks).
     `resident`: the LoRA adapters resident (name -> `ResidentAdapter`); those of the
     scheduled requests go with the step, for the runner to fill their slots first."""
     decodes: list[ScheduledRequest] = []

@@ -131,6 +131,11 @@ class KVCacheManager:
         self._tenants: dict[str, str] = {}  # request id -> tenant, while it has a block table
         self._num_held: dict[str, int] = {}  # tenant -> block-table entries of its requests
 
+    # Whether a running request's block table may change other than by appending (a
+    # sliding window frees behind in place): then a step launched ahead needs its own copy.
+    # Appends and a freed request's table (dropped, never cleared) are safe to share.
+    changes_tables_in_place = False
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks

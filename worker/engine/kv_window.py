@@ -51,6 +51,8 @@ class SlidingWindowKVCacheManager(KVCacheManager):
         max_chunk: the step token budget (`max_batched_tokens`): the longest chunk.
     """
 
+    changes_tables_in_place = True  # freeing behind writes NULL_BLOCK over a table's first entries
+
     def __init__(self, num_blocks: int, block_size: int, *, sliding_window: int, max_chunk: int,
                  enable_prefix_caching: bool = True, namespace: bytes = b"") -> None:
         super().__init__(num_blocks, block_size, enable_prefix_caching, namespace)
