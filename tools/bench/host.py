@@ -17,6 +17,9 @@ Measured, milliseconds per step:
             4-token jobs (64 a step), sequential and asynchronous steps. In the
             asynchronous rows the null runner's token making runs in the core's launch
             and counts (a real runner launches onto its own thread).
+  busy      not milliseconds: the emulated device's busy ratio with 2 ms steps and
+            asynchronous steps, engine alone (the goal rows of `tools.bench.pipeline`;
+            output processing runs in the same thread here, in a worker it does not).
   inputs    `ModelRunner.build_metadata` packing one step (token ids, positions, slot
             mapping, block tables, sample rows; a kernel back end's metadata, so no dense
             masks; CPU tensors) for 256 decodes at 512 context, one 2048-token prefill
@@ -47,6 +50,9 @@ def _core() -> dict[str, float]:
     for output_len, jobs, async_steps in CORE_CASES:
         r = engine_alone(0.0, output_len, jobs, 256, async_steps)
         out[f"core, {output_len}-token jobs, {'async' if async_steps else 'sequential'}"] = r["core_host_ms_per_step"]
+    for output_len, jobs in ((64, 2048), (4, 8192)):  # the goal rows of tools.bench.pipeline, engine alone
+        r = engine_alone(2.0, output_len, jobs, 256, True)
+        out[f"device busy (ratio), 2 ms device, {output_len}-token jobs, async"] = r["device_busy_ratio"]
     return out
 
 
@@ -141,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {"mode": "host", "command": "python -m tools.bench.host " + " ".join(argv or sys.argv[1:]),
               "machine": machine(), "unit": "ms per step", "rounds": runs, "median": medians}
     trees = list(runs)
-    print(f"\n{'case':48s}" + "".join(f"{t:>14s}" for t in trees) + ("   this / baseline" if a.baseline else ""))
+    print(f"\n{'case':62s}" + "".join(f"{t:>14s}" for t in trees) + ("   this / baseline" if a.baseline else ""))
     for c in cases:
-        row = f"{c:48s}" + "".join(f"{medians[t][c]:14.3f}" for t in trees)
+        row = f"{c:62s}" + "".join(f"{medians[t][c]:14.3f}" for t in trees)
         if a.baseline:
             row += f"   {medians['this tree'][c] / medians[a.baseline][c]:.2f}x"
         print(row)
@@ -166,7 +172,7 @@ def _plot(medians: dict[str, dict[str, float]], cases: list[str], png: Path) -> 
         ax.barh([j + i * width for j in range(len(cases))], [medians[t][c] for c in cases], height=width, label=t)
     ax.set_yticks([j + width * (len(trees) - 1) / 2 for j in range(len(cases))], cases, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("host ms per step (median)")
+    ax.set_xlabel("host ms per step (median); device busy rows: ratio")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png)

@@ -19,6 +19,12 @@ once that step was applied).
 A speculating decode (speculative.py) is a chunk of 1 + k tokens, its last token and its
 draft: built, it counts as computed up to its draft's end; applied, its progress rolls
 back to the tokens the verification kept (the KV of rejected guesses is never read).
+
+A persistent batch (as vLLM V1's input batch): a request's `ScheduledRequest` is made once
+per step parity and updated in place by the step two after, instead of built anew each
+step. That is safe because at most two steps are out at once (the one running and the
+one launched behind it) and a step is applied before the one two after it is built; a
+runner must not keep a step's `ScheduledRequest`s past the step (`replace` them to keep).
 """
 
 from __future__ import annotations
@@ -88,9 +94,26 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
                 ids = tokens[start:num_known] + [PLACEHOLDER_TOKEN] * (end - num_known)
             samples = end == num_known + req.num_output_placeholders
         table = block_table(request_id)
-        s = ScheduledRequest(request_id, ids, start, table[:] if copy_tables else table, samples,
-                             req.params, tokens, req.generator, req.grammar, req.lora_slot, req.num_prompt_tokens,
-                             draft)
+        if copy_tables:
+            table = table[:]
+        pair = req.step_inputs
+        if pair is None:
+            pair = req.step_inputs = [None, None]
+        s = pair[step & 1]
+        if s is None:
+            s = pair[step & 1] = ScheduledRequest(request_id, ids, start, table, samples, req.params, tokens,
+                                                  req.generator, req.grammar, req.lora_slot, req.num_prompt_tokens,
+                                                  draft)
+        else:  # this request's input of two steps ago, long applied: updated, not rebuilt
+            s.token_ids = ids
+            s.start_pos = start
+            s.block_ids = table
+            s.samples_token = samples
+            s.all_token_ids = tokens
+            s.grammar = req.grammar
+            s.lora_slot = req.lora_slot
+            s.draft = draft
+            s.ahead = NO_DRAFT
         if req.lora_slot >= 0:
             loras[req.lora_slot] = resident[req.adapter]
         req.num_computed_tokens = end  # mark_scheduled, inlined: this loop runs for every request every step

@@ -111,6 +111,7 @@ class EngineCore:
                                  else runner.capabilities.overlaps_host) and self.scheduler.speculation is None
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()  # launched, not applied (async)
         # steps run ahead: a table changed in place by the next schedule must not reach the step in flight
+        self.scheduler.steps_ahead = self.async_scheduling
         self.scheduler.copy_block_tables = self.async_scheduling and self.kv.changes_tables_in_place
         self.arrivals = Arrivals(self.scheduler, grammars, self._make_request, self._final_output)
         self._mask_s = 0.0  # this step's structured-output mask seconds

@@ -156,6 +156,7 @@ class Request:
         "adapter",
         "lora_slot",
         "spec",
+        "step_inputs",
     )
 
     def __init__(
@@ -209,6 +210,7 @@ class Request:
         self.lora_slot = -1  # the adapter's device slot while it runs
         self.trace: list[TraceEvent] | None = None  # what the engine did to it, if traced; None: not traced
         self.spec: SpecState | None = None  # its speculative proposer's state, once it proposed (speculative.py)
+        self.step_inputs: list | None = None  # its ScheduledRequest per step parity, reused (batch.py)
 
     @classmethod
     def from_core_request(cls, r: EngineCoreRequest, *, eos_token_ids: frozenset[int], arrival_seq: int,

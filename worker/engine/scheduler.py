@@ -97,7 +97,9 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions_total = 0
         self._num_freed = 0  # running requests that left the batch since the last schedule()
-        self.copy_block_tables = False  # steps run ahead (EngineCore's asynchronous steps): snapshot tables
+        # steps run ahead (EngineCore's asynchronous steps): requests may owe tokens to a step in flight
+        self.steps_ahead = False
+        self.copy_block_tables = False  # and the KV manager changes tables in place: snapshot them
         self.may_yield = False  # this step: no slot freed since the last one (fair_share Yield)
         # the proposer of speculative decoding; the engine core turns it off where its runner cannot verify
         self.speculation = Speculation(tuning.speculative) if tuning.speculative.enabled else None
@@ -190,6 +192,11 @@ class Scheduler:
         """Phase 1: decodes first, then continuing prefill chunks, each in rank order; a
         request that finds no free block preempts a victim (`preemption.victim_for`), and
         one over its tenant's KV quota preempts inside that tenant."""
+        if not self.steps_ahead and self.speculation is None and not self._kv_quotas:
+            # plain decodes and no step in flight owing anyone a token: one pass
+            for req in self._schedule_decodes(self.running[:], plan, classify=True):
+                self._schedule_one(req, plan, None)
+            return
         decodes: list[Request] = []
         prefills: list[Request] = []
         ending: list[Request] = []
@@ -216,20 +223,27 @@ class Scheduler:
         for req in prefills:
             self._schedule_one(req, plan, None)
 
-    def _schedule_decodes(self, decodes: list[Request], plan: StepPlan) -> None:
+    def _schedule_decodes(self, reqs: list[Request], plan: StepPlan, classify: bool = False) -> list[Request]:
         """Plain decodes (no speculation, no KV quotas): a token each, `_schedule_one`'s
         rules without the ones that cannot apply to them; most find their block table
-        already covers the new token (`KVCacheManager.allocate`'s fast path). This loop
-        runs for every running request every step: keep it lean (host time per step)."""
+        already covers the new token (`KVCacheManager.allocate`'s fast path). `classify`:
+        `reqs` is the running batch (a copy: preempting changes it) and only those with
+        one token to compute are decodes; the others are returned, in order, for their
+        prefill chunks (none once the budget is spent). This loop runs for every running
+        request every step: keep it lean (host time per step)."""
         running = RequestStatus.RUNNING
         scheduled = plan.scheduled
         allocate = self.kv.allocate
         reserve_all = self.tuning.kv_policy == "reserve"
-        for req in decodes:
+        rest: list[Request] = []
+        for req in reqs:
+            if classify and len(req.all_token_ids) - req.num_computed_tokens != 1:
+                rest.append(req)
+                continue
             if req.status != running:
                 continue  # preempted by one ranked before it this step
             if plan.budget == 0:
-                return  # nothing more this phase: prefills see the same budget
+                return []  # nothing more this phase
             reserve = (req.num_prompt_tokens + req.max_tokens
                        if reserve_all or req.num_preemptions >= RESERVE_AFTER_PREEMPTIONS else 0)
             if allocate(req, 1, reserve_tokens=reserve):
@@ -237,6 +251,7 @@ class Scheduler:
                 plan.budget -= 1
             else:
                 self._schedule_one(req, plan, None)  # preempts until it fits or is the victim
+        return rest
 
     def _schedule_one(self, req: Request, plan: StepPlan, spec: Speculation | None) -> None:
         """Schedule running `req`'s next chunk (a decode, with a draft when `spec` gives
