@@ -13,8 +13,9 @@ Measured, milliseconds per step:
   core      the engine core alone over the null runner (no device time; 256 running,
             32-token prompts; `tools.bench.pipeline.engine_alone`): its own host time per
             step (schedule, admission, update, finishing; the forward and output
-            processing excluded), with 64-token jobs (~4 requests start and end a step) and
-            4-token jobs (64 a step), sequential and asynchronous steps. In the
+            processing excluded), with 512-token jobs (decoding: one start and end in two
+            steps), 64-token jobs (~4 a step) and 4-token jobs (64 a step), sequential and
+            asynchronous steps. In the
             asynchronous rows the null runner's token making runs in the core's launch
             and counts (a real runner launches onto its own thread).
   busy      not milliseconds: the emulated device's busy ratio with 2 ms steps and
@@ -40,7 +41,8 @@ import time
 import types
 from pathlib import Path
 
-CORE_CASES = [(64, 2048, False), (64, 2048, True), (4, 8192, False), (4, 8192, True)]
+CORE_CASES = [(512, 1024, False), (512, 1024, True), (64, 2048, False), (64, 2048, True), (4, 8192, False),
+              (4, 8192, True)]
 
 
 def _core() -> dict[str, float]:

@@ -29,7 +29,7 @@ runner must not keep a step's `ScheduledRequest`s past the step (`replace` them 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -96,24 +96,7 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
         table = block_table(request_id)
         if copy_tables:
             table = table[:]
-        pair = req.step_inputs
-        if pair is None:
-            pair = req.step_inputs = [None, None]
-        s = pair[step & 1]
-        if s is None:
-            s = pair[step & 1] = ScheduledRequest(request_id, ids, start, table, samples, req.params, tokens,
-                                                  req.generator, req.grammar, req.lora_slot, req.num_prompt_tokens,
-                                                  draft)
-        else:  # this request's input of two steps ago, long applied: updated, not rebuilt
-            s.token_ids = ids
-            s.start_pos = start
-            s.block_ids = table
-            s.samples_token = samples
-            s.all_token_ids = tokens
-            s.grammar = req.grammar
-            s.lora_slot = req.lora_slot
-            s.draft = draft
-            s.ahead = NO_DRAFT
+        s = step_input(req, step, ids, start, table, samples, draft)
         if req.lora_slot >= 0:
             loras[req.lora_slot] = resident[req.adapter]
         req.num_computed_tokens = end  # mark_scheduled, inlined: this loop runs for every request every step
@@ -135,6 +118,32 @@ def build_batch(step: int, scheduled: dict[str, int], requests: dict[str, Reques
         loras=loras,
         num_spec_tokens=num_spec_tokens,
     )
+
+
+def step_input(req: Request, step: int, ids: Sequence[int], start: int, table: list[int], samples: bool,
+               draft: Sequence[int]) -> ScheduledRequest:
+    """`req`'s share of step `step`: its `ScheduledRequest` of two steps ago updated in
+    place (that step was applied before this one was built; see the module docstring),
+    or made on its first step of this parity."""
+    pair = req.step_inputs
+    if pair is None:
+        pair = req.step_inputs = [None, None]
+    s = pair[step & 1]
+    if s is None:
+        s = pair[step & 1] = ScheduledRequest(req.request_id, ids, start, table, samples, req.params,
+                                              req.all_token_ids, req.generator, req.grammar, req.lora_slot,
+                                              req.num_prompt_tokens, draft)
+        return s
+    s.token_ids = ids
+    s.start_pos = start
+    s.block_ids = table
+    s.samples_token = samples
+    s.all_token_ids = req.all_token_ids
+    s.grammar = req.grammar
+    s.lora_slot = req.lora_slot
+    s.draft = draft
+    s.ahead = NO_DRAFT
+    return s
 
 
 def apply_batch(out: SchedulerOutput, runner_out: ModelRunnerOutput, kv: KVCacheManager, fair: bool,
@@ -185,7 +194,11 @@ def apply_batch(out: SchedulerOutput, runner_out: ModelRunnerOutput, kv: KVCache
             token_id = new[0]
             tokens.append(token_id)
             kept = 1
-            end_status = req.stop_status(token_id)
+            if (req.grammar is None and token_id not in req.end_token_ids
+                    and len(tokens) - req.num_prompt_tokens < req.max_tokens):
+                end_status = None  # `stop_status`'s answer for an unconstrained request that goes on
+            else:
+                end_status = req.stop_status(token_id)
         else:
             end_status = None
             kept = 0

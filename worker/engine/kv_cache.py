@@ -140,6 +140,11 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def tables(self) -> dict[str, list[int]]:
+        """Every request's block table by id (read-only: `allocate` and `free` write them)."""
+        return self._block_tables
+
     def block_table(self, request_id: str) -> list[int]:
         """The request's physical block ids in token order (do not mutate)."""
         return self._block_tables.get(request_id, [])

@@ -150,6 +150,7 @@ class Request:
         "options",
         "generator",
         "stop_token_set",
+        "end_token_ids",
         "grammar",
         "stop_in_text",
         "trace",
@@ -204,6 +205,8 @@ class Request:
         self.first_token_time: float | None = None  # wall clock (s) the first output token was sampled
         self.options = RequestOptions()  # what its caller asked beyond prompt and params (outputs.py)
         self.stop_token_set = frozenset(params.stop_token_ids)
+        # every id that ends it as `stop` when sampled (EOS unless ignored, stop ids): the update's fast check
+        self.end_token_ids = self.stop_token_set if params.ignore_eos else self.stop_token_set | eos_token_ids
         self.grammar = grammar  # params.structured's state (structured.py), None if unconstrained
         self.stop_in_text = False  # ended by its grammar: the last token is part of the text
         self.adapter: str | None = None  # its LoRA adapter's name (lora_slots.py); None: the base model

@@ -234,6 +234,9 @@ class Scheduler:
         running = RequestStatus.RUNNING
         scheduled = plan.scheduled
         allocate = self.kv.allocate
+        # a table that only grows covers the decode when its last block has room (`allocate`'s first answer)
+        tables = None if self.kv.changes_tables_in_place else self.kv.tables
+        bs = self.kv.block_size
         reserve_all = self.tuning.kv_policy == "reserve"
         rest: list[Request] = []
         for req in reqs:
@@ -246,7 +249,9 @@ class Scheduler:
                 return []  # nothing more this phase
             reserve = (req.num_prompt_tokens + req.max_tokens
                        if reserve_all or req.num_preemptions >= RESERVE_AFTER_PREEMPTIONS else 0)
-            if allocate(req, 1, reserve_tokens=reserve):
+            table = tables.get(req.request_id) if tables is not None else None
+            covered = table is not None and req.num_computed_tokens < len(table) * bs and reserve <= len(table) * bs
+            if covered or allocate(req, 1, reserve_tokens=reserve):
                 scheduled[req.request_id] = 1
                 plan.budget -= 1
             else:
