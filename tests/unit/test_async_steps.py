@@ -222,3 +222,36 @@ def test_a_step_in_flight_for_an_ended_request_never_reaches_a_new_request_of_th
         assert eng.kv_stats().used_blocks == 0
     assert results[True] == results[False]
     assert [t for ids, _ in results[True] for t in ids] == [n % 20 for n in range(5, 11)]
+
+
+def test_a_steps_inputs_stay_as_scheduled_while_the_steps_behind_it_are_built():
+    """The core updates a request's `ScheduledRequest` in place two steps later
+    (worker/engine/batch.py): a launched step must still read what it was scheduled with
+    when the runner gets to it, after the step behind it was built."""
+    eng, _ = make(True, device_ms=1.0)
+    real = eng.runner.launch
+    checked = []
+
+    def state(sched):
+        return [(s.request_id, tuple(s.token_ids), s.start_pos, s.samples_token, tuple(s.draft)) for s in sched.scheduled]
+
+    class Checked:
+        def __init__(self, sched, handle):
+            self.sched, self.handle = sched, handle
+            self.at_launch = state(sched)
+            self.tables = [list(s.block_ids) for s in sched.scheduled]
+
+        def result(self):
+            assert state(self.sched) == self.at_launch
+            # a table may have grown since (the next schedule appends); what the step read is unchanged
+            assert [list(s.block_ids[:len(t)]) for s, t in zip(self.sched.scheduled, self.tables)] == self.tables
+            checked.append(self.sched.step)
+            return self.handle.result()
+
+        def failed(self):
+            return False
+
+    eng.runner.launch = lambda sched, after=None: Checked(sched, real(sched, after.handle if after else None))
+    workload(eng)
+    drain(eng)
+    assert len(checked) > 10
