@@ -68,3 +68,58 @@ def test_the_table_ranks_closers_first_and_openers_last_and_far_rows_are_left_al
     assert steps <= len(path) and narrow(m, table, steps, bitmask, 0)
     bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
     assert list(np.flatnonzero(bits)) == [token]
+
+
+def _matcher_and_table(llama_path, schema):
+    from llguidance import LLMatcher
+
+    from worker.engine.structured import ll_tokenizer
+
+    tok = make_engine(llama_path).input.tokenizer
+    lt = ll_tokenizer(tok, len(tok), frozenset({tok.eos_token_id}))
+    m = LLMatcher(lt, LLMatcher.grammar_from_json_schema(schema))
+    return tok, m, ClosingTable.of_tokenizer(tok, len(tok), frozenset({tok.eos_token_id}))
+
+
+def _fresh_mask(m, tok) -> np.ndarray:
+    import llguidance.numpy as lln
+
+    bitmask = np.full((1, (len(tok) + 31) // 32), -1, dtype=np.int32)
+    lln.fill_next_token_bitmask(m, bitmask, 0)
+    return bitmask
+
+
+def test_a_row_too_far_from_its_end_is_searched_rarely_and_a_way_that_fits_is_followed_without_searching(
+        llama_path, monkeypatch):
+    """The cost of closing is its searches (each walks the way, a mask fill per token):
+    a row whose way is longer than it can go looks again only every FAILED_LOOK_GAP
+    tokens (it had looked every 4), and a row narrowed onto a way that ends in time
+    follows it with no search per step (it had searched every step)."""
+    import worker.engine.closing as closing
+
+    searches = []
+    real = closing._greedy
+    monkeypatch.setattr(closing, "_greedy", lambda *a: searches.append(a[2]) or real(*a))
+    many = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(30)},
+            "required": [f"k{i}" for i in range(30)], "additionalProperties": False}
+    tok, m, table = _matcher_and_table(llama_path, many)  # from the start: ~90 tokens to an end
+    plan = closing.ClosingPlan()
+    for remaining in range(LOOKAHEAD, 0, -1):  # the row writes nothing that changes its way
+        assert not narrow(m, table, remaining, _fresh_mask(m, tok), 0, plan)
+    assert len(searches) <= LOOKAHEAD // closing.FAILED_LOOK_GAP
+
+    tok, m, table = _matcher_and_table(llama_path, SCHEMA)
+    way = closing.best_way(m, table, 200)
+    searches.clear()
+    plan = closing.ClosingPlan()
+    remaining = len(way)  # just enough: narrowed from the first step, the way ends in time
+    taken = []
+    while not m.is_accepting():
+        bitmask = _fresh_mask(m, tok)
+        assert narrow(m, table, remaining, bitmask, 0, plan)
+        token = int(np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))[0])
+        assert m.consume_token(token)
+        taken.append(token)
+        remaining -= 1
+    assert taken == way and valid(tok.decode(taken))
+    assert len(searches) == 1  # one look, at the first step; none while following the way

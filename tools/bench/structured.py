@@ -149,22 +149,22 @@ def torch_view(a: np.ndarray):
 
 
 # ---- engine --------------------------------------------------------------------------------
-def _engine(model: Path, batch: int):
+def _engine(model: Path, batch: int, **tuning):
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
 
     cfg = EngineConfig(model=ModelConfig(device="cpu"), serving_tuning=ServingTuning(
         max_running_requests=batch, max_total_tokens=batch * 512, max_batched_tokens=1024, max_input_tokens=512,
-        max_output_tokens=512, enable_prefix_caching=False))
+        max_output_tokens=512, enable_prefix_caching=False, **tuning))
     return Engine.from_pretrained(str(model), cfg)
 
 
-def bench_engine(model: Path, batch: int, tokens: int, rounds: int = 3) -> dict:
+def bench_engine(model: Path, batch: int, tokens: int, rounds: int = 3, **tuning) -> dict:
     """Full-batch step time, every request constrained vs none (same prompts), in
     alternating rounds (the shared box's load drifts): the median of the per-round ratios."""
     from schemas.params import JsonSchemaOutput, SamplingParams
 
-    engine = _engine(model, batch)
+    engine = _engine(model, batch, **tuning)
     prompts = [[(31 * i + j) % 1900 + 20 for j in range(24)] for i in range(batch)]
     runs: dict[str, list[dict]] = {"unconstrained": [], "constrained": []}
     for r in range(rounds):

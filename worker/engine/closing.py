@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 LOOKAHEAD = 48  # tokens: rows further from their limit are not searched
+FAILED_LOOK_GAP = 16  # tokens: after a search whose way was longer than it could go, the next look waits
 _CLOSERS = frozenset('"}]')
 
 
@@ -54,6 +55,7 @@ class ClosingTable:
             else:
                 rank[i] = 2000 + max(0, 100 - len(t))  # the longest: spells a key, a value or a tag fastest
         self.rank = rank
+        self.order = np.argsort(rank, kind="stable")  # token ids best first (ties: the lower id)
         self.eos_token_ids = eos_token_ids
 
     @classmethod
@@ -66,10 +68,30 @@ class ClosingTable:
 
 
 def _allowed(m: Any, bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """What `m` allows next: bool `[vocab]` (fills `bitmask` `[1, words]` on the way)."""
     import llguidance.numpy as lln
 
     lln.fill_next_token_bitmask(m, bitmask, 0)
     return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+def _packed(m: Any, words: int) -> np.ndarray:
+    """What `m` allows next as its int32 bitmask `[1, words]` (bit j of word w: token 32w + j)."""
+    import llguidance.numpy as lln
+
+    out = np.empty((1, words), dtype=np.int32)
+    lln.fill_next_token_bitmask(m, out, 0)
+    return out
+
+
+def _best(packed: np.ndarray, table: ClosingTable, banned: set[int]) -> int | None:
+    """The allowed token of best rank (ties: the lower id), none of `banned`; None if none."""
+    bits = np.unpackbits(packed.view(np.uint8), bitorder="little")
+    if banned:
+        bits[list(banned)] = 0
+    allowed = bits[table.order]
+    first = int(allowed.argmax())
+    return int(table.order[first]) if allowed[first] else None
 
 
 def closing_path(matcher: Any, table: ClosingTable, limit: int) -> list[int] | None:
@@ -77,93 +99,144 @@ def closing_path(matcher: Any, table: ClosingTable, limit: int) -> list[int] | N
     a state its grammar accepts: [] when it accepts already, None when `limit` tokens do
     not get there. A token after which the grammar allows exactly what it allowed before
     made no progress (a `}` inside a string, one more digit): it is taken back and the
-    next best is tried at that position."""
+    next best is tried at that position. The masks stay packed (a fill, a compare of
+    vocab/32 words and one unpack per token: this runs for every row near its limit)."""
+    return _greedy(matcher, table, limit)[0]
+
+
+def _greedy(matcher: Any, table: ClosingTable, limit: int) -> tuple[list[int] | None, bool]:
+    """`closing_path`, and whether a None is because the way is longer than `limit` (not
+    because the search got stuck: nothing allowed but EOS, or too many tokens that made
+    no progress, as in the middle of a character's UTF-8 bytes)."""
     if matcher.is_accepting():
-        return []
+        return [], False
     m = matcher.deep_copy()
-    vocab = len(table.rank)
-    bitmask = np.zeros((1, (vocab + 31) // 32), dtype=np.int32)
+    words = (len(table.rank) + 31) // 32
     path: list[int] = []
-    masks = [_allowed(m, bitmask, vocab)]  # masks[k]: what the state before path[k] allows
+    masks = [_packed(m, words)]  # masks[k]: what the state before path[k] allows
     banned: list[set[int]] = [set()]
     for _ in range(3 * limit):
-        allowed = masks[-1].copy()
-        if banned[-1]:
-            allowed[list(banned[-1])] = False
-        ids = np.flatnonzero(allowed)
-        if ids.size == 0:
-            return None
-        token = int(ids[np.argmin(table.rank[ids])])
-        if token in table.eos_token_ids or not m.consume_token(token):
-            return None
+        token = _best(masks[-1], table, banned[-1])
+        if token is None or token in table.eos_token_ids or not m.consume_token(token):
+            return None, False
         if m.is_accepting():
-            return path + [token]
-        after = _allowed(m, bitmask, vocab)
+            return path + [token], False
+        after = _packed(m, words)
         if np.array_equal(after, masks[-1]):  # no progress: take it back, try the next
             m.rollback(1)
             banned[-1].add(token)
             continue
         path.append(token)
         if len(path) >= limit:
-            return None
+            return None, True
         masks.append(after)
         banned.append(set())
-    return None
+    return None, False
 
 
-def first_step(matcher: Any, table: ClosingTable, limit: int, candidates: int = 8) -> tuple[int, int] | None:
-    """(token, tokens to an end through it) of the best first step: the greedy way's first
-    token against the `candidates` best-ranked allowed tokens, each followed by the greedy
-    way from there (greedy alone cannot tell a `]` that closes an array from one inside a
-    string: this one-token look-ahead can); None when no way within `limit` is found."""
-    base = closing_path(matcher, table, limit)
+def best_way(matcher: Any, table: ClosingTable, limit: int, candidates: int = 8,
+             base: list[int] | None = None) -> list[int] | None:
+    """The way to an end through the best first step: the greedy way (`base`, searched
+    when not given) against the `candidates` best-ranked allowed tokens, each followed by
+    the greedy way from there (greedy alone cannot tell a `]` that closes an array from
+    one inside a string: this one-token look-ahead can); None when no way within `limit`
+    is found or the grammar accepts already."""
+    if base is None:
+        base = closing_path(matcher, table, limit)
     if base == []:
         return None  # accepting: nothing to close
-    best = (len(base), base[0]) if base else None
+    best = base
     vocab = len(table.rank)
     ids = np.flatnonzero(_allowed(matcher, np.zeros((1, (vocab + 31) // 32), dtype=np.int32), vocab))
     ids = ids[np.argsort(table.rank[ids], kind="stable")][:candidates]
     for token in ids.tolist():
-        if token in table.eos_token_ids or (best is not None and token == best[1]):
+        if token in table.eos_token_ids or (best is not None and token == best[0]):
             continue
         m = matcher.deep_copy()
         if not m.consume_token(token):
             continue
-        rest = closing_path(m, table, best[0] if best else limit - 1)
+        rest = closing_path(m, table, len(best) if best else limit - 1)
         if rest is None:
             continue
         # fewer tokens to the end, then less text: of two tokens that both end it (`>` and
         # `>,` after a closing tag), the one that adds nothing the answer did not need
-        if best is None or (1 + len(rest), table.length[token]) < (best[0], table.length[best[1]]):
-            best = (1 + len(rest), token)
-    return None if best is None else (best[1], best[0])
+        if best is None or (1 + len(rest), table.length[token]) < (len(best), table.length[best[0]]):
+            best = [token, *rest]
+    return best
+
+
+def first_step(matcher: Any, table: ClosingTable, limit: int, candidates: int = 8) -> tuple[int, int] | None:
+    """(token, tokens to an end through it) of `best_way`; None where it is None."""
+    way = best_way(matcher, table, limit, candidates)
+    return None if way is None else (way[0], len(way))
+
+
+class ClosingPlan:
+    """What closing knows of one request between steps (kept on its `Matcher`).
+
+    Attributes:
+        look_at: the `remaining` at which to look for a way again.
+        way: the rest of the way a narrowed step chose (its next token first), valid
+            while the request follows it: at `way_at` remaining tokens.
+        way_at: the `remaining` at which `way[0]` is due.
+    """
+
+    __slots__ = ("look_at", "way", "way_at")
+
+    def __init__(self) -> None:
+        self.look_at = LOOKAHEAD
+        self.way: list[int] = []
+        self.way_at = -1
+
+
+def _allows(bitmask: np.ndarray, row: int, token: int) -> bool:
+    return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
 
 
 def narrow(matcher: Any, table: ClosingTable, remaining: int, bitmask: np.ndarray, row: int,
-           plan: list[int] | None = None) -> bool:
+           plan: ClosingPlan | None = None) -> bool:
     """Narrow `bitmask[row]` (the grammar's allowed tokens, already filled) to the first
     token of the way to an end when that way needs every token left (`remaining`: output
     tokens the request may still generate, this one included; its EOS counts as one) or
     more. Returns True when it narrowed.
 
-    `plan`: a one-item list holding the `remaining` at which to look again (kept on the
-    request's `Matcher`): a look finding room to spare waits until the remaining tokens
-    come within 3 of the way it found, or 8 fewer, whichever comes first, so a request is
-    searched every step only while it is being closed (an accepting state costs one
-    check per step: a call may open at any token)."""
-    if remaining > LOOKAHEAD or (plan is not None and remaining > plan[0]):
+    `plan`: the request's `ClosingPlan`. A look finding room to spare waits until the
+    remaining tokens come within 3 of the way it found, or 8 fewer, whichever comes
+    first, one finding the way longer than its reach waits `FAILED_LOOK_GAP` tokens (one
+    stuck, 4), so a request
+    is searched only while it is near its limit; once narrowed onto a way that ends in
+    time, it follows it (a row narrowed to one token can only take it) without searching
+    again, for as long as its grammar allows the next token of it; a way too long for the
+    tokens left is planned again at every step, where the one-token look-ahead may find
+    a shorter one (an accepting state costs one check per step: a call may open at any
+    token)."""
+    if remaining > LOOKAHEAD or (plan is not None and remaining > plan.look_at):
         return False
     if matcher.is_accepting():
         return False  # EOS is allowed now (looked at again next step: a call may open)
-    base = closing_path(matcher, table, remaining + 8)
-    if base is None or len(base) + 1 < remaining:  # no way found, or room to spare
+    if (plan is not None and plan.way and plan.way_at == remaining and len(plan.way) <= remaining
+            and _allows(bitmask, row, plan.way[0])):
+        token = plan.way.pop(0)  # the way chosen earlier still ends in time: its next token
+    else:
+        base, too_long = _greedy(matcher, table, remaining + 8)
+        if base is None or len(base) + 1 < remaining:  # no way found, or room to spare
+            if plan is not None:
+                if base is not None:
+                    plan.look_at = max(len(base) + 3, remaining - 8)
+                elif too_long:  # the costliest search (it walked the whole limit), and this row cannot
+                    # be closed in time from here unless its way shrinks faster than it writes
+                    plan.look_at = remaining - FAILED_LOOK_GAP
+                else:  # stuck where it is (inside a character's bytes): soon again
+                    plan.look_at = remaining - 4
+            return False
+        way = best_way(matcher, table, remaining + 8, base=base)
+        if way is None:
+            return False
+        token = way[0]
         if plan is not None:
-            plan[0] = max(len(base) + 3, remaining - 8) if base else remaining - 4
-        return False
-    step = first_step(matcher, table, remaining + 8)
-    if step is None:
-        return False
-    token = step[0]
+            plan.way = way[1:]
+    if plan is not None:
+        plan.way_at = remaining - 1
     bitmask[row, :] = 0
     bitmask[row, token // 32] = np.int32(np.uint32(1 << (token % 32)).view(np.int32))
     return True

@@ -37,7 +37,7 @@ from typing import Any
 
 from schemas.params import StructuredOutput
 from schemas.structured import StructuredOutputError, grammar_of
-from worker.engine.closing import LOOKAHEAD, ClosingTable
+from worker.engine.closing import ClosingPlan, ClosingTable
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> Any:
@@ -263,7 +263,7 @@ class Matcher:
     def __init__(self, matcher: Any, closing: ClosingTable | None = None) -> None:
         self._m = matcher
         self.closing = closing
-        self.closing_plan = [LOOKAHEAD]  # the remaining tokens at which closing looks again
+        self.closing_plan = ClosingPlan()  # when closing looks again, and the way it is following
         self.error = ""
 
     def accept(self, token_id: int) -> bool:
