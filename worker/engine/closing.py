@@ -202,14 +202,13 @@ def narrow(matcher: Any, table: ClosingTable, remaining: int, bitmask: np.ndarra
 
     `plan`: the request's `ClosingPlan`. A look finding room to spare waits until the
     remaining tokens come within 3 of the way it found, or 8 fewer, whichever comes
-    first, one finding the way longer than its reach waits `FAILED_LOOK_GAP` tokens (one
-    stuck, 4), so a request
-    is searched only while it is near its limit; once narrowed onto a way that ends in
-    time, it follows it (a row narrowed to one token can only take it) without searching
-    again, for as long as its grammar allows the next token of it; a way too long for the
-    tokens left is planned again at every step, where the one-token look-ahead may find
-    a shorter one (an accepting state costs one check per step: a call may open at any
-    token)."""
+    first; one finding the way longer than its reach waits `FAILED_LOOK_GAP` tokens (one
+    that got stuck, 4). So a request is searched only now and then while near its limit.
+    Once narrowed onto a way that ends in time it follows it (a row narrowed to one token
+    can only take it) without searching again, as long as its grammar allows the way's
+    next token; a way too long for the tokens left is planned again at every step, where
+    the one-token look-ahead may find a shorter one. An accepting state costs one check
+    per step (a call may open at any token)."""
     if remaining > LOOKAHEAD or (plan is not None and remaining > plan.look_at):
         return False
     if matcher.is_accepting():
