@@ -110,9 +110,11 @@ def engine_alone(device_ms: float, output_len: int, num_jobs: int, running: int,
         st = eng.last_step_stats
         core_host_s += st.duration_s - st.forward_s
     dt = time.perf_counter() - t0
+    launch_s = eng.core.runner.launch_host_s  # asynchronous steps: the null runner's tokens, made in its launch
     return {"seconds": dt, "tokens": tokens, "jobs": jobs, "steps": steps, "tokens_per_s": tokens / dt,
             "jobs_per_s": jobs / dt, "host_ms_per_step": max(0.0, dt / steps * 1e3 - device_ms),
             "core_host_ms_per_step": core_host_s / steps * 1e3,
+            "core_own_ms_per_step": (core_host_s - launch_s) / steps * 1e3,
             "device_busy_ratio": eng.last_step_stats.device_busy_s / dt if device_ms > 0 else None}
 
 

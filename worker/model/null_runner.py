@@ -107,6 +107,7 @@ class NullRunner:
                                                overlaps_host=self.emulated is not None, speculation=True)
         self.lora = None  # no adapters
         self._last_sampled: dict[str, int] = {}  # the previous step's tokens (the "device" memory)
+        self.launch_host_s = 0.0  # seconds `launch` spent computing tokens on the caller's thread
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Launch the step on the emulated device (if any), compute its tokens, wait for it."""
@@ -117,7 +118,11 @@ class NullRunner:
         its tokens are computed now, its result is ready when the emulated device has run
         it (at once without a device). A placeholder input is the token the previous
         launch computed for that request (`after`'s; a null step never fails)."""
-        return self._start(sched)
+        t0 = time.perf_counter()
+        try:
+            return self._start(sched)
+        finally:  # a real runner hands the step to its forward thread; this one computes it here
+            self.launch_host_s += time.perf_counter() - t0
 
     def _start(self, sched: SchedulerOutput) -> _Launched:
         ready = self.emulated.launch() if self.emulated is not None else None
