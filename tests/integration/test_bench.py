@@ -139,3 +139,21 @@ def test_greedy_agreement_counts_identical_requests_and_the_first_divergence():
     ref = {"a": [1, 2, 3], "b": [1, 2, 3], "c": [4, 5, 6], "d": [7, 8]}
     other = {"a": [1, 2, 3], "b": [1, 9, 3], "c": [0, 5, 6], "d": [7]}
     assert bench_engine.agreement(ref, other) == {"requests": 4, "identical": 1, "median_first_divergence": 1}
+
+
+def test_host_bench_measures_each_case_in_this_tree(tmp_path, monkeypatch):
+    """`tools.bench.host` without a baseline: every case measured (positive ms), written
+    as JSON and a plot (the engine-alone rows shrunk to a few steps)."""
+    from tools.bench import host
+    from tools.bench import pipeline
+
+    real = pipeline.engine_alone
+    monkeypatch.setattr(host, "CORE_CASES", [(4, 64, False), (4, 64, True)])
+    monkeypatch.setattr(pipeline, "engine_alone", lambda d, n, jobs, running, a=False: real(d, n, 64, running, a))
+    monkeypatch.setattr(host, "_measure_in", lambda tree: host.measure())
+    assert host.main(["--rounds", "1", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "bench_host.json").read_text())
+    cases = r["median"]["this tree"]
+    assert "core, 4-token jobs, async, the null runner's launch excluded" in cases
+    assert len(cases) == 2 + 1 + 2 + 3 and all(v > 0 for v in cases.values())
+    opens(tmp_path / "bench_host.png")
