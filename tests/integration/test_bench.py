@@ -144,8 +144,7 @@ def test_greedy_agreement_counts_identical_requests_and_the_first_divergence():
 def test_host_bench_measures_each_case_in_this_tree(tmp_path, monkeypatch):
     """`tools.bench.host` without a baseline: every case measured (positive ms), written
     as JSON and a plot (the engine-alone rows shrunk to a few steps)."""
-    from tools.bench import host
-    from tools.bench import pipeline
+    from tools.bench import host, pipeline
 
     real = pipeline.engine_alone
     monkeypatch.setattr(host, "CORE_CASES", [(4, 64, False), (4, 64, True)])
