@@ -93,8 +93,8 @@ def test_a_row_too_far_from_its_end_is_searched_rarely_and_a_way_that_fits_is_fo
         llama_path, monkeypatch):
     """The cost of closing is its searches (each walks the way, a mask fill per token):
     a row whose way is longer than it can go looks again only every FAILED_LOOK_GAP
-    tokens (it had looked every 4), and a row narrowed onto a way that ends in time
-    follows it with no search per step (it had searched every step)."""
+    tokens, and a row narrowed onto a way that ends in time follows it with no search
+    per step."""
     import worker.engine.closing as closing
 
     searches = []

@@ -2,15 +2,15 @@
 diffs, and positions, slot mapping and sample rows computed with numpy from each request's
 (start, length).
 
-A decode step at 256 running requests used to build its block tables as a padded list of
-lists and its slot mapping with a Python generator per token: 1.6 ms of host work per
-step on this box, more than the engine core's whole schedule-and-update. vLLM V1's
-`InputBatch` keeps the block tables of the running requests in preallocated arrays
-updated by what changed since the last step; `BlockTableBuffer` is that idea for our
-runner's contract (it still receives each step's `ScheduledRequest`s, so nothing else
-changes): a request keeps its row while it runs, and a step writes into it only the block
-ids appended since (a row is rewritten whole when its table is a different list: after a
-preemption, or when the scheduler hands out copies).
+Packing a step per token from Python lists costs host time that grows with the batch and
+its context (a padded list of lists for the tables, a generator per token for the slots),
+and a fast device waits on it. vLLM V1's `InputBatch` keeps the block tables of the
+running requests in preallocated arrays updated by what changed since the last step;
+`BlockTableBuffer` is that idea for our runner's contract (it still receives each step's
+`ScheduledRequest`s, so nothing else changes): a request keeps its row while it runs, and
+a step writes into it only the block ids appended since (a row is rewritten whole when
+its table is a different list: after a preemption, or when the scheduler hands out
+copies).
 """
 
 from __future__ import annotations
