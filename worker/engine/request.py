@@ -149,7 +149,6 @@ class Request:
         "first_token_time",
         "options",
         "generator",
-        "stop_token_set",
         "end_token_ids",
         "grammar",
         "stop_in_text",
@@ -204,9 +203,10 @@ class Request:
         self.first_scheduled_time: float | None = None  # wall clock (s) of first admission
         self.first_token_time: float | None = None  # wall clock (s) the first output token was sampled
         self.options = RequestOptions()  # what its caller asked beyond prompt and params (outputs.py)
-        self.stop_token_set = frozenset(params.stop_token_ids)
-        # every id that ends it as `stop` when sampled (EOS unless ignored, stop ids): the update's fast check
-        self.end_token_ids = self.stop_token_set if params.ignore_eos else self.stop_token_set | eos_token_ids
+        stop_ids = frozenset(params.stop_token_ids)
+        # every id that ends it as `stop` when sampled (EOS unless ignored, stop ids): read by `stop_status`
+        # and by the update's fast path for unconstrained requests (batch.apply_batch)
+        self.end_token_ids = stop_ids if params.ignore_eos else stop_ids | eos_token_ids
         self.grammar = grammar  # params.structured's state (structured.py), None if unconstrained
         self.stop_in_text = False  # ended by its grammar: the last token is part of the text
         self.adapter: str | None = None  # its LoRA adapter's name (lora_slots.py); None: the base model
@@ -261,9 +261,7 @@ class Request:
         grammar = self.grammar
         if grammar is not None and not grammar.accept(token_id):
             return RequestStatus.FINISHED_ERROR
-        if not self.params.ignore_eos and token_id in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in self.stop_token_set:
+        if token_id in self.end_token_ids:  # EOS unless ignored, or a stop id
             return RequestStatus.FINISHED_STOPPED
         if grammar is not None and grammar.done:
             self.stop_in_text = token_id not in self.eos_token_ids
