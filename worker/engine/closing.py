@@ -67,14 +67,6 @@ class ClosingTable:
         return cls(texts + [None] * (vocab_size - n), eos_token_ids)
 
 
-def _allowed(m: Any, bitmask: np.ndarray, vocab: int) -> np.ndarray:
-    """What `m` allows next: bool `[vocab]` (fills `bitmask` `[1, words]` on the way)."""
-    import llguidance.numpy as lln
-
-    lln.fill_next_token_bitmask(m, bitmask, 0)
-    return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
-
-
 def _packed(m: Any, words: int) -> np.ndarray:
     """What `m` allows next as its int32 bitmask `[1, words]` (bit j of word w: token 32w + j)."""
     import llguidance.numpy as lln
@@ -84,14 +76,18 @@ def _packed(m: Any, words: int) -> np.ndarray:
     return out
 
 
-def _best(packed: np.ndarray, table: ClosingTable, banned: set[int]) -> int | None:
-    """The allowed token of best rank (ties: the lower id), none of `banned`; None if none."""
+def _ranked(packed: np.ndarray, table: ClosingTable, banned: set[int] | None = None) -> np.ndarray:
+    """The tokens `packed` allows, none of `banned`, best rank first (ties: the lower id)."""
     bits = np.unpackbits(packed.view(np.uint8), bitorder="little")
     if banned:
         bits[list(banned)] = 0
-    allowed = bits[table.order]
-    first = int(allowed.argmax())
-    return int(table.order[first]) if allowed[first] else None
+    return table.order[bits[table.order].astype(bool)]
+
+
+def _best(packed: np.ndarray, table: ClosingTable, banned: set[int]) -> int | None:
+    """The allowed token of best rank (ties: the lower id), none of `banned`; None if none."""
+    ranked = _ranked(packed, table, banned)
+    return int(ranked[0]) if ranked.size else None
 
 
 def closing_path(matcher: Any, table: ClosingTable, limit: int) -> list[int] | None:
@@ -146,9 +142,7 @@ def best_way(matcher: Any, table: ClosingTable, limit: int, candidates: int = 8,
     if base == []:
         return None  # accepting: nothing to close
     best = base
-    vocab = len(table.rank)
-    ids = np.flatnonzero(_allowed(matcher, np.zeros((1, (vocab + 31) // 32), dtype=np.int32), vocab))
-    ids = ids[np.argsort(table.rank[ids], kind="stable")][:candidates]
+    ids = _ranked(_packed(matcher, (len(table.rank) + 31) // 32), table)[:candidates]
     for token in ids.tolist():
         if token in table.eos_token_ids or (best is not None and token == best[0]):
             continue
