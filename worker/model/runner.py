@@ -182,6 +182,8 @@ class ModelRunner:
         starts: list[int] = []
         lengths: list[int] = []
         num_rows: list[int] = []  # rows each request samples (0, 1, or 1 + k when it speculates)
+        request_ids: list[str] = []
+        tables: list[list[int]] = []
         holes: list[int] = []  # flat positions of placeholder inputs
         hole_ids: list[str] = []
         for s in packed:  # one light pass per request; the per-token work is numpy's below
@@ -193,9 +195,11 @@ class ModelRunner:
             starts.append(s.start_pos)
             lengths.append(len(ids))
             num_rows.append(1 + len(s.draft) if s.samples_token else 0)
+            request_ids.append(s.request_id)
+            tables.append(s.block_ids)
         starts_np = np.array(starts, dtype=np.int64)
         lengths_np = np.array(lengths, dtype=np.int64)
-        rows = self.block_table_buffer.rows([s.request_id for s in packed], [s.block_ids for s in packed])
+        rows = self.block_table_buffer.rows(request_ids, tables)
         positions, owner = step_positions(starts_np, lengths_np)
         table = self.block_table_buffer.table
         slots = table[rows[owner], positions // bs] * bs + positions % bs
