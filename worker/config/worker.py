@@ -132,6 +132,7 @@ class MetricsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 TRACING_PROTOCOLS = ("http/protobuf", "http/json", "grpc")
+TRACING_EXPORTS = ("process", "thread")
 
 
 class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -159,6 +160,10 @@ class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             else every trace.
         capture_content: record prompts and completions as span events. Off: no text of a
             job ever reaches a span.
+        export: where spans are encoded and sent: `process` (a child process of the
+            worker or gateway, `worker.obs.trace_export`: the encoding and the HTTP or
+            gRPC calls take nothing from the serving process's GIL) or `thread` (the
+            SDK's batch span processor in the serving process).
     """
 
     enabled: bool = False
@@ -167,8 +172,11 @@ class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     service_name: str | None = None
     sample_ratio: float | None = None
     capture_content: bool = False
+    export: str = "process"
 
     def __post_init__(self) -> None:
+        if self.export not in TRACING_EXPORTS:
+            raise ConfigError(f"tracing.export must be one of {list(TRACING_EXPORTS)}, got {self.export!r}")
         if self.protocol is not None and self.protocol not in TRACING_PROTOCOLS:
             raise ConfigError(f"tracing.protocol must be one of {list(TRACING_PROTOCOLS)} or null, "
                               f"got {self.protocol!r}")

@@ -5,9 +5,9 @@ tree is drawn in `worker.obs.tracing`).
 A worker traces hundreds of jobs a second, so no live SDK `Span` is kept per job: the
 sampling decision and the ids are taken when the job is claimed (the SDK's sampler and
 id generator), attributes and events gather in plain dicts and lists, and each span is
-handed to the batch processor as a finished `ReadableSpan` with its own start and end
-times (`SpanKit.emit`); that skips the SDK's per-call locking and validation (about 4x
-cheaper per job on the loop). Only `OtelTracing.open_job` makes a JobTrace, so nothing
+handed on as a finished `SpanRecord` (`worker.obs.span_records`) with its own start and
+end times (`SpanKit.emit`): no SDK object is built on the event loop, and the encoding
+and the export run in the trace export process (`worker.obs.trace_export`). Only `OtelTracing.open_job` makes a JobTrace, so nothing
 here runs, or imports OpenTelemetry, while tracing is off."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from worker.obs.span_records import CONSUMER, ERROR, INTERNAL, UNSET, SpanRecord, link_of, trace_bytes
 from worker.obs.trace_context import ACTIVE, context_from_headers, ns
 
 if TYPE_CHECKING:
@@ -24,41 +25,28 @@ if TYPE_CHECKING:
 
 
 class SpanKit:
-    """What building finished spans needs: the SDK classes, the provider's resource,
-    sampler and id generator, the instrumentation scope and the span processor that
-    queues them for export."""
+    """What building finished spans needs: the provider's sampler and id generator, and
+    the sink that takes the finished spans as `SpanRecord`s (the export process's pipe,
+    `worker.obs.trace_export`, or the in-process batch processor)."""
 
-    def __init__(self, provider: Any, processor: Any) -> None:
+    def __init__(self, provider: Any, sink: Any) -> None:
         from opentelemetry import trace
-        from opentelemetry.sdk.trace import Event, ReadableSpan
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-        from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+        from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
-        self.trace, self.Event, self.ReadableSpan, self.Link, self.SpanContext = trace, Event, ReadableSpan, Link, \
-            SpanContext
-        self.kinds = SpanKind
-        self.error = lambda description: Status(StatusCode.ERROR, description)
-        self.unset = Status(StatusCode.UNSET)
+        self.trace, self.SpanContext, self.kinds = trace, SpanContext, SpanKind
         self.sampled = TraceFlags(TraceFlags.SAMPLED)
-        self.resource = provider.resource
         self.sampler = provider.sampler
         self.ids = provider.id_generator
-        self.scope = InstrumentationScope("inflight")
-        self.processor = processor
+        self.sink = sink
 
-    def emit(self, name: str, context: Any, parent: Any, start: float, end: float, attributes: dict | None = None,
-             events: Iterable = (), kind: Any = None, status: Any = None, links: Iterable = ()) -> None:
-        """Queue one finished span (`start`, `end`: Unix s) for export."""
-        self.processor.on_end(self.ReadableSpan(
-            name=name, context=context, parent=parent, resource=self.resource, attributes=attributes or {},
-            events=tuple(events), links=tuple(links), kind=kind or self.kinds.INTERNAL, status=status or self.unset,
-            start_time=ns(start), end_time=ns(max(end, start)), instrumentation_scope=self.scope))
-
-    def new_context(self, trace_id: int, trace_state: Any = None) -> Any:
-        """A new span's context in trace `trace_id`, carrying `trace_state` (W3C: a span's
-        trace state is its parent's unless the sampler changed it)."""
-        return self.SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=self.sampled,
-                                trace_state=trace_state)
+    def emit(self, name: str, trace_id: bytes, span_id: int, parent_id: int, parent_remote: bool, trace_state: str,
+             start: float, end: float, attributes: dict | None = None, events: list | None = None,
+             kind: int = INTERNAL, status: tuple[int, str | None] | None = None, links: list | None = None) -> None:
+        """Hand one finished span (`start`, `end`: Unix s; `events`: (name, Unix ns,
+        attributes)) to the sink."""
+        code, description = status or (UNSET, None)
+        self.sink.put(SpanRecord(name, trace_id, span_id, parent_id, parent_remote, trace_state, kind, ns(start),
+                                 ns(max(end, start)), attributes or {}, events or [], links or [], code, description))
 
 
 class JobTrace:
@@ -67,25 +55,27 @@ class JobTrace:
     (Unix s), emitted as finished spans by `end`. Written on the event loop only.
     `trace_id` / `span_id`: hex ids of the CONSUMER span (log lines, exemplars)."""
 
-    __slots__ = ("kit", "capture_content", "job_id", "name", "ctx", "parent", "start", "attrs", "events", "links",
-                 "status", "trace_id", "span_id", "exemplar", "tokenize", "submitted", "engine", "terminal_at",
-                 "published_at", "recorded", "ended")
+    __slots__ = ("kit", "capture_content", "job_id", "name", "tid", "sid", "state", "parent", "start", "attrs",
+                 "events", "links", "status", "trace_id", "span_id", "exemplar", "tokenize", "submitted", "engine",
+                 "terminal_at", "published_at", "recorded", "ended")
 
-    def __init__(self, kit: SpanKit, name: str, ctx: Any, parent: Any, start: float, attrs: dict, job_id: str,
-                 capture_content: bool = False) -> None:
+    def __init__(self, kit: SpanKit, name: str, trace_id: int, span_id: int, trace_state: str, parent: Any,
+                 start: float, attrs: dict, job_id: str, capture_content: bool = False) -> None:
         self.kit = kit
         self.capture_content = capture_content
         self.job_id = job_id
         self.name = name
-        self.ctx = ctx
+        self.tid = trace_bytes(trace_id)
+        self.sid = span_id
+        self.state = trace_state  # W3C header value; every span of the job carries it (W3C: the parent's)
         self.parent = parent  # the producer's SpanContext, or None (a new trace)
         self.start = start
         self.attrs = attrs
-        self.events: list = []
+        self.events: list[tuple[str, int, dict]] = []
         self.links: list = []
-        self.status = None
-        self.trace_id = format(ctx.trace_id, "032x")
-        self.span_id = format(ctx.span_id, "016x")
+        self.status: tuple[int, str] | None = None
+        self.trace_id = format(trace_id, "032x")
+        self.span_id = format(span_id, "016x")
         self.exemplar = {"trace_id": self.trace_id, "span_id": self.span_id}
         self.tokenize: tuple[float, float] | None = None
         self.submitted: float | None = None
@@ -107,19 +97,20 @@ class JobTrace:
             return None
         if result.attributes:
             attrs.update(result.attributes)
-        return cls(kit, name, kit.new_context(trace_id, result.trace_state), parent, start, attrs, job_id,
-                   capture_content)
+        state = result.trace_state
+        return cls(kit, name, trace_id, kit.ids.generate_span_id(), state.to_header() if state else "", parent,
+                   start, attrs, job_id, capture_content)
 
     def child(self, name: str, start: float, end: float, attributes: dict | None = None, events: Iterable = ()) -> None:
         """Emit a finished child span of the CONSUMER span (`start`, `end`: Unix s);
         `events`: (name, attributes, Unix s)."""
         kit = self.kit
-        kit.emit(name, kit.new_context(self.ctx.trace_id, self.ctx.trace_state), self.ctx, start, end, attributes,
-                 [kit.Event(n, a, ns(t)) for n, a, t in events])
+        kit.emit(name, self.tid, kit.ids.generate_span_id(), self.sid, False, self.state, start, end, attributes,
+                 [(n, ns(t), a or {}) for n, a, t in events])
 
     def event(self, name: str, attributes: dict | None = None, t: float | None = None) -> None:
         if not self.ended:
-            self.events.append(self.kit.Event(name, attributes or {}, ns(t if t is not None else time.time())))
+            self.events.append((name, ns(t if t is not None else time.time()), attributes or {}))
 
     def cancel_requested(self, headers: Iterable[tuple[str, bytes | None]] | None = None) -> None:
         """A cancel arrived: an event, and a link to the cancel's own span when its record
@@ -127,8 +118,8 @@ class JobTrace:
         self.event("cancel_requested")
         ctx = context_from_headers(headers) if headers else None
         if ctx is not None and not self.ended:
-            kit = self.kit
-            self.links.append(kit.Link(kit.trace.get_current_span(ctx).get_span_context(), {"inflight.link": "cancel"}))
+            self.links.append(link_of(self.kit.trace.get_current_span(ctx).get_span_context(),
+                                      {"inflight.link": "cancel"}))
 
     def engine_done(self, times: RequestTimes | None) -> None:
         """The engine's last output for the job: its timestamps (and traced events)."""
@@ -149,7 +140,7 @@ class JobTrace:
         if err is not None:
             a["error.type"] = err.code
             if reason in ("error", "rejected"):
-                self.status = self.kit.error(f"{err.code}: {err.message}"[:500])
+                self.status = (ERROR, f"{err.code}: {err.message}"[:500])
             self.event(reason if reason == "rejected" else "error",
                        {"inflight.error_code": err.code, "inflight.error_message": err.message[:500]}, now)
         if held.dead_letter is not None:
@@ -206,7 +197,11 @@ class JobTrace:
             self.attrs["inflight.outcome"] = outcome
         self.event(outcome or "offset_done", None, now)
         self.ended = True
-        self.events.sort(key=lambda e: e.timestamp)
-        kit = self.kit
-        kit.emit(self.name, self.ctx, self.parent, self.start, now, self.attrs, self.events, kit.kinds.CONSUMER,
-                 self.status, self.links)
+        self.events.sort(key=_event_time)
+        parent = self.parent
+        self.kit.emit(self.name, self.tid, self.sid, parent.span_id if parent is not None else 0, parent is not None,
+                      self.state, self.start, now, self.attrs, self.events, CONSUMER, self.status, self.links)
+
+
+def _event_time(event: tuple[str, int, dict]) -> int:
+    return event[1]

@@ -41,11 +41,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from worker.obs.exporters import ReportingExporter, export_protocol, export_where, otlp_exporter
 from worker.obs.job_trace import JobTrace, SpanKit
 from worker.obs.trace_context import ACTIVE, context_from_headers
 
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from worker.config import TracingConfig
 
 log = structlog.get_logger(__name__)
+
+SHUTDOWN_S = 5.0  # a stop waits this long for the last exports
 
 
 class Tracing:
@@ -95,90 +97,12 @@ def setup_tracing(cfg: TracingConfig, service: str, *, instance_id: str | None =
                        exporter=exporter, set_global=set_global)
 
 
-def otlp_exporter(cfg: TracingConfig):
-    """The OTLP span exporter `cfg` and the `OTEL_EXPORTER_OTLP_*` variables describe.
-    Returns (exporter, protocol, endpoint for logs)."""
-    protocol = (cfg.protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
-    from worker.config import TRACING_PROTOCOLS, ConfigError
-
-    if protocol not in TRACING_PROTOCOLS:
-        raise ConfigError(f"OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL must be one of {list(TRACING_PROTOCOLS)}, "
-                          f"got {protocol!r}")
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
-        endpoint = cfg.endpoint
-        exporter = GrpcExporter(endpoint=endpoint, insecure=endpoint.startswith("http://") if endpoint else None)
-        shown = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4317"
-        return exporter, protocol, shown
-    if protocol == "http/json":
-        from worker.obs.otlp_json import OtlpJsonExporter
-
-        exporter = OtlpJsonExporter(cfg.endpoint)
-        return exporter, protocol, exporter.url
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
-    from worker.obs.otlp_json import traces_url
-
-    endpoint = cfg.endpoint.rstrip("/") + "/v1/traces" if cfg.endpoint else None
-    return HttpExporter(endpoint=endpoint), "http/protobuf", traces_url(cfg.endpoint)
-
-
-class ReportingExporter:
-    """Wraps a SpanExporter: a failed export (collector unreachable, refused) drops its
-    batch and logs one warning per episode, with the count dropped when exports work
-    again; the SDK's own per-batch error lines are silenced. Runs in the batch
-    processor's thread, never on the event loop or in the engine."""
-
-    def __init__(self, inner: Any, where: str) -> None:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        self.inner = inner
-        self.where = where
-        self._ok = SpanExportResult.SUCCESS
-        self._failure = SpanExportResult.FAILURE
-        self.failing = False
-        self.closing = False  # shutting down: once the collector failed, the rest is dropped untried
-        self.num_exported = 0
-        self.num_dropped = 0
-        self._episode_dropped = 0
-
-    def export(self, spans: Sequence[Any]):
-        if self.closing and self.failing:  # no retry of an unreachable collector at shutdown
-            self.num_dropped += len(spans)
-            return self._failure
-        try:
-            result = self.inner.export(spans)
-            error = None
-        except Exception as e:  # an exporter bug must not kill the processor's thread
-            result, error = self._failure, e
-        if result == self._ok:
-            self.num_exported += len(spans)
-            if self.failing:
-                self.failing = False
-                log.info("trace export works again", endpoint=self.where, dropped_spans=self._episode_dropped)
-                self._episode_dropped = 0
-            return result
-        self.num_dropped += len(spans)
-        self._episode_dropped += len(spans)
-        if not self.failing:
-            self.failing = True
-            log.warning("trace export failed: spans are dropped until the collector answers; jobs are unaffected",
-                        endpoint=self.where, error=repr(error)[:200] if error else "export refused or unreachable")
-        return result
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
-
-
 class OtelTracing(Tracing):
-    """Tracing on: an SDK TracerProvider with a batch span processor (queue, export
-    thread; `OTEL_BSP_*` honoured) feeding `ReportingExporter`.
+    """Tracing on: an SDK TracerProvider (sampler, ids; the gateway's and the client's
+    live spans) whose finished spans go, as `SpanRecord`s, to the trace export process
+    (`tracing.export: process`, the default; `worker.obs.trace_export`), or to a batch
+    span processor in this process (`thread`, or when a test passes an `exporter`):
+    queue, export thread, `OTEL_BSP_*` honoured, feeding `ReportingExporter`.
 
     Raises:
         ConfigError: the OpenTelemetry packages are missing (the `tracing` extra).
@@ -213,19 +137,39 @@ class OtelTracing(Tracing):
             attrs["service.instance.id"] = instance_id
         sampler = ParentBased(TraceIdRatioBased(cfg.sample_ratio)) if cfg.sample_ratio is not None else None
         self.provider = TracerProvider(resource=Resource.create(attrs), sampler=sampler)
-        if exporter is None:
-            exporter, protocol, where = otlp_exporter(cfg)
+        self.export = "thread" if exporter is not None else cfg.export
+        if self.export == "process":
+            from worker.obs.trace_export import ExportProcess, RecordProcessor
+
+            protocol = export_protocol(cfg)
+            where = export_where(cfg, protocol)
+            settings = {"tracing": {"endpoint": cfg.endpoint, "protocol": protocol}, "resource": attrs,
+                        "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                        "timeout_s": SHUTDOWN_S}
+            self.exporter = self.sink = ExportProcess(settings, where)
+            self.provider.add_span_processor(RecordProcessor(self.sink))
         else:
-            protocol, where = "custom", type(exporter).__name__
-        self.exporter = ReportingExporter(exporter, where)
-        self.processor = BatchSpanProcessor(self.exporter)
-        self.provider.add_span_processor(self.processor)
-        self.kit = SpanKit(self.provider, self.processor)
+            from worker.obs.trace_export import InProcessSink
+
+            if exporter is None:
+                exporter, protocol, where = otlp_exporter(cfg)
+            else:
+                protocol, where = "custom", type(exporter).__name__
+            self.exporter = ReportingExporter(exporter, where)
+            try:
+                processor = BatchSpanProcessor(self.exporter)
+            except ValueError as e:  # OTEL_BSP_* values that do not fit together
+                from worker.config import ConfigError
+
+                raise ConfigError(f"tracing: the OTEL_BSP_* settings: {e}") from None
+            self.provider.add_span_processor(processor)
+            self.sink = InProcessSink(processor, self.provider.resource)
+        self.kit = SpanKit(self.provider, self.sink)
         self.tracer = self.provider.get_tracer("inflight")
         if set_global and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
             trace.set_tracer_provider(self.provider)  # once per process (a second gateway/worker keeps its own)
-        log.info("tracing on", endpoint=where, protocol=protocol, service=attrs.get("service.name")
-                 or os.environ.get("OTEL_SERVICE_NAME"), sample_ratio=cfg.sample_ratio)
+        log.info("tracing on", endpoint=where, protocol=protocol, export=self.export, service=attrs.get(
+            "service.name") or os.environ.get("OTEL_SERVICE_NAME"), sample_ratio=cfg.sample_ratio)
 
     # ---- the worker's jobs ---------------------------------------------------------------
     def open_job(self, rec: Any, held: Any, claim_start: float, claim_end: float) -> JobTrace | None:
@@ -289,11 +233,16 @@ class OtelTracing(Tracing):
         return self.tracer.start_span(f"{method} {route}", context=context_from_headers(headers.items()),
                                       kind=self._trace.SpanKind.SERVER, attributes=attributes)
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
+    def shutdown(self, timeout_s: float = SHUTDOWN_S) -> None:
         """Flush queued spans (bounded), then stop the processor. A collector that does
         not answer costs at most about `timeout_s`: the final export runs in a daemon
         thread that is abandoned past it, and once an export failed the spans still queued
-        are dropped without trying (each try would wait for the exporter's own timeout)."""
+        are dropped without trying (each try would wait for the exporter's own timeout).
+        With the export process: the same, in that process (`ExportProcess.shutdown`)."""
+        if self.export == "process":
+            self.provider.shutdown()  # the live spans' processor hands over as spans end: nothing waits there
+            self.sink.shutdown(timeout_s)
+            return
         self.exporter.closing = True
         done = threading.Event()
 
