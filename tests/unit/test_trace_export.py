@@ -26,7 +26,7 @@ from schemas.wire import ErrorInfo, FinishReason, Job
 from tests.unit.test_tracing import PARENT_SPAN, PARENT_TRACE, TP, clock, record, run_job
 from worker.config import TracingConfig
 from worker.obs import trace_export
-from worker.obs.otlp_json import encode_span
+from worker.obs.otlp_encode import encode_proto, span_json
 from worker.obs.span_records import SpanBuilder, SpanRecord, record_of
 from worker.obs.trace_context import ACTIVE, context_from_headers
 from worker.obs.tracing import setup_tracing
@@ -123,7 +123,7 @@ def test_the_export_process_sends_what_the_in_process_exporter_sends(collector):
                           model="tiny", consumer_group="inflight-workers", exporter=memory, set_global=False)
     jobs_both_ways(local, JobTable("w1", clock=clock))
     local.provider.force_flush()
-    expected = normalized([encode_span(s) for s in memory.get_finished_spans()])
+    expected = normalized([span_json(record_of(s)) for s in memory.get_finished_spans()])
     clock.now = 1000.2
     remote = process_tracing(collector.endpoint, capture_content=True)
     assert remote.export == "process"
@@ -160,7 +160,9 @@ def test_a_live_sdk_span_survives_the_record_round_trip():
     original = memory.get_finished_spans()[0]
     wire = msgspec.msgpack.encode([record_of(original)])
     back = SpanBuilder(original.resource).span(msgspec.msgpack.decode(wire, type=list[SpanRecord])[0])
-    assert encode_span(back) == encode_span(original)
+    assert span_json(record_of(back)) == span_json(record_of(original))
+    assert back.attributes == original.attributes and back.events[0].attributes == {"k": 1.5}
+    assert back.status.status_code == StatusCode.ERROR and back.status.description == "boom"
     assert back.attributes["tags"] == ("a", "b") and back.instrumentation_scope.name == "inflight.gateway"
     assert back.parent.is_remote and back.kind == SpanKind.SERVER
 
@@ -225,3 +227,26 @@ def test_batch_settings_that_do_not_fit_are_a_config_error(collector, monkeypatc
     with pytest.raises(ConfigError, match="max_export_batch_size must be less than or equal to max_queue_size"):
         setup_tracing(TracingConfig(enabled=True, endpoint=collector.endpoint, protocol="http/json", export=export),
                       "inflight-worker", set_global=False)
+
+
+def test_records_encode_to_the_protobuf_the_sdk_encoder_makes():
+    """`encode_proto` (the http/protobuf body, built from records) parses to the same
+    ExportTraceServiceRequest the SDK's own encoder makes of the same spans, every field
+    (our links also carry their trace state, which the SDK's encoder leaves out)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    memory = InMemorySpanExporter()
+    local = setup_tracing(TracingConfig(enabled=True, capture_content=True), "inflight-worker", instance_id="w1",
+                          model="tiny", consumer_group="inflight-workers", exporter=memory, set_global=False)
+    jobs_both_ways(local, JobTable("w1", clock=clock))
+    local.provider.force_flush()
+    spans = memory.get_finished_spans()
+    ours = ExportTraceServiceRequest.FromString(encode_proto([record_of(s) for s in spans],
+                                                             dict(spans[0].resource.attributes)))
+    links = [link for s in ours.resource_spans[0].scope_spans[0].spans for link in s.links]
+    assert [link.trace_state for link in links] == ["k=v"]
+    for link in links:
+        link.ClearField("trace_state")
+    assert ours == encode_spans(spans)
+    assert len(ours.resource_spans[0].scope_spans[0].spans) == 12

@@ -30,7 +30,8 @@ from worker.engine.inputs import RequestInput
 from worker.engine.outputs import RequestTimes, TraceEvent
 from worker.model.null_runner import null_engine
 from worker.obs.metrics import Metrics, exposition
-from worker.obs.otlp_json import any_value, encode_request
+from worker.obs.otlp_encode import any_value, encode_json
+from worker.obs.span_records import record_of
 from worker.obs.trace_context import ACTIVE, add_trace_ids, context_from_headers, headers_for
 from worker.obs.tracing import OFF, setup_tracing
 from worker.serve.claims import Claimed
@@ -453,7 +454,8 @@ def test_the_otlp_json_encoding_follows_the_proto3_json_mapping():
                        dead_letter=("prompt_too_long", "long"))
     held.trace.end(1000.5)
     spans = finished(tr, exporter)
-    body = json.loads(encode_request([*spans["process inflight.jobs.normal"], *spans["claim"]]))
+    chosen = [*spans["process inflight.jobs.normal"], *spans["claim"]]
+    body = json.loads(encode_json([record_of(s) for s in chosen], dict(chosen[0].resource.attributes)))
     (rs,) = body["resourceSpans"]
     assert {"key": "service.name", "value": {"stringValue": "inflight-worker"}} in rs["resource"]["attributes"]
     (ss,) = rs["scopeSpans"]

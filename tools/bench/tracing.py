@@ -2,22 +2,24 @@
 one real worker on the dev stack's Kafka and Redis around the model-less engine over an
 emulated device, every job produced before it starts) with tracing off, and on at 100%
 sampling with the default protobuf encoding (`on`), with JSON (`on-json`,
-`tracing.protocol: http/json`) and at 10% sampling (`on-10%`), in alternating rounds of
-one invocation. Spans go over OTLP/HTTP to a collector stand-in in its own process that
-reads and discards them (`--endpoint` names a real collector instead, e.g.
-tools/stack/jaeger.sh's, whose ingest then shares the box's cores with the worker); the batch
-processor's queue is raised to 65536 spans (`OTEL_BSP_MAX_QUEUE_SIZE`) so every span is
-exported, not dropped. `--baseline PATH` adds the same row run from another checkout
-(e.g. a `git worktree` of the commit before tracing): what the off path costs.
+`tracing.protocol: http/json`), at 10% sampling (`on-10%`) and exported from the worker's
+own process instead of the trace export process (`on-thread`, `tracing.export: thread`),
+in alternating rounds of one invocation. Spans go over OTLP/HTTP to a collector stand-in
+in its own process that reads and discards them (`--endpoint` names a real collector
+instead, e.g. tools/stack/jaeger.sh's, whose ingest then shares the box's cores with the
+worker); the batch processor's queue (and the export process's) is raised to 65536 spans
+(`OTEL_BSP_MAX_QUEUE_SIZE`) so every span is exported, not dropped. `--baseline PATH`
+adds the off and on rows run from another checkout (`baseline`, `baseline-on`; e.g. a
+`git worktree` of the commit before a change).
 
-Reported per variant (median over rounds): tokens/s, jobs/s, worker CPU seconds (worker
-and engine processes) per 1k jobs; the ratios on/off (goal >= 0.97), on-json/off,
-on-10%/off and off/baseline; the worker CPU per traced job (µs, on minus off). Writes
-results/bench_tracing.json and a PNG, prints a table.
+Reported per variant (median over rounds): tokens/s, jobs/s, worker CPU seconds (worker,
+engine and export processes) per 1k jobs; the ratios on/off (goal >= 0.95), on-json/off,
+on-10%/off, on-thread/off, off/baseline and baseline-on/baseline; the worker CPU per
+traced job (µs, on minus off). Writes results/bench_tracing.json and a PNG, prints a table.
 
     tools/stack/devstack.sh up
     python -m tools.bench.tracing                         # 2 ms device, 256 running, 64-token jobs, 3 rounds (~10 min)
-    git worktree add /tmp/pre-tracing <commit> && python -m tools.bench.tracing --baseline /tmp/pre-tracing
+    git worktree add /tmp/base <commit> && python -m tools.bench.tracing --baseline /tmp/base
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ JAEGER_OTLP = f"http://127.0.0.1:{os.environ.get('INFLIGHT_DEV_JAEGER_OTLP_HTTP_
 
 
 def variants(a) -> list[tuple[str, dict | None, Path | None]]:
-    def on(protocol: str, ratio: float = 1.0) -> dict:
+    def on(protocol: str, ratio: float = 1.0, **more) -> dict:
         return {"tracing": {"enabled": True, "endpoint": a.endpoint, "sample_ratio": ratio, "protocol": protocol,
-                            "service_name": "bench-tracing"}}
+                            "service_name": "bench-tracing", **more}}
 
     out = [("off", {"tracing": {"enabled": False}}, None), ("on", on("http/protobuf"), None),
-           ("on-json", on("http/json"), None), ("on-10%", on("http/protobuf", 0.1), None)]
+           ("on-json", on("http/json"), None), ("on-10%", on("http/protobuf", 0.1), None),
+           ("on-thread", on("http/protobuf", export="thread"), None)]
     if a.baseline:
-        out.append(("baseline", None, Path(a.baseline).resolve()))
+        tree = Path(a.baseline).resolve()
+        out += [("baseline", None, tree), ("baseline-on", on("http/protobuf"), tree)]
     return out
 
 
@@ -68,9 +72,12 @@ async def run(a) -> dict:
                "cpu_us_per_traced_job": (med["on"]["cpu_s_per_1k_jobs"] - off["cpu_s_per_1k_jobs"]) * 1000,
                "json_vs_off_tokens": med["on-json"]["tokens_per_s"] / off["tokens_per_s"],
                "json_cpu_us_per_traced_job": (med["on-json"]["cpu_s_per_1k_jobs"] - off["cpu_s_per_1k_jobs"]) * 1000,
-               "ratio_0.1_vs_off_tokens": med["on-10%"]["tokens_per_s"] / off["tokens_per_s"]}
+               "ratio_0.1_vs_off_tokens": med["on-10%"]["tokens_per_s"] / off["tokens_per_s"],
+               "thread_vs_off_tokens": med["on-thread"]["tokens_per_s"] / off["tokens_per_s"]}
     if "baseline" in med:
         summary["off_vs_baseline_tokens"] = med["off"]["tokens_per_s"] / med["baseline"]["tokens_per_s"]
+        summary["baseline_on_vs_baseline_off_tokens"] = (med["baseline-on"]["tokens_per_s"]
+                                                         / med["baseline"]["tokens_per_s"])
     return {"num_jobs": n, "runs": runs, "median": med, "summary": summary}
 
 

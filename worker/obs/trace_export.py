@@ -17,10 +17,10 @@ dropped, whether exports are failing) and logs one warning per failing episode, 
 in-process exporter does. A child that dies is started again (at most every 5 s; its
 spans in flight are lost and counted).
 
-Child side, `main` (`python -m worker.obs.trace_export SETTINGS_JSON`): turns records
-into ReadableSpans (`SpanBuilder`) and feeds the SDK's batch span processor and the OTLP
-exporter the settings name (`worker.obs.tracing.otlp_exporter`: http/protobuf, http/json,
-grpc; `OTEL_*` variables honoured as in-process). It ignores SIGINT and SIGTERM (a signal
+Child side, `main` (`python -m worker.obs.trace_export SETTINGS_JSON`): batches the
+records (`RecordBatcher`, `OTEL_BSP_*`) for the OTLP exporter the settings name
+(`worker.obs.exporters.otlp_exporter`: http/protobuf and http/json encoded straight from
+the records, grpc through the SDK; `OTEL_*` variables honoured as in-process). It ignores SIGINT and SIGTERM (a signal
 to the whole process group must not end it before the worker's last spans): it ends when
 its standard input closes (the worker stops it, or died), after a final flush bounded by
 the settings' `timeout_s`.
@@ -174,16 +174,16 @@ class ExportProcess:
                 self._cond.wait(min(left, 0.1))
         return True
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
         """Send what is queued, close the pipe (the child flushes, bounded by its
         `timeout_s`, and exits) and wait for the child up to `timeout_s` + 1 s; a child
-        still running then is killed and what it held is dropped (one warning)."""
+        still running then is killed and what it held is dropped (returns False)."""
         self._closing = True
         self._wake.set()
         self._writer.join(timeout_s)
         proc = self._proc
         if proc is None:
-            return
+            return True
         with contextlib.suppress(OSError):
             proc.stdin.close()
         try:
@@ -191,9 +191,11 @@ class ExportProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            log.warning("trace export did not finish at shutdown; queued spans are dropped", endpoint=self.where)
-        if self._reader is not None:
-            self._reader.join(1.0)
+            return False
+        finally:
+            if self._reader is not None:
+                self._reader.join(1.0)
+        return True
 
     # ---- the child -----------------------------------------------------------------------
     def _start(self) -> None:
@@ -302,23 +304,6 @@ class RecordProcessor:
         return self.sink.force_flush(timeout_millis / 1000)
 
 
-class InProcessSink:
-    """Records exported from this process (`tracing.export: thread`): each becomes a
-    ReadableSpan for the SDK's batch span processor, whose thread encodes and sends."""
-
-    def __init__(self, processor: Any, resource: Any) -> None:
-        from worker.obs.span_records import SpanBuilder
-
-        self.processor = processor
-        self.builder = SpanBuilder(resource)
-
-    def put(self, record: SpanRecord) -> None:
-        self.processor.on_end(self.builder.span(record))
-
-    def force_flush(self, timeout_s: float = 30.0) -> bool:
-        return self.processor.force_flush(int(timeout_s * 1000))
-
-
 # ---- the child process ---------------------------------------------------------------------
 def _ignored(signum: int, frame: object) -> None:
     pass
@@ -333,11 +318,9 @@ def main(argv: list[str]) -> int:
 
     setup_logging(settings.get("log_level", "INFO"), json=True)
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     from worker.config import TracingConfig
-    from worker.obs.exporters import ReportingExporter, otlp_exporter
-    from worker.obs.span_records import SpanBuilder
+    from worker.obs.exporters import RecordBatcher, ReportingExporter, otlp_exporter
 
     out = sys.stdout.buffer
     lock = threading.Lock()
@@ -353,10 +336,10 @@ def main(argv: list[str]) -> int:
                 pass  # the worker is gone: nothing to tell
 
     try:
-        exporter, _, where = otlp_exporter(TracingConfig(**settings["tracing"]))
+        resource = Resource.create(settings.get("resource") or {})
+        exporter, _, where = otlp_exporter(TracingConfig(**settings["tracing"]), resource)
         reporting = ReportingExporter(exporter, where, log_episodes=False)
-        processor = BatchSpanProcessor(reporting)  # OTEL_BSP_* read and checked here
-        builder = SpanBuilder(Resource.create(settings.get("resource") or {}))
+        batcher = RecordBatcher(reporting)  # OTEL_BSP_* read and checked here
     except Exception as e:  # a setting the worker could not check (OTEL_BSP_*): the worker raises it
         send(0, 0, False, f"{type(e).__name__}: {e}"[:500], HELLO)
         return 2
@@ -373,24 +356,12 @@ def main(argv: list[str]) -> int:
         kind, body = head.decode(payload)
         if kind == SPANS:
             for record in spans.decode(body):
-                processor.on_end(builder.span(record))
+                batcher.put(record)
         elif kind == FLUSH:
-            processor.force_flush()
+            batcher.force_flush()
             state["flushed"] = msgspec.msgpack.decode(body, type=int)
             report()
-    timeout_s = float(settings.get("timeout_s", 5.0))
-    reporting.closing = True
-    done = threading.Event()
-
-    def stop() -> None:
-        try:
-            processor.force_flush(int(timeout_s * 1000))
-            processor.shutdown()
-        finally:
-            done.set()
-
-    threading.Thread(target=stop, daemon=True).start()
-    done.wait(timeout_s + 0.5)
+    batcher.shutdown(float(settings.get("timeout_s", 5.0)))
     report()
     return 0
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -100,8 +99,8 @@ def setup_tracing(cfg: TracingConfig, service: str, *, instance_id: str | None =
 class OtelTracing(Tracing):
     """Tracing on: an SDK TracerProvider (sampler, ids; the gateway's and the client's
     live spans) whose finished spans go, as `SpanRecord`s, to the trace export process
-    (`tracing.export: process`, the default; `worker.obs.trace_export`), or to a batch
-    span processor in this process (`thread`, or when a test passes an `exporter`):
+    (`tracing.export: process`, the default; `worker.obs.trace_export`), or to a
+    `RecordBatcher` in this process (`thread`, or when a test passes an SDK `exporter`):
     queue, export thread, `OTEL_BSP_*` honoured, feeding `ReportingExporter`.
 
     Raises:
@@ -116,7 +115,6 @@ class OtelTracing(Tracing):
             from opentelemetry import trace
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
             from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         except ImportError as e:
             from worker.config import ConfigError
@@ -149,21 +147,22 @@ class OtelTracing(Tracing):
             self.exporter = self.sink = ExportProcess(settings, where)
             self.provider.add_span_processor(RecordProcessor(self.sink))
         else:
-            from worker.obs.trace_export import InProcessSink
+            from worker.obs.exporters import RecordBatcher, SdkRecordExporter
+            from worker.obs.trace_export import RecordProcessor
 
             if exporter is None:
-                exporter, protocol, where = otlp_exporter(cfg)
-            else:
+                exporter, protocol, where = otlp_exporter(cfg, self.provider.resource)
+            else:  # a test's SDK exporter
                 protocol, where = "custom", type(exporter).__name__
+                exporter = SdkRecordExporter(exporter, self.provider.resource)
             self.exporter = ReportingExporter(exporter, where)
             try:
-                processor = BatchSpanProcessor(self.exporter)
-            except ValueError as e:  # OTEL_BSP_* values that do not fit together
+                self.sink = RecordBatcher(self.exporter)
+            except ValueError as e:  # OTEL_BSP_* values that are not numbers or do not fit together
                 from worker.config import ConfigError
 
                 raise ConfigError(f"tracing: the OTEL_BSP_* settings: {e}") from None
-            self.provider.add_span_processor(processor)
-            self.sink = InProcessSink(processor, self.provider.resource)
+            self.provider.add_span_processor(RecordProcessor(self.sink))
         self.kit = SpanKit(self.provider, self.sink)
         self.tracer = self.provider.get_tracer("inflight")
         if set_global and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
@@ -234,26 +233,13 @@ class OtelTracing(Tracing):
                                       kind=self._trace.SpanKind.SERVER, attributes=attributes)
 
     def shutdown(self, timeout_s: float = SHUTDOWN_S) -> None:
-        """Flush queued spans (bounded), then stop the processor. A collector that does
-        not answer costs at most about `timeout_s`: the final export runs in a daemon
-        thread that is abandoned past it, and once an export failed the spans still queued
-        are dropped without trying (each try would wait for the exporter's own timeout).
-        With the export process: the same, in that process (`ExportProcess.shutdown`)."""
-        if self.export == "process":
-            self.provider.shutdown()  # the live spans' processor hands over as spans end: nothing waits there
-            self.sink.shutdown(timeout_s)
-            return
-        self.exporter.closing = True
-        done = threading.Event()
-
-        def stop() -> None:
-            try:
-                self.provider.force_flush(int(timeout_s * 1000))
-                self.provider.shutdown()
-            finally:
-                done.set()
-
-        threading.Thread(target=stop, name="inflight-tracing-shutdown", daemon=True).start()
-        if not done.wait(timeout_s + 1.0):
+        """Export what is queued and stop. A collector that does not answer costs at most
+        about `timeout_s`: once an export failed, the spans still queued are dropped
+        without trying (each try would wait for the exporter's own timeout), and a last
+        export still running past the bound is abandoned (with the export process: that
+        process is killed, `ExportProcess.shutdown`)."""
+        self.provider.shutdown()  # live spans hand over as they end: nothing waits there
+        done = self.sink.shutdown(timeout_s)
+        if done is False:
             log.warning("trace export did not finish at shutdown; queued spans are dropped",
                         endpoint=self.exporter.where)
