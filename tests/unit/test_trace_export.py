@@ -250,3 +250,12 @@ def test_records_encode_to_the_protobuf_the_sdk_encoder_makes():
         link.ClearField("trace_state")
     assert ours == encode_spans(spans)
     assert len(ours.resource_spans[0].scope_spans[0].spans) == 12
+
+
+def test_a_child_that_cannot_start_stops_the_start_with_its_reason():
+    """What only the child can find out (an exporter it cannot build, a setting it
+    refuses) comes back in its first frame and is raised where the worker starts."""
+    from worker.config import ConfigError
+
+    with pytest.raises(ConfigError, match="did not start: ConfigError: tracing.protocol must be one of"):
+        trace_export.ExportProcess({"tracing": {"protocol": "udp"}}, "nowhere")

@@ -49,6 +49,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from worker.obs.exporters import batch_settings
 from worker.obs.span_records import SpanRecord, record_of
 
 log = structlog.get_logger(__name__)
@@ -83,13 +84,6 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def max_queue_size() -> int:
-    try:
-        return max(1, int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048")))
-    except ValueError:
-        return 2048
-
-
 class ExportProcess:
     """The serving process's end of the export process (see the module docstring).
 
@@ -100,12 +94,16 @@ class ExportProcess:
 
     `num_exported` / `num_dropped`: spans the child exported / spans dropped anywhere
     (queue full here, a child that died, an export that failed).
+
+    Raises:
+        ValueError: invalid `OTEL_BSP_*` values (`batch_settings`).
+        ConfigError: the child did not start (its reason, e.g. the gRPC exporter missing).
     """
 
     def __init__(self, settings: dict, where: str) -> None:
         self.settings = settings
         self.where = where
-        self.max_queue = max_queue_size()
+        self.max_queue = batch_settings()[1]
         self.failing = False
         self._queue: deque[SpanRecord] = deque()
         self._wake = threading.Event()
@@ -117,7 +115,8 @@ class ExportProcess:
         self._flushed = 0
         self._base = [0, 0]  # exported, dropped by children that ended
         self._child = [0, 0]  # the running child's counts
-        self._dropped_here = 0
+        self._queue_dropped = 0  # written by the putting thread only
+        self._lost = 0  # written by the writer thread only: sent to a child that was gone
         self._queue_full = False
         self._started_at = 0.0
         self._proc: subprocess.Popen | None = None
@@ -141,14 +140,14 @@ class ExportProcess:
 
     @property
     def num_dropped(self) -> int:
-        return self._base[1] + self._child[1] + self._dropped_here
+        return self._base[1] + self._child[1] + self._queue_dropped + self._lost
 
     # ---- the serving side ----------------------------------------------------------------
     def put(self, record: SpanRecord) -> None:
         """Queue one finished span for export; never blocks (a full queue drops it)."""
         q = self._queue
         if len(q) >= self.max_queue:
-            self._dropped_here += 1
+            self._queue_dropped += 1
             if not self._queue_full:
                 self._queue_full = True
                 log.warning("trace export queue full: spans are dropped (OTEL_BSP_MAX_QUEUE_SIZE)",
@@ -220,7 +219,7 @@ class ExportProcess:
             self._child = [0, 0]
             log.warning("trace export process exited; spans are dropped until it is started again", exit_code=code,
                         endpoint=self.where)
-        self._dropped_here += dropped
+        self._lost += dropped
         if not self._closing and time.monotonic() - self._started_at >= RESTART_GAP_S:
             self._start()  # replaces self._proc: force_flush never sees a gap
         else:

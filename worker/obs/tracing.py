@@ -144,7 +144,12 @@ class OtelTracing(Tracing):
             settings = {"tracing": {"endpoint": cfg.endpoint, "protocol": protocol}, "resource": attrs,
                         "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                         "timeout_s": SHUTDOWN_S}
-            self.exporter = self.sink = ExportProcess(settings, where)
+            try:
+                self.exporter = self.sink = ExportProcess(settings, where)
+            except ValueError as e:  # OTEL_BSP_* values that are not numbers or do not fit together
+                from worker.config import ConfigError
+
+                raise ConfigError(f"tracing: the OTEL_BSP_* settings: {e}") from None
             self.provider.add_span_processor(RecordProcessor(self.sink))
         else:
             from worker.obs.exporters import RecordBatcher, SdkRecordExporter
