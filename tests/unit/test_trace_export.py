@@ -230,25 +230,42 @@ def test_batch_settings_that_do_not_fit_are_a_config_error(collector, monkeypatc
 
 
 def test_records_encode_to_the_protobuf_the_sdk_encoder_makes():
-    """`encode_proto` (the http/protobuf body, built from records) parses to the same
+    """`encode_proto` (the http/protobuf body, built from the records a worker hands over:
+    a job's CONSUMER span and its phase spans as `Children`) parses to the same
     ExportTraceServiceRequest the SDK's own encoder makes of the same spans, every field
-    (our links also carry their trace state, which the SDK's encoder leaves out)."""
+    (the phases' span ids are drawn at encoding, so they are compared as names; our links
+    also carry their trace state, which the SDK's encoder leaves out)."""
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    memory = InMemorySpanExporter()
+    class Capture:
+        records: list = []
+
+        def put(self, record):
+            self.records.append(record)
+
     local = setup_tracing(TracingConfig(enabled=True, capture_content=True), "inflight-worker", instance_id="w1",
-                          model="tiny", consumer_group="inflight-workers", exporter=memory, set_global=False)
+                          model="tiny", consumer_group="inflight-workers", exporter=InMemorySpanExporter(),
+                          set_global=False)
+    local.kit.sink = capture = Capture()
     jobs_both_ways(local, JobTable("w1", clock=clock))
-    local.provider.force_flush()
-    spans = memory.get_finished_spans()
-    ours = ExportTraceServiceRequest.FromString(encode_proto([record_of(s) for s in spans],
-                                                             dict(spans[0].resource.attributes)))
+    records = capture.records
+    # job 1: its claim-time phases, the rest of its phases, its CONSUMER span; job 2 (never ran): no phases at the end
+    assert [type(r).__name__ for r in records] == ["Children", "Children", "SpanRecord", "Children", "SpanRecord"]
+    resource = local.provider.resource
+    ours = ExportTraceServiceRequest.FromString(encode_proto(records, dict(resource.attributes)))
+    sdk = encode_spans(SpanBuilder(resource).spans(records))
+    for request in (ours, sdk):
+        spans = request.resource_spans[0].scope_spans[0].spans
+        names = {s.span_id: s.name.encode() for s in spans}
+        for s in spans:
+            s.span_id = s.name.encode()
+            s.parent_span_id = names.get(s.parent_span_id, s.parent_span_id)
     links = [link for s in ours.resource_spans[0].scope_spans[0].spans for link in s.links]
     assert [link.trace_state for link in links] == ["k=v"]
     for link in links:
         link.ClearField("trace_state")
-    assert ours == encode_spans(spans)
+    assert ours == sdk
     assert len(ours.resource_spans[0].scope_spans[0].spans) == 12
 
 

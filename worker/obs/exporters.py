@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from worker.obs.span_records import num_spans
+
 if TYPE_CHECKING:
     from worker.config import TracingConfig
 
@@ -73,7 +75,7 @@ class SdkRecordExporter:
         self.builder = SpanBuilder(resource)
 
     def export(self, records: Sequence[Any]):
-        return self.inner.export(self.builder.spans(records))
+        return self.inner.export(self.builder.spans(records))  # children expanded there
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -116,8 +118,9 @@ class ReportingExporter:
         return result
 
     def _export(self, spans: Sequence[Any]):
+        n = num_spans(spans)
         if self.closing and self.failing:  # no retry of an unreachable collector at shutdown
-            self.failed += len(spans)
+            self.failed += n
             return self._failure
         try:
             result = self.inner.export(spans)
@@ -125,15 +128,15 @@ class ReportingExporter:
         except Exception as e:  # an exporter bug must not kill the processor's thread
             result, error = self._failure, e
         if result == self._ok:
-            self.num_exported += len(spans)
+            self.num_exported += n
             if self.failing:
                 self.failing = False
                 if self.log_episodes:
                     log.info("trace export works again", endpoint=self.where, dropped_spans=self._episode_dropped)
                 self._episode_dropped = 0
             return result
-        self.failed += len(spans)
-        self._episode_dropped += len(spans)
+        self.failed += n
+        self._episode_dropped += n
         self.last_error = repr(error)[:200] if error else ""
         if not self.failing:
             self.failing = True
@@ -205,7 +208,7 @@ class RecordBatcher:
     def put(self, record: Any) -> None:
         q = self._queue
         if len(q) >= self.max_queue:
-            self.exporter.queue_dropped += 1
+            self.exporter.queue_dropped += num_spans((record,))
             return
         q.append(record)
         if len(q) == self.batch_size:

@@ -16,7 +16,16 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from worker.obs.span_records import CONSUMER, ERROR, INTERNAL, UNSET, SpanRecord, link_of, trace_bytes
+from worker.obs.span_records import (
+    CONSUMER,
+    ERROR,
+    INTERNAL,
+    UNSET,
+    Children,
+    SpanRecord,
+    link_of,
+    trace_bytes,
+)
 from worker.obs.trace_context import ACTIVE, context_from_headers, ns
 
 if TYPE_CHECKING:
@@ -47,6 +56,12 @@ class SpanKit:
         code, description = status or (UNSET, None)
         self.sink.put(SpanRecord(name, trace_id, span_id, parent_id, parent_remote, trace_state, kind, ns(start),
                                  ns(max(end, start)), attributes or {}, events or [], links or [], code, description))
+
+    def emit_children(self, trace_id: bytes, parent_id: int, trace_state: str, spans: list) -> None:
+        """Hand finished INTERNAL children of one parent to the sink as one record
+        (`spans`: (name, start ns, end ns, attributes, events))."""
+        if spans:
+            self.sink.put(Children(trace_id, parent_id, trace_state, spans))
 
 
 class JobTrace:
@@ -101,12 +116,10 @@ class JobTrace:
         return cls(kit, name, trace_id, kit.ids.generate_span_id(), state.to_header() if state else "", parent,
                    start, attrs, job_id, capture_content)
 
-    def child(self, name: str, start: float, end: float, attributes: dict | None = None, events: Iterable = ()) -> None:
-        """Emit a finished child span of the CONSUMER span (`start`, `end`: Unix s);
-        `events`: (name, attributes, Unix s)."""
-        kit = self.kit
-        kit.emit(name, self.tid, kit.ids.generate_span_id(), self.sid, False, self.state, start, end, attributes,
-                 [(n, ns(t), a or {}) for n, a, t in events])
+    def children(self, spans: list) -> None:
+        """Emit finished child spans of the CONSUMER span, as one record: (name, start,
+        end, attributes, events) each, times in Unix s, events as (name, Unix s, attributes)."""
+        self.kit.emit_children(self.tid, self.sid, self.state, spans)
 
     def event(self, name: str, attributes: dict | None = None, t: float | None = None) -> None:
         if not self.ended:
@@ -168,31 +181,33 @@ class JobTrace:
         if self.ended:
             return
         ACTIVE.pop(self.job_id, None)
+        phases: list = []
         if self.tokenize is not None:
-            self.child("tokenize", *self.tokenize)
+            phases.append(("tokenize", *self.tokenize, _NONE, ()))
         times = self.engine
         if self.submitted is not None:
             first_sched = times.first_scheduled_time if times is not None else None
             queue_end = first_sched if first_sched is not None else (times.finished_time if times else now)
-            self.child("engine.queue", self.submitted, queue_end)
+            phases.append(("engine.queue", self.submitted, queue_end, _NONE, ()))
             engine_events = (times.events or ()) if times is not None else ()
             if first_sched is not None:
-                chunks = [("prefill_chunk", {"inflight.tokens": e.tokens}, e.time) for e in engine_events
+                chunks = [("prefill_chunk", e.time, {"inflight.tokens": e.tokens}) for e in engine_events
                           if e.name == "prefill_chunk"]
                 first_tok = times.first_token_time
-                self.child("prefill", first_sched, first_tok if first_tok is not None else times.finished_time,
-                           {"inflight.chunks": len(chunks)}, chunks)
+                phases.append(("prefill", first_sched, first_tok if first_tok is not None else times.finished_time,
+                               {"inflight.chunks": len(chunks)}, chunks))
                 if first_tok is not None:
-                    self.child("decode", first_tok, times.finished_time)
+                    phases.append(("decode", first_tok, times.finished_time, _NONE, ()))
             for e in engine_events:
                 if e.name == "preempted":
                     self.event("preempted", {"inflight.reason": e.reason, "inflight.computed_tokens": e.tokens}, e.time)
                 elif e.name != "prefill_chunk":
                     self.event(e.name, {"inflight.reason": e.reason} if e.reason else None, e.time)
         if self.terminal_at is not None and self.published_at is not None:
-            self.child("publish", self.terminal_at, self.published_at)
+            phases.append(("publish", self.terminal_at, self.published_at, _NONE, ()))
         if self.recorded is not None:
-            self.child("results.write", *self.recorded)
+            phases.append(("results.write", *self.recorded, _NONE, ()))
+        self.children(phases)
         if outcome is not None:
             self.attrs["inflight.outcome"] = outcome
         self.event(outcome or "offset_done", None, now)
@@ -201,6 +216,9 @@ class JobTrace:
         parent = self.parent
         self.kit.emit(self.name, self.tid, self.sid, parent.span_id if parent is not None else 0, parent is not None,
                       self.state, self.start, now, self.attrs, self.events, CONSUMER, self.status, self.links)
+
+
+_NONE: dict = {}  # a phase without attributes (never written)
 
 
 def _event_time(event: tuple[str, int, dict]) -> int:

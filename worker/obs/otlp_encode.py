@@ -15,12 +15,12 @@ the SDK sets them; a link also carries its trace state.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
 
-from worker.obs.span_records import UNSET, SpanRecord
+from worker.obs.span_records import UNSET, Children, Record, SpanRecord, expand, ns, span_id_bytes
 
 _JSON = msgspec.json.Encoder()
 _FIXED64 = struct.Struct("<Q")
@@ -117,8 +117,35 @@ def _span_proto(r: SpanRecord) -> bytes:
     return b"".join(parts)
 
 
-def _by_scope(records: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
-    scopes: dict[str, list[SpanRecord]] = {}
+_KIND_TIMES = struct.Struct("<BBBQBQ")  # kind INTERNAL, start and end (fields 6, 7, 8 of a Span)
+_NAMES: dict[str, bytes] = {}
+
+
+def _children_proto(r: Children) -> Iterator[bytes]:
+    """The child spans of one `Children` record: what they share is encoded once, their
+    names once per process, their ids drawn here."""
+    head = _field(b"\x0a", r.trace_id) + b"\x12\x08"
+    middle = (_field(b"\x1a", r.trace_state.encode()) if r.trace_state else b"") + b"\x22\x08" + r.parent_id.to_bytes(
+        8, "big")
+    tail = b"\x7a\x00\x85\x01" + _FIXED32.pack(HAS_IS_REMOTE)  # status unset; the parent is local
+    names = _NAMES
+    for name, start, end, attributes, events in r.spans:
+        named = names.get(name)
+        if named is None:
+            named = names[name] = _field(b"\x2a", name.encode())
+        parts = [head, span_id_bytes(), middle, named,
+                 _KIND_TIMES.pack(0x30, 1, 0x39, int(start * 1e9), 0x41, int(max(start, end) * 1e9))]
+        if attributes:
+            parts.append(_key_values(b"\x4a", attributes))
+        for ename, t, attrs in events:
+            parts.append(_field(b"\x5a", b"\x09" + _FIXED64.pack(ns(t)) + _field(b"\x12", ename.encode())
+                                + _key_values(b"\x1a", attrs)))
+        parts.append(tail)
+        yield _field(b"\x12", b"".join(parts))
+
+
+def _by_scope(records: Iterable[Record]) -> dict[str, list[Record]]:
+    scopes: dict[str, list[Record]] = {}
     for r in records:
         found = scopes.get(r.scope)
         if found is None:
@@ -127,13 +154,18 @@ def _by_scope(records: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
     return scopes
 
 
-def encode_proto(records: Iterable[SpanRecord], resource: dict[str, Any]) -> bytes:
+def encode_proto(records: Iterable[Record], resource: dict[str, Any]) -> bytes:
     """An ExportTraceServiceRequest (protobuf) of `records`, all of one `resource`
     (its attributes), grouped by instrumentation scope."""
     scope_spans = []
-    for scope, spans in _by_scope(records).items():
-        body = _field(b"\x0a", _field(b"\x0a", scope.encode()) if scope else b"")
-        scope_spans.append(_field(b"\x12", body + b"".join(_field(b"\x12", _span_proto(r)) for r in spans)))
+    for scope, found in _by_scope(records).items():
+        parts = [_field(b"\x0a", _field(b"\x0a", scope.encode()) if scope else b"")]
+        for r in found:
+            if type(r) is SpanRecord:
+                parts.append(_field(b"\x12", _span_proto(r)))
+            else:
+                parts.extend(_children_proto(r))
+        scope_spans.append(_field(b"\x12", b"".join(parts)))
     resource_spans = _field(b"\x0a", _key_values(b"\x0a", resource)) + b"".join(scope_spans)
     return _field(b"\x0a", resource_spans)
 
@@ -187,9 +219,9 @@ def span_json(r: SpanRecord) -> dict:
     return out
 
 
-def encode_json(records: Iterable[SpanRecord], resource: dict[str, Any]) -> bytes:
+def encode_json(records: Iterable[Record], resource: dict[str, Any]) -> bytes:
     """An ExportTraceServiceRequest (OTLP/JSON) of `records`, all of one `resource`."""
-    scope_spans = [{"scope": {"name": scope}, "spans": [span_json(r) for r in spans]}
-                   for scope, spans in _by_scope(records).items()]
+    scope_spans = [{"scope": {"name": scope}, "spans": [span_json(r) for r in expand(found)]}
+                   for scope, found in _by_scope(records).items()]
     return _JSON.encode({"resourceSpans": [{"resource": {"attributes": key_values(resource)},
                                             "scopeSpans": scope_spans}]})

@@ -15,6 +15,7 @@ tracing is on.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,7 +26,7 @@ INTERNAL, SERVER, CLIENT, PRODUCER, CONSUMER = range(5)
 UNSET, OK, ERROR = range(3)
 
 
-class SpanRecord(msgspec.Struct, array_like=True, gc=False):
+class SpanRecord(msgspec.Struct, array_like=True, gc=False, tag=0):
     """One finished span.
 
     Attributes:
@@ -60,6 +61,69 @@ class SpanRecord(msgspec.Struct, array_like=True, gc=False):
     status: int = UNSET
     description: str | None = None
     scope: str = "inflight"
+
+
+class Children(msgspec.Struct, array_like=True, gc=False, tag=1):
+    """Finished INTERNAL child spans of one parent span, as one record: a job's phase spans
+    (`worker.obs.job_trace`). Their span ids are drawn where the record is expanded
+    (`expand`: in the export process), so the event loop draws one id per job, not one
+    per phase.
+
+    Attributes:
+        trace_id, parent_id, trace_state, scope: as in `SpanRecord` (the parent's).
+        spans: (name, start, end, attributes, events) per child, times in Unix seconds
+            (turned into nanoseconds where expanded: the event loop skips that too);
+            events as (name, Unix s, attributes).
+    """
+
+    trace_id: bytes
+    parent_id: int
+    trace_state: str
+    spans: list[tuple[str, float, float, dict[str, Any], list[tuple[str, float, dict[str, Any]]]]]
+    scope: str = "inflight"
+
+
+Record = SpanRecord | Children
+
+
+def num_spans(records: Iterable[Record]) -> int:
+    """How many spans `records` hold."""
+    return sum(1 if type(r) is SpanRecord else len(r.spans) for r in records)
+
+
+def expand(records: Iterable[Record]) -> list[SpanRecord]:
+    """Every span of `records` as a SpanRecord (children get fresh span ids)."""
+    out: list[SpanRecord] = []
+    for r in records:
+        if type(r) is SpanRecord:
+            out.append(r)
+            continue
+        for name, start, end, attributes, events in r.spans:
+            out.append(SpanRecord(name, r.trace_id, span_id(), r.parent_id, False, r.trace_state, INTERNAL, ns(start),
+                                  ns(max(start, end)), attributes, [(n, ns(t), a) for n, t, a in events], [], UNSET,
+                                  None, r.scope))
+    return out
+
+
+def span_id() -> int:
+    """A random nonzero 64-bit span id (W3C trace context)."""
+    while True:
+        sid = random.getrandbits(64)
+        if sid:
+            return sid
+
+
+def span_id_bytes() -> bytes:
+    """`span_id` as its 8 bytes (big-endian), as OTLP's protobuf carries it."""
+    while True:
+        sid = random.randbytes(8)
+        if sid != b"\0\0\0\0\0\0\0\0":
+            return sid
+
+
+def ns(t: float) -> int:
+    """Unix seconds -> Unix nanoseconds (OpenTelemetry's timestamps)."""
+    return int(t * 1e9)
 
 
 def trace_bytes(trace_id: int) -> bytes:
@@ -147,5 +211,5 @@ class SpanBuilder:
             kind=self._kinds[r.kind], status=status, start_time=r.start_ns, end_time=r.end_ns,
             instrumentation_scope=scope)
 
-    def spans(self, records: Iterable[SpanRecord]) -> list:
-        return [self.span(r) for r in records]
+    def spans(self, records: Iterable[Record]) -> list:
+        return [self.span(r) for r in expand(records)]

@@ -50,7 +50,7 @@ import msgspec
 import structlog
 
 from worker.obs.exporters import batch_settings
-from worker.obs.span_records import SpanRecord, record_of
+from worker.obs.span_records import Record, num_spans, record_of
 
 log = structlog.get_logger(__name__)
 
@@ -105,7 +105,7 @@ class ExportProcess:
         self.where = where
         self.max_queue = batch_settings()[1]
         self.failing = False
-        self._queue: deque[SpanRecord] = deque()
+        self._queue: deque[Record] = deque()
         self._wake = threading.Event()
         self._closing = False
         self._encoder = msgspec.msgpack.Encoder()
@@ -143,11 +143,12 @@ class ExportProcess:
         return self._base[1] + self._child[1] + self._queue_dropped + self._lost
 
     # ---- the serving side ----------------------------------------------------------------
-    def put(self, record: SpanRecord) -> None:
-        """Queue one finished span for export; never blocks (a full queue drops it)."""
+    def put(self, record: Record) -> None:
+        """Queue one record of finished spans for export; never blocks (a full queue
+        drops it and counts its spans)."""
         q = self._queue
         if len(q) >= self.max_queue:
-            self._queue_dropped += 1
+            self._queue_dropped += num_spans((record,))
             if not self._queue_full:
                 self._queue_full = True
                 log.warning("trace export queue full: spans are dropped (OTEL_BSP_MAX_QUEUE_SIZE)",
@@ -242,7 +243,7 @@ class ExportProcess:
             self._wake.clear()
             while q:
                 batch = [q.popleft() for _ in range(min(len(q), MAX_FRAME_SPANS))]
-                self._send(self._encoder.encode((SPANS, batch)), len(batch))
+                self._send(self._encoder.encode((SPANS, batch)), num_spans(batch))
             if self._queue_full and len(q) < self.max_queue // 2:
                 self._queue_full = False
             if self._flush_sent < self._flush_asked:
@@ -348,7 +349,7 @@ def main(argv: list[str]) -> int:
         send(reporting.num_exported, reporting.num_dropped, reporting.failing, reporting.last_error, state["flushed"])
 
     reporting.listener = report
-    spans = msgspec.msgpack.Decoder(list[SpanRecord])
+    spans = msgspec.msgpack.Decoder(list[Record])
     head = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
     stdin = sys.stdin.buffer
     while (payload := read_frame(stdin)) is not None:

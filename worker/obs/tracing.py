@@ -225,8 +225,8 @@ class OtelTracing(Tracing):
             jt.event("restarted", {"inflight.attempt": held.attempt,
                                    "inflight.reason": "an earlier attempt did not finish"}, claim_end)
         # emitted now, not when the job ends: a worker killed later still shows this attempt
-        jt.child("read_ahead", read, claim_start)
-        jt.child("claim", claim_start, claim_end, {"inflight.attempt": held.attempt})
+        jt.children([("read_ahead", read, claim_start, {}, ()),
+                     ("claim", claim_start, claim_end, {"inflight.attempt": held.attempt}, ())])
         ACTIVE[job.job_id] = jt
         return jt
 
