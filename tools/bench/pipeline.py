@@ -138,48 +138,65 @@ POLL_WINDOW = 64  # done marks checked per poll while the worker runs
 
 class CpuSampler:
     """Samples the CPU seconds (user + system) of a process and its children (the engine
-    process) every 20 ms with wall-clock times, so the CPU used inside any later-chosen
-    window can be read off. The process tree is re-read once a second only: listing
-    children scans all of /proc, and the sampler shares the box with the worker."""
+    process, the trace export process) every 20 ms with wall-clock times, so the CPU used
+    inside any later-chosen window can be read off, in all and per process role (`front`:
+    the worker's own process, `engine`, `export`, `other`). The process tree is re-read
+    once a second only: listing children scans all of /proc, and the sampler shares the box
+    with the worker."""
 
     def __init__(self, pid: int) -> None:
         import psutil
 
         self.proc = psutil.Process(pid)
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    @staticmethod
+    def role(p, root) -> str:
+        if p.pid == root.pid:
+            return "front"
+        cmd = " ".join(p.cmdline())
+        return "engine" if "multiprocessing" in cmd else "export" if "trace_export" in cmd else "other"
+
     def _run(self) -> None:
-        procs: list = [self.proc]
+        procs: list = [(self.proc, "front")]
         listed_at = 0.0
         while not self._stop.is_set():
             try:
                 if time.monotonic() - listed_at > 1.0:
-                    procs = [self.proc, *self.proc.children(recursive=True)]
+                    procs = [(p, self.role(p, self.proc)) for p in [self.proc, *self.proc.children(recursive=True)]]
                     listed_at = time.monotonic()
-                total = 0.0
-                for p in procs:
+                roles: dict[str, float] = {}
+                for p, role in procs:
                     t = p.cpu_times()
-                    total += t.user + t.system
+                    roles[role] = roles.get(role, 0.0) + t.user + t.system
             except Exception:  # a process ended
                 if not self.proc.is_running():
                     return
                 continue
-            self.samples.append((time.time(), total))
+            self.samples.append((time.time(), sum(roles.values()), roles))
             time.sleep(0.02)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
+    def _ends(self, t0: float, t1: float) -> tuple:
+        before = [s for s in self.samples if s[0] <= t0]
+        after = [s for s in self.samples if s[0] >= t1]
+        return before[-1] if before else self.samples[0], after[0] if after else self.samples[-1]
+
     def cpu_between(self, t0: float, t1: float) -> float:
-        before = [c for t, c in self.samples if t <= t0]
-        after = [c for t, c in self.samples if t >= t1]
-        start = before[-1] if before else self.samples[0][1]
-        end = after[0] if after else self.samples[-1][1]
-        return end - start
+        start, end = self._ends(t0, t1)
+        return end[1] - start[1]
+
+    def cpu_by_role(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds per process role between `t0` and `t1` (a process that started
+        inside the window counts from 0)."""
+        start, end = self._ends(t0, t1)
+        return {role: cpu - start[2].get(role, 0.0) for role, cpu in end[2].items()}
 
 
 async def produce(a, prefix: str, num_jobs: int, output_len: int) -> list[str]:
@@ -313,7 +330,9 @@ async def run_worker_row(a, device_ms: float, output_len: int, num_jobs: int, ru
     cpu = sampler.cpu_between(t0, min(t1, sampler_window_end))
     out = {"seconds": dt, "tokens": tokens, "jobs": num_jobs, "tokens_per_s": tokens / dt,
            "jobs_per_s": num_jobs / dt, "cpu_s": cpu, "cpu_s_per_1k_tokens": cpu / tokens * 1000,
-           "cpu_s_per_1k_jobs": cpu / num_jobs * 1000}
+           "cpu_s_per_1k_jobs": cpu / num_jobs * 1000,
+           "cpu_s_per_1k_jobs_by_process": {role: c / num_jobs * 1000 for role, c in sampler.cpu_by_role(
+               t0, min(t1, sampler_window_end)).items()}}
     if a.subscribers:
         expected = num_jobs * (output_len + 2)  # at most: started + one event per token + finished
         out["subscribers"] = {"count": a.subscribers, "events_received": counts, "max_expected": expected}

@@ -13,9 +13,10 @@ adds the off and on rows run from another checkout (`baseline`, `baseline-on`; e
 `git worktree` of the commit before a change).
 
 Reported per variant (median over rounds): tokens/s, jobs/s, worker CPU seconds (worker,
-engine and export processes) per 1k jobs; the ratios on/off (goal >= 0.95), on-json/off,
-on-10%/off, on-thread/off, off/baseline and baseline-on/baseline; the worker CPU per
-traced job (µs, on minus off). Writes results/bench_tracing.json and a PNG, prints a table.
+engine and export processes) per 1k jobs, in all and per process; the ratios on/off (goal
+>= 0.95), on-json/off, on-10%/off, on-thread/off, off/baseline and baseline-on/baseline;
+the worker CPU per traced job (µs, on minus off), in all and per process (the worker's own
+process is the one whose GIL serves jobs). Writes results/bench_tracing.json and a PNG, prints a table.
 
     tools/stack/devstack.sh up
     python -m tools.bench.tracing                         # 2 ms device, 256 running, 64-token jobs, 3 rounds (~10 min)
@@ -67,6 +68,10 @@ async def run(a) -> dict:
     med = {name: {k: statistics.median(x[k] for x in rows) for k in ("tokens_per_s", "jobs_per_s",
                                                                      "cpu_s_per_1k_jobs")}
            for name, rows in runs.items()}
+    for name, rows in runs.items():  # where the CPU went: the worker's own process, the engine's, the export one
+        med[name]["cpu_s_per_1k_jobs_by_process"] = {
+            role: statistics.median(x["cpu_s_per_1k_jobs_by_process"].get(role, 0.0) for x in rows)
+            for role in ("front", "engine", "export")}
     off = med["off"]
     summary = {"on_vs_off_tokens": med["on"]["tokens_per_s"] / off["tokens_per_s"],
                "cpu_us_per_traced_job": (med["on"]["cpu_s_per_1k_jobs"] - off["cpu_s_per_1k_jobs"]) * 1000,
@@ -74,6 +79,9 @@ async def run(a) -> dict:
                "json_cpu_us_per_traced_job": (med["on-json"]["cpu_s_per_1k_jobs"] - off["cpu_s_per_1k_jobs"]) * 1000,
                "ratio_0.1_vs_off_tokens": med["on-10%"]["tokens_per_s"] / off["tokens_per_s"],
                "thread_vs_off_tokens": med["on-thread"]["tokens_per_s"] / off["tokens_per_s"]}
+    for name in ("on", "on-json", "on-thread"):  # µs per traced job in each process (on minus off)
+        by, base = med[name]["cpu_s_per_1k_jobs_by_process"], off["cpu_s_per_1k_jobs_by_process"]
+        summary[f"{name}_cpu_us_per_traced_job_by_process"] = {role: (by[role] - base[role]) * 1000 for role in by}
     if "baseline" in med:
         summary["off_vs_baseline_tokens"] = med["off"]["tokens_per_s"] / med["baseline"]["tokens_per_s"]
         summary["baseline_on_vs_baseline_off_tokens"] = (med["baseline-on"]["tokens_per_s"]

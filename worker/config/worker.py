@@ -149,9 +149,10 @@ class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (HTTP; `/v1/traces` is appended) or `http://otel-collector:4317` (gRPC).
             None: the `OTEL_EXPORTER_OTLP_*` variables, else the SDK default
             (localhost, 4318 or 4317).
-        protocol: `http/protobuf`, `http/json` (OTLP's JSON encoding: several times
-            cheaper for the worker to encode, accepted by the OpenTelemetry Collector and
-            Jaeger but not by every vendor's endpoint) or `grpc`; None:
+        protocol: `http/protobuf`, `http/json` (OTLP's JSON encoding, accepted by the
+            OpenTelemetry Collector and Jaeger but not by every vendor's endpoint; both
+            encoded by Inflight from its span records) or `grpc` (through the SDK's
+            exporter: about 10x the encoding cost); None:
             `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`, else `http/protobuf`.
         service_name: `service.name` of the spans when `OTEL_SERVICE_NAME` is unset
             (None: `inflight-worker` / `inflight-gateway`).

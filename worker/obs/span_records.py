@@ -1,16 +1,17 @@
-"""Finished spans as compact records (`SpanRecord`): what a worker hands to its trace
-export process (`worker.obs.trace_export`) over a pipe, and what the export process
-turns back into the SDK's `ReadableSpan`s for its exporter.
+"""Finished spans as compact records: what a worker hands to its trace export process
+(`worker.obs.trace_export`) over a pipe, and what the exporters encode
+(`worker.obs.otlp_encode`) or turn back into the SDK's `ReadableSpan`s (`SpanBuilder`,
+for the gRPC exporter).
 
-A record holds plain values only (ids as integers and bytes, times in Unix
-nanoseconds, attributes as a dict), so building one costs the event loop a fraction of
-an SDK span, and msgpack (msgspec) encodes a batch of them in microseconds. The
-resource is not in the record: the export process builds the one resource of the
-process that sends to it. Attribute sequences come back as tuples (msgpack has no
-tuple).
+Two kinds: `SpanRecord` (one span: the gateway's and client's SDK spans, a job's CONSUMER
+span) and `Children` (a job's phase spans under its CONSUMER span, as one record whose
+span ids are drawn where it is expanded). Both hold plain values only (ids as integers
+and bytes, times as numbers, attributes as a dict), so building one costs the event loop
+a fraction of an SDK span, and msgpack (msgspec) encodes a batch of them in microseconds.
+The resource is not in the record: the export process builds the one resource of the
+process that sends to it. Attribute sequences come back as tuples (msgpack has no tuple).
 
-Imports OpenTelemetry only inside the conversion functions, which run only while
-tracing is on.
+Imports OpenTelemetry only inside `SpanBuilder`, which runs only while tracing is on.
 """
 
 from __future__ import annotations

@@ -2,34 +2,35 @@
 to the collector by a child process, off the serving process's GIL.
 
 Why: at 100% sampling a worker serving ~700 jobs/s spent more CPU exporting spans (the
-SDK's protobuf encoder, ~0.4 ms per job of ten spans, and the HTTP posts) than building
-them, on a batch-processor thread that shares the event loop's GIL: 0.71x the tokens/s of
-tracing off (docs/benchmarks.md#tracing-overhead). vLLM and SGLang export from the
-serving process; the OpenTelemetry Collector's agent pattern is the model here, one hop
-closer: the serving process only builds compact records (`SpanRecord`) and writes them,
-msgpack-encoded in batches, into a pipe.
+SDK's protobuf encoder, ~0.7 ms per job of nine spans, and the HTTP posts) than building
+them, on a batch-processor thread that shares the event loop's GIL: 0.65-0.71x the
+tokens/s of tracing off (docs/benchmarks.md#tracing-overhead). vLLM and SGLang export
+from the serving process; the OpenTelemetry Collector's agent pattern is the model here,
+one hop closer: the serving process only builds compact records
+(`worker.obs.span_records`: a job's phase spans are one record) and writes them,
+msgpack-encoded, in batches, into a pipe.
 
 Parent side, `ExportProcess`: `put` (any thread; on the event loop for a job's spans)
-appends a record to a bounded queue (`OTEL_BSP_MAX_QUEUE_SIZE`, default 2048; a full queue
-drops the span and counts it); a writer thread sends the queue every 50 ms (sooner past
-512 records) as one frame; a reader thread takes the child's counts (spans exported and
-dropped, whether exports are failing) and logs one warning per failing episode, as the
-in-process exporter does. A child that dies is started again (at most every 5 s; its
-spans in flight are lost and counted).
+appends a record to a bounded queue (`OTEL_BSP_MAX_QUEUE_SIZE`, default 2048 records; a
+full queue drops the record and counts its spans); a writer thread sends the queue every
+50 ms (sooner past 512 records) as one frame; a reader thread takes the child's counts
+(spans exported and dropped, whether exports are failing) and logs one warning per
+failing episode, as the in-process exporter does. A child that dies is started again (at
+most every 5 s; its spans in flight are lost and counted).
 
 Child side, `main` (`python -m worker.obs.trace_export SETTINGS_JSON`): batches the
 records (`RecordBatcher`, `OTEL_BSP_*`) for the OTLP exporter the settings name
 (`worker.obs.exporters.otlp_exporter`: http/protobuf and http/json encoded straight from
-the records, grpc through the SDK; `OTEL_*` variables honoured as in-process). It ignores SIGINT and SIGTERM (a signal
-to the whole process group must not end it before the worker's last spans): it ends when
-its standard input closes (the worker stops it, or died), after a final flush bounded by
-the settings' `timeout_s`.
+the records, grpc through the SDK; `OTEL_*` variables honoured as in-process). It ignores
+SIGINT and SIGTERM (a signal to the whole process group must not end it before the
+worker's last spans): it ends when its standard input closes (the worker stops it, or
+died), after a final flush bounded by the settings' `timeout_s`.
 
 Frames, both ways: a 4-byte big-endian length, then msgpack. Parent to child:
-`[0, [SpanRecord, ...]]` (spans) or `[1, n]` (flush request n). Child to parent:
-`[exported, dropped, failing, error, flushed]`: first a hello (`flushed` = -1; `error`
-says why it could not start, e.g. an invalid `OTEL_BSP_*` setting: the first start waits
-for it and raises ConfigError), then after every export and every flush.
+`[0, [record, ...]]` (`SpanRecord` or `Children`) or `[1, n]` (flush request n). Child to
+parent: `[exported, dropped, failing, error, flushed]`: first a hello (`flushed` = -1;
+`error` says why it could not start: the first start waits for it and raises
+ConfigError), then after every export and every flush.
 """
 
 from __future__ import annotations
