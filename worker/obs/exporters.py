@@ -8,6 +8,9 @@ per failing episode, counts) and `RecordBatcher` (the SDK batch span processor's
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -192,9 +195,6 @@ class RecordBatcher:
     """
 
     def __init__(self, exporter: ReportingExporter) -> None:
-        import threading
-        from collections import deque
-
         self.exporter = exporter
         self.delay_s, self.max_queue, self.batch_size = batch_settings()
         self._queue: deque = deque()
@@ -217,8 +217,6 @@ class RecordBatcher:
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         """Export every record queued now; False if that took longer than `timeout_s`."""
-        import time
-
         with self._cond:
             self._flush_asked += 1
             want = self._flush_asked

@@ -5,9 +5,10 @@ tree is drawn in `worker.obs.tracing`).
 A worker traces hundreds of jobs a second, so no live SDK `Span` is kept per job: the
 sampling decision and the ids are taken when the job is claimed (the SDK's sampler and
 id generator), attributes and events gather in plain dicts and lists, and each span is
-handed on as a finished `SpanRecord` (`worker.obs.span_records`) with its own start and
-end times (`SpanKit.emit`): no SDK object is built on the event loop, and the encoding
-and the export run in the trace export process (`worker.obs.trace_export`). Only `OtelTracing.open_job` makes a JobTrace, so nothing
+handed on as a finished record (`worker.obs.span_records`; the phase spans as one
+`Children` record) with its own start and end times (`SpanKit`): no SDK object is built
+on the event loop, and the encoding and the export run in the trace export process
+(`worker.obs.trace_export`). Only `OtelTracing.open_job` makes a JobTrace, so nothing
 here runs, or imports OpenTelemetry, while tracing is off."""
 
 from __future__ import annotations
@@ -35,15 +36,14 @@ if TYPE_CHECKING:
 
 class SpanKit:
     """What building finished spans needs: the provider's sampler and id generator, and
-    the sink that takes the finished spans as `SpanRecord`s (the export process's pipe,
-    `worker.obs.trace_export`, or the in-process batch processor)."""
+    the sink that takes the finished spans as records (the export process's pipe,
+    `worker.obs.trace_export.ExportProcess`, or an in-process `RecordBatcher`)."""
 
     def __init__(self, provider: Any, sink: Any) -> None:
         from opentelemetry import trace
-        from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+        from opentelemetry.trace import SpanKind
 
-        self.trace, self.SpanContext, self.kinds = trace, SpanContext, SpanKind
-        self.sampled = TraceFlags(TraceFlags.SAMPLED)
+        self.trace, self.kinds = trace, SpanKind
         self.sampler = provider.sampler
         self.ids = provider.id_generator
         self.sink = sink
@@ -59,7 +59,7 @@ class SpanKit:
 
     def emit_children(self, trace_id: bytes, parent_id: int, trace_state: str, spans: list) -> None:
         """Hand finished INTERNAL children of one parent to the sink as one record
-        (`spans`: (name, start ns, end ns, attributes, events))."""
+        (`spans`: (name, start, end, attributes, events), Unix s; see `Children`)."""
         if spans:
             self.sink.put(Children(trace_id, parent_id, trace_state, spans))
 

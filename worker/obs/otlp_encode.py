@@ -1,12 +1,15 @@
-"""OTLP ExportTraceServiceRequest bodies built straight from `SpanRecord`s, in the two
-encodings of OTLP/HTTP: protobuf (`encode_proto`, the default `http/protobuf`) and the
-proto3 JSON mapping (`encode_json`, `http/json`: hex ids, enum values as integers, 64-bit
-integers as decimal strings).
+"""OTLP ExportTraceServiceRequest bodies built straight from span records
+(`worker.obs.span_records`: `SpanRecord` and `Children`), in the two encodings of
+OTLP/HTTP: protobuf (`encode_proto`, the default `http/protobuf`) and the proto3 JSON
+mapping (`encode_json`, `http/json`: hex ids, enum values as integers, 64-bit integers
+as decimal strings).
 
 Why our own: the OpenTelemetry Python SDK's encoder builds one protobuf message object
 per attribute, event and span from its `ReadableSpan`s: ~700 µs for the nine spans of one
-job on the 2-core box, against ~60 µs here (`tests/unit/test_trace_export.py` checks the
-bytes parse to what the SDK's encoder makes; docs/tracing.md#what-it-costs). Field numbers
+job on the 2-core box (plus ~120 µs to build those spans), against ~80 µs here: each
+(key, value) attribute field is made once and reused, and a job's phase spans encode
+their shared fields once (`tests/unit/test_trace_export.py` checks the bytes parse to
+what the SDK's encoder makes; docs/benchmarks.md#tracing-overhead). Field numbers
 and flags follow opentelemetry-proto's `trace/v1/trace.proto` and `common/v1/common.proto`:
 a span carries `flags` (bit 8: the parent's remoteness is known, bit 9: it is remote), as
 the SDK sets them; a link also carries its trace state.
@@ -20,7 +23,8 @@ from typing import Any
 
 import msgspec
 
-from worker.obs.span_records import UNSET, Children, Record, SpanRecord, expand, ns, span_id_bytes
+from worker.obs.span_records import UNSET, Children, Record, SpanRecord, expand, span_id_bytes
+from worker.obs.trace_context import ns
 
 _JSON = msgspec.json.Encoder()
 _FIXED64 = struct.Struct("<Q")

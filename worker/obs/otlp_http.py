@@ -3,7 +3,7 @@ default, or `http/json`), the bodies built by `worker.obs.otlp_encode`.
 
 Why our own: the OpenTelemetry Python SDK's HTTP exporter encodes its `ReadableSpan`s one
 protobuf message object per attribute (~700 µs for the nine spans of a job on the 2-core
-box) and ships no JSON exporter; records encode in ~100-150 µs a job either way. The OTLP
+box) and ships no JSON exporter; records encode in ~80 µs a job (JSON ~110 µs). The OTLP
 spec makes JSON a MAY for receivers: the OpenTelemetry Collector and Jaeger accept it,
 some vendors' endpoints do not; protobuf is every receiver's MUST and the default.
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import msgspec
 
+from worker.obs.trace_context import ns
+
 # OpenTelemetry's SpanKind values (API numbering, INTERNAL = 0) and StatusCode values
 INTERNAL, SERVER, CLIENT, PRODUCER, CONSUMER = range(5)
 UNSET, OK, ERROR = range(3)
@@ -106,10 +108,13 @@ def expand(records: Iterable[Record]) -> list[SpanRecord]:
     return out
 
 
+_IDS = random.Random()  # seeded from os.urandom; a program seeding the global `random` cannot repeat our ids
+
+
 def span_id() -> int:
     """A random nonzero 64-bit span id (W3C trace context)."""
     while True:
-        sid = random.getrandbits(64)
+        sid = _IDS.getrandbits(64)
         if sid:
             return sid
 
@@ -117,14 +122,9 @@ def span_id() -> int:
 def span_id_bytes() -> bytes:
     """`span_id` as its 8 bytes (big-endian), as OTLP's protobuf carries it."""
     while True:
-        sid = random.randbytes(8)
+        sid = _IDS.randbytes(8)
         if sid != b"\0\0\0\0\0\0\0\0":
             return sid
-
-
-def ns(t: float) -> int:
-    """Unix seconds -> Unix nanoseconds (OpenTelemetry's timestamps)."""
-    return int(t * 1e9)
 
 
 def trace_bytes(trace_id: int) -> bytes:

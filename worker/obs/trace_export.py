@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import struct
@@ -58,7 +59,7 @@ log = structlog.get_logger(__name__)
 SPANS, FLUSH = 0, 1
 FLUSH_S = 0.05  # the writer sends what is queued this often...
 SEND_AT = 512  # ...or as soon as this many records wait
-MAX_FRAME_SPANS = 4096
+MAX_FRAME_RECORDS = 4096
 RESTART_GAP_S = 5.0
 START_S = 60.0  # a first start waits this long for the child's hello (imports on a loaded box)
 HELLO = -1  # the `flushed` of the child's first frame: ready, or why not (its `error`)
@@ -227,15 +228,16 @@ class ExportProcess:
         else:
             self._proc = None
 
-    def _send(self, payload: bytes, num_spans: int) -> None:
+    def _send(self, payload: bytes, spans: int) -> None:
+        """Write one frame (holding `spans` spans) to the child."""
         proc = self._proc
         if proc is None:
-            self._child_gone(num_spans)
+            self._child_gone(spans)
             return
         try:
             write_all(proc.stdin.fileno(), frame(payload))
         except (OSError, ValueError):  # a broken pipe: the child is gone
-            self._child_gone(num_spans)
+            self._child_gone(spans)
 
     def _write_loop(self) -> None:
         q = self._queue
@@ -243,7 +245,7 @@ class ExportProcess:
             self._wake.wait(FLUSH_S)
             self._wake.clear()
             while q:
-                batch = [q.popleft() for _ in range(min(len(q), MAX_FRAME_SPANS))]
+                batch = [q.popleft() for _ in range(min(len(q), MAX_FRAME_RECORDS))]
                 self._send(self._encoder.encode((SPANS, batch)), num_spans(batch))
             if self._queue_full and len(q) < self.max_queue // 2:
                 self._queue_full = False
@@ -267,7 +269,7 @@ class ExportProcess:
                 self._start_error = error
                 self._ready.set()
                 continue
-            if proc is not self._proc:
+            if proc is not self._proc or proc.returncode is not None:  # a child replaced, or reaped as gone
                 return
             self._child = [exported, dropped]
             if failing and not self.failing:
@@ -318,6 +320,8 @@ def main(argv: list[str]) -> int:
     from worker.obs.log import setup_logging
 
     setup_logging(settings.get("log_level", "INFO"), json=True)
+    for name in ("opentelemetry.exporter", "opentelemetry.sdk.trace.export"):  # the worker reports from our counts
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     from opentelemetry.sdk.resources import Resource
 
     from worker.config import TracingConfig
@@ -341,7 +345,7 @@ def main(argv: list[str]) -> int:
         exporter, _, where = otlp_exporter(TracingConfig(**settings["tracing"]), resource)
         reporting = ReportingExporter(exporter, where, log_episodes=False)
         batcher = RecordBatcher(reporting)  # OTEL_BSP_* read and checked here
-    except Exception as e:  # a setting the worker could not check (OTEL_BSP_*): the worker raises it
+    except Exception as e:  # what only this process finds out (an exporter it cannot build): the worker raises it
         send(0, 0, False, f"{type(e).__name__}: {e}"[:500], HELLO)
         return 2
     send(0, 0, False, "", HELLO)
