@@ -69,6 +69,12 @@ def available() -> bool:
     return not isinstance(_library(), str)
 
 
+def vectorized() -> bool:
+    """Whether the kernel was built with its AVX-512 tiles (a CPU without AVX-512 builds
+    only its plain loop, which layers do not use: `fast`)."""
+    return available() and bool(_library().inflight_woq_vectorized())
+
+
 def fast(in_features: int, groups: int, packed: bool) -> bool:
     """Whether layers of this shape should use the kernel: it takes them (`fits`), it was
     built with its AVX-512 tiles, and each run of columns sharing a scale is a whole
@@ -78,7 +84,7 @@ def fast(in_features: int, groups: int, packed: bool) -> bool:
     if not fits(in_features, groups, packed) or not available():
         return False
     run = in_features // groups if groups > 1 else (in_features // 2 if packed else in_features)
-    return run % 16 == 0 and bool(_library().inflight_woq_vectorized())
+    return run % 16 == 0 and vectorized()
 
 
 def fits(in_features: int, groups: int, packed: bool) -> bool:
