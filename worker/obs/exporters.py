@@ -83,9 +83,6 @@ class SdkRecordExporter:
     def shutdown(self) -> None:
         self.inner.shutdown()
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
-
 
 class ReportingExporter:
     """Wraps an exporter of records: a failed export (collector unreachable, refused)
@@ -150,9 +147,6 @@ class ReportingExporter:
 
     def shutdown(self) -> None:
         self.inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
 
 
 def _env_int(name: str, default: int) -> int:

@@ -136,24 +136,26 @@ class OtelTracing(Tracing):
         sampler = ParentBased(TraceIdRatioBased(cfg.sample_ratio)) if cfg.sample_ratio is not None else None
         self.provider = TracerProvider(resource=Resource.create(attrs), sampler=sampler)
         self.export = "thread" if exporter is not None else cfg.export
+        from worker.obs.exporters import batch_settings
+        from worker.obs.trace_export import RecordProcessor
+
+        try:
+            batch_settings()  # checked here once for both modes: the batcher or the export process reads them again
+        except ValueError as e:  # OTEL_BSP_* values that are not numbers or do not fit together
+            from worker.config import ConfigError
+
+            raise ConfigError(f"tracing: the OTEL_BSP_* settings: {e}") from None
         if self.export == "process":
-            from worker.obs.trace_export import ExportProcess, RecordProcessor
+            from worker.obs.trace_export import ExportProcess
 
             protocol = export_protocol(cfg)
             where = export_where(cfg, protocol)
             settings = {"tracing": {"endpoint": cfg.endpoint, "protocol": protocol}, "resource": attrs,
                         "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                         "timeout_s": SHUTDOWN_S}
-            try:
-                self.exporter = self.sink = ExportProcess(settings, where)
-            except ValueError as e:  # OTEL_BSP_* values that are not numbers or do not fit together
-                from worker.config import ConfigError
-
-                raise ConfigError(f"tracing: the OTEL_BSP_* settings: {e}") from None
-            self.provider.add_span_processor(RecordProcessor(self.sink))
+            self.exporter = self.sink = ExportProcess(settings, where)
         else:
             from worker.obs.exporters import RecordBatcher, SdkRecordExporter
-            from worker.obs.trace_export import RecordProcessor
 
             if exporter is None:
                 exporter, protocol, where = otlp_exporter(cfg, self.provider.resource)
@@ -161,13 +163,8 @@ class OtelTracing(Tracing):
                 protocol, where = "custom", type(exporter).__name__
                 exporter = SdkRecordExporter(exporter, self.provider.resource)
             self.exporter = ReportingExporter(exporter, where)
-            try:
-                self.sink = RecordBatcher(self.exporter)
-            except ValueError as e:  # OTEL_BSP_* values that are not numbers or do not fit together
-                from worker.config import ConfigError
-
-                raise ConfigError(f"tracing: the OTEL_BSP_* settings: {e}") from None
-            self.provider.add_span_processor(RecordProcessor(self.sink))
+            self.sink = RecordBatcher(self.exporter)
+        self.provider.add_span_processor(RecordProcessor(self.sink))
         self.kit = SpanKit(self.provider, self.sink)
         self.tracer = self.provider.get_tracer("inflight")
         if set_global and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
