@@ -25,6 +25,7 @@ With `timeout_method = thread`, or off the main thread, pytest-timeout's own tim
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -74,6 +75,24 @@ def pytest_timeout_set_timer(item, settings):
     signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, settings.timeout)
     return True
+
+
+@contextlib.contextmanager
+def paused():
+    """The running test's timer stops inside the block and resumes after it with the
+    seconds it had left: for a fixture that builds a cached artifact once per machine
+    (minutes: tests/conftest.py agent_checkpoint), which is not the test's own time.
+    Only our SIGALRM timer pauses (the main thread, `timeout_method = signal`); elsewhere
+    nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    left, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        yield
+    finally:
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left)
 
 
 def give_up(item, timeout: float, grace_s: float) -> None:

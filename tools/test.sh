@@ -17,6 +17,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_venv.sh
+# The agent checkpoint (tests/conftest.py agent_checkpoint: trained, minutes, cached per
+# machine) is made beside the set-up below, and waited for before pytest starts: made
+# inside a test, under pytest-xdist, it ran past the test's timeout.
+mkdir -p .cache
+.venv/bin/python -c "from tests.conftest import agent_checkpoint; print(agent_checkpoint())" \
+  >.cache/agent-checkpoint.log 2>&1 &
+agent_pid=$!
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir .cache/docs-site
 tools/stack/devstack.sh up
 tools/stack/devstack.sh up --secure   # TLS / SASL / ACL Kafka and Redis beside it (tests/integration/test_security.py)
@@ -28,6 +35,11 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
   echo "test: installing ${missing[*]} with apt" >&2
   apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+if ! wait "$agent_pid"; then
+  tail -n 30 .cache/agent-checkpoint.log >&2
+  echo "test: making the agent checkpoint failed (log above)" >&2
+  exit 1
 fi
 setup_s=$SECONDS
 if [ $# -gt 0 ]; then

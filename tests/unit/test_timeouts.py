@@ -99,3 +99,39 @@ def test_the_dump_shows_the_stack_of_a_python_child_the_test_waits_on(pytester, 
     result.assert_outcomes(failed=1)
     child = out[out.index("child processes: 1"):]
     assert "child_waits_for_ever (<string>:3)" in child, child[:3000]  # the child's frame, as py-spy reads it
+
+
+PAUSED = '''
+import time
+
+import pytest
+
+from tests.timeouts import paused
+
+
+@pytest.fixture(scope="module")
+def built():
+    with paused():  # a once-per-machine build, longer than the timeout
+        time.sleep(3)
+    return "built"
+
+
+def test_after_a_paused_build(built):
+    time.sleep(1)  # 1 s of its own: within the 2 s timeout
+    assert built == "built"
+
+
+def test_still_timed(built):
+    with paused():
+        time.sleep(0.2)
+    time.sleep(5)  # the timer resumed after the block: this fails at 2 s
+'''
+
+
+def test_a_paused_build_is_not_the_tests_time_and_the_timer_resumes_after_it(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    pytester.makepyfile(test_inner=PAUSED)
+    pytester.makeini("[pytest]\ntimeout = 2\ntimeout_grace_s = 3\n")
+    result = pytester.runpytest_subprocess("-p", "tests.timeouts", "-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(failed=1, passed=1)
+    assert "test_inner.py::test_still_timed did not end within 2 s" in result.stdout.str()
