@@ -65,8 +65,11 @@ def _worker(a: argparse.Namespace) -> int:
         print("config error: model.path is required (or INFLIGHT_MODEL__PATH)", file=sys.stderr)
         return 2
     # model path, device or checkpoint format (FileNotFoundError / ValueError) are config errors
-    return run_reported(Worker(cfg).run(), bad_input="config error", kafka=cfg.kafka, redis=cfg.redis,
+    code = run_reported(Worker(cfg).run(), bad_input="config error", kafka=cfg.kafka, redis=cfg.redis,
                         log_errors=True)
+    from worker.obs.stopping import exit_now
+
+    exit_now(code)  # every component is closed: the exit is not held by the interpreter's teardown
 
 
 def _gateway(a: argparse.Namespace) -> int:

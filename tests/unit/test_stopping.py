@@ -450,3 +450,27 @@ def test_the_gateways_background_loops_stop_although_a_client_swallowed_the_canc
 
     assert asyncio.run(gateway_loop())
     assert asyncio.run(subscriber_loop())
+
+
+def test_exit_now_flushes_logs_and_streams_and_skips_the_teardown(tmp_path):
+    """A stopped worker (and its core process) exits with `exit_now`: the log line and the
+    unflushed standard streams are written, the exit code kept, and the interpreter's
+    teardown skipped (an atexit handler, the marker of teardown, never runs)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stop.py"
+    script.write_text(
+        "import atexit, logging, sys\n"
+        "from worker.obs.stopping import exit_now\n"
+        "logging.basicConfig(stream=open(sys.argv[1], 'w'), level=logging.INFO)\n"
+        "logging.getLogger('w').info('worker stopped')\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "sys.stdout.write('no newline yet')\n"
+        "exit_now(3)\n")
+    log_file = tmp_path / "log.txt"
+    proc = subprocess.run([sys.executable, str(script), str(log_file)], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "no newline yet"
+    assert "worker stopped" in log_file.read_text()

@@ -34,6 +34,7 @@ from worker.config import EngineConfig
 from worker.engine.adapters import LoRAFacts
 from worker.engine.outputs import EngineCoreOutput, EngineCoreRequest, KVStats, StepStats
 from worker.engine.request import RequestStatus
+from worker.obs.stopping import exit_now
 
 IDLE_TICK_S = 0.5
 
@@ -229,7 +230,8 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
         log.exception("engine core failed to start")
         conn_out.send_bytes(encode(Failed(f"{type(e).__name__}: {e}"[:2000])))
         return
-    serve_core(core, conn_in, conn_out, after_step=budget.recheck, on_close=budget.close)
+    code = serve_core(core, conn_in, conn_out, after_step=budget.recheck, on_close=budget.close)
+    exit_now(code)  # the worker waits on this exit; the interpreter's teardown took seconds under load
 
 
 def serve_core(core: CoreLike, conn_in: Connection, conn_out: Connection, after_step=None, on_close=None) -> int:

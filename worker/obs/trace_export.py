@@ -372,4 +372,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    from worker.obs.stopping import exit_now
+
+    exit_now(main(sys.argv[1:]))  # the worker's stop waits on this exit: no interpreter teardown
