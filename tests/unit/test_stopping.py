@@ -474,3 +474,32 @@ def test_exit_now_flushes_logs_and_streams_and_skips_the_teardown(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "no newline yet"
     assert "worker stopped" in log_file.read_text()
+
+
+def test_a_core_process_whose_step_fails_exits_1_with_its_traceback_logged(tmp_path):
+    """The engine core's failure path (which ends through `exit_now`, as its stop does):
+    exit code 1, nothing after `serve_core` runs, and the traceback is in the log."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "core.py"
+    script.write_text(
+        "import logging, sys\n"
+        "from multiprocessing import Pipe\n"
+        "from worker.engine.core_proc import serve_core\n"
+        "logging.basicConfig(stream=open(sys.argv[1], 'w'), level=logging.INFO)\n"
+        "class FailingCore:\n"
+        "    def has_unfinished(self): return True\n"
+        "    def step(self): raise RuntimeError('a broken invariant')\n"
+        "conn_in, _ = Pipe(duplex=False)\n"
+        "reader, conn_out = Pipe(duplex=False)\n"
+        "closed = []\n"
+        "serve_core(FailingCore(), conn_in, conn_out, on_close=lambda: closed.append(1))\n"
+        "print('serve_core returned')\n")
+    log_file = tmp_path / "log.txt"
+    proc = subprocess.run([sys.executable, str(script), str(log_file)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr
+    assert "serve_core returned" not in proc.stdout
+    text = log_file.read_text()
+    assert "engine step failed" in text and "RuntimeError: a broken invariant" in text

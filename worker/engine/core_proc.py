@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -281,7 +280,7 @@ def serve_core(core: CoreLike, conn_in: Connection, conn_out: Connection, after_
             conn_out.send_bytes(encode(Failed(f"{type(e).__name__}: {e}"[:2000])))
         if on_close is not None:
             on_close()
-        os._exit(1)
+        exit_now(1)  # as a stopped core ends: logs and streams flushed, no teardown
     finally:
         if on_close is not None:
             on_close()
