@@ -320,7 +320,7 @@ def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
     work = make_workload("sharegpt", a.num_requests, vocab_size=vocab, scale=a.scale, seed=0, max_input=1024,
-                         max_output=1024, avoid_ids=frozenset({0, 1, 2, 3, 4}))
+                         max_output=a.max_output, avoid_ids=frozenset({0, 1, 2, 3, 4}))
     total = sum(r.max_tokens for r in work)
     kv = a.max_batch * 2048
     out = {"model": str(path), "num_requests": len(work), "output_tokens": total, "max_batch": a.max_batch}
@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--scale", type=float, default=2.0, help="divide ShareGPT mean lengths")
     p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=1024,
+                   help="cap on each request's output tokens (the CPU smoke run: a few steps per engine mode)")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
