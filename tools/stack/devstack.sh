@@ -68,11 +68,11 @@ PROPS
   local cp="$LIBS/*"
   if [ ! -f "$dir/data/meta.properties" ]; then
     local cluster
-    cluster=$(java -cp "$cp" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)
-    java -cp "$cp" -Dlog4j2.configurationFile="$dir/log4j2.properties" \
+    cluster=$("${JAVA_TOOL[@]}" -cp "$cp" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)
+    "${JAVA_TOOL[@]}" -cp "$cp" -Dlog4j2.configurationFile="$dir/log4j2.properties" \
       kafka.tools.StorageTool format -t "$cluster" -c "$dir/server.properties" >"$STATE/kafka-format.log" 2>&1
   fi
-  nohup java -Xms256m -Xmx768m -XX:+UseG1GC -Djava.awt.headless=true \
+  nohup "${JAVA_BROKER[@]}" \
     -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$cp" kafka.Kafka "$dir/server.properties" \
     >"$STATE/kafka.out" 2>&1 &
   echo $! >"$STATE/kafka.pid"

@@ -1,6 +1,12 @@
 # Helpers shared by tools/stack/devstack.sh and tools/stack/devstack_secure.sh (sourced; needs ROOT
 # and STATE set).
 LIBS=$ROOT/.cache/kafka/libs
+# The JVMs run with the client compiler only (TieredStopAtLevel=1): a dev broker's
+# throughput is far above what a test or the demo asks, while the server compiler's work
+# in a broker's first minute was half its CPU (a fresh broker, 15 s: 12-15 CPU-s before,
+# 6-7 after; its StorageTool runs 7 -> 5 CPU-s), taken from the tests on the 2-core box.
+JAVA_BROKER=(java -Xms256m -Xmx768m -XX:+UseG1GC -XX:TieredStopAtLevel=1 -Djava.awt.headless=true)
+JAVA_TOOL=(java -XX:TieredStopAtLevel=1 -XX:+UseSerialGC)  # one-shot tools (StorageTool, AclCommand)
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }

@@ -201,18 +201,18 @@ PROPS
   local cp="$LIBS/*"
   if [ ! -f "$dir/data/meta.properties" ]; then
     local cluster scram_args=()
-    cluster=$(java -cp "$cp" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)
+    cluster=$("${JAVA_TOOL[@]}" -cp "$cp" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)
     for p in $PRINCIPALS; do
       for mech in SCRAM-SHA-512 SCRAM-SHA-256; do
         scram_args+=(--add-scram "$mech=[name=$p,password=$(pw "$p.kafka-password")]")
       done
     done
-    java -cp "$cp" -Dlog4j2.configurationFile="$dir/log4j2.properties" \
+    "${JAVA_TOOL[@]}" -cp "$cp" -Dlog4j2.configurationFile="$dir/log4j2.properties" \
       kafka.tools.StorageTool format -t "$cluster" -c "$dir/server.properties" "${scram_args[@]}" \
       >"$STATE/kafka-format.log" 2>&1 || { cat "$STATE/kafka-format.log" >&2; exit 1; }
     rm -f "$dir/.acls"
   fi
-  nohup java -Xms256m -Xmx768m -XX:+UseG1GC -XX:TieredStopAtLevel=1 -Djava.awt.headless=true \
+  nohup "${JAVA_BROKER[@]}" \
     -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$cp" kafka.Kafka "$dir/server.properties" \
     >"$STATE/kafka.out" 2>&1 &
   echo $! >"$dir/kafka.pid"
@@ -227,7 +227,7 @@ secure_acls() {  # Kafka's own AclCommand, one run per grant of `inflight acl ka
   while IFS= read -r line; do
     n=$((n + 1))
     # shellcheck disable=SC2086  # the line is AclCommand's arguments (no spaces inside names)
-    java -XX:TieredStopAtLevel=1 -cp "$LIBS/*" -Dlog4j2.configurationFile="$dir/log4j2.properties" \
+    "${JAVA_TOOL[@]}" -cp "$LIBS/*" -Dlog4j2.configurationFile="$dir/log4j2.properties" \
       org.apache.kafka.tools.AclCommand --bootstrap-server "127.0.0.1:$KPORT" \
       --command-config "$dir/admin-client.properties" $line >"$STATE/acl-$n.log" 2>&1 &
     pids+=($!)
