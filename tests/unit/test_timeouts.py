@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import os
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# the inner pytests leave out the plugins the project's runs leave out (pyproject.toml)
+ADDOPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+
+
+def ini(timeout_s: int) -> str:
+    return f"[pytest]\naddopts = {ADDOPTS}\ntimeout = {timeout_s}\ntimeout_grace_s = 3\n"
 
 STUCK = '''
 import asyncio
@@ -44,7 +51,7 @@ def test_after_it():
 
 def run_inner(pytester, swallow: bool, *args: str):
     pytester.makepyfile(test_inner=STUCK.replace("SWALLOW", str(swallow)))
-    pytester.makeini("[pytest]\ntimeout = 2\ntimeout_grace_s = 3\n")
+    pytester.makeini(ini(2))
     os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     t0 = time.monotonic()
     result = pytester.runpytest_subprocess("-p", "tests.timeouts", "-p", "no:cacheprovider", *args, timeout=120)
@@ -92,7 +99,7 @@ def test_the_dump_shows_the_stack_of_a_python_child_the_test_waits_on(pytester, 
     (py-spy, a dev dependency), not only its command line."""
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     pytester.makepyfile(test_inner=CHILD)
-    pytester.makeini("[pytest]\ntimeout = 4\ntimeout_grace_s = 3\n")
+    pytester.makeini(ini(4))
     os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     result = pytester.runpytest_subprocess("-p", "tests.timeouts", "-p", "no:cacheprovider", timeout=120)
     out = result.stdout.str()
@@ -131,7 +138,7 @@ def test_still_timed(built):
 def test_a_paused_build_is_not_the_tests_time_and_the_timer_resumes_after_it(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     pytester.makepyfile(test_inner=PAUSED)
-    pytester.makeini("[pytest]\ntimeout = 2\ntimeout_grace_s = 3\n")
+    pytester.makeini(ini(2))
     result = pytester.runpytest_subprocess("-p", "tests.timeouts", "-p", "no:cacheprovider", timeout=120)
     result.assert_outcomes(failed=1, passed=1)
     assert "test_inner.py::test_still_timed did not end within 2 s" in result.stdout.str()
