@@ -15,13 +15,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# The suite's one test over the 300 s default (pyproject.toml): 185 s in the suite on the
-# slower 2-core box, past 300 s in one CI run. Since 2026-12-06 each request's output is
-# capped at 8 tokens (`--max-output`) and the interpreter skips the overflow checks it used
-# to compute and discard (worker.model.kernels.drop_interpreter_overflow_checks): alone on
-# that box 175 s -> 103 s, of which the seven engine modes are 60 s. The script gets
-# `SCRIPT_S`: when it is cut there, the failure shows the parts it finished (its progress
-# lines) instead of the suite's timeout dump.
+# The suite's one test over the 300 s default (pyproject.toml): alone on the slower 2-core
+# box 103 s (the seven engine modes 60 s of it), with each request's output capped at 8
+# tokens (`--max-output`) and the interpreter left without the overflow checks it would
+# discard (worker/model/kernels/interpreter.py); 175 s without those. In the suite, beside
+# two other workers, about twice that. The script gets `SCRIPT_S`: when it is cut there,
+# the failure shows the parts it finished (its progress lines) instead of the suite's
+# timeout dump.
 SCRIPT_S = 540
 
 

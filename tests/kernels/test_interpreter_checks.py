@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.runtime import interpreter
 
 import worker.model.kernels.triton_attn  # noqa: F401  (turns the checks off on import)
-from worker.model.kernels import drop_interpreter_overflow_checks
+from worker.model.kernels.interpreter import drop_interpreter_overflow_checks
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's options")
 

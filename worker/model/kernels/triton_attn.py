@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels import drop_interpreter_overflow_checks
+from worker.model.kernels.interpreter import drop_interpreter_overflow_checks
 from worker.model.kernels.params import AttentionParams
 
 drop_interpreter_overflow_checks()  # on the CPU interpreter: checks it would discard
