@@ -74,7 +74,7 @@ else
   top -b -c -n 2 -d 2 -w 200 | awk '/^top -/{n++} n==2 && (/^%Cpu/ || (/^ *[0-9]/ && $9+0 >= 5))' | head -9 >&2 \
     || true
   # Only the files that hold `timing` tests are collected (collecting all of them took
-  # ~25 CPU-s, longer than some of the tests): tests/repo/test_layout.py checks that every
+  # ~25 CPU-s, longer than some of the tests): tests/repo/test_suite_phases.py checks that every
   # test marked `timing` is in a file this grep finds.
   mapfile -t timing_files < <(grep -rl --include='test_*.py' 'pytest.mark.timing' tests | sort)
   timing_rc=0
