@@ -452,38 +452,40 @@ def test_the_gateways_background_loops_stop_although_a_client_swallowed_the_canc
     assert asyncio.run(subscriber_loop())
 
 
+def run_logging_script(tmp_path, source: str, timeout_s: float):
+    """Run `source` as a script in a fresh interpreter from the repository root, with a log
+    file's path as its argument: (the finished process, the log file's text)."""
+    import subprocess
+    import sys
+
+    script, log_file = tmp_path / "script.py", tmp_path / "log.txt"
+    script.write_text(source)
+    proc = subprocess.run([sys.executable, str(script), str(log_file)], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=ROOT)
+    return proc, log_file.read_text() if log_file.exists() else ""
+
+
 def test_exit_now_flushes_logs_and_streams_and_skips_the_teardown(tmp_path):
     """A stopped worker (and its core process) exits with `exit_now`: the log line and the
     unflushed standard streams are written, the exit code kept, and the interpreter's
     teardown skipped (an atexit handler, the marker of teardown, never runs)."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "stop.py"
-    script.write_text(
+    proc, log = run_logging_script(tmp_path, (
         "import atexit, logging, sys\n"
         "from worker.obs.stopping import exit_now\n"
         "logging.basicConfig(stream=open(sys.argv[1], 'w'), level=logging.INFO)\n"
         "logging.getLogger('w').info('worker stopped')\n"
         "atexit.register(lambda: print('teardown ran'))\n"
         "sys.stdout.write('no newline yet')\n"
-        "exit_now(3)\n")
-    log_file = tmp_path / "log.txt"
-    proc = subprocess.run([sys.executable, str(script), str(log_file)], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[2])
+        "exit_now(3)\n"), timeout_s=60)
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "no newline yet"
-    assert "worker stopped" in log_file.read_text()
+    assert "worker stopped" in log
 
 
 def test_a_core_process_whose_step_fails_exits_1_with_its_traceback_logged(tmp_path):
     """The engine core's failure path (which ends through `exit_now`, as its stop does):
     exit code 1, nothing after `serve_core` runs, and the traceback is in the log."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "core.py"
-    script.write_text(
+    proc, log = run_logging_script(tmp_path, (
         "import logging, sys\n"
         "from multiprocessing import Pipe\n"
         "from worker.engine.core_proc import serve_core\n"
@@ -495,11 +497,7 @@ def test_a_core_process_whose_step_fails_exits_1_with_its_traceback_logged(tmp_p
         "reader, conn_out = Pipe(duplex=False)\n"
         "closed = []\n"
         "serve_core(FailingCore(), conn_in, conn_out, on_close=lambda: closed.append(1))\n"
-        "print('serve_core returned')\n")
-    log_file = tmp_path / "log.txt"
-    proc = subprocess.run([sys.executable, str(script), str(log_file)], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
+        "print('serve_core returned')\n"), timeout_s=120)
     assert proc.returncode == 1, proc.stderr
     assert "serve_core returned" not in proc.stdout
-    text = log_file.read_text()
-    assert "engine step failed" in text and "RuntimeError: a broken invariant" in text
+    assert "engine step failed" in log and "RuntimeError: a broken invariant" in log
