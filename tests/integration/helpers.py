@@ -13,6 +13,7 @@ from schemas import keys
 from schemas.wire import Finished, Started
 from worker.client import InflightClient, last_attempt_tokens
 from worker.obs.stacks import task_stacks
+from worker.security.kafka import partition_ids
 from worker.serve.worker import Worker
 
 # How long a test waits for a worker to start (its engine built, its partitions assigned),
@@ -147,13 +148,10 @@ async def committed_reaches_end(bootstrap: str, group: str, prefix: str, timeout
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
     """The partition ids of `topic` (waiting for its metadata)."""
     for _ in range(50):
-        await consumer.topics()
-        parts = consumer.partitions_for_topic(topic)
+        parts = await partition_ids(consumer, topic)
         if parts:
             return parts
-        consumer.subscribe([topic])  # makes the client fetch this topic's metadata
         await asyncio.sleep(0.1)
-        consumer.unsubscribe()
     raise RuntimeError(f"no partitions for {topic}")
 
 

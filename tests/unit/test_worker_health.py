@@ -30,12 +30,14 @@ class RefusingRedis:
 
 
 class SlowConsumer:
-    """A consumer whose offset lookups wait until `release` is set (a request queued
-    behind a long-poll fetch on the broker connection)."""
+    """A consumer (with nothing assigned) whose cluster requests wait until `release` is
+    set (a request queued behind a long-poll fetch on the broker connection); it is its
+    own aiokafka client (`_client`) and cluster, with one broker."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.waiting = asyncio.Event()
+        self._client = self.cluster = self
 
     def assignment(self) -> set:
         return set()
@@ -43,10 +45,13 @@ class SlowConsumer:
     def paused(self) -> set:
         return set()
 
-    async def topics(self) -> set:
+    def brokers(self) -> list:
+        return [SimpleNamespace(nodeId=1)]
+
+    async def send(self, node: int, request) -> SimpleNamespace:
         self.waiting.set()
         await self.release.wait()
-        return set()
+        return SimpleNamespace(brokers=[(node, "127.0.0.1", 9092, None)])
 
 
 def planted(consumer, redis=None) -> HealthChecks:

@@ -132,14 +132,16 @@ async def kafka_checks(cfg: WorkerConfig, timeout_s: float) -> list[Check]:
 
 
 async def _visible_topics(admin, wanted: list[str], timeout_s: float) -> list[dict]:
-    """Metadata of every topic this principal may see (a request for all topics never
-    auto-creates one, as naming a missing topic can). Topics created a moment ago reach
-    a broker's metadata shortly after the create returns, so a missing one is looked up
-    again for up to `TOPIC_SETTLE_S`."""
+    """Metadata of the `wanted` topics (`topic_metadata`: those only, never
+    auto-creating one). Topics created a moment ago reach a broker's metadata shortly
+    after the create returns, so a missing one is looked up again for up to
+    `TOPIC_SETTLE_S`."""
+    from worker.security.kafka import topic_metadata
+
     deadline = time.monotonic() + min(TOPIC_SETTLE_S, timeout_s)
     while True:
         async with asyncio.timeout(timeout_s):
-            topics = await admin.describe_topics()
+            topics = await topic_metadata(admin, wanted)
         found = {t["topic"] for t in topics if t["error_code"] == 0}
         if set(wanted) <= found or time.monotonic() > deadline:
             return topics

@@ -22,13 +22,13 @@ async def scan_topics(kafka, topics: list[str], since_ms: int | None = None) -> 
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from worker.security.kafka import kafka_security_kwargs, stop_client
+    from worker.security.kafka import kafka_security_kwargs, stop_client, topic_metadata
 
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers, client_id="inflight-scan",
                                 **kafka_security_kwargs(kafka))
     await admin.start()
     try:
-        described = await admin.describe_topics(topics)
+        described = await topic_metadata(admin, topics)  # never auto-creates a topic it names
     finally:
         await admin.close()
     tps = [TopicPartition(t["topic"], p["partition"]) for t in described if t["error_code"] == 0

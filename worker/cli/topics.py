@@ -9,7 +9,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
 from schemas import keys
-from worker.security.kafka import kafka_security_kwargs
+from worker.security.kafka import existing_topics, kafka_security_kwargs
 
 if TYPE_CHECKING:
     from schemas.pools import Pools
@@ -44,7 +44,7 @@ async def create_topics(bootstrap_servers: str | None, prefix: str = "inflight",
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **security)
     await admin.start()
     try:
-        existing = set(await admin.list_topics())
+        existing = await existing_topics(admin, names)  # not list_topics: it grows with the cluster
         new = [
             NewTopic(n, num_partitions=partitions, replication_factor=replication_factor,
                      topic_configs={"max.message.bytes": str(MAX_MESSAGE_BYTES),

@@ -48,7 +48,7 @@ from worker.client.tracing import ProducerSpans
 from worker.config import KafkaConfig, RedisConfig
 from worker.obs.stopping import stop_within
 from worker.security import access, probe
-from worker.security.kafka import kafka_security_kwargs, stop_client
+from worker.security.kafka import kafka_security_kwargs, ping_cluster, stop_client
 from worker.security.redis import REDIS_DOWN, redis_pool
 
 log = logging.getLogger(__name__)
@@ -246,13 +246,13 @@ class InflightClient:
         return await (await self._kafka()).partitions_for(topic) or set()
 
     async def ping_kafka(self) -> None:
-        """Fetch the cluster's metadata (a reachability check).
+        """Check that the cluster answers (`worker.security.kafka.ping_cluster`: a
+        metadata request for no topics, whatever the cluster's size).
 
         Raises:
             KafkaError: the cluster did not answer; AccessError: refused.
         """
-        producer = await self._kafka()
-        await producer.client.fetch_all_metadata()
+        await ping_cluster(await self._kafka())
 
     async def live_workers(self, group_id: str | None = None) -> dict[str, int]:
         """Live workers per pool: members of each pool's consumer group subscribed to its

@@ -150,23 +150,15 @@ async def check_kafka_permissions(cfg: KafkaConfig, timeout_s: float = 10.0, poo
 
 async def _unusable_topics(admin, wanted: list[str], timeout_s: float) -> tuple[list[str], list[str]]:
     """(topics of `wanted` the principal may not describe, topics that do not exist), in
-    `wanted`'s order. Listing every topic never creates one; only topics absent from that
-    list are then named, in a Metadata request that forbids auto-creation (naming a
-    missing topic could create it on a broker with `auto.create.topics.enable`)."""
-    from aiokafka.protocol.metadata import MetadataRequest
+    `wanted`'s order, from one metadata request for those topics that never creates one
+    (`topic_metadata`)."""
+    from worker.security.kafka import topic_metadata
 
     async with asyncio.timeout(timeout_s):
-        topics = await admin.describe_topics()
-    visible = {t["topic"] for t in topics if t["error_code"] == 0}
-    absent = [t for t in wanted if t not in visible]
-    send = getattr(admin, "_send_request", None)
-    if not absent or send is None:  # (aiokafka changed: cannot tell; a refusal is reported when met)
-        return [], []
-    async with asyncio.timeout(timeout_s):
-        resp = await send(MetadataRequest(absent, allow_auto_topic_creation=False))
-    codes = {t["topic"]: t["error_code"] for t in resp.to_object()["topics"]}
-    return ([t for t in absent if codes.get(t) == kerr.TopicAuthorizationFailedError.errno],
-            [t for t in absent if codes.get(t) == kerr.UnknownTopicOrPartitionError.errno])
+        topics = await topic_metadata(admin, wanted)
+    codes = {t["topic"]: t["error_code"] for t in topics}
+    return ([t for t in wanted if codes.get(t) == kerr.TopicAuthorizationFailedError.errno],
+            [t for t in wanted if codes.get(t) == kerr.UnknownTopicOrPartitionError.errno])
 
 
 async def probe_redis(cfg: RedisConfig, timeout_s: float = 10.0, scripts: tuple[str, ...] = ()) -> None:

@@ -33,6 +33,7 @@ from worker.obs.errors import suppressed
 from worker.obs.metrics import exposition
 from worker.obs.stopping import honour_cancellation
 from worker.security import access, probe
+from worker.security.kafka import ping_cluster
 
 if TYPE_CHECKING:
     from worker.engine.core_client import EngineClient
@@ -136,7 +137,7 @@ class HealthChecks:
 
     async def check(self, timeout: float) -> None:
         """Redis PING (and the dataset epoch) and, concurrently, Kafka end offsets of the
-        assigned job partitions (or cluster metadata when none are assigned); sets
+        assigned job partitions (or `ping_cluster` when none are assigned); sets
         readiness and the lag / partition / local-job / GPU gauges.
 
         The halves run side by side so one service's verdict never waits for the other's:
@@ -183,7 +184,7 @@ class HealthChecks:
                     m.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
             else:
                 async with asyncio.timeout(timeout):
-                    await consumer.topics()
+                    await ping_cluster(consumer)
                 m.consumer_lag.clear()
             self.kafka_ok, self.kafka_error = True, None
             if self.kafka_outage is not None:
