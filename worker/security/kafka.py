@@ -4,7 +4,7 @@ benchmarks), so each one connects in every mode the config allows: PLAINTEXT, SS
 (optionally with a client certificate: mutual TLS), SASL_PLAINTEXT and SASL_SSL with
 PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512; and what every part does with a client besides
 producing and consuming: stopping it (`stop_client`) and asking the cluster about
-itself at a cost that does not grow with it (`ping_cluster`, `existing_topics`)."""
+itself at a cost that does not grow with it (`ping_cluster`, `topic_metadata`)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ def _inner(client):
 
 
 async def _metadata(client, topics: list[str]):
-    """A metadata request for `topics` only (an empty list: none, only the brokers),
+    """A metadata request for `topics` only (an empty list: none, only the brokers: from
+    Metadata v1 on, i.e. brokers of Kafka 0.10 and later; v0 read it as every topic),
     never creating a topic (`allow_auto_topic_creation` false), to each known broker in
     turn until one answers. Returns the response; raises the last broker's KafkaError."""
     import random
@@ -163,7 +164,6 @@ async def ping_cluster(client) -> None:
         KafkaError (aiokafka): no known broker answered (the last one's error).
     """
     await _metadata(client, [])
-
 
 
 async def topic_metadata(client, names: list[str]) -> list[dict]:
