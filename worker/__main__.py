@@ -51,13 +51,24 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def with_log_level(cfg, flag: str | None):
+    """`cfg` (a WorkerConfig) with `--log-level` (`flag`, when given) as its
+    `worker.log_level`: one level for the worker's process and its engine core's, the
+    command line's over the file's."""
+    if flag is None:
+        return cfg
+    import msgspec
+
+    return msgspec.structs.replace(cfg, worker=msgspec.structs.replace(cfg.worker, log_level=flag))
+
+
 def _worker(a: argparse.Namespace) -> int:
     from worker.config import load_config
     from worker.obs.log import setup_logging
     from worker.serve.worker import Worker
 
-    cfg = load_config(a.config)
-    setup_logging(a.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
+    cfg = with_log_level(load_config(a.config), a.log_level)
+    setup_logging(cfg.worker.log_level, transient_grace_s=cfg.kafka.transient_grace_s)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no tqdm bars among the JSON log lines

@@ -73,3 +73,26 @@ def test_console_rendering_when_asked():
         setup_logging("INFO")
     text = buf.getvalue()
     assert "hello" in text and "job_id" in text and not text.lstrip().startswith("{")
+
+
+def test_one_log_level_for_the_worker_the_flag_over_the_config():
+    """`worker.log_level` sets the level of the worker's own process too (it set only the
+    engine core's, while the front logged at the flag's default INFO); `--log-level`, when
+    given, overrides it for both; a wrong name is a config error naming the field."""
+    import pytest
+
+    from worker.__main__ import with_log_level
+    from worker.cli.parser import build_parser
+    from worker.config import ConfigError, WorkerSettings
+
+    parse = build_parser().parse_args
+    quiet = WorkerConfig(worker=WorkerSettings(log_level="warning"))
+    assert quiet.worker.log_level == "WARNING"
+    assert parse(["worker"]).log_level is None
+    assert with_log_level(quiet, parse(["worker"]).log_level).worker.log_level == "WARNING"
+    assert with_log_level(quiet, parse(["worker", "--log-level", "debug"]).log_level).worker.log_level == "DEBUG"
+    assert WorkerConfig().worker.log_level == "INFO"
+    with pytest.raises(ConfigError, match=r"worker.log_level must be one of .*'WARNING'.*got 'LOUD'"):
+        WorkerSettings(log_level="loud")
+    with pytest.raises(SystemExit):
+        parse(["worker", "--log-level", "loud"])

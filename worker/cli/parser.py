@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from worker.cli.commands import STREAM_TIMEOUT_S
+from worker.config.checks import LOG_LEVELS
 
 DEFAULT_KAFKA = "127.0.0.1:19092"  # also INFLIGHT_KAFKA__BOOTSTRAP_SERVERS, read by the config loader
 DEFAULT_REDIS = "redis://127.0.0.1:6390/0"  # also INFLIGHT_REDIS__URL
@@ -50,13 +51,14 @@ def _servers(sub) -> None:
     """worker, gateway, check."""
     w = sub.add_parser("worker", help="run a worker")
     w.add_argument("--config", help="YAML config file; INFLIGHT_<SECTION>__<FIELD> env vars override it")
-    w.add_argument("--log-level", default="INFO")
+    w.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None,
+                   help="log level of the worker and its engine core (default: the config's worker.log_level, INFO)")
 
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (chat / completions, streaming, "
                         "Batch API) in front of the job topics")
     gw.add_argument("--config", help="YAML file with `gateway`, `kafka` and `redis` sections; "
                     "INFLIGHT_<SECTION>__<FIELD> env vars override it")
-    gw.add_argument("--log-level", default="INFO")
+    gw.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
 
     ck = sub.add_parser("check", help="preflight a worker config: one line per check with the setting to fix; "
                         "exit 0 only if every check passes")

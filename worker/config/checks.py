@@ -18,6 +18,9 @@ def positive(section: str, **fields: int | None) -> None:
             raise ConfigError(f"{section}.{name} must be >= 1, got {value}")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # the standard library's names
+
+
 def one_of(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{section}.{name} must be one of {sorted(allowed)}, got {value!r}")

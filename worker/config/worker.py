@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from schemas.pools import DEFAULT_POOL, Pool, Pools
-from worker.config.checks import ConfigError, positive
+from worker.config.checks import LOG_LEVELS, ConfigError, one_of, positive
 from worker.config.engine import EngineConfig, ModelConfig, ServingTuning
 from worker.config.services import KafkaConfig, RedisConfig
 
@@ -39,7 +39,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             the CPUs this process may use (affinity, cgroup quota) less one for the
             worker's event loop, divided among the engines on the host and followed as
             they come and go (`worker.engine.threads`).
-        log_level: log level of the engine core process.
+        log_level: log level of the worker's processes (its own and its engine core's):
+            DEBUG, INFO, WARNING, ERROR or CRITICAL (any case); `inflight worker
+            --log-level` overrides it.
         high_priority_reserve: local slots that only high-priority jobs may take, so an
             interactive job finds a slot at once while a batch of lower-priority jobs fills
             the rest (the engine then admits it ahead of them). Taken only from the
@@ -78,6 +80,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     read_ahead_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        self.log_level = self.log_level.upper()
+        one_of("worker", "log_level", self.log_level, LOG_LEVELS)
         positive("worker", max_local_jobs=self.max_local_jobs, max_job_failures=self.max_job_failures,
                   tokenizer_threads=self.tokenizer_threads, engine_threads=self.engine_threads,
                   max_local_jobs_per_tenant=self.max_local_jobs_per_tenant,
