@@ -80,6 +80,13 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             fit and never evicts (TensorRT-LLM GUARANTEED_NO_EVICT, TGI).
         kv_block_size: tokens per KV block.
         enable_prefix_caching: share full KV blocks between equal prefixes.
+        host_kv_bytes: a host-memory tier behind the prefix cache, in bytes (vLLM's
+            `kv_offloading_size`, SGLang's HiCache): full blocks evicted from the device's
+            prefix cache are copied there (least recently used dropped), and a prefix found
+            there is copied back instead of recomputed (`worker/engine/kv_host.py`). Holds
+            this many bytes / one block's bytes (of `kv_cache_dtype`) blocks; pinned memory
+            on CUDA. None: no tier. Needs `enable_prefix_caching`; not served for windowed
+            models (a config error at start).
         priority_aging_steps: a waiting request gains one priority class per this
             many engine steps, so low priority never starves.
         max_admission_skips: how many requests of its rank may be admitted ahead of a
@@ -142,6 +149,7 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_policy: str = "optimistic"
     kv_block_size: int = 16
     enable_prefix_caching: bool = True
+    host_kv_bytes: int | None = None
     priority_aging_steps: int = 512
     max_admission_skips: int = 8
     gpu_memory_utilization: float = 0.85
@@ -207,7 +215,11 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             max_loras_per_batch=self.max_loras_per_batch,
             long_prefill_threshold=self.long_prefill_threshold,
             max_long_prefill_tokens=self.max_long_prefill_tokens,
+            host_kv_bytes=self.host_kv_bytes,
         )
+        if self.host_kv_bytes is not None and not self.enable_prefix_caching:
+            raise ConfigError("serving_tuning.host_kv_bytes is set and serving_tuning.enable_prefix_caching is false: "
+                              "the host tier keeps blocks the prefix cache evicts; enable prefix caching or unset it")
         if self.speculative.enabled and self.async_scheduling:
             raise ConfigError("serving_tuning.async_scheduling is true and serving_tuning.speculative.method is "
                               f"{self.speculative.method!r}: speculative decoding runs sequential steps (a draft "
@@ -368,7 +380,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         t = self.serving_tuning
         if self.model.engine == "vllm":
             for name, value, theirs in (("kv_cache_dtype", t.kv_cache_dtype != "auto", "kv_cache_dtype"),
-                                        ("kv_cache_bytes", t.kv_cache_bytes is not None, "kv_cache_memory_bytes")):
+                                        ("kv_cache_bytes", t.kv_cache_bytes is not None, "kv_cache_memory_bytes"),
+                                        ("host_kv_bytes", t.host_kv_bytes is not None, "kv_offloading_size")):
                 if value:
                     raise ConfigError(f"serving_tuning.{name} is set but model.engine is 'vllm': vLLM sizes its "
                                       f"cache by its own arguments (model.vllm_args: {theirs})")

@@ -16,7 +16,6 @@ rules: `forward.py`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
@@ -31,10 +30,12 @@ from worker.engine.draft import Drafter
 from worker.engine.failures import Failures, ForwardFailures
 from worker.engine.forward import start_forward
 from worker.engine.kv_cache import KVCacheManager
+from worker.engine.kv_host import KVCopyError
 from worker.engine.kv_window import SlidingWindowKVCacheManager
 from worker.engine.outputs import (
     EngineCoreOutput,
     EngineCoreRequest,
+    HostKVStepStats,
     KVStats,
     ModelRunnerOutput,
     RequestTimes,
@@ -81,7 +82,8 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         if sliding_window is None:
             self.kv = KVCacheManager(num_blocks, tuning.kv_block_size,
-                                     enable_prefix_caching=tuning.enable_prefix_caching, namespace=model_id.encode())
+                                     enable_prefix_caching=tuning.enable_prefix_caching, namespace=model_id.encode(),
+                                     host_slots=runner.capabilities.host_kv_slots)
         else:
             self.kv = SlidingWindowKVCacheManager(
                 num_blocks, tuning.kv_block_size, sliding_window=sliding_window, max_chunk=tuning.max_batched_tokens,
@@ -115,6 +117,8 @@ class EngineCore:
         self.scheduler.copy_block_tables = self.async_scheduling and self.kv.changes_tables_in_place
         self.arrivals = Arrivals(self.scheduler, grammars, self._make_request, self._final_output)
         self._mask_s = 0.0  # this step's structured-output mask seconds
+        self._kv_copy_s = 0.0  # this step's host-tier copy seconds
+        self._host_before = (0, 0)  # the host tier's saved and loaded block counts at the last step's end
 
     @property
     def runner(self) -> Runner:
@@ -181,7 +185,7 @@ class EngineCore:
         t0 = time.perf_counter()
         outputs: list[EngineCoreOutput] = []
         failed = Failures()
-        self._mask_s = 0.0
+        self._mask_s = self._kv_copy_s = 0.0
         preempted_before = self.scheduler.num_preemptions_total
         capped_before = self.scheduler.long_prefills.num_capped_total
         long_before = self.scheduler.long_prefills.num_tokens_total
@@ -219,6 +223,7 @@ class EngineCore:
             num_long_prefill_tokens=sched_.long_prefills.num_tokens_total - long_before,
             lora=sched_.loras.step_stats() if sched_.loras is not None else None,
             spec=self._spec_step_stats(),
+            host_kv=self._host_step_stats(),
         )
         stats = self.last_step_stats
         if stats.spec is not None and done is not None and num_prefill == 0 and not failed.num_failed_forwards:
@@ -226,6 +231,16 @@ class EngineCore:
             sched_.speculation.cost.observe(stats.spec.num_drafts > 0, len(done.scheduled) + stats.spec.num_accepted_tokens,
                                             stats.duration_s)
         return outputs
+
+    def _host_step_stats(self) -> HostKVStepStats | None:
+        """The host tier's copies since the last step (None: no tier)."""
+        host = self.kv.host
+        if host is None:
+            return None
+        saved, loaded = host.num_saved - self._host_before[0], host.num_loaded - self._host_before[1]
+        self._host_before = (host.num_saved, host.num_loaded)
+        slot_bytes = self._runner.capabilities.host_kv_slot_bytes
+        return HostKVStepStats(saved, loaded, saved * slot_bytes, loaded * slot_bytes, self._kv_copy_s)
 
     def _spec_step_stats(self) -> SpecStepStats | None:
         """The proposer's counters since the last step (None: speculation is off)."""
@@ -293,11 +308,16 @@ class EngineCore:
 
     def _discard_in_flight(self) -> None:
         """Wait for every launched step and take it back unapplied (after a failure of the
-        one before them: the runner skips them, `StepSkipped`)."""
+        one before them: the runner skips them, `StepSkipped`, running their host-tier
+        copies still). A `KVCopyError` among them propagates (the core stops)."""
         while self._in_flight:
             sched, handle = self._in_flight.pop()
-            with contextlib.suppress(Exception):
+            try:
                 handle.result()
+            except KVCopyError:
+                raise
+            except Exception:  # skipped, or failed behind the failure being handled
+                pass
             batch.unschedule(sched)
 
     def _launch_next(self, after: StepHandle | None = None) -> tuple[SchedulerOutput, StepHandle] | None:
@@ -350,6 +370,7 @@ class EngineCore:
                        outputs: list[EngineCoreOutput]) -> None:
         self.failures.after_success()
         self._mask_s += runner_out.mask_s
+        self._kv_copy_s += runner_out.kv_copy_s
         now = time.time()
         logprobs = runner_out.logprobs
         if self._traced:  # prefill chunks of traced requests (none is looked for before one came)

@@ -80,6 +80,27 @@ def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning, reserve_bytes: i
     return kv_tokens // tuning.kv_block_size
 
 
+def host_kv_slots(loaded: LoadedModel, tuning: ServingTuning) -> int:
+    """Blocks of the host-memory KV tier: `tuning.host_kv_bytes` / the bytes of one block
+    of the model's cache (`kv_bytes_per_token` x `kv_block_size`; a draft model's KV is not
+    kept there: a restored block's draft KV is recomputed, as for any prefix hit). 0: no tier.
+
+    Raises:
+        ConfigError: the bytes hold no block; the model is windowed (`kv_window.py` frees
+            blocks behind the window in place, which the tier's hash chain does not follow).
+    """
+    if tuning.host_kv_bytes is None:
+        return 0
+    block_bytes = kv_bytes_per_token(loaded, tuning) * tuning.kv_block_size
+    if loaded.kv_layout.sliding_window is not None:
+        raise ConfigError("serving_tuning.host_kv_bytes is set but the model is windowed (sliding-window "
+                          "attention in every layer): the host tier is not served for it; unset it")
+    if tuning.host_kv_bytes < block_bytes:
+        raise ConfigError(f"serving_tuning.host_kv_bytes ({tuning.host_kv_bytes}) holds no KV block: one block "
+                          f"of this model takes {block_bytes} bytes ({tuning.kv_block_size} tokens)")
+    return tuning.host_kv_bytes // block_bytes
+
+
 def check_kv_dtype(loaded: LoadedModel, tuning: ServingTuning) -> None:
     """Raises ConfigError: `kv_cache_dtype: int8` where nothing reads it (a back end without
     `READS_INT8_KV`; a latent, MLA, cache)."""
@@ -207,6 +228,7 @@ class Engine:
             check_kv_dtype(draft, tuning)  # its KV is kept in the same dtype
         num_blocks = kv_cache_blocks(loaded, tuning, reserve_bytes=graph_reserve(loaded, model_cfg, tuning),
                                      draft=draft)
+        host_slots = host_kv_slots(loaded, tuning)
         runner = ModelRunner(
             loaded.model,
             num_blocks=num_blocks,
@@ -218,6 +240,8 @@ class Engine:
             kv_int8=tuning.kv_cache_dtype == "int8",
         )
         runner.lora = lora
+        if host_slots:
+            runner.allocate_host_kv(host_slots)
         drafter = None
         if draft is not None:
             drafter = Drafter(ModelRunner(draft.model, num_blocks=num_blocks, block_size=tuning.kv_block_size,

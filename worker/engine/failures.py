@@ -15,6 +15,7 @@ import torch
 
 from worker.config import ServingTuning
 from worker.engine import batch
+from worker.engine.kv_host import KVCopyError
 from worker.engine.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -83,7 +84,14 @@ class ForwardFailures:
         """The forward of `sched` raised `e`: out of memory -> back off (`_handle_oom`);
         else each request runs once more alone, here. `sched` holds no placeholder
         (`batch.resolve_placeholders`). Returns the part of the batch whose forward
-        succeeded and its output (to apply), or None."""
+        succeeded and its output (to apply), or None.
+
+        Raises:
+            KVCopyError: `e` is one (the host tier's copies failed: registered blocks may
+                not hold their content, so nothing is retried; the core stops).
+        """
+        if isinstance(e, KVCopyError):
+            raise e
         failed.num_failed_forwards += 1
         batch.unschedule(sched)  # progress back to before the step; retries mark theirs again
         if isinstance(e, OutOfMemoryError):

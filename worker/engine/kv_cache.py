@@ -19,8 +19,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from worker.engine.kv_host import HostKVIndex, KVCopy
 from worker.engine.outputs import KVStats
 
 if TYPE_CHECKING:
@@ -42,7 +44,8 @@ class BlockPool:
 
     A block is *used* (ref > 0), *cached* (ref == 0, holds a registered hash, evictable)
     or *free* (ref == 0, no hash). Free and cached blocks sit in one LRU queue; taking
-    a cached block evicts its hash. Writer: KVCacheManager.
+    a cached block evicts its hash (`on_evict(block_id, hash)` is told first: the host
+    tier's save, `kv_host.py`). Writer: KVCacheManager.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -54,6 +57,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self.num_evictable = 0  # ref == 0 blocks that hold a hash
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +76,8 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             old_hash = self.block_hash[block_id]
             if old_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block_id, old_hash)
                 del self._cached[old_hash]
                 self.block_hash[block_id] = None
                 self.num_evictable -= 1
@@ -117,10 +123,13 @@ class KVCacheManager:
         enable_prefix_caching: share computed full blocks between equal prefixes.
         namespace: salt mixed into every block hash (model id), so caches of different
             models never match; requests add their own salt (tenant).
+        host_slots: blocks of the host-memory tier behind the prefix cache (`kv_host.py`);
+            0: none. Needs prefix caching.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, namespace: bytes = b""
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, namespace: bytes = b"",
+        host_slots: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -130,6 +139,12 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self._tenants: dict[str, str] = {}  # request id -> tenant, while it has a block table
         self._num_held: dict[str, int] = {}  # tenant -> block-table entries of its requests
+        self.host: HostKVIndex | None = None
+        if host_slots:
+            if not enable_prefix_caching:
+                raise ValueError("a host KV tier needs prefix caching (it keeps evicted prefix blocks)")
+            self.host = HostKVIndex(host_slots)
+            self.pool.on_evict = self.host.evicted
 
     # Whether a running request's block table may change other than by appending (a
     # sliding window frees behind in place): then a step launched ahead needs its own copy.
@@ -166,19 +181,57 @@ class KVCacheManager:
         """Blocks of the longest cached prefix of `req` (not yet referenced).
 
         At most `(num_tokens - 1) // block_size` blocks, so at least one token is left
-        to compute and sample from (as vLLM).
+        to compute and sample from (as vLLM). With a host tier, the prefix goes on through
+        blocks found there: each is restored into a fresh device block (a load recorded
+        for the next step, the block registered under its hash), when the pool can hold
+        them and the rest of the prompt (else the prefix stops at the device's hits).
         """
         if not self.enable_prefix_caching or req.request_id in self._block_tables:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)
         hits = []
-        for block_hash in req.block_hashes[:max_blocks]:
+        hashes = req.block_hashes
+        for block_hash in hashes[:max_blocks]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.host is not None and len(hits) < max_blocks:
+            hits += self._restore_from_host(req, hits, hashes[len(hits):max_blocks])
         return hits
+
+    def _restore_from_host(self, req: Request, hits: list[int], hashes: list[bytes]) -> list[int]:
+        """Device blocks restored from the host tier for the hashes after the device's
+        `hits` (as far as the tier holds them in a row); [] when the pool, with `hits`
+        pinned, cannot hold them and the rest of the prompt."""
+        host = self.host
+        found = host.find(hashes)  # slots in a row, now the tier's most recently used
+        if not found:
+            return []
+        pool = self.pool
+        pool.touch(hits)  # pinned: the blocks taken below must not be the device's own hits
+        restored: list[int] = []
+        try:
+            if pool.num_free_blocks < self.num_blocks_for(req.num_tokens) - len(hits):
+                return []
+            for slot, block_hash in zip(found, hashes):
+                block_id = pool.take(1)[0]  # checked above; may evict (and save) a device block
+                if host.slot_hash[slot] != block_hash:  # that save took this very slot: the
+                    pool.release([block_id])  # tier held nothing but this prefix; stop here
+                    break
+                pool.register(block_id, block_hash)
+                host.restore(slot, block_id, block_hash)
+                restored.append(block_id)
+            pool.release(restored)  # cached, unreferenced, as a device hit is
+            return restored
+        finally:
+            pool.release(hits)
+
+    def take_copies(self) -> list[KVCopy]:
+        """Host-tier copies recorded since the last call, in order; the step that carries
+        them runs them before its forward (`kv_host.py`). [] without a host tier."""
+        return self.host.take_copies() if self.host is not None and self.host.has_copies else []
 
     @property
     def num_free_blocks(self) -> int:
@@ -321,6 +374,8 @@ class KVCacheManager:
             free_blocks=free_or_cached - pool.num_evictable,
             cached_blocks=pool.num_evictable,
             block_size=self.block_size,
+            host_blocks=self.host.num_slots if self.host is not None else 0,
+            host_used_blocks=self.host.num_used if self.host is not None else 0,
         )
 
     def check_invariants(self) -> None:

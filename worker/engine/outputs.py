@@ -34,6 +34,8 @@ class KVStats(msgspec.Struct, frozen=True):
     free_blocks: int  # unreferenced, no cached content
     cached_blocks: int  # unreferenced, hold a reusable prefix (evictable)
     block_size: int
+    host_blocks: int = 0  # slots of the host-memory tier (`kv_host.py`); 0: none
+    host_used_blocks: int = 0  # slots holding an evicted block
 
     @property
     def usage_ratio(self) -> float:
@@ -134,6 +136,8 @@ class SchedulerOutput:
     requests: list[Any] = field(default_factory=list)  # engine `Request`s (request.py imports this module)
     loras: dict[int, Any] = field(default_factory=dict)  # slot -> ResidentAdapter of the requests' adapters
     num_spec_tokens: int = 0  # positions of speculating decodes (1 + k each; among the entries after the decodes)
+    # host-tier block copies to run, in order, before the forward (`worker.engine.kv_host`)
+    kv_copies: list[Any] = field(default_factory=list)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -154,6 +158,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     mask_s: float = 0.0  # seconds spent computing and applying structured-output masks
+    kv_copy_s: float = 0.0  # seconds spent on the step's host-tier copies (CUDA: queuing them)
 
 
 @dataclass(slots=True, frozen=True)
@@ -170,12 +175,16 @@ class RunnerCapabilities:
             `serving_tuning.async_scheduling`.
         speculation: it verifies drafts (`ScheduledRequest.draft`), so the engine may
             propose them (`serving_tuning.speculative`).
+        host_kv_slots: blocks of the host-memory KV tier it holds (`serving_tuning.host_kv_bytes`);
+            it runs each step's `SchedulerOutput.kv_copies` before the step's forward. 0: none.
     """
 
     async_launch: bool = False
     device_time: bool = False
     overlaps_host: bool = False
     speculation: bool = False
+    host_kv_slots: int = 0
+    host_kv_slot_bytes: int = 0  # bytes of one host slot (one block over every cache tensor)
 
 
 class Runner(Protocol):
@@ -360,6 +369,20 @@ class StepStats(msgspec.Struct, frozen=True):
     num_long_prefill_tokens: int = 0
     lora: LoRAStepStats | None = None  # LoRA adapters (model.lora_dir), None when none are served
     spec: SpecStepStats | None = None  # speculative decoding this step, None when it is off
+    host_kv: HostKVStepStats | None = None  # the host-memory KV tier this step, None without one
+
+
+class HostKVStepStats(msgspec.Struct, frozen=True):
+    """The host-memory KV tier in one step (`serving_tuning.host_kv_bytes`): blocks and
+    bytes saved to it (evicted from the device's prefix cache) and loaded from it (prefix
+    hits restored instead of recomputed: each load is one block's hit), and the seconds the
+    step's copies took (on CUDA: to queue them)."""
+
+    saved_blocks: int = 0
+    loaded_blocks: int = 0
+    saved_bytes: int = 0
+    loaded_bytes: int = 0
+    copy_s: float = 0.0
 
 
 class SpecStepStats(msgspec.Struct, frozen=True):

@@ -185,8 +185,11 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted:  # as vLLM V1: a victim is never re-admitted in the step it lost its blocks
             AdmissionPass(self, plan).run()
-        return build_batch(self.step_count, plan.scheduled, self.requests, self.kv.block_table,
-                           self.copy_block_tables, self.loras.resident if self.loras else None, plan.drafts)
+        out = build_batch(self.step_count, plan.scheduled, self.requests, self.kv.block_table,
+                          self.copy_block_tables, self.loras.resident if self.loras else None, plan.drafts)
+        if out.num_scheduled_tokens:  # an empty step runs nothing: its copies wait for the next
+            out.kv_copies = self.kv.take_copies()
+        return out
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Phase 1: decodes first, then continuing prefill chunks, each in rank order; a

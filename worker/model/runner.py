@@ -6,6 +6,7 @@ the engine thread only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ from worker.model.attention import (
 from worker.model.capability import KVLayout, LayerKV
 from worker.model.compiled import mark_token_dims
 from worker.model.graphs import DecodeGraphs
+from worker.model.host_kv import HostKVBuffers, cache_tensors
 from worker.model.input_batch import BlockTableBuffer, step_positions
 from worker.model.kernels.kv_int8 import allocate_scales
 from worker.model.lora import LoRAStep, LoRAWeights, build_step, lora_step
@@ -106,6 +108,16 @@ class ModelRunner:
         # the compiled forward's attention modules by layer_idx, handed to its ops in each step's metadata
         self.attention_modules: dict[int, torch.nn.Module] | None = None
         self.graphs: DecodeGraphs | None = None  # decode-only steps replayed from graphs (`capture_graphs`)
+        self.host_kv: HostKVBuffers | None = None  # the host-memory KV tier (`allocate_host_kv`)
+
+    def allocate_host_kv(self, num_slots: int) -> HostKVBuffers:
+        """Allocate the host-memory KV tier: `num_slots` blocks of every cache tensor
+        (`worker.model.host_kv`); each step runs its `kv_copies` before its forward from
+        now on, and `capabilities.host_kv_slots` says how many slots there are."""
+        self.host_kv = HostKVBuffers(cache_tensors(self.kv_caches, self.kv_scales), num_slots)
+        self.capabilities = dataclasses.replace(self.capabilities, host_kv_slots=num_slots,
+                                                host_kv_slot_bytes=self.host_kv.bytes_per_slot)
+        return self.host_kv
 
     def compile(self, artifacts: Path | None = None) -> None:
         """Run the forward compiled from now on (`worker.model.compiled`): captured ahead of
@@ -313,6 +325,7 @@ class ModelRunner:
 
     def _run_after(self, sched: SchedulerOutput, after: LaunchedStep | None) -> SampledStep:
         if after is not None and after.failed():  # done: launches run in order on this thread
+            self._copy_kv(sched)  # registered blocks' content: moved whatever the forward does
             raise StepSkipped(f"step {sched.step} was launched behind a step that failed")
         return self._timed(sched)
 
@@ -338,7 +351,22 @@ class ModelRunner:
             self._busy_s += time.perf_counter() - t0
 
     @torch.inference_mode()
+    def _copy_kv(self, sched: SchedulerOutput) -> float:
+        """Run the step's host-tier copies (before anything else of it); their seconds."""
+        if not sched.kv_copies:
+            return 0.0
+        before = self.host_kv.copy_s
+        self.host_kv.apply(sched.kv_copies)
+        return self.host_kv.copy_s - before
+
+    @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> SampledStep:
+        copy_s = self._copy_kv(sched)
+        step = self._execute_forward(sched)
+        step.kv_copy_s = copy_s
+        return step
+
+    def _execute_forward(self, sched: SchedulerOutput) -> SampledStep:
         input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
         # A step of only partial prefill chunks still computes one (discarded) logit row.
         keep = torch.tensor(sample_idx or [0], device=self.device)

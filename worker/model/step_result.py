@@ -18,7 +18,7 @@ class SampledStep:
     is queued at once, right behind the sampling on the same stream, into pinned memory,
     and `output()` waits for that copy alone (an event), not for the steps queued after it."""
 
-    __slots__ = ("request_ids", "_ids", "_ready", "logprobs", "mask_s", "spans")
+    __slots__ = ("request_ids", "_ids", "_ready", "logprobs", "mask_s", "spans", "kv_copy_s")
 
     def __init__(self, request_ids: list[str], token_ids: torch.Tensor | None,
                  logprobs: list[TokenLogprobs | None], mask_s: float,
@@ -27,6 +27,7 @@ class SampledStep:
         self.logprobs = logprobs
         self.mask_s = mask_s
         self.spans = spans
+        self.kv_copy_s = 0.0  # the step's host-tier copies (set by the runner)
         self._ready = None
         if token_ids is not None and token_ids.is_cuda:
             token_ids = token_ids.to("cpu", non_blocking=True)
@@ -36,7 +37,7 @@ class SampledStep:
 
     def output(self) -> ModelRunnerOutput:
         if self._ids is None:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, kv_copy_s=self.kv_copy_s)
         if self._ready is not None:
             self._ready.synchronize()  # releases the GIL while it waits
         ids = self._ids.tolist()
@@ -46,6 +47,7 @@ class SampledStep:
             sampled_token_ids={rid: ids[r: r + n] for rid, (r, n) in zip(self.request_ids, spans)},
             logprobs={rid: lps[r: r + n] for rid, (r, n) in zip(self.request_ids, spans) if lps[r] is not None},
             mask_s=self.mask_s,
+            kv_copy_s=self.kv_copy_s,
         )
 
 

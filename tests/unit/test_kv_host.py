@@ -1,0 +1,128 @@
+"""The host-memory KV tier's bookkeeping (`worker.engine.kv_host`, `KVCacheManager` with
+`host_slots`) and its copies (`worker.model.host_kv`): what is saved when, what a lookup
+restores, the order the copies run in, and the runner's hash check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemas.params import SamplingParams
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.kv_host import HostKVIndex, KVCopy, KVCopyError
+from worker.engine.request import Request
+from worker.model.host_kv import HostKVBuffers, copy_runs
+
+BS = 4
+
+
+def req(rid: str, prompt: list[int]) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=4), max_tokens=4)
+
+
+def run_prefill(kv: KVCacheManager, r: Request) -> list[int]:
+    """Admit `r` with its cached prefix, compute its whole prompt, register its blocks;
+    returns the prefix blocks the lookup found."""
+    hits = kv.find_cached_prefix(r)
+    assert kv.allocate(r, r.num_tokens - len(hits) * BS, hits)
+    r.num_computed_tokens = r.num_tokens
+    kv.cache_full_blocks(r)
+    return hits
+
+
+def test_index_saves_once_and_drops_the_least_recently_used():
+    host = HostKVIndex(2)
+    host.evicted(5, b"a")
+    host.evicted(6, b"b")
+    host.evicted(7, b"a")  # held already: no copy, most recently used now
+    assert host.take_copies() == [KVCopy(True, 5, 0, b"a"), KVCopy(True, 6, 1, b"b")]
+    host.evicted(8, b"c")  # full: "b" is the least recently used
+    assert host.find([b"b"]) == [] and host.find([b"a"]) == [0] and host.find([b"c"]) == [1]
+    assert host.take_copies() == [KVCopy(True, 8, 1, b"c")]
+    assert host.find([b"a", b"c", b"x", b"a"]) == [0, 1]  # in a row, up to the first miss
+    with pytest.raises(KVCopyError):
+        host.restore(0, 3, b"c")  # slot 0 holds "a"
+    assert (host.num_saved, host.num_used) == (3, 2)
+
+
+def test_evicted_prefix_comes_back_from_the_host_tier():
+    kv = KVCacheManager(6, BS, host_slots=8)
+    a = req("a", list(range(1, 14)))  # 13 tokens: 3 full blocks, at most 3 hits
+    assert run_prefill(kv, a) == []
+    kv.free("a")
+    assert kv.take_copies() == []  # cached on the device: nothing to save yet
+    b = req("b", list(range(100, 124)))  # 24 tokens: all 6 blocks, evicting a's 3 cached ones
+    run_prefill(kv, b)
+    saves = kv.take_copies()
+    assert [c.to_host for c in saves] == [True] * 3
+    assert [c.block_hash for c in saves] == a.block_hashes[2::-1]  # a prefix's tail is evicted first
+    kv.free("b")
+    a2 = req("a2", list(range(1, 14)) + [99])
+    hits = run_prefill(kv, a2)
+    assert len(hits) == 3  # the whole prefix, restored
+    copies = kv.take_copies()
+    loads = [c for c in copies if not c.to_host]
+    assert [(c.block_id, c.block_hash) for c in loads] == list(zip(hits, a.block_hashes[:3]))
+    assert {c.slot for c in loads} == {c.slot for c in saves}
+    # each block taken for a load evicted one of b's cached blocks, saved before the load
+    # into it; the allocation's own new block evicted one more
+    assert [c.to_host for c in copies] == [True, False] * 3 + [True]
+    assert all(s.block_id == ld.block_id for s, ld in zip(copies[0::2], copies[1::2]))
+    assert kv.host.num_hit_blocks == 3
+    kv.check_invariants()
+    s = kv.stats()
+    assert (s.host_blocks, s.host_used_blocks) == (8, 7)
+
+
+def test_device_hits_are_pinned_while_host_blocks_are_restored():
+    """A prefix half on the device (cached, unreferenced) and half in the host tier: the
+    blocks taken for the host half are never the device half's own."""
+    kv = KVCacheManager(4, BS, host_slots=8)
+    a = req("a", list(range(1, 14)))  # 13 tokens: 4 blocks, 3 of them full
+    run_prefill(kv, a)
+    kv.free("a")  # free queue, first taken first: a's partial block, then its blocks 2, 1, 0
+    run_prefill(kv, req("b", [7, 7, 7, 7, 8]))  # 2 blocks: a's partial one and its block 2 (saved)
+    kv.free("b")  # free queue: a's blocks 1 and 0 (device hits), then b's two
+    assert [c.block_hash for c in kv.take_copies()] == [a.block_hashes[2]]
+    hits = run_prefill(kv, req("a2", list(range(1, 15))))
+    # blocks 0 and 1 from the device, block 2 restored into a block that is neither
+    assert len(hits) == 3 and len(set(hits)) == 3 and kv.host.num_hit_blocks == 1
+    kv.check_invariants()
+
+
+def test_no_restore_when_the_prompt_cannot_fit():
+    kv = KVCacheManager(4, BS, host_slots=8)
+    a = req("a", list(range(1, 14)))
+    run_prefill(kv, a)
+    kv.free("a")
+    run_prefill(kv, req("b", list(range(100, 116))))  # holds all 4 blocks, a's 3 saved
+    kv.take_copies()
+    assert kv.find_cached_prefix(req("a2", list(range(1, 14)))) == []  # no room: nothing taken
+    assert kv.take_copies() == []
+    kv.check_invariants()
+
+
+def test_copy_runs_split_at_a_direction_change_or_a_repeated_destination():
+    cs = [KVCopy(True, 1, 0, b"a"), KVCopy(True, 2, 1, b"b"), KVCopy(True, 3, 0, b"c"),
+          KVCopy(False, 9, 0, b"c"), KVCopy(False, 8, 1, b"b")]
+    assert copy_runs(cs) == [(True, [1, 2], [0, 1]), (True, [3], [0]), (False, [9, 8], [0, 1])]
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["batched", "per-block"])
+def test_copies_run_in_order_and_loads_are_checked(per_block):
+    k = torch.arange(6 * 2 * 3, dtype=torch.float32).reshape(6, 2, 3)
+    scales = torch.arange(6 * 2, dtype=torch.float32).reshape(6, 2) * -1
+    orig_k, orig_s = k.clone(), scales.clone()
+    buf = HostKVBuffers([k, scales], 2, per_block=per_block)
+    assert buf.bytes_per_slot == (2 * 3 + 2) * 4
+    # save 1 -> slot 0, load slot 0 into 4, save 4 -> slot 1 (the loaded content), overwrite slot 0 with 2
+    buf.apply([KVCopy(True, 1, 0, b"a"), KVCopy(False, 4, 0, b"a"), KVCopy(True, 4, 1, b"a"),
+               KVCopy(True, 2, 0, b"b")])
+    assert torch.equal(k[4], orig_k[1]) and torch.equal(scales[4], orig_s[1])
+    buf.apply([KVCopy(False, 5, 1, b"a"), KVCopy(False, 0, 0, b"b")])
+    assert torch.equal(k[5], orig_k[1]) and torch.equal(k[0], orig_k[2]) and torch.equal(scales[0], orig_s[2])
+    assert buf.bytes_saved == 3 * buf.bytes_per_slot and buf.bytes_loaded == 3 * buf.bytes_per_slot
+    before = k.clone()
+    with pytest.raises(KVCopyError, match="slot 1 holds"):
+        buf.apply([KVCopy(True, 3, 0, b"c"), KVCopy(False, 3, 1, b"c")])
+    assert torch.equal(k, before)  # checked before any byte moved
