@@ -4,6 +4,8 @@ restores, the order the copies run in, and the runner's hash check."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from schemas.params import SamplingParams
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.kv_host import HostKVIndex, KVCopy, KVCopyError
 from worker.engine.request import Request
-from worker.model.host_kv import HostKVBuffers, copy_runs
+from worker.model.host_kv import CopyBatch, HostKVBuffers, copy_batches
 
 BS = 4
 
@@ -102,10 +104,15 @@ def test_no_restore_when_the_prompt_cannot_fit():
     kv.check_invariants()
 
 
-def test_copy_runs_split_at_a_direction_change_or_a_repeated_destination():
-    cs = [KVCopy(True, 1, 0, b"a"), KVCopy(True, 2, 1, b"b"), KVCopy(True, 3, 0, b"c"),
-          KVCopy(False, 9, 0, b"c"), KVCopy(False, 8, 1, b"b")]
-    assert copy_runs(cs) == [(True, [1, 2], [0, 1]), (True, [3], [0]), (False, [9, 8], [0, 1])]
+def test_copy_batches_keep_the_order_where_it_matters():
+    S, L = True, False
+    cs = [KVCopy(S, 1, 0, b"a"), KVCopy(L, 1, 5, b"x"),  # an eviction for a restore: save, then load, same block
+          KVCopy(S, 2, 1, b"b"), KVCopy(L, 2, 6, b"y"),  # and again: the same batch
+          KVCopy(S, 1, 2, b"x"),  # saves the block just loaded: the next batch
+          KVCopy(S, 3, 6, b"c"),  # into a slot the first batch loads from: not in the first batch
+          KVCopy(L, 4, 2, b"x"), KVCopy(L, 4, 0, b"a")]  # a destination twice: a third batch
+    assert copy_batches(cs) == [CopyBatch([1, 2], [0, 1], [5, 6], [1, 2]), CopyBatch([1, 3], [2, 6], [2], [4]),
+                                CopyBatch([], [], [0], [4])]
 
 
 @pytest.mark.parametrize("per_block", [False, True], ids=["batched", "per-block"])
@@ -126,3 +133,20 @@ def test_copies_run_in_order_and_loads_are_checked(per_block):
     with pytest.raises(KVCopyError, match="slot 1 holds"):
         buf.apply([KVCopy(True, 3, 0, b"c"), KVCopy(False, 3, 1, b"c")])
     assert torch.equal(k, before)  # checked before any byte moved
+
+
+def test_batched_copies_equal_copies_one_by_one_in_order():
+    """Random save/load sequences over few blocks and slots (so they collide often): the
+    batches leave the device and host tensors exactly as running each copy in turn does."""
+    rng = random.Random(3)
+    for _ in range(200):
+        copies = [KVCopy(rng.random() < 0.5, rng.randrange(4), rng.randrange(3), b"") for _ in range(rng.randrange(1, 12))]
+        results = []
+        for per_block in (False, True):
+            k = torch.arange(4 * 5, dtype=torch.float32).reshape(4, 5)
+            buf = HostKVBuffers([k], 3, per_block=per_block)
+            buf.host_tensors[0].copy_(-torch.arange(3 * 5, dtype=torch.float32).reshape(3, 5))
+            (buf._apply_per_block if per_block else buf._apply_batched)(copies)
+            results.append((k, buf.host_tensors[0]))
+        (k1, h1), (k2, h2) = results
+        assert torch.equal(k1, k2) and torch.equal(h1, h2), copies

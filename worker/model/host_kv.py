@@ -9,8 +9,8 @@ int8 scales where the KV is int8 — with `num_slots` rows where the device tens
 view of its key, so it is copied once. In pinned memory on CUDA.
 
 A step's copies run on the thread that runs its forward, before it, in the recorded
-order. On the CPU a run of copies the same way with no slot or block written twice is
-one `index_select` / `index_copy_` per tensor. On CUDA each block is one asynchronous
+order. On the CPU they run in batches that give the same result (`copy_batches`): one
+`index_select` / `index_copy_` per tensor for a batch's saves, one for its loads. On CUDA each block is one asynchronous
 copy on the forward's stream (pinned memory both ways): the stream orders it against the
 forwards before and after it, and the host never reads a slot a pending copy writes.
 """
@@ -19,26 +19,52 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from worker.engine.kv_host import KVCopy, KVCopyError
 
 
-def copy_runs(copies: Sequence[KVCopy]) -> list[tuple[bool, list[int], list[int]]]:
-    """`copies` cut into runs that may each run as one batched copy: the same direction,
-    no destination twice. Returns `(to_host, block_ids, slots)` per run, in order."""
-    runs: list[tuple[bool, list[int], list[int]]] = []
-    written: set[int] = set()
+class CopyBatch(NamedTuple):
+    """Copies that run as one batched copy each way: the saves first, then the loads."""
+
+    save_blocks: list[int]
+    save_slots: list[int]
+    load_slots: list[int]
+    load_blocks: list[int]
+
+
+def copy_batches(copies: Sequence[KVCopy]) -> list[CopyBatch]:
+    """`copies` grouped into batches that give the same result as running them in order:
+    a copy joins the open batch unless running it there (saves before loads) would change
+    what some copy reads or writes — a save of a block the batch loads into, a save into
+    a slot the batch loads from, or a destination written twice — else it opens the next.
+    An eviction taking a block for a restore makes copies alternate save, load, save, ...
+    on different blocks and slots: one batch."""
+    batches: list[CopyBatch] = []
+    loaded: set[int] = set()  # blocks the open batch loads into
+    read: set[int] = set()  # slots it loads from
+    saved: set[int] = set()  # slots it saves into
     for c in copies:
-        dst = c.slot if c.to_host else c.block_id
-        if not runs or runs[-1][0] != c.to_host or dst in written:
-            runs.append((c.to_host, [], []))
-            written = set()
-        runs[-1][1].append(c.block_id)
-        runs[-1][2].append(c.slot)
-        written.add(dst)
-    return runs
+        if c.to_host:
+            joins = c.block_id not in loaded and c.slot not in read and c.slot not in saved
+        else:
+            joins = c.block_id not in loaded
+        if not batches or not joins:
+            batches.append(CopyBatch([], [], [], []))
+            loaded, read, saved = set(), set(), set()
+        batch = batches[-1]
+        if c.to_host:
+            batch.save_blocks.append(c.block_id)
+            batch.save_slots.append(c.slot)
+            saved.add(c.slot)
+        else:
+            batch.load_slots.append(c.slot)
+            batch.load_blocks.append(c.block_id)
+            loaded.add(c.block_id)
+            read.add(c.slot)
+    return batches
 
 
 class HostKVBuffers:
@@ -104,14 +130,16 @@ class HostKVBuffers:
         self.bytes_loaded += (len(copies) - num_saved) * self.bytes_per_slot
 
     def _apply_batched(self, copies: Sequence[KVCopy]) -> None:
-        for to_host, block_ids, slots in copy_runs(copies):
-            blocks = torch.tensor(block_ids, device=self.device_tensors[0].device)
-            where = torch.tensor(slots)
-            for dev, host in zip(self.device_tensors, self.host_tensors):
-                if to_host:
-                    host.index_copy_(0, where, dev.index_select(0, blocks).to(host.device))
-                else:
-                    dev.index_copy_(0, blocks, host.index_select(0, where).to(dev.device))
+        device = self.device_tensors[0].device
+        for batch in copy_batches(copies):
+            if batch.save_blocks:
+                blocks, slots = torch.tensor(batch.save_blocks, device=device), torch.tensor(batch.save_slots)
+                for dev, host in zip(self.device_tensors, self.host_tensors):
+                    host.index_copy_(0, slots, dev.index_select(0, blocks).to(host.device))
+            if batch.load_blocks:
+                blocks, slots = torch.tensor(batch.load_blocks, device=device), torch.tensor(batch.load_slots)
+                for dev, host in zip(self.device_tensors, self.host_tensors):
+                    dev.index_copy_(0, blocks, host.index_select(0, slots).to(dev.device))
 
     def _apply_per_block(self, copies: Sequence[KVCopy]) -> None:
         for c in copies:

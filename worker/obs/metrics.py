@@ -36,6 +36,7 @@ from prometheus_client import (
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from schemas.wire import FINISH_REASONS
+from worker.obs.kv_host_metrics import HostKVMetrics
 from worker.obs.lora_metrics import LoRAMetrics
 from worker.obs.spec_metrics import SpecMetrics
 
@@ -191,6 +192,7 @@ class Metrics:
         self.lora = LoRAMetrics(r, TenantLabels(tenant_labels, tenant_rank_interval_s, lambda a: self.lora.evict(a),
                                                 clock=clock))  # LoRA adapters (lora_metrics.py)
         self.spec = SpecMetrics(r)  # speculative decoding (spec_metrics.py)
+        self.kv_host = HostKVMetrics(r)  # the host-memory KV tier (kv_host_metrics.py)
         # ---- per step (engine thread) ----------------------------------------------------
         self.running = Gauge("running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("waiting_requests", "Requests waiting for admission (incl. preempted)", registry=r)
@@ -335,6 +337,8 @@ class Metrics:
             self.lora.observe(s.lora)
         if s.spec is not None:
             self.spec.observe(s.spec)
+        if s.host_kv is not None:
+            self.kv_host.observe(s.host_kv, s.kv)
         if s.mask_s:
             self.grammar_mask.observe(s.mask_s)
         for c in s.grammar_compile_s:
