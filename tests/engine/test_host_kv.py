@@ -113,3 +113,23 @@ def test_host_tier_config_errors(llama_path):
             model=ModelConfig(dtype="float32", device="cpu"), serving_tuning=ServingTuning(host_kv_bytes=100)))
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         ServingTuning(host_kv_bytes=1 << 20, enable_prefix_caching=False)
+
+
+def test_inflight_check_reports_the_host_tier(llama_path):
+    from worker.cli.model_checks import model_checks
+    from worker.config import WorkerConfig
+
+    def kv_check(host_kv_bytes: int) -> object:
+        cfg = WorkerConfig(model=ModelConfig(path=str(llama_path), dtype="float32", device="cpu"),
+                           serving_tuning=ServingTuning(max_total_tokens=1024, host_kv_bytes=host_kv_bytes))
+        return {c.name: c for c in model_checks(cfg)}["kv cache"]
+
+    engine = engine_for(llama_path, 1024)
+    block_bytes = kv_bytes_per_token(engine.loaded, engine.tuning) * BLOCK
+    ok = kv_check(10 * block_bytes + 1)
+    assert ok.status == "pass" and ok.setting == "serving_tuning.host_kv_bytes", ok
+    assert f"host tier 10 blocks ({10 * BLOCK} tokens)" in ok.detail, ok
+    too_small = kv_check(block_bytes - 1)
+    assert too_small.status == "fail" and "holds no KV block" in too_small.detail, too_small
+    too_big = kv_check(1 << 50)
+    assert too_big.status == "fail" and "of available RAM" in too_big.detail, too_big

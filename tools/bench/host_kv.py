@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench.harness import DEFAULT_MODEL, ensure_model, machine, write_report
+from tools.bench.harness import DEFAULT_MODEL, MODEL_SHAPES, ensure_model, machine, write_report
 
 BLOCK = 16
 
@@ -140,30 +140,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prefixes", type=int, default=8)
     p.add_argument("--mix-rounds", type=int, default=3)
+    p.add_argument("--parts", nargs="+", choices=("restore", "mix"), default=["restore", "mix"])
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
     path = Path(a.model)
-    if path == DEFAULT_MODEL:
+    if path in MODEL_SHAPES:  # a benchmark checkpoint: made if missing
         ensure_model(path)
     report = {"mode": "host_kv", "command": "python -m tools.bench.host_kv " + " ".join(argv or sys.argv[1:]),
               "machine": machine(), "model": str(path), "device": "cpu", "dtype": "float32",
               "prefix_len": a.prefix_len, "suffix_len": a.suffix_len}
+    if "restore" in a.parts:
+        _restore_part(a, path, report)
+    if "mix" in a.parts:
+        _mix_part(a, path, report)
+    out = Path(a.out)
+    write_report(report, out, "bench_host_kv.json")
+    _plot(report, out / "bench_host_kv.png")
+    return 0
+
+
+def _restore_part(a, path: Path, report: dict) -> None:
     report["restore"] = rr = restore_vs_recompute(a, path)
     print(f"{a.prefix_len}-token prefix + {a.suffix_len} new tokens, 1 output token, median of {a.rounds}:")
     for name in ("device hit", "host tier", "recompute"):
         print(f"  {name:<11} {rr[name]['ms_median']:8.1f} ms   cached prompt tokens {rr[name]['cached_prompt_tokens']}")
     print(f"  recompute / restore: {rr['recompute_over_restore']:.2f}x  (copies {rr['copy_ms_total']:.1f} ms in all, "
           f"{rr['bytes_per_block']} bytes a block)")
+
+
+def _mix_part(a, path: Path, report: dict) -> None:
     report["mix"] = mix = shared_prefix_mix(a, path)
     print(f"shared-prefix mix: {a.prefixes} prefixes x {a.mix_rounds} rounds, hits after round 1:")
     for name, row in mix.items():
         print(f"  {name:<13} device {row['device_tokens']:6d} tokens, host {row['host_blocks']:4d} blocks: "
               f"{row['hit_tokens']:6d} hit tokens ({row['hit_vs_unbounded']:.2f}x unbounded), {row['seconds']:.1f} s, "
               f"ids equal: {row['ids_equal_unbounded']}")
-    out = Path(a.out)
-    write_report(report, out, "bench_host_kv.json")
-    _plot(report, out / "bench_host_kv.png")
-    return 0
 
 
 def _plot(report: dict, png: Path) -> None:
@@ -173,14 +184,16 @@ def _plot(report: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    rows = ["device hit", "host tier", "recompute"]
-    left.bar(rows, [report["restore"][r]["ms_median"] for r in rows], color=["tab:green", "tab:blue", "tab:red"])
-    left.set_ylabel("ms, add to first token (median)")
-    left.set_title(f"{report['prefix_len']}-token prefix evicted from the device")
-    names = list(report["mix"])
-    right.bar(names, [report["mix"][n]["hit_vs_unbounded"] for n in names], color="tab:blue")
-    right.set_ylabel("prefix hit tokens / unbounded cache's")
-    right.set_title("shared-prefix mix")
+    if "restore" in report:
+        rows = ["device hit", "host tier", "recompute"]
+        left.bar(rows, [report["restore"][r]["ms_median"] for r in rows], color=["tab:green", "tab:blue", "tab:red"])
+        left.set_ylabel("ms, add to first token (median)")
+        left.set_title(f"{report['prefix_len']}-token prefix evicted from the device")
+    if "mix" in report:
+        names = list(report["mix"])
+        right.bar(names, [report["mix"][n]["hit_vs_unbounded"] for n in names], color="tab:blue")
+        right.set_ylabel("prefix hit tokens / unbounded cache's")
+        right.set_title("shared-prefix mix")
     fig.tight_layout()
     fig.savefig(png)
 

@@ -190,7 +190,29 @@ def kv_check(cfg: WorkerConfig, loaded) -> Check:
     if num_tokens < longest:
         detail += (f"; note: a request of max_input_tokens + max_output_tokens ({longest}) exceeds it and would be "
                    "rejected")
+    if tuning.host_kv_bytes is not None:
+        return host_tier_check(tuning, loaded, detail, kv_bytes if loaded.device.type == "cpu" else 0)
     return Check("kv cache", "pass", "serving_tuning.max_total_tokens", detail)
+
+
+def host_tier_check(tuning, loaded, detail: str, ram_taken: int) -> Check:
+    """The host-memory KV tier (`serving_tuning.host_kv_bytes`) added to the KV check: its
+    blocks and tokens, and that its bytes fit the available RAM beside `ram_taken` (the
+    device cache itself, on the CPU)."""
+    from worker.config import ConfigError
+    from worker.engine.engine import host_kv_slots, kv_bytes_per_token
+
+    try:
+        slots = host_kv_slots(loaded, tuning)
+    except ConfigError as e:
+        return Check("kv cache", "fail", "serving_tuning.host_kv_bytes", f"{detail}; {e}")
+    host_bytes = slots * tuning.kv_block_size * kv_bytes_per_token(loaded, tuning)
+    budget = available_ram_bytes() - ram_taken
+    detail += (f"; host tier {slots} blocks ({slots * tuning.kv_block_size} tokens) = {_gib(host_bytes)} "
+               f"{'<=' if host_bytes <= budget else '>'} {_gib(max(0, budget))} of available RAM")
+    if host_bytes > budget:
+        return Check("kv cache", "fail", "serving_tuning.host_kv_bytes", detail)
+    return Check("kv cache", "pass", "serving_tuning.host_kv_bytes", detail)
 
 
 def available_ram_bytes() -> int:
