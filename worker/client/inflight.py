@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -41,6 +42,7 @@ from schemas.pools import Pool, Pools
 from schemas.replay import entry_of, expand
 from schemas.wire import Cancel, ChatMessage, Event, Finished, Job, check_tenant
 from worker.client import fleet
+from worker.client.affinity import PrefixAffinity
 from worker.client.routing import load_tokenizer, pool_for
 from worker.client.stream import JobStream
 from worker.client.subscriber import SharedSubscriber
@@ -123,6 +125,8 @@ class InflightClient:
         self._spans = ProducerSpans(tracing, tracer_provider)
         self.pools = pools if isinstance(pools, Pools) else Pools(pools or ())
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        # jobs sharing a prompt prefix go to one partition (schemas/affinity.py)
+        self.affinity = PrefixAffinity(self.kafka_config.affinity_prefix_bytes, self.kafka_config.affinity_window)
 
     async def __aenter__(self) -> InflightClient:
         return self
@@ -145,13 +149,15 @@ class InflightClient:
             self._producer = producer
         return self._producer
 
-    async def _send(self, topic: str, value: bytes, key: bytes, attributes: dict[str, Any]) -> None:
-        await self._spans.send(self._produce, topic, value, key, attributes)
+    async def _send(self, topic: str, value: bytes, key: bytes, attributes: dict[str, Any],
+                    partition: int | None = None) -> None:
+        produce = self._produce if partition is None else functools.partial(self._produce, partition=partition)
+        await self._spans.send(produce, topic, value, key, attributes)
 
-    async def _produce(self, topic: str, value: bytes, key: bytes, headers: list | None):
+    async def _produce(self, topic: str, value: bytes, key: bytes, headers: list | None, partition: int | None = None):
         producer = await self._kafka()
         try:
-            return await producer.send_and_wait(topic, value, key=key, headers=headers)
+            return await producer.send_and_wait(topic, value, key=key, headers=headers, partition=partition)
         except access.KAFKA_AUTHORIZATION as e:
             raise access.explain_kafka(e, self.kafka_config) from None
 
@@ -228,9 +234,23 @@ class InflightClient:
             AccessError: the principal may not write the job topic (or cannot connect).
         """
         pool = pool or self.pool_of(job)
-        await self._send(keys.job_topic(self.topic_prefix, priority, pool), encode(job), job.job_id.encode(), {
+        topic = keys.job_topic(self.topic_prefix, priority, pool)
+        await self._send(topic, encode(job), job.job_id.encode(), {
             "inflight.job_id": job.job_id, "inflight.priority": priority, **({"inflight.tenant": job.tenant}
-                                                                            if job.tenant else {})})
+                                                                            if job.tenant else {})},
+            partition=await self.partition_of(topic, job))
+
+    async def partition_of(self, topic: str, job: Job) -> int | None:
+        """The partition of `topic` prefix affinity gives `job` (`kafka.affinity_prefix_bytes`;
+        the job is counted into the topic's hot-prefix window), or None: its id's, by key."""
+        if not self.affinity.enabled:
+            return None
+        prefix = self.affinity.prefix(job)
+        if prefix is None:
+            return None
+        producer = await self._kafka()
+        partitions = await producer.partitions_for(topic)  # cached metadata after the first
+        return self.affinity.partition(topic, job, len(partitions), prefix) if partitions else None
 
     def pool_of(self, job: Job) -> str:
         """The pool `job` routes to (`worker.client.routing.pool_for`: by its prompt's

@@ -101,6 +101,15 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
         transient_grace_s: expected transient conditions (coordinator loading, a
             rebalance, a broker restart) log at info until one has lasted this long, then
             once at warning, seconds.
+        affinity_prefix_bytes: prefix affinity for the producers here (the Python client,
+            the gateway, `inflight submit`): a job whose prompt head (`schemas/affinity.py`:
+            its text, or its tools' names and messages, before any tokenizer) holds at
+            least this many bytes goes to the partition its first this-many bytes hash to,
+            so jobs sharing that prefix meet on one worker's prefix cache (hot prefixes
+            spread over more partitions: `worker/client/affinity.py`). Shorter heads keep
+            the job id's partition. Pick about the shortest shared prefix worth placing
+            (1024 bytes: some 250 tokens). 0: off, every job by its id.
+        affinity_window: jobs per topic a producer counts to find its hot prefixes.
     """
 
     SECTION: ClassVar[str] = "kafka"
@@ -123,11 +132,15 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     outage_limit_s: float = 600.0  # worker/serve/kafka_outage.py
     stall_timeout_s: float = 10.0
     transient_grace_s: float = 30.0  # worker.obs.transient_log
+    affinity_prefix_bytes: int = 1024  # schemas/affinity.py, worker/client/affinity.py
+    affinity_window: int = 1000
 
     def __post_init__(self) -> None:
         positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,
                   commit_interval_ms=self.commit_interval_ms, heartbeat_interval_ms=self.heartbeat_interval_ms,
-                  max_partition_fetch_bytes=self.max_partition_fetch_bytes)
+                  max_partition_fetch_bytes=self.max_partition_fetch_bytes, affinity_window=self.affinity_window)
+        if self.affinity_prefix_bytes < 0:
+            raise ConfigError(f"kafka.affinity_prefix_bytes must be >= 0 (0: off), got {self.affinity_prefix_bytes}")
         if self.heartbeat_interval_ms >= self.session_timeout_ms:
             raise ConfigError(
                 f"kafka.heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below kafka.session_timeout_ms "

@@ -49,6 +49,7 @@ from worker.serve.offsets import OffsetTracker
 from worker.serve.read_ahead import JobRecord, ReadAhead
 from worker.serve.rebalance import Rebalance
 from worker.serve.stall import StallWatchdog
+from worker.serve.sticky import StickyAssignor
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
@@ -121,6 +122,7 @@ class Intake:
         self.tenant_weight = tenant_weight
         self.tenant_cap = tenant_cap
         self.invalid: list[JobRecord] = []  # read, not jobs: to the DLQ
+        self.assignor = StickyAssignor()  # kept across a recreated consumer: its claims go on (sticky.py)
         self.consumer = self._make_consumer()
         self._contested: list[JobRecord] = []
         self.log_start: dict[TopicPartition, int] = {}
@@ -147,6 +149,7 @@ class Intake:
             max_poll_interval_ms=cfg.max_poll_interval_ms,
             max_partition_fetch_bytes=cfg.max_partition_fetch_bytes,
             fetch_max_bytes=max(cfg.max_partition_fetch_bytes * 2, 52428800),
+            partition_assignment_strategy=self.assignor.strategy(),
             **kafka_security_kwargs(cfg),
         )
 
