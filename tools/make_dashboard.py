@@ -83,6 +83,19 @@ ROWS = [
         ("Jobs per adapter", "reqps", [q("sum by (adapter) (rate(lora_requests_total[$__rate_interval]))",
                                          "{{adapter}}")]),
     ]),
+    ("Fleet cache (prefix affinity, host KV tier)", [
+        ("Prefix-cache hit rate: fleet and per worker", "percentunit", [
+            q("sum(rate(prefix_cache_hits_total[$__rate_interval])) / "
+              "sum(rate(prefix_cache_queries_total[$__rate_interval]))", "fleet"),
+            q("sum by (instance) (rate(prefix_cache_hits_total[$__rate_interval])) / "
+              "sum by (instance) (rate(prefix_cache_queries_total[$__rate_interval]))", "{{instance}}")]),
+        ("Host KV tier: blocks copied", "short", [
+            q("sum by (direction) (rate(kv_host_blocks_total[$__rate_interval]))", "{{direction}}")]),
+        ("Host KV tier: use and copy time", "short", [
+            q("max by (instance) (kv_host_usage_ratio)", "use {{instance}}"),
+            q("histogram_quantile(0.99, sum by (le) (rate(kv_host_copy_seconds_bucket[$__rate_interval])))",
+              "copy p99 (s)")]),
+    ]),
     ("Speculative decoding (serving_tuning.speculative)", [
         ("Acceptance rate", "percentunit", [
             q("sum(rate(spec_decode_num_accepted_tokens_total[$__rate_interval])) / "

@@ -71,6 +71,8 @@ def test_random_rounds_stay_balanced_and_complete():
             assert got == parts
             c = counts(new, t)
             assert c[-1] - c[0] <= 1
+        totals = [sum(len(ps) for ps in new[m].values()) for m in new]
+        assert max(totals) - min(totals) <= 1, new
         plan = new
 
 
@@ -83,3 +85,14 @@ def test_metadata_carries_the_claims():
                          {"a": _decode_claims(md.user_data), "b": {}})
     assert plan["a"]["jobs.high"] == [0, 2] and plan["b"]["jobs.high"] == [1]
     assert b.claims == {} and a.strategy()[0] is a
+
+
+def test_more_workers_than_a_topics_partitions_still_share_the_partitions():
+    """3 topics of 3 partitions over 4 workers: per topic one worker gets none, but not the
+    same worker each time (no idle worker); a fourth joining moves only what it takes."""
+    plan = rebalance({}, ["w1", "w2", "w3"])
+    four = rebalance(plan, ["w1", "w2", "w3", "w4"])
+    totals = sorted(sum(len(ps) for ps in four[m].values()) for m in four)
+    assert totals == [2, 2, 2, 3], four
+    assert all(counts(four, t) == [0, 1, 1, 1] for t in TOPICS)
+    assert moved(plan, four) == 2

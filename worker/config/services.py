@@ -110,6 +110,12 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
             the job id's partition. Pick about the shortest shared prefix worth placing
             (1024 bytes: some 250 tokens). 0: off, every job by its id.
         affinity_window: jobs per topic a producer counts to find its hot prefixes.
+        partition_assignor: how the workers' group deals partitions out: `sticky`
+            (Inflight's: balanced per topic, a partition stays with its worker across
+            rebalances, so its prefixes stay cached: worker/serve/sticky.py) or
+            `roundrobin` (aiokafka's, what workers before 2026-12 used). Every worker of a
+            group needs the same: a worker the group refuses for it stops with a config
+            error (docs/operations.md, Scaling, says how to switch a running fleet).
     """
 
     SECTION: ClassVar[str] = "kafka"
@@ -134,6 +140,7 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     transient_grace_s: float = 30.0  # worker.obs.transient_log
     affinity_prefix_bytes: int = 1024  # schemas/affinity.py, worker/client/affinity.py
     affinity_window: int = 1000
+    partition_assignor: str = "sticky"  # worker/serve/sticky.py
 
     def __post_init__(self) -> None:
         positive("kafka", session_timeout_ms=self.session_timeout_ms, max_poll_interval_ms=self.max_poll_interval_ms,
@@ -156,6 +163,7 @@ class KafkaConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
         if not self.bootstrap_servers:
             raise ConfigError("kafka.bootstrap_servers must not be empty")
         one_of("kafka", "security_protocol", self.security_protocol, SECURITY_PROTOCOLS)
+        one_of("kafka", "partition_assignor", self.partition_assignor, ("sticky", "roundrobin"))
         uses_sasl = self.security_protocol.startswith("SASL_")
         if uses_sasl:
             if self.sasl_mechanism is None:

@@ -172,6 +172,12 @@ class Metrics:
                                registry=r)
         self.prompt_tokens = Counter(
             "prompt_tokens", "Prompt tokens of finished requests (each counted once)", registry=r)
+        # vLLM's names: the fleet's hit rate is sum(rate(hits)) / sum(rate(queries))
+        self.prefix_cache_queries = Counter(
+            "prefix_cache_queries", "Prompt tokens of finished requests looked up in the prefix cache (each "
+            "request once, at its first admission)", registry=r)
+        self.prefix_cache_hits = Counter(
+            "prefix_cache_hits", "Of those, tokens the prefix cache served (device or host tier)", registry=r)
         self.generation_tokens = Counter(
             "generation_tokens", "Output tokens delivered to the publisher (never counted twice after preemption)",
             registry=r)

@@ -245,6 +245,8 @@ class Finalizer:
                 m.observe_tenant_queue_time(held.tenant, summary["queue_s"])
             if summary.get("prompt_tokens"):
                 m.prompt_tokens.inc(summary["prompt_tokens"])
+                m.prefix_cache_queries.inc(summary["prompt_tokens"])
+                m.prefix_cache_hits.inc(summary.get("cached_prompt_tokens") or 0)
                 m.observe_tenant_tokens(held.tenant, "prompt", summary["prompt_tokens"])
             if reason == FinishReason.CANCELLED:
                 m.aborted.labels("cancelled").inc()

@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+from aiokafka.errors import CommitFailedError, IllegalStateError, InconsistentGroupProtocolError, KafkaError
 
 from schemas import keys
 from schemas.codec import decode_job, recover_job_id
-from worker.config import KafkaConfig
+from worker.config import ConfigError, KafkaConfig
 from worker.obs import transient_log
 from worker.security.access import is_fatal_kafka
 from worker.security.kafka import kafka_security_kwargs, stop_client
@@ -149,14 +150,33 @@ class Intake:
             max_poll_interval_ms=cfg.max_poll_interval_ms,
             max_partition_fetch_bytes=cfg.max_partition_fetch_bytes,
             fetch_max_bytes=max(cfg.max_partition_fetch_bytes * 2, 52428800),
-            partition_assignment_strategy=self.assignor.strategy(),
+            partition_assignment_strategy=(self.assignor.strategy() if cfg.partition_assignor == "sticky"
+                                           else (RoundRobinPartitionAssignor,)),
             **kafka_security_kwargs(cfg),
         )
 
     async def start(self) -> None:
+        """Join the group and start fetching.
+
+        Raises:
+            ConfigError: the group's members agreed on another assignor
+                (`kafka.partition_assignor`; worker/serve/sticky.py).
+        """
         self.consumer.subscribe(list(self.topics), listener=Rebalance(self))
-        await self.consumer.start()
+        await self._start_consumer()
         self.watchdog.progress()
+
+    async def _start_consumer(self) -> None:
+        try:
+            await self.consumer.start()
+        except InconsistentGroupProtocolError:
+            await stop_client(self.consumer, "intake")
+            other = "roundrobin" if self.cfg.partition_assignor == "sticky" else "sticky"
+            raise ConfigError(
+                f"kafka.partition_assignor is {self.cfg.partition_assignor!r} but the members of consumer group "
+                f"{self.group_id!r} agreed on another assignor (likely {other!r}: workers from before, or set "
+                f"so); set kafka.partition_assignor: {other} here, or restart every worker of the group at once "
+                "with the same value") from None
 
     async def stop(self) -> None:
         await self.commit()
@@ -369,7 +389,7 @@ class Intake:
         self.consumer = self._make_consumer()
         self.paused = set()
         self.consumer.subscribe(list(self.topics), listener=Rebalance(self))
-        await self.consumer.start()
+        await self._start_consumer()
         self.watchdog.progress()
 
     # ---- commits -----------------------------------------------------------------------

@@ -14,16 +14,31 @@ metadata which partitions it holds; the group's leader then, topic by topic:
 3. gives each partition nobody kept to the subscribed member holding fewest of the
    topic's, then fewest over all topics, then the lowest member id;
 4. moves partitions from the member holding most of the topic to the one holding fewest
-   while they differ by more than one.
+   while they differ by more than one;
+5. then, over all topics, while a member holds two or more partitions more than another,
+   moves one to it from a topic where the first holds more of it than the second (the
+   topic stays within one): with fewer partitions per topic than members, the members
+   left out of one topic get another's, so no worker sits idle.
 
 So every priority topic is spread over the workers on its own (a worker never ends up
-with all of `high`), and a worker leaving moves only its own partitions.
+with all of `high`), every worker gets its share of all partitions, and a worker leaving
+moves only its own partitions.
 
 The state is per instance (`claims`), so several consumers in one process (tests, a
 worker's restarted consumer) never share it — aiokafka's own sticky assignor keeps it on
 the class (aio-libs/aiokafka#1175) and advertises no generation (#1176), which is why it is
-not used. Workers list round-robin second, so a group that still has older workers agrees
-on round-robin until they are gone.
+not used.
+
+**One protocol, not two.** Kafka's way to change assignors in a running group is to list
+the new one before the old one, so the group agrees on the old until every member offers
+the new. aiokafka 0.14 cannot: its join sends one JoinGroup per listed assignor, each with
+the protocols listed so far (the request is built inside the loop over assignors), and
+the second, with other metadata, forces a new rebalance — with two members joining, the
+group rebalances forever (seen here: never stable in 15 s; one protocol: 0.14 s). So a
+worker offers exactly one, `kafka.partition_assignor` (`sticky`, or aiokafka's
+`roundrobin`, what workers before this used), and a worker whose group already agreed on
+the other is refused by the broker: `Intake.start` turns that into a config error naming
+the field (docs/operations.md says how to switch a running fleet).
 """
 
 from __future__ import annotations
@@ -35,7 +50,6 @@ from collections.abc import Iterable, Mapping
 import msgspec
 from aiokafka.cluster import ClusterMetadata
 from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
-from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment, ConsumerProtocolMemberMetadata
 
 log = logging.getLogger(__name__)
@@ -60,8 +74,7 @@ def _decode_claims(user_data: bytes) -> dict[str, list[int]]:
 
 class StickyAssignor(AbstractPartitionAssignor):
     """Kafka partition assignor for the workers' consumer group (rules in the module
-    docstring). One instance per worker: pass it in `partition_assignment_strategy`
-    before `RoundRobinPartitionAssignor` (`strategy`)."""
+    docstring). One instance per worker, kept across its consumers (`strategy`)."""
 
     name = "inflight-sticky"
     version = 0
@@ -70,8 +83,9 @@ class StickyAssignor(AbstractPartitionAssignor):
         self.claims: dict[str, list[int]] = {}  # what this member holds now, by topic
 
     def strategy(self) -> tuple:
-        """`partition_assignment_strategy` for a worker's consumer."""
-        return (self, RoundRobinPartitionAssignor)
+        """`partition_assignment_strategy` for a worker's consumer: this assignor alone
+        (the module docstring says why not a second)."""
+        return (self,)
 
     def metadata(self, topics: Iterable[str]) -> ConsumerProtocolMemberMetadata:  # type: ignore[override]
         return ConsumerProtocolMemberMetadata(self.version, list(topics), msgspec.msgpack.encode(_Claims(self.claims)))
@@ -131,6 +145,28 @@ def assign_sticky(partitions: dict[str, list[int]], subscribed: dict[str, set[st
             held[fewest].append(held[most].pop())
         for m in subs:
             if held[m]:
-                plan[m][topic] = sorted(held[m])
+                plan[m][topic] = held[m]
                 total[m] += len(held[m])
-    return plan
+    _even_out_totals(plan, total, subscribed)
+    return {m: {t: sorted(ps) for t, ps in topics.items() if ps} for m, topics in plan.items()}
+
+
+def _even_out_totals(plan: dict[str, dict[str, list[int]]], total: dict[str, int],
+                     subscribed: dict[str, set[str]]) -> None:
+    """Rule 5, in place: move partitions between members whose totals differ by two or
+    more, each from a topic the giver holds more of than the taker (both subscribed)."""
+    while True:
+        for giver in sorted(total, key=lambda m: (-total[m], m)):
+            taker = next((m for m in sorted(total, key=lambda m: (total[m], m))
+                          if total[giver] - total[m] >= 2
+                          and any(t in subscribed[m] and len(ps) > len(plan[m].get(t, ()))
+                                  for t, ps in plan[giver].items())), None)
+            if taker is not None:
+                break
+        else:
+            return
+        topic = next(t for t, ps in sorted(plan[giver].items())
+                     if t in subscribed[taker] and len(ps) > len(plan[taker].get(t, ())))
+        plan[taker].setdefault(topic, []).append(plan[giver][topic].pop())
+        total[giver] -= 1
+        total[taker] += 1
