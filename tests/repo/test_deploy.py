@@ -29,7 +29,7 @@ PROMQL_WORDS = {
     "group_left", "group_right",
 }
 LABELS = {"le", "priority", "instance", "topic", "partition", "outcome", "finish_reason", "reason", "job", "pod",
-          "tenant", "kind", "pool", "to_pool", "adapter", "position"}
+          "tenant", "kind", "pool", "to_pool", "adapter", "position", "direction"}
 
 
 def metric_names_in(expr: str) -> set[str]:
