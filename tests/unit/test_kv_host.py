@@ -70,7 +70,7 @@ def test_evicted_prefix_comes_back_from_the_host_tier():
     # into it; the allocation's own new block evicted one more
     assert [c.to_host for c in copies] == [True, False] * 3 + [True]
     assert all(s.block_id == ld.block_id for s, ld in zip(copies[0::2], copies[1::2]))
-    assert kv.host.num_hit_blocks == 3
+    assert kv.host.num_loaded == 3
     kv.check_invariants()
     s = kv.stats()
     assert (s.host_blocks, s.host_used_blocks) == (8, 7)
@@ -88,7 +88,7 @@ def test_device_hits_are_pinned_while_host_blocks_are_restored():
     assert [c.block_hash for c in kv.take_copies()] == [a.block_hashes[2]]
     hits = run_prefill(kv, req("a2", list(range(1, 15))))
     # blocks 0 and 1 from the device, block 2 restored into a block that is neither
-    assert len(hits) == 3 and len(set(hits)) == 3 and kv.host.num_hit_blocks == 1
+    assert len(hits) == 3 and len(set(hits)) == 3 and kv.host.num_loaded == 1
     kv.check_invariants()
 
 

@@ -62,7 +62,7 @@ class HostKVIndex:
         num_slots: host blocks (`host_kv_bytes` / the bytes of one device block).
 
     Counters (cumulative, read by the engine's step stats): `num_saved` and `num_loaded`
-    blocks copied each way, `num_hit_blocks` blocks a prefix lookup found here.
+    blocks copied each way (each load is one block a prefix lookup found here).
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -75,7 +75,6 @@ class HostKVIndex:
         self._copies: list[KVCopy] = []
         self.num_saved = 0
         self.num_loaded = 0
-        self.num_hit_blocks = 0
 
     @property
     def num_used(self) -> int:
@@ -103,7 +102,7 @@ class HostKVIndex:
         if self._free:
             slot = self._free.pop()
         else:
-            old_hash, slot = self._slots.popitem(last=False)
+            _, slot = self._slots.popitem(last=False)
             self.slot_hash[slot] = None
         self._slots[block_hash] = slot
         self.slot_hash[slot] = block_hash
@@ -122,7 +121,6 @@ class HostKVIndex:
         self._slots.move_to_end(block_hash)
         self._copies.append(KVCopy(False, block_id, slot, block_hash))
         self.num_loaded += 1
-        self.num_hit_blocks += 1
 
     def take_copies(self) -> list[KVCopy]:
         """The copies recorded since the last call, in order (the caller's step runs them)."""
