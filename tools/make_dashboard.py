@@ -72,6 +72,12 @@ ROWS = [
                                               "(rate(tenant_queue_time_seconds_bucket[$__rate_interval])))",
                                               "{{tenant}}")]),
     ]),
+    ("Tenant admission (local caps, fleet-wide limits through Redis)", [
+        ("Admission rounds that passed a tenant over, by reason", "short", [
+            q("sum by (reason) (rate(tenant_admission_denials_total[$__rate_interval]))", "{{reason}}")]),
+        ("Workers on their local share (Redis unreachable)", "short", [
+            q("sum(fleet_quota_fallback)", "workers falling back")]),
+    ]),
     ("LoRA adapters (model.lora_dir)", [
         ("Adapters resident and in the batch", "short", [q("lora_adapters_resident", "resident {{instance}}"),
                                                          q("lora_adapters_active", "in the batch {{instance}}")]),

@@ -39,11 +39,30 @@ class TenantPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             it preempts the tenant's own latest request (or itself). A request whose
             prompt + max_tokens can never fit it is rejected (`exceeds_kv_capacity`).
             None: no cap.
+        fleet_tokens_per_s: tokens per second the tenant may start across the whole
+            fleet (every worker of the consumer group), held through a token bucket in
+            Redis (`worker/serve/fleet_quota.py`). A job costs its prompt tokens plus
+            its `max_tokens` when it is taken; what it did not generate is given back
+            when it ends. A job waits (it is never rejected) while the tenant's bucket
+            is empty. Set the same value on every worker. None: no fleet rate.
+        fleet_burst_tokens: the bucket's size, in tokens: how much the tenant may start
+            at once after an idle spell. None: one second of `fleet_tokens_per_s`. A
+            job larger than the bucket still runs, once the bucket is full.
+        fleet_max_running: most of its jobs held across the fleet at once (claimed or
+            in an engine). More wait. None: no fleet cap.
     """
 
     weight: float = 1.0
     max_running_requests: int | None = None
     max_kv_blocks: int | None = None
+    fleet_tokens_per_s: float | None = None
+    fleet_burst_tokens: int | None = None
+    fleet_max_running: int | None = None
+
+    @property
+    def fleet_limited(self) -> bool:
+        """Whether a fleet-wide limit applies to the tenant."""
+        return self.fleet_tokens_per_s is not None or self.fleet_max_running is not None
 
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024  # max_output_tokens when unset (capped by the model's context)
@@ -257,10 +276,15 @@ class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def _check_tenant(where: str, policy: TenantPolicy) -> None:
     if not (policy.weight > 0 and policy.weight < float("inf")):
         raise ConfigError(f"{where}.weight must be > 0 and finite, got {policy.weight}")
-    for name in ("max_running_requests", "max_kv_blocks"):
+    for name in ("max_running_requests", "max_kv_blocks", "fleet_burst_tokens", "fleet_max_running"):
         value = getattr(policy, name)
         if value is not None and value < 1:
             raise ConfigError(f"{where}.{name} must be >= 1 or null, got {value}")
+    rate = policy.fleet_tokens_per_s
+    if rate is not None and not (rate > 0 and rate < float("inf")):
+        raise ConfigError(f"{where}.fleet_tokens_per_s must be > 0 and finite, or null, got {rate}")
+    if policy.fleet_burst_tokens is not None and rate is None:
+        raise ConfigError(f"{where}.fleet_burst_tokens needs fleet_tokens_per_s (the bucket's refill rate)")
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -38,6 +38,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from schemas.wire import FINISH_REASONS
 from worker.obs.kv_host_metrics import HostKVMetrics
 from worker.obs.lora_metrics import LoRAMetrics
+from worker.obs.quota_metrics import QuotaMetrics
 from worker.obs.spec_metrics import SpecMetrics
 
 if TYPE_CHECKING:
@@ -199,6 +200,7 @@ class Metrics:
                                                 clock=clock))  # LoRA adapters (lora_metrics.py)
         self.spec = SpecMetrics(r)  # speculative decoding (spec_metrics.py)
         self.kv_host = HostKVMetrics(r)  # the host-memory KV tier (kv_host_metrics.py)
+        self.quota = QuotaMetrics(r)  # tenant admission denials, fleet limits' fallback (quota_metrics.py)
         # ---- per step (engine thread) ----------------------------------------------------
         self.running = Gauge("running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("waiting_requests", "Requests waiting for admission (incl. preempted)", registry=r)

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
 
     from worker.obs.metrics import Metrics
+    from worker.serve.fleet_quota import FleetQuota
     from worker.serve.kafka_outage import KafkaOutage
 
 log = structlog.get_logger(__name__)
@@ -102,6 +103,7 @@ class Intake:
         outage: where transient Kafka errors of the consume loop are reported (optional).
         pool, group_id: the pool whose job topics are read (schemas/pools.py; None: the
             default pool's) and its consumer group (None: `cfg.group_id`).
+        quota: the fleet-wide tenant limits (fleet_quota.py), None when no tenant has one.
     """
 
     def __init__(self, cfg: KafkaConfig, client_id: str, sink: JobSink, tracker: OffsetTracker[TopicPartition], *,
@@ -109,8 +111,10 @@ class Intake:
                  tenant_weight: Callable[[str], float] = lambda t: 1.0,
                  tenant_cap: Callable[[str], int] = lambda t: 1 << 30, fair: bool = True,
                  high_priority_reserve: int = 0, metrics: Metrics | None = None,
-                 outage: KafkaOutage | None = None, pool: str | None = None, group_id: str | None = None) -> None:
+                 outage: KafkaOutage | None = None, pool: str | None = None, group_id: str | None = None,
+                 quota: FleetQuota | None = None) -> None:
         self.outage = outage
+        self.quota = quota
         self.high_priority_reserve = high_priority_reserve
         self.cfg = cfg
         self.client_id = client_id
@@ -190,6 +194,9 @@ class Intake:
                 self.tracker.drop(tp)
         self.read_ahead.drop(lambda tp: tp in kept)
         self.invalid = [r for r in self.invalid if r.tp in kept]
+        for c in self._contested:
+            if c.tp not in kept and c.charge and self.quota is not None:
+                self.quota.settle(c.tenant, c.charge, 0)  # charged when first taken, never ran here
         self._contested = [c for c in self._contested if c.tp in kept]
         self.paused = set()
 
@@ -362,7 +369,10 @@ class Intake:
             return
         await self._fetch_prefetched()
         batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap,
-                                     self.high_priority_reserve)
+                                     self.high_priority_reserve, self.quota)
+        if self.metrics is not None:
+            for why in self.read_ahead.passed_over.values():
+                self.metrics.quota.denials.labels(why).inc()
         if not batch:
             return
         self.add_contested(await self.sink.take(batch))

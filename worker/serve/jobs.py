@@ -22,7 +22,7 @@ job; nothing after it, nothing for a job handed back.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,6 +99,9 @@ class JobTable:
         # (tool call, reasoning) families of the model's chat template, for jobs with
         # `parse_output` (set by the worker once the engine's tokenizer is loaded)
         self.output_formats: tuple[str | None, str | None] = (None, None)
+        # called with each job that carries a fleet-rate charge when it stops counting as
+        # held (ended or handed back): the worker settles the charge (fleet_quota.py)
+        self.on_release: Callable[[LocalJob], None] | None = None
 
     # ---- queries ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -423,6 +426,8 @@ class JobTable:
         nor in `num_unfinished`."""
         _decrement(self._per_tenant, held.tenant or "")
         self._num_unfinished -= 1
+        if held.charge and self.on_release is not None:
+            self.on_release(held)
 
     def histories(self) -> Iterator[tuple[str, int, str, list[LogEntry], str | None, tuple[LogEntry, ...]]]:
         """What Redis must hold of the jobs this worker holds and of each job it finished

@@ -49,7 +49,8 @@ class LocalJob:
                  "next_seq", "raw", "raw_key", "isolated", "state", "claim_time", "first_token_time", "num_tokens",
                  "text_parts", "cancel_time_mono", "_opening", "_delta_text", "_delta_ids", "_delta_logprobs",
                  "_terminal", "opened", "finish_reason", "error", "dead_letter", "history", "summary",
-                 "terminal_published", "prior", "trace", "headers", "input_bytes", "compactor")
+                 "terminal_published", "prior", "trace", "headers", "input_bytes", "compactor", "charge",
+                 "prompt_tokens")
 
     def __init__(self, record: JobRecord, claim: Claimed, claim_time: float, *, job_id: str | None = None,
                  tenant: str | None = None) -> None:
@@ -90,6 +91,8 @@ class LocalJob:
         self.summary: dict[str, Any] = {}  # timings for the job's summary log line
         self.terminal_published = False  # the terminal event is numbered (in `history`; being published)
         self.trace: JobTrace | None = None  # its trace when tracing is on and it is sampled (worker.obs.tracing)
+        self.charge = record.charge  # tokens charged to its tenant's fleet rate (settled when it leaves)
+        self.prompt_tokens = 0  # its prompt's tokens once the engine accepted it
 
     @property
     def metadata(self) -> dict[str, Any] | None:

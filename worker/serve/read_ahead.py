@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from schemas import keys
 from schemas.wire import Job
@@ -64,12 +64,24 @@ class JobRecord:
     read_seq: int = 0  # order in which the read-ahead got it (set by ReadAhead.add)
     headers: tuple = ()  # the record's Kafka headers [(name, value bytes)]: its trace context
     read_time: float = 0.0  # when this worker read it (Unix s; 0: not from a fetch)
+    charge: int = 0  # tokens charged to its tenant's fleet rate when taken (fleet_quota.py)
 
     @property
     def tenant(self) -> str:
         """The job's tenant; `""` for jobs without one (and invalid records)."""
         return (self.job.tenant or "") if self.job is not None else ""
 
+
+
+class TenantGate(Protocol):
+    """Limits beyond the local caps that a take consults (`worker.serve.fleet_quota.FleetQuota`)."""
+
+    def blocked(self, tenant: str, held: int) -> str | None:
+        """Why one more job of `tenant` may not be taken now, or None. `held`: its jobs
+        held here, those taken this round included."""
+
+    def charge(self, rec: JobRecord) -> None:
+        """Charge a record just taken."""
 
 
 def local_shares(tuning: ServingTuning, settings: WorkerSettings, max_local_jobs: int,
@@ -136,6 +148,7 @@ class ReadAhead:
         self._per_partition: dict[Any, int] = {}
         self._last_pick: dict[str, int] = {}  # tenant -> pick number of its last record taken
         self._num_picks = 0
+        self.passed_over: dict[str, str] = {}  # tenant -> why the last take passed it over
         self.num_records = 0
         self.num_bytes = 0
 
@@ -145,6 +158,14 @@ class ReadAhead:
     def num_waiting(self, priority: str) -> int:
         """Records of a priority class read and not taken yet."""
         return sum(len(q) for q in self._queues[priority].values())
+
+    def waiting_by_tenant(self) -> dict[str, int]:
+        """Records read and not taken yet, per tenant (all classes)."""
+        out: dict[str, int] = {}
+        for queues in self._queues.values():
+            for tenant, q in queues.items():
+                out[tenant] = out.get(tenant, 0) + len(q)
+        return out
 
     def add(self, rec: JobRecord) -> None:
         """Keep a valid job record until a slot takes it."""
@@ -164,7 +185,7 @@ class ReadAhead:
         return max(0, self.per_partition - self._per_partition.get(tp, 0))
 
     def take(self, free: int, held: Mapping[str, int], weight: Callable[[str], float],
-             cap: Callable[[str], int], reserve: int = 0) -> list[JobRecord]:
+             cap: Callable[[str], int], reserve: int = 0, quota: TenantGate | None = None) -> list[JobRecord]:
         """Up to `free` records in the order described in the module docstring.
 
         Args:
@@ -174,8 +195,14 @@ class ReadAhead:
             cap: the most local jobs a tenant may hold.
             reserve: slots only the highest class may take (lower classes leave that
                 many of `free` empty).
+            quota: further limits, the fleet-wide ones (fleet_quota.py): a tenant it
+                blocks is passed over, and each record taken is charged to it.
+
+        The tenants passed over (at a cap or a fleet limit) are left in `passed_over`,
+        each with the reason (`fleet_quota.DENIAL_REASONS`).
         """
         taken: list[JobRecord] = []
+        self.passed_over: dict[str, str] = {}
         if free <= 0 or not self.num_records:
             return taken
         counts = dict(held)
@@ -187,7 +214,9 @@ class ReadAhead:
                 best_key = None
                 for tenant, q in queues.items():
                     n = counts.get(tenant, 0)
-                    if n >= cap(tenant):
+                    why = "tenant_cap" if n >= cap(tenant) else quota.blocked(tenant, n) if quota is not None else None
+                    if why is not None:
+                        self.passed_over[tenant] = why
                         continue
                     if self.fair:
                         w = weight(tenant)
@@ -205,6 +234,8 @@ class ReadAhead:
                     if not any(best in qs for qs in self._queues.values()):
                         self._last_pick.pop(best, None)  # bounded by the tenants with records here
                 self._forget(rec)
+                if quota is not None:
+                    quota.charge(rec)
                 counts[best] = counts.get(best, 0) + 1
                 self._num_picks += 1
                 self._last_pick[best] = self._num_picks

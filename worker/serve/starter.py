@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from worker.engine.core_client import EngineClient
     from worker.obs.metrics import Metrics
     from worker.serve.finalize import Finalizer
+    from worker.serve.fleet_quota import FleetQuota
 
 log = structlog.get_logger(__name__)
 
@@ -105,13 +106,17 @@ class JobStarter:
         that is sampled gets its `JobTrace`.
     router: pools by prompt length (`pool_router.py`): a job whose prompt is outside this
         worker's pool is forwarded to the pool that serves it (None: no pools).
+    quota: the fleet-wide tenant limits (`fleet_quota.py`; None: no tenant has one): a
+        record's charge is corrected once its input is processed, and given back when
+        the record is not opened here.
     """
 
     def __init__(self, table: JobTable, claims: ClaimStore, engine: EngineClient,
                  finalizer: Finalizer, metrics: Metrics, host: StarterHost, *, max_local_jobs: int,
                  max_job_failures: int, poison_grace_s: float = 0.0, tokenizer_threads: int = 2,
-                 tracing: Tracing = OFF, router: PoolRouter | None = None) -> None:
+                 tracing: Tracing = OFF, router: PoolRouter | None = None, quota: FleetQuota | None = None) -> None:
         self.table = table
+        self.quota = quota
         self.claims = claims
         self.engine = engine
         self.finalizer = finalizer
@@ -155,7 +160,9 @@ class JobStarter:
         fresh = []
         for rec in records:
             if not self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset)):
-                fresh.append(rec)  # else: redelivered while it runs here; answered by the same end
+                fresh.append(rec)
+            else:  # redelivered while it runs here; answered by the same end
+                self._refund(rec)
         if not fresh:
             return []
         refs = [JobRef(r.job.job_id, r.job.tenant) for r in fresh]
@@ -179,6 +186,7 @@ class JobStarter:
             if res is None:  # a suspect within its grace: given back, retried as contested
                 continue
             if isinstance(res, Done):  # its outcome may predate its results record (a crash between)
+                self._refund(rec)
                 self.finalizer.settle(rec.tp, rec.offset, rec.job.job_id, res.tail)
             elif isinstance(res, Contested):
                 if res.restoring:
@@ -188,6 +196,7 @@ class JobStarter:
                              partition=rec.tp.partition, offset=rec.offset)
                 contested.append(rec)
             elif self.table.get(rec.job.job_id) is not None:  # duplicate within the batch
+                self._refund(rec)
                 self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset))
             else:
                 held = self._open(rec, res, claimed)
@@ -332,12 +341,21 @@ class JobStarter:
             return
         if held.trace is not None:
             held.trace.submitted = submitted
+        held.prompt_tokens = len(req.prompt_token_ids)
+        if held.charge:  # the estimate taken at the intake becomes the exact charge
+            held.charge = self.quota.correct(held.tenant or "", held.charge, held.prompt_tokens + req.max_tokens)
         self.table.accepted(held.job_id)
         if req.options.adapter is not None:
             self.metrics.lora.request(req.options.adapter)
         if held.cancel_time_mono is not None:
             self.engine.abort(held.job_id)
         self.host.wake()
+
+    def _refund(self, rec: JobRecord) -> None:
+        """A record charged at the intake that is not opened here: its charge back."""
+        if rec.charge and self.quota is not None:
+            self.quota.settle(rec.tenant, rec.charge, 0)
+            rec.charge = 0
 
     def _misrouted(self, held: LocalJob, e: Misrouted) -> None:
         """The prompt belongs to another pool: forward the record there (`pool_router.py`),

@@ -29,6 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.output_formats import detect
 from worker.config import WorkerConfig, redacted_config
+from worker.config.engine import DEFAULT_MAX_OUTPUT_TOKENS
 from worker.engine.core_client import EngineClient, ProcessEngineClient, make_engine_client
 from worker.engine.core_proc import EngineSpec
 from worker.engine.gc_tuning import tune_gc
@@ -45,6 +46,7 @@ from worker.serve.claim_scripts import TAKE_LUA
 from worker.serve.claims import ClaimStore
 from worker.serve.dlq import DeadLetters
 from worker.serve.finalize import Finalizer
+from worker.serve.fleet_quota import SYNC_LUA, FleetQuota, fleet_limits_configured
 from worker.serve.health import HealthChecks, OpsServer, engine_liveness, loop_lag_monitor, nvml_available
 from worker.serve.intake import Intake
 from worker.serve.jobs import JobState, JobTable, Round
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from worker.engine import Engine, RequestOutput
+    from worker.serve.local_job import LocalJob
 
 log = structlog.get_logger(__name__)
 
@@ -105,6 +108,7 @@ class Worker:
         self.starter: JobStarter | None = None
         self.intake: Intake | None = None
         self.cancels: CancelListener | None = None
+        self.quota: FleetQuota | None = None  # fleet-wide tenant limits, when a tenant policy sets one
         self.kafka_outage = KafkaOutage(cfg.kafka.outage_limit_s, self.metrics)
         self.health = HealthChecks(self.metrics, kafka_outage=self.kafka_outage, liveness=lambda: engine_liveness(
             self.engine, self._crash, cfg.metrics.engine_stall_s))
@@ -113,6 +117,26 @@ class Worker:
         self.tracing = setup_tracing(cfg.tracing, "inflight-worker", instance_id=self.worker_id,
                                      model=os.path.basename(cfg.model.path.rstrip("/")) or None,
                                      consumer_group=cfg.job_group_id)
+
+    def _fleet_quota(self) -> FleetQuota:
+        """The fleet-wide tenant limits (fleet_quota.py): a job's charge is settled when
+        it stops counting as held."""
+        quota = FleetQuota(self.redis, self.cfg.redis.key_prefix, self.worker_id, self.cfg.serving_tuning,
+                           default_max_tokens=self.engine.tuning.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
+                           metrics=self.metrics)
+        self.table.on_release = self._settle_charge
+        return quota
+
+    def _quota_tasks(self, tenant_cap) -> list[asyncio.Task]:
+        """The fleet limits' sync rounds, when a tenant has one."""
+        if self.quota is None:
+            return []
+        return [asyncio.create_task(self.quota.run(self.intake.read_ahead.waiting_by_tenant,
+                                                   self.table.held_by_tenant, tenant_cap), name="fleet-quota")]
+
+    def _settle_charge(self, held: LocalJob) -> None:
+        """A job with a fleet-rate charge stops counting as held: what it did not use back."""
+        self.quota.settle(held.tenant or "", held.charge, held.prompt_tokens + held.num_tokens)
 
     @property
     def num_local_jobs(self) -> int:
@@ -125,7 +149,9 @@ class Worker:
         log.info("starting worker", worker_id=self.worker_id, config=redacted_config(cfg))
         if self.server is not None:  # first, so /healthz answers while the model loads
             await self.server.start()
-        await verify_access(cfg, redis_scripts=(TAKE_LUA,))  # wrong credentials, certificates or ACLs: fail now, before the model loads
+        fleet_limits = fleet_limits_configured(cfg.serving_tuning)
+        scripts = (TAKE_LUA, SYNC_LUA) if fleet_limits else (TAKE_LUA,)
+        await verify_access(cfg, redis_scripts=scripts)  # wrong credentials, certificates or ACLs: fail now, before the model loads
         self.redis = redis_client(cfg.redis, health_check_interval=15,
                                   retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
                                   retry_on_error=[RedisConnectionError, RedisTimeoutError])
@@ -155,10 +181,12 @@ class Worker:
         router = PoolRouter(cfg.pool_set, cfg.pool, kc.topic_prefix, self.producer)
         check_pool_limits(cfg, self.engine.tuning.max_input_tokens, self.engine.input.facts.max_model_len)
         self.metrics.pool_info.labels(cfg.worker.pool).set(1)
+        self.quota = self._fleet_quota() if fleet_limits else None
         self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self,
                                   max_local_jobs=self.max_local_jobs, max_job_failures=cfg.worker.max_job_failures,
                                   poison_grace_s=cfg.worker.poison_grace_s,
-                                  tokenizer_threads=cfg.worker.tokenizer_threads, tracing=self.tracing, router=router)
+                                  tokenizer_threads=cfg.worker.tokenizer_threads, tracing=self.tracing, router=router,
+                                  quota=self.quota)
         reserve = high_priority_reserve(cfg.serving_tuning, cfg.worker, self.max_local_jobs)
         tenant_weight, tenant_cap = local_shares(cfg.serving_tuning, cfg.worker, self.max_local_jobs, reserve)
         self.intake = Intake(kc, self.worker_id, self.starter, self.tracker, metrics=self.metrics,
@@ -166,7 +194,8 @@ class Worker:
                              read_ahead_bytes=cfg.worker.read_ahead_bytes, tenant_weight=tenant_weight,
                              tenant_cap=tenant_cap, fair=cfg.serving_tuning.fair_share,
                              high_priority_reserve=reserve,
-                             outage=self.kafka_outage, pool=cfg.worker.pool, group_id=cfg.job_group_id)
+                             outage=self.kafka_outage, pool=cfg.worker.pool, group_id=cfg.job_group_id,
+                             quota=self.quota)
         await self.kafka_outage.ride_out("intake", self.intake.start)
         self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for,
                                       outage=self.kafka_outage)
@@ -183,6 +212,7 @@ class Worker:
             asyncio.create_task(self.health.run(cfg.metrics), name="checks"),
             asyncio.create_task(self.kafka_outage.watch(), name="kafka"),
             asyncio.create_task(loop_lag_monitor(self.metrics, cfg.kafka.session_timeout_ms), name="loop-lag"),
+            *self._quota_tasks(tenant_cap),
         ]
         tune_gc()  # start-up's objects (imports, a thread-mode engine's model) frozen out of the collector's scans
         self.started.set()
