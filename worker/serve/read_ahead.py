@@ -202,7 +202,7 @@ class ReadAhead:
         each with the reason (`fleet_quota.DENIAL_REASONS`).
         """
         taken: list[JobRecord] = []
-        self.passed_over: dict[str, str] = {}
+        self.passed_over = {}
         if free <= 0 or not self.num_records:
             return taken
         counts = dict(held)
