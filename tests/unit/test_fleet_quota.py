@@ -182,6 +182,8 @@ def test_redis_down_falls_back_to_the_workers_share_with_one_warning():
     now[0] = 0.5
     assert q.blocked("a", 0) is None  # 300 / 3 tokens/s for 0.5 s
     assert q.shares["a"].allowance == pytest.approx(50)
+    asyncio.run(two_failed_rounds())  # rounds that still fail leave the local share alone
+    assert q.shares["a"].allowance == pytest.approx(50)
     now[0] = 100.0
     q.blocked("a", 0)
     assert q.shares["a"].allowance == pytest.approx(600 / 3)  # the bucket divided by N

@@ -182,7 +182,6 @@ class FleetQuota:
     def __init__(self, redis: Redis | None, prefix: str, worker_id: str, tuning: ServingTuning, *,
                  default_max_tokens: int, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.redis = redis
         self.prefix = prefix
         self.worker_id = worker_id
         self.tuning = tuning
@@ -194,12 +193,8 @@ class FleetQuota:
         self.live_workers = 1  # N of the fallback: live workers at the last sync
         self._refilled = clock()  # the fallback's last local refill
         self._script: Any = redis.register_script(SYNC_LUA) if redis is not None else None
-        self.num_syncs = 0
 
     # ---- admission (the intake, synchronously) --------------------------------------
-    def policy(self, tenant: str) -> TenantPolicy:
-        return self.tuning.tenant_policy(tenant)
-
     def blocked(self, tenant: str, held: int) -> str | None:
         """Why one more job of `tenant` may not be taken now (`fleet_tokens`,
         `fleet_running`), or None. `held`: its jobs held here, those taken this round
@@ -283,13 +278,10 @@ class FleetQuota:
             args += [-1 if rate is None else rate, _burst(policy), give, math.ceil(need),
                      -1 if cap is None else cap, want, n_held]
             sent.append((t, give))
-        if self.fallback:  # back from an outage: a surplus leased locally is not the fleet's
+        out = await self._script(keys=keys, args=args)
+        if self.fallback:  # Redis answers again: the surplus refilled locally is not the fleet's
             for share in self.shares.values():
                 share.allowance = min(share.allowance, 0.0)
-            sent = [(t, 0.0) for t, _ in sent]
-        out = await self._script(keys=keys, args=args)
-        self.num_syncs += 1
-        if self.fallback:
             self.fallback = False
             log.info("fleet tenant limits are kept through Redis again", live_workers=int(out[0]))
             if self.metrics is not None:
