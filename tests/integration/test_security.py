@@ -89,9 +89,14 @@ def test_main_job_end_to_end_on_the_secured_stack(secure_stack, engine_factory, 
     """Produce, stream, cancel and dead-letter over SASL_SSL/SCRAM or mutual TLS to Kafka
     and TLS + ACL users to Redis; the worker as `inflight-worker`, the client as
     `inflight-producer` (Redis user `inflight-client`), a tenant's job read by that
-    tenant's reader user."""
+    tenant's reader user; that tenant has fleet-wide limits, whose script runs as the
+    worker's ACL user."""
+    from worker.config import TenantPolicy
+    from worker.serve.fleet_quota import bucket_key
+
     stack = secure_stack
-    cfg = secure_worker_config(stack, worker_mode, tuning={"max_output_tokens": 1000})
+    fleet = {"tenant-a": TenantPolicy(fleet_tokens_per_s=100_000, fleet_max_running=4)}
+    cfg = secure_worker_config(stack, worker_mode, tuning={"max_output_tokens": 1000, "tenants": fleet})
     engine = engine_factory(cfg)
     run = uuid.uuid4().hex[:8]
     kafka, redis = stack.sections("producer", client_mode)
@@ -112,6 +117,11 @@ def test_main_job_end_to_end_on_the_secured_stack(secure_stack, engine_factory, 
                                          job_id=f"{run}-ta", tenant="tenant-a")
                 async with InflightClient(kafka=kafka, redis=stack.reader("tenant-a")) as reader:
                     tenant_events = [ev async for ev in reader.stream(tj, tenant="tenant-a", timeout_s=90)]
+                admin_redis = redis_client(stack.sections("admin", "scram-sha-512")[1])
+                try:  # the fleet limits' rounds ran as the worker's ACL user (the job waited for its lease)
+                    quota_synced = await admin_redis.exists(bucket_key(cfg.redis.key_prefix, "tenant-a")) == 1
+                finally:
+                    await admin_redis.aclose()
 
                 # cancel mid-stream
                 long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # outlasts the cancel's trip
@@ -148,9 +158,11 @@ def test_main_job_end_to_end_on_the_secured_stack(secure_stack, engine_factory, 
                                                     security=kafka_security_kwargs(admin_kafka), timeout=30)
         finally:
             await stop_worker(w, task)
-        return ids, results, tj, tenant_events, cj, cancelled, poison, dead, recorded, committed, cli, ready
+        return ids, results, tj, tenant_events, cj, cancelled, poison, dead, recorded, committed, cli, ready, quota_synced
 
-    ids, results, tj, tenant_events, cj, cancelled, poison, dead, recorded, committed, cli, ready = asyncio.run(main())
+    (ids, results, tj, tenant_events, cj, cancelled, poison, dead, recorded, committed, cli, ready,
+     quota_synced) = asyncio.run(main())
+    assert quota_synced
     for jid, events in zip(ids, results):
         fin = assert_well_formed(events, jid)
         assert isinstance(events[0], Started) and fin.finish_reason in ("stop", "length")

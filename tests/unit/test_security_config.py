@@ -142,6 +142,11 @@ def test_refusals_are_explained_with_their_setting_and_exit_code():
     err = access.explain_redis(rex.AuthenticationError("invalid username-password pair"), r)
     assert err.exit_code == 3 and "'w'" in str(err) and "pw-never-shown" not in str(err)
     assert access.explain_redis(rex.NoPermissionError("no permissions"), r).exit_code == 5
+    # a script's command refused by the ACL comes back as a plain error reply (seen with the fleet limits' script)
+    refused = rex.ResponseError("The user executing the script can't run this command or subcommand script: 5585, "
+                                "on @user_script:5.")
+    assert access.explain_redis(refused, r).exit_code == 5 and access.is_fatal_redis(refused)
+    assert not access.is_fatal_redis(rex.ResponseError("EPOCH changed"))
     wrapped = rex.ConnectionError("Error 1 connecting")
     wrapped.__context__ = ssl.SSLCertVerificationError(1, "self-signed certificate in certificate chain")
     assert access.explain_redis(wrapped, r).setting == "redis.ssl_cafile" and access.is_fatal_redis(wrapped)
@@ -195,3 +200,21 @@ def test_publisher_builds_each_events_keys_with_its_jobs_tenant():
     assert "inflight:job:a1:claim" in ks  # the terminal event's worker-internal keys: per job id
     table.done(rnd.finished[0])
     assert table.tenant_of("a1") == "acme" and table.tenant_of("n1") is None and table.tenant_of("zz") is None
+
+
+def test_every_command_a_lua_script_calls_is_granted_to_its_user():
+    """Redis checks each command a script calls against the user running it: a command
+    missing from the worker's (or the gateway's) grants fails only when the script runs,
+    after the start-up probe loaded it (the fleet limits' hash and zset commands once were)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    users = {"worker": (acl.WORKER_COMMANDS, ["worker/serve/claim_scripts.py", "worker/serve/publish.py",
+                                             "worker/serve/fleet_quota.py"]),
+             "gateway": (acl.GATEWAY_COMMANDS, ["worker/gateway/batch/state.py"])}
+    for user, (granted, files) in users.items():
+        called = {m.lower() for f in files
+                  for m in re.findall(r"redis\.call\(\s*'([A-Za-z]+)'", (root / f).read_text())}
+        assert called, files
+        assert called <= set(granted), (user, sorted(called - set(granted)))

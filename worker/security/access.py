@@ -176,12 +176,20 @@ def is_fatal_redis(e: BaseException) -> bool:
     permission: redis-py reports the first two as ConnectionErrors, which a caller would
     otherwise retry as an outage. (Other TLS errors, such as a connection cut mid-record
     by a restarting server, stay retriable.)"""
-    if isinstance(e, (rex.AuthenticationError, rex.NoPermissionError, AccessError)):
+    if isinstance(e, (rex.AuthenticationError, rex.NoPermissionError, AccessError)) or script_refused(e):
         return True
     ctx = e.__context__
     return isinstance(e, rex.ConnectionError) and (
         isinstance(ctx, ssl.SSLCertVerificationError)
         or (isinstance(ctx, ssl.SSLError) and any(a in str(ctx) for a in _TLS_REJECTIONS)))
+
+
+def script_refused(e: BaseException) -> bool:
+    """A Lua script stopped by the user's ACL: Redis checks each command and key a script
+    touches, and answers a refusal inside one as a plain error reply ("The user executing
+    the script can't run this command ..." / "... can't access at least one of the keys
+    ..."), which redis-py raises as a ResponseError, not a NoPermissionError."""
+    return isinstance(e, rex.ResponseError) and "user executing the script can't" in str(e)
 
 
 def explain_redis(e: BaseException, cfg: RedisConfig) -> AccessError | None:
@@ -192,7 +200,7 @@ def explain_redis(e: BaseException, cfg: RedisConfig) -> AccessError | None:
     if isinstance(e, rex.AuthenticationError):
         return AccessError("Redis", EXIT_AUTHENTICATION, f"the server{at} refused user {cfg.user()!r}: {e}",
                            "redis.username and redis.password / redis.password_file (or the URL's credentials)")
-    if isinstance(e, rex.NoPermissionError):
+    if isinstance(e, rex.NoPermissionError) or script_refused(e):
         return AccessError("Redis", EXIT_AUTHORIZATION, f"user {cfg.user()!r} was refused: {e} (a worker needs the "
                            "rules of `inflight acl redis worker`)", "redis.username and its ACL rules, redis.key_prefix")
     if isinstance(e, rex.ConnectionError):

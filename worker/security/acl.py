@@ -36,17 +36,20 @@ from schemas import keys
 from schemas.pools import Pools
 from schemas.wire import check_tenant
 
-# Every command the worker sends (serve/claims.py, serve/publish.py, cli/preflight.py, serve/worker.py), including
+# Every command the worker sends (serve/claims.py, serve/publish.py, serve/fleet_quota.py, cli/preflight.py,
+# serve/worker.py), including
 # those its Lua scripts call: Redis checks a script's commands and keys against the user.
 WORKER_COMMANDS = (
     "ping",                                      # health checks, pub/sub keep-alive
     "evalsha", "script|load",                    # the claim and publish scripts (loaded on first use)
     "get", "set", "del", "exists",               # epoch, tombstones, done marks, preflight probe; in scripts
     "incr", "expire", "pexpire", "ttl",          # attempts, TTLs, leases (in scripts)
-    "time",                                      # the suspect mark's server time (in a script)
+    "time",                                      # the suspect mark's and the fleet buckets' server time (in scripts)
     "sadd", "srem", "scard",                     # failure marks (in scripts)
     "xadd", "xrevrange", "xrange",               # the replay log (in scripts; xrange: a later attempt keeps the log so far, the end's rewrite its first id)
     "publish",                                   # live events (in the publish script)
+    "hset", "hmget", "hgetall", "hdel",          # fleet-wide tenant limits: buckets, slots (serve/fleet_quota.py)
+    "zadd", "zrem", "zcard", "zrangebyscore", "zremrangebyscore",  # ... live workers, slot leases
 )
 READER_COMMANDS = ("ping", "subscribe", "unsubscribe", "psubscribe", "punsubscribe",
                    "xrange", "xrevrange", "xread", "xlen")
