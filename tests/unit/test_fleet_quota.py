@@ -118,6 +118,27 @@ def test_unlimited_tenants_are_never_blocked_or_charged():
     assert r.charge == 0
 
 
+def test_a_tenant_with_nothing_leased_asks_for_the_round_at_once():
+    now = [0.0]
+    q, script = quota(ServingTuning(tenants={"a": TenantPolicy(fleet_tokens_per_s=100)}), clock=lambda: now[0])
+    assert not q._wake.is_set()
+    assert q.blocked("a", 0) == "fleet_tokens" and q._wake.is_set()
+    script.replies.append([1, 25, -1])
+
+    async def one_round():
+        task = asyncio.create_task(q.run(lambda: {"a": 1}, dict, lambda t: 8))
+        for _ in range(50):  # the woken round: well inside the 100 ms interval
+            await asyncio.sleep(0.001)
+            if script.calls:
+                break
+        task.cancel()
+        return len(script.calls)
+
+    assert asyncio.run(one_round()) == 1 and q.shares["a"].allowance == 25
+    q._wake.clear()
+    assert q.blocked("a", 0) is None and not q._wake.is_set()  # leased: no early round
+
+
 def test_fleet_slots_bound_the_jobs_held_here():
     q, _ = quota(ServingTuning(tenants={"a": TenantPolicy(fleet_max_running=4)}))
     assert q.blocked("a", 0) == "fleet_running"  # no slots reserved yet

@@ -7,6 +7,8 @@ The idea is llm-d-async's `redis-quota` and the leased rates of API gateways: th
 state lives in Redis, and each worker leases a share of it in advance, so admission is
 decided locally, synchronously, and Redis is asked once per sync round (every
 `SYNC_INTERVAL_S`, one script for every limited tenant the worker serves), never per job.
+A tenant that arrives with nothing leased here asks for the round at once (no sooner than
+`MIN_SYNC_GAP_S` after the last), so its first job does not wait out the interval.
 
 **Token rate.** Each tenant has one token bucket in Redis (refilled at `fleet_tokens_per_s`
 up to `fleet_burst_tokens`, on Redis's own clock). A worker with records of the tenant
@@ -43,6 +45,7 @@ release of a job (settlements), all on the worker's one asyncio thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -66,6 +69,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 SYNC_INTERVAL_S = 0.1  # one script per this many seconds, for every limited tenant at once
+MIN_SYNC_GAP_S = 0.01  # a round asked early (a tenant with nothing leased here) waits at least this long after the last
 LEASE_S = 0.25  # a worker with records waiting leases up to this many seconds of a tenant's rate
 RESERVATION_TTL_S = 3.0  # a worker's slots and its place in the live count lapse when it stops syncing
 BYTES_PER_TOKEN_GUESS = 4  # a text prompt's tokens before the tokenizer ran: its UTF-8 bytes / this
@@ -192,6 +196,8 @@ class FleetQuota:
         self.fallback = False  # Redis unreachable: per-worker shares of the limits
         self.live_workers = 1  # N of the fallback: live workers at the last sync
         self._refilled = clock()  # the fallback's last local refill
+        self._wake = asyncio.Event()  # a tenant with nothing leased here is waiting: sync now
+        self._last_sync = 0.0  # self.clock() when the last round was sent
         self._script: Any = redis.register_script(SYNC_LUA) if redis is not None else None
 
     # ---- admission (the intake, synchronously) --------------------------------------
@@ -205,6 +211,8 @@ class FleetQuota:
         share = self.shares.get(tenant)
         if self.fallback:
             share = self._refill_local(tenant)
+        elif share is None:  # nothing leased here yet: ask for the round now
+            self._wake.set()
         if policy.fleet_tokens_per_s is not None and (share is None or share.allowance <= 0):
             return "fleet_tokens"
         if policy.fleet_max_running is not None:
@@ -246,7 +254,13 @@ class FleetQuota:
         tenant; `held`: jobs held per tenant; `caps`: a tenant's local cap of jobs."""
         while True:
             honour_cancellation()
-            await asyncio.sleep(SYNC_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SYNC_INTERVAL_S):
+                    await self._wake.wait()
+            gap = self._last_sync + MIN_SYNC_GAP_S - self.clock()
+            if gap > 0:
+                await asyncio.sleep(gap)
+            self._wake.clear()
             try:
                 await self.sync(waiting(), held(), caps)
             except REDIS_DOWN as e:
@@ -278,6 +292,7 @@ class FleetQuota:
             args += [-1 if rate is None else rate, _burst(policy), give, math.ceil(need),
                      -1 if cap is None else cap, want, n_held]
             sent.append((t, give))
+        self._last_sync = self.clock()
         out = await self._script(keys=keys, args=args)
         if self.fallback:  # Redis answers again: the surplus refilled locally is not the fleet's
             for share in self.shares.values():
