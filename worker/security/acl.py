@@ -37,8 +37,8 @@ from schemas.pools import Pools
 from schemas.wire import check_tenant
 
 # Every command the worker sends (serve/claims.py, serve/publish.py, serve/fleet_quota.py, cli/preflight.py,
-# serve/worker.py), including
-# those its Lua scripts call: Redis checks a script's commands and keys against the user.
+# serve/worker.py), including those its Lua scripts call: Redis checks a script's commands and keys against
+# the user (tests/unit/test_security_config.py reads every script's commands).
 WORKER_COMMANDS = (
     "ping",                                      # health checks, pub/sub keep-alive
     "evalsha", "script|load",                    # the claim and publish scripts (loaded on first use)
