@@ -56,6 +56,16 @@ def test_the_bucket_refills_on_redis_time_and_slots_never_pass_the_cap(services)
             await asyncio.sleep(3.2)  # w2 stops syncing: its slot lapses with its lease
             await one.sync({"a": 4}, {"a": 4}, caps)
             assert one.shares["a"].slots == 5 and one.live_workers == 1
+            await one.release()  # a clean stop frees its slots at once
+            await two.sync({"a": 4}, {}, caps)
+            assert two.shares["a"].slots == 4
+
+            # the bounds of the arithmetic: the largest rate and burst, and an absurdly small rate
+            edge = ServingTuning(tenants={"big": TenantPolicy(fleet_tokens_per_s=1e12, fleet_burst_tokens=10**15),
+                                          "slow": TenantPolicy(fleet_tokens_per_s=1e-16)})
+            three = FleetQuota(r, prefix, "w3", edge, default_max_tokens=10)
+            await three.sync({"big": 1, "slow": 1}, {}, caps)
+            assert three.shares["big"].allowance == 1e12 * 0.25 and three.shares["slow"].allowance == 1  # its 1-token bucket
         finally:
             await r.delete(*[k async for k in r.scan_iter(f"{prefix}:*")] or ["-"])
             await r.aclose()

@@ -59,6 +59,10 @@ def test_config_checks_name_the_field():
         ServingTuning(tenants={"a": TenantPolicy(fleet_tokens_per_s=0)})
     with pytest.raises(ConfigError, match=r"default_tenant.fleet_max_running must be >= 1"):
         ServingTuning(default_tenant=TenantPolicy(fleet_max_running=0))
+    with pytest.raises(ConfigError, match=r"fleet_tokens_per_s must be in \(0, 1e\+12\], or null"):
+        ServingTuning(tenants={"a": TenantPolicy(fleet_tokens_per_s=1e20)})  # "unlimited" is unset, not huge
+    with pytest.raises(ConfigError, match=r"fleet_burst_tokens must be <= 1e\+15"):
+        ServingTuning(tenants={"a": TenantPolicy(fleet_tokens_per_s=1, fleet_burst_tokens=10**16)})
     with pytest.raises(ConfigError, match="fleet_burst_tokens needs fleet_tokens_per_s"):
         ServingTuning(tenants={"a": TenantPolicy(fleet_burst_tokens=10)})
     assert not fleet_limits_configured(ServingTuning(tenants={"a": TenantPolicy(max_running_requests=2)}))
@@ -137,6 +141,20 @@ def test_a_tenant_with_nothing_leased_asks_for_the_round_at_once():
     assert asyncio.run(one_round()) == 1 and q.shares["a"].allowance == 25
     q._wake.clear()
     assert q.blocked("a", 0) is None and not q._wake.is_set()  # leased: no early round
+
+
+def test_slots_a_round_may_give_away_are_not_taken_while_it_is_in_flight():
+    q, script = quota(ServingTuning(tenants={"c": TenantPolicy(fleet_max_running=5)}))
+    q._share("c").slots = 4
+    seen = []
+
+    async def reply(keys, args):  # the intake looks while the round is on its way
+        seen.append(q.blocked("c", 1))
+        return [1, 0, 1]
+
+    q._script = reply
+    asyncio.run(q.sync({}, {"c": 1}, lambda t: 8))  # nothing waits: the round shrinks to the one held
+    assert seen == ["fleet_running"] and q.shares["c"].slots == 1
 
 
 def test_fleet_slots_bound_the_jobs_held_here():

@@ -66,6 +66,10 @@ class TenantPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024  # max_output_tokens when unset (capped by the model's context)
+# Bounds of the fleet limits (worker/serve/fleet_quota.py keeps its Redis arithmetic exact below them):
+# far above any fleet's throughput; leave the field unset for no limit.
+MAX_FLEET_TOKENS_PER_S = 1e12
+MAX_FLEET_BURST_TOKENS = 10**15
 
 
 class ServingTuning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -281,8 +285,12 @@ def _check_tenant(where: str, policy: TenantPolicy) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"{where}.{name} must be >= 1 or null, got {value}")
     rate = policy.fleet_tokens_per_s
-    if rate is not None and not (rate > 0 and rate < float("inf")):
-        raise ConfigError(f"{where}.fleet_tokens_per_s must be > 0 and finite, or null, got {rate}")
+    if rate is not None and not (0 < rate <= MAX_FLEET_TOKENS_PER_S):
+        raise ConfigError(f"{where}.fleet_tokens_per_s must be in (0, {MAX_FLEET_TOKENS_PER_S:g}], or null for no "
+                          f"fleet rate, got {rate}")
+    if policy.fleet_burst_tokens is not None and policy.fleet_burst_tokens > MAX_FLEET_BURST_TOKENS:
+        raise ConfigError(f"{where}.fleet_burst_tokens must be <= {MAX_FLEET_BURST_TOKENS:g}, got "
+                          f"{policy.fleet_burst_tokens}")
     if policy.fleet_burst_tokens is not None and rate is None:
         raise ConfigError(f"{where}.fleet_burst_tokens needs fleet_tokens_per_s (the bucket's refill rate)")
 

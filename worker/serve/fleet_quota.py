@@ -99,12 +99,12 @@ for j = 0, n - 1 do
     local level, ts = tonumber(b[1]), tonumber(b[2])
     if level == nil or ts == nil then level, ts = burst, now end
     level = math.min(burst, math.min(burst, level + rate * math.max(0, now - ts) / 1000) + give)
-    if need > 0 and level > 0 then
-      granted = math.floor(math.min(need, level))
+    if need > 0 and level > 0 then  -- a reply's number is cast to a 64-bit integer: keep it well inside
+      granted = math.floor(math.min(need, level, MAX_TOKENS))
       level = level - granted
     end
     redis.call('HSET', KEYS[k + 1], 'level', tostring(level), 'ts', now)
-    redis.call('PEXPIRE', KEYS[k + 1], math.floor((burst - level) / rate * 1000) + ttl * 10)
+    redis.call('PEXPIRE', KEYS[k + 1], math.floor(math.min((burst - level) / rate * 1000, MAX_TTL_MS)) + ttl * 10)
   end
   local slots = -1
   if cap >= 0 then
@@ -131,7 +131,7 @@ for j = 0, n - 1 do
   out[#out + 1] = slots
 end
 return out
-"""
+""".replace("MAX_TOKENS", str(2**50)).replace("MAX_TTL_MS", str(2**40))  # 2^40 ms: 35 years
 
 DENIAL_REASONS = ("tenant_cap", "fleet_tokens", "fleet_running")  # why a take round passed a tenant over
 
@@ -288,6 +288,8 @@ class FleetQuota:
                     give = share.allowance  # a surplus back to the bucket, or a debt onto it
             cap = policy.fleet_max_running
             want = min(n_held + n_wait, caps(t)) if cap is not None else 0
+            if cap is not None and share.slots is not None:  # slots this round may give away: not taken meanwhile
+                share.slots = min(share.slots, max(want, n_held))
             keys += [bucket_key(self.prefix, t), slots_key(self.prefix, t), slot_leases_key(self.prefix, t)]
             args += [-1 if rate is None else rate, _burst(policy), give, math.ceil(need),
                      -1 if cap is None else cap, want, n_held]
@@ -309,6 +311,13 @@ class FleetQuota:
             share.slots = None if slots < 0 else slots
             if not share.allowance and not share.slots and not waiting.get(t) and not held.get(t):
                 del self.shares[t]
+
+    async def release(self) -> None:
+        """A clean stop: give back this worker's slots and allowance now (one round with
+        nothing waiting or held) instead of letting its slots lapse after
+        `RESERVATION_TTL_S`. Raises the Redis errors (the caller bounds and logs them)."""
+        if self.shares and not self.fallback:
+            await self.sync({}, {}, lambda t: 0)
 
     # ---- fallback ---------------------------------------------------------------------
     def _enter_fallback(self, error: BaseException) -> None:

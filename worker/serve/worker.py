@@ -134,6 +134,12 @@ class Worker:
         return [asyncio.create_task(self.quota.run(self.intake.read_ahead.waiting_by_tenant,
                                                    self.table.held_by_tenant, tenant_cap), name="fleet-quota")]
 
+    async def _release_quota(self) -> None:
+        try:
+            await self.quota.release()
+        except REDIS_DOWN as e:  # its slots lapse with their lease instead
+            log.warning("could not release the fleet limits' reservations", error=repr(e)[:200])
+
     def _settle_charge(self, held: LocalJob) -> None:
         """A job with a fleet-rate charge stops counting as held: what it did not use back."""
         self.quota.settle(held.tenant or "", held.charge, held.prompt_tokens + held.num_tokens)
@@ -308,6 +314,8 @@ class Worker:
                 await stop_client(client, name)
         if self.engine is not None:  # its own joins are bounded (about 20 s)
             await stop_within("worker: engine", asyncio.to_thread(self.engine.stop), 30)
+        if self.quota is not None:  # its fleet slots free now, not after their lease
+            await stop_within("worker: fleet limits' release", self._release_quota(), 5)
         if self.redis is not None:
             await stop_within("worker: Redis connections", self.redis.aclose(), 5)
         if self.server is not None:
