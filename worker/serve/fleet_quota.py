@@ -247,6 +247,13 @@ class FleetQuota:
         if charged:
             self._share(tenant).allowance += charged - used
 
+    def refund(self, rec: JobRecord) -> None:
+        """A record charged at the intake that never became a job here (done, a duplicate,
+        already running here, or dropped by a rebalance while contested): its whole charge
+        back, once."""
+        self.settle(rec.tenant, rec.charge, 0)
+        rec.charge = 0
+
     # ---- the sync round (its own task) -----------------------------------------------
     async def run(self, waiting: Callable[[], Mapping[str, int]], held: Callable[[], Mapping[str, int]],
                   caps: Callable[[str], int]) -> None:

@@ -194,9 +194,10 @@ class Intake:
                 self.tracker.drop(tp)
         self.read_ahead.drop(lambda tp: tp in kept)
         self.invalid = [r for r in self.invalid if r.tp in kept]
-        for c in self._contested:
-            if c.tp not in kept and c.charge and self.quota is not None:
-                self.quota.settle(c.tenant, c.charge, 0)  # charged when first taken, never ran here
+        if self.quota is not None:  # contested records charged when first taken, never run here
+            for c in self._contested:
+                if c.tp not in kept:
+                    self.quota.refund(c)
         self._contested = [c for c in self._contested if c.tp in kept]
         self.paused = set()
 

@@ -353,9 +353,8 @@ class JobStarter:
 
     def _refund(self, rec: JobRecord) -> None:
         """A record charged at the intake that is not opened here: its charge back."""
-        if rec.charge and self.quota is not None:
-            self.quota.settle(rec.tenant, rec.charge, 0)
-            rec.charge = 0
+        if self.quota is not None:
+            self.quota.refund(rec)
 
     def _misrouted(self, held: LocalJob, e: Misrouted) -> None:
         """The prompt belongs to another pool: forward the record there (`pool_router.py`),

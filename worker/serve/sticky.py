@@ -155,18 +155,24 @@ def _even_out_totals(plan: dict[str, dict[str, list[int]]], total: dict[str, int
                      subscribed: dict[str, set[str]]) -> None:
     """Rule 5, in place: move partitions between members whose totals differ by two or
     more, each from a topic the giver holds more of than the taker (both subscribed)."""
-    while True:
-        for giver in sorted(total, key=lambda m: (-total[m], m)):
-            taker = next((m for m in sorted(total, key=lambda m: (total[m], m))
-                          if total[giver] - total[m] >= 2
-                          and any(t in subscribed[m] and len(ps) > len(plan[m].get(t, ()))
-                                  for t, ps in plan[giver].items())), None)
-            if taker is not None:
-                break
-        else:
-            return
-        topic = next(t for t, ps in sorted(plan[giver].items())
-                     if t in subscribed[taker] and len(ps) > len(plan[taker].get(t, ())))
+    while (move := _next_move(plan, total, subscribed)) is not None:
+        giver, taker, topic = move
         plan[taker].setdefault(topic, []).append(plan[giver][topic].pop())
         total[giver] -= 1
         total[taker] += 1
+
+
+def _next_move(plan: dict[str, dict[str, list[int]]], total: dict[str, int],
+               subscribed: dict[str, set[str]]) -> tuple[str, str, str] | None:
+    """(giver, taker, topic) of rule 5's next move: the member holding most that can give,
+    to the one holding fewest that can take, of the first such topic by name; None when
+    no two members differ by two or more with a topic to move."""
+    for giver in sorted(total, key=lambda m: (-total[m], m)):
+        for taker in sorted(total, key=lambda m: (total[m], m)):
+            if total[giver] - total[taker] < 2:
+                break  # takers hold more from here on
+            topic = next((t for t, ps in sorted(plan[giver].items())
+                          if t in subscribed[taker] and len(ps) > len(plan[taker].get(t, ()))), None)
+            if topic is not None:
+                return giver, taker, topic
+    return None
