@@ -73,6 +73,12 @@ def spawn_worker(tmp_path: Path, cfg, worker_id: str, command: tuple[str, ...] =
     return proc, log
 
 
+def torch_libraries(pid: int) -> list[str]:
+    """The shared libraries of torch that process `pid` has mapped (/proc/PID/maps, Linux)."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return sorted({line.split()[-1] for line in maps if "/torch/lib/" in line})
+
+
 def kill_9(proc: subprocess.Popen) -> None:
     """SIGKILL and wait (reaped at once: the test reads its return code)."""
     proc.send_signal(signal.SIGKILL)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.integration.conftest import ROOT
 from tests.integration.helpers import START_S
-from tests.integration.processes import spawn
+from tests.integration.processes import spawn, torch_libraries
 from tools.stack.own_stack import free_port
 
 pytestmark = pytest.mark.slow
@@ -88,6 +88,8 @@ def test_worker_start_on_a_fresh_broker_and_a_rebalance_log_no_warning_or_error(
         # "partitions assigned" can come before the start ends; a SIGTERM then is another
         # test's case (tests/unit/test_stopping.py): here both starts end first
         first.wait_for("worker started", START_S)
+        # the front process tokenizes with the tokenizer its engine core sent: no torch in it
+        assert torch_libraries(first.proc.pid) == [], "the worker's front process loaded torch"
         first.wait_for("partitions assigned", START_S)
         second = WorkerProcess(worker_env)
         workers.append(second)

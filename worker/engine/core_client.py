@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -192,7 +194,8 @@ class ProcessEngineClient:
     (the model loads meanwhile; up to `ready_timeout_s`).
 
     Args:
-        spec: builds the engine in the child and the tokenizer here.
+        spec: builds the engine in the child, and the tokenizer here unless the child sends
+            its own (`core_sends_tokenizer`).
         tuning: `serving_tuning` (input checks here must match the core's).
         metrics: step metrics, recorded on the reader thread.
         log_level: the child's log level.
@@ -235,8 +238,12 @@ class ProcessEngineClient:
         EngineCrashed: the core process failed to build the engine (the message says why)."""
         self._loop, self._on_outputs, self._on_crash = loop, on_outputs, on_crash
         self._proc, self._to_core, self._from_core = self.spec.start_core(self._log_level, self._engine_threads)
-        tokenizer = await asyncio.to_thread(self.spec.build_tokenizer)
-        ready = await asyncio.to_thread(self._wait_ready)
+        if self.spec.core_sends_tokenizer:
+            ready = await asyncio.to_thread(self._wait_ready, warm_up=_import_tokenizer_base)
+            tokenizer = await asyncio.to_thread(self._sent_tokenizer, ready)
+        else:
+            tokenizer = await asyncio.to_thread(self.spec.build_tokenizer)
+            ready = await asyncio.to_thread(self._wait_ready)
         self.tokenizer = tokenizer
         self.num_blocks = ready.num_blocks
         self.device = ready.device
@@ -252,7 +259,22 @@ class ProcessEngineClient:
         self._reader = threading.Thread(target=self._read, name="inflight-engine-reader", daemon=True)
         self._reader.start()
 
-    def _wait_ready(self) -> Ready:
+    def _sent_tokenizer(self, ready: Ready) -> Any:
+        """The tokenizer the core sent in `Ready`; the spec's own when none came or it does
+        not unpickle here."""
+        if ready.tokenizer:
+            try:
+                return pickle.loads(ready.tokenizer)  # from our own child process: trusted bytes
+            except Exception as e:  # whatever the tokenizer's class raises while it is rebuilt
+                log.warning("the engine core's tokenizer does not load here; loading it from the checkpoint",
+                            error=f"{type(e).__name__}: {e}"[:300])
+        return self.spec.build_tokenizer()
+
+    def _wait_ready(self, warm_up: Callable[[], None] | None = None) -> Ready:
+        """`Ready` from the core (EngineCrashed / ValueError as `start` says); `warm_up()`
+        runs first, while the core builds its engine."""
+        if warm_up is not None:
+            warm_up()
         if not self._from_core.poll(self._ready_timeout_s):
             raise EngineCrashed(f"the engine core did not start within {self._ready_timeout_s} s")
         try:
@@ -360,6 +382,13 @@ class ProcessEngineClient:
         for conn in (self._to_core, self._from_core):
             if conn is not None:
                 conn.close()
+
+
+def _import_tokenizer_base() -> None:
+    """Import transformers' tokenizer classes (not torch: ~1.4 CPU-s) while the core loads
+    the model, so unpickling the tokenizer it sends costs little once `Ready` comes."""
+    with contextlib.suppress(ImportError):
+        importlib.import_module("transformers.tokenization_utils_base")
 
 
 async def make_engine_client(engine: Any, spec: EngineSpec | None, tuning: ServingTuning, metrics: Metrics,

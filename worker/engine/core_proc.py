@@ -12,8 +12,11 @@ KV at the next step boundary), then steps; while idle it blocks on the pipe and 
 the process; a signal to the process group does not (`ignore_group_signals`). An
 `EngineSpec` says how to start the child, build the engine in it and its tokenizer in
 the front-end: `PretrainedEngine` (Inflight's engine) is pickled to a spawned child (as
-CUDA requires); `vllm_spec.VllmEngine` runs vLLM's engine core in vLLM's own
-interpreter behind the same messages and the same loop (`serve_core`).
+CUDA requires), which loads the tokenizer with the model and sends it back pickled in
+`Ready`, so the front-end never imports torch (transformers' `AutoTokenizer` does: ~5
+CPU-s and ~300 MB of the front's start); `vllm_spec.VllmEngine` runs vLLM's engine core
+in vLLM's own interpreter (another transformers) behind the same messages and the same
+loop (`serve_core`), and the front-end builds that tokenizer itself.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import pickle
 import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
@@ -71,6 +75,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     engine_threads: int = 0  # torch intra-op threads the core uses (threads.py)
     lora: LoRAFacts | None = None  # LoRA adapters served (adapters.py)
     forward: str = ""  # how the forward runs: compiled or eager and why (`CompileReport.describe`)
+    tokenizer: bytes = b""  # the core's tokenizer, pickled (`EngineSpec.core_sends_tokenizer`); b"": none sent
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):
@@ -110,7 +115,12 @@ class CoreProcess(Protocol):
 
 class EngineSpec(Protocol):
     """How to build the engine (in the core process, or in this one for the thread
-    client), its tokenizer (in the front-end), and how to start the core process."""
+    client), its tokenizer (in the front-end), and how to start the core process.
+    `core_sends_tokenizer`: the core process pickles the engine's own tokenizer into
+    `Ready` (same Python environment on both sides), and the front-end calls
+    `build_tokenizer` only when that fails."""
+
+    core_sends_tokenizer: ClassVar[bool]
 
     def build_engine(self) -> Any: ...
 
@@ -143,6 +153,8 @@ class SpawnedCore:
     """`EngineSpec.start_core` for specs of Inflight's engine (and test engines): a
     spawned child (as CUDA requires) running `run_engine_core` with the spec pickled."""
 
+    core_sends_tokenizer: ClassVar[bool] = False
+
     def start_core(self, log_level: str, engine_threads: int | None):
         ctx = multiprocessing.get_context("spawn")
         to_core_r, to_core = ctx.Pipe(duplex=False)
@@ -157,8 +169,10 @@ class SpawnedCore:
 
 @dataclass(frozen=True)
 class PretrainedEngine(SpawnedCore):
-    """A local Hugging Face checkpoint on Inflight's engine (`Engine.from_pretrained`)."""
+    """A local Hugging Face checkpoint on Inflight's engine (`Engine.from_pretrained`),
+    which loads the checkpoint's tokenizer beside the model: the core sends it."""
 
+    core_sends_tokenizer: ClassVar[bool] = True
     path: str
     config: EngineConfig
 
@@ -220,7 +234,8 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
         conn_out.send_bytes(encode(Ready(loaded.vocab_size, loaded.max_model_len, core.kv.num_blocks,
                                          core.kv.block_size, sorted(loaded.eos_token_ids), loaded.model_id,
                                          str(core.runner.device), loaded.kv_layout.sliding_window,
-                                         budget.threads, engine.facts.lora, engine.compile_report.describe())))
+                                         budget.threads, engine.facts.lora, engine.compile_report.describe(),
+                                         pickled_tokenizer(engine) if spec.core_sends_tokenizer else b"")))
     except (ValueError, FileNotFoundError, PermissionError) as e:  # UnsupportedModel and ConfigError are ValueErrors
         log.error("engine core cannot start: %s", e)
         conn_out.send_bytes(encode(Failed(str(e)[:2000], is_config_error=True)))
@@ -231,6 +246,18 @@ def run_engine_core(spec: EngineSpec, conn_in: Connection, conn_out: Connection,
         return
     code = serve_core(core, conn_in, conn_out, after_step=budget.recheck, on_close=budget.close)
     exit_now(code)  # the worker waits on this exit; the interpreter's teardown took seconds under load
+
+
+def pickled_tokenizer(engine: Any) -> bytes:
+    """`engine.tokenizer` pickled for the front-end, or b"" when it does not pickle (a
+    tokenizer of a checkpoint's own code may hold what pickle refuses: the front-end then
+    loads its own, `EngineSpec.build_tokenizer`)."""
+    try:
+        return pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # pickle raises what the object's __reduce__ raises
+        logging.getLogger("worker.engine.core_proc").info(
+            "the tokenizer does not pickle (%s): the front-end loads its own", f"{type(e).__name__}: {e}"[:300])
+        return b""
 
 
 def serve_core(core: CoreLike, conn_in: Connection, conn_out: Connection, after_step=None, on_close=None) -> int:

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -130,9 +130,10 @@ def engine_spec(path: str, config: EngineConfig) -> EngineSpec:
 @dataclass(frozen=True)
 class VllmEngine:
     """vLLM's engine for a local checkpoint (`model.engine: vllm`), run by `python`
-    (`model.vllm_python`): a `core_proc.EngineSpec`. Its tokenizer is built here, as
-    for our engine."""
+    (`model.vllm_python`): a `core_proc.EngineSpec`. Its tokenizer is built here: vLLM's
+    environment has a transformers of its own, whose pickles ours need not read."""
 
+    core_sends_tokenizer: ClassVar[bool] = False
     path: str
     config: EngineConfig
     python: str
