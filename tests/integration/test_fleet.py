@@ -108,11 +108,14 @@ def test_job_longer_than_max_poll_interval_keeps_the_worker_in_the_group(service
 
 # ---- worker processes -----------------------------------------------------------------------
 def test_kill_9_one_of_two_workers_loses_nothing(services, prefix, llama_path, tmp_path):
-    cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
-                        tuning={"max_running_requests": 2}, worker={"max_local_jobs": 4})
+    model = {"path": str(llama_path), "dtype": "float32", "device": "cpu"}
+    cfg = worker_config(services, prefix, model=model, tuning={"max_running_requests": 2}, worker={"max_local_jobs": 4})
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     a, a_log = spawn_worker(tmp_path, cfg, "worker-a")
-    b, b_log = spawn_worker(tmp_path, cfg, "worker-b")
+    # the survivor runs what is left (~4000 tokens) eight at a time: two at a time it took 2000+ steps
+    survivor = worker_config(services, prefix, model=model, tuning={"max_running_requests": 8},
+                             worker={"max_local_jobs": 8})
+    b, b_log = spawn_worker(tmp_path, survivor, "worker-b")
     try:
         async def main():
             await asyncio.gather(wait_started(a_log, a), wait_started(b_log, b))
@@ -150,7 +153,8 @@ def test_kill_9_one_of_two_workers_loses_nothing(services, prefix, llama_path, t
 
 
 def test_sigterm_under_load_drains_or_hands_back(services, prefix, llama_path, tmp_path):
-    cfg = worker_config(services, prefix, model={"path": str(llama_path), "dtype": "float32", "device": "cpu"},
+    model = {"path": str(llama_path), "dtype": "float32", "device": "cpu"}
+    cfg = worker_config(services, prefix, model=model,
                         tuning={"max_running_requests": 2, "max_output_tokens": 1000},
                         worker={"max_local_jobs": 4, "drain_timeout_s": 0.3})
     # 1000 tokens (the tiny model's context is 1024): a job must outlast the 0.3 s drain on
@@ -171,8 +175,12 @@ def test_sigterm_under_load_drains_or_hands_back(services, prefix, llama_path, t
                 while proc.poll() is None and time.monotonic() - t0 < 30:
                     await asyncio.sleep(0.1)
                 exit_s = time.monotonic() - t0
-                engine = Engine.from_pretrained(str(llama_path), cfg.engine)
-                w, task = await start_worker(cfg, engine)
+                # the worker that finishes them runs all ten at once (the stopped one ran two:
+                # 1000-token jobs two at a time cost 5000+ steps here)
+                after = worker_config(services, prefix, model=model, worker={"max_local_jobs": 10},
+                                      tuning={"max_running_requests": 10, "max_output_tokens": 1000})
+                engine = Engine.from_pretrained(str(llama_path), after.engine)
+                w, task = await start_worker(after, engine)
                 results = await asyncio.gather(*(collect(client, j, 180) for j in ids))
                 committed = await committed_reaches_end(services[0], cfg.kafka.group_id, prefix, timeout=30)
                 await stop_worker(w, task)
