@@ -6,6 +6,7 @@ the op `inflight::woq_linear`) against the torch path (`F.linear` over
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
 def test_the_kernel_equals_the_dequantized_matmul(scheme, rows):
     torch.manual_seed(rows)
     layer = QuantLinear.quantize(torch.nn.Linear(256, 70, bias=True), scheme)  # 70: a partial channel block
-    assert layer.cpu_kernel == cpu_woq.vectorized()  # without AVX-512 the layer keeps torch's path; the op is checked
+    assert layer.cpu_kernel == cpu_woq.vectorized()  # without vector tiles the layer keeps torch's path; the op is checked
     x = torch.randn(rows, 256)
     ref = F.linear(x, layer.dequantized(), layer.bias)
     got = op(layer, x)
@@ -69,20 +70,48 @@ def test_an_odd_width_int4_layer_is_stored_unpacked_and_served():
 def test_layers_off_the_vector_loop_dequantize_in_torch():
     # the plain C loop is correct (above) but 10-50x slower than fp32: such layers take torch's path
     for lin, scheme in ((torch.nn.Linear(33, 8), WeightScheme(bits=4)), (torch.nn.Linear(36, 12), WeightScheme(bits=8)),
-                        (torch.nn.Linear(96, 8), WeightScheme(bits=8, group_size=24))):
+                        (torch.nn.Linear(96, 8), WeightScheme(bits=8, group_size=12))):  # runs of 12: not 8 or 16
         layer = QuantLinear.quantize(lin, scheme)
         assert not layer.cpu_kernel and not cpu_woq.fast(lin.in_features, layer.scale.shape[1],
                                                          layer.qweight.dtype == torch.uint8)
         x = torch.randn(2, lin.in_features)
         assert close(layer(x), F.linear(x, layer.dequantized(), layer.bias))
-    if cpu_woq.vectorized():  # a CPU without AVX-512 leaves every layer to torch
+    if cpu_woq.vectorized():  # a CPU without AVX-512 or AVX2 leaves every layer to torch
         assert cpu_woq.fast(1024, 8, packed=True) and cpu_woq.fast(1024, 1, packed=False)
 
 
-def test_a_build_without_avx512_leaves_layers_to_torch(monkeypatch):
+def avx2_library():
+    """The kernel built with its AVX2 tiles whatever the CPU's widest (`-mno-avx512f`), or
+    None where the CPU has no AVX2 + FMA."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.is_file() else set()
+    if not {"avx2", "fma"} <= flags:
+        return None
+    lib = cpu_woq.load(("-mno-avx512f",))
+    return None if isinstance(lib, str) else lib
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=scheme_id)
+def test_the_avx2_tiles_equal_the_dequantized_matmul(scheme, monkeypatch):
+    """x86 without AVX-512 (AMD before Zen 4, client Intel) runs 8-lane tiles of 2 rows: built
+    and checked here on any CPU with AVX2, the AVX-512 ones included."""
+    lib = avx2_library()
+    if lib is None:
+        pytest.skip("no AVX2 + FMA on this CPU, or no compiler")
+    assert lib.inflight_woq_vectorized() == 8
+    monkeypatch.setattr(cpu_woq, "_library", lambda: lib)
+    assert cpu_woq.fast(256, 8, packed=True) and not cpu_woq.fast(36, 1, packed=False)
+    layer = QuantLinear.quantize(torch.nn.Linear(256, 70, bias=True), scheme)
+    for rows in (1, 2, 3, 4, 5, 9, 33, cpu_woq.MAX_ROWS + 1):  # 2-row tiles, a 4-row tile as two, the buffered path
+        torch.manual_seed(rows)
+        x = torch.randn(rows, 256)
+        assert close(op(layer, x), F.linear(x, layer.dequantized(), layer.bias)), rows
+
+
+def test_a_build_without_vector_tiles_leaves_layers_to_torch(monkeypatch):
     real = cpu_woq._library()
 
-    class NoVectors:  # the library as a build without AVX-512 answers
+    class NoVectors:  # the library as a build without vector tiles answers
         def __getattr__(self, name):
             return (lambda: 0) if name == "inflight_woq_vectorized" else getattr(real, name)
 

@@ -13,8 +13,8 @@ the process; a signal to the process group does not (`ignore_group_signals`). An
 `EngineSpec` says how to start the child, build the engine in it and its tokenizer in
 the front-end: `PretrainedEngine` (Inflight's engine) is pickled to a spawned child (as
 CUDA requires), which loads the tokenizer with the model and sends it back pickled in
-`Ready`, so the front-end never imports torch (transformers' `AutoTokenizer` does: ~5
-CPU-s and ~300 MB of the front's start); `vllm_spec.VllmEngine` runs vLLM's engine core
+`Ready`, so the front-end never imports torch (transformers' `AutoTokenizer` does: ~4.5
+CPU-s and ~550 MB of the front's start on the 2-core box); `vllm_spec.VllmEngine` runs vLLM's engine core
 in vLLM's own interpreter (another transformers) behind the same messages and the same
 loop (`serve_core`), and the front-end builds that tokenizer itself.
 """

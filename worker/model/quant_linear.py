@@ -21,8 +21,8 @@ Two forwards:
   the op `inflight::woq_linear`): a decode step of the benchmark model ran 1.96x (int8) and
   2.47x (int4) the fp32 one at 1 request, 1.1x at 32. On CUDA the integers are dequantized
   inside a Triton matmul (`kernels/triton_quant.py`, checked against the torch path under
-  Triton's interpreter; never run on a GPU yet). Elsewhere (no C compiler, a CPU without
-  AVX-512, groups that are not whole 16-wide vectors: `cpu_woq.fast`) the weight is
+  Triton's interpreter; never run on a GPU yet). Elsewhere (no C compiler, a CPU with
+  neither AVX-512 nor AVX2, groups that are not whole vectors: `cpu_woq.fast`) the weight is
   dequantized into the activation dtype per call and multiplied in floating point: exact
   to the checkpoint's values, but slower than the float model.
 """

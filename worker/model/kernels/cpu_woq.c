@@ -16,16 +16,20 @@
  * widened in registers: never written to memory on the decode path.
  *
  * Blocking: 4 output channels x up to 4 rows per register tile (AVX-512: 16 accumulators
- * of 16 lanes), `threads` threads (OpenMP: the process's runtime, the same libgomp torch
- * uses; the caller passes torch's intra-op count, since OpenMP's is per calling thread)
- * over blocks of output channels. Without AVX-512, or with groups not a multiple of 16
- * columns, a plain C loop does the same arithmetic, correct but 10-50x slower: cpu_woq.py
- * routes such layers to torch instead (`fast`).
+ * of 16 lanes; AVX2 with FMA, 16 registers of 8 lanes: tiles of 2 rows, a 4-row tile as
+ * two), `threads` threads (OpenMP: the process's runtime, the same libgomp torch uses; the
+ * caller passes torch's intra-op count, since OpenMP's is per calling thread) over blocks
+ * of output channels. Without either instruction set, or with groups not a multiple of the
+ * vector width (16 or 8 columns), a plain C loop does the same arithmetic, correct but
+ * 10-50x slower: cpu_woq.py routes such layers to torch instead (`fast`).
  */
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define WOQ_AVX2 1
 #endif
 
 #define MB 4 /* rows per tile */
@@ -65,6 +69,19 @@ static inline float stored(const uint8_t *row, int64_t i, int bits, int l) {
  * stored offset. */
 static inline float lane_shift(const int8_t *zero_row, int64_t g, int bits) {
     return (bits == 4 ? 8.f : 0.f) + (zero_row ? (float)zero_row[g] : 0.f);
+}
+
+/* The vector tiles' width in float lanes: 16 (AVX-512), 8 (AVX2 with FMA), or 0 when this
+ * build has only the plain C loop (a correctness fallback, 10-50x slower than torch's
+ * dequantize-then-GEMM). A run of columns sharing a scale must be a whole number of them. */
+int inflight_woq_vectorized(void) {
+#if defined(__AVX512F__)
+    return 16;
+#elif defined(WOQ_AVX2)
+    return 8;
+#else
+    return 0;
+#endif
 }
 
 #ifdef __AVX512F__
@@ -158,6 +175,102 @@ static inline __attribute__((always_inline)) void tile_avx512(const float *x, in
 }
 #endif
 
+#ifdef WOQ_AVX2
+/* As PREFETCH_BYTES above (AVX2 machines: the same reasoning, not separately tuned). */
+#define PREFETCH_BYTES2 8192
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 stored integers from p as floats: int8 widened, or the low / high nibbles of 8 bytes */
+static inline __m256 widen_i8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* tile_avx512's arithmetic 8 lanes wide, for mb <= 2 rows (16 registers: 8 accumulators, 4
+ * weight vectors, the row's x); int4's nibbles are widened and scaled by an FMA (AVX2 has no
+ * 16-entry permute). out[m] for m < mb. */
+static inline __attribute__((always_inline)) void tile_avx2(const float *x, int64_t ldx, const uint8_t *const *rows,
+                                                              const float *const *scales, const int8_t *const *zeros,
+                                                              const walk *w, int64_t K, int64_t G, int mb,
+                                                              float out[][NB]) {
+    __m256 acc[2][NB];
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < NB; j++) acc[m][j] = _mm256_setzero_ps();
+    const int raw = w->bits == 8 && G == 1 && zeros[0] == NULL;
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t c = 0; c < w->nchunks; c++) {
+        const int64_t at = c * w->chunk_bytes;
+        if (w->bits == 8) {
+            float sj[NB], bj[NB];
+            for (int j = 0; j < NB; j++) {
+                const int64_t g = lane_group(w, G, c, 0);
+                sj[j] = raw ? 1.f : scales[j][g];
+                bj[j] = raw ? 0.f : -lane_shift(zeros[j], g, 8) * scales[j][g];
+            }
+            const float *xc = x + lane_x(w, K, c, 0);
+            for (int64_t k = 0; k < w->chunk_bytes; k += 8) {
+                __m256 wv[NB];
+                if ((k & 63) == 0)
+                    for (int j = 0; j < NB; j++)
+                        _mm_prefetch((const char *)(rows[j] + at + k + PREFETCH_BYTES2), _MM_HINT_T1);
+                for (int j = 0; j < NB; j++) {
+                    wv[j] = widen_i8(rows[j] + at + k);
+                    if (!raw) wv[j] = _mm256_fmadd_ps(wv[j], _mm256_set1_ps(sj[j]), _mm256_set1_ps(bj[j]));
+                }
+                for (int m = 0; m < mb; m++) {
+                    __m256 xv = _mm256_loadu_ps(xc + m * ldx + k);
+                    for (int j = 0; j < NB; j++) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+                }
+            }
+        } else {
+            float slo[NB], blo[NB], shi[NB], bhi[NB];
+            for (int j = 0; j < NB; j++) {
+                const int64_t glo = lane_group(w, G, c, 0), ghi = lane_group(w, G, c, 1);
+                slo[j] = scales[j][glo];
+                blo[j] = -lane_shift(zeros[j], glo, 4) * slo[j];
+                shi[j] = scales[j][ghi];
+                bhi[j] = -lane_shift(zeros[j], ghi, 4) * shi[j];
+            }
+            const float *xlo = x + lane_x(w, K, c, 0), *xhi = x + lane_x(w, K, c, 1);
+            for (int64_t k = 0; k < w->chunk_bytes; k += 8) {
+                if ((k & 63) == 0)
+                    for (int j = 0; j < NB; j++)
+                        _mm_prefetch((const char *)(rows[j] + at + k + PREFETCH_BYTES2), _MM_HINT_T1);
+                for (int j = 0; j < NB; j++) {
+                    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rows[j] + at + k)));
+                    __m256 wlo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low4)),
+                                                 _mm256_set1_ps(slo[j]), _mm256_set1_ps(blo[j]));
+                    __m256 whi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)),
+                                                 _mm256_set1_ps(shi[j]), _mm256_set1_ps(bhi[j]));
+                    for (int m = 0; m < mb; m++)
+                        acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xhi + m * ldx + k), whi,
+                                                    _mm256_fmadd_ps(_mm256_loadu_ps(xlo + m * ldx + k), wlo, acc[m][j]));
+                }
+            }
+        }
+    }
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < NB; j++) out[m][j] = hsum256(acc[m][j]) * (raw ? scales[j][0] : 1.f);
+}
+
+/* tile_avx2 over mb <= MB rows, two at a time */
+static inline void tiles_avx2(const float *x, int64_t ldx, const uint8_t *const *rows, const float *const *scales,
+                              const int8_t *const *zeros, const walk *w, int64_t K, int64_t G, int mb,
+                              float out[MB][NB]) {
+    for (int r = 0; r < mb; r += 2) {
+        if (mb - r >= 2)
+            tile_avx2(x + r * ldx, ldx, rows, scales, zeros, w, K, G, 2, out + r);
+        else
+            tile_avx2(x + r * ldx, ldx, rows, scales, zeros, w, K, G, 1, out + r);
+    }
+}
+#endif
+
 static void tile_plain(const float *x, int64_t ldx, const uint8_t *const *rows, const float *const *scales,
                        const int8_t *const *zeros, const walk *w, int64_t K, int64_t G, int mb, int nb,
                        float out[MB][NB]) {
@@ -237,6 +350,27 @@ static inline __attribute__((always_inline)) void tile_float(const float *x, int
         return;
     }
 #endif
+#ifdef WOQ_AVX2
+    if (nb == NB && K % 8 == 0) {
+        for (int r = 0; r < mb; r += 2) { /* two rows at a time: 8 accumulators in 16 registers */
+            const int rb = mb - r >= 2 ? 2 : 1;
+            __m256 acc[2][NB];
+            for (int m = 0; m < rb; m++)
+                for (int j = 0; j < NB; j++) acc[m][j] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k += 8) {
+                __m256 wv[NB];
+                for (int j = 0; j < NB; j++) wv[j] = _mm256_loadu_ps(wbuf + j * K + k);
+                for (int m = 0; m < rb; m++) {
+                    __m256 xv = _mm256_loadu_ps(x + (r + m) * ldx + k);
+                    for (int j = 0; j < NB; j++) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+                }
+            }
+            for (int m = 0; m < rb; m++)
+                for (int j = 0; j < NB; j++) out[r + m][j] = hsum256(acc[m][j]);
+        }
+        return;
+    }
+#endif
     for (int m = 0; m < mb; m++)
         for (int j = 0; j < nb; j++) {
             float acc = 0.f;
@@ -260,8 +394,8 @@ int inflight_woq_linear(const float *x, const uint8_t *q, const float *scale, co
     /* per-channel int8 widens with one instruction and scales once per sum: direct at every
      * batch size (measured faster than the buffer up to 32 rows) */
     const int direct = M <= MB || (bits == 8 && G == 1 && M <= 32);
-#ifdef __AVX512F__
-    const int vector = w.chunk_bytes % 16 == 0;
+#if defined(__AVX512F__) || defined(WOQ_AVX2)
+    const int vector = w.chunk_bytes % inflight_woq_vectorized() == 0;
 #endif
     const int64_t nblocks = (N + NB - 1) / NB;
     int failed = 0;
@@ -304,6 +438,10 @@ int inflight_woq_linear(const float *x, const uint8_t *q, const float *scale, co
                     }
                 }
 #endif
+#ifdef WOQ_AVX2
+                else if (vector) /* a partial block computes its first channel again in the spare lanes */
+                    tiles_avx2(xm, K, rows, scales, zeros, &w, K, G, mb, out);
+#endif
                 else
                     tile_plain(xm, K, rows, scales, zeros, &w, K, G, mb, nb, out);
                 for (int m = 0; m < mb; m++)
@@ -336,12 +474,4 @@ int inflight_woq_dequantize(const uint8_t *q, const float *scale, const int8_t *
     return 0;
 }
 
-/* 1 when this build has the AVX-512 tiles (the only path measured faster than torch's
- * dequantize-then-GEMM; the plain C loop is a correctness fallback, 10-50x slower). */
-int inflight_woq_vectorized(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
-}
+

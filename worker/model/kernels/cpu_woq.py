@@ -18,9 +18,10 @@ chunks) dequantize the weight in the kernel and multiply with torch's GEMM.
 
 Threads: OpenMP over blocks of output channels, in the process's OpenMP runtime (the
 libgomp torch loaded), as many as `torch.get_num_threads()` at each call. The library is
-built by `cbuild`; without a compiler (logged once), on a CPU without AVX-512, or for
-groups that are not whole 16-wide vectors (`fast`), `QuantLinear` dequantizes with torch
-instead and never calls the op.
+built by `cbuild` for the CPU it runs on (`-march=native`): AVX-512 tiles of 16 lanes, or
+AVX2 + FMA tiles of 8 (x86 without AVX-512: AMD before Zen 4, most client Intel). Without
+a compiler (logged once), on a CPU with neither, or for groups that are not whole vectors
+(`fast`), `QuantLinear` dequantizes with torch instead and never calls the op.
 """
 
 from __future__ import annotations
@@ -48,9 +49,18 @@ MAX_ROWS = 64
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel library, or why it could not be built (a string; logged once)."""
-    lib = cbuild.build(SOURCE, ("-fopenmp",))
+    lib = load()
     if isinstance(lib, str):
         log.warning("CPU weight-only matmul kernel is unavailable (%s); quantized layers dequantize per call", lib)
+    return lib
+
+
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | str:
+    """The kernel library built with `extra_flags` beside `-fopenmp` (`cbuild.build`; e.g.
+    `-mno-avx512f` builds the AVX2 tiles on an AVX-512 CPU, as the tests do), its functions
+    typed; or why it could not be built (a string)."""
+    lib = cbuild.build(SOURCE, ("-fopenmp", *extra_flags))
+    if isinstance(lib, str):
         return lib
     fn = lib.inflight_woq_linear
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -69,22 +79,29 @@ def available() -> bool:
     return not isinstance(_library(), str)
 
 
+def vector_width() -> int:
+    """Float lanes of the kernel's vector tiles as built for this CPU: 16 (AVX-512), 8 (AVX2
+    with FMA), 0 (neither: only its plain loop, which layers do not use, `fast`; or no
+    kernel at all)."""
+    return int(_library().inflight_woq_vectorized()) if available() else 0
+
+
 def vectorized() -> bool:
-    """Whether the kernel was built with its AVX-512 tiles (a CPU without AVX-512 builds
-    only its plain loop, which layers do not use: `fast`)."""
-    return available() and bool(_library().inflight_woq_vectorized())
+    """Whether the kernel was built with vector tiles (`vector_width`)."""
+    return vector_width() > 0
 
 
 def fast(in_features: int, groups: int, packed: bool) -> bool:
     """Whether layers of this shape should use the kernel: it takes them (`fits`), it was
-    built with its AVX-512 tiles, and each run of columns sharing a scale is a whole
-    number of 16-wide vectors. Elsewhere its plain C loop is correct but measured 10-50x
-    slower than fp32 (0.02-0.14x on the benchmark box's shapes), so layers then
-    dequantize in torch instead (0.8-0.9x)."""
+    built with vector tiles, and each run of columns sharing a scale is a whole number of
+    vectors (16 columns with AVX-512, 8 with AVX2). Elsewhere its plain C loop is correct
+    but measured 10-50x slower than fp32 (0.02-0.14x on the benchmark box's shapes), so
+    layers then dequantize in torch instead (0.8-0.9x)."""
     if not fits(in_features, groups, packed) or not available():
         return False
     run = in_features // groups if groups > 1 else (in_features // 2 if packed else in_features)
-    return run % 16 == 0 and vectorized()
+    width = vector_width()
+    return width > 0 and run % width == 0
 
 
 def fits(in_features: int, groups: int, packed: bool) -> bool:
