@@ -138,8 +138,8 @@ def lora_step(step: LoRAStep | None) -> Iterator[None]:
 def add_lora_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step: LoRAStep,
                    reuse: bool = True) -> None:
     """Add the adapters' delta of the tokens `step` names to `y` in place: on CUDA by the
-    Triton SGMV kernels (`kernels.triton_lora`), float32 on a CPU with AVX-512 by the C
-    one (`kernels.cpu_lora`), else in torch (module docstring).
+    Triton SGMV kernels (`kernels.triton_lora`), float32 on a CPU with AVX-512 or AVX2 +
+    FMA by the C one (`kernels.cpu_lora`), else in torch (module docstring).
 
     Args:
         x: `[N, in]` the projection's input (packed tokens).

@@ -5,8 +5,9 @@ read and written in place by index. The torch path (`worker.model.lora.add_lora_
 grouped `bmm`s) costs a gather, two batched matmuls and a scatter per projection, each a
 dispatch of several microseconds on a decode step whose arithmetic is a few microseconds.
 
-float32 only (the CPU's serving dtype); built by `cbuild` at first use; without a compiler
-(logged once) or for other dtypes, `worker.model.lora` keeps the torch path.
+float32 only (the CPU's serving dtype); built by `cbuild` at first use for the CPU it runs
+on (AVX-512, or AVX2 + FMA); without a compiler or either instruction set (logged once),
+or for other dtypes, `worker.model.lora` keeps the torch path.
 """
 
 from __future__ import annotations
@@ -29,16 +30,24 @@ MAX_RANK = 64  # the C source's MAX_RANK
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel library, or why it is not used (a string; logged once): no
-    compiler, a failed build, or a CPU without AVX-512."""
-    lib = cbuild.build(SOURCE, ("-fopenmp",))
+    compiler, a failed build, or a CPU with neither AVX-512 nor AVX2 + FMA."""
+    lib = load()
     if isinstance(lib, str):
         log.warning("CPU LoRA kernel is unavailable (%s); LoRA deltas use torch's batched matmuls", lib)
+    return lib
+
+
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | str:
+    """The kernel library built with `extra_flags` beside `-fopenmp` (`cbuild.build`; e.g.
+    `-mno-avx512f` builds the AVX2 path on an AVX-512 CPU, as the tests do), its
+    functions typed; or why it is not used (a string)."""
+    lib = cbuild.build(SOURCE, ("-fopenmp", *extra_flags))
+    if isinstance(lib, str):
         return lib
     lib.inflight_lora_vectorized.restype = ctypes.c_int
     lib.inflight_lora_vectorized.argtypes = []
     if not lib.inflight_lora_vectorized():
-        log.info("CPU LoRA kernel needs AVX-512; LoRA deltas use torch's batched matmuls")
-        return "built without AVX-512"
+        return "a CPU with neither AVX-512 nor AVX2 + FMA"
     fn = lib.inflight_lora_sgmv
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
@@ -119,4 +128,4 @@ def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     status = lib.inflight_lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), b.data_ptr(),
                                     *segments.pointers, d_in, d_out, r, torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"inflight_lora_sgmv returned {status} (rank {r}; 1: over {MAX_RANK}, 2: no AVX-512)")
+        raise RuntimeError(f"inflight_lora_sgmv returned {status} (rank {r}; 1: over {MAX_RANK}, 2: no vector path)")
