@@ -78,7 +78,7 @@ def _worker(a: argparse.Namespace) -> int:
     # model path, device or checkpoint format (FileNotFoundError / ValueError) are config errors
     code = run_reported(Worker(cfg).run(), bad_input="config error", kafka=cfg.kafka, redis=cfg.redis,
                         log_errors=True)
-    from worker.obs.stopping import exit_now
+    from worker.obs.exits import exit_now
 
     exit_now(code)  # every component is closed: the exit is not held by the interpreter's teardown
 

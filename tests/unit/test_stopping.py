@@ -471,7 +471,7 @@ def test_exit_now_flushes_logs_and_streams_and_skips_the_teardown(tmp_path):
     teardown skipped (an atexit handler, the marker of teardown, never runs)."""
     proc, log = run_logging_script(tmp_path, (
         "import atexit, logging, sys\n"
-        "from worker.obs.stopping import exit_now\n"
+        "from worker.obs.exits import exit_now\n"
         "logging.basicConfig(stream=open(sys.argv[1], 'w'), level=logging.INFO)\n"
         "logging.getLogger('w').info('worker stopped')\n"
         "atexit.register(lambda: print('teardown ran'))\n"

@@ -37,7 +37,7 @@ from worker.config import EngineConfig
 from worker.engine.adapters import LoRAFacts
 from worker.engine.outputs import EngineCoreOutput, EngineCoreRequest, KVStats, StepStats
 from worker.engine.request import RequestStatus
-from worker.obs.stopping import exit_now
+from worker.obs.exits import exit_now
 
 IDLE_TICK_S = 0.5
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any, NoReturn
+from typing import Any
 
 import structlog
 
@@ -135,23 +135,3 @@ def _innermost(fut: asyncio.Future) -> str:
         return describe_future(fut)
     chain = await_chain(fut.get_coro(), getattr(fut, "_fut_waiter", None))
     return " <- ".join(reversed(chain[-3:])) if chain else repr(fut)
-
-
-def exit_now(code: int) -> NoReturn:
-    """End this process with `code` at once, after its log lines and standard streams are
-    flushed: for a worker or an engine core process whose stop has finished (every
-    component closed, each step bounded above), so that the interpreter's teardown of the
-    torch and transformers modules (2.8 s for a worker and 3.3-4 s for its core process
-    under load on the 2-core box; a SIGTERM's drain took 11.6 s in a busy CI run against
-    a 10 s bound) is not time a stopping worker spends before its exit. Skips `atexit`
-    handlers and finalizers: call it only once nothing is left to flush or join."""
-    import contextlib
-    import logging
-    import os
-    import sys
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # closed, or its reader is gone: nothing to save
-            stream.flush()
-    os._exit(code)

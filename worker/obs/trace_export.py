@@ -372,6 +372,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from worker.obs.stopping import exit_now
+    from worker.obs.exits import exit_now
 
     exit_now(main(sys.argv[1:]))  # the worker's stop waits on this exit: no interpreter teardown
