@@ -14,7 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # imports on the vLLM side: `python -m worker.engine.vllm_core` and the general plugin
-# vLLM loads in its own processes (`vllm_spec._package_shim`'s entry point)
+# vLLM loads in its own processes (`vllm_spec._package_shim`'s entry point). With LoRA
+# adapters `vllm_requests.lora_facts` also imports `worker.model.lora`, which needs torch,
+# transformers and huggingface_hub (vLLM's own there): tests/vllm/test_vllm_lora.py runs it.
 VLLM_SIDE = ("worker.engine.vllm_core", "worker.engine.vllm_plugin")
 
 PROGRAM = """
@@ -34,7 +36,13 @@ print("imported")
 """
 
 
+def imports(modules: tuple[str, ...]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROGRAM, *modules], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
 def test_the_modules_vllms_interpreter_imports_need_only_the_standard_library_and_msgspec():
-    out = subprocess.run([sys.executable, "-c", PROGRAM, *VLLM_SIDE], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = imports(VLLM_SIDE)
     assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-3000:]
+    refused = imports(("worker.obs.stopping",))  # the guard refuses what vLLM's environment lacks
+    assert refused.returncode != 0 and "structlog is not in vLLM's environment" in refused.stderr
