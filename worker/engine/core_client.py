@@ -239,7 +239,8 @@ class ProcessEngineClient:
         self._loop, self._on_outputs, self._on_crash = loop, on_outputs, on_crash
         self._proc, self._to_core, self._from_core = self.spec.start_core(self._log_level, self._engine_threads)
         if self.spec.core_sends_tokenizer:
-            ready = await asyncio.to_thread(self._wait_ready, warm_up=_import_tokenizer_base)
+            await asyncio.to_thread(_import_tokenizer_base)  # while the core loads the model
+            ready = await asyncio.to_thread(self._wait_ready)
             tokenizer = await asyncio.to_thread(self._sent_tokenizer, ready)
         else:
             tokenizer = await asyncio.to_thread(self.spec.build_tokenizer)
@@ -270,11 +271,7 @@ class ProcessEngineClient:
                             error=f"{type(e).__name__}: {e}"[:300])
         return self.spec.build_tokenizer()
 
-    def _wait_ready(self, warm_up: Callable[[], None] | None = None) -> Ready:
-        """`Ready` from the core (EngineCrashed / ValueError as `start` says); `warm_up()`
-        runs first, while the core builds its engine."""
-        if warm_up is not None:
-            warm_up()
+    def _wait_ready(self) -> Ready:
         if not self._from_core.poll(self._ready_timeout_s):
             raise EngineCrashed(f"the engine core did not start within {self._ready_timeout_s} s")
         try:
