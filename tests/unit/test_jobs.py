@@ -49,6 +49,17 @@ def test_started_precedes_tokens_and_seq_continues_the_log():
     assert len(t) == 0 and held.state == JobState.DONE
 
 
+def test_a_second_record_of_a_held_job_is_attached_to_it_not_opened():
+    """Two records of one job in one fetched batch (a producer that sent it twice): the
+    second is answered by the first's terminal event, never run as a second job."""
+    t = JobTable("w1")
+    first = open_job(t)
+    again = JobRecord(first.job, "high", "tp", 9, 101.0, None, None)
+    assert t.open(again, Claimed("token", 1, 0, 0, False)) is None
+    assert len(t) == 1 and [o.offset for o in first.offsets] == [7, 9]
+    assert t.num_unfinished == 1 and t.held_by_tenant() == {"": 1}
+
+
 def test_output_overtaking_accepted_still_opens_with_started_once():
     t = JobTable("w1")
     open_job(t)

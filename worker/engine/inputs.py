@@ -95,12 +95,15 @@ class RequestInput:
     @classmethod
     def from_job(cls, job: Job, priority: str, arrival_time: float, *, traced: bool = False) -> RequestInput:
         """The request of a Kafka job: its prompt (exactly one is set: the wire schema
-        checks it), params and options (`RequestOptions.from_job`: `priority` is its
-        topic's class, `arrival_time` the record's timestamp)."""
+        checks it), params and options: its tenant (also its cache salt), deadline and
+        adapter; `priority` is its topic's class, `arrival_time` the record's timestamp
+        (Unix s), `traced` whether its trace is sampled. A job field the engine reads
+        is mapped here, once."""
         if job.prompt is not None:
             prompt: Prompt = TextPrompt(job.prompt)
         elif job.messages is not None:
             prompt = ChatPrompt([m.template_dict() for m in job.messages], job.tools, job.chat_template_kwargs)
         else:
             prompt = TokenPrompt(job.prompt_token_ids or [])
-        return cls(job.job_id, prompt, job.params, RequestOptions.from_job(job, priority, arrival_time, traced=traced))
+        options = RequestOptions(priority, job.tenant, job.tenant or "", arrival_time, job.deadline, job.adapter, traced)
+        return cls(job.job_id, prompt, job.params, options)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from schemas.params import SamplingParams
-from schemas.wire import FinishReason, Job, Usage
+from schemas.wire import FinishReason, Usage
 
 if TYPE_CHECKING:
     import torch
@@ -232,9 +232,9 @@ class StepSkipped(Exception):
 # ---- across the engine core's boundary ------------------------------------------------------
 class RequestOptions(msgspec.Struct, frozen=True, array_like=True):
     """What a request asks for beyond its prompt and sampling parameters: the values that
-    pass from the caller (a Kafka job: `RequestOptions.from_job`) to the scheduler's
+    pass from the caller (a Kafka job: `RequestInput.from_job`) to the scheduler's
     `Request.options` unchanged, across the core's boundary inside `EngineCoreRequest`.
-    A new per-request field is added here (and to `from_job` when jobs carry it) and read
+    A new per-request field is added here (and to `RequestInput.from_job` when jobs carry it) and read
     where it is used; nothing between copies it. Times are Unix seconds (`time.time()`).
 
     Attributes:
@@ -257,12 +257,6 @@ class RequestOptions(msgspec.Struct, frozen=True, array_like=True):
     deadline: float | None = None
     adapter: str | None = None
     traced: bool = False
-
-    @classmethod
-    def from_job(cls, job: Job, priority: str, arrival_time: float, *, traced: bool = False) -> RequestOptions:
-        """A Kafka job's options: its tenant (also its cache salt), deadline and adapter;
-        `priority` is its topic's class, `arrival_time` the record's timestamp."""
-        return cls(priority, job.tenant, job.tenant or "", arrival_time, job.deadline, job.adapter, traced)
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True):

@@ -28,18 +28,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from schemas.codec import encode
 from schemas.output_formats import read_answer
-from schemas.replay import Compactor, LogEntry, compact
+from schemas.replay import Compactor, LogEntry
 from schemas.wire import (
     ErrorInfo,
     Event,
     Finished,
     FinishReason,
-    Restarted,
-    Started,
     Timings,
-    Token,
     TokenLogprob,
     ToolCall,
     ToolCallFunction,
@@ -54,9 +50,6 @@ if TYPE_CHECKING:
     from worker.serve.read_ahead import JobRecord
 
 log = structlog.get_logger(__name__)
-
-RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
-
 
 @dataclass(slots=True)
 class Round:
@@ -148,14 +141,14 @@ class JobTable:
         return len(self._dirty)
 
     # ---- transitions -----------------------------------------------------------------
-    def open(self, record: JobRecord, claim: Claimed) -> LocalJob:
+    def open(self, record: JobRecord, claim: Claimed) -> LocalJob | None:
         """The job of `record`, claimed by this worker (`claim`): CLAIMED. The claim's
         `next_seq` continues the job's log; its `prior` entries (earlier attempts) are kept
-        for a restore.
-
-        Raises:
-            ValueError: the job is already held here (attach the offset instead).
-        """
+        for a restore. None when the job is held here already (another record of it in
+        the same batch): the record's offset is attached to it instead, answered by the
+        same terminal event."""
+        if self.attach_offset(record.job.job_id, Offset(record.tp, record.offset)):
+            return None
         return self._hold(LocalJob(record, claim, self._clock()))
 
     def open_rejected(self, record: JobRecord, claim: Claimed, job_id: str, tenant: str | None) -> LocalJob:
@@ -351,64 +344,17 @@ class JobTable:
     # ---- rounds ----------------------------------------------------------------------
     def drain(self) -> Round:
         """Number every drafted event (per job: opening, one merged token event,
-        terminal) and hand them to the publisher as one round."""
-        events: list[Event] = []
-        encoded: list[bytes] = []
-        tenants: list[str | None] = []
-        tokens: list[str] = []
-        finished: list[LocalJob] = []
-        compacted: dict[str, list[LogEntry]] = {}
+        terminal; `LocalJob.number_drafts`) and hand them to the publisher as one round."""
+        rnd = Round([], [], [], [], [], {})
         dirty, self._dirty = self._dirty, {}
         for held in dirty.values():
-            n = len(events)
-            drafts = held.take_drafts()
-            for kind in drafts.opening:
-                if kind == "restarted":
-                    ev: Event = Restarted(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, reason=RESTART_REASON)
-                else:
-                    ev = Started(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, worker_id=self.worker_id,
-                                 queue_time_s=max(0.0, held.claim_time - held.enqueue_time), metadata=held.metadata)
-                self._add(held, ev, events, encoded, tenants)
-            if drafts.text is not None:
-                ev = Token(job_id=held.job_id, seq=held.next_seq, attempt=held.attempt, text=drafts.text,
-                           token_ids=drafts.token_ids, logprobs=drafts.logprobs)
-                self._add(held, ev, events, encoded, tenants)
-            if drafts.terminal is not None:
-                if held.compactor is not None and held.history:
-                    compacted[held.job_id] = self._compact(held)
-                term = drafts.terminal
-                term.seq = held.next_seq
-                self._add(held, term, events, encoded, tenants)
-                held.terminal_published = True
-                finished.append(held)
-            tokens += [held.claim_token] * (len(events) - n)
-        return Round(events, encoded, finished, tenants, tokens, compacted)
-
-    @staticmethod
-    def _compact(held: LocalJob) -> list[LogEntry]:
-        """The job's log compacted, its terminal event not yet in it: the earlier attempts'
-        entries and this attempt's (compacted as they were numbered), each apart. What the
-        worker keeps to restore the log after a Redis data loss becomes that too."""
-        try:
-            prior = compact(held.prior)
-        except Exception as e:  # an earlier attempt's entry that does not decode: kept as it is
-            log.warning("could not compact an earlier attempt's log entries", job_id=held.job_id, error=repr(e)[:200])
-            prior = list(held.prior)
-        own = held.compactor.finish()
-        held.prior, held.history, held.compactor = tuple(prior), own, None
-        return [*prior, *own]
-
-    @staticmethod
-    def _add(held: LocalJob, ev: Event, events: list, encoded: list, tenants: list) -> None:
-        data = encode(ev)
-        events.append(ev)
-        encoded.append(data)
-        tenants.append(held.tenant)
-        entry = LogEntry(ev.seq, held.attempt, data)
-        held.history.append(entry)
-        if held.compactor is not None:
-            held.compactor.add(entry, ev)
-        held.next_seq += 1
+            n = len(rnd.events)
+            if held.number_drafts(self.worker_id, rnd.events, rnd.encoded, rnd.compacted):
+                rnd.finished.append(held)
+            n = len(rnd.events) - n
+            rnd.tenants += [held.tenant] * n
+            rnd.tokens += [held.claim_token] * n
+        return rnd
 
     def done(self, held: LocalJob) -> None:
         """The job's terminal event is published and recorded: DONE, out of the table.

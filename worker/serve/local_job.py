@@ -1,7 +1,8 @@
 """One job held by a worker (`LocalJob`), its lifecycle state (`JobState`, ordered), the
 Kafka records it answers (`Offset`), and what `JobTable.apply_outputs` took (`Applied`).
-Only `worker.serve.jobs.JobTable` writes them; the lifecycle diagram is in
-`worker/serve/jobs.py`."""
+Only `worker.serve.jobs.JobTable` changes them (the lifecycle diagram is in
+`worker/serve/jobs.py`); a job keeps its own drafts, `seq` numbers and log, and numbers
+its drafted events when the table drains a round (`LocalJob.number_drafts`)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from schemas.replay import Compactor, LogEntry
-from schemas.wire import ErrorInfo, Finished, FinishReason, TokenLogprob
+import structlog
+
+from schemas.codec import encode
+from schemas.replay import Compactor, LogEntry, compact
+from schemas.wire import ErrorInfo, Event, Finished, FinishReason, Restarted, Started, Token, TokenLogprob
 from worker.serve.input_size import input_bytes
 
 if TYPE_CHECKING:
     from worker.obs.tracing import JobTrace
     from worker.serve.claims import Claimed
     from worker.serve.read_ahead import JobRecord
+
+
+log = structlog.get_logger(__name__)
+
+RESTART_REASON = "the previous attempt did not finish (worker stopped or handed the job back)"
 
 
 class JobState(enum.IntEnum):
@@ -38,8 +47,8 @@ class Offset:
 
 class LocalJob:
     """One job held by this worker, opened from the Kafka record it came in and the claim
-    this worker holds on it. Times are Unix seconds unless named `*_mono`. Written only by
-    JobTable. (A plain slotted class: one is made per job on the hot path.)
+    this worker holds on it. Times are Unix seconds unless named `*_mono`. Changed only
+    through JobTable. (A plain slotted class: one is made per job on the hot path.)
 
     A record that is not a valid job (`record.job` None) is held too, under the job id
     and tenant recovered from its bytes, only to publish its `finished(rejected)`.
@@ -139,6 +148,59 @@ class LocalJob:
         self._delta_text.clear()
         self._delta_ids.clear()
         self._delta_logprobs = None
+
+    def number_drafts(self, worker_id: str, events: list[Event], encoded: list[bytes],
+                      compacted: dict[str, list[LogEntry]]) -> bool:
+        """Number the drafted events, in publishing order (opening, one merged token
+        event, terminal), from `next_seq` on: each is appended to `events`, its wire bytes
+        to `encoded`, its log entry to `history` (and the compactor). With log compaction
+        on, the job's compacted log (without the terminal event) goes to
+        `compacted[job_id]` when its terminal event is among them (`schemas.replay`).
+        Returns whether it is. `worker_id` goes into `started`."""
+        drafts = self.take_drafts()
+        for kind in drafts.opening:
+            if kind == "restarted":
+                ev: Event = Restarted(job_id=self.job_id, seq=self.next_seq, attempt=self.attempt,
+                                      reason=RESTART_REASON)
+            else:
+                ev = Started(job_id=self.job_id, seq=self.next_seq, attempt=self.attempt, worker_id=worker_id,
+                             queue_time_s=max(0.0, self.claim_time - self.enqueue_time), metadata=self.metadata)
+            self._number(ev, events, encoded)
+        if drafts.text is not None:
+            ev = Token(job_id=self.job_id, seq=self.next_seq, attempt=self.attempt, text=drafts.text,
+                       token_ids=drafts.token_ids, logprobs=drafts.logprobs)
+            self._number(ev, events, encoded)
+        if drafts.terminal is None:
+            return False
+        if self.compactor is not None and self.history:
+            compacted[self.job_id] = self._compact()
+        drafts.terminal.seq = self.next_seq
+        self._number(drafts.terminal, events, encoded)
+        self.terminal_published = True
+        return True
+
+    def _number(self, ev: Event, events: list[Event], encoded: list[bytes]) -> None:
+        data = encode(ev)
+        events.append(ev)
+        encoded.append(data)
+        entry = LogEntry(ev.seq, self.attempt, data)
+        self.history.append(entry)
+        if self.compactor is not None:
+            self.compactor.add(entry, ev)
+        self.next_seq += 1
+
+    def _compact(self) -> list[LogEntry]:
+        """The job's log compacted, its terminal event not yet in it: the earlier attempts'
+        entries and this attempt's (compacted as they were numbered), each apart. What the
+        worker keeps to restore the log after a Redis data loss becomes that too."""
+        try:
+            prior = compact(self.prior)
+        except Exception as e:  # an earlier attempt's entry that does not decode: kept as it is
+            log.warning("could not compact an earlier attempt's log entries", job_id=self.job_id, error=repr(e)[:200])
+            prior = list(self.prior)
+        own = self.compactor.finish()
+        self.prior, self.history, self.compactor = tuple(prior), own, None
+        return [*prior, *own]
 
     def take_drafts(self) -> Drafts:
         """The drafts, in publishing order, and forget them."""

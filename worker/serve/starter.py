@@ -55,6 +55,7 @@ from worker.serve.read_ahead import JobRecord
 if TYPE_CHECKING:
     from worker.engine.core_client import EngineClient
     from worker.obs.metrics import Metrics
+    from worker.serve.cancels import CancelListener
     from worker.serve.finalize import Finalizer
     from worker.serve.fleet_quota import FleetQuota
 
@@ -80,9 +81,6 @@ class StarterHost(Protocol):
         """True while intake must take nothing (draining, stopping, Redis down, cancels
         not read up to the end)."""
 
-    def job_cancelled(self, job_id: str) -> bool:
-        """The cancel topic holds a cancel for the job (whatever Redis lost)."""
-
     async def restore_redis(self, stale_epoch: str) -> None:
         """Redis lost its data (`stale_epoch` was refused): re-claim the held jobs and
         re-append their logs (`Publisher.restore`) unless that is done; the batch is then
@@ -96,6 +94,8 @@ class JobStarter:
     finalizer: ends the records that never become a job here (DLQ, offset done).
     metrics: the worker's metrics.
     host: the worker (wake, pause, restore).
+    cancels: the worker's cancel listener: a job whose cancel it has read ends
+        `cancelled` when claimed (whatever Redis lost).
     max_local_jobs: jobs held at once before their terminal event (claimed, in the engine);
         as many again may be finishing.
     max_job_failures: earlier unclean attempts after which a job is poison.
@@ -112,7 +112,8 @@ class JobStarter:
     """
 
     def __init__(self, table: JobTable, claims: ClaimStore, engine: EngineClient,
-                 finalizer: Finalizer, metrics: Metrics, host: StarterHost, *, max_local_jobs: int,
+                 finalizer: Finalizer, metrics: Metrics, host: StarterHost, cancels: CancelListener, *,
+                 max_local_jobs: int,
                  max_job_failures: int, poison_grace_s: float = 0.0, tokenizer_threads: int = 2,
                  tracing: Tracing = OFF, router: PoolRouter | None = None, quota: FleetQuota | None = None) -> None:
         self.table = table
@@ -122,6 +123,7 @@ class JobStarter:
         self.finalizer = finalizer
         self.metrics = metrics
         self.host = host
+        self.cancels = cancels
         self.max_local_jobs = max_local_jobs
         self.max_job_failures = max_job_failures
         self.poison_grace_s = poison_grace_s
@@ -195,9 +197,6 @@ class JobStarter:
                     log.info("job claimed by another worker; waiting", job_id=rec.job.job_id, topic=rec.tp.topic,
                              partition=rec.tp.partition, offset=rec.offset)
                 contested.append(rec)
-            elif self.table.get(rec.job.job_id) is not None:  # duplicate within the batch
-                self._refund(rec)
-                self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset))
             else:
                 held = self._open(rec, res, claimed)
                 if held is not None:
@@ -257,8 +256,11 @@ class JobStarter:
 
     def _open(self, rec: JobRecord, c: Claimed, claimed: tuple[float, float]) -> LocalJob | None:
         """Open a claimed job; end it at once where a rule says so. Returns it if it
-        goes on to the engine."""
+        goes on to the engine (None too for a second record of a job held here)."""
         held = self.table.open(rec, c)
+        if held is None:  # another record of a job held here: answered by the same end
+            self._refund(rec)
+            return None
         if self.tracing.enabled:
             held.trace = self.tracing.open_job(rec, held, *claimed)
         ending = self._ending(held, c)
@@ -274,7 +276,7 @@ class JobStarter:
         """The first rule of the module docstring that ends the job before any input
         processing, or the rejection; None: it runs."""
         job = held.job
-        if c.cancelled or self.host.job_cancelled(job.job_id):
+        if c.cancelled or self.cancels.is_cancelled(job.job_id):
             return Ending(FinishReason.CANCELLED)
         if job.deadline is not None and job.deadline < time.time():
             return Ending(FinishReason.EXPIRED, ErrorInfo(code="deadline_passed", message=(

@@ -188,7 +188,9 @@ class Worker:
         check_pool_limits(cfg, self.engine.tuning.max_input_tokens, self.engine.input.facts.max_model_len)
         self.metrics.pool_info.labels(cfg.worker.pool).set(1)
         self.quota = self._fleet_quota() if fleet_limits else None
-        self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self,
+        self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for,
+                                      outage=self.kafka_outage)
+        self.starter = JobStarter(self.table, self.claims, self.engine, self.finalizer, self.metrics, self, self.cancels,
                                   max_local_jobs=self.max_local_jobs, max_job_failures=cfg.worker.max_job_failures,
                                   poison_grace_s=cfg.worker.poison_grace_s,
                                   tokenizer_threads=cfg.worker.tokenizer_threads, tracing=self.tracing, router=router,
@@ -203,8 +205,6 @@ class Worker:
                              outage=self.kafka_outage, pool=cfg.worker.pool, group_id=cfg.job_group_id,
                              quota=self.quota)
         await self.kafka_outage.ride_out("intake", self.intake.start)
-        self.cancels = CancelListener(kc, self.worker_id, self.cancel, self.producer.partitions_for,
-                                      outage=self.kafka_outage)
         await self.kafka_outage.ride_out("cancels", self.cancels.start)
         self.table.output_formats = detect(getattr(self.engine.tokenizer, "chat_template", None))
         self.health.attach(self.redis, self.intake, self.claims, self.publisher, self.table, self.engine,
@@ -392,10 +392,6 @@ class Worker:
         intake takes nothing."""
         return (self.draining or self._stop_requested.is_set() or self.publisher.in_outage
                 or self.cancels is None or not self.cancels.caught_up.is_set())
-
-    def job_cancelled(self, job_id: str) -> bool:
-        """A cancel for the job was read from the cancel topic (`CancelListener.is_cancelled`)."""
-        return self.cancels is not None and self.cancels.is_cancelled(job_id)
 
     async def restore_redis(self, stale_epoch: str) -> None:
         """Redis lost its data: the publisher re-claims and re-appends (`Publisher.restore`)."""
