@@ -15,7 +15,8 @@ from schemas.wire import Job
 from worker.config import RedisConfig
 from worker.engine import RequestOutput
 from worker.serve.claims import Claimed, ClaimStore
-from worker.serve.jobs import JobTable, Round
+from worker.serve.jobs import JobTable
+from worker.serve.local_job import Round
 from worker.serve.publish import Publisher
 from worker.serve.read_ahead import JobRecord
 

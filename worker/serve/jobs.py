@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
@@ -32,7 +31,6 @@ from schemas.output_formats import read_answer
 from schemas.replay import Compactor, LogEntry
 from schemas.wire import (
     ErrorInfo,
-    Event,
     Finished,
     FinishReason,
     Timings,
@@ -42,7 +40,7 @@ from schemas.wire import (
     Usage,
 )
 from worker.serve.history import Published, RecentHistories
-from worker.serve.local_job import Applied, JobState, LocalJob, Offset
+from worker.serve.local_job import Applied, JobState, LocalJob, Offset, Round
 
 if TYPE_CHECKING:
     from worker.engine import RequestOutput
@@ -50,27 +48,6 @@ if TYPE_CHECKING:
     from worker.serve.read_ahead import JobRecord
 
 log = structlog.get_logger(__name__)
-
-@dataclass(slots=True)
-class Round:
-    """One publisher round: numbered events in publish order, and the jobs whose
-    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes,
-    `tenants[i]` the tenant of its job (None: all events are of jobs without one) and
-    `tokens[i]` its claim token (the append script refuses events of jobs whose claim is
-    another worker's)."""
-
-    events: list[Event]
-    encoded: list[bytes]
-    finished: list[LocalJob]
-    tenants: list[str | None] | None = None
-    tokens: list[str] | None = None  # the claim token of each event's job (None: no claims, tests)
-    # per job ending in this round (log compaction on): its log as it is to be rewritten,
-    # without the terminal event (`schemas.replay`); the publisher writes it with the end
-    compacted: dict[str, list[LogEntry]] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.events)
-
 
 class JobTable:
     """Every job this worker holds, by job id. Args:
@@ -348,12 +325,7 @@ class JobTable:
         rnd = Round([], [], [], [], [], {})
         dirty, self._dirty = self._dirty, {}
         for held in dirty.values():
-            n = len(rnd.events)
-            if held.number_drafts(self.worker_id, rnd.events, rnd.encoded, rnd.compacted):
-                rnd.finished.append(held)
-            n = len(rnd.events) - n
-            rnd.tenants += [held.tenant] * n
-            rnd.tokens += [held.claim_token] * n
+            held.number_drafts(self.worker_id, rnd)
         return rnd
 
     def done(self, held: LocalJob) -> None:

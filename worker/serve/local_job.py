@@ -1,5 +1,6 @@
 """One job held by a worker (`LocalJob`), its lifecycle state (`JobState`, ordered), the
-Kafka records it answers (`Offset`), and what `JobTable.apply_outputs` took (`Applied`).
+Kafka records it answers (`Offset`), what `JobTable.apply_outputs` took (`Applied`), and
+the publisher's `Round` its drafted events are numbered into.
 Only `worker.serve.jobs.JobTable` changes them (the lifecycle diagram is in
 `worker/serve/jobs.py`); a job keeps its own drafts, `seq` numbers and log, and numbers
 its drafted events when the table drains a round (`LocalJob.number_drafts`)."""
@@ -149,14 +150,13 @@ class LocalJob:
         self._delta_ids.clear()
         self._delta_logprobs = None
 
-    def number_drafts(self, worker_id: str, events: list[Event], encoded: list[bytes],
-                      compacted: dict[str, list[LogEntry]]) -> bool:
-        """Number the drafted events, in publishing order (opening, one merged token
-        event, terminal), from `next_seq` on: each is appended to `events`, its wire bytes
-        to `encoded`, its log entry to `history` (and the compactor). With log compaction
-        on, the job's compacted log (without the terminal event) goes to
-        `compacted[job_id]` when its terminal event is among them (`schemas.replay`).
-        Returns whether it is. `worker_id` goes into `started`."""
+    def number_drafts(self, worker_id: str, rnd: Round) -> None:
+        """Number the drafted events into the publisher's round `rnd`, in publishing
+        order (opening, one merged token event, terminal), from `next_seq` on; each one's
+        log entry goes to `history` (and the compactor). With log compaction on, the
+        job's compacted log (without the terminal event) goes to `rnd.compacted` when its
+        terminal event is among them (`schemas.replay`), and the job to `rnd.finished`.
+        `worker_id` goes into `started`."""
         drafts = self.take_drafts()
         for kind in drafts.opening:
             if kind == "restarted":
@@ -165,24 +165,26 @@ class LocalJob:
             else:
                 ev = Started(job_id=self.job_id, seq=self.next_seq, attempt=self.attempt, worker_id=worker_id,
                              queue_time_s=max(0.0, self.claim_time - self.enqueue_time), metadata=self.metadata)
-            self._number(ev, events, encoded)
+            self._number(ev, rnd)
         if drafts.text is not None:
             ev = Token(job_id=self.job_id, seq=self.next_seq, attempt=self.attempt, text=drafts.text,
                        token_ids=drafts.token_ids, logprobs=drafts.logprobs)
-            self._number(ev, events, encoded)
+            self._number(ev, rnd)
         if drafts.terminal is None:
-            return False
+            return
         if self.compactor is not None and self.history:
-            compacted[self.job_id] = self._compact()
+            rnd.compacted[self.job_id] = self._compact()
         drafts.terminal.seq = self.next_seq
-        self._number(drafts.terminal, events, encoded)
+        self._number(drafts.terminal, rnd)
         self.terminal_published = True
-        return True
+        rnd.finished.append(self)
 
-    def _number(self, ev: Event, events: list[Event], encoded: list[bytes]) -> None:
+    def _number(self, ev: Event, rnd: Round) -> None:
         data = encode(ev)
-        events.append(ev)
-        encoded.append(data)
+        rnd.events.append(ev)
+        rnd.encoded.append(data)
+        rnd.tenants.append(self.tenant)
+        rnd.tokens.append(self.claim_token)
         entry = LogEntry(ev.seq, self.attempt, data)
         self.history.append(entry)
         if self.compactor is not None:
@@ -212,6 +214,27 @@ class LocalJob:
         self._opening = []
         self._terminal = None
         return drafts
+
+
+@dataclass(slots=True)
+class Round:
+    """One publisher round: numbered events in publish order, and the jobs whose
+    terminal event is among them. `encoded[i]` is `events[i]` as wire bytes,
+    `tenants[i]` the tenant of its job (None: all events are of jobs without one) and
+    `tokens[i]` its claim token (the append script refuses events of jobs whose claim is
+    another worker's)."""
+
+    events: list[Event]
+    encoded: list[bytes]
+    finished: list[LocalJob]
+    tenants: list[str | None] | None = None
+    tokens: list[str] | None = None  # the claim token of each event's job (None: no claims, tests)
+    # per job ending in this round (log compaction on): its log as it is to be rewritten,
+    # without the terminal event (`schemas.replay`); the publisher writes it with the end
+    compacted: dict[str, list[LogEntry]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.events)
 
 
 class Drafts(NamedTuple):

@@ -51,7 +51,8 @@ from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN, RedisUnavailable
 from worker.serve.claim_scripts import FINISH_LUA, LAST_EVENTS, LAST_SEQ
 from worker.serve.claims import ClaimStore, EpochChanged
-from worker.serve.jobs import JobTable, Round
+from worker.serve.jobs import JobTable
+from worker.serve.local_job import Round
 
 log = structlog.get_logger(__name__)
 

@@ -49,9 +49,10 @@ from worker.serve.finalize import Finalizer
 from worker.serve.fleet_quota import SYNC_LUA, FleetQuota, fleet_limits_configured
 from worker.serve.health import HealthChecks, OpsServer, engine_liveness, loop_lag_monitor, nvml_available
 from worker.serve.intake import Intake
-from worker.serve.jobs import JobState, JobTable, Round
+from worker.serve.jobs import JobState, JobTable
 from worker.serve.kafka_outage import KafkaOutage
 from worker.serve.leases import ClaimLeases
+from worker.serve.local_job import Round
 from worker.serve.offsets import OffsetTracker
 from worker.serve.pool_router import PoolRouter, check_pool_limits
 from worker.serve.publish import Publisher
