@@ -111,9 +111,8 @@ class JobStarter:
         the record is not opened here.
     """
 
-    def __init__(self, table: JobTable, claims: ClaimStore, engine: EngineClient,
-                 finalizer: Finalizer, metrics: Metrics, host: StarterHost, cancels: CancelListener, *,
-                 max_local_jobs: int,
+    def __init__(self, table: JobTable, claims: ClaimStore, engine: EngineClient, finalizer: Finalizer,
+                 metrics: Metrics, host: StarterHost, cancels: CancelListener, *, max_local_jobs: int,
                  max_job_failures: int, poison_grace_s: float = 0.0, tokenizer_threads: int = 2,
                  tracing: Tracing = OFF, router: PoolRouter | None = None, quota: FleetQuota | None = None) -> None:
         self.table = table
