@@ -128,6 +128,7 @@ class JobStarter:
         self.poison_grace_s = poison_grace_s
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="inflight-input")
         self._tasks: set[asyncio.Task] = set()
+        self._taking: dict[int, str] = {}  # id(record) -> tenant: records being claimed, not yet opened
         self.router = router if router is not None and router.active else None
         max_tokens = (self.router.byte_limit_tokens(engine.tuning.max_input_tokens) if self.router
                       else engine.tuning.max_input_tokens)
@@ -158,6 +159,8 @@ class JobStarter:
 
     # ---- a fetched batch -----------------------------------------------------------------
     async def take(self, records: list[JobRecord]) -> list[JobRecord]:
+        """Claim and open the intake's batch; returns the contested records (another
+        worker holds their job) for the intake to take again later."""
         fresh = []
         for rec in records:
             if not self.table.attach_offset(rec.job.job_id, Offset(rec.tp, rec.offset)):
@@ -166,6 +169,28 @@ class JobStarter:
                 self._refund(rec)
         if not fresh:
             return []
+        for rec in fresh:
+            self._taking[id(rec)] = rec.tenant
+        try:
+            return await self._claim_and_open(fresh)
+        finally:
+            for rec in fresh:
+                self._taking.pop(id(rec), None)
+
+    def holding_by_tenant(self) -> dict[str, int]:
+        """Jobs held here per tenant (`JobTable.held_by_tenant`) plus the records being
+        taken, between the intake's take and their open (their claims in flight): what
+        this worker's fleet slot reservations must cover (`fleet_quota.py`; a sync round
+        that saw neither would give their slots to another worker)."""
+        held = self.table.held_by_tenant()
+        if not self._taking:
+            return held
+        out = dict(held)
+        for tenant in self._taking.values():
+            out[tenant] = out.get(tenant, 0) + 1
+        return out
+
+    async def _claim_and_open(self, fresh: list[JobRecord]) -> list[JobRecord]:
         refs = [JobRef(r.job.job_id, r.job.tenant) for r in fresh]
         claim_start = time.time()
         try:
@@ -257,6 +282,7 @@ class JobStarter:
         """Open a claimed job; end it at once where a rule says so. Returns it if it
         goes on to the engine (None too for a second record of a job held here)."""
         held = self.table.open(rec, c)
+        self._taking.pop(id(rec), None)  # held now (or answered by the job held): counted by the table
         if held is None:  # another record of a job held here: answered by the same end
             self._refund(rec)
             return None

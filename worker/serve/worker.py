@@ -133,7 +133,7 @@ class Worker:
         if self.quota is None:
             return []
         return [asyncio.create_task(self.quota.run(self.intake.read_ahead.waiting_by_tenant,
-                                                   self.table.held_by_tenant, tenant_cap), name="fleet-quota")]
+                                                   self.starter.holding_by_tenant, tenant_cap), name="fleet-quota")]
 
     async def _release_quota(self) -> None:
         try:
