@@ -47,7 +47,7 @@ from worker.obs import transient_log
 from worker.security.access import is_fatal_kafka
 from worker.security.kafka import kafka_security_kwargs, stop_client
 from worker.serve.offsets import OffsetTracker
-from worker.serve.read_ahead import JobRecord, ReadAhead
+from worker.serve.read_ahead import JobRecord, ReadAhead, TenantGate
 from worker.serve.rebalance import Rebalance
 from worker.serve.stall import StallWatchdog
 from worker.serve.sticky import StickyAssignor
@@ -82,6 +82,22 @@ class JobSink(Protocol):
     async def reject_invalid(self, rec: JobRecord, job_id: str | None) -> None:
         """A record that does not decode as a job: DLQ (+ `finished(rejected)`), offset done
         (both by the finalizer)."""
+
+
+class ContestedCounted:
+    """The fleet limits' gate (`TenantGate`) with the records contested here counted as
+    held (`Intake.contested_by_tenant`): a new record of a tenant is not admitted into
+    the slots those would take when their holders let them go."""
+
+    def __init__(self, quota: TenantGate, contested: Mapping[str, int]) -> None:
+        self.quota = quota
+        self.contested = contested
+
+    def blocked(self, tenant: str, held: int) -> str | None:
+        return self.quota.blocked(tenant, held + self.contested.get(tenant, 0))
+
+    def charge(self, rec: JobRecord) -> None:
+        self.quota.charge(rec)
 
 
 class Intake:
@@ -369,14 +385,26 @@ class Intake:
         if free <= 0:
             return
         await self._fetch_prefetched()
+        quota = self.quota
+        if quota is not None and self._contested:  # admitted once; they run here once their holder lets go
+            quota = ContestedCounted(quota, self.contested_by_tenant())
         batch = self.read_ahead.take(free, self.sink.held_by_tenant(), self.tenant_weight, self.tenant_cap,
-                                     self.high_priority_reserve, self.quota)
+                                     self.high_priority_reserve, quota)
         if self.metrics is not None:
             for why in self.read_ahead.passed_over.values():
                 self.metrics.quota.denials.labels(why).inc()
         if not batch:
             return
         self.add_contested(await self.sink.take(batch))
+
+    def contested_by_tenant(self) -> dict[str, int]:
+        """Contested records per tenant. Each was admitted and charged when first taken,
+        and runs here with no new admission once its job's holder lets it go, so the
+        fleet's slot reservations count it as held here (`fleet_quota.py`)."""
+        out: dict[str, int] = {}
+        for rec in self._contested:
+            out[rec.tenant] = out.get(rec.tenant, 0) + 1
+        return out
 
     def add_contested(self, records: list[JobRecord]) -> None:
         """Records whose job another worker holds now (its claim, or a lost one's): taken

@@ -132,8 +132,21 @@ class Worker:
         """The fleet limits' sync rounds, when a tenant has one."""
         if self.quota is None:
             return []
-        return [asyncio.create_task(self.quota.run(self.intake.read_ahead.waiting_by_tenant,
-                                                   self.starter.holding_by_tenant, tenant_cap), name="fleet-quota")]
+        return [asyncio.create_task(self.quota.run(self.intake.read_ahead.waiting_by_tenant, self._holding_by_tenant,
+                                                   tenant_cap), name="fleet-quota")]
+
+    def _holding_by_tenant(self) -> dict[str, int]:
+        """What this worker's fleet slot reservations cover, per tenant: jobs held,
+        records being claimed (`JobStarter.holding_by_tenant`) and records contested
+        (`Intake.contested_by_tenant`)."""
+        out = self.starter.holding_by_tenant()
+        contested = self.intake.contested_by_tenant()
+        if not contested:
+            return out
+        out = dict(out)
+        for tenant, n in contested.items():
+            out[tenant] = out.get(tenant, 0) + n
+        return out
 
     async def _release_quota(self) -> None:
         try:

@@ -1,9 +1,10 @@
-"""The job starter's count of records being taken (their claims in flight), which the
-fleet limits' sync rounds add to the jobs held: a record charged at the intake is
-counted once at every moment, first by the starter, then by the job table. The fault
-it guards: a sync round between the take and the open saw the tenant hold fewer jobs
-than it was about to, gave the slots away, and three workers held 3 jobs of a tenant
-whose `fleet_max_running` is 2 (tests/integration/test_fleet_quota.py, in CI)."""
+"""What a worker's fleet slot reservations cover (`fleet_max_running`, fleet_quota.py):
+every record charged at the intake counts as held until it is refunded or ends, whether
+the job table holds it, the starter is claiming it, or another worker holds its job
+(contested). The fault behind it: a sync round between the take and the open saw the
+tenant hold fewer jobs than it was about to, gave the slots away, and three workers
+held 3 jobs of a tenant capped at 2 (tests/integration/test_fleet_quota.py, in CI); a
+contested record, admitted once, runs with no new admission when its holder dies."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from aiokafka import TopicPartition
 
 from schemas.wire import Job
 from worker.serve.claims import Claimed, Contested
+from worker.serve.intake import ContestedCounted
 from worker.serve.jobs import JobTable
 from worker.serve.read_ahead import JobRecord
 from worker.serve.starter import JobStarter
@@ -59,3 +61,20 @@ def test_records_are_counted_while_their_claims_are_in_flight_and_once_opened_by
     assert during == ({"C": 2, "B": 1}, {})
     assert [r.job.job_id for r in contested] == ["c-2", "b-1"]  # back to the intake, not held here
     assert after == ({"C": 1}, {"C": 1})
+
+
+def test_a_tenant_is_not_admitted_into_the_slots_its_contested_records_would_take():
+    class Gate:  # a fleet gate of two slots for C
+        charged: list[str] = []
+
+        def blocked(self, tenant: str, held: int) -> str | None:
+            return "fleet_running" if tenant == "C" and held >= 2 else None
+
+        def charge(self, rec) -> None:
+            self.charged.append(rec.job.job_id)
+
+    gate = ContestedCounted(Gate(), {"C": 1})
+    assert gate.blocked("C", 0) is None and gate.blocked("C", 1) == "fleet_running"
+    assert gate.blocked("B", 5) is None
+    gate.charge(record("c-3", "C", 4))
+    assert Gate.charged == ["c-3"]
