@@ -27,6 +27,9 @@ size + T x rate, plus one job's charge per worker (the debts).
 worker asks for as many as it holds plus has waiting (its local caps applied); the script
 grants what the limit leaves after the other workers' reservations, never less than what
 the worker already holds, atomically, so the fleet never passes the limit through a race.
+"Holds" counts every record the worker has taken and not yet let go: jobs in its table,
+records whose claims are in flight, and contested records (admitted once, they run here
+with no new admission when their holder lets them go).
 A worker that stops renewing (it died) loses its reservations after `RESERVATION_TTL_S`.
 
 **Redis unreachable.** The limits fall back to per-worker shares: the rate and the bucket
