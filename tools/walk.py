@@ -72,6 +72,16 @@ def _holds(value, job_id: str, depth: int = 0) -> bool:
     return False
 
 
+def _ours(path: str) -> bool:
+    """A file of the worker's (not the client that drives the job)."""
+    return path.startswith(SOURCES) and not path.startswith(IGNORED)
+
+
+def _is_door(code) -> bool:
+    """The engine client's `submit`: where the serving side hands the request on."""
+    return code.co_name == "submit" and code.co_filename.endswith("core_client.py")
+
+
 def _suspends(frame) -> bool:
     """True when a coroutine or generator frame's "return" event is a suspension (it
     stopped at a yield, an `await` inside), not its end; a resumption's "call" event is
@@ -142,8 +152,8 @@ class Segment:
 
 class Walker:
     """The profile function: decides each call's segment and records the calls that
-    held the job. The event loop's calls are `intake` until the engine request's
-    `submit` returns, then `output` until `Finalizer._done` returns (the offset marked
+    held the job. The event loop's calls are `intake` up to the engine client's
+    `submit`, `engine` inside it, then `output` until `Finalizer._done` returns (the offset marked
     done, the job out of the table); the input pool's are `intake`; the engine thread's
     are `engine` until the job's first forward."""
 
@@ -173,12 +183,13 @@ class Walker:
     def _call(self, frame) -> None:
         code = frame.f_code
         path = code.co_filename
-        if not path.startswith(SOURCES) or path.startswith(IGNORED):
+        if not _ours(path):
             return
         if code.co_qualname == "ModelRunner.execute" and self.loop_segment is not None:
             self.engine_open = False  # the engine segment ends at its first forward with the job
         nargs = code.co_argcount + code.co_kwonlyargcount
-        names = code.co_varnames[:nargs + bool(code.co_flags & 0x04) + bool(code.co_flags & 0x08)]
+        names = code.co_varnames[:nargs + bool(code.co_flags & inspect.CO_VARARGS)
+                                 + bool(code.co_flags & inspect.CO_VARKEYWORDS)]
         f_locals = frame.f_locals
         held = [n for n in names if n in f_locals and _holds(f_locals[n], self.job_id)]
         if not held:
@@ -198,16 +209,15 @@ class Walker:
             self._live[id(outer)][0].inner.append(call)
         self.walks[segment].events.append(("call", call))
         self._live[id(frame)] = (call, segment)
-        if segment == "intake" and code.co_name == "submit" and "core_client" in path:
+        if segment == "intake" and _is_door(code):
             self.loop_segment = "engine"  # the door: what submit does is the engine's
 
     def _returned(self, frame, call: Call, segment: str) -> None:
         caller = frame.f_back
-        if caller is not None and caller.f_code.co_filename.startswith(SOURCES) \
-                and not caller.f_code.co_filename.startswith(IGNORED):
+        if caller is not None and _ours(caller.f_code.co_filename):
             call.caller = caller.f_code.co_filename
         self.walks[segment].events.append(("return", call))
-        if self.loop_segment == "engine" and frame.f_code.co_name == "submit" and "core_client" in frame.f_code.co_filename:
+        if self.loop_segment == "engine" and _is_door(frame.f_code):
             self.loop_segment = "output"
         elif call.qualname == "Finalizer._done":  # its offset marked done, the job out of the table
             self.loop_segment = "over"

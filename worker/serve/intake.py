@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -397,14 +398,11 @@ class Intake:
             return
         self.add_contested(await self.sink.take(batch))
 
-    def contested_by_tenant(self) -> dict[str, int]:
+    def contested_by_tenant(self) -> Counter[str]:
         """Contested records per tenant. Each was admitted and charged when first taken,
         and runs here with no new admission once its job's holder lets it go, so the
         fleet's slot reservations count it as held here (`fleet_quota.py`)."""
-        out: dict[str, int] = {}
-        for rec in self._contested:
-            out[rec.tenant] = out.get(rec.tenant, 0) + 1
-        return out
+        return Counter(rec.tenant for rec in self._contested)
 
     def add_contested(self, records: list[JobRecord]) -> None:
         """Records whose job another worker holds now (its claim, or a lost one's): taken

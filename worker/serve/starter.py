@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -177,18 +178,12 @@ class JobStarter:
             for rec in fresh:
                 self._taking.pop(id(rec), None)
 
-    def holding_by_tenant(self) -> dict[str, int]:
+    def holding_by_tenant(self) -> Counter[str]:
         """Jobs held here per tenant (`JobTable.held_by_tenant`) plus the records being
         taken, between the intake's take and their open (their claims in flight): what
         this worker's fleet slot reservations must cover (`fleet_quota.py`; a sync round
         that saw neither would give their slots to another worker)."""
-        held = self.table.held_by_tenant()
-        if not self._taking:
-            return held
-        out = dict(held)
-        for tenant in self._taking.values():
-            out[tenant] = out.get(tenant, 0) + 1
-        return out
+        return Counter(self.table.held_by_tenant()) + Counter(self._taking.values())
 
     async def _claim_and_open(self, fresh: list[JobRecord]) -> list[JobRecord]:
         refs = [JobRef(r.job.job_id, r.job.tenant) for r in fresh]

@@ -61,6 +61,8 @@ from worker.serve.results import ResultsLog
 from worker.serve.starter import JobStarter
 
 if TYPE_CHECKING:
+    from collections import Counter
+
     from redis.asyncio import Redis
 
     from worker.engine import Engine, RequestOutput
@@ -135,18 +137,11 @@ class Worker:
         return [asyncio.create_task(self.quota.run(self.intake.read_ahead.waiting_by_tenant, self._holding_by_tenant,
                                                    tenant_cap), name="fleet-quota")]
 
-    def _holding_by_tenant(self) -> dict[str, int]:
+    def _holding_by_tenant(self) -> Counter[str]:
         """What this worker's fleet slot reservations cover, per tenant: jobs held,
         records being claimed (`JobStarter.holding_by_tenant`) and records contested
         (`Intake.contested_by_tenant`)."""
-        out = self.starter.holding_by_tenant()
-        contested = self.intake.contested_by_tenant()
-        if not contested:
-            return out
-        out = dict(out)
-        for tenant, n in contested.items():
-            out[tenant] = out.get(tenant, 0) + n
-        return out
+        return self.starter.holding_by_tenant() + self.intake.contested_by_tenant()
 
     async def _release_quota(self) -> None:
         try:
