@@ -176,10 +176,11 @@ def any_arch_path(request) -> Path:
 
 
 def arch_checkpoint(family: str) -> Path:
-    """A tiny random-init checkpoint of one of tools.tiny_archs.FAMILIES (made once, cached)."""
-    from tools.tiny_archs import FAMILIES, make_tiny
+    """A tiny random-init checkpoint of one of tools.tiny_archs.NAMED_FAMILIES (made once,
+    cached)."""
+    from tools.tiny_archs import NAMED_FAMILIES, make_tiny
 
-    model_type, overrides = FAMILIES[family]
+    model_type, overrides = NAMED_FAMILIES[family]
     out = MODEL_CACHE / "archs-v2" / family.replace(" ", "_").replace("(", "").replace(")", "")
     if not (out / "config.json").is_file():
         make_tiny(model_type, out, tiny_checkpoint("llama"), overrides)

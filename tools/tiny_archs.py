@@ -8,7 +8,7 @@ sliding windows with a 16-token window, soft-capping, sinks, latent attention, M
 linear-attention layers). `shrink_kwargs` makes any other config class small the same
 way, for the sweep over every causal-LM architecture transformers ships.
 
-    python -m tools.tiny_archs                # the 30 families: verdict per family
+    python -m tools.tiny_archs                # the named families (NAMED_FAMILIES): verdict per family
     python -m tools.tiny_archs --all          # every causal-LM architecture that builds small
 """
 
@@ -75,8 +75,25 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "Jamba": ("jamba", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                             mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2, use_mamba_kernels=False)),
 }
-# Refused on purpose (docs/models.md: the model table): per-request recurrent state beside the paged KV.
-REFUSED = {"Qwen3-Next": "linear_attention layers", "Jamba": "Mamba"}
+# Families whose every mixer keeps per-request recurrent state, or hybrids of such mixers
+# with attention (`worker/model/recurrent.py`), beside Qwen3-Next and Jamba above; each
+# with the fields that make its tiny config build and keep an attention layer where the
+# family has them.
+STATE_FAMILIES: dict[str, tuple[str, dict]] = {
+    "Mamba": ("mamba", {}),
+    "Mamba-2": ("mamba2", dict(num_heads=8, head_dim=16, n_groups=1)),
+    "FalconMamba": ("falcon_mamba", {}),
+    "Bamba": ("bamba", dict(attn_layer_indices=[1])),
+    "Falcon-H1": ("falcon_h1", {}),
+    "Nemotron-H": ("nemotron_h", dict(num_hidden_layers=4)),
+    "Granite-4 hybrid": ("granitemoehybrid", dict(layer_types=["linear_attention", "attention"])),
+    "LFM2": ("lfm2", {}),
+}
+# An architecture the engine refuses at load (a sparse top-k attention indexer), for the
+# tests of the refusal path: none of the families above is refused any more.
+REFUSED_FAMILIES: dict[str, tuple[str, dict]] = {"DeepSeek-V3.2": ("deepseek_v32", {})}
+REFUSED = {"DeepSeek-V3.2": "indexed_attention layers"}  # family -> what its refusal names
+NAMED_FAMILIES = FAMILIES | STATE_FAMILIES | REFUSED_FAMILIES
 
 
 def shrink_kwargs(config_cls, overrides: dict | None = None) -> dict:
@@ -257,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--all", action="store_true", help="every causal-LM architecture of transformers, not the 30")
+    p.add_argument("--all", action="store_true",
+                   help="every causal-LM architecture of transformers, not the named families")
     p.add_argument("--out", default=".cache/tiny-archs", help="where checkpoints are written")
     p.add_argument("--json", help="write the verdicts here")
     p.add_argument("--timeout-s", type=float, default=300, help="per architecture")
@@ -278,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     tok = tiny_checkpoint("llama")
-    todo = ({mt: (mt, {}) for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} if a.all else FAMILIES)
+    todo = ({mt: (mt, {}) for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} if a.all
+            else NAMED_FAMILIES)
     results = {}
     for name, (model_type, overrides) in todo.items():
         t0 = time.time()

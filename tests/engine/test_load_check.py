@@ -49,14 +49,14 @@ def test_state_mixing_the_packed_sequences_is_refused():
     mlp = model.model.layers[0].mlp
     inner = mlp.forward
     mlp.forward = lambda x: inner(x) + x.cumsum(1) / torch.arange(1, x.shape[1] + 1).view(1, -1, 1)
-    layout, _ = _measure(model, model.config, "llama", torch_ref)
+    layout, _, _ = _measure(model, model.config, "llama", torch_ref)
     with pytest.raises(UnsupportedModel, match=r"does not reproduce .*differ from transformers' eager attention"):
         compare_with_reference(model, layout, torch_ref, "llama", model.config.vocab_size)
 
 
 def test_the_unmodified_model_passes_within_fp32_noise():
     model = paged("Llama")
-    layout, features = _measure(model, model.config, "llama", torch_ref)
+    layout, features, _ = _measure(model, model.config, "llama", torch_ref)
     assert compare_with_reference(model, layout, torch_ref, "llama", model.config.vocab_size) < 1e-4
     assert features == [] and layout.sliding_window is None
 

@@ -118,23 +118,23 @@ def test_bad_model_path(good, tmp_path):
 
 def test_an_architecture_the_engine_cannot_reproduce_fails_the_model_check(good):
     """Refused at load with the loader's one line (architecture, feature, config field)."""
-    path = arch_checkpoint("Qwen3-Next")
+    path = arch_checkpoint("DeepSeek-V3.2")
     cfg = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, path=str(path)))
     fail = only_failure(run_preflight(cfg), "model", "model.path")
-    assert "model 'qwen3_next' has linear_attention layers (config.layer_types[0]); not supported" in fail.detail
+    assert "model 'deepseek_v32' has indexed_attention layers (config.layer_types[0]); not supported" in fail.detail
 
 
 @pytest.mark.parametrize("engine_process", [True, False])
 def test_the_worker_refuses_it_at_start_with_exit_2(good, tmp_path, engine_process):
     from tests.integration.processes import spawn_worker
 
-    path = arch_checkpoint("Jamba")
+    path = arch_checkpoint("DeepSeek-V3.2")
     cfg = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, path=str(path)),
                                   worker=msgspec.structs.replace(good.worker, engine_process=engine_process))
     proc, log = spawn_worker(tmp_path, cfg, f"refusing-{engine_process}")
     assert proc.wait(timeout=180) == 2, log.read_text()[-2000:]
     text = log.read_text()
-    assert "model 'jamba' has Mamba (state-space) layers (config.layer_types[0]); not supported" in text
+    assert "model 'deepseek_v32' has indexed_attention layers (config.layer_types[0]); not supported" in text
     assert "worker started" not in text
 
 

@@ -132,7 +132,7 @@ def step_input(req: Request, step: int, ids: Sequence[int], start: int, table: l
     if s is None:
         s = pair[step & 1] = ScheduledRequest(req.request_id, ids, start, table, samples, req.params,
                                               req.all_token_ids, req.generator, req.grammar, req.lora_slot,
-                                              req.num_prompt_tokens, draft)
+                                              req.num_prompt_tokens, draft, state_slot=req.state_slot)
         return s
     s.token_ids = ids
     s.start_pos = start
@@ -141,6 +141,7 @@ def step_input(req: Request, step: int, ids: Sequence[int], start: int, table: l
     s.all_token_ids = req.all_token_ids
     s.grammar = req.grammar
     s.lora_slot = req.lora_slot
+    s.state_slot = req.state_slot
     s.draft = draft
     s.ahead = NO_DRAFT
     return s

@@ -193,6 +193,9 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate, graphs
     them on this device, for batches up to `max_batch` and contexts up to
     `max_model_len` (module docstring). Never raises for a model that does not compile
     or capture: the engine stays eager (or without graphs) and the report says why."""
+    if getattr(runner, "state_pool", None) is not None:  # compiled recurrent mixers: not built yet
+        why = "recurrent-state layers run eager (worker/model/recurrent.py: per-request state, not traced yet)"
+        return CompileReport(False, why, cuda_graph_reason=why)
     on, reason = wanted(setting, runner.device.type)
     replay, graphs_why = graphs_wanted(graphs_setting, runner.device.type, runner.lora is not None, runner.backend)
     if not on and replay is None:

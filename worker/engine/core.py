@@ -81,9 +81,11 @@ class EngineCore:
         self.tuning = tuning
         self.eos_token_ids = eos_token_ids
         if sliding_window is None:
+            state_slots = runner.capabilities.state_slots
             self.kv = KVCacheManager(num_blocks, tuning.kv_block_size,
-                                     enable_prefix_caching=tuning.enable_prefix_caching, namespace=model_id.encode(),
-                                     host_slots=runner.capabilities.host_kv_slots)
+                                     enable_prefix_caching=tuning.enable_prefix_caching and not state_slots,
+                                     namespace=model_id.encode(), host_slots=runner.capabilities.host_kv_slots,
+                                     state_slots=state_slots)
         else:
             self.kv = SlidingWindowKVCacheManager(
                 num_blocks, tuning.kv_block_size, sliding_window=sliding_window, max_chunk=tuning.max_batched_tokens,

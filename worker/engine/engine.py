@@ -64,20 +64,38 @@ def kv_cache_blocks(loaded: LoadedModel, tuning: ServingTuning, reserve_bytes: i
     (`gpu_memory_utilization` x the device's free memory - `reserve_bytes`, what the
     decode graphs will hold) / the KV bytes per token; else `CPU_DEFAULT_KV_TOKENS`.
     With a draft model (`speculative.method: draft`) a token's bytes are both models'
-    (its KV lives in the same blocks: `draft.py`). Rounded down to whole blocks of
-    `kv_block_size` tokens.
+    (its KV lives in the same blocks: `draft.py`). A model with recurrent state
+    (`state_bytes`) has its `max_running_requests` state slots taken out of the bytes
+    first; a model with no attention layer at all (0 KV bytes per token) gets blocks for
+    every running request's longest context, as its blocks only count tokens. Rounded
+    down to whole blocks of `kv_block_size` tokens.
+
+    Raises:
+        ConfigError: `kv_cache_bytes` does not hold the state slots.
     """
     per_token = kv_bytes_per_token(loaded, tuning) + (kv_bytes_per_token(draft, tuning) if draft else 0)
+    slots = state_bytes(loaded, tuning)
+    if tuning.kv_cache_bytes is not None and tuning.max_total_tokens is None and tuning.kv_cache_bytes <= slots:
+        raise ConfigError(f"serving_tuning.kv_cache_bytes ({tuning.kv_cache_bytes}) does not hold the recurrent "
+                          f"state of max_running_requests = {tuning.max_running_requests} requests ({slots} bytes)")
     if tuning.max_total_tokens is not None:
         kv_tokens = tuning.max_total_tokens
+    elif per_token == 0:
+        kv_tokens = tuning.max_running_requests * loaded.max_model_len
     elif tuning.kv_cache_bytes is not None:
-        kv_tokens = tuning.kv_cache_bytes // per_token
+        kv_tokens = (tuning.kv_cache_bytes - slots) // per_token
     elif loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
-        kv_tokens = max(0, int(free * tuning.gpu_memory_utilization) - reserve_bytes) // per_token
+        kv_tokens = max(0, int(free * tuning.gpu_memory_utilization) - reserve_bytes - slots) // per_token
     else:
         kv_tokens = CPU_DEFAULT_KV_TOKENS
     return kv_tokens // tuning.kv_block_size
+
+
+def state_bytes(loaded: LoadedModel, tuning: ServingTuning) -> int:
+    """Bytes of the recurrent-state slots (`worker.model.recurrent`): one per running
+    request (`max_running_requests`); 0 for a model without recurrent layers."""
+    return loaded.state_layout.bytes_per_request * tuning.max_running_requests
 
 
 def host_kv_slots(loaded: LoadedModel, tuning: ServingTuning) -> int:
@@ -111,6 +129,29 @@ def check_kv_dtype(loaded: LoadedModel, tuning: ServingTuning) -> None:
                           f"{loaded.backend.__name__.rsplit('.', 1)[-1]}; use 'auto'")
     if any(layer is not None and layer.value_in_key for layer in loaded.kv_layout.layers):
         raise ConfigError("serving_tuning.kv_cache_dtype 'int8' is not served for a latent (MLA) KV cache; use 'auto'")
+
+
+def check_recurrent(loaded: LoadedModel, model_cfg: ModelConfig, tuning: ServingTuning) -> None:
+    """The features a model with recurrent state (`worker.model.recurrent`) is not served
+    with yet. Prefix caching and speculative decoding are turned off for it by the core
+    (a state is neither a set of shareable blocks nor able to take back guesses).
+
+    Raises:
+        ConfigError: LoRA adapters or a host KV tier.
+        UnsupportedModel: a sliding window in every layer (its KV manager keeps no state slots)."""
+    if not loaded.state_layout.specs:
+        return
+    why = "is not served for a model with recurrent-state layers yet"
+    if model_cfg.lora_dir is not None:
+        raise ConfigError(f"model.lora_dir {why}; unset it")
+    if tuning.host_kv_bytes is not None:
+        raise ConfigError(f"serving_tuning.host_kv_bytes {why} (it keeps prefix blocks, and such a model shares "
+                          "no prefix); unset it")
+    if loaded.kv_layout.sliding_window is not None:
+        from worker.model.capability import UnsupportedModel
+
+        raise UnsupportedModel(loaded.model_id.split(":", 1)[0], "recurrent-state layers beside sliding-window "
+                               "attention in every layer", "config.sliding_window", "not served yet")
 
 
 def graph_reserve(loaded: LoadedModel, model_cfg: ModelConfig, tuning: ServingTuning) -> int:
@@ -223,6 +264,7 @@ class Engine:
             lora = LoRAWeights(lora_modules(loaded.model), model_cfg.max_loras, model_cfg.max_lora_rank,
                                loaded.device, loaded.dtype)
         check_kv_dtype(loaded, tuning)
+        check_recurrent(loaded, model_cfg, tuning)
         draft = load_draft(tuning.speculative, model_cfg, loaded) if tuning.speculative.method == "draft" else None
         if draft is not None:
             check_kv_dtype(draft, tuning)  # its KV is kept in the same dtype
@@ -238,6 +280,8 @@ class Engine:
             dtype=loaded.dtype,
             backend=loaded.backend,
             kv_int8=tuning.kv_cache_dtype == "int8",
+            state_layout=loaded.state_layout,
+            state_slots=tuning.max_running_requests,
         )
         runner.lora = lora
         if host_slots:

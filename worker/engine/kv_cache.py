@@ -125,11 +125,18 @@ class KVCacheManager:
             models never match; requests add their own salt (tenant).
         host_slots: blocks of the host-memory tier behind the prefix cache (`kv_host.py`);
             0: none. Needs prefix caching.
+        state_slots: recurrent-state slots of the model (`worker.model.recurrent`; 0: none):
+            a request takes one with its first blocks (`Request.state_slot`) and gives it
+            back with them, so a request that holds blocks holds a slot. A state is not a
+            set of blocks, so it excludes prefix caching.
+
+    Raises:
+        ValueError: a host tier without prefix caching; state slots with prefix caching.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, namespace: bytes = b"",
-        host_slots: int = 0,
+        host_slots: int = 0, state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -145,6 +152,10 @@ class KVCacheManager:
                 raise ValueError("a host KV tier needs prefix caching (it keeps evicted prefix blocks)")
             self.host = HostKVIndex(host_slots)
             self.pool.on_evict = self.host.evicted
+        if state_slots and enable_prefix_caching:
+            raise ValueError("recurrent-state slots exclude prefix caching (a prefix's state is not a set of blocks)")
+        self._free_state_slots: list[int] | None = list(range(state_slots - 1, -1, -1)) if state_slots else None
+        self._state_slots: dict[str, int] = {}  # request id -> its state slot, while it has a block table
 
     # Whether a running request's block table may change other than by appending (a
     # sliding window frees behind in place): then a step launched ahead needs its own copy.
@@ -318,6 +329,10 @@ class KVCacheManager:
         num_needed = self.num_blocks_to_allocate(req, num_new_tokens, cached_blocks, reserve_tokens)
         if num_needed > self.pool.num_free_blocks:
             return False
+        if self._free_state_slots is not None:
+            if not self._free_state_slots:
+                return False
+            req.state_slot = self._state_slots[req.request_id] = self._free_state_slots.pop()
         cached_blocks = cached_blocks or []
         num_tokens = self._num_tokens_to_cover(req, num_new_tokens, len(cached_blocks), reserve_tokens)
         table = list(cached_blocks)
@@ -355,6 +370,8 @@ class KVCacheManager:
         """Release every block of the request; no-op for unknown ids."""
         table = self._block_tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        if self._free_state_slots is not None and request_id in self._state_slots:
+            self._free_state_slots.append(self._state_slots.pop(request_id))
         tenant = self._tenants.pop(request_id, None)
         live = [b for b in table if b != NULL_BLOCK] if table else None
         if live:
@@ -405,6 +422,12 @@ class KVCacheManager:
                 held[self._tenants[rid]] = held.get(self._tenants[rid], 0) + num_live
         if held != self._num_held:
             raise RuntimeError(f"blocks held per tenant {self._num_held} != {held} counted from the tables")
+        if self._free_state_slots is not None:
+            held_slots = sorted(self._state_slots.values())
+            if set(self._state_slots) != set(self._block_tables) or len(set(held_slots)) != len(held_slots) or \
+                    set(held_slots) & set(self._free_state_slots):
+                raise RuntimeError(f"state slots held {self._state_slots} / free {self._free_state_slots} disagree "
+                                   f"with the block tables of {sorted(self._block_tables)}")
         s = self.stats()
         if s.free_blocks + s.used_blocks + s.cached_blocks != s.total_blocks:
             raise RuntimeError(f"free {s.free_blocks} + used {s.used_blocks} + cached {s.cached_blocks} != {s.total_blocks}")

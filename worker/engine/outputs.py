@@ -86,6 +86,7 @@ class ScheduledRequest:
     num_prompt_tokens: int = 0  # all_token_ids[num_prompt_tokens:] is the output (presence / frequency penalties)
     draft: Sequence[int] = NO_DRAFT  # speculative guesses verified in this step
     ahead: Sequence[int] = NO_DRAFT  # a verification row's guesses before its position
+    state_slot: int = -1  # its recurrent-state slot (`worker.model.recurrent`); -1: the model keeps none
 
     @property
     def num_tokens(self) -> int:
@@ -177,6 +178,9 @@ class RunnerCapabilities:
             propose them (`serving_tuning.speculative`).
         host_kv_slots: blocks of the host-memory KV tier it holds (`serving_tuning.host_kv_bytes`);
             it runs each step's `SchedulerOutput.kv_copies` before the step's forward. 0: none.
+        state_slots: per-request recurrent-state slots it holds (`worker.model.recurrent`):
+            a running request needs one (`ScheduledRequest.state_slot`), and its prefix
+            cannot be shared. 0: the model keeps no such state.
     """
 
     async_launch: bool = False
@@ -185,6 +189,7 @@ class RunnerCapabilities:
     speculation: bool = False
     host_kv_slots: int = 0
     host_kv_slot_bytes: int = 0  # bytes of one host slot (one block over every cache tensor)
+    state_slots: int = 0
 
 
 class Runner(Protocol):

@@ -155,6 +155,7 @@ class Request:
         "trace",
         "adapter",
         "lora_slot",
+        "state_slot",
         "spec",
         "step_inputs",
     )
@@ -211,6 +212,7 @@ class Request:
         self.stop_in_text = False  # ended by its grammar: the last token is part of the text
         self.adapter: str | None = None  # its LoRA adapter's name (lora_slots.py); None: the base model
         self.lora_slot = -1  # the adapter's device slot while it runs
+        self.state_slot = -1  # its recurrent-state slot while it holds blocks (kv_cache.py); -1: none
         self.trace: list[TraceEvent] | None = None  # what the engine did to it, if traced; None: not traced
         self.spec: SpecState | None = None  # its speculative proposer's state, once it proposed (speculative.py)
         self.step_inputs: list | None = None  # its ScheduledRequest per step parity, reused (batch.py)

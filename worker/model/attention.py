@@ -93,6 +93,8 @@ class AttentionMetadata:
             (the load check compares it with the config; `worker.model.load_check`).
         modules: the model's attention modules by `layer_idx` (`attention_modules`), for
             the op of a compiled forward; None while the forward runs eagerly.
+        recurrent: the step's rows and state slots for recurrent mixers
+            (`worker.model.recurrent.RecurrentStep`); None: the model has none.
         kv_scales: per layer the key and value scale caches `[num_blocks, block_size,
             num_kv_heads]` of an int8 KV cache (`kernels/kv_int8.py`); None: float caches.
     """
@@ -111,6 +113,7 @@ class AttentionMetadata:
     trace: dict[int, LayerCall] | None = field(default=None)
     modules: dict[int, torch.nn.Module] | None = field(default=None)
     kv_scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = field(default=None)
+    recurrent: Any = field(default=None)  # the recurrent mixers' rows and state slots (`recurrent.RecurrentStep`)
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,11 +6,12 @@ The rules, in order; the first that fails refuses the model with one line naming
 architecture, the feature and the config field (`UnsupportedModel`):
 
   1. decoder-only (`config.is_encoder_decoder`), no cross-attention;
-  2. every token mixer is softmax attention: `config.layer_types` /
-     `config.layers_block_type` hold only full or sliding attention, and no module is a
-     recurrent-state mixer (Mamba / SSM, linear attention, gated delta net, short
-     convolution, RWKV, xLSTM, LRU). Those need per-request state beside the paged KV,
-     which the engine does not keep;
+  2. every token mixer is softmax attention or a recurrent-state mixer the engine keeps
+     per-request state for: `config.layer_types` / `config.layers_block_type` hold only
+     attention, feed-forward and recurrent kinds, and every module named like a
+     recurrent mixer (Mamba / SSM, linear attention, gated delta net, short convolution,
+     RWKV, xLSTM, LRU) takes transformers' linear-attention cache (`state_mixers`; run
+     with state slots by `worker.model.recurrent`), or is part of or around one;
   3. no chunked (local) attention (`config.attention_chunk_size`) and no sparse
      top-k indexer (DeepSeek-V3.2's `index_topk`);
   4. then the model is installed for the engine (latent attention: `worker.model.latent`)
@@ -19,6 +20,8 @@ architecture, the feature and the config field (`UnsupportedModel`):
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,14 +29,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # this module stays importable without torch (the CLI catches UnsupportedModel)
     import torch
 
-# A module whose class name matches keeps state across tokens that is not softmax attention.
+# A module whose class name matches keeps state across tokens that is not softmax attention
+# (rule 2; `state_mixers` decides which of them the engine runs with state slots).
 _RECURRENT_MODULE = re.compile(
     r"Mamba|SSM|Ssm|GatedDeltaNet|DeltaNet|DeltaAttention|DeltaProduct|LinearAttention|LightningAttention|"
     r"ShortConv|Rwkv|RWKV|xLSTM|Xlstm|mLSTM|sLSTM|RecurrentBlock|Rglru|RgLru|Hyena|Retention|GatedConv"
 )
+# Mixer kinds of `layer_types` / `layers_block_type` that keep per-request state: served
+# where the modules are mixers the engine runs with state slots (`check_modules`).
+_RECURRENT_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv", "hybrid", "linear", "ssm"})
 # Mixer kinds of `layer_types` / `layers_block_type` we run; feed-forward kinds carry no state.
 ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "attention", "global", "local_attention"})
-_FEED_FORWARD_KINDS = frozenset({"mlp", "moe", "dense", "sparse", "ffn"})
+FEED_FORWARD_KINDS = frozenset({"mlp", "moe", "dense", "sparse", "ffn"})
 
 
 class UnsupportedModel(ValueError):
@@ -111,6 +118,16 @@ def layer_windows(text_cfg) -> list[int | None]:
     return [None] * n
 
 
+def layer_kind(text_cfg, layer_idx: int) -> str | None:
+    """Layer `layer_idx`'s kind as the config names it (`layer_types` or
+    `layers_block_type`), or None where it names none."""
+    for field in ("layer_types", "layers_block_type"):
+        kinds = getattr(text_cfg, field, None) or []
+        if layer_idx < len(kinds):
+            return str(kinds[layer_idx])
+    return None
+
+
 def check_config(text_cfg, model_type: str) -> None:
     """Rules 1–3 on the config alone (before the weights load).
 
@@ -125,15 +142,8 @@ def check_config(text_cfg, model_type: str) -> None:
         kinds = getattr(text_cfg, field, None) or []
         for i, kind in enumerate(kinds):
             kind_s = str(kind)
-            if kind_s not in ATTENTION_KINDS and kind_s not in _FEED_FORWARD_KINDS:
-                name = f"{kind_s} layers"
-                if kind_s == "linear_attention" and any(k.startswith("mamba") for k in text_cfg.to_dict()):
-                    name = "Mamba (state-space) layers"  # transformers files Mamba mixers as linear_attention
-                raise UnsupportedModel(model_type, name, f"config.{field}[{i}]", _why(kind_s))
-    for field in ("attn_layer_period", "attn_layer_indices", "hybrid_layer_ids"):
-        if getattr(text_cfg, field, None) is not None:
-            raise UnsupportedModel(model_type, "state-space (Mamba) layers between its attention layers",
-                                   f"config.{field}", _RECURRENT_WHY)
+            if kind_s not in ATTENTION_KINDS and kind_s not in FEED_FORWARD_KINDS and kind_s not in _RECURRENT_KINDS:
+                raise UnsupportedModel(model_type, f"{kind_s} layers", f"config.{field}[{i}]", _why(kind_s))
     if getattr(text_cfg, "attention_chunk_size", None):
         raise UnsupportedModel(model_type, "chunked local attention", "config.attention_chunk_size")
     if getattr(text_cfg, "index_topk", None):
@@ -142,18 +152,48 @@ def check_config(text_cfg, model_type: str) -> None:
 
 def check_modules(model: torch.nn.Module, model_type: str) -> None:
     """Rule 2 on the modules actually instantiated (catches hybrids whose config has no
-    layer-kind field, e.g. Falcon-H1's parallel Mamba heads).
+    layer-kind field, e.g. Falcon-H1's parallel Mamba heads): every module named like a
+    recurrent-state mixer is one the engine runs with its state slots
+    (`worker.model.recurrent.state_mixers`), a block around one, a part of one, or a
+    stateless normalization.
 
     Raises:
-        UnsupportedModel: the first recurrent-state module found, by its dotted name.
+        UnsupportedModel: the first recurrent-state module found that is none of those,
+            by its dotted name.
     """
+    mixers = tuple(state_mixers(model))
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if _RECURRENT_MODULE.search(cls):
+        if _RECURRENT_MODULE.search(cls) and "Norm" not in cls and not any(
+                name == m or m.startswith(f"{name}.") or not name or name.startswith(f"{m}.") for m in mixers):
             raise UnsupportedModel(model_type, f"recurrent-state layers ({cls})", f"module {name or '(the model)'}",
                                    _RECURRENT_WHY)
         if hasattr(module, "crossattention") or hasattr(module, "encoder_attn"):
             raise UnsupportedModel(model_type, "cross-attention layers", f"module {name}")
+
+
+def state_mixers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The recurrent mixers the engine runs: modules that hold a `layer_idx` and whose
+    forward takes transformers' `cache` and reads or writes its per-layer states
+    (`is_state_mixer`). name -> module."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and is_state_mixer(type(m))}
+
+
+@functools.cache
+def is_state_mixer(cls: type) -> bool:
+    """`cls.forward` takes `cache` and calls the cache's state interface itself (a block
+    that only passes `cache` on to its mixer does not)."""
+    forward = getattr(cls, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters
+        source = inspect.getsource(forward)
+    except (TypeError, ValueError, OSError):
+        return False
+    return "cache" in params and any(f"cache.{m}(" in source for m in _STATE_METHODS)
+
+
+_STATE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
 
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
@@ -169,8 +209,8 @@ def decoder_projections(model: torch.nn.Module, kinds: tuple[type, ...]) -> dict
             if type(m) in kinds and m is not head and "expert" not in name and _LAYER_INDEX.search(f".{name}.")}
 
 
-_RECURRENT_WHY = ("they carry per-request recurrent state, which the engine does not keep beside the paged KV "
-                 "cache (docs/models.md lists the families refused for it)")
+_RECURRENT_WHY = ("they carry per-request recurrent state the engine keeps only for mixers that take "
+                 "transformers' linear-attention cache (worker/model/recurrent.py; docs/models.md lists the families)")
 
 
 def _why(kind: str) -> str:

@@ -32,8 +32,10 @@ import torch
 
 from schemas.params import SamplingParams
 from worker.engine.outputs import ScheduledRequest, SchedulerOutput
+from worker.model import recurrent
 from worker.model.attention import AttentionMetadata, LayerCall, step_metadata
-from worker.model.capability import KVLayout, UnsupportedModel, layer_windows
+from worker.model.capability import FEED_FORWARD_KINDS, KVLayout, UnsupportedModel, layer_kind, layer_windows
+from worker.model.recurrent import RecurrentStep, StateLayout
 
 PROBE_BLOCK_SIZE = 4
 PROBE_LENS = (11, 7)  # A: chunks [0, 6) + [6, 10) + decode 10; B: [0, 6) + decode 6
@@ -79,8 +81,10 @@ def reference_attention(model: torch.nn.Module, implementation: str = "eager") -
 
 
 def _sched(step: int, parts: list[tuple[str, list[int], int, list[int]]]) -> SchedulerOutput:
-    """parts: (id, all tokens so far, start, block table); decodes (one token, start > 0) first."""
-    reqs = [ScheduledRequest(rid, toks[start:], start, table, True, SamplingParams(), toks)
+    """parts: (id, all tokens so far, start, block table); decodes (one token, start > 0) first.
+    Each request's recurrent-state slot is its letter's place in the alphabet (a: 0)."""
+    reqs = [ScheduledRequest(rid, toks[start:], start, table, True, SamplingParams(), toks,
+                             state_slot=ord(rid[0]) - ord("a"))
             for rid, toks, start, table in parts]
     nd = sum(1 for r in reqs if r.num_tokens == 1 and r.start_pos > 0)
     return SchedulerOutput(step=step, scheduled=reqs, num_scheduled_tokens=sum(r.num_tokens for r in reqs),
@@ -96,8 +100,10 @@ def _forward(model: torch.nn.Module, input_ids: list[int], positions: list[int],
     return out.logits[0].float()
 
 
-def measure_layers(model: torch.nn.Module, text_cfg, model_type: str, backend: ModuleType) -> dict[int, LayerCall]:
-    """Pass 1. Returns layer_idx -> LayerCall.
+def measure_layers(model: torch.nn.Module, text_cfg, model_type: str,
+                   backend: ModuleType) -> tuple[dict[int, LayerCall], StateLayout]:
+    """Pass 1. Returns layer_idx -> LayerCall, and the per-request states of the
+    recurrent mixers (`worker.model.recurrent.install`ed; their layers call no attention).
 
     Raises:
         UnsupportedModel: a layer bypasses our attention, is not causal, passes an
@@ -105,11 +111,15 @@ def measure_layers(model: torch.nn.Module, text_cfg, model_type: str, backend: M
     """
     from worker.model.runner import ModelRunner
 
+    device = next(model.parameters()).device
     runner = ModelRunner(model, num_blocks=1, block_size=PROBE_BLOCK_SIZE, kv_layout=KVLayout(()),
-                         device=next(model.parameters()).device, dtype=torch.float32, backend=backend)
+                         device=device, dtype=torch.float32, backend=backend)
     ids, pos, md, _, _ = runner.build_metadata(_sched(0, [("shape", [1, 2, 3], 0, [0])]))
     md.kv_caches = None
     md.trace = {}
+    mixer_layers = {m.layer_idx for m in recurrent.installed(model)}
+    if mixer_layers:
+        md.recurrent = RecurrentStep(None, 0, torch.zeros(0, dtype=torch.long, device=device), [(0, 3, 0, True)])
     try:
         with torch.inference_mode(), step_metadata(md):
             model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False, logits_to_keep=1,
@@ -118,8 +128,15 @@ def measure_layers(model: torch.nn.Module, text_cfg, model_type: str, backend: M
         raise UnsupportedModel(model_type, "a forward the paged runner cannot run", f"{type(model).__name__}",
                                f"{type(e).__name__}: {str(e)[:300]}") from e
     trace = md.trace
+    states = StateLayout(tuple(md.recurrent.measured[k] for k in sorted(md.recurrent.measured))
+                         if md.recurrent is not None else ())
+    missing_state = sorted(mixer_layers - states.layers)
+    if missing_state:
+        raise UnsupportedModel(model_type, "a recurrent layer that keeps no state through transformers' cache",
+                               f"layer {missing_state[0]}")
     num_layers = int(text_cfg.num_hidden_layers)
-    missing = [i for i in range(num_layers) if i not in trace]
+    missing = [i for i in range(num_layers) if i not in trace and i not in mixer_layers
+               and layer_kind(text_cfg, i) not in FEED_FORWARD_KINDS]
     if missing:
         owner = _attention_module_of(model, missing[0])
         raise UnsupportedModel(model_type, "attention that bypasses transformers' attention interface",
@@ -136,7 +153,7 @@ def measure_layers(model: torch.nn.Module, text_cfg, model_type: str, backend: M
         if call.params.sliding_window != want:
             raise UnsupportedModel(model_type, "a sliding window its attention and its masks disagree on",
                                    f"layer {i}: config {want}, attention call {call.params.sliding_window}")
-    return trace
+    return trace, states
 
 
 def _attention_module_of(model: torch.nn.Module, layer_idx: int) -> str:
@@ -147,8 +164,9 @@ def _attention_module_of(model: torch.nn.Module, layer_idx: int) -> str:
 
 
 def compare_with_reference(model: torch.nn.Module, layout: KVLayout, backend: ModuleType, model_type: str,
-                           vocab_size: int, seed: int = 0) -> float:
-    """Pass 2. Returns the largest relative logit difference seen.
+                           vocab_size: int, seed: int = 0, states: StateLayout | None = None) -> float:
+    """Pass 2 (`states`: the recurrent mixers' per-request states, a slot for each
+    sequence). Returns the largest relative logit difference seen.
 
     Raises:
         UnsupportedModel: the difference is above the dtype's tolerance.
@@ -162,7 +180,7 @@ def compare_with_reference(model: torch.nn.Module, layout: KVLayout, backend: Mo
     b = [rng.randrange(1, min(vocab_size, 30000)) for _ in range(PROBE_LENS[1])]
     num_blocks = 2 * (-(-max(PROBE_LENS) // PROBE_BLOCK_SIZE)) + 2
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=PROBE_BLOCK_SIZE, kv_layout=layout,
-                         device=dev, dtype=dtype, backend=backend)
+                         device=dev, dtype=dtype, backend=backend, state_layout=states, state_slots=2)
     free = list(range(num_blocks))
     rng.shuffle(free)
     table_a = free[: -(-len(a) // PROBE_BLOCK_SIZE)]

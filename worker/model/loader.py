@@ -24,10 +24,11 @@ from transformers import (
 )
 
 from worker.config import ConfigError, ModelConfig
-from worker.model import latent, legacy, quant_load
+from worker.model import latent, legacy, quant_load, recurrent
 from worker.model.attention import ATTN_IMPLEMENTATION
 from worker.model.capability import KVLayout, UnsupportedModel, check_config, check_modules
 from worker.model.kernels import get_backend
+from worker.model.recurrent import StateLayout
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ class LoadedModel:
     `kv_layout` is each layer's KV shape as measured by the load check; `features` names
     what the model needs beyond plain causal attention (for `inflight check` and logs);
     `load_check_error` the largest relative logit difference the load check saw (None:
-    not run).
+    not run); `state_layout` the recurrent mixers' per-request states (empty: none;
+    `worker.model.recurrent`).
     """
 
     model: torch.nn.Module | None
@@ -54,6 +56,7 @@ class LoadedModel:
     backend: ModuleType | None = None
     features: tuple[str, ...] = ()
     load_check_error: float | None = None
+    state_layout: StateLayout = StateLayout()
 
     @property
     def num_layers(self) -> int:
@@ -166,8 +169,13 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         latents = latent.install(model)
     except ValueError as e:
         raise UnsupportedModel(model_type, "latent attention with a non-linear up-projection", "kv_b_proj", str(e)) from e
-    layout, call_features = _measure(model, text_cfg, model_type, backend)
+    mixers = recurrent.install(model)
+    layout, call_features, states = _measure(model, text_cfg, model_type, backend)
     features += call_features
+    if mixers:
+        kinds = sorted({type(m).__name__ for m in mixers.values()})
+        features.append(f"recurrent state in {len(mixers)} layers ({', '.join(kinds)}; "
+                        f"{states.bytes_per_request} bytes per request)")
     if latents:
         r = next(iter(latents.values()))
         features.append(f"latent KV cache ({r.latent_dim} values per token per layer)")
@@ -175,7 +183,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if cfg.load_check:
         from worker.model.load_check import compare_with_reference
 
-        error = compare_with_reference(model, layout, backend, model_type, text_cfg.vocab_size)
+        error = compare_with_reference(model, layout, backend, model_type, text_cfg.vocab_size, states=states)
     max_len = cfg.max_model_len or getattr(text_cfg, "max_position_embeddings", None) or 2048
     loaded = LoadedModel(
         model=model,
@@ -190,6 +198,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         backend=backend,
         features=tuple(features),
         load_check_error=error,
+        state_layout=states,
     )
     log.info("model %s: %s", model_type, loaded.verdict())
     return loaded
@@ -254,12 +263,14 @@ def _quiet_load_report(on: bool) -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def _measure(model: torch.nn.Module, text_cfg, model_type: str, backend: ModuleType) -> tuple[KVLayout, list[str]]:
-    """The load check's shape pass: the KV layout and the attention features in use."""
+def _measure(model: torch.nn.Module, text_cfg, model_type: str,
+             backend: ModuleType) -> tuple[KVLayout, list[str], StateLayout]:
+    """The load check's shape pass: the KV layout, the attention features in use, and
+    the recurrent mixers' states."""
     from worker.model.load_check import measure_layers
 
-    trace = measure_layers(model, text_cfg, model_type, backend)
-    layers = tuple(trace[i].kv if i in trace else None for i in range(max(trace) + 1))
+    trace, states = measure_layers(model, text_cfg, model_type, backend)
+    layers = tuple(trace[i].kv if i in trace else None for i in range(max(trace, default=-1) + 1))
     windows = [call.params.sliding_window for call in trace.values()]
     all_windowed = all(w is not None for w in windows)  # then blocks behind the largest window are dead
     features = []
@@ -275,4 +286,5 @@ def _measure(model: torch.nn.Module, text_cfg, model_type: str, backend: ModuleT
         features.append("ALiBi")
     if getattr(text_cfg, "final_logit_softcapping", None):
         features.append("final logit soft-capping (in the model)")
-    return KVLayout(layers, sliding_window=max(windows) if all_windowed else None), features
+    window = max(windows) if all_windowed and windows else None
+    return KVLayout(layers, sliding_window=window), features, states

@@ -39,6 +39,7 @@ from worker.model.input_batch import BlockTableBuffer, step_positions
 from worker.model.kernels.kv_int8 import allocate_scales
 from worker.model.lora import LoRAStep, LoRAWeights, build_step, lora_step
 from worker.model.masks import start_token_bitmask
+from worker.model.recurrent import RecurrentStep, StateLayout, StatePool
 from worker.model.sampler import sample_on_device, verify_drafts
 from worker.model.step_result import LaunchedStep, SampledStep
 
@@ -57,6 +58,9 @@ class ModelRunner:
         backend: attention back end module (see `worker.model.kernels`).
         kv_int8: the KV cache in int8 with per-token-head scales (`kernels/kv_int8.py`);
             else in `dtype`.
+        state_layout, state_slots: the recurrent mixers' per-request states
+            (`worker.model.recurrent`) and how many requests hold them at once (the
+            engine's `max_running_requests`); none when the layout is empty.
     """
 
     def __init__(
@@ -70,6 +74,8 @@ class ModelRunner:
         dtype: torch.dtype,
         backend: ModuleType,
         kv_int8: bool = False,
+        state_layout: StateLayout | None = None,
+        state_slots: int = 0,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -77,8 +83,12 @@ class ModelRunner:
         # the forward thread mostly waits for the device (kernels queued, the GIL released
         # in the sync), so the engine core's asynchronous steps overlap host work with it
         self.overlaps_host = device.type == "cuda"
+        self.state_pool = (StatePool(state_layout, state_slots, device)
+                           if state_layout is not None and state_layout.specs else None)
+        # a recurrent state cannot take back rejected guesses: no speculation for such models
         self.capabilities = RunnerCapabilities(async_launch=True, device_time=True, overlaps_host=self.overlaps_host,
-                                               speculation=True)
+                                               speculation=self.state_pool is None,
+                                               state_slots=self.state_pool.num_slots if self.state_pool else 0)
         self.backend = backend
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         # logit rows of the vocabulary (structured-output masks are sized before the forward)
@@ -243,6 +253,7 @@ class ModelRunner:
             backend=self.backend,
             modules=self.attention_modules,
             kv_scales=self.kv_scales,
+            recurrent=self._recurrent_step(packed, nd, query_start) if self.state_pool is not None else None,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         if holes:  # decodes fed the previous step's tokens, where they are (on the device)
@@ -282,6 +293,20 @@ class ModelRunner:
             mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(s.start_pos, ctx).unsqueeze(1)
             prefills.append(PrefillSpan(q0, q1, ctx_blocks, mask.to(dev)))
         return decode_groups, prefills
+
+    def _recurrent_step(self, packed: list[ScheduledRequest], nd: int, query_start: list[int]) -> RecurrentStep:
+        """The recurrent mixers' view of the step: each decode's and each prefill chunk's
+        state slot (`ScheduledRequest.state_slot`, the scheduler's).
+
+        Raises:
+            RuntimeError: a scheduled request without a slot (a broken invariant)."""
+        slots = [s.state_slot for s in packed]
+        if min(slots, default=0) < 0:
+            raise RuntimeError("a request of a model with recurrent state was scheduled without a state slot")
+        decode_slots = torch.tensor(slots[:nd], dtype=torch.long, device=self.device)
+        prefills = [(query_start[i], query_start[i + 1], slots[i], packed[i].start_pos == 0)
+                    for i in range(nd, len(packed))]
+        return RecurrentStep(self.state_pool, nd, decode_slots, prefills)
 
     def _fill_placeholders(self, input_ids: torch.Tensor, holes: list[int], hole_ids: list[str]) -> None:
         """Write into `input_ids` at flat positions `holes` the tokens the previous step
