@@ -87,7 +87,7 @@ STATE_FAMILIES: dict[str, tuple[str, dict]] = {
     "Falcon-H1": ("falcon_h1", {}),
     "Nemotron-H": ("nemotron_h", dict(num_hidden_layers=4)),
     "Granite-4 hybrid": ("granitemoehybrid", dict(layer_types=["linear_attention", "attention"])),
-    "LFM2": ("lfm2", {}),
+    "LFM2": ("lfm2", dict(layer_types=["conv", "full_attention"])),
 }
 # An architecture the engine refuses at load (a sparse top-k attention indexer), for the
 # tests of the refusal path: none of the families above is refused any more.

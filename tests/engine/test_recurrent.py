@@ -23,6 +23,7 @@ from worker.model.recurrent import (
     StateLayout,
     StatePool,
     StateSpec,
+    installed,
 )
 
 
@@ -144,3 +145,12 @@ def test_what_a_state_cannot_serve_is_off_or_refused(tmp_path):
                        serving_tuning=ServingTuning(max_total_tokens=512))
     with pytest.raises(ConfigError, match="lora_dir is not served for a model with recurrent-state layers"):
         Engine.from_pretrained(str(arch_checkpoint("Mamba")), cfg)
+
+
+@pytest.mark.parametrize("family, continues", [("Mamba", False), ("Mamba-2", True), ("Qwen3-Next", True)])
+def test_chunks_continue_by_the_sequence_path_where_it_takes_a_state(family, continues):
+    """transformers' Mamba scan starts from zeros whatever the cache holds, so its
+    continuing chunks go token by token; Mamba-2's and the gated delta net's take the
+    state (measured at load, `probe_continuation`)."""
+    mixers = installed(_engine(family).runner.model)
+    assert mixers and all(m._inflight_continues_state is continues for m in mixers)

@@ -130,3 +130,24 @@ def test_eviction_of_cached_block_drops_its_hash():
     assert kv.allocate(other, 8)  # evicts both
     assert kv.find_cached_prefix(make_req("x", list(range(9)))) == []
     kv.check_invariants()
+
+
+def test_state_slots_go_with_the_first_blocks_and_back_with_them():
+    """A model with recurrent state (`worker/model/recurrent.py`): a request takes a state
+    slot with its first blocks, keeps it while it grows, and gives it back when freed; with
+    every slot held, a new request is not allocated (nothing changes), as when blocks run out."""
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False, state_slots=2)
+    a, b, c = make_req("a", [1] * 5), make_req("b", [2] * 3), make_req("c", [3] * 2)
+    assert kv.allocate(a, 5) and kv.allocate(b, 3)
+    assert {a.state_slot, b.state_slot} == {0, 1}
+    a.num_computed_tokens = 5
+    assert kv.allocate(a, 4) and a.state_slot in (0, 1)  # growing keeps the slot
+    assert not kv.allocate(c, 2)
+    assert kv.block_table("c") == [] and c.state_slot == -1
+    kv.check_invariants()
+    freed = a.state_slot
+    kv.free("a")
+    assert kv.allocate(c, 2) and c.state_slot == freed
+    kv.check_invariants()
+    with pytest.raises(ValueError, match="exclude prefix caching"):
+        KVCacheManager(16, 4, enable_prefix_caching=True, state_slots=2)

@@ -174,8 +174,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     features += call_features
     if mixers:
         kinds = sorted({type(m).__name__ for m in mixers.values()})
+        continues = recurrent.probe_continuation(model, states, text_cfg.hidden_size)
         features.append(f"recurrent state in {len(mixers)} layers ({', '.join(kinds)}; "
-                        f"{states.bytes_per_request} bytes per request)")
+                        f"{states.bytes_per_request} bytes per request; chunks continue "
+                        f"{'by the sequence path' if all(continues.values()) else 'token by token'})")
     if latents:
         r = next(iter(latents.values()))
         features.append(f"latent KV cache ({r.latent_dim} values per token per layer)")

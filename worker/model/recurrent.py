@@ -16,11 +16,11 @@ reads and writes the slots of the rows it runs:
     the mixers' single-token path stepping each row's state once;
   - a prefill chunk that starts a request (position 0; also a preempted request
     recomputed): one call over the chunk from a zero state, the mixers' sequence path;
-  - a prefill chunk that continues a request (chunked prefill): token by token through
-    the single-token path. Some families' sequence path ignores an initial state
-    (transformers' Mamba scan starts from zeros), so this is the one exact rule for all
-    of them; it is slower per token than the sequence path, and only chunks after a
-    request's first pay it.
+  - a prefill chunk that continues a request (chunked prefill): one call of the sequence
+    path from the request's state where the mixer's sequence path continues a state
+    (measured at load by `probe_continuation`: Mamba-2, gated delta net, short
+    convolutions), else token by token through the single-token path (transformers'
+    Mamba scan starts from zeros whatever the cache holds).
 
 Slots are the scheduler's (`worker.engine.kv_cache.KVCacheManager`: taken with a
 request's first blocks, given back when they are freed: finish, cancel, preemption), so
@@ -205,7 +205,40 @@ def install(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
             continue
         module.forward = _packed_forward(module, type(module).forward.__get__(module))
         module._inflight_state_forward = True
+        module._inflight_continues_state = False  # until `probe_continuation` measures it
     return mixers
+
+
+def probe_continuation(model: torch.nn.Module, layout: StateLayout, hidden_size: int) -> dict[int, bool]:
+    """For each installed mixer, whether its sequence path continues a state: 8 random
+    hidden states run whole from zeros, and as 5 from zeros then 3 from the state those
+    left, must give the same last 3 outputs (within the dtype's rounding). Sets what the
+    packed forward does with a chunk that continues a request (module docstring).
+    Returns layer_idx -> the verdict."""
+    verdicts = {}
+    param = next(model.parameters())
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for module in installed(model):
+        idx = module.layer_idx
+        pool = StatePool(StateLayout(tuple(s for s in layout.specs if s.layer_idx == idx)), 1, param.device)
+        step = RecurrentStep(pool, 0, torch.zeros(0, dtype=torch.long, device=param.device), [])
+        forward = type(module).forward.__get__(module)
+        x = (torch.randn(1, 8, hidden_size, generator=gen) * 0.5).to(device=param.device, dtype=param.dtype)
+        slots = torch.zeros(1, dtype=torch.long, device=param.device)
+        with torch.inference_mode():
+            whole = _call(forward, step, idx, x, slots, False, {})[:, 5:].float()
+            for t in pool.tensors.values():
+                t.zero_()
+            _call(forward, step, idx, x[:, :5], slots, False, {})
+            try:
+                tail = _call(forward, step, idx, x[:, 5:], slots, True, {}).float()
+            except Exception:  # a sequence path that cannot take a state at all
+                tail = None
+        scale = whole.abs().max().item() or 1.0
+        tol = 1e-4 if param.dtype in (torch.float32, torch.float64) else 2e-2
+        verdicts[idx] = module._inflight_continues_state = (
+            tail is not None and tail.shape == whole.shape and (tail - whole).abs().max().item() <= tol * scale)
+    return verdicts
 
 
 def installed(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -233,8 +266,9 @@ def _packed_forward(module: torch.nn.Module, forward):
                                 True, kwargs)[:, 0])
         for q0, q1, slot, starts in step.prefills:
             slots = torch.tensor([slot], device=hidden_states.device)
-            if starts:
-                pieces.append(_call(forward, step, layer_idx, hidden_states[:, q0:q1], slots, False, kwargs)[0])
+            if starts or module._inflight_continues_state:
+                pieces.append(_call(forward, step, layer_idx, hidden_states[:, q0:q1], slots, not starts,
+                                    kwargs)[0])
             else:  # a chunk continuing a request: its tokens one at a time (the module docstring)
                 pieces += [_call(forward, step, layer_idx, hidden_states[:, q:q + 1], slots, True, kwargs)[0]
                            for q in range(q0, q1)]
