@@ -76,9 +76,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                             mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2, use_mamba_kernels=False)),
 }
 # Families whose every mixer keeps per-request recurrent state, or hybrids of such mixers
-# with attention (`worker/model/recurrent.py`), beside Qwen3-Next and Jamba above; each
-# with the fields that make its tiny config build and keep an attention layer where the
-# family has them.
+# with attention (`worker/model/recurrent.py`; Zamba's one attention block shared by its
+# hybrid layers, `legacy.py`), beside Qwen3-Next and Jamba above; each with the fields that
+# make its tiny config build and keep an attention layer where the family has them.
 STATE_FAMILIES: dict[str, tuple[str, dict]] = {
     "Mamba": ("mamba", {}),
     "Mamba-2": ("mamba2", dict(num_heads=8, head_dim=16, n_groups=1)),
@@ -88,6 +88,13 @@ STATE_FAMILIES: dict[str, tuple[str, dict]] = {
     "Nemotron-H": ("nemotron_h", dict(num_hidden_layers=4)),
     "Granite-4 hybrid": ("granitemoehybrid", dict(layer_types=["linear_attention", "attention"])),
     "LFM2": ("lfm2", dict(layer_types=["conv", "full_attention"])),
+    "Zamba": ("zamba", dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                            attn_layer_period=2, attn_layer_offset=1)),
+    "Zamba2": ("zamba2", dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                              hybrid_layer_ids=[1, 2])),
+    "Kimi-Linear": ("kimi_linear", dict(num_experts_per_token=2, layer_types=["linear_attention", "full_attention"],
+                                        mlp_layer_types=["dense", "sparse"], linear_head_dim=16, linear_num_heads=4)),
+    "MiniMax": ("minimax", {}),
 }
 # An architecture the engine refuses at load (a sparse top-k attention indexer), for the
 # tests of the refusal path: none of the families above is refused any more.

@@ -5,6 +5,8 @@ budget; and the features a state cannot serve turned off or refused at load."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -71,7 +73,8 @@ def test_slot_cache_keeps_what_transformers_cache_layer_keeps():
     assert not pool.tensors[(0, CONV, 0)][1].any(), "a slot no request held was written"
 
 
-@pytest.mark.parametrize("family, async_steps", [("Jamba", False), ("Mamba", True), ("Qwen3-Next", True)])
+@pytest.mark.parametrize("family, async_steps", [("Jamba", False), ("Mamba", True), ("Qwen3-Next", True),
+                                                ("Zamba2", False), ("MiniMax", True)])
 def test_exact_through_preemption_and_async_steps(family, async_steps):
     """Four requests of 30 + 24 tokens (4 blocks each) in 16-token chunks under a KV budget
     of 8 blocks: all are admitted, decodes outgrow the blocks, and requests are preempted
@@ -154,3 +157,27 @@ def test_chunks_continue_by_the_sequence_path_where_it_takes_a_state(family, con
     state (measured at load, `probe_continuation`)."""
     mixers = installed(_engine(family).runner.model)
     assert mixers and all(m._inflight_continues_state is continues for m in mixers)
+
+
+def test_structured_outputs_and_priorities_on_a_hybrid():
+    """The masks are the sampler's, the priorities the scheduler's: a hybrid serves both
+    (regex and choice constrained requests at two priorities in one batch)."""
+    from schemas.params import ChoiceOutput, RegexOutput
+    from worker.engine import Priority
+
+    engine = _engine("Jamba", max_batched_tokens=64)
+    choices = ["yes", "no", "maybe"]
+    params = ([SamplingParams(max_tokens=20, temperature=1.0, seed=s, structured=ChoiceOutput(choices=choices))
+               for s in range(3)]
+              + [SamplingParams(max_tokens=20, temperature=1.0, seed=s,
+                                structured=RegexOutput(pattern=r"[0-9]{3}-[a-z]{2,4}")) for s in range(3)])
+    for i, p in enumerate(params):
+        engine.add_request(f"s{i}", "Pick one:", params=p, priority=Priority.HIGH if i % 2 else Priority.LOW)
+    texts = {f"s{i}": "" for i in range(len(params))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.request_id] += out.text  # each output carries its new text
+    for i in range(3):
+        assert texts[f"s{i}"] in choices
+    for i in range(3, 6):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", texts[f"s{i}"], re.ASCII), texts[f"s{i}"]

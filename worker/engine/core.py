@@ -82,6 +82,9 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         if sliding_window is None:
             state_slots = runner.capabilities.state_slots
+            if state_slots and tuning.enable_prefix_caching:
+                log.info("prefix caching is off: the model keeps recurrent state per request, which is not a set "
+                         "of blocks a prefix could share (worker/model/recurrent.py)")
             self.kv = KVCacheManager(num_blocks, tuning.kv_block_size,
                                      enable_prefix_caching=tuning.enable_prefix_caching and not state_slots,
                                      namespace=model_id.encode(), host_slots=runner.capabilities.host_kv_slots,

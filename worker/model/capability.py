@@ -153,9 +153,9 @@ def check_config(text_cfg, model_type: str) -> None:
 def check_modules(model: torch.nn.Module, model_type: str) -> None:
     """Rule 2 on the modules actually instantiated (catches hybrids whose config has no
     layer-kind field, e.g. Falcon-H1's parallel Mamba heads): every module named like a
-    recurrent-state mixer is one the engine runs with its state slots
-    (`worker.model.recurrent.state_mixers`), a block around one, a part of one, or a
-    stateless normalization.
+    recurrent-state mixer is one the engine runs with its state slots (`state_mixers`), a
+    block around one, a part of one, a stateless normalization, or softmax attention
+    through transformers' attention interface whatever its name.
 
     Raises:
         UnsupportedModel: the first recurrent-state module found that is none of those,
@@ -164,8 +164,9 @@ def check_modules(model: torch.nn.Module, model_type: str) -> None:
     mixers = tuple(state_mixers(model))
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if _RECURRENT_MODULE.search(cls) and "Norm" not in cls and not any(
-                name == m or m.startswith(f"{name}.") or not name or name.startswith(f"{m}.") for m in mixers):
+        if _RECURRENT_MODULE.search(cls) and "Norm" not in cls and not _uses_attention_interface(type(module)) \
+                and not any(name == m or m.startswith(f"{name}.") or not name or name.startswith(f"{m}.")
+                            for m in mixers):
             raise UnsupportedModel(model_type, f"recurrent-state layers ({cls})", f"module {name or '(the model)'}",
                                    _RECURRENT_WHY)
         if hasattr(module, "crossattention") or hasattr(module, "encoder_attn"):
@@ -193,7 +194,19 @@ def is_state_mixer(cls: type) -> bool:
     return "cache" in params and any(f"cache.{m}(" in source for m in _STATE_METHODS)
 
 
-_STATE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
+@functools.cache
+def _uses_attention_interface(cls: type) -> bool:
+    """`cls.forward` calls transformers' attention interface: softmax attention whatever its
+    name says (Kimi-Linear's full-attention layers are `KimiLinearAttention`); the shape
+    pass checks it like any attention module."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (TypeError, ValueError, OSError):
+        return False
+
+
+_STATE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
+                  "get_linear_cache", "set_linear_cache")
 
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")

@@ -13,6 +13,7 @@ module's original forward.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from types import MethodType
@@ -111,17 +112,52 @@ def has_adapter(model_type: str) -> bool:
     return model_type in _ADAPTERS
 
 
+def _install_shared_attention(model: torch.nn.Module) -> list[str]:
+    """Attention modules shared by several layers (Zamba, Zamba2: one block's weights
+    called from every hybrid layer) take the calling layer's index as a `layer_idx`
+    argument, and their own `layer_idx` attribute (which our attention reads to pick the
+    KV cache) names none of those layers: each call sets the attribute to its argument
+    first, so every calling layer has its own KV cache."""
+    shared = [m for m in model.modules() if "ttention" in type(m).__name__ and hasattr(m, "layer_idx")
+              and "layer_idx" in _forward_params(type(m))]
+    for module in shared:
+        module.forward = _per_call_layer(module, inspect.signature(type(module).forward))
+    return [f"attention shared by several layers ({type(shared[0]).__name__}: a KV cache per calling layer)"] \
+        if shared else []
+
+
+def _forward_params(cls: type) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _per_call_layer(module: torch.nn.Module, signature: inspect.Signature):
+    inner = type(module).forward.__get__(module)
+
+    def forward(*args: Any, **kwargs: Any):
+        idx = signature.bind_partial(module, *args, **kwargs).arguments.get("layer_idx")
+        if isinstance(idx, int):
+            module.layer_idx = idx
+        return inner(*args, **kwargs)
+
+    return forward
+
+
 def install(model: torch.nn.Module) -> list[str]:
     """Install the adapter of `model`'s architecture, if it has one (after the model is
-    on its device). Returns the features it adds, for the load verdict.
+    on its device), and make attention modules shared by several layers keep a KV cache
+    per calling layer. Returns the features they add, for the load verdict.
 
     Raises:
         UnsupportedModel: a variant the adapter does not cover.
     """
+    shared = _install_shared_attention(model)
     installer = _ADAPTERS.get(str(model.config.model_type))
     if installer is None:
-        return []
-    features = installer(model)
+        return shared
+    features = shared + installer(model)
     inner = model.forward
 
     def forward(*args: Any, inflight_metadata: AttentionMetadata | None = None, **kwargs: Any):

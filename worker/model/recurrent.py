@@ -35,6 +35,7 @@ compiled forward / graphs (not yet built for the state path).
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -186,6 +187,13 @@ class SlotCache:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    # MiniMax's lightning attention keeps its state through these two
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
+        self.update_recurrent_state(state, layer_idx)
+
     def scatter(self) -> None:
         """Write the rows' states back to their slots."""
         pool = self.step.pool
@@ -225,13 +233,14 @@ def probe_continuation(model: torch.nn.Module, layout: StateLayout, hidden_size:
         forward = type(module).forward.__get__(module)
         x = (torch.randn(1, 8, hidden_size, generator=gen) * 0.5).to(device=param.device, dtype=param.dtype)
         slots = torch.zeros(1, dtype=torch.long, device=param.device)
+        extra = _probe_args(module, x)
         with torch.inference_mode():
-            whole = _call(forward, step, idx, x, slots, False, {})[:, 5:].float()
+            whole = _call(forward, step, idx, x, slots, False, extra)[0][:, 5:].float()
             for t in pool.tensors.values():
                 t.zero_()
-            _call(forward, step, idx, x[:, :5], slots, False, {})
+            _call(forward, step, idx, x[:, :5], slots, False, extra)
             try:
-                tail = _call(forward, step, idx, x[:, 5:], slots, True, {}).float()
+                tail = _call(forward, step, idx, x[:, 5:], slots, True, extra)[0].float()
             except Exception:  # a sequence path that cannot take a state at all
                 tail = None
         scale = whole.abs().max().item() or 1.0
@@ -246,42 +255,68 @@ def installed(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if getattr(m, "_inflight_state_forward", False)]
 
 
+def _probe_args(module: torch.nn.Module, x: torch.Tensor) -> dict:
+    """Required arguments of the mixer's forward beyond the hidden states, the cache and
+    the mask, as None (MiniMax's lightning attention takes rotary embeddings it does not
+    read)."""
+    params = list(inspect.signature(type(module).forward).parameters.values())[2:]
+    return {p.name: None for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                                  p.KEYWORD_ONLY)
+            and p.name not in ("cache", "attention_mask")}
+
+
 def _packed_forward(module: torch.nn.Module, forward):
     layer_idx = module.layer_idx
+    params = list(inspect.signature(forward).parameters.values())
+    signature = inspect.Signature(params)
 
-    def packed(hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
+    def packed(*args, **kwargs):
         md = current_metadata()
         if md is None:  # not the engine's step (transformers' own forward: the load check's reference)
-            return forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            return forward(*args, **kwargs)
         step = md.recurrent
         if step is None:
             raise RuntimeError(f"recurrent layer {layer_idx} ran in a step without state slots")
+        bound = signature.bind(*args, **kwargs).arguments
+        hidden_states = bound.pop(params[0].name)
+        rest = {}
+        for p in params[1:]:
+            if p.name in bound:
+                rest.update(bound[p.name] if p.kind is p.VAR_KEYWORD else {p.name: bound[p.name]})
+        rest["attention_mask"] = None  # the packed rows have no padding
+        rest.pop("cache", None)
         if hidden_states.shape[0] != 1:
             raise RuntimeError(f"recurrent layer {layer_idx} expects the packed batch [1, tokens, hidden], got "
                                f"{tuple(hidden_states.shape)}")
-        pieces = []
+        pieces, extra = [], 0
         nd = step.num_decodes
         if nd:
-            pieces.append(_call(forward, step, layer_idx, hidden_states[0, :nd].unsqueeze(1), step.decode_slots,
-                                True, kwargs)[:, 0])
+            out, extra = _call(forward, step, layer_idx, hidden_states[0, :nd].unsqueeze(1), step.decode_slots,
+                               True, rest)
+            pieces.append(out[:, 0])
         for q0, q1, slot, starts in step.prefills:
             slots = torch.tensor([slot], device=hidden_states.device)
             if starts or module._inflight_continues_state:
-                pieces.append(_call(forward, step, layer_idx, hidden_states[:, q0:q1], slots, not starts,
-                                    kwargs)[0])
+                out, extra = _call(forward, step, layer_idx, hidden_states[:, q0:q1], slots, not starts, rest)
+                pieces.append(out[0])
             else:  # a chunk continuing a request: its tokens one at a time (the module docstring)
-                pieces += [_call(forward, step, layer_idx, hidden_states[:, q:q + 1], slots, True, kwargs)[0]
-                           for q in range(q0, q1)]
-        return torch.cat(pieces).unsqueeze(0)
+                for q in range(q0, q1):
+                    out, extra = _call(forward, step, layer_idx, hidden_states[:, q:q + 1], slots, True, rest)
+                    pieces.append(out[0])
+        out = torch.cat(pieces).unsqueeze(0)
+        return (out, *([None] * extra)) if extra else out
 
     return packed
 
 
 def _call(forward, step: RecurrentStep, layer_idx: int, x: torch.Tensor, slots: torch.Tensor, previous: bool,
-          kwargs: dict) -> torch.Tensor:
+          kwargs: dict) -> tuple[torch.Tensor, int]:
+    """The mixer over rows `x` with their slots' states: (its output, how many more values
+    it returns beside it, for a mixer that returns a tuple)."""
     cache = SlotCache(step, layer_idx, slots, previous)
-    out = forward(x, cache=cache, attention_mask=None, **kwargs)
+    out = forward(x, cache=cache, **{"attention_mask": None, **kwargs})
+    extra = 0
     if isinstance(out, tuple):
-        out = out[0]
+        out, extra = out[0], len(out) - 1
     cache.scatter()
-    return out
+    return out, extra
