@@ -95,6 +95,7 @@ STATE_FAMILIES: dict[str, tuple[str, dict]] = {
     "Kimi-Linear": ("kimi_linear", dict(num_experts_per_token=2, layer_types=["linear_attention", "full_attention"],
                                         mlp_layer_types=["dense", "sparse"], linear_head_dim=16, linear_num_heads=4)),
     "MiniMax": ("minimax", {}),
+    "LaRA-mini": ("lara_mini", dict(sliding_window=WINDOW)),  # gated delta net beside windowed attention
 }
 # An architecture the engine refuses at load (a sparse top-k attention indexer), for the
 # tests of the refusal path: none of the families above is refused any more.

@@ -80,19 +80,19 @@ class EngineCore:
         self._runner = runner
         self.tuning = tuning
         self.eos_token_ids = eos_token_ids
+        state_slots = runner.capabilities.state_slots
+        if state_slots and tuning.enable_prefix_caching:
+            log.info("prefix caching is off: the model keeps recurrent state per request, which is not a set "
+                     "of blocks a prefix could share (worker/model/recurrent.py)")
+        prefix_caching = tuning.enable_prefix_caching and not state_slots
         if sliding_window is None:
-            state_slots = runner.capabilities.state_slots
-            if state_slots and tuning.enable_prefix_caching:
-                log.info("prefix caching is off: the model keeps recurrent state per request, which is not a set "
-                         "of blocks a prefix could share (worker/model/recurrent.py)")
-            self.kv = KVCacheManager(num_blocks, tuning.kv_block_size,
-                                     enable_prefix_caching=tuning.enable_prefix_caching and not state_slots,
+            self.kv = KVCacheManager(num_blocks, tuning.kv_block_size, enable_prefix_caching=prefix_caching,
                                      namespace=model_id.encode(), host_slots=runner.capabilities.host_kv_slots,
                                      state_slots=state_slots)
         else:
             self.kv = SlidingWindowKVCacheManager(
                 num_blocks, tuning.kv_block_size, sliding_window=sliding_window, max_chunk=tuning.max_batched_tokens,
-                enable_prefix_caching=tuning.enable_prefix_caching, namespace=model_id.encode())
+                enable_prefix_caching=prefix_caching, namespace=model_id.encode(), state_slots=state_slots)
         self.scheduler = Scheduler(tuning, self.kv)
         if self.scheduler.speculation is not None and (sliding_window is not None
                                                        or not runner.capabilities.speculation):

@@ -137,8 +137,7 @@ def check_recurrent(loaded: LoadedModel, model_cfg: ModelConfig, tuning: Serving
     (a state is neither a set of shareable blocks nor able to take back guesses).
 
     Raises:
-        ConfigError: LoRA adapters or a host KV tier.
-        UnsupportedModel: a sliding window in every layer (its KV manager keeps no state slots)."""
+        ConfigError: LoRA adapters or a host KV tier."""
     if not loaded.state_layout.specs:
         return
     why = "is not served for a model with recurrent-state layers yet"
@@ -147,11 +146,6 @@ def check_recurrent(loaded: LoadedModel, model_cfg: ModelConfig, tuning: Serving
     if tuning.host_kv_bytes is not None:
         raise ConfigError(f"serving_tuning.host_kv_bytes {why} (it keeps prefix blocks, and such a model shares "
                           "no prefix); unset it")
-    if loaded.kv_layout.sliding_window is not None:
-        from worker.model.capability import UnsupportedModel
-
-        raise UnsupportedModel(loaded.model_id.split(":", 1)[0], "recurrent-state layers beside sliding-window "
-                               "attention in every layer", "config.sliding_window", "not served yet")
 
 
 def graph_reserve(loaded: LoadedModel, model_cfg: ModelConfig, tuning: ServingTuning) -> int:

@@ -329,10 +329,8 @@ class KVCacheManager:
         num_needed = self.num_blocks_to_allocate(req, num_new_tokens, cached_blocks, reserve_tokens)
         if num_needed > self.pool.num_free_blocks:
             return False
-        if self._free_state_slots is not None:
-            if not self._free_state_slots:
-                return False
-            req.state_slot = self._state_slots[req.request_id] = self._free_state_slots.pop()
+        if not self._take_state_slot(req):
+            return False
         cached_blocks = cached_blocks or []
         num_tokens = self._num_tokens_to_cover(req, num_new_tokens, len(cached_blocks), reserve_tokens)
         table = list(cached_blocks)
@@ -347,6 +345,16 @@ class KVCacheManager:
             table.extend(new_blocks)
         if table:
             self._num_held[req.tenant] = self._num_held.get(req.tenant, 0) + len(table)
+        return True
+
+    def _take_state_slot(self, req: Request) -> bool:
+        """A new table's recurrent-state slot (`state_slots`), taken for `req`; False when every
+        slot is held (nothing taken). True without slots."""
+        if self._free_state_slots is None:
+            return True
+        if not self._free_state_slots:
+            return False
+        req.state_slot = self._state_slots[req.request_id] = self._free_state_slots.pop()
         return True
 
     def cache_full_blocks(self, req: Request, num_computed: int | None = None) -> None:

@@ -54,8 +54,8 @@ class SlidingWindowKVCacheManager(KVCacheManager):
     changes_tables_in_place = True  # freeing behind writes NULL_BLOCK over a table's first entries
 
     def __init__(self, num_blocks: int, block_size: int, *, sliding_window: int, max_chunk: int,
-                 enable_prefix_caching: bool = True, namespace: bytes = b"") -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching, namespace)
+                 enable_prefix_caching: bool = True, namespace: bytes = b"", state_slots: int = 0) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching, namespace, state_slots=state_slots)
         self.sliding_window = sliding_window
         self.max_chunk = max_chunk
         self._num_skipped: dict[str, int] = {}  # leading NULL_BLOCK entries per table
@@ -121,7 +121,7 @@ class SlidingWindowKVCacheManager(KVCacheManager):
             return True
         cached = cached_blocks or []
         num_needed = self.num_blocks_to_allocate(req, num_new_tokens, cached, reserve_tokens)
-        if num_needed > self.num_free_blocks:
+        if num_needed > self.num_free_blocks or not self._take_state_slot(req):
             return False
         num_revived = sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
         table = []
