@@ -195,7 +195,7 @@ def compile_engine(runner: ModelRunner, setting: str, generate: Generate, graphs
     or capture: the engine stays eager (or without graphs) and the report says why."""
     if getattr(runner, "state_pool", None) is not None:  # compiled recurrent mixers: not built yet
         why = "recurrent-state layers run eager (worker/model/recurrent.py: per-request state, not traced yet)"
-        return CompileReport(False, why, cuda_graph_reason=why)
+        return CompileReport(False, why, cuda_graph_reason="recurrent-state layers")
     on, reason = wanted(setting, runner.device.type)
     replay, graphs_why = graphs_wanted(graphs_setting, runner.device.type, runner.lora is not None, runner.backend)
     if not on and replay is None:
