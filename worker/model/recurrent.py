@@ -2,12 +2,15 @@
 net / short-convolution mixers of state-space and hybrid models, run by transformers'
 own layer code over the packed batch.
 
-transformers (5.x) gives every such mixer one signature, `forward(hidden_states,
+transformers (5.x) gives almost every such mixer one signature, `forward(hidden_states,
 cache=None, attention_mask=None, **kwargs)`, and one state interface on the cache
 (`get_conv_state` / `update_conv_state` / `get_recurrent_state` /
-`update_recurrent_state`, `cache_utils.LinearAttentionLayer`): a convolution window
+`update_recurrent_state`, `cache_utils.LinearAttentionLayer`; MiniMax's lightning
+attention its own `get_linear_cache` / `set_linear_cache`): a convolution window
 `[batch, channels, kernel]` and a recurrent state (SSM state, delta-rule matrix) per
-layer. The engine keeps those per request in *state slots* (`StatePool`: one tensor per
+layer. The other arguments a mixer gets are passed on unchanged to each of its calls
+below (none of the served mixers reads a per-token one; the load check's packed pass
+would see one that did). The engine keeps those per request in *state slots* (`StatePool`: one tensor per
 layer and state, `[num_slots, *shape]`), as vLLM's hybrid cache manager keeps them
 beside its paged attention, and hands each mixer a cache of ours (`SlotCache`) that
 reads and writes the slots of the rows it runs:
@@ -28,9 +31,10 @@ a slot is never read by two requests; a slot's previous content is never read ei
 request's first chunk starts from zeros). Their memory is reserved out of the KV budget
 for `max_running_requests` slots (`worker.engine.engine.kv_cache_blocks`).
 
-What a recurrent state cannot do, and is refused at load for these models: share a
-prefix (prefix caching), roll back guessed tokens (speculative decoding), and the
-compiled forward / graphs (not yet built for the state path).
+What a recurrent state cannot do is off for these models: share a prefix (prefix
+caching), take back guessed tokens (speculative decoding); not built for the state path
+yet: the compiled forward and graphs (eager), LoRA and the host KV tier (refused at load,
+`worker.engine.engine.check_recurrent`).
 """
 
 from __future__ import annotations
@@ -233,7 +237,7 @@ def probe_continuation(model: torch.nn.Module, layout: StateLayout, hidden_size:
         forward = type(module).forward.__get__(module)
         x = (torch.randn(1, 8, hidden_size, generator=gen) * 0.5).to(device=param.device, dtype=param.dtype)
         slots = torch.zeros(1, dtype=torch.long, device=param.device)
-        extra = _probe_args(module, x)
+        extra = _probe_args(module)
         with torch.inference_mode():
             whole = _call(forward, step, idx, x, slots, False, extra)[0][:, 5:].float()
             for t in pool.tensors.values():
@@ -255,7 +259,7 @@ def installed(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if getattr(m, "_inflight_state_forward", False)]
 
 
-def _probe_args(module: torch.nn.Module, x: torch.Tensor) -> dict:
+def _probe_args(module: torch.nn.Module) -> dict:
     """Required arguments of the mixer's forward beyond the hidden states, the cache and
     the mask, as None (MiniMax's lightning attention takes rotary embeddings it does not
     read)."""
