@@ -13,6 +13,8 @@
      matmul kernel (`kernels/triton_quant.py`), each against the float64 arithmetic of its
      integers, and timed against the bf16 layer; and FP8-dynamic through `torch._scaled_mm`;
   3c. the int8 KV cache in the Triton kernels (write and attention) against the reference;
+  3d. recurrent-state and hybrid models (tiny Mamba, Mamba-2, Jamba, Bamba, Qwen3-Next,
+      Zamba2): the engine's greedy ids against transformers' `generate` on the device;
   4. the engine benchmark with a random-init ~1.1B-parameter Llama in bf16: Inflight with
      Triton vs Inflight with the torch reference back end (tokens/s and ratio), and
      Triton with decode steps replayed from CUDA graphs (`model.cuda_graphs: auto`, the
@@ -309,6 +311,29 @@ def _fp8_linear(lin: torch.nn.Linear, device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def hybrid_models(device: str, smoke: bool) -> list[dict]:
+    """Recurrent-state and hybrid models (`worker/model/recurrent.py`) on the device: four
+    staggered requests in 16-token chunks through the engine (fp32, the device's back end)
+    against transformers' `generate` on the same device, per tiny family; `ok`: the greedy
+    ids are identical. transformers runs the mixers with `mamba_ssm` / `causal_conv1d` /
+    `fla` where they are installed (the report's `state_kernels`), else in torch."""
+    from tests.conftest import arch_checkpoint
+    from tools.tiny_archs import reference, run_engine, staggered_requests
+
+    families = ["Mamba"] if smoke else ["Mamba", "Mamba-2", "Jamba", "Bamba", "Qwen3-Next", "Zamba2"]
+    rows = []
+    for family in families:
+        path = arch_checkpoint(family)
+        requests = staggered_requests()
+        t0 = time.time()
+        got = run_engine(path, requests, 16, backend="auto", device=device)
+        seconds = time.time() - t0
+        want = reference(path, requests, 16, device=device)
+        rows.append({"family": family, "ok": all(got[rid][0] == want[rid] for rid in want),
+                     "engine_seconds": round(seconds, 2)})
+    return rows
+
+
 def engine_bench(a, device: str, on_progress=lambda out: None) -> dict:
     """The engine runs of part 4 (module docstring); `on_progress(out)` after each run, finished or failed."""
     from tools.bench.engine import agreement, run_inflight
@@ -440,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
         "torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"),
         "peak_bandwidth_gb_per_s": peak, "peak_source": peak_src,
+        "state_kernels": {m: _version(m) for m in ("mamba-ssm", "causal-conv1d", "flash-linear-attention")},
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -454,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
              "decode_attention_long_context": lambda: decode_bandwidth(device, a.smoke, peak, batch=4, ctx=16384),
              "prefill_attention": lambda: prefill_tflops(device, a.smoke),
              "quantized_linear": lambda: quantized_linear(device, a.smoke),
-             "int8_kv": lambda: int8_kv(device, a.smoke)}
+             "int8_kv": lambda: int8_kv(device, a.smoke),
+             "hybrid_models": lambda: hybrid_models(device, a.smoke)}
     if not a.skip_engine:
         parts["engine"] = lambda: engine_bench(a, device, on_progress=lambda eng: (report.update(engine=eng), save()))
     failed = []
@@ -467,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
         print(f"gpu_check: {name} {'failed' if name in failed else 'done'} in {time.time() - started:.1f} s",
               file=sys.stderr, flush=True)
-        checked = ("correctness", "quantized_linear", "int8_kv")
+        checked = ("correctness", "quantized_linear", "int8_kv", "hybrid_models")
         report["all_correct"] = (not set(checked) & set(failed)
                                  and all(r["ok"] for part in checked for r in report.get(part, [])))
         save()

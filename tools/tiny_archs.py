@@ -152,7 +152,7 @@ def staggered_requests(seed: int = 0, lens=((40, 0), (23, 3), (57, 7), (90, 12))
 def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch", block_size: int = 16,
                max_batched_tokens: int = 16, max_total_tokens: int = 4096, kv_policy: str = "optimistic",
                on_step=None, on_forward=None, async_scheduling: bool = False, compile_mode: str = "off",
-               forward: list[str] | None = None) -> dict:
+               forward: list[str] | None = None, device: str = "cpu") -> dict:
     """Greedy, EOS ignored, chunked prefill (`max_batched_tokens`). Returns
     request id -> (token ids, finish reason). `on_step(engine)` runs after every step,
     `on_forward(scheduler_output)` at the start of every forward (on the forward thread
@@ -162,7 +162,7 @@ def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch",
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
 
-    cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu", attention_backend=backend,
+    cfg = EngineConfig(model=ModelConfig(dtype="float32", device=device, attention_backend=backend,
                                          compile=compile_mode),
                        serving_tuning=ServingTuning(max_total_tokens=max_total_tokens, kv_block_size=block_size,
                                                     max_batched_tokens=max_batched_tokens, max_running_requests=8,
@@ -199,17 +199,17 @@ def run_engine(path: Path, requests, max_tokens: int, *, backend: str = "torch",
     return {rid: (tokens[rid], finals[rid]) for rid in tokens}
 
 
-def reference(path: Path, requests, max_tokens: int) -> dict[str, list[int]]:
+def reference(path: Path, requests, max_tokens: int, device: str = "cpu") -> dict[str, list[int]]:
     """transformers' `generate` for each request alone (greedy, exactly max_tokens: no
     EOS id, so no logits processor touches the scores, as the engine's `ignore_eos`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None
     out = {}
     for rid, prompt, _ in requests:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+        ids = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_tokens, do_sample=False)
         out[rid] = ids[0, len(prompt):].tolist()
     return out
 
