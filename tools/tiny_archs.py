@@ -83,10 +83,14 @@ STATE_FAMILIES: dict[str, tuple[str, dict]] = {
     "Mamba": ("mamba", {}),
     "Mamba-2": ("mamba2", dict(num_heads=8, head_dim=16, n_groups=1)),
     "FalconMamba": ("falcon_mamba", {}),
-    "Bamba": ("bamba", dict(attn_layer_indices=[1])),
-    "Falcon-H1": ("falcon_h1", {}),
-    "Nemotron-H": ("nemotron_h", dict(num_hidden_layers=4)),
-    "Granite-4 hybrid": ("granitemoehybrid", dict(layer_types=["linear_attention", "attention"])),
+    "Bamba": ("bamba", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                            mamba_chunk_size=16)),
+    "Falcon-H1": ("falcon_h1", dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                                    mamba_chunk_size=16)),
+    "Nemotron-H": ("nemotron_h", dict(num_hidden_layers=4, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+                                      n_groups=1)),
+    "Granite-4 hybrid": ("granitemoehybrid", dict(layer_types=["linear_attention", "attention"], mamba_n_heads=8,
+                                                  mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)),
     "LFM2": ("lfm2", dict(layer_types=["conv", "full_attention"])),
     "Zamba": ("zamba", dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
                             attn_layer_period=2, attn_layer_offset=1)),
@@ -223,14 +227,17 @@ def verdict(path: Path, max_tokens: int = 24, with_forward: bool = False, **engi
 
     requests = staggered_requests()
     forward: list[str] = []
-    try:
-        got = run_engine(path, requests, max_tokens, forward=forward, **engine_kwargs)
-    except UnsupportedModel as e:
-        return {"result": "refused", "why": str(e)}
-    try:
+    try:  # first: nothing to compare with is found before the engine runs the requests
         ref = reference(path, requests, max_tokens)
     except Exception as e:
-        return {"result": "not built", "why": f"transformers' generate: {type(e).__name__}: {str(e)[:160]}"}
+        ref = None
+        not_built = {"result": "not built", "why": f"transformers' generate: {type(e).__name__}: {str(e)[:160]}"}
+    try:
+        got = run_engine(path, requests if ref is not None else [], max_tokens, forward=forward, **engine_kwargs)
+    except UnsupportedModel as e:
+        return {"result": "refused", "why": str(e)}
+    if ref is None:  # loaded (not refused), nothing to judge it by
+        return not_built
     bad = {}
     for rid, (ids, reason) in got.items():
         if ids != ref[rid] or reason != "length":

@@ -73,8 +73,9 @@ def _inputs(repeats: int = 200) -> dict[str, float]:
     class KernelBackend:  # the Triton back end's flag: no reference-path groups and masks
         USES_DENSE_METADATA = False
 
+    # what `ModelRunner.build_metadata` reads of its runner (older trees read less: --baseline)
     runner = types.SimpleNamespace(block_size=bs, device=torch.device("cpu"), backend=KernelBackend, kv_caches=[],
-                                   attention_modules=None, kv_scales=None)
+                                   attention_modules=None, kv_scales=None, state_pool=None)
     try:  # a tree with the persistent block table (worker/model/input_batch.py)
         from worker.model.input_batch import BlockTableBuffer
         runner.block_table_buffer = BlockTableBuffer()
