@@ -186,3 +186,11 @@ def test_structured_outputs_and_priorities_on_a_hybrid():
         assert texts[f"s{i}"] in choices
     for i in range(3, 6):
         assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", texts[f"s{i}"], re.ASCII), texts[f"s{i}"]
+
+
+def test_a_recurrent_draft_model_is_refused_at_load(llama_path):
+    """The draft model's runner keeps no state slots: a hybrid draft is a config error."""
+    cfg = EngineConfig(model=ModelConfig(dtype="float32", device="cpu"), serving_tuning=ServingTuning(
+        max_total_tokens=512, speculative=SpeculativeConfig(method="draft", draft_model=str(arch_checkpoint("Mamba")))))
+    with pytest.raises(ConfigError, match="draft_model has recurrent-state layers"):
+        Engine.from_pretrained(str(llama_path), cfg)

@@ -262,6 +262,9 @@ class Engine:
         draft = load_draft(tuning.speculative, model_cfg, loaded) if tuning.speculative.method == "draft" else None
         if draft is not None:
             check_kv_dtype(draft, tuning)  # its KV is kept in the same dtype
+            if draft.state_layout.specs:  # its runner keeps no state slots
+                raise ConfigError("serving_tuning.speculative.draft_model has recurrent-state layers; a draft model "
+                                  "with them is not served (use an attention-only draft)")
         num_blocks = kv_cache_blocks(loaded, tuning, reserve_bytes=graph_reserve(loaded, model_cfg, tuning),
                                      draft=draft)
         host_slots = host_kv_slots(loaded, tuning)
