@@ -94,5 +94,13 @@ async def find(service: str, tags: dict, n: int = 1, timeout: float = 30.0) -> l
             await asyncio.sleep(0.3)
 
 
+def having(*names: str, count: int = 1):
+    """A `trace` poll condition: at least `count` spans of each name are in. Wait for every
+    span a check reads, not one of them: each process (gateway, producer, worker) exports
+    its spans in batches of its own, so one service's last span says nothing of another's
+    (a gateway's server span arrived after the worker's `results.write`)."""
+    return lambda spans: all(sum(s.name == n for s in spans) >= count for n in names)
+
+
 def by_name(spans: list[Span], name: str, service: str | None = None) -> list[Span]:
     return [s for s in spans if s.name == name and (service is None or s.service == service)]

@@ -154,11 +154,13 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
      http_trace, http_span) = asyncio.run(main())
     provider.shutdown()
     consumer_name = CONSUMER.format(prefix)
+    send = f"send {prefix}.jobs.normal"
 
     async def read():
         # the gateway request: one trace, SERVER -> PRODUCER -> CONSUMER -> phases
         (chat_trace,) = await jaeger.find(gsvc, {"inflight.job_id": chat_job})
-        spans = await jaeger.trace(chat_trace, lambda s: any(x.name == "results.write" for x in s))
+        spans = await jaeger.trace(chat_trace, jaeger.having("results.write", "engine.queue", consumer_name,
+                                                                "POST /v1/chat/completions", send))
         server = jaeger.by_name(spans, "POST /v1/chat/completions", gsvc)[0]
         produce = jaeger.by_name(spans, f"send {prefix}.jobs.normal", gsvc)[0]
         consumer = jaeger.by_name(spans, consumer_name, wsvc)[0]
@@ -181,12 +183,12 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
         for stamped in (first_token - t.ttft_s, queue_end - t.queue_s):
             assert produce.start_s - STAMP_S <= stamped <= produce.end_s + STAMP_S, (produce, stamped)
 
-        spans = await jaeger.trace(http_trace, lambda s: any(x.name == "results.write" for x in s))
+        spans = await jaeger.trace(http_trace, jaeger.having("results.write", consumer_name, "POST /v1/chat/completions"))
         server = jaeger.by_name(spans, "POST /v1/chat/completions", gsvc)[0]
         assert server.parent == http_span and jaeger.by_name(spans, consumer_name, wsvc)
 
         # InflightClient in the test's span: one trace, test span -> PRODUCER -> CONSUMER
-        spans = await jaeger.trace(own_trace, lambda s: any(x.name == "results.write" for x in s))
+        spans = await jaeger.trace(own_trace, jaeger.having("results.write", consumer_name, "test request", send))
         test_span = jaeger.by_name(spans, "test request", psvc)[0]
         produce = jaeger.by_name(spans, f"send {prefix}.jobs.normal", psvc)[0]
         consumer = jaeger.by_name(spans, consumer_name, wsvc)[0]
@@ -197,11 +199,11 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
         check_job_tree(spans, consumer, wsvc)
 
         # kcat with a hand-written traceparent joins that trace; without one, its own trace
-        spans = await jaeger.trace(hand_trace, lambda s: any(x.name == "results.write" for x in s))
+        spans = await jaeger.trace(hand_trace, jaeger.having("results.write", consumer_name))
         consumer = jaeger.by_name(spans, consumer_name, wsvc)[0]
         assert consumer.parent == hand_span and consumer.tags["inflight.job_id"] == "kcat-traced"
         (plain,) = await jaeger.find(wsvc, {"inflight.job_id": "kcat-plain"})
-        spans = await jaeger.trace(plain, lambda s: any(x.name == "results.write" for x in s))
+        spans = await jaeger.trace(plain, jaeger.having("results.write", consumer_name))
         consumer = jaeger.by_name(spans, consumer_name, wsvc)[0]
         assert consumer.parent is None and plain not in (hand_trace, own_trace)
 
@@ -210,7 +212,7 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
         for j in pre:
             assert finals[j].finish_reason == "length"
             (tid,) = await jaeger.find(wsvc, {"inflight.job_id": j})
-            spans = await jaeger.trace(tid, lambda s: any(x.name == "results.write" for x in s))
+            spans = await jaeger.trace(tid, jaeger.having("results.write", consumer_name))
             ev = jaeger.by_name(spans, consumer_name)[0].event("preempted")
             if ev is not None:
                 preempted += 1
@@ -219,7 +221,7 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
 
         # cancelled: the event, the finish reason, and a link to the cancel's own span
         (tid,) = await jaeger.find(wsvc, {"inflight.job_id": cancel_job})
-        spans = await jaeger.trace(tid, lambda s: any(x.name == "results.write" for x in s))
+        spans = await jaeger.trace(tid, jaeger.having("results.write", consumer_name))
         consumer = jaeger.by_name(spans, consumer_name)[0]
         assert finals[cancel_job].finish_reason == "cancelled"
         assert consumer.event("cancel_requested") and consumer.event("cancelled")
@@ -227,7 +229,7 @@ def test_one_trace_per_job_from_the_request_or_producer_to_the_last_token(servic
 
         # rejected: an error status, the reason, the DLQ
         (tid,) = await jaeger.find(wsvc, {"inflight.job_id": rejected})
-        spans = await jaeger.trace(tid, lambda s: any(x.name == "results.write" for x in s))
+        spans = await jaeger.trace(tid, jaeger.having("results.write", consumer_name))
         consumer = jaeger.by_name(spans, consumer_name)[0]
         code = finals[rejected].error.code  # a 300-token prompt in a 256-token KV cache
         assert finals[rejected].finish_reason == "rejected" and code == "exceeds_kv_capacity"
@@ -272,7 +274,9 @@ def test_a_job_restarted_after_kill_9_shows_both_attempts(services, prefix, llam
     assert isinstance(fin, Finished) and fin.attempt == 2 and any(isinstance(e, Restarted) for e in events)
 
     async def read():
-        spans = await jaeger.trace(trace_id, lambda s: any(x.name == "results.write" for x in s))
+        spans = await jaeger.trace(trace_id, lambda s: jaeger.having("results.write", f"send {prefix}.jobs.normal",
+                                                                     CONSUMER.format(prefix))(s)
+                                   and jaeger.having("claim", count=2)(s))
         claims = sorted((s.tags["inflight.attempt"], s.service) for s in jaeger.by_name(spans, "claim", wsvc))
         assert [a for a, _ in claims] == [1, 2], claims
         consumers = jaeger.by_name(spans, CONSUMER.format(prefix), wsvc)
