@@ -238,19 +238,19 @@ def probe_continuation(model: torch.nn.Module, layout: StateLayout, hidden_size:
         x = (torch.randn(1, 8, hidden_size, generator=gen) * 0.5).to(device=param.device, dtype=param.dtype)
         slots = torch.zeros(1, dtype=torch.long, device=param.device)
         extra = _probe_args(module)
-        with torch.inference_mode():
-            whole = _call(forward, step, idx, x, slots, False, extra)[0][:, 5:].float()
-            for t in pool.tensors.values():
-                t.zero_()
-            _call(forward, step, idx, x[:, :5], slots, False, extra)
-            try:
-                tail = _call(forward, step, idx, x[:, 5:], slots, True, extra)[0].float()
-            except Exception:  # a sequence path that cannot take a state at all
-                tail = None
-        scale = whole.abs().max().item() or 1.0
         tol = 1e-4 if param.dtype in (torch.float32, torch.float64) else 2e-2
-        verdicts[idx] = module._inflight_continues_state = (
-            tail is not None and tail.shape == whole.shape and (tail - whole).abs().max().item() <= tol * scale)
+        try:
+            with torch.inference_mode():
+                whole = _call(forward, step, idx, x, slots, False, extra)[0][:, 5:].float()
+                for t in pool.tensors.values():
+                    t.zero_()
+                _call(forward, step, idx, x[:, :5], slots, False, extra)
+                tail = _call(forward, step, idx, x[:, 5:], slots, True, extra)[0].float()
+            scale = whole.abs().max().item() or 1.0
+            continues = tail.shape == whole.shape and (tail - whole).abs().max().item() <= tol * scale
+        except Exception:  # a mixer the probe cannot feed, or a sequence path that takes no state:
+            continues = False  # token by token, which is exact for every mixer
+        verdicts[idx] = module._inflight_continues_state = continues
     return verdicts
 
 
