@@ -318,19 +318,13 @@ def hybrid_models(device: str, smoke: bool) -> list[dict]:
     ids are identical. transformers runs the mixers with `mamba_ssm` / `causal_conv1d` /
     `fla` where they are installed (the report's `state_kernels`), else in torch."""
     from tests.conftest import arch_checkpoint
-    from tools.tiny_archs import reference, run_engine, staggered_requests
+    from tools.tiny_archs import verdict
 
     families = ["Mamba"] if smoke else ["Mamba", "Mamba-2", "Jamba", "Bamba", "Qwen3-Next", "Zamba2"]
     rows = []
     for family in families:
-        path = arch_checkpoint(family)
-        requests = staggered_requests()
-        t0 = time.time()
-        got = run_engine(path, requests, 16, backend="auto", device=device)
-        seconds = time.time() - t0
-        want = reference(path, requests, 16, device=device)
-        rows.append({"family": family, "ok": all(got[rid][0] == want[rid] for rid in want),
-                     "engine_seconds": round(seconds, 2)})
+        result = verdict(arch_checkpoint(family), max_tokens=16, device=device, backend="auto")
+        rows.append({"family": family, "ok": result["result"] == "exact", **result})
     return rows
 
 

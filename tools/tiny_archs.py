@@ -218,7 +218,8 @@ def reference(path: Path, requests, max_tokens: int, device: str = "cpu") -> dic
     return out
 
 
-def verdict(path: Path, max_tokens: int = 24, with_forward: bool = False, **engine_kwargs) -> dict:
+def verdict(path: Path, max_tokens: int = 24, with_forward: bool = False, device: str = "cpu",
+            **engine_kwargs) -> dict:
     """exact | refused (with the loader's line) | wrong (first differing position per
     request) | not built (transformers' own `generate` fails on this tiny config: nothing
     to compare with). `with_forward`: exact and wrong verdicts also say how the forward
@@ -228,12 +229,13 @@ def verdict(path: Path, max_tokens: int = 24, with_forward: bool = False, **engi
     requests = staggered_requests()
     forward: list[str] = []
     try:  # first: nothing to compare with is found before the engine runs the requests
-        ref = reference(path, requests, max_tokens)
+        ref = reference(path, requests, max_tokens, device=device)
     except Exception as e:
         ref = None
         not_built = {"result": "not built", "why": f"transformers' generate: {type(e).__name__}: {str(e)[:160]}"}
     try:
-        got = run_engine(path, requests if ref is not None else [], max_tokens, forward=forward, **engine_kwargs)
+        got = run_engine(path, requests if ref is not None else [], max_tokens, forward=forward, device=device,
+                         **engine_kwargs)
     except UnsupportedModel as e:
         return {"result": "refused", "why": str(e)}
     if ref is None:  # loaded (not refused), nothing to judge it by

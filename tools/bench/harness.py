@@ -102,16 +102,19 @@ def write_report(report: dict, out_dir: str | Path, name: str) -> Path:
     return out
 
 
-def decode_step(path: Path, running: int, **model) -> tuple[Callable[[], object], list[int], str]:
-    """An engine's decode step at `running` requests (contexts of 64-192 tokens), ready to
-    run again and again (its `ModelRunner.execute` on the same step), the ids it samples,
-    and how the forward runs. `model`: `ModelConfig` fields (compile, quantization, ...)."""
+def decode_step(path: Path, running: int, context: int | None = None,
+                **model) -> tuple[Callable[[], object], list[int], str]:
+    """An engine's decode step at `running` requests (contexts of 64-192 tokens, or of
+    `context` tokens each), ready to run again and again (its `ModelRunner.execute` on the
+    same step), the ids it samples, and how the forward runs. `model`: `ModelConfig`
+    fields (compile, quantization, ...)."""
     from schemas.params import SamplingParams
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
 
+    lo, hi = (64, 193) if context is None else (context, context + 1)
     cfg = EngineConfig(model=ModelConfig(device="cpu", **model), serving_tuning=ServingTuning(
-        max_running_requests=running, max_total_tokens=running * 400, max_batched_tokens=4096,
+        max_running_requests=running, max_total_tokens=running * (hi + 207), max_batched_tokens=4096,
         enable_prefix_caching=False, async_scheduling=False))
     engine = Engine.from_pretrained(str(path), cfg)
     runner = engine.runner
@@ -125,7 +128,7 @@ def decode_step(path: Path, running: int, **model) -> tuple[Callable[[], object]
     runner.execute = spy
     rng = random.Random(0)
     for i in range(running):
-        prompt = [rng.randrange(5, engine.facts.vocab_size) for _ in range(rng.randrange(64, 193))]
+        prompt = [rng.randrange(5, engine.facts.vocab_size) for _ in range(rng.randrange(lo, hi))]
         engine.add_request(f"r{i}", prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=64,
                                                                                   ignore_eos=True))
     while not steps or steps[-1].num_decodes < running:

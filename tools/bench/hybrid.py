@@ -19,7 +19,6 @@ Writes JSON (and a PNG for `context`) under --out, prints a table.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tools.bench.engine import agreement, run_hf_static, run_inflight
-from tools.bench.harness import DEVICE_DEFAULTS, interleaved_ms, machine, write_report
+from tools.bench.harness import DEVICE_DEFAULTS, decode_step, interleaved_ms, machine, write_report
 from tools.bench.workloads import make_workload
 
 SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4,
@@ -76,35 +75,12 @@ def throughput(a) -> dict:
     return report
 
 
-def decode_step_at(path: Path, running: int, context: int):
-    """An engine's decode step at `running` requests of `context` tokens each, ready to run
-    again and again (its runner's `execute` on the same step)."""
-    from schemas.params import SamplingParams
-    from worker.config import EngineConfig, ModelConfig, ServingTuning
-    from worker.engine import Engine
-
-    cfg = EngineConfig(model=ModelConfig(device="cpu", compile="off"), serving_tuning=ServingTuning(
-        max_running_requests=running, max_total_tokens=running * (context + 64), max_batched_tokens=4096,
-        enable_prefix_caching=False, async_scheduling=False))
-    engine = Engine.from_pretrained(str(path), cfg)
-    steps, real = [], engine.runner.execute
-    engine.runner.execute = lambda sched: (steps.append(sched), real(sched))[1]
-    rng = random.Random(0)
-    for i in range(running):
-        engine.add_request(f"r{i}", prompt_token_ids=[rng.randrange(1, SHAPE["vocab_size"]) for _ in range(context)],
-                           params=SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    while not steps or steps[-1].num_decodes < running:
-        engine.step()
-    sched = steps[-1]
-    return lambda: real(sched)
-
-
 def context_curve(a) -> dict:
     models = {"hybrid (bamba)": checkpoint(HYBRID, Path(a.models) / "bench-bamba"),
               "attention (llama)": checkpoint(LLAMA, Path(a.models) / "bench-llama-8k")}
     rows = {}
     for context in CONTEXTS:
-        steps = {name: decode_step_at(path, a.running, context) for name, path in models.items()}
+        steps = {name: decode_step(path, a.running, context, compile="off")[0] for name, path in models.items()}
         ms = interleaved_ms(steps, a.rounds, a.per_round)
         rows[context] = {name: statistics.median(v) for name, v in ms.items()}
         print(f"context {context:>5}: " + "  ".join(f"{n} {v:.2f} ms" for n, v in rows[context].items()))

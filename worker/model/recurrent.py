@@ -271,8 +271,8 @@ def _probe_args(module: torch.nn.Module) -> dict:
 
 def _packed_forward(module: torch.nn.Module, forward):
     layer_idx = module.layer_idx
-    params = list(inspect.signature(forward).parameters.values())
-    signature = inspect.Signature(params)
+    params = inspect.signature(forward).parameters.values()
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
     def packed(*args, **kwargs):
         md = current_metadata()
@@ -281,12 +281,8 @@ def _packed_forward(module: torch.nn.Module, forward):
         step = md.recurrent
         if step is None:
             raise RuntimeError(f"recurrent layer {layer_idx} ran in a step without state slots")
-        bound = signature.bind(*args, **kwargs).arguments
-        hidden_states = bound.pop(params[0].name)
-        rest = {}
-        for p in params[1:]:
-            if p.name in bound:
-                rest.update(bound[p.name] if p.kind is p.VAR_KEYWORD else {p.name: bound[p.name]})
+        rest = {**dict(zip(positional, args)), **kwargs}  # every argument by name (names known at install)
+        hidden_states = rest.pop(positional[0])
         rest["attention_mask"] = None  # the packed rows have no padding
         rest.pop("cache", None)
         if hidden_states.shape[0] != 1:
