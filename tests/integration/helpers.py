@@ -8,6 +8,7 @@ import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 
 from schemas import keys
 from schemas.wire import Finished, Started
@@ -135,7 +136,13 @@ async def committed_reaches_end(bootstrap: str, group: str, prefix: str, timeout
         deadline = time.monotonic() + timeout
         state = {}
         while True:
-            got = await admin.list_consumer_group_offsets(group)
+            try:
+                got = await admin.list_consumer_group_offsets(group)
+            except KafkaError:  # the coordinator is down or moving: ask again
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+                continue
             state = {tp: (got[tp].offset if tp in got else 0, ends[tp]) for tp in tps}
             if all(c == e for c, e in state.values()) or time.monotonic() > deadline:
                 return state
@@ -218,13 +225,18 @@ async def read_whole_log(redis_url: str, prefix: str, job_id: str) -> list:
 
 
 async def wait_group_members(bootstrap: str, group: str, n: int, timeout: float = 60.0) -> None:
-    """Poll until the consumer group is Stable with `n` members (instead of sleeping)."""
+    """Poll until the consumer group is Stable with `n` members (instead of sleeping). A
+    coordinator that is down or moving (a broker killed) is asked again at the next poll."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for desc in await admin.describe_consumer_groups([group]):
+            try:
+                described = await admin.describe_consumer_groups([group])
+            except KafkaError:
+                described = []
+            for desc in described:
                 groups = getattr(desc, "groups", None) or []
                 for g in groups:  # (error_code, group_id, state, protocol_type, protocol, members, ...)
                     if g[1] == group and g[2] == "Stable" and len(g[5]) == n:

@@ -195,3 +195,28 @@ def test_outcomes_survive_redis_restarting_empty(services, prefix, own_redis):
     for b, a in zip(before, after):
         assert a.job_id == b.job_id and a.text == b.text and a.seq == b.seq and a.finish_reason == b.finish_reason
         assert a.usage.completion_tokens == b.usage.completion_tokens
+
+
+def test_a_cancel_while_redis_is_away_still_sends_the_cancel_message(services, prefix, own_redis):
+    """The tombstone is the client's shortcut; the cancel message is the cancel. With
+    Redis away (an outage, a Sentinel failover in progress) `cancel` still sends it."""
+    from aiokafka import AIOKafkaConsumer
+
+    from schemas.codec import decode_cancel
+
+    own_redis.stop(keep_data=False)
+
+    async def main():
+        async with InflightClient(services[0], own_redis.url, topic_prefix=prefix, key_prefix=prefix) as client:
+            await asyncio.wait_for(client.cancel("away-1", reason="user"), 60)
+        consumer = AIOKafkaConsumer(keys.cancel_topic(prefix), bootstrap_servers=services[0],
+                                    auto_offset_reset="earliest", group_id=None)
+        await consumer.start()
+        try:
+            got = await consumer.getmany(timeout_ms=10_000)
+            return [decode_cancel(r.value) for rs in got.values() for r in rs]
+        finally:
+            await consumer.stop()
+
+    cancels = asyncio.run(main())
+    assert [(c.job_id, c.reason) for c in cancels] == [("away-1", "user")]

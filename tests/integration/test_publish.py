@@ -163,3 +163,54 @@ def test_an_ended_jobs_log_is_compacted_in_place_and_replays_the_same(services, 
     assert out["resent"] == after and out["ttl"] > 0
     assert [e.seq for e in out["live"]] == list(range(7))  # live: every event, never the run
     assert [f for _, f in out["restored"]] == [f for _, f in after] and out["read_restored"] == events
+
+
+def test_a_lost_tail_is_restored_before_the_next_round(services, prefix):
+    """A failover to a replica that missed the last writes: the job's log lost its tail.
+    The next live round would leave a gap; it is refused, the worker restores the log, and
+    the round follows: seqs 0..n with nothing missing, published once more for readers."""
+    async def main():
+        r, claims, table, pub, ps, c = await publishing(services, prefix, "lt")
+        table.open(JobRecord(Job(job_id="lt", prompt="x"), "normal", None, 0, 0.0, None, None),
+                   Claimed(c.token, c.attempt, c.next_seq, 0, False))
+        table.accepted("lt")
+        for text in "abc":
+            table.apply_outputs([RequestOutput("lt", [ord(text)], text)])
+            await pub.send(table.drain())  # started (0), then a, b, c (1..3)
+        log_key = keys.log_key("lt", prefix)
+        tail = await r.xrevrange(log_key, count=2)
+        await r.xdel(log_key, *[entry_id for entry_id, _ in tail])  # the replica never got b, c
+        table.apply_outputs([RequestOutput("lt", [ord("d")], "d")])
+        assert await pub.send(table.drain()) == set()
+        seqs = [int(f[b"q"]) for _, f in await r.xrange(log_key)]
+        assert seqs == [0, 1, 2, 3, 4] and pub.num_restores == 1
+        texts = [decode_event(f[b"e"]).text for _, f in (await r.xrange(log_key))[1:]]
+        assert "".join(texts) == "abcd"
+        await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_epoch_made_on_another_server_is_a_data_loss(services, prefix):
+    """The epoch names the server it was made on: a worker that finds the marker it holds
+    on another server (a promoted replica has the marker, not the last writes) makes a new
+    epoch with the restore window, once; the next worker adopts that one."""
+    async def main():
+        r = aioredis.from_url(services[1])
+        a = ClaimStore(r, prefix, "wa", lease_ms=5000, ttl_s=60, tombstone_ttl_s=60)
+        b = ClaimStore(r, prefix, "wb", lease_ms=5000, ttl_s=60, tombstone_ttl_s=60)
+        await a.adopt_epoch()
+        server = await a.server_id()
+        assert server and a.epoch.endswith(f"@{server}") and await a.epoch_intact()
+        replicated = "0123abcd@a-server-that-died"  # what the promoted replica holds
+        await r.set(keys.epoch_key(prefix), replicated)
+        a.epoch = b.epoch = replicated
+        assert not await a.epoch_intact()  # the marker is the one held, the server is not
+        assert await a.adopt_epoch() is True
+        assert a.epoch != replicated and a.epoch.endswith(f"@{server}")
+        assert await r.exists(keys.restore_window_key(prefix))
+        assert await b.adopt_epoch() is True and b.epoch == a.epoch  # one new epoch, not two
+        assert await a.epoch_intact() and await b.epoch_intact()
+        await r.aclose()
+
+    asyncio.run(main())

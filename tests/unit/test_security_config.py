@@ -218,3 +218,22 @@ def test_every_command_a_lua_script_calls_is_granted_to_its_user():
                   for m in re.findall(r"redis\.call\(\s*'([A-Za-z]+)'", (root / f).read_text())}
         assert called, files
         assert called <= set(granted), (user, sorted(called - set(granted)))
+
+
+def test_sentinel_urls_parse_and_bad_ones_name_the_field():
+    from worker.config import ConfigError, RedisConfig
+    from worker.config.services import SentinelTarget
+
+    cfg = RedisConfig(url="redis+sentinel://app:s3cret@10.0.0.1:26379,sentinel-b:26380/cache/2")
+    assert cfg.sentinel == SentinelTarget((("10.0.0.1", 26379), ("sentinel-b", 26380)), "cache", 2, "app", "s3cret")
+    assert cfg.safe_url() == "redis+sentinel://app:***@10.0.0.1:26379,sentinel-b:26380/cache/2"
+    assert "s3cret" not in repr(cfg) and cfg.user() == "app" and not cfg.uses_tls
+    assert RedisConfig(url="rediss+sentinel://h:1/m").uses_tls
+    assert RedisConfig(url="redis+sentinel://h:1/m").sentinel.db == 0
+    assert RedisConfig(url="redis://h:6379/0").sentinel is None
+    for bad, says in [("redis+sentinel://h:1", "/service"), ("redis+sentinel:///m", "host:port"),
+                      ("redis+sentinel://h:x/m", "'h:x'"), ("redis+sentinel://h:1/m/x", "/service"),
+                      ("sentinel://h:1/m", "redis+sentinel://")]:
+        with pytest.raises(ConfigError, match="redis.url") as e:
+            RedisConfig(url=bad)
+        assert says in str(e.value), (bad, str(e.value))

@@ -23,9 +23,9 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def free_port(pair: bool = False) -> int:
+def free_port(pair: bool = False, count: int = 1) -> int:
     """A free TCP port on 127.0.0.1 for a server a test starts (with `pair`, the next one
-    is free too: Kafka's controller). Drawn below the kernel's ephemeral range
+    is free too: Kafka's controller; with `count`, that many in a row). Drawn below the kernel's ephemeral range
     (`ip_local_port_range`, 32768+ here), so no outgoing connection of another client can
     hold it by the time the server binds (a port 0 pick, or a connect check of the next
     port, cannot see those: a Kafka controller once failed with "Address already in use"),
@@ -38,7 +38,7 @@ def free_port(pair: bool = False) -> int:
         low = 32768
     for _ in range(1000):
         port = random.randrange(20000, max(low - 2, 20002))
-        if _bindable(port) and (not pair or _bindable(port + 1)):
+        if all(_bindable(port + i) for i in range(max(count, 2 if pair else 1))):
             return port
     raise RuntimeError("no free port below the ephemeral range")
 

@@ -136,7 +136,7 @@ class InflightClient:
 
     async def _kafka(self) -> AIOKafkaProducer:
         if self._producer is None:
-            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all",
+            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all", enable_idempotence=True,
                                         max_request_size=16 * 1024 * 1024, **self._kafka_security)
             try:
                 await producer.start()
@@ -301,9 +301,16 @@ class InflightClient:
         """Cancel a job wherever it is. Also sets the tombstone directly when this Redis
         user may (SET on `inflight:job:*:cancelled`), so a job that no worker has consumed
         yet is dropped on arrival even if no worker is running; without that permission
-        the worker sets it when it reads the cancel message."""
-        with contextlib.suppress(NoPermissionError):  # a reader-only user: the cancel message is enough
+        the worker sets it when it reads the cancel message. The tombstone is a shortcut:
+        when Redis cannot take it (a reader-only user, an outage, a Sentinel failover in
+        progress) the cancel message alone still cancels the job."""
+        try:
             await self.redis.set(keys.cancelled_key(job_id, self.key_prefix), b"1", ex=self.tombstone_ttl_s)
+        except NoPermissionError:  # a reader-only user: the cancel message is enough
+            pass
+        except REDIS_DOWN as e:  # ... and so it is while Redis is away
+            log.info("cancel %s: no tombstone while Redis is unreachable (%r); the cancel message carries it",
+                     job_id, e)
         await self._send(keys.cancel_topic(self.topic_prefix), encode(Cancel(job_id=job_id, reason=reason)),
                          job_id.encode(), {"inflight.job_id": job_id})
 

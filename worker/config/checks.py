@@ -72,12 +72,13 @@ def read_secret(field: str, value: str | None, path: str | None) -> str | None:
 
 
 def redact_url(url: str) -> str:
-    """`url` with its password (if any) replaced by `***`."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if not parts.password:
+    """`url` with its password (if any) replaced by `***` (a netloc of several hosts, as
+    a Sentinel URL's, too)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    netloc, slash, path = rest.partition("/")
+    creds, at, hosts = netloc.rpartition("@")
+    if not at or ":" not in creds:
+        return url
+    return f"{scheme}://{creds.split(':', 1)[0]}:***@{hosts}{slash}{path}"

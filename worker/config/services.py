@@ -219,7 +219,11 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     yes`). Secrets come from the environment or their `*_file` twins, never logged.
 
     Attributes:
-        url: `redis://host:port/db`, `rediss://` for TLS, or `unix://path`.
+        url: `redis://host:port/db`, `rediss://` for TLS, `unix://path`, or a master
+            found through Redis Sentinel:
+            `redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]`
+            (`rediss+sentinel://` for TLS to the master and the Sentinels); the
+            credentials are the master's (`SentinelTarget`).
         key_prefix: the keys' and channels' prefix (`<prefix>:job:<id>:log`, a tenant's
             under `<prefix>:t:<tenant>:`; schemas/keys.py).
         username: the ACL user (None: `default`, or the URL's).
@@ -263,8 +267,10 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
     command_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis.url must start with redis://, rediss:// or unix://, got {self.url.split('@')[-1]!r}")
+        if not self.url.startswith(("redis://", "rediss://", "unix://", *SentinelTarget.SCHEMES)):
+            raise ConfigError("redis.url must start with redis://, rediss://, unix://, redis+sentinel:// or "
+                              f"rediss+sentinel://, got {self.url.split('@')[-1]!r}")
+        SentinelTarget.parse(self.url)  # a malformed Sentinel URL fails now, naming the field
         positive("redis", log_ttl_s=self.log_ttl_s, log_maxlen=self.log_maxlen, claim_lease_ms=self.claim_lease_ms,
                   tombstone_ttl_s=self.tombstone_ttl_s)
         if not self.outage_limit_s > 0:
@@ -286,7 +292,13 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def uses_tls(self) -> bool:
-        return self.url.startswith("rediss://")
+        return self.url.startswith(("rediss://", "rediss+sentinel://"))
+
+    @property
+    def sentinel(self) -> SentinelTarget | None:
+        """The Sentinel addresses and service of a `redis+sentinel://` URL (None: a
+        direct URL)."""
+        return SentinelTarget.parse(self.url)
 
     def secret_password(self) -> str | None:
         """The ACL password: `password_file`'s first line, else `password` (None: the
@@ -306,3 +318,50 @@ class RedisConfig(TlsSettings, kw_only=True, forbid_unknown_fields=True):
 
     def __repr__(self) -> str:
         return f"RedisConfig(url=<hidden>, key_prefix={self.key_prefix!r})"
+
+
+class SentinelTarget(msgspec.Struct, frozen=True):
+    """Where a `redis+sentinel://` URL points: the Sentinels to ask, the master's service
+    name, the database. redis-py's `Sentinel` does the asking (and re-asks after a
+    failover); this is only the URL's parse.
+
+    URL: `redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]`, or
+    `rediss+sentinel://` for TLS (master and Sentinels). The user and password are the
+    master's; Sentinels are reached without them.
+
+    Raises (from `parse`):
+        ConfigError: no host:port, a port that is not a number, or no service name.
+    """
+
+    SCHEMES: ClassVar[tuple[str, ...]] = ("redis+sentinel://", "rediss+sentinel://")
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> SentinelTarget | None:
+        from urllib.parse import unquote
+
+        if not url.startswith(cls.SCHEMES):
+            return None
+        rest = url.split("://", 1)[1]
+        netloc, _, path = rest.partition("/")
+        creds, _, hosts = netloc.rpartition("@")
+        user, _, password = creds.partition(":")
+        sentinels = []
+        for hp in filter(None, hosts.split(",")):
+            host, _, port = hp.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"redis.url: Sentinel address {hp!r} is not host:port")
+            sentinels.append((host, int(port)))
+        if not sentinels:
+            raise ConfigError("redis.url: a redis+sentinel:// URL needs at least one host:port")
+        parts = [p for p in path.split("/") if p]
+        if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+            raise ConfigError("redis.url: a redis+sentinel:// URL ends in /service or /service/db "
+                              f"(the master's name in the Sentinels' config), got {'/' + path!r}")
+        return cls(tuple(sentinels), unquote(parts[0]), int(parts[1]) if len(parts) == 2 else 0,
+                   unquote(user) or None, unquote(password) or None)

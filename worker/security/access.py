@@ -220,5 +220,8 @@ def explain_redis(e: BaseException, cfg: RedisConfig) -> AccessError | None:
 def _redis_where(cfg: RedisConfig) -> str:
     from urllib.parse import urlsplit
 
+    if cfg.sentinel is not None:
+        hosts = ",".join(f"{h}:{p}" for h, p in cfg.sentinel.sentinels)
+        return f"the master {cfg.sentinel.service!r} of the Sentinels {hosts}"
     parts = urlsplit(cfg.url)
     return f"{parts.hostname}:{parts.port or 6379}" if parts.hostname else parts.path

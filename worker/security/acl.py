@@ -44,6 +44,7 @@ WORKER_COMMANDS = (
     "evalsha", "script|load",                    # the claim and publish scripts (loaded on first use)
     "get", "set", "del", "exists",               # epoch, tombstones, done marks, preflight probe; in scripts
     "incr", "expire", "pexpire", "ttl",          # attempts, TTLs, leases (in scripts)
+    "info",                                      # the server's run_id: a failover shows another (claims.server_id)
     "time",                                      # the suspect mark's and the fleet buckets' server time (in scripts)
     "sadd", "srem", "scard",                     # failure marks (in scripts)
     "xadd", "xrevrange", "xrange",               # the replay log (in scripts; xrange: a later attempt keeps the log so far, the end's rewrite its first id)

@@ -7,6 +7,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import (
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -50,7 +56,25 @@ class _FastSSLConnection(_HiredisPacking, aioredis.SSLConnection):
     pass
 
 
+class _FastSentinelConnection(_HiredisPacking, SentinelManagedConnection):
+    pass
+
+
+class _FastSentinelSSLConnection(_HiredisPacking, SentinelManagedSSLConnection):
+    pass
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The master's connections found through Sentinel (re-asked after a failover), with
+    the blocking pool's waiting for a free connection instead of failing."""
+
+
 def _connection_class(url: str) -> dict[str, Any]:
+    if url.startswith(("redis+sentinel://", "rediss+sentinel://")):
+        tls = url.startswith("rediss+")
+        if hiredis is None:
+            return {"connection_class": SentinelManagedSSLConnection if tls else SentinelManagedConnection}
+        return {"connection_class": _FastSentinelSSLConnection if tls else _FastSentinelConnection}
     if hiredis is None or url.startswith("unix://"):
         return {}
     return {"connection_class": _FastSSLConnection if url.startswith("rediss://") else _FastConnection}
@@ -90,23 +114,46 @@ def redis_security_kwargs(cfg: RedisConfig) -> dict[str, Any]:
 def redis_client(cfg: RedisConfig, **kwargs: Any) -> aioredis.Redis:
     """`redis.asyncio.Redis` for `cfg` (URL + ACL user + TLS); every command and connect
     fails after `cfg.command_timeout_s` without an answer; `kwargs` go to `from_url`
-    (other timeouts, retries, health checks).
+    (other timeouts, retries, health checks). A `redis+sentinel://` URL gives a client of
+    the master the Sentinels name, asked again on every new connection (after a failover
+    the old master's connections fail, and the next ones reach the new master).
 
     Raises:
         ConfigError: see `redis_security_kwargs`.
     """
+    if cfg.sentinel is not None:
+        return aioredis.Redis.from_pool(_sentinel_pool(cfg, SentinelConnectionPool, {**_timeouts(cfg), **kwargs}))
     return aioredis.from_url(cfg.url, **redis_security_kwargs(cfg), **_connection_class(cfg.url),
                              **{**_timeouts(cfg), **kwargs})
 
 
-def redis_pool(cfg: RedisConfig, **kwargs: Any) -> aioredis.BlockingConnectionPool:
+def redis_pool(cfg: RedisConfig, **kwargs: Any) -> aioredis.ConnectionPool:
     """A blocking connection pool for `cfg` (many concurrent callers wait for a
     connection instead of failing, up to `timeout` seconds, default `cfg.command_timeout_s`
     × 3); commands time out as in `redis_client`; `kwargs` go to
-    `BlockingConnectionPool.from_url`."""
+    `BlockingConnectionPool.from_url` (or the Sentinel pool's constructor)."""
     kwargs = {**_timeouts(cfg), "timeout": 3 * cfg.command_timeout_s, **kwargs}
+    if cfg.sentinel is not None:
+        return _sentinel_pool(cfg, _BlockingSentinelPool, kwargs)
     return aioredis.BlockingConnectionPool.from_url(cfg.url, **redis_security_kwargs(cfg), **_connection_class(cfg.url),
                                                     **kwargs)
+
+
+def _sentinel_pool(cfg: RedisConfig, pool_class: type, kwargs: dict[str, Any]) -> SentinelConnectionPool:
+    """A pool of connections to the master of `cfg.sentinel`'s service. The Sentinels are
+    asked with the same timeouts (and TLS, for `rediss+sentinel://`), without the
+    master's credentials."""
+    target = cfg.sentinel
+    assert target is not None
+    security = redis_security_kwargs(cfg)
+    if target.username and "username" not in security:
+        security["username"] = target.username
+    if target.password and "password" not in security:
+        security["password"] = target.password
+    tls = {k: v for k, v in security.items() if k.startswith("ssl")}
+    timeouts = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={**timeouts, **tls, **({"ssl": True} if tls else {})})
+    return pool_class(target.service, sentinel, db=target.db, **security, **_connection_class(cfg.url), **kwargs)
 
 
 def _timeouts(cfg: RedisConfig) -> dict[str, float]:

@@ -87,14 +87,24 @@ end
 return out
 """
 
-# Adopt the dataset epoch. KEYS: epoch, restore window. ARGV: a new epoch value, the
-# window in ms (0: none). Creates the marker if there is none (and then the window);
-# returns the marker's value.
+# Adopt the dataset epoch. KEYS: epoch, restore window. ARGV: a new epoch value
+# (`<random>@<server run id>`), the window in ms (0: none), the run id of the server
+# answering ('' when unknown). Creates the marker if there is none, or if the one there was
+# made on another server (a failover promoted a replica, or the server restarted from its
+# persistence files: either may lack the last writes acknowledged, a data loss of those
+# writes), and then the window; returns the marker's value.
 ADOPT_LUA = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX') and tonumber(ARGV[2]) > 0 then
-  redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+local cur = redis.call('GET', KEYS[1])
+if cur and ARGV[3] ~= '' then
+  local at = string.find(cur, '@', 1, true)
+  if not at or string.sub(cur, at + 1) ~= ARGV[3] then cur = false end
 end
-return redis.call('GET', KEYS[1])
+if not cur then
+  redis.call('SET', KEYS[1], ARGV[1])
+  if tonumber(ARGV[2]) > 0 then redis.call('SET', KEYS[2], '1', 'PX', ARGV[2]) end
+  return ARGV[1]
+end
+return cur
 """
 
 # KEYS: epoch, then per job: claim, done, attempts. ARGV: epoch, lease_ms, then per job:

@@ -23,6 +23,17 @@ dataset epoch (`keys.epoch_key`): if Redis lost its data (restarted empty) the e
 gone or changed and the call fails with `EpochChanged`, so nothing is written into an
 empty Redis before the worker has restored what clients rely on.
 
+A loss can also be partial: replication is asynchronous, so a replica promoted by a
+Sentinel failover (or a server restarted from its AOF/RDB files) may lack the last writes
+the old one acknowledged. The epoch therefore names the server it was made on (`INFO
+server`'s `run_id`: each server process has its own, so a promoted replica or a restarted
+server shows another): a worker that finds itself talking to another server than its epoch's
+(`epoch_intact`, run by the health check) treats it as a data loss of those writes and
+makes a new epoch, so every worker restores as after a total loss (re-appends are
+idempotent: a log keeps what it has and gets back what it lost). Until one notices, the
+event-append script refuses a round that would leave a gap in a job's log
+(`publish.APPEND_LUA`), the other place a lost tail shows.
+
 Data loss must not shorten a claim. The leases vanish with the data while their holders
 still run the jobs, so a worker that notices the loss and creates the new epoch also
 opens a restore window (`keys.restore_window_key`, one claim lease long): while it lasts
@@ -140,17 +151,31 @@ class ClaimStore:
         """
         p = self.prefix
         window_ms = self.lease_ms if self.epoch else 0
+        server = await self.server_id()
         value = await self._scripts["adopt"](keys=[keys.epoch_key(p), keys.restore_window_key(p)],
-                                             args=[uuid.uuid4().hex, window_ms])
+                                             args=[f"{uuid.uuid4().hex}@{server}", window_ms, server])
         value = value.decode() if isinstance(value, bytes) else str(value)
         changed = bool(self.epoch) and value != self.epoch
         self.epoch = value
         return changed
 
     async def epoch_intact(self) -> bool:
-        """False if the marker is gone or not the adopted one (Redis lost its data)."""
+        """False if the marker is gone or not the adopted one (Redis lost its data), or if
+        it was made on another server than the one answering now (a failover or a restart
+        from persistence files: the last writes may be lost; module docstring)."""
         value = await self.redis.get(keys.epoch_key(self.prefix))
-        return value is not None and (value.decode() if isinstance(value, bytes) else value) == self.epoch
+        if value is None or (value.decode() if isinstance(value, bytes) else value) != self.epoch:
+            return False
+        server = await self.server_id()
+        return not server or self.epoch.endswith(f"@{server}")
+
+    async def server_id(self) -> str:
+        """The answering server's `run_id` (new for every server process), '' where
+        `INFO` is not allowed (a managed Redis that renames it: no server check then)."""
+        try:
+            return str((await self.redis.info("server")).get("run_id", ""))
+        except ResponseError:
+            return ""
 
     # ---- claims ------------------------------------------------------------------------
     def new_token(self) -> str:

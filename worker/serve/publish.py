@@ -30,7 +30,10 @@ epoch marker is gone, see `claims.py`), `restore` re-claims the held jobs and re
 every event each of them (and each recently finished job) already published, with the
 same seqs, before anything new is written (one lock orders restores and rounds, whoever
 noticed the loss: a round, a claim, the health check), so a log read from its first
-entry still reassembles to the final text.
+entry still reassembles to the final text. A partial loss (a Sentinel failover to a
+replica that missed the last writes) is the same restore: the health check sees another
+server than the epoch's and makes a new epoch, and a round that would leave a gap in a
+log is refused until the restore has filled it (`claims.py`).
 """
 
 from __future__ import annotations
@@ -57,9 +60,10 @@ from worker.serve.local_job import Round
 log = structlog.get_logger(__name__)
 
 # KEYS: epoch, then per event: log, channel, done, claim, failures, attempts.
-# ARGV: epoch, maxlen, ttl, lease_ms, then per event: kind ('t' token, 'o' other, 'f'
-# terminal, 'p' an entry of the job's compacted log), data, seq, attempt, claim token, and
-# the finish reason for 'f', the entry's splits for 'p' and 'o' ('' for none).
+# ARGV: epoch, maxlen, ttl, lease_ms, strict ('1' a live round, '0' a restore), then per
+# event: kind ('t' token, 'o' other, 'f' terminal, 'p' an entry of the job's compacted
+# log), data, seq, attempt, claim token, and the finish reason for 'f', the entry's
+# splits for 'p' and 'o' ('' for none).
 # 'p' entries precede their job's 'f' in the same call: when the 'f' is appended, the log
 # is first rewritten as those entries (the first keeps the log's first stream id, the
 # others get the rewrite's time), then the 'f' follows. An 'o' with splits (a compacted run,
@@ -69,7 +73,10 @@ log = structlog.get_logger(__name__)
 # back) -> its events are appended unless the log already holds
 # their seq (a re-sent round); the claim is another worker's, or the job ended without
 # our terminal event among the log's last entries -> refused (nothing of it appended).
-# An appended terminal event sets the done mark and releases the claim. Returns
+# An appended terminal event sets the done mark and releases the claim. A live round
+# whose event would leave a gap in its job's log (a seq past the last one + 1, or past 0
+# in a log that is gone) finds writes lost (a failover to a replica that missed them): the
+# call fails with 'EPOCH gap' and the worker restores before sending it again. Returns
 # {appended, refused event indices (1-based, the first of each refused job)}.
 APPEND_LUA = FINISH_LUA + LAST_SEQ + LAST_EVENTS + """
 local function rewrite(log, entries)
@@ -87,7 +94,8 @@ local function rewrite(log, entries)
 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('EPOCH changed') end
 local ttl = tonumber(ARGV[3])
-local ki, ai, appended, ev = 2, 5, 0, 0
+local strict = ARGV[5] == '1'
+local ki, ai, appended, ev = 2, 6, 0, 0
 local last, owner, refused, pending = {}, {}, {}, {}
 while ai <= #ARGV do
   ev = ev + 1
@@ -123,6 +131,9 @@ while ai <= #ARGV do
   else
     local q = last[log]
     if q == nil then q = last_entry(log) end
+    if strict and seq > q + 1 and owner[log] == 'ours' then
+      return redis.error_reply('EPOCH gap: ' .. log .. ' ends at seq ' .. q .. ', next is ' .. seq)
+    end
     if seq > q and owner[log] == 'ours' then
       if kind == 'f' and pending[log] then rewrite(log, pending[log]) end
       if kind == 'o' and ARGV[ai + 5] ~= '' then
@@ -295,7 +306,7 @@ class Publisher:
         job's compacted log goes just before its terminal event)."""
         p = self.cfg.key_prefix
         ks: list[str] = [keys.epoch_key(p)]
-        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms]
+        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms, "1"]
         job_of: list[str] = []
         tenants = rnd.tenants or [None] * len(rnd.events)
         tokens = rnd.tokens or [""] * len(rnd.events)
@@ -356,7 +367,7 @@ class Publisher:
         skip = set(lost) | {job_id for (job_id, _, _), ok in zip(recent, ours[len(holding):]) if not ok}
         p = self.cfg.key_prefix
         ks: list[str] = [keys.epoch_key(p)]
-        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms]
+        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms, "0"]
         job_of: list[str] = []  # the job of each event sent
         for job_id, attempt, token, history, reason, prior in histories:
             if job_id in skip:

@@ -187,7 +187,7 @@ class Worker:
         kc = cfg.kafka
         self.producer = AIOKafkaProducer(bootstrap_servers=kc.bootstrap_servers, client_id=f"{self.worker_id}-out",
                                          max_request_size=kc.max_partition_fetch_bytes + 1024 * 1024, acks="all",
-                                         linger_ms=2, **kafka_security_kwargs(kc))
+                                         enable_idempotence=True, linger_ms=2, **kafka_security_kwargs(kc))
         await self.kafka_outage.ride_out("producer", self.producer.start)  # a broker away at start: wait for it
         self.dead_letters = DeadLetters(self.producer, kc.topic_prefix, self.worker_id)
         self.results = ResultsLog(self.producer, kc.topic_prefix)
