@@ -64,3 +64,21 @@ def test_an_outage_at_start_past_the_limit_stops_the_worker():
     with pytest.raises(KafkaUnavailable, match="kafka.outage_limit_s = 12.0"):
         asyncio.run(KafkaOutage(12.0, clock=clock).ride_out("cancels", start, sleep=clock.sleep))
     assert 12.0 < clock.t <= 17.0 and len(calls) > 3
+
+
+def test_transient_errors_are_counted_by_part_and_class():
+    """A write refused for too few in-sync replicas is retried (the outcome waits); the
+    metric says which part met which error, so an operator tells an ISR shortage from a
+    broker that is away."""
+    from aiokafka.errors import NotEnoughReplicasError
+
+    from worker.obs.metrics import Metrics
+
+    m = Metrics()
+    outage = KafkaOutage(limit_s=60, metrics=m, clock=Clock())
+    outage.failed("results", NotEnoughReplicasError())
+    outage.failed("results", NotEnoughReplicasError())
+    outage.failed("cancels", AWAY)
+    assert m.kafka_errors.labels("results", "NotEnoughReplicasError")._value.get() == 2
+    assert m.kafka_errors.labels("cancels", "KafkaConnectionError")._value.get() == 1
+    assert m.kafka_outage._value.get() == 1

@@ -121,6 +121,7 @@ class InflightClient:
         self._results_consumer: AIOKafkaConsumer | None = None
         self._admin: Any = None  # AIOKafkaAdminClient, for live_workers
         self._results_lock = asyncio.Lock()
+        self._producer_lock = asyncio.Lock()
         self._lookups: list[tuple[set[str], asyncio.Future]] = []
         self._spans = ProducerSpans(tracing, tracer_provider)
         self.pools = pools if isinstance(pools, Pools) else Pools(pools or ())
@@ -136,18 +137,23 @@ class InflightClient:
 
     async def _kafka(self) -> AIOKafkaProducer:
         if self._producer is None:
-            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all", enable_idempotence=True,
-                                        max_request_size=16 * 1024 * 1024, **self._kafka_security)
-            try:
-                await producer.start()
-            except Exception as e:  # explain refused credentials or certificates (aiokafka only logs why)
-                await stop_client(producer, "producer")
-                err = await probe.diagnose(e, kafka=self.kafka_config)
-                if err is not None:
-                    raise err from None
-                raise
-            self._producer = producer
+            async with self._producer_lock:  # concurrent first submits: one producer, not one each
+                if self._producer is None:
+                    self._producer = await self._start_producer()
         return self._producer
+
+    async def _start_producer(self) -> AIOKafkaProducer:
+        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all", enable_idempotence=True,
+                                    max_request_size=16 * 1024 * 1024, **self._kafka_security)
+        try:
+            await producer.start()
+        except Exception as e:  # explain refused credentials or certificates (aiokafka only logs why)
+            await stop_client(producer, "producer")
+            err = await probe.diagnose(e, kafka=self.kafka_config)
+            if err is not None:
+                raise err from None
+            raise
+        return producer
 
     async def _send(self, topic: str, value: bytes, key: bytes, attributes: dict[str, Any],
                     partition: int | None = None) -> None:

@@ -64,7 +64,9 @@ class KafkaOutage:
         return self._clock() - min(self._since.values()) if self._since else 0.0
 
     def failed(self, part: str, error: BaseException) -> None:
-        """`part` (e.g. "cancels") met a transient Kafka error."""
+        """`part` (e.g. "cancels") met a transient Kafka error (counted by its class)."""
+        if self.metrics is not None:
+            self.metrics.kafka_errors.labels(part, type(error).__name__).inc()
         now = self._clock()
         self._since.setdefault(part, now)
         self._last_error[part] = repr(error)[:200]
