@@ -2,7 +2,7 @@
 a Redis master with a replica behind three Sentinels), one stack for the suite. The suite
 starts three JVMs and kills nodes, so it runs only when asked for:
 
-    .venv/bin/python -m pytest -m cluster tests/cluster        # about 3 minutes
+    .venv/bin/python -m pytest -m cluster tests/cluster        # about 8 minutes
 
 Every test leaves the stack whole (all nodes up, replicas in sync) for the next."""
 
@@ -25,8 +25,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """The stack for one test module (stopped after it: the soak's module starts its own)."""
     from tools.stack.cluster_stack import ClusterStack
 
     stack = ClusterStack(tmp_path_factory.mktemp("cluster"), partitions=3)
