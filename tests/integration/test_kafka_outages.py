@@ -177,3 +177,28 @@ def test_a_worker_started_while_the_broker_is_away_waits_for_it(own_stack, prefi
     waiting, gauge, fin, episodes = asyncio.run(main())
     assert waiting and gauge == 1 and episodes == 1
     assert fin.finish_reason == "length" and fin.usage.completion_tokens == 5
+
+
+def test_a_submit_kafka_cannot_acknowledge_fails_in_bounded_time(own_stack, prefix):
+    """The client's producer is idempotent, and aiokafka never gives such a record up: with
+    the broker away, `submit` would wait for ever. It raises after `delivery_timeout_s`,
+    saying that the record may still be written and a retry with the same job_id is safe."""
+    import pytest
+    from aiokafka.errors import KafkaTimeoutError
+
+    asyncio.run(create_and_see_topics(own_stack.bootstrap, prefix))
+
+    async def main():
+        async with InflightClient(own_stack.bootstrap, own_stack.redis_url, topic_prefix=prefix, key_prefix=prefix,
+                                  delivery_timeout_s=3.0) as client:
+            await client.submit("before", params=SamplingParams(max_tokens=1), job_id="bt-1")
+            own_stack.stop_kafka()
+            try:
+                t = time.monotonic()
+                with pytest.raises(KafkaTimeoutError, match="same job_id"):
+                    await client.submit("during", params=SamplingParams(max_tokens=1), job_id="bt-2")
+                return time.monotonic() - t
+            finally:
+                own_stack.up()
+
+    assert asyncio.run(main()) < 10

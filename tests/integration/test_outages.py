@@ -208,7 +208,8 @@ def test_a_cancel_while_redis_is_away_still_sends_the_cancel_message(services, p
 
     async def main():
         async with InflightClient(services[0], own_redis.url, topic_prefix=prefix, key_prefix=prefix) as client:
-            await asyncio.wait_for(client.cancel("away-1", reason="user"), 60)
+            async with asyncio.timeout(60):
+                await client.cancel("away-1", reason="user")
         consumer = AIOKafkaConsumer(keys.cancel_topic(prefix), bootstrap_servers=services[0],
                                     auto_offset_reset="earliest", group_id=None)
         await consumer.start()

@@ -67,9 +67,8 @@ def test_an_outage_at_start_past_the_limit_stops_the_worker():
 
 
 def test_transient_errors_are_counted_by_part_and_class():
-    """A write refused for too few in-sync replicas is retried (the outcome waits); the
-    metric says which part met which error, so an operator tells an ISR shortage from a
-    broker that is away."""
+    """Each transient error a part meets is counted by part and error class, beside the
+    outage gauge: an operator tells a broker away from a write waiting for replicas."""
     from aiokafka.errors import NotEnoughReplicasError
 
     from worker.obs.metrics import Metrics
@@ -82,3 +81,29 @@ def test_transient_errors_are_counted_by_part_and_class():
     assert m.kafka_errors.labels("results", "NotEnoughReplicasError")._value.get() == 2
     assert m.kafka_errors.labels("cancels", "KafkaConnectionError")._value.get() == 1
     assert m.kafka_outage._value.get() == 1
+
+
+def test_a_write_kafka_does_not_acknowledge_is_an_outage_while_it_waits(monkeypatch):
+    """An idempotent producer's batch never expires: a write with no leader or too few
+    in-sync replicas just waits. The finalizer reports it as an outage each
+    `UNACKED_REPORT_S` (so `kafka.outage_limit_s` still applies), keeps waiting on the
+    same write (never sends it twice), and reports Kafka back when it is acknowledged."""
+    from worker.obs.metrics import Metrics
+    from worker.serve import finalize
+
+    monkeypatch.setattr(finalize, "UNACKED_REPORT_S", 0.05)
+    m = Metrics()
+    outage = KafkaOutage(limit_s=60, metrics=m)
+    sends = []
+
+    async def write():
+        sends.append(1)
+        await asyncio.sleep(0.28)
+
+    async def main():
+        await finalize._retrying(write, "record outcomes", ["j"], outage)
+
+    asyncio.run(main())
+    assert sends == [1]
+    assert m.kafka_errors.labels("results", "KafkaTimeoutError")._value.get() >= 4
+    assert not outage.down and m.kafka_outage._value.get() == 0

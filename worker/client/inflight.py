@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaTimeoutError
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import NoPermissionError
@@ -85,6 +86,10 @@ class InflightClient:
             to the pool serving its prompt length (`worker.client.routing`), counted with
             `tokenizer`; uncounted ones to the default pool.
         tokenizer: the model's tokenizer (an object or a path), for `pools`.
+        delivery_timeout_s: how long `submit` and `cancel` wait for Kafka's acknowledgement
+            (`acks=all`, idempotent) before raising `KafkaTimeoutError`, seconds. The record
+            may still be written after that (the producer keeps retrying it); sending the job
+            again with the same `job_id` is safe (a job runs and ends once per id).
 
     Raises:
         ConfigError: a secret, CA, certificate or key file cannot be read or loaded.
@@ -94,7 +99,8 @@ class InflightClient:
                  kafka: KafkaConfig | None = None, redis: RedisConfig | None = None,
                  topic_prefix: str | None = None, key_prefix: str | None = None, tombstone_ttl_s: int = 3600,
                  reconnect_s: float = 60.0, results_fallback_s: float = 5.0, tracing: bool | None = None,
-                 tracer_provider: Any = None, pools: Pools | list[Pool] | None = None, tokenizer: Any = None) -> None:
+                 tracer_provider: Any = None, pools: Pools | list[Pool] | None = None, tokenizer: Any = None,
+                 delivery_timeout_s: float = 60.0) -> None:
         kafka = kafka or KafkaConfig()
         if bootstrap_servers is not None:
             kafka = msgspec.structs.replace(kafka, bootstrap_servers=bootstrap_servers)
@@ -109,6 +115,7 @@ class InflightClient:
         self.tombstone_ttl_s = tombstone_ttl_s
         self.reconnect_s = reconnect_s
         self.results_fallback_s = results_fallback_s
+        self.delivery_timeout_s = delivery_timeout_s
         self._kafka_security = kafka_security_kwargs(kafka)
         self.results_denied = False
         # Blocking pool: many concurrent streams wait for a connection (for a bounded
@@ -163,7 +170,16 @@ class InflightClient:
     async def _produce(self, topic: str, value: bytes, key: bytes, headers: list | None, partition: int | None = None):
         producer = await self._kafka()
         try:
-            return await producer.send_and_wait(topic, value, key=key, headers=headers, partition=partition)
+            ack = await producer.send(topic, value, key=key, headers=headers, partition=partition)
+            # An idempotent producer never gives a record up (no leader, too few in-sync
+            # replicas: it retries until the cluster takes it); the caller gets an answer in
+            # bounded time, the record keeps its chance.
+            async with asyncio.timeout(self.delivery_timeout_s):
+                return await asyncio.shield(ack)
+        except TimeoutError:
+            raise KafkaTimeoutError(f"{topic}: not acknowledged within {self.delivery_timeout_s} s (no leader, or "
+                                    "fewer in-sync replicas than min.insync.replicas); it may still be written: "
+                                    "sending it again with the same job_id is safe") from None
         except access.KAFKA_AUTHORIZATION as e:
             raise access.explain_kafka(e, self.kafka_config) from None
 

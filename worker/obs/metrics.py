@@ -264,8 +264,8 @@ class Metrics:
                                    registry=r)
         self.commit_failures = Counter("kafka_commit_failures", "Offset commits that failed", registry=r)
         self.kafka_errors = Counter("kafka_errors", "Transient Kafka errors a part of the worker met and retried, by "
-                                    "part and error class (NotEnoughReplicasError: fewer replicas in sync than "
-                                    "min.insync.replicas; the write waits, its offset stays open)",
+                                    "part and error class (KafkaTimeoutError on results: a write unacknowledged "
+                                    "for 30 s, no leader or too few in-sync replicas; it waits, its offset open)",
                                     ("part", "error"), registry=r)
         self.rebalances = Counter("kafka_rebalances", "Partition revocations seen by this worker", registry=r)
         self.consumer_restarts = Counter("kafka_consumer_restarts", "Consumers recreated by the stall watchdog",

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from schemas.codec import decode_event
 from schemas.wire import Finished, FinishReason
@@ -82,8 +82,9 @@ class Finalizer:
             aiokafka.errors.KafkaError, worker.security.access.Refused: as `DeadLetters.send`.
         """
         tp = rec.tp
-        await self.dead_letters.send(rec.raw, rec.key, topic=tp.topic, partition=tp.partition, offset=rec.offset,
-                                     reason=reason, error=error, job_id=job_id)
+        await _reporting_waits(self.dead_letters.send(rec.raw, rec.key, topic=tp.topic, partition=tp.partition,
+                                                      offset=rec.offset, reason=reason, error=error, job_id=job_id),
+                               "send a record to the DLQ", self.outage)
         self.metrics.dlq_records.labels(reason).inc()
 
     def forward(self, held: LocalJob, target: Pool, router: PoolRouter, claims: ClaimStore) -> None:
@@ -264,16 +265,26 @@ class Finalizer:
             trace.end(time.time())
 
 
+UNACKED_REPORT_S = 30.0
+"""A Kafka write not acknowledged for this long is reported as an outage (and again each
+time this passes) while it goes on waiting: the producer is idempotent, and aiokafka never
+expires an idempotent producer's batch (no leader, or fewer replicas in sync than
+`min.insync.replicas`: it retries until the cluster takes it), so without this a write
+stuck that way would never count toward `kafka.outage_limit_s`."""
+
+
 async def _retrying(write, what: str, job_ids: list[str], outage: KafkaOutage | None = None) -> None:
     """Await `write()` until Kafka takes it: a `KafkaError` is reported to `outage`, logged
     (the first of a run at warning, repeats at debug) and retried with backoff (0.1 s
-    doubling to 5 s) while the offsets stay open; anything else (a refusal) propagates."""
+    doubling to 5 s) while the offsets stay open; a write that waits past
+    `UNACKED_REPORT_S` is reported too but not abandoned (re-sending it could write the
+    record twice); anything else (a refusal) propagates."""
     delay = 0.1
     failures = 0
     while True:
         honour_cancellation()
         try:
-            await write()
+            await _reporting_waits(write(), what, outage)
             if outage is not None:
                 outage.ok("results")
             return
@@ -285,3 +296,19 @@ async def _retrying(write, what: str, job_ids: list[str], outage: KafkaOutage | 
                     error=repr(e)[:200], job_ids=job_ids[:20], num_jobs=len(job_ids), failures=failures)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+async def _reporting_waits(write: Awaitable[None], what: str, outage: KafkaOutage | None) -> None:
+    task = asyncio.ensure_future(write)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=UNACKED_REPORT_S)
+            if done:
+                return task.result()
+            log.warning(f"still waiting for Kafka to acknowledge: {what}", waited_s=UNACKED_REPORT_S)
+            if outage is not None:
+                outage.failed("results", KafkaTimeoutError(f"{what}: no acknowledgement in {UNACKED_REPORT_S} s "
+                                                           "(no leader, or too few in-sync replicas)"))
+    finally:
+        if not task.done():  # the caller was cancelled (a stop): so is the write
+            task.cancel()
