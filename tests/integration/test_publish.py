@@ -214,3 +214,34 @@ def test_an_epoch_made_on_another_server_is_a_data_loss(services, prefix):
         await r.aclose()
 
     asyncio.run(main())
+
+
+def test_a_restore_onto_a_log_that_kept_part_of_a_run_doubles_nothing(services, prefix):
+    """The job ended and its history became the compacted log, but the terminal round never
+    reached Redis, which then came back with its data (a restart from its files, a
+    failover: the log kept the tokens one per entry). The restore rewrites the log from
+    the compacted history instead of appending the run on top: every event once; the
+    terminal round sent again afterwards changes nothing."""
+    from tests.integration.helpers import read_whole_log
+    from worker.client import text_of
+
+    async def main():
+        r, claims, table, pub, ps, c = await publishing(services, prefix, "rt")
+        table.open(JobRecord(Job(job_id="rt", prompt="x"), "normal", None, 0, 0.0, None, None),
+                   Claimed(c.token, c.attempt, c.next_seq, 0, False))
+        table.accepted("rt")
+        for text in "abc":
+            table.apply_outputs([RequestOutput("rt", [ord(text)], text)])
+            await pub.send(table.drain())  # started (0), a, b, c (1..3), one entry each
+        table.apply_outputs([RequestOutput("rt", [ord("d")], "d", finished=True, finish_reason="length")])
+        final = table.drain()  # d (4), finished (5), and the compacted log: never sent
+        await pub.restore(claims.epoch)
+        after_restore = await read_whole_log(services[1], prefix, "rt")
+        await pub.send(final)
+        after_resend = await read_whole_log(services[1], prefix, "rt")
+        await r.aclose()
+        return after_restore, after_resend
+
+    for log in asyncio.run(main()):
+        assert [e.seq for e in log] == [0, 1, 2, 3, 4, 5], [(type(e).__name__, e.seq) for e in log]
+        assert text_of(log) == "abcd" and type(log[-1]).__name__ == "Finished"

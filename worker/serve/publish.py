@@ -375,9 +375,16 @@ class Publisher:
             tenant = self.table.tenant_of(job_id)
             job_keys = [keys.log_key(job_id, p, tenant), keys.channel(job_id, p, tenant),
                         *self.claims.finish_keys(job_id), keys.attempts_key(job_id, p)]
+            # An ended job's history is its compacted log: sent as 'p' entries before its
+            # terminal event, the log is rewritten whole where the terminal is missing (as
+            # the live terminal round does). Appended run by run instead, a run would land
+            # on a log that kept part of it one event per entry (a failover, a restart from
+            # its files: Redis lost only the tail), and repeat those events.
+            rewrite = reason is not None and any(e.splits for e in (*prior, *history))
+            kind = "p" if rewrite else "o"
             for entry in prior:  # the earlier attempts' entries, as they were
                 ks += job_keys
-                args += ["o", entry.data, entry.seq, entry.attempt, token, entry.splits]
+                args += [kind, entry.data, entry.seq, entry.attempt, token, entry.splits]
                 job_of.append(job_id)
             last = len(history) - 1
             for i, entry in enumerate(history):
@@ -385,7 +392,7 @@ class Publisher:
                 if reason is not None and i == last:
                     args += ["f", entry.data, entry.seq, attempt, token, reason]
                 else:
-                    args += ["o", entry.data, entry.seq, attempt, token, entry.splits]
+                    args += [kind, entry.data, entry.seq, attempt, token, entry.splits]
                 job_of.append(job_id)
         refused: set[str] = set()
         if job_of:
