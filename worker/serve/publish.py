@@ -301,12 +301,19 @@ class Publisher:
         except NoScriptError:  # flushed between load and call: AsyncScript reloads on the next call
             return await self._append(keys=ks, args=args)
 
+    def _script_head(self, strict: bool) -> tuple[list[str], list]:
+        """The KEYS and ARGV every `APPEND_LUA` call starts with: the epoch key; the epoch,
+        log bounds, lease, and whether a gap in a log refuses the call (a live round) or
+        not (a restore, which fills gaps)."""
+        return ([keys.epoch_key(self.cfg.key_prefix)],
+                [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms,
+                 "1" if strict else "0"])
+
     def _script_args(self, rnd: Round) -> tuple[list[str], list, list[str]]:
         """KEYS and ARGV of `APPEND_LUA` for a round, and the job of each event sent (a
         job's compacted log goes just before its terminal event)."""
         p = self.cfg.key_prefix
-        ks: list[str] = [keys.epoch_key(p)]
-        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms, "1"]
+        ks, args = self._script_head(strict=True)
         job_of: list[str] = []
         tenants = rnd.tenants or [None] * len(rnd.events)
         tokens = rnd.tokens or [""] * len(rnd.events)
@@ -366,8 +373,7 @@ class Publisher:
         # a recently finished job another worker claimed or ended since is theirs now
         skip = set(lost) | {job_id for (job_id, _, _), ok in zip(recent, ours[len(holding):]) if not ok}
         p = self.cfg.key_prefix
-        ks: list[str] = [keys.epoch_key(p)]
-        args: list = [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms, "0"]
+        ks, args = self._script_head(strict=False)
         job_of: list[str] = []  # the job of each event sent
         for job_id, attempt, token, history, reason, prior in histories:
             if job_id in skip:
