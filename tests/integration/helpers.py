@@ -265,3 +265,15 @@ async def create_and_see_topics(bootstrap: str, prefix: str) -> None:
             await asyncio.sleep(0.3)
     finally:
         await admin.close()
+
+
+async def read_topic(bootstrap: str, topic: str, decode, timeout_ms: int = 3000) -> list:
+    """Every record of `topic` from its start that one fetch of up to `timeout_ms` returns,
+    each passed through `decode` (e.g. `schemas.codec.decode_job`)."""
+    c = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest")
+    await c.start()
+    try:
+        got = await c.getmany(timeout_ms=timeout_ms)
+        return [decode(r.value) for rs in got.values() for r in rs]
+    finally:
+        await c.stop()

@@ -14,7 +14,6 @@ import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer
 
 from schemas import keys
 from schemas.codec import decode_job
@@ -30,7 +29,7 @@ from tests.integration.gateway_helpers import (
     running_gateway,
     sample,
 )
-from tests.integration.helpers import running_worker, slow_null_engine, wait_until
+from tests.integration.helpers import read_topic, running_worker, slow_null_engine, wait_until
 from worker.client import InflightClient
 from worker.engine import Engine
 
@@ -259,7 +258,7 @@ def test_a_request_that_cannot_start_in_time_gets_429_and_its_job_expires(servic
                 answer = (e.status_code, e.response.headers.get("retry-after"), e.body["code"])
             took = time.monotonic() - t0
             await direct.cancel(blocker)
-            jobs = await _read_jobs(services[0], keys.job_topic(prefix, "normal"))
+            jobs = await read_topic(services[0], keys.job_topic(prefix, "normal"), decode_job)
             late = jobs[0]
             events = [ev async for ev in direct.stream(late.job_id, tenant=late.tenant, timeout_s=30)]
             return answer, took, late, events
@@ -270,16 +269,6 @@ def test_a_request_that_cannot_start_in_time_gets_429_and_its_job_expires(servic
     assert late.deadline == pytest.approx(late.created_at + 1.0, abs=0.2) and late.tenant == "acme"
     assert not any(isinstance(e, Started) for e in events)  # the worker never ran it
     assert events[-1].finish_reason in ("expired", "cancelled")
-
-
-async def _read_jobs(bootstrap: str, topic: str) -> list:
-    c = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest")
-    await c.start()
-    try:
-        got = await c.getmany(timeout_ms=3000)
-        return [decode_job(r.value) for rs in got.values() for r in rs]
-    finally:
-        await c.stop()
 
 
 def test_the_gateway_runs_as_its_own_redis_acl_user(services, prefix, tmp_path, own_redis):
@@ -442,7 +431,7 @@ def test_n_choices_are_jobs_of_their_own_merged_into_one_response(services, pref
             singles = [await c.completions.create(**body, seed=5 + i) for i in range(3)]
             chunks = [ch async for ch in await c.completions.create(**body, n=2, seed=11, stream=True,
                                                                      stream_options={"include_usage": True})]
-            jobs = await _read_jobs(services[0], keys.job_topic(prefix, "normal"))
+            jobs = await read_topic(services[0], keys.job_topic(prefix, "normal"), decode_job)
             return many, singles, chunks, jobs
 
     many, singles, chunks, jobs = asyncio.run(main())

@@ -200,9 +200,8 @@ def test_outcomes_survive_redis_restarting_empty(services, prefix, own_redis):
 def test_a_cancel_while_redis_is_away_still_sends_the_cancel_message(services, prefix, own_redis):
     """The tombstone is the client's shortcut; the cancel message is the cancel. With
     Redis away (an outage, a Sentinel failover in progress) `cancel` still sends it."""
-    from aiokafka import AIOKafkaConsumer
-
     from schemas.codec import decode_cancel
+    from tests.integration.helpers import read_topic
 
     own_redis.stop(keep_data=False)
 
@@ -210,14 +209,7 @@ def test_a_cancel_while_redis_is_away_still_sends_the_cancel_message(services, p
         async with InflightClient(services[0], own_redis.url, topic_prefix=prefix, key_prefix=prefix) as client:
             async with asyncio.timeout(60):
                 await client.cancel("away-1", reason="user")
-        consumer = AIOKafkaConsumer(keys.cancel_topic(prefix), bootstrap_servers=services[0],
-                                    auto_offset_reset="earliest", group_id=None)
-        await consumer.start()
-        try:
-            got = await consumer.getmany(timeout_ms=10_000)
-            return [decode_cancel(r.value) for rs in got.values() for r in rs]
-        finally:
-            await consumer.stop()
+        return await read_topic(services[0], keys.cancel_topic(prefix), decode_cancel, timeout_ms=10_000)
 
     cancels = asyncio.run(main())
     assert [(c.job_id, c.reason) for c in cancels] == [("away-1", "user")]

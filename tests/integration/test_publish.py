@@ -37,6 +37,17 @@ async def publishing(services, prefix: str, job_id: str):
     return r, claims, table, pub, ps, c
 
 
+async def streamed(table: JobTable, pub: Publisher, c, job_id: str, texts: str) -> None:
+    """Open `job_id` on the claim `c` and publish its started event and one token event per
+    character of `texts`, one round each (seqs 0..len(texts))."""
+    table.open(JobRecord(Job(job_id=job_id, prompt="x"), "normal", None, 0, 0.0, None, None),
+               Claimed(c.token, c.attempt, c.next_seq, 0, False))
+    table.accepted(job_id)
+    for text in texts:
+        table.apply_outputs([RequestOutput(job_id, [ord(text)], text)])
+        await pub.send(table.drain())
+
+
 def test_resent_events_are_dropped(services, prefix):
     async def main():
         r, claims, table, pub, ps, c = await publishing(services, prefix, "j")
@@ -171,12 +182,7 @@ def test_a_lost_tail_is_restored_before_the_next_round(services, prefix):
     the round follows: seqs 0..n with nothing missing, published once more for readers."""
     async def main():
         r, claims, table, pub, ps, c = await publishing(services, prefix, "lt")
-        table.open(JobRecord(Job(job_id="lt", prompt="x"), "normal", None, 0, 0.0, None, None),
-                   Claimed(c.token, c.attempt, c.next_seq, 0, False))
-        table.accepted("lt")
-        for text in "abc":
-            table.apply_outputs([RequestOutput("lt", [ord(text)], text)])
-            await pub.send(table.drain())  # started (0), then a, b, c (1..3)
+        await streamed(table, pub, c, "lt", "abc")  # started (0), then a, b, c (1..3)
         log_key = keys.log_key("lt", prefix)
         tail = await r.xrevrange(log_key, count=2)
         await r.xdel(log_key, *[entry_id for entry_id, _ in tail])  # the replica never got b, c
@@ -227,12 +233,7 @@ def test_a_restore_onto_a_log_that_kept_part_of_a_run_doubles_nothing(services, 
 
     async def main():
         r, claims, table, pub, ps, c = await publishing(services, prefix, "rt")
-        table.open(JobRecord(Job(job_id="rt", prompt="x"), "normal", None, 0, 0.0, None, None),
-                   Claimed(c.token, c.attempt, c.next_seq, 0, False))
-        table.accepted("rt")
-        for text in "abc":
-            table.apply_outputs([RequestOutput("rt", [ord(text)], text)])
-            await pub.send(table.drain())  # started (0), a, b, c (1..3), one entry each
+        await streamed(table, pub, c, "rt", "abc")  # started (0), a, b, c (1..3), one entry each
         table.apply_outputs([RequestOutput("rt", [ord("d")], "d", finished=True, finish_reason="length")])
         final = table.drain()  # d (4), finished (5), and the compacted log: never sent
         await pub.restore(claims.epoch)
