@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOOKUP_EVERY_S = 10.0  # after the first results lookup, how often to look again, seconds
+MAX_QUIET_POLL_S = 8.0  # the longest quiet wait before the log is read again, seconds
 
 
 class StreamSource(Protocol):
@@ -61,7 +62,11 @@ class JobStream:
         source: the client it reads through.
         job_id, tenant: the job (a job submitted with a tenant streams on its keys).
         timeout_s: the whole stream's bound (None: none), seconds.
-        poll_s: a quiet wait this long re-reads the log (a live message may be lost).
+        poll_s: a quiet wait this long re-reads the log (a live message may be lost);
+            each further quiet wait doubles, up to `MAX_QUIET_POLL_S` (never past the
+            deadline or the next results lookup), back to `poll_s` once an event arrives.
+            So the open streams of jobs waiting in a deep queue cost Redis and their
+            reader a few log reads each, not one a second.
         fallback: look the job up in the results topic while its log stays empty.
 
     """
@@ -80,6 +85,7 @@ class JobStream:
         self.last = -1  # the last seq yielded
         self._down_since: float | None = None
         self._delay = 0.05
+        self._quiet_s = poll_s  # the next quiet wait (doubles while quiet)
 
     async def events(self) -> AsyncIterator[Event]:
         """The job's events, each once, in seq order, ending with `finished` (raises as
@@ -113,10 +119,12 @@ class JobStream:
         """The next live event, or the log's new events after a quiet poll, a gap in seq
         or a reconnect."""
         try:
-            async with asyncio.timeout(self.poll_s):
+            async with asyncio.timeout(self._quiet_wait_s()):
                 data = await queue.get()
+            self._quiet_s = self.poll_s
         except TimeoutError:  # quiet: check the log in case a live message was lost
             data = RESYNC
+            self._quiet_s = min(self._quiet_s * 2, max(MAX_QUIET_POLL_S, self.poll_s))
         if isinstance(data, Denied):
             raise access.explain_redis(data.error, self.source.redis_config) from None
         if data is not RESYNC:
@@ -124,6 +132,18 @@ class JobStream:
             if ev.seq <= self.last + 1:
                 return [ev]
         return await self._read_log()  # RESYNC, or a gap: fill it from the log
+
+    def _quiet_wait_s(self) -> float:
+        """How long the next wait for a live message may last before the log is read:
+        the quiet wait, cut at the deadline and, while the results fallback may look,
+        at its next lookup (both are checked when the wait ends), seconds."""
+        wait = self._quiet_s
+        now = time.monotonic()
+        if self.deadline is not None:
+            wait = min(wait, max(0.0, self.deadline - now))
+        if self.fallback and self.last < 0 and not self.source.results_denied:
+            wait = min(wait, max(0.0, self.next_lookup - now))
+        return wait
 
     async def _read_log(self) -> list[Event]:
         """The log's events after the last yielded, retrying while Redis is down (with
