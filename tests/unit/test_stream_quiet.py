@@ -109,3 +109,31 @@ def test_a_deadline_ends_a_quiet_wait_early():
 
     took = asyncio.run(run())
     assert 0.19 <= took < 1.0  # not the 30 s quiet wait
+
+
+def test_a_live_channel_that_brings_nothing_while_the_log_grows_is_read_at_poll_s(monkeypatch):
+    """A silently broken pub/sub connection (until the pool's health check notices): the
+    log has events the live channel never brought, so the waits go back to poll_s and the
+    events come out about as they are written, not a capped wait (0.4 s here) later."""
+    monkeypatch.setattr(stream_mod, "MAX_QUIET_POLL_S", 0.4)
+    source = Source()
+    written: dict[int, float] = {}
+    yielded: dict[int, float] = {}
+
+    async def run() -> None:
+        async def write() -> None:
+            await asyncio.sleep(1.0)  # quiet long enough for the waits to reach the cap
+            for seq in range(8):
+                written[seq] = time.monotonic()
+                source.log = source.log + [token(seq)]
+                await asyncio.sleep(0.1)
+            source.log = source.log + [finished(8)]
+
+        writing = asyncio.ensure_future(write())
+        async for ev in JobStream(source, "j1", tenant=None, timeout_s=None, poll_s=0.01, fallback=False).events():
+            yielded[ev.seq] = time.monotonic()
+        await writing
+
+    asyncio.run(run())
+    lags = sorted(yielded[s] - written[s] for s in range(1, 8))  # the first may wait out a capped wait
+    assert lags[len(lags) // 2] < 0.15, lags  # no reset: a 0.4 s wait between reads, 0.2 s lag on average

@@ -64,7 +64,8 @@ class JobStream:
         timeout_s: the whole stream's bound (None: none), seconds.
         poll_s: a quiet wait this long re-reads the log (a live message may be lost);
             each further quiet wait doubles, up to `MAX_QUIET_POLL_S` (never past the
-            deadline or the next results lookup), back to `poll_s` once an event arrives.
+            deadline or the next results lookup), back to `poll_s` once an event arrives
+            live or a read of the log finds events the live channel did not bring.
             So the open streams of jobs waiting in a deep queue cost Redis and their
             reader a few log reads each, not one a second.
         fallback: look the job up in the results topic while its log stays empty.
@@ -131,7 +132,10 @@ class JobStream:
             ev = decode_event(data)
             if ev.seq <= self.last + 1:
                 return [ev]
-        return await self._read_log()  # RESYNC, or a gap: fill it from the log
+        found = await self._read_log()  # RESYNC, or a gap: fill it from the log
+        if any(ev.seq > self.last for ev in found):
+            self._quiet_s = self.poll_s  # events the live channel did not bring: it may be broken, look again soon
+        return found
 
     def _quiet_wait_s(self) -> float:
         """How long the next wait for a live message may last before the log is read:
