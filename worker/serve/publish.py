@@ -309,18 +309,23 @@ class Publisher:
                 [self.claims.epoch, self.cfg.log_maxlen, self.cfg.log_ttl_s, self.claims.lease_ms,
                  "1" if strict else "0"])
 
+    def _job_keys(self, job_id: str, tenant: str | None) -> list[str]:
+        """The KEYS one event of `job_id` adds to an `APPEND_LUA` call, in the script's
+        order: its log, its channel, its claim's finish keys, its attempts."""
+        p = self.cfg.key_prefix
+        return [keys.log_key(job_id, p, tenant), keys.channel(job_id, p, tenant), *self.claims.finish_keys(job_id),
+                keys.attempts_key(job_id, p)]
+
     def _script_args(self, rnd: Round) -> tuple[list[str], list, list[str]]:
         """KEYS and ARGV of `APPEND_LUA` for a round, and the job of each event sent (a
         job's compacted log goes just before its terminal event)."""
-        p = self.cfg.key_prefix
         ks, args = self._script_head(strict=True)
         job_of: list[str] = []
         tenants = rnd.tenants or [None] * len(rnd.events)
         tokens = rnd.tokens or [""] * len(rnd.events)
         for ev, data, tenant, token in zip(rnd.events, rnd.encoded, tenants, tokens):
             jid = ev.job_id
-            job_keys = [keys.log_key(jid, p, tenant), keys.channel(jid, p, tenant), *self.claims.finish_keys(jid),
-                        keys.attempts_key(jid, p)]
+            job_keys = self._job_keys(jid, tenant)
             if isinstance(ev, Finished):
                 for entry in rnd.compacted.get(jid, ()):
                     ks += job_keys
@@ -372,15 +377,13 @@ class Publisher:
         lost = [held.job_id for held, ok in zip(holding, ours) if not ok]
         # a recently finished job another worker claimed or ended since is theirs now
         skip = set(lost) | {job_id for (job_id, _, _), ok in zip(recent, ours[len(holding):]) if not ok}
-        p = self.cfg.key_prefix
         ks, args = self._script_head(strict=False)
         job_of: list[str] = []  # the job of each event sent
         for job_id, attempt, token, history, reason, prior in histories:
             if job_id in skip:
                 continue
             tenant = self.table.tenant_of(job_id)
-            job_keys = [keys.log_key(job_id, p, tenant), keys.channel(job_id, p, tenant),
-                        *self.claims.finish_keys(job_id), keys.attempts_key(job_id, p)]
+            job_keys = self._job_keys(job_id, tenant)
             # An ended job's history is its compacted log: sent as 'p' entries before its
             # terminal event, the log is rewritten whole where the terminal is missing (as
             # the live terminal round does). Appended run by run instead, a run would land
