@@ -121,3 +121,39 @@ def test_add_lora_delta_takes_the_kernel_and_equals_its_torch_path(token_slots, 
     want = torch.zeros(len(token_slots), 40, dtype=torch.float64)
     add_lora_delta(x.double(), want, a.double(), b.double(), build_step(token_slots, torch.device("cpu")))
     assert close(got, want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(-1, 3), min_size=1, max_size=40), st.integers(0, 2**16))
+def test_a_step_bound_once_gives_each_projection_what_lora_sgmv_gives(token_slots, seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(48, 40), (40, 24), (24, 48)]  # three projections of different widths
+    weights = [(torch.randn(4, i, 16, generator=g), torch.randn(4, 16, o, generator=g)) for i, o in shapes]
+    seg = segments(token_slots, 4)
+    bound = cpu_lora.BoundKernel(seg, cpu_lora.weight_args(weights))
+    n = len(token_slots)
+    for p, ((a, b), (d_in, d_out)) in enumerate(zip(weights, shapes)):
+        x, y = torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
+        want = y.clone()
+        cpu_lora.lora_sgmv(x, want, a, b, seg)
+        assert bound(x, y, p)
+        assert torch.equal(y, want)
+
+
+def test_a_bound_step_leaves_tensors_it_does_not_take_to_the_torch_path():
+    weights = [(torch.randn(2, 8, 4), torch.randn(2, 4, 6))]
+    bound = cpu_lora.BoundKernel(segments([0, 1, -1, 0], 2), cpu_lora.weight_args(weights))
+    x, y = torch.randn(4, 8), torch.zeros(4, 6)
+    for xx, yy in [(torch.randn(3, 8), torch.zeros(3, 6)),  # another step's token count
+                   (torch.randn(4, 9), y), (x, torch.zeros(4, 7)),  # another projection's widths
+                   (torch.randn(8, 4).T, y), (x, torch.zeros(6, 4).T),  # columns not contiguous
+                   (x.double(), y), (x, y.double())]:
+        before = yy.clone()
+        assert not bound(xx, yy, 0)
+        assert torch.equal(yy, before)
+    with pytest.raises(ValueError, match="weight_args"):
+        cpu_lora.weight_args([(torch.randn(2, 8, 4).double(), torch.randn(2, 4, 6).double())])
+    with pytest.raises(ValueError, match="weight_args"):
+        cpu_lora.weight_args([(torch.randn(2, 8, 65), torch.randn(2, 65, 6))])  # rank over MAX_RANK
+    with pytest.raises(ValueError, match="2 slots in the buffers, 4 in the grouping"):
+        cpu_lora.BoundKernel(segments([0, 3], 4), cpu_lora.weight_args(weights))

@@ -69,7 +69,9 @@ class LoRAStep:
     its tokens' indices, by slot, of the `num_tokens` packed tokens; `segments`: the same
     for the kernel that serves the step (`kernels.cpu_lora.Segments`, or
     `kernels.triton_lora.DeviceSegments` on CUDA), built at its first use. `weights`:
-    the slots' buffers (`LoRAWeights`), set by the runner for the compiled forward's op.
+    the slots' buffers (`LoRAWeights`) and `kernel` the CPU kernel bound to them and to
+    the grouping (`kernels.cpu_lora.BoundKernel`, None where it does not serve), both set
+    by `bind`.
     """
 
     src: torch.Tensor
@@ -83,6 +85,18 @@ class LoRAStep:
     last_xp: torch.Tensor | None = None
     segments: Any = None
     weights: LoRAWeights | None = None
+    kernel: cpu_lora.BoundKernel | None = None
+
+    def bind(self, weights: LoRAWeights) -> None:
+        """Give the step the slots' buffers it runs with; on a CPU whose kernel is built,
+        with float32 buffers, bind the kernel to them and to the grouping once for all the
+        step's projections (`kernels.cpu_lora.BoundKernel`)."""
+        self.weights = weights
+        args = weights.cpu_kernel_args()
+        if args is not None:
+            if self.segments is None:
+                self.segments = _segments(self, weights.max_loras)
+            self.kernel = cpu_lora.BoundKernel(self.segments, args)
 
     def segment_lists(self) -> tuple[list[int], list[int], list[int]]:
         """The grouping as the kernels take it: the adapter tokens' indices grouped by slot
@@ -204,6 +218,8 @@ def lora_delta_op(x: torch.Tensor, y: torch.Tensor, projection: int) -> None:
     step = _STEP.get()
     if step is None:
         return
+    if step.kernel is not None and step.kernel(x, y, projection):
+        return
     if step.weights is None:
         raise RuntimeError("inflight::lora_delta: the step's LoRA grouping has no weights")
     a, b = step.weights.by_index[projection]
@@ -239,7 +255,19 @@ class LoRAWeights:
                   for n, m in modules.items()}
         self.load_ids = [0] * max_loras  # the load each slot holds (0: none)
         self.by_index = [(self.a[n], self.b[n]) for n in modules]  # the op's projection index -> (a, b)
+        self._cpu_args: tuple[int, list[tuple[int, int, int, int, int]]] | bool | None = None
         self._hooks = [m.register_forward_hook(self._hook(i, n)) for i, (n, m) in enumerate(modules.items())]
+
+    def cpu_kernel_args(self) -> tuple[int, list[tuple[int, int, int, int, int]]] | None:
+        """The buffers as the CPU kernel's arguments (`kernels.cpu_lora.weight_args`),
+        built at the first call: the buffers never move. None where the kernel does not
+        serve them (another device or dtype, a rank over its limit, the library not built)."""
+        if self._cpu_args is None:
+            a = self.by_index[0][0] if self.by_index else None
+            takes = (a is not None and a.device.type == "cpu" and a.dtype == torch.float32
+                     and a.shape[2] <= cpu_lora.MAX_RANK and cpu_lora.available())
+            self._cpu_args = cpu_lora.weight_args(self.by_index) if takes else False
+        return self._cpu_args or None
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """Projection name -> (in_features, out_features)."""
@@ -279,7 +307,9 @@ class LoRAWeights:
             step = _STEP.get()
             if step is None:
                 return None
-            add_lora_delta(x.view(-1, x.shape[-1]), out.view(-1, out.shape[-1]), a, b, step)
+            x2, y2 = x.view(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+            if step.kernel is None or not step.kernel(x2, y2, index):
+                add_lora_delta(x2, y2, a, b, step)
             return out
 
         return add_delta

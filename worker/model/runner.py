@@ -414,7 +414,7 @@ class ModelRunner:
             lora = build_step([s.lora_slot for s in packed for _ in range(s.num_tokens)], self.device,
                               self.lora.max_loras)
             if lora is not None:
-                lora.weights = self.lora
+                lora.bind(self.lora)
         graphs = self.graphs  # never set with LoRA adapters (worker.engine.compile.graphs_wanted)
         if graphs is not None and lora is None and graphs.fits(sched.num_decodes, len(packed), len(sample_idx)):
             logits = graphs.run(input_ids, position_ids, md)  # [num_decodes, vocab]

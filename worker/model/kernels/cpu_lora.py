@@ -88,17 +88,92 @@ class Segments:
         index = (order, seg_start, seg_slot)
         if any(t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous() for t in index):
             raise ValueError("Segments: order, seg_start and seg_slot must be contiguous int64 CPU tensors")
-        g, m = seg_slot.shape[0], order.shape[0]
-        if (seg_start.shape != (g + 1,) or (g and (int(seg_start[0]) != 0 or int(seg_start[-1]) != m))
-                or bool((seg_start[1:] < seg_start[:-1]).any())
-                or (m and not (int(order.min()) >= 0 and int(order.max()) < num_tokens))
-                or (g and not (int(seg_slot.min()) >= 0 and int(seg_slot.max()) < max_loras))):
-            raise ValueError(f"Segments: order {order.tolist()}, seg_start {seg_start.tolist()}, seg_slot "
-                             f"{seg_slot.tolist()} for {num_tokens} tokens and {max_loras} slots")
+        # checked as lists: a step's few hundred indices cost less so than by tensor reductions
+        rows, starts, slots = order.tolist(), seg_start.tolist(), seg_slot.tolist()
+        g, m = len(slots), len(rows)
+        if (order.dim() != 1 or seg_slot.dim() != 1 or seg_start.shape != (g + 1,)
+                or (g and (starts[0] != 0 or starts[-1] != m)) or any(u > v for u, v in zip(starts, starts[1:]))
+                or (m and not (min(rows) >= 0 and max(rows) < num_tokens))
+                or (g and not (min(slots) >= 0 and max(slots) < max_loras))):
+            raise ValueError(f"Segments: order {rows}, seg_start {starts}, seg_slot {slots} for {num_tokens} "
+                             f"tokens and {max_loras} slots")
         self.tensors = index  # kept alive while the pointers are used
         self.num_tokens = num_tokens
         self.max_loras = max_loras
         self.pointers = (order.data_ptr(), seg_start.data_ptr(), seg_slot.data_ptr(), g)
+
+
+def weight_args(weights: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, list[tuple[int, int, int, int, int]]]:
+    """Every projection's weight buffers as the kernel's arguments, checked once: the slots
+    they hold, and per projection (in, out, a's address, b's address, rank).
+
+    Args:
+        weights: projection index -> (a `[max_loras, in, r]`, b `[max_loras, r, out]`),
+            `LoRAWeights.by_index`: float32 contiguous CPU buffers whose storage does not
+            move while they are used (the runner fills them in place, between forwards).
+
+    Raises:
+        ValueError: buffers the kernel does not take (their shapes and dtypes named).
+    """
+    loras, args = 0, []
+    for a, b in weights:
+        loras, d_in, r = a.shape
+        if (a.dtype != torch.float32 or b.dtype != torch.float32 or a.device.type != "cpu" or b.device.type != "cpu"
+                or not (a.is_contiguous() and b.is_contiguous()) or b.shape[:2] != (loras, r)
+                or not 1 <= r <= MAX_RANK or (args and loras != weights[0][0].shape[0])):
+            raise ValueError(f"weight_args: a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}")
+        args.append((d_in, b.shape[2], a.data_ptr(), b.data_ptr(), r))
+    return loras, args
+
+
+class BoundKernel:
+    """The kernel bound to one step's grouping and to the weight buffers' arguments
+    (`weight_args`, built once for the engine's life), so that a call checks only what can
+    differ between calls: its input and output tensors. A compiled LoRA forward makes one
+    call per projection per step, and `lora_sgmv`'s checks of everything cost about as much
+    as a decode step's arithmetic on a small model (5 of 16 us a call, measured).
+
+    Args:
+        segments: the step's grouping.
+        weights: `weight_args(...)` of the buffers the step runs with.
+
+    Raises:
+        RuntimeError: the library is unavailable (`available()` False).
+        ValueError: the buffers hold fewer slots than the grouping names.
+    """
+
+    def __init__(self, segments: Segments, weights: tuple[int, list[tuple[int, int, int, int, int]]]) -> None:
+        lib = _library()
+        if isinstance(lib, str):
+            raise RuntimeError(f"inflight_lora_sgmv: the kernel is unavailable ({lib})")
+        loras, self._weights = weights
+        if loras < segments.max_loras:
+            raise ValueError(f"BoundKernel: {loras} slots in the buffers, {segments.max_loras} in the grouping")
+        self._fn = lib.inflight_lora_sgmv
+        self._segments = segments  # keeps its index tensors alive while the pointers are used
+        self._n = segments.num_tokens
+        self._tail = segments.pointers
+        self._threads = torch.get_num_threads()
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, projection: int) -> bool:
+        """`lora_sgmv(x, y, *weights[projection], segments)` when the kernel takes `x`
+        `[N, in]` and `y` `[N, out]` (float32 CPU tensors with unit column stride, N the
+        step's tokens: what the call's memory safety needs); False, doing nothing, when it
+        does not (the caller keeps its torch path, as `takes` tells it elsewhere).
+
+        Raises:
+            RuntimeError: the kernel refused the call.
+        """
+        d_in, d_out, a, b, r = self._weights[projection]
+        if (x.shape != (self._n, d_in) or y.shape != (self._n, d_out) or x.dtype != torch.float32
+                or y.dtype != torch.float32 or not x.is_cpu or not y.is_cpu or x.stride(1) != 1 or y.stride(1) != 1):
+            return False
+        order, starts, slots, g = self._tail
+        status = self._fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a, b, order, starts, slots, g, d_in,
+                          d_out, r, self._threads)
+        if status != 0:
+            raise RuntimeError(f"inflight_lora_sgmv returned {status} (1: rank over {MAX_RANK}, 2: no vector path)")
+        return True
 
 
 def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: Segments) -> None:
