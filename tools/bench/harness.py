@@ -28,6 +28,7 @@ DEFAULT_MODEL = Path(".cache/models/bench-llama")
 GPU_MODEL = Path(".cache/models/bench-llama-1b")
 WEIGHTS_MODEL = Path(".cache/models/bench-llama-160m")
 TRAINED_MODEL = Path(".cache/models/bench-llama-trained")  # the CPU shape, trained briefly: text-like output
+COPY_MODEL = Path(".cache/models/bench-llama-copy")  # written, not trained: copies spans of its prompt
 # random-init Llama shapes: small for the CPU; ~160M parameters (fp32 weights of 640 MB,
 # more than the benchmark box's caches) for what weight formats change; ~1.1B for a GPU
 MODEL_SHAPES = {
@@ -56,8 +57,12 @@ def machine() -> dict:
 
 
 def ensure_model(path: Path) -> Path:
-    """Make the benchmark checkpoint at `path` if missing (shapes in MODEL_SHAPES;
-    other paths must already exist)."""
+    """Make the benchmark checkpoint at `path` if missing (shapes in MODEL_SHAPES, the
+    copy model by tools/make_copy_model.py; other paths must already exist)."""
+    if Path(path) == COPY_MODEL and not (path / "config.json").is_file():
+        from tools.make_copy_model import make_copy_model
+
+        return make_copy_model(path)
     if not (path / "config.json").is_file():
         from tools.make_model import make_checkpoint
 

@@ -3,14 +3,18 @@
 The model is the trained benchmark checkpoint: the CPU benchmark Llama's shape trained
 briefly on the standard library's docstrings (made on first use, ~3 minutes on 2 cores),
 so its text reuses the words and phrases of its prompt and of itself as small language
-models do. It was not trained to copy: a workload whose answers quote their prompt at
-length (edit this code, extract) needs a model that does that, which none of the CPU
-benchmark checkpoints is. Workloads, each at `--running` requests at once, greedy:
+models do. It was not trained to copy, and no CPU checkpoint we could train does at
+length; the `copy` workload runs on the copy model instead (`tools/make_copy_model.py`,
+written in seconds: an induction circuit in a 4-layer Llama of hidden 384, whose answers
+are spans of its prompt, joined where the prompt repeats three tokens). Workloads, each
+at `--running` requests at once, greedy:
 
   - prompt: a docstring passage of 100-200 tokens; the model writes on (new passages
     every round);
   - repeat: the same passages every round (agents and tools that send the same requests
-    again: what suffix decoding's cache of finished requests is for).
+    again: what suffix decoding's cache of finished requests is for);
+  - copy: a passage, "Quote it:", and the passage's first 6 tokens; the copy model
+    quotes on (an answer that repeats long spans of its prompt: edit this, extract that).
 
 The configurations (plain decoding, then each of `--methods`) take turns over `--rounds`,
 one batch each per round, on engines of their own (suffix decoding's cache emptied
@@ -35,7 +39,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tools.bench.harness import TRAINED_MODEL, ensure_model, machine, write_report
+from tools.bench.harness import COPY_MODEL, TRAINED_MODEL, ensure_model, machine, write_report
 
 
 @functools.cache
@@ -47,14 +51,17 @@ def _texts() -> list[str]:
 
 def workloads(tokenizer, n: int, seed: int) -> dict[str, list[list[int]]]:
     """`n` prompts of each workload (token ids) for round `seed`, from docstrings the
-    model was trained on (`repeat`: the same whatever the round)."""
+    trained model was trained on (`repeat`: the same whatever the round; `copy`: for the
+    copy model)."""
     texts = _texts()
 
     def passages(r: int) -> list[list[int]]:
         rng = random.Random(r)
         return [tokenizer.encode(t)[: rng.randrange(100, 201)] for t in rng.sample(texts, n)]
 
-    return {"prompt": passages(1 + seed), "repeat": passages(0)}
+    quote = tokenizer.encode("\n\nQuote it:\n")
+    return {"prompt": passages(1 + seed), "repeat": passages(0),
+            "copy": [p + quote + p[:6] for p in passages(1 + seed)]}
 
 
 def make_engine(path: Path, method: str, k: int, running: int, compile_mode: str, draft: Path | None = None,
@@ -165,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--running", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--methods", nargs="+", default=["ngram:2", "ngram:4", "ngram:8", "suffix:4"],
                    help="method:num_speculative_tokens of each speculating engine")
-    p.add_argument("--workloads", nargs="+", default=["prompt", "repeat"], choices=["prompt", "repeat"])
+    p.add_argument("--workloads", nargs="+", default=["prompt", "repeat"], choices=["prompt", "repeat", "copy"],
+                   help="copy runs on the copy model (--copy-model), the others on --model")
+    p.add_argument("--copy-model", default=str(COPY_MODEL), help="the copy workload's checkpoint (the copy model "
+                                                                  "is made if missing)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--saturation", type=int, default=0, help="also N requests at once (0: skip)")
@@ -177,17 +187,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
     min_speedup = None if a.min_speedup.lower() == "none" else float(a.min_speedup)
-    path = ensure_model(Path(a.model))
-    draft = None
-    if any(m.startswith("draft") for m in a.methods):
-        draft = ensure_draft(Path(a.draft_model or f"{path}-draft"), path)
+    trained = any(w != "copy" for w in a.workloads) or a.saturation  # the copy workload alone needs no --model
+    path = ensure_model(Path(a.model)) if trained else Path(a.model)
+    drafting = any(m.startswith("draft") for m in a.methods)
+    draft = ensure_draft(Path(a.draft_model or f"{path}-draft"), path) if drafting and trained else None
     report: dict = {"machine": machine(), "model": str(path), "draft_model": str(draft) if draft else None,
                     "compile": a.compile, "min_speedup": min_speedup, "rounds": a.rounds,
                     "max_tokens": a.max_tokens, "by_workload": {}}
+    copy_path = ensure_model(Path(a.copy_model)) if "copy" in a.workloads else None
+    if copy_path is not None:
+        report["copy_model"] = str(copy_path)
     for running in a.running:
-        engines = engines_for(path, a.methods, running, a.compile, draft, min_speedup)
-        tok = engines["off"].tokenizer
+        by_model = {}
         for workload in a.workloads:
+            model = copy_path if workload == "copy" else path
+            if model not in by_model:
+                model_draft = draft if model == path else ensure_draft(Path(f"{model}-draft"), model) if drafting else None
+                by_model[model] = engines_for(model, a.methods, running, a.compile, model_draft, min_speedup)
+            engines = by_model[model]
+            tok = engines["off"].tokenizer
             empty_caches(engines)
             res = compare(engines, lambda r, w=workload, t=tok, n=running: workloads(t, n, r)[w], a.max_tokens,
                           a.rounds)
