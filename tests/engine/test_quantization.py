@@ -411,7 +411,7 @@ def test_other_architectures_quantize_at_load_and_stay_exact(family):
     got, eng = run(path, work, quantization="int8")
     model = eng.runner.model
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) > 0
-    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith("kv_b_proj"))
+    assert all(isinstance(m, torch.nn.Linear) for n, m in model.named_modules() if n.endswith("kv_b_proj"))
     assert got == generate(dequantized_at_load(path, "int8"), work)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from worker.model.kernels import cpu_lora
@@ -126,6 +126,7 @@ def test_add_lora_delta_takes_the_kernel_and_equals_its_torch_path(token_slots, 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(-1, 3), min_size=1, max_size=40), st.integers(0, 2**16))
 def test_a_step_bound_once_gives_each_projection_what_lora_sgmv_gives(token_slots, seed):
+    assume(any(s >= 0 for s in token_slots))  # a step with no adapter token has no grouping to bind
     g = torch.Generator().manual_seed(seed)
     shapes = [(48, 40), (40, 24), (24, 48)]  # three projections of different widths
     weights = [(torch.randn(4, i, 16, generator=g), torch.randn(4, 16, o, generator=g)) for i, o in shapes]

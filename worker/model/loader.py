@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from worker.config import ConfigError, ModelConfig
-from worker.model import latent, legacy, quant_load, recurrent
+from worker.model import latent, legacy, quant_load, recurrent, small_batch
 from worker.model.attention import ATTN_IMPLEMENTATION
 from worker.model.capability import KVLayout, UnsupportedModel, check_config, check_modules
 from worker.model.kernels import get_backend
@@ -170,6 +170,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except ValueError as e:
         raise UnsupportedModel(model_type, "latent attention with a non-linear up-projection", "kv_b_proj", str(e)) from e
     mixers = recurrent.install(model)
+    small_batch.install(model)  # a kernel choice, as the attention back end is: not a feature of the model
     layout, call_features, states = _measure(model, text_cfg, model_type, backend)
     features += call_features
     if mixers:

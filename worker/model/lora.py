@@ -41,17 +41,19 @@ from worker.model.attention import traced
 from worker.model.capability import decoder_projections
 from worker.model.kernels import cpu_lora
 from worker.model.quant_linear import Fp8Linear, QuantLinear
+from worker.model.small_batch import SmallBatchLinear
 
 _STEP: contextvars.ContextVar[LoRAStep | None] = contextvars.ContextVar("inflight_lora_step", default=None)
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
 
 
 def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    """The projections LoRA is served on: `nn.Linear` modules (or `QuantLinear`s: the
-    delta is added in the activation dtype on top of the quantized base) inside the
-    decoder layers (a name with a layer index), not MoE experts (they see a subset of the
-    tokens, not the packed batch) and not the output embedding. name -> module."""
-    return decoder_projections(model, (torch.nn.Linear, QuantLinear, Fp8Linear))
+    """The projections LoRA is served on: `nn.Linear` modules (or `SmallBatchLinear`s, or
+    `QuantLinear`s: the delta is added in the activation dtype on top of the quantized
+    base) inside the decoder layers (a name with a layer index), not MoE experts (they see
+    a subset of the tokens, not the packed batch) and not the output embedding. name ->
+    module."""
+    return decoder_projections(model, (torch.nn.Linear, SmallBatchLinear, QuantLinear, Fp8Linear))
 
 
 @dataclass(slots=True)

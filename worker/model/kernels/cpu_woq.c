@@ -1,6 +1,7 @@
 /* Weight-only quantized matmul on the CPU: y = x @ dequant(q).T + bias, the integers read
  * from memory as they are stored and widened in registers (no float weight is written).
- * Used by QuantLinear's weight-only forward (W8A16, W4A16) through cpu_woq.py.
+ * Used by QuantLinear's weight-only forward (W8A16, W4A16) through cpu_woq.py; the same
+ * register tiles serve float32 weights (`inflight_float_linear`: worker/model/small_batch.py).
  *
  * Layouts (QuantLinear's buffers):
  *   x      [M, K] float32, contiguous
@@ -451,6 +452,35 @@ int inflight_woq_linear(const float *x, const uint8_t *q, const float *scale, co
         free(buf);
     }
     return failed ? 2 : 0;
+}
+
+/* y = x @ w.T (+ bias) for float32 weights w [N, K] (row-major: an nn.Linear's weight) and
+ * a few rows (decode steps of a few requests): blocks of NB output channels over the
+ * threads, each block's NB weight rows multiplied against every row tile as they are
+ * (`tile_float`). torch's GEMM runs such a product on one thread, bound by the weight's
+ * reads; here each thread streams its own channels. Returns 0. */
+int inflight_float_linear(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t K,
+                          int64_t N, int64_t threads) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const int64_t n0 = blk * NB;
+        const int nb = N - n0 < NB ? (int)(N - n0) : NB;
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            const int mb = M - m0 < MB ? (int)(M - m0) : MB;
+            float out[MB][NB];
+            const float *xm = x + m0 * K;
+            switch (mb) {
+            case 1: tile_float(xm, K, w + n0 * K, K, 1, nb, out); break;
+            case 2: tile_float(xm, K, w + n0 * K, K, 2, nb, out); break;
+            case 3: tile_float(xm, K, w + n0 * K, K, 3, nb, out); break;
+            default: tile_float(xm, K, w + n0 * K, K, 4, nb, out); break;
+            }
+            for (int m = 0; m < mb; m++)
+                for (int j = 0; j < nb; j++) y[(m0 + m) * N + n0 + j] = out[m][j] + (bias ? bias[n0 + j] : 0.f);
+        }
+    }
+    return 0;
 }
 
 /* The whole dequantized weight, w [N, K] float32 = (u - shift) * scale in x's column order

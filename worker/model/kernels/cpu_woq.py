@@ -71,7 +71,22 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | str:
     deq.restype = ctypes.c_int
     lib.inflight_woq_vectorized.restype = ctypes.c_int
     lib.inflight_woq_vectorized.argtypes = []
+    flin = lib.inflight_float_linear
+    flin.argtypes = [ptr] * 4 + [i64] * 4
+    flin.restype = ctypes.c_int
     return lib
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> int:
+    """`y = x @ weight.T (+ bias)` by the kernel's float tiles (`inflight_float_linear`):
+    x `[M, K]`, weight `[N, K]`, bias `[N]` or None, y `[M, N]`, all float32, contiguous,
+    on the CPU (the caller checks: `worker.model.small_batch.float_linear`). Returns the
+    kernel's status (0), or -1 when the library is unavailable."""
+    lib = _library()
+    if isinstance(lib, str):
+        return -1
+    return lib.inflight_float_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                     y.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads())
 
 
 def available() -> bool:
