@@ -1,10 +1,11 @@
 """Float32 linear layers on the CPU at decode batch sizes: a step of a few requests
-multiplies each weight by a few rows, and torch's GEMM runs such a product on one thread,
-bound by reading the weight (measured on the 2-core benchmark box: 20 GFLOP/s at 1 row,
-the same with 1 or 2 threads; the benchmark model's decode weights took 1.05 ms a step
-at 1 row and 2.2 ms at 4). The C kernel of the weight-only layers (`kernels/cpu_woq.c`,
-`inflight_float_linear`: its register tiles with float weights) splits the output
-channels over torch's threads instead: 0.41 ms and 0.87 ms on the same weights.
+multiplies each weight by a few rows, and torch's GEMM runs such a product on one thread
+(measured on the 2-core benchmark box: the benchmark model's 29 weights took 0.63 ms at
+1 row, 1.2-1.7 ms at 2-4 rows; 1 or 2 torch threads alike). The C kernel of the
+weight-only layers (`kernels/cpu_woq.c`, `inflight_float_linear`: its register tiles with
+float weights) splits the output channels over torch's threads instead: 0.50 ms and
+0.57-0.69 ms. A whole decode step (`tools.bench.small_batch`): 1.25-1.32x faster at 2-4
+running, 1.05-1.09x at 8, the same at 1 (docs/benchmarks.md).
 
 `install` turns a loaded model's `nn.Linear` layers into `SmallBatchLinear` (the same
 module, parameters and hooks, another class) whose forward is the op
