@@ -95,7 +95,7 @@ def test_install_turns_float_linears_and_keeps_their_hooks_and_outputs():
 
 
 def test_install_leaves_a_model_alone_without_vector_tiles(monkeypatch):
-    monkeypatch.setattr(cpu_woq, "vectorized", lambda: False)
+    monkeypatch.setattr(small_batch, "_width", lambda: 0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 8))
     assert small_batch.install(model) == 0
     assert type(model[0]) is torch.nn.Linear

@@ -19,6 +19,7 @@ torch's GEMM: results differ in the last bits, as a compiled forward's do from a
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -50,10 +51,11 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (0 < rows <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu
+    width = _width()  # 0: no vector tiles (or no kernel): torch's GEMM
+    if (width and 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu
             and weight.is_cpu and weight.is_contiguous() and weight.shape[1] == k
             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-            and k % cpu_woq.vector_width() == 0):
+            and k % width == 0):
         x2 = x.reshape(rows, k).contiguous()
         y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
         status = cpu_woq.float_linear(x2, weight, bias, y)
@@ -61,6 +63,11 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             raise RuntimeError(f"inflight_float_linear returned {status}")
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _width() -> int:
+    return cpu_woq.vector_width()
 
 
 _LIB.impl("float_linear", float_linear, "CompositeExplicitAutograd")
@@ -83,9 +90,9 @@ def install(model: torch.nn.Module) -> int:
     and others are left) whose input width is a whole number of the kernel's vectors a
     `SmallBatchLinear`, in place; how many (0 when the kernel has no vector tiles on this
     CPU, or could not be built)."""
-    if not cpu_woq.vectorized():
+    width = _width()
+    if not width:
         return 0
-    width = cpu_woq.vector_width()
     n = 0
     for m in model.modules():
         if (type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
