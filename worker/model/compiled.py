@@ -113,9 +113,10 @@ def precompile_available(device_type: str) -> bool:
 def artifact_key(model: torch.nn.Module) -> str:
     """What a captured forward depends on, hashed (hex): the model's class and config, the
     name, shape, dtype, stride and device type of every parameter and buffer, the class of
-    every module (`worker.model.small_batch` changes some), the forward hooks on its modules (LoRA's, `worker.model.lora`: they add ops to the graph), the
-    source of its modeling module and of this package's modules (what the trace runs
-    through), and the versions of Python, torch and transformers. Weights' values are inputs of the
+    every module (`worker.model.small_batch` changes some), the forward hooks on its
+    modules (LoRA's, `worker.model.lora`: they add ops to the graph), the source of its
+    modeling module and of this package's modules (what the trace runs through), and the
+    versions of Python, torch and transformers. Weights' values are inputs of the
     artifact, not part of it: a checkpoint with other weights of the same shapes shares it."""
     import inspect
 
