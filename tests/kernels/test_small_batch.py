@@ -49,6 +49,8 @@ def test_leading_dims_strided_rows_and_what_the_kernel_does_not_take():
                    (torch.randn(2, 64, generator=g).double(), w.double()),  # another dtype
                    (torch.randn(2, 64, generator=g), torch.randn(64, 40, generator=g).T)]:  # a transposed weight
         assert close(op(x2, w2, None), reference(x2, w2, None))
+    with pytest.raises(RuntimeError):  # a bias of another width: torch's own error, never a read past it
+        op(torch.randn(2, 64, generator=g), w, torch.randn(41, generator=g))
 
 
 def test_the_avx2_tiles_equal_f_linear():

@@ -54,7 +54,8 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     width = _width()  # 0: no vector tiles (or no kernel): torch's GEMM
     if (width and 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu
             and weight.is_cpu and weight.is_contiguous() and weight.shape[1] == k
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.is_cpu
+                                  and bias.shape == (weight.shape[0],)))
             and k % width == 0):
         x2 = x.reshape(rows, k).contiguous()
         y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
