@@ -111,10 +111,13 @@ def test_mixed_batch_with_chunked_prefill_keeps_unconstrained_tokens(llama_path,
 
 def test_constrained_requests_survive_preemption(llama_path):
     """A KV cache too small for the batch: requests are preempted and recomputed; their
-    matchers stay at the kept tokens, so every output still validates."""
+    matchers stay at the kept tokens, so every output still validates. Every answer holds
+    a string of 30-60 characters, so each request outgrows its first three blocks whatever
+    its seed draws: 12 of them cannot all fit in 40 blocks."""
     eng = make_engine(llama_path, max_total_tokens=640, kv_block_size=16, max_batched_tokens=128)
     schema = SCHEMAS["optional"] | {"properties": {**SCHEMAS["optional"]["properties"],
-                                                   "b": {"type": "string", "maxLength": 60}}}
+                                                   "b": {"type": "string", "minLength": 30, "maxLength": 60}},
+                                    "required": ["a", "b"]}
     params = [constrained(schema, seed=s, max_tokens=90) for s in range(12)]
     prompts = [[(3 * i + j) % 500 + 1 for j in range(40)] for i in range(12)]
     rids = []
