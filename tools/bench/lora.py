@@ -16,9 +16,10 @@ The engines take turns, `--chunk` steps each, for `--rounds` rounds: every mode 
 measured within the same second as the others, so a box whose speed drifts (another
 process, a frequency change) moves them together. A turn's first step is not timed (it
 brings its engine's weights back into the caches after the others' turns, which a server
-running one engine never pays). A batch takes 1 + `--max-tokens` - 1 steps, so with the
-default 9 steps per turn its prefill falls at every step of a turn in turn and is timed
-8 times in 9, as a decode step is. Reported per mode: output tokens/s over its timed
+running one engine never pays). A batch takes `--max-tokens` steps (its prefill, then a
+decode per token after the first), 64 by default and no multiple of the default 9 steps
+per turn: its prefill falls at every step of a turn in turn, timed 8 times in 9 as a
+decode step is. Reported per mode: output tokens/s over its timed
 steps (median of the rounds) and its ratio to the base engine's in the
 same round (median of the rounds' ratios: the paired figure, steadier than a ratio of
 medians). Also: each adapter's load time (disk to host memory, the loader thread) and
@@ -108,15 +109,15 @@ def main(argv: list[str] | None = None) -> int:
             tps[m].append(tokens / seconds if seconds else float("nan"))
     rounds = [i for i in range(a.rounds) if all(v[i] == v[i] for v in tps.values())]  # every mode timed
     paired = {m: statistics.median(tps[m][i] / tps["base"][i] for i in rounds) for m in modes}
-    lora = lora["mixed"]
-    load_s = _load_times(lora, names)
-    weights = lora.runner.lora
+    mixed = lora["mixed"]
+    load_s = _load_times(mixed, names)
+    weights = mixed.runner.lora
     report = {**report_header("lora", a, model, a.device), "settings": {k: v for k, v in vars(a).items()
                                                                         if k != "command_line"},
               "tokens_per_s": {m: statistics.median(tps[m][i] for i in rounds) for m in modes}, "rounds": tps,
               "vs_base": paired,
               "adapter": {"load_s_median": statistics.median(load_s), "load_s": load_s,
-                          "params": lora.scheduler.loras.resident[names[0]].num_params,
+                          "params": mixed.scheduler.loras.resident[names[0]].num_params,
                           "slot_bytes": weights.nbytes // weights.max_loras}}
     print(f"{len(rounds)} rounds of {a.chunk} steps per engine; tokens/s median of the rounds, vs base median of "
           "the rounds' ratios")
