@@ -27,6 +27,7 @@ import numpy as np
 
 LOOKAHEAD = 48  # tokens: rows further from their limit are not searched
 FAILED_LOOK_GAP = 16  # tokens: after a search whose way was longer than it could go, the next look waits
+SCAN_FROM = 8192  # tokens: vocabularies larger than this are scanned in rank order (`_ranked`)
 _CLOSERS = frozenset('"}]')
 
 
@@ -56,6 +57,8 @@ class ClosingTable:
                 rank[i] = 2000 + max(0, 100 - len(t))  # the longest: spells a key, a value or a tag fastest
         self.rank = rank
         self.order = np.argsort(rank, kind="stable")  # token ids best first (ties: the lower id)
+        self.order_word = self.order >> 5  # each of them as its mask's word and bit
+        self.order_bit = (self.order & 31).astype(np.uint32)
         self.eos_token_ids = eos_token_ids
 
     @classmethod
@@ -76,17 +79,42 @@ def _packed(m: Any, words: int) -> np.ndarray:
     return out
 
 
-def _ranked(packed: np.ndarray, table: ClosingTable, banned: set[int] | None = None) -> np.ndarray:
-    """The tokens `packed` allows, none of `banned`, best rank first (ties: the lower id)."""
-    bits = np.unpackbits(packed.view(np.uint8), bitorder="little")
-    if banned:
-        bits[list(banned)] = 0
-    return table.order[bits[table.order].astype(bool)]
+def _ranked(packed: np.ndarray, table: ClosingTable, banned: set[int] | None = None,
+            limit: int | None = None) -> np.ndarray:
+    """The tokens `packed` allows, none of `banned`, best rank first (ties: the lower id);
+    the first `limit` of them (None: all).
+
+    A vocabulary of up to `SCAN_FROM` tokens is read whole (every bit unpacked: a few
+    numpy calls). A larger one with a `limit` is read in rank order a stretch at a time
+    (1024 tokens, then 8x more each time), each token's bit taken from its word of the
+    mask, until `limit` are found: the best allowed token is most often among the first
+    (a closing quote or bracket), so a walk step reads a thousand bits, not 128k (measured
+    at 128k tokens: 7 against 110-280 us; at 2048, the whole read is the faster by 2 us)."""
+    n = len(table.order)
+    if limit is None or n <= SCAN_FROM:
+        bits = np.unpackbits(packed.view(np.uint8), bitorder="little")
+        if banned:
+            bits[list(banned)] = 0
+        out = table.order[bits[table.order].astype(bool)]
+        return out if limit is None else out[:limit]
+    words = packed.reshape(-1).view(np.uint32)
+    found: list[np.ndarray] = []
+    count, start, size = 0, 0, 1024
+    while start < n and count < limit:
+        stop = min(n, start + size)
+        allowed = (words[table.order_word[start:stop]] >> table.order_bit[start:stop]) & 1
+        ids = table.order[start:stop][allowed.astype(bool)]
+        if banned and ids.size:
+            ids = ids[~np.isin(ids, list(banned))]
+        found.append(ids)
+        count += ids.size
+        start, size = stop, size * 8
+    return np.concatenate(found)[:limit]
 
 
 def _best(packed: np.ndarray, table: ClosingTable, banned: set[int]) -> int | None:
     """The allowed token of best rank (ties: the lower id), none of `banned`; None if none."""
-    ranked = _ranked(packed, table, banned)
+    ranked = _ranked(packed, table, banned, limit=1)
     return int(ranked[0]) if ranked.size else None
 
 
@@ -142,7 +170,7 @@ def best_way(matcher: Any, table: ClosingTable, limit: int, candidates: int = 8,
     if base == []:
         return None  # accepting: nothing to close
     best = base
-    ids = _ranked(_packed(matcher, (len(table.rank) + 31) // 32), table)[:candidates]
+    ids = _ranked(_packed(matcher, (len(table.rank) + 31) // 32), table, limit=candidates)
     for token in ids.tolist():
         if token in table.eos_token_ids or (best is not None and token == best[0]):
             continue
