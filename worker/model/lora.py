@@ -265,10 +265,10 @@ class LoRAWeights:
         built at the first call: the buffers never move. None where the kernel does not
         serve them (another device or dtype, a rank over its limit, the library not built)."""
         if self._cpu_args is None:
-            a = self.by_index[0][0] if self.by_index else None
-            takes = (a is not None and a.device.type == "cpu" and a.dtype == torch.float32
-                     and a.shape[2] <= cpu_lora.MAX_RANK and cpu_lora.available())
-            self._cpu_args = cpu_lora.weight_args(self.by_index) if takes else False
+            self._cpu_args = False
+            if self.by_index and self.by_index[0][0].device.type == "cpu" and cpu_lora.available():
+                with contextlib.suppress(ValueError):  # buffers `weight_args` refuses: the torch path
+                    self._cpu_args = cpu_lora.weight_args(self.by_index)
         return self._cpu_args or None
 
     def shapes(self) -> dict[str, tuple[int, int]]:

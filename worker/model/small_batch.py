@@ -91,13 +91,12 @@ def install(model: torch.nn.Module) -> int:
     and others are left) whose input width is a whole number of the kernel's vectors a
     `SmallBatchLinear`, in place; how many (0 when the kernel has no vector tiles on this
     CPU, or could not be built)."""
-    width = _width()
-    if not width:
-        return 0
+    layers = [m for m in model.modules()
+              if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    width = _width() if layers else 0  # no CPU float layer (a GPU model): the kernel is not even built
     n = 0
-    for m in model.modules():
-        if (type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-                and m.in_features % width == 0):
+    for m in layers:
+        if width and m.in_features % width == 0:
             m.__class__ = SmallBatchLinear
             n += 1
     if n:
