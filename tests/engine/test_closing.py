@@ -65,6 +65,7 @@ def test_the_table_ranks_closers_first_and_openers_last_and_far_rows_are_left_al
     bitmask = np.full((1, (len(tok) + 31) // 32), -1, dtype=np.int32)
     assert not narrow(m, table, LOOKAHEAD + 1, bitmask, 0) and (bitmask == -1).all()
     token, steps = first_step(m, table, 200)
+    bitmask = _fresh_mask(m, tok)  # what narrow takes: the row's mask as the grammar filled it
     assert steps <= len(path) and narrow(m, table, steps, bitmask, 0)
     bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
     assert list(np.flatnonzero(bits)) == [token]
@@ -92,9 +93,8 @@ def _fresh_mask(m, tok) -> np.ndarray:
 def test_a_row_too_far_from_its_end_is_searched_rarely_and_a_way_that_fits_is_followed_without_searching(
         llama_path, monkeypatch):
     """The cost of closing is its searches (each walks the way, a mask fill per token):
-    a row whose way is longer than it can go looks again only every FAILED_LOOK_GAP
-    tokens, and a row narrowed onto a way that ends in time follows it with no search
-    per step."""
+    a row whose way is longer than it can go is searched once and then retired, and a row
+    narrowed onto a way that ends in time follows it with no search per step."""
     import worker.engine.closing as closing
 
     searches = []
@@ -106,7 +106,7 @@ def test_a_row_too_far_from_its_end_is_searched_rarely_and_a_way_that_fits_is_fo
     plan = closing.ClosingPlan()
     for remaining in range(LOOKAHEAD, 0, -1):  # the row writes nothing that changes its way
         assert not narrow(m, table, remaining, _fresh_mask(m, tok), 0, plan)
-    assert len(searches) <= LOOKAHEAD // closing.FAILED_LOOK_GAP
+    assert searches == [LOOKAHEAD + closing.REACH] and plan.look_at == closing.RETIRED
 
     tok, m, table = _matcher_and_table(llama_path, SCHEMA)
     way = closing.best_way(m, table, 200)
@@ -123,3 +123,36 @@ def test_a_row_too_far_from_its_end_is_searched_rarely_and_a_way_that_fits_is_fo
         remaining -= 1
     assert taken == way and valid(tok.decode(taken))
     assert len(searches) == 1  # one look, at the first step; none while following the way
+
+
+def test_a_retired_row_is_looked_at_again_once_its_grammar_reaches_an_end_by_itself(llama_path, monkeypatch):
+    """Retiring is about the way in progress: when the grammar accepts (the output closed
+    what it had open), a later part — another call, here a short bracket — is a new way,
+    searched and narrowed in time."""
+    from llguidance import LLMatcher
+
+    import worker.engine.closing as closing
+    from worker.engine.structured import ll_tokenizer
+
+    searches = []
+    real = closing._greedy
+    monkeypatch.setattr(closing, "_greedy", lambda *a: searches.append(a[2]) or real(*a))
+    tok = make_engine(llama_path).input.tokenizer
+    lt = ll_tokenizer(tok, len(tok), frozenset({tok.eos_token_id}))
+    literal = " ".join(str(i) for i in range(100, 140))  # ~120 tokens, every one of them required
+    m = LLMatcher(lt, LLMatcher.grammar_from_lark(
+        f'start: ("x" | LONG | SHORT)*\nLONG: "<{literal}>"\nSHORT: "[" /[a-z]/ "]"\n'))
+    table = ClosingTable.of_tokenizer(tok, len(tok), frozenset({tok.eos_token_id}))
+    plan = closing.ClosingPlan()
+    assert m.consume_tokens(lt.tokenize_str("<100"))
+    for remaining in range(20, 10, -1):
+        assert not narrow(m, table, remaining, _fresh_mask(m, tok), 0, plan)
+    assert searches == [20 + closing.REACH] and plan.look_at == closing.RETIRED
+    assert m.consume_tokens(lt.tokenize_str(literal[3:] + ">")) and m.is_accepting()
+    assert not narrow(m, table, 10, _fresh_mask(m, tok), 0, plan)  # accepting: EOS may come, nothing to close
+    assert m.consume_tokens(lt.tokenize_str("[")) and not m.is_accepting()
+    bitmask = _fresh_mask(m, tok)
+    assert len(searches) == 1 and narrow(m, table, 2, bitmask, 0, plan)  # a letter and "]": exactly 2 left
+    assert searches[1] == 2 + closing.REACH  # searched again (then the look-ahead's candidates)
+    token = int(np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))[0])
+    assert m.consume_token(token)

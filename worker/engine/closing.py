@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 LOOKAHEAD = 48  # tokens: rows further from their limit are not searched
-FAILED_LOOK_GAP = 16  # tokens: after a search whose way was longer than it could go, the next look waits
+REACH = 8  # tokens: a search walks up to this many past the tokens left (greedy's slack over the shortest way)
+RETIRED = -1  # a plan's `look_at` once its way was found longer than it can ever go
 SCAN_FROM = 8192  # tokens: vocabularies larger than this are scanned in rank order (`_ranked`)
 _CLOSERS = frozenset('"}]')
 
@@ -128,16 +129,18 @@ def closing_path(matcher: Any, table: ClosingTable, limit: int) -> list[int] | N
     return _greedy(matcher, table, limit)[0]
 
 
-def _greedy(matcher: Any, table: ClosingTable, limit: int) -> tuple[list[int] | None, bool]:
+def _greedy(matcher: Any, table: ClosingTable, limit: int,
+            allowed: np.ndarray | None = None) -> tuple[list[int] | None, bool]:
     """`closing_path`, and whether a None is because the way is longer than `limit` (not
     because the search got stuck: nothing allowed but EOS, or too many tokens that made
-    no progress, as in the middle of a character's UTF-8 bytes)."""
+    no progress, as in the middle of a character's UTF-8 bytes). `allowed`: what
+    `matcher` allows now, packed `[1, words]`, where the caller has it (one fill fewer)."""
     if matcher.is_accepting():
         return [], False
     m = matcher.deep_copy()
     words = (len(table.rank) + 31) // 32
     path: list[int] = []
-    masks = [_packed(m, words)]  # masks[k]: what the state before path[k] allows
+    masks = [_packed(m, words) if allowed is None else allowed]  # masks[k]: what the state before path[k] allows
     banned: list[set[int]] = [set()]
     for _ in range(3 * limit):
         token = _best(masks[-1], table, banned[-1])
@@ -159,18 +162,20 @@ def _greedy(matcher: Any, table: ClosingTable, limit: int) -> tuple[list[int] | 
 
 
 def best_way(matcher: Any, table: ClosingTable, limit: int, candidates: int = 8,
-             base: list[int] | None = None) -> list[int] | None:
+             base: list[int] | None = None, allowed: np.ndarray | None = None) -> list[int] | None:
     """The way to an end through the best first step: the greedy way (`base`, searched
     when not given) against the `candidates` best-ranked allowed tokens, each followed by
     the greedy way from there (greedy alone cannot tell a `]` that closes an array from
     one inside a string: this one-token look-ahead can); None when no way within `limit`
-    is found or the grammar accepts already."""
+    is found or the grammar accepts already. `allowed`: as `_greedy`'s."""
     if base is None:
         base = closing_path(matcher, table, limit)
     if base == []:
         return None  # accepting: nothing to close
     best = base
-    ids = _ranked(_packed(matcher, (len(table.rank) + 31) // 32), table, limit=candidates)
+    if allowed is None:
+        allowed = _packed(matcher, (len(table.rank) + 31) // 32)
+    ids = _ranked(allowed, table, limit=candidates)
     for token in ids.tolist():
         if token in table.eos_token_ids or (best is not None and token == best[0]):
             continue
@@ -197,7 +202,8 @@ class ClosingPlan:
     """What closing knows of one request between steps (kept on its `Matcher`).
 
     Attributes:
-        look_at: the `remaining` at which to look for a way again.
+        look_at: the `remaining` at which to look for a way again (`RETIRED`: not until
+            the grammar reaches an end by itself).
         way: the rest of the way a narrowed step chose (its next token first), valid
             while the request follows it: at `way_at` remaining tokens.
         way_at: the `remaining` at which `way[0]` is due.
@@ -224,14 +230,24 @@ def narrow(matcher: Any, table: ClosingTable, remaining: int, bitmask: np.ndarra
 
     `plan`: the request's `ClosingPlan`. A look finding room to spare waits until the
     remaining tokens come within 3 of the way it found, or 8 fewer, whichever comes
-    first; one finding the way longer than its reach waits `FAILED_LOOK_GAP` tokens (one
-    that got stuck, 4). So a request is searched only now and then while near its limit.
-    Once narrowed onto a way that ends in time it follows it (a row narrowed to one token
-    can only take it) without searching again, as long as its grammar allows the way's
-    next token; a way too long for the tokens left is planned again at every step, where
-    the one-token look-ahead may find a shorter one. An accepting state costs one check
-    per step (a call may open at any token)."""
-    if remaining > LOOKAHEAD or (plan is not None and remaining > plan.look_at):
+    first (one that got stuck, 4 tokens). A look whose greedy walk passes its reach
+    (`remaining + REACH` tokens) without an end retires the row: the shortest way to an
+    end shrinks by at most one token per token written, so unless greedy overestimated it
+    by more than `REACH` tokens, the way can never fit the tokens left, and every later
+    look would walk its whole reach for nothing (most of closing's cost where outputs run
+    long, docs/benchmarks.md). A waiting or retired row whose grammar reaches an end by
+    itself starts over (a later tool call is a new way). So a request is searched only now
+    and then while near its limit. Once narrowed onto a way that ends in time it follows
+    it (a row narrowed to one token can only take it) without searching again, as long as
+    its grammar allows the way's next token; a way within reach but too long for the
+    tokens left is planned again at every step, where the one-token look-ahead may find a
+    shorter one. An accepting state costs one check per step (a call may open at any
+    token)."""
+    if remaining > LOOKAHEAD:
+        return False
+    if plan is not None and remaining > plan.look_at:
+        if matcher.is_accepting():
+            plan.look_at = LOOKAHEAD
         return False
     if matcher.is_accepting():
         return False  # EOS is allowed now (looked at again next step: a call may open)
@@ -239,18 +255,18 @@ def narrow(matcher: Any, table: ClosingTable, remaining: int, bitmask: np.ndarra
             and _allows(bitmask, row, plan.way[0])):
         token = plan.way.pop(0)  # the way chosen earlier still ends in time: its next token
     else:
-        base, too_long = _greedy(matcher, table, remaining + 8)
+        allowed = bitmask[row:row + 1].copy()  # the grammar's mask, before any narrowing
+        base, too_long = _greedy(matcher, table, remaining + REACH, allowed)
         if base is None or len(base) + 1 < remaining:  # no way found, or room to spare
             if plan is not None:
                 if base is not None:
                     plan.look_at = max(len(base) + 3, remaining - 8)
-                elif too_long:  # the costliest search (it walked the whole limit), and this row cannot
-                    # be closed in time from here unless its way shrinks faster than it writes
-                    plan.look_at = remaining - FAILED_LOOK_GAP
+                elif too_long:  # cannot end in time from here, nor later (the docstring)
+                    plan.look_at = RETIRED
                 else:  # stuck where it is (inside a character's bytes): soon again
                     plan.look_at = remaining - 4
             return False
-        way = best_way(matcher, table, remaining + 8, base=base)
+        way = best_way(matcher, table, remaining + REACH, base=base, allowed=allowed)
         if way is None:
             return False
         token = way[0]
