@@ -19,7 +19,9 @@ chunks) dequantize the weight in the kernel and multiply with torch's GEMM.
 Threads: OpenMP over blocks of output channels, in the process's OpenMP runtime (the
 libgomp torch loaded), as many as `torch.get_num_threads()` at each call. The library is
 built by `cbuild` for the CPU it runs on (`-march=native`): AVX-512 tiles of 16 lanes, or
-AVX2 + FMA tiles of 8 (x86 without AVX-512: AMD before Zen 4, most client Intel). Without
+AVX2 + FMA tiles of 8 (x86 without AVX-512: AMD before Zen 4, most client Intel; int4 at one
+row folds each group's scale and zero point into one correction, 1.3x faster on the AVX-512
+box built for AVX2, docs/benchmarks.md). Without
 a compiler (logged once), on a CPU with neither, or for groups that are not whole vectors
 (`fast`), `QuantLinear` dequantizes with torch instead and never calls the op.
 """
