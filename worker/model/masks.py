@@ -6,6 +6,7 @@ where the logits are.
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,27 @@ def _parallel_fill(device: torch.device) -> bool:
     from worker.engine.threads import usable_cpus
 
     return device.type == "cuda" or usable_cpus() > torch.get_num_threads() + 1
+
+
+def fill_beside_forward(device: torch.device) -> bool:
+    """Whether a step's masks are filled on a thread of their own while the forward runs
+    (`start_token_bitmask`, the runner decides before the forward): on CUDA, where the
+    forward thread mostly waits for the device; on the CPU only where torch's intra-op
+    threads leave a core this process may use, as in an engine process under the worker's
+    thread budget (`worker.engine.threads`): there, 64 constrained rows cost +10-11% step
+    time against +14-18% filled after the forward; beside an OpenMP team on every core
+    (an engine alone with torch's default threads) the thread measured +18-34%
+    (docs/benchmarks.md#structured-outputs)."""
+    return device.type == "cuda" or torch.get_num_threads() < _usable_cpus()
+
+
+@functools.cache
+def _usable_cpus() -> int:
+    """`worker.engine.threads.usable_cpus`, read once (affinity and cgroup files); the
+    thread count it is compared with is read at every step (the budget may change it)."""
+    from worker.engine.threads import usable_cpus
+
+    return usable_cpus()
 
 
 def remaining_budget(r: Any) -> int | None:

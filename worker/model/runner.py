@@ -38,7 +38,7 @@ from worker.model.host_kv import HostKVBuffers, cache_tensors
 from worker.model.input_batch import BlockTableBuffer, step_positions
 from worker.model.kernels.kv_int8 import allocate_scales
 from worker.model.lora import LoRAStep, LoRAWeights, build_step, lora_step
-from worker.model.masks import start_token_bitmask
+from worker.model.masks import fill_beside_forward, start_token_bitmask
 from worker.model.recurrent import RecurrentStep, StateLayout, StatePool
 from worker.model.sampler import sample_on_device, verify_drafts
 from worker.model.step_result import LaunchedStep, SampledStep
@@ -402,11 +402,10 @@ class ModelRunner:
                              for row in (s.verify_rows(s.params.reads_history) if s.draft else (s,))]
         if any(s.has_placeholder and s.params.reads_history for s in sampling_reqs):
             sampling_reqs = self._resolve_for_penalty(sampling_reqs)
-        # structured-output masks: on CUDA filled on their own thread while this one queues the
-        # forward and the device runs it; on the CPU after the forward (a thread beside torch's
-        # OpenMP team measured +18-34% step time at 64 constrained rows, vs -4-+20% after it)
+        # structured-output masks: filled on their own thread while this one runs the forward
+        # where a core is left for it (`fill_beside_forward`), else after the forward
         masks = (start_token_bitmask(sampling_reqs, self._vocab_size, self.device)
-                 if sample_idx and self.overlaps_host else None)
+                 if sample_idx and fill_beside_forward(self.device) else None)
         lora = None
         if sched.loras:  # slots first filled with their adapters' weights, then the tokens' grouping
             for slot, adapter in sched.loras.items():
