@@ -139,6 +139,24 @@ def test_a_mixed_batch_equals_peft_merged_generate(base_and_loras, async_schedul
     assert sum(refs[rid] != ids for rid, ids in base_refs.items()) >= 10  # of 12: the adapters change the output
 
 
+def test_a_plain_models_graph_never_serves_the_same_model_with_adapters(base_and_loras):
+    """Dynamo keeps graphs per code object and a warm compiled forward skips their guards:
+    the plain model compiled first in this process must not lend its graph (without the
+    adapters' ops) to the same model with LoRA hooks (`worker.model.compiled._code_of`);
+    an engine of the same plain model still reuses it."""
+    base, root = base_and_loras
+    plain = engine(base, None, compile="on", precompile=False)
+    assert plain.compile_report.compiled
+    assert engine(base, None, compile="on", precompile=False).compile_report.graphs == 0  # the same model: shared
+    work = workload(2, 8, ["a4", None, "b8", "c16"])
+    refs = references(base, root, work)
+    eng = engine(base, root, compile="on", precompile=False, max_batched_tokens=32, max_total_tokens=384)
+    assert eng.compile_report.compiled and eng.compile_report.graphs == 1, eng.compile_report  # a graph of its own
+    got = run(eng, work)
+    for rid, *_, adapter in work:
+        assert got[rid] == refs[rid], (rid, adapter)
+
+
 @pytest.mark.parametrize("precompile", [True, False], ids=["captured", "dynamo"])
 def test_a_compiled_forward_serves_adapters_exactly(base_and_loras, precompile, tmp_path, monkeypatch):
     """A LoRA model compiles (the delta an opaque op, `worker.model.lora`): the mixed batch

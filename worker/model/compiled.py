@@ -45,6 +45,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import NamedTuple
 
@@ -83,7 +84,10 @@ class CompiledForward:
     not used."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._fn = torch.compile(model, dynamic=True, fullgraph=False)
+        def forward(**kwargs):
+            return model(**kwargs)
+
+        self._fn = torch.compile(_code_of(forward, artifact_key(model)), dynamic=True, fullgraph=False)
         self.warm = False
 
     def __call__(self, **kwargs):
@@ -93,6 +97,23 @@ class CompiledForward:
                 return self._fn(**kwargs)
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
             return self._fn(**kwargs)
+
+
+_codes: dict[str, types.CodeType] = {}
+
+
+def _code_of(fn: types.FunctionType, key: str) -> types.FunctionType:
+    """`fn` with the code object of the models whose `artifact_key` is `key`. Dynamo keeps
+    compiled graphs per code object, and a warm `CompiledForward` skips their guards: it
+    runs the first graph whose distinguishing guards pass. Engines of one model in one
+    process share a code object, so the second serves the first's graph without compiling;
+    two models of one class that differ where no guard looks (a plain model and the same
+    one with LoRA hooks, which add ops) get their own, so neither can run the other's
+    graph (`tests/engine/test_lora.py` builds the plain model's graph first)."""
+    code = _codes.get(key)
+    if code is None:
+        code = _codes[key] = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{key[:16]}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def mark_token_dims(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor) -> None:
