@@ -38,8 +38,8 @@ def fill_beside_forward(device: torch.device) -> bool:
     (`start_token_bitmask`, the runner decides before the forward): on CUDA, where the
     forward thread mostly waits for the device; on the CPU only where torch's intra-op
     threads leave a core this process may use, as in an engine process under the worker's
-    thread budget (`worker.engine.threads`): there, 64 constrained rows cost +10-11% step
-    time against +14-18% filled after the forward; beside an OpenMP team on every core
+    thread budget (`worker.engine.threads`): there, 64 constrained rows cost +6 to +15% step
+    time against +15 to +17% filled after the forward; beside an OpenMP team on every core
     (an engine alone with torch's default threads) the thread measured +18-34%
     (docs/benchmarks.md#structured-outputs)."""
     return device.type == "cuda" or torch.get_num_threads() < _usable_cpus()
@@ -85,7 +85,7 @@ def token_bitmask(matchers: list[Matcher], vocab_size: int, device: torch.device
     words = (vocab_size + 31) // 32
     bitmask = np.full((n, words), -1, dtype=np.int32)
     # row i at base + i * row_bytes: llguidance's own fill without its wrapper's per-row
-    # checks and slicing (~2 us a row, a tenth of a fill; the array is made right above)
+    # checks and slicing (~2 us a row, a fifth of a fill; the array is made right above)
     base, row_bytes = bitmask.ctypes.data, words * 4
     left = remaining if remaining is not None else [None] * n
     if ahead is not None and any(ahead):
