@@ -429,6 +429,24 @@ static inline __attribute__((always_inline)) void tile_float(const float *x, int
         }
 }
 
+/* tile_float over mb <= MB rows, mb made a constant at each call (the tile stays in registers) */
+static inline void tiles_float(const float *x, int64_t ldx, const float *wrows, int64_t K, int mb, int nb,
+                               float out[MB][NB]) {
+    switch (mb) {
+    case 1: tile_float(x, ldx, wrows, K, 1, nb, out); break;
+    case 2: tile_float(x, ldx, wrows, K, 2, nb, out); break;
+    case 3: tile_float(x, ldx, wrows, K, 3, nb, out); break;
+    default: tile_float(x, ldx, wrows, K, 4, nb, out); break;
+    }
+}
+
+/* y's rows m0.. m0 + mb, channels n0.. n0 + nb: a tile's sums plus the bias */
+static inline void store_tile(float *y, int64_t N, int64_t m0, int64_t n0, int mb, int nb, float out[MB][NB],
+                              const float *bias) {
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < nb; j++) y[(m0 + m) * N + n0 + j] = out[m][j] + (bias ? bias[n0 + j] : 0.f);
+}
+
 /* Returns 0; 1 for arguments it does not take (y untouched): bits not 4 or 8, G not
  * dividing K, int4 with an odd K or groups straddling the two halves; 2 out of memory.
  *
@@ -470,14 +488,8 @@ int inflight_woq_linear(const float *x, const uint8_t *q, const float *scale, co
                 const int mb = M - m0 < MB ? (int)(M - m0) : MB;
                 float out[MB][NB];
                 const float *xm = x + m0 * K;
-                if (!direct) {
-                    switch (mb) {
-                    case 1: tile_float(xm, K, buf, K, 1, nb, out); break;
-                    case 2: tile_float(xm, K, buf, K, 2, nb, out); break;
-                    case 3: tile_float(xm, K, buf, K, 3, nb, out); break;
-                    default: tile_float(xm, K, buf, K, 4, nb, out); break;
-                    }
-                }
+                if (!direct)
+                    tiles_float(xm, K, buf, K, mb, nb, out);
 #ifdef __AVX512F__
                 else if (vector) { /* a partial block computes its first channel again in the spare lanes */
                     switch (mb) {
@@ -494,8 +506,7 @@ int inflight_woq_linear(const float *x, const uint8_t *q, const float *scale, co
 #endif
                 else
                     tile_plain(xm, K, rows, scales, zeros, &w, K, G, mb, nb, out);
-                for (int m = 0; m < mb; m++)
-                    for (int j = 0; j < nb; j++) y[(m0 + m) * N + n0 + j] = out[m][j] + (bias ? bias[n0 + j] : 0.f);
+                store_tile(y, N, m0, n0, mb, nb, out, bias);
             }
         }
         free(buf);
@@ -518,15 +529,8 @@ int inflight_float_linear(const float *x, const float *w, const float *bias, flo
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             const int mb = M - m0 < MB ? (int)(M - m0) : MB;
             float out[MB][NB];
-            const float *xm = x + m0 * K;
-            switch (mb) {
-            case 1: tile_float(xm, K, w + n0 * K, K, 1, nb, out); break;
-            case 2: tile_float(xm, K, w + n0 * K, K, 2, nb, out); break;
-            case 3: tile_float(xm, K, w + n0 * K, K, 3, nb, out); break;
-            default: tile_float(xm, K, w + n0 * K, K, 4, nb, out); break;
-            }
-            for (int m = 0; m < mb; m++)
-                for (int j = 0; j < nb; j++) y[(m0 + m) * N + n0 + j] = out[m][j] + (bias ? bias[n0 + j] : 0.f);
+            tiles_float(x + m0 * K, K, w + n0 * K, K, mb, nb, out);
+            store_tile(y, N, m0, n0, mb, nb, out, bias);
         }
     }
     return 0;
