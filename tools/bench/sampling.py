@@ -3,7 +3,7 @@ torch's `exponential_`, measured in one run on one box:
 
   draw     `_draw` of `--rows` sampled rows (temperature 1) at each vocabulary size of
            `--vocab`, seeded rows (each its own generator) and unseeded, the two noises
-           taking turns; median milliseconds.
+           taking turns (`harness.interleaved_ms`); median milliseconds of the rounds.
   engine   one decode step of `--rows` sampled requests on the CPU bench model (vocabulary
            2048), two engines stepping in turn, one per noise; medians and the median of
            the per-step ratios.
@@ -20,23 +20,12 @@ import statistics
 import time
 from pathlib import Path
 
-from tools.bench.harness import DEFAULT_MODEL, ensure_model, machine, write_report
+from tools.bench.harness import DEFAULT_MODEL, ensure_model, interleaved_ms, machine, write_report
 
 
 def torch_exponential(out, generator=None):
     """torch's own Exp(1) draws: the baseline."""
     return out.exponential_(generator=generator)
-
-
-def _median_ms(fn, n: int) -> float:
-    for _ in range(max(2, n // 10)):
-        fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
 
 
 def bench_draw(rows: int, vocabs: list[int]) -> dict:
@@ -57,11 +46,14 @@ def bench_draw(rows: int, vocabs: list[int]) -> dict:
             logits = torch.randn(rows, vocab)
             for seeded in (True, False):
                 reqs = [Row(torch.Generator().manual_seed(i) if seeded else None) for i in range(rows)]
-                ms = {}
-                for name, noise in (("exponential_", torch_exponential), ("-log U", ours)):
+
+                def draw(noise, lg=logits, rq=reqs):
                     sampler._exponential = noise
-                    ms[name] = _median_ms(lambda lg=logits, rq=reqs: sampler._draw(lg, rq, params),
-                                          40 if vocab > 10_000 else 200)
+                    sampler._draw(lg, rq, params)
+
+                rounds = interleaved_ms({"exponential_": lambda: draw(torch_exponential), "-log U": lambda: draw(ours)},
+                                        rounds=10, per_round=4 if vocab > 10_000 else 20)
+                ms = {name: statistics.median(r) for name, r in rounds.items()}
                 out[f"{vocab}, {'seeded' if seeded else 'unseeded'}"] = {**ms, "speedup": ms["exponential_"] / ms["-log U"]}
     finally:
         sampler._exponential = ours
