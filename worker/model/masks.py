@@ -28,9 +28,7 @@ def _parallel_fill(device: torch.device) -> bool:
     torch's: on a CPU engine torch's OpenMP team spins on every core right after the
     forward, and the executor's threads then measured 1.6x slower than one thread
     filling every row (2.1 vs 1.3 ms at 64 rows, docs/benchmarks.md)."""
-    from worker.engine.threads import usable_cpus
-
-    return device.type == "cuda" or usable_cpus() > torch.get_num_threads() + 1
+    return device.type == "cuda" or _usable_cpus() > torch.get_num_threads() + 1
 
 
 def fill_beside_forward(device: torch.device) -> bool:
