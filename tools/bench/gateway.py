@@ -56,7 +56,8 @@ def write_configs(a, prefix: str, tmp: Path, worker: dict, gateway: dict) -> tup
     kafka.update(topic_prefix=prefix, group_id=f"{prefix}-workers", commit_interval_ms=200)
     redis.update(key_prefix=prefix, log_ttl_s=600)
     wcfg = {**worker, "kafka": kafka, "redis": redis,
-            "worker": {"worker_id": f"{prefix}-w", "log_level": "WARNING"}, "metrics": {"port": None}}
+            "worker": {"worker_id": f"{prefix}-w", "log_level": getattr(a, "worker_log_level", "WARNING")},
+            "metrics": {"port": None}}
     (tmp / "worker.yaml").write_text(yaml.safe_dump(wcfg))
     port = free_port()
     gcfg = {"gateway": {"host": "127.0.0.1", "port": port, "model_name": "bench", "files_dir": str(tmp / "files"),

@@ -3,7 +3,10 @@
 limits, in one run.
 
 Systems (each started, measured at every rate, stopped, before the next starts, so they
-never share the cores):
+never share the cores; with `--rounds K` all are started together and measured in turn,
+K rounds, the order reversed every other round: this box's speed drifts by up to 40%
+between minutes, so only runs in the same minutes compare. An idle server's CPU while
+another is measured is recorded, `idle_cores`, to show it stayed out of the way):
   inflight       `python -m worker gateway` + one `python -m worker worker` on the dev
                  stack's Kafka and Redis (fresh topics), the checkpoint on the CPU (or CUDA).
   inflight_vllm  the same gateway and worker with `model.engine: vllm` (vLLM's engine core
@@ -24,6 +27,11 @@ ITL p50 and p99 (ms), and Inflight's ratio to vLLM per rate.
     tools/setup_vllm.sh && tools/stack/devstack.sh up
     python -m tools.bench.serve                          # ~10 minutes here
     python -m tools.bench.serve --rates 4 --num-prompts 40 --systems inflight
+    python -m tools.bench.serve --systems inflight_vllm vllm --rates 8 inf --rounds 5
+
+With rounds, the table shows each system's median over the rounds and each ratio's
+median; every round's ratio is printed and saved (`ratios_by_round`): an aim is held
+when it holds round after round, not in one median.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import numpy as np
+
 from tools.bench.connections import add_connection_args, connection_sections
 from tools.bench.engine import VLLM_PYTHON, vllm_missing
 from tools.bench.gateway import KEY, start_gateway, write_configs
@@ -55,6 +65,22 @@ class Server:
 
     def __init__(self, name: str, procs: list[subprocess.Popen], port: int, log) -> None:
         self.name, self.procs, self.port, self.log = name, procs, port, log
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by its processes and their children (user + system);
+        processes gone meanwhile count as 0."""
+        import psutil
+
+        total = 0.0
+        for p in self.procs:
+            try:
+                proc = psutil.Process(p.pid)
+                for q in [proc, *proc.children(recursive=True)]:
+                    t = q.cpu_times()
+                    total += t.user + t.system
+            except psutil.Error:
+                continue
+        return total
 
     def wait_ready(self, timeout: float) -> None:
         """Until `GET /v1/models` answers 200 and one completion succeeds. Raises
@@ -125,10 +151,11 @@ def start_vllm(a, model: Path, device: str) -> Server:
     return Server("vllm", [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)], port, log)
 
 
-def bench_one(a, server: Server, model: Path, rate: float, tmp: Path) -> dict:
-    """One `vllm bench serve` run at `rate` against `server`; its saved result JSON.
-    Raises RuntimeError (with its output's tail) if it fails or a request failed."""
-    name = f"{server.name}-{rate}.json"
+def bench_one(a, server: Server, model: Path, rate: float, tmp: Path, tag: str = "") -> dict:
+    """One `vllm bench serve` run at `rate` against `server`; its saved result JSON
+    (`tag` tells rounds apart). Raises RuntimeError (with its output's tail) if it fails
+    or a request failed."""
+    name = f"{server.name}-{rate}{tag.replace(' ', '-')}.json"
     vllm = Path(a.vllm_python).with_name("vllm")
     argv = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{server.port}",
             "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(model),
@@ -136,7 +163,7 @@ def bench_one(a, server: Server, model: Path, rate: float, tmp: Path) -> dict:
             "--random-output-len", str(a.output_len), "--num-prompts", str(a.num_prompts),
             "--request-rate", str(rate), "--ignore-eos", "--temperature", "0", "--seed", str(a.seed),
             "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", str(tmp), "--result-filename", name, "--disable-tqdm"]
+            "--save-result", "--save-detailed", "--result-dir", str(tmp), "--result-filename", name, "--disable-tqdm"]
     env = {**os.environ, "OPENAI_API_KEY": KEY}
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     server.log.write(f"\n==== vllm bench serve at {rate} req/s ====\n{proc.stdout}{proc.stderr}\n")
@@ -148,7 +175,82 @@ def bench_one(a, server: Server, model: Path, rate: float, tmp: Path) -> dict:
     if res.get("completed") != a.num_prompts:
         raise RuntimeError(f"{server.name} at {rate} req/s: {res.get('completed')}/{a.num_prompts} requests "
                            f"completed; errors: {[e for e in res.get('errors', []) if e][:3]}")
-    return {k: v for k, v in res.items() if not isinstance(v, list)}  # per-request lists left out
+    # per-request lists left out but the first tokens' times (in request order: where a tail comes from)
+    return {k: v for k, v in res.items() if not isinstance(v, list) or k == "ttfts"}
+
+
+def _start(a, name: str, model: Path, device: str, tmp: Path) -> Server:
+    """System `name` started (its config files in `tmp/name`), not yet ready."""
+    if name == "vllm":
+        return start_vllm(a, model, device)
+    (tmp / name).mkdir(exist_ok=True)
+    return start_inflight(a, model, device, tmp / name, "vllm" if name == "inflight_vllm" else "inflight")
+
+
+def _measure(a, server: Server, model: Path, rate: str, tmp: Path, tag: str, idle: list[Server]) -> dict:
+    """One rate against `server`: its result, row, and the cores the `idle` servers used
+    meanwhile (CPU seconds over wall seconds, summed)."""
+    before = [s.cpu_s() for s in idle]
+    t0 = time.monotonic()
+    res = bench_one(a, server, model, float(rate), tmp, tag)
+    wall = time.monotonic() - t0
+    idle_cores = sum(s.cpu_s() - b for s, b in zip(idle, before)) / wall
+    print(f"{server.name} at {rate} req/s{tag}: {res['output_throughput']:.0f} output tok/s, "
+          f"TTFT p50 {res['p50_ttft_ms']:.1f} ms")
+    return {"res": res, "row": row(res), "idle_cores": idle_cores}
+
+
+def measure_one_by_one(a, model: Path, device: str, tmp: Path) -> list[dict]:
+    """Each system started, measured at every rate and stopped before the next: one round."""
+    out: dict[str, dict] = {}
+    for name in a.systems:
+        server = _start(a, name, model, device, tmp)
+        try:
+            server.wait_ready(900)
+            out[name] = {rate: _measure(a, server, model, rate, tmp, "", []) for rate in a.rates}
+        finally:
+            server.stop()
+    return [out]
+
+
+def measure_in_turn(a, model: Path, device: str, tmp: Path) -> list[dict]:
+    """All systems started together, then `a.rounds` rounds, each measuring every system
+    at every rate in turn (the order reversed every other round, so neither side always
+    runs first)."""
+    servers: list[Server] = []
+    try:
+        for name in a.systems:
+            servers.append(_start(a, name, model, device, tmp))
+            servers[-1].wait_ready(900)  # one start at a time: starts are CPU-bound
+        rounds = []
+        for k in range(a.rounds):
+            order = servers if k % 2 == 0 else servers[::-1]
+            out: dict[str, dict] = {}
+            for server in order:
+                idle = [s for s in servers if s is not server]
+                out[server.name] = {rate: _measure(a, server, model, rate, tmp, f" round {k + 1}", idle)
+                                    for rate in a.rates}
+            rounds.append(out)
+        return rounds
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _median_row(rows: list[dict]) -> dict:
+    return {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+
+
+def _ratios(a, results: dict[str, dict[str, dict]]) -> dict:
+    """Output tokens/s and TTFT p50 of each pair of systems, per rate."""
+    return {f"{x}_vs_{y}": {rate: {"output_tokens_per_s": results[x][rate]["output_tokens_per_s"]
+                                   / results[y][rate]["output_tokens_per_s"],
+                                   "ttft_p50": results[x][rate]["ttft_p50_ms"] / results[y][rate]["ttft_p50_ms"],
+                                   "ttft_p50_minus_ms": results[x][rate]["ttft_p50_ms"]
+                                   - results[y][rate]["ttft_p50_ms"]}
+                            for rate in a.rates}
+            for x, y in (("inflight", "vllm"), ("inflight_vllm", "vllm"), ("inflight", "inflight_vllm"))
+            if x in results and y in results}
 
 
 def row(res: dict) -> dict:
@@ -196,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=2048, help="batched tokens per step (both systems)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="1: each system alone, one after the other; K > 1: all started, measured in turn K times")
+    p.add_argument("--worker-log-level", default="WARNING", choices=["WARNING", "INFO"],
+                   help="INFO: the worker logs a line per job (its queue time and TTFT as the worker saw them)")
     p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="interpreter of vLLM's venv (tools/setup_vllm.sh)")
     p.add_argument("--out", default="results")
     add_connection_args(p)
@@ -207,33 +313,22 @@ def main(argv: list[str] | None = None) -> int:
     if why := vllm_missing(Path(a.vllm_python)):
         print(f"bench_serve: needs vLLM's `vllm bench serve` as the load generator: {why}", file=sys.stderr)
         return 2
-    results: dict[str, dict[str, dict]] = {}
-    raw: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp_:
-        tmp = Path(tmp_)
-        for name in a.systems:
-            server = (start_vllm(a, model, device) if name == "vllm"
-                      else start_inflight(a, model, device, tmp, "vllm" if name == "inflight_vllm" else "inflight"))
-            try:
-                server.wait_ready(900)
-                for rate in a.rates:
-                    res = bench_one(a, server, model, float(rate), tmp)
-                    raw.setdefault(name, {})[rate] = res
-                    results.setdefault(name, {})[rate] = row(res)
-                    print(f"{name} at {rate} req/s: {results[name][rate]['output_tokens_per_s']:.0f} output tok/s")
-            finally:
-                server.stop()
-    ratios = {f"{x}_vs_{y}": {rate: {"output_tokens_per_s": results[x][rate]["output_tokens_per_s"]
-                                     / results[y][rate]["output_tokens_per_s"],
-                                     "ttft_p50": results[x][rate]["ttft_p50_ms"] / results[y][rate]["ttft_p50_ms"],
-                                     "ttft_p50_minus_ms": results[x][rate]["ttft_p50_ms"] - results[y][rate]["ttft_p50_ms"]}
-                              for rate in a.rates}
-              for x, y in (("inflight", "vllm"), ("inflight_vllm", "vllm"), ("inflight", "inflight_vllm"))
-              if x in results and y in results}
+        runs = (measure_in_turn if a.rounds > 1 else measure_one_by_one)(a, model, device, Path(tmp_))
+    results = {name: {rate: _median_row([r[name][rate]["row"] for r in runs]) for rate in a.rates}
+               for name in a.systems}
+    by_round = [_ratios(a, {name: {rate: r[name][rate]["row"] for rate in a.rates} for name in a.systems})
+                for r in runs]
+    ratios = {pair: {rate: {k: float(np.median([b[pair][rate][k] for b in by_round])) for k in by_rate[rate]}
+                     for rate in a.rates}
+              for pair, by_rate in by_round[0].items()}
+    raw = [{name: {rate: r[name][rate]["res"] for rate in a.rates} for name in a.systems} for r in runs]
+    idle = [{name: {rate: r[name][rate]["idle_cores"] for rate in a.rates} for name in a.systems} for r in runs]
     report = {"mode": "serve", "command": "python -m tools.bench.serve " + " ".join(argv or sys.argv[1:]),
               "machine": machine(), "model": str(model), "device": device, "input_len": a.input_len,
               "output_len": a.output_len, "num_prompts": a.num_prompts, "max_batch": a.max_batch, "budget": a.budget,
-              "results": results, "ratios": ratios, "vllm_bench_serve": raw}
+              "rounds": a.rounds, "results": results, "ratios": ratios, "ratios_by_round": by_round,
+              "idle_cores_by_round": idle, "vllm_bench_serve": raw}
     out = Path(a.out) / "bench_serve.json"
     out.write_text(json.dumps(report, indent=2))
     plot(report, Path(a.out) / "bench_serve.png")
@@ -246,8 +341,14 @@ def main(argv: list[str] | None = None) -> int:
                   + "".join(f"{r[f'{m}_{q}_ms']:>11.1f}" for m in METRICS for q in ("p50", "p99")))
     for pair, by_rate in ratios.items():
         for rate, r in by_rate.items():
+            each = "" if a.rounds == 1 else "; rounds: " + ", ".join(
+                f"{b[pair][rate]['output_tokens_per_s']:.2f}x / {b[pair][rate]['ttft_p50_minus_ms']:+.1f} ms"
+                for b in by_round)
             print(f"{pair.replace('_vs_', ' / ')} at {rate} req/s: output tok/s {r['output_tokens_per_s']:.2f}x, "
-                  f"TTFT p50 {r['ttft_p50']:.2f}x ({r['ttft_p50_minus_ms']:+.1f} ms)")
+                  f"TTFT p50 {r['ttft_p50']:.2f}x ({r['ttft_p50_minus_ms']:+.1f} ms){each}")
+    if a.rounds > 1:
+        worst = max((c for r in idle for by_rate in r.values() for c in by_rate.values()), default=0.0)
+        print(f"idle servers while another was measured: at most {worst:.2f} cores")
     print(f"wrote {out}")
     return 0
 
