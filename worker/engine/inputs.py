@@ -1,7 +1,7 @@
 """What a caller hands the engine for one request: `RequestInput`, with its prompt as one
 tagged value (`TextPrompt`, `ChatPrompt`, `TokenPrompt`). It is built once, from a Kafka
-job (`RequestInput.from_job`, the worker) or from keywords (`RequestInput.of`, tests,
-tools, the CLI), and taken whole by `InputProcessor.process` and `Engine.add`; input
+job (`worker.serve.starter.request_input`: the engine knows no wire schema) or from
+keywords (`RequestInput.of`, tests, tools, the CLI), and taken whole by `InputProcessor.process` and `Engine.add`; input
 processing turns it into the tokenized `EngineCoreRequest`, and the core that into the
 scheduler's `Request` (`Request.from_core_request`); its `RequestOptions` ride along
 whole. One object per door, as vLLM's
@@ -13,14 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from schemas.params import SamplingParams
 from worker.engine.outputs import RequestOptions
 from worker.engine.request import RejectReason, RequestRejected
-
-if TYPE_CHECKING:
-    from schemas.wire import Job
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,19 +88,3 @@ class RequestInput:
         else:
             value = TokenPrompt(prompt_token_ids)
         return cls(request_id, value, SamplingParams() if params is None else params, RequestOptions(**options))
-
-    @classmethod
-    def from_job(cls, job: Job, priority: str, arrival_time: float, *, traced: bool = False) -> RequestInput:
-        """The request of a Kafka job: its prompt (exactly one is set: the wire schema
-        checks it), params and options: its tenant (also its cache salt), deadline and
-        adapter; `priority` is its topic's class, `arrival_time` the record's timestamp
-        (Unix s), `traced` whether its trace is sampled. A job field the engine reads
-        is mapped here, once."""
-        if job.prompt is not None:
-            prompt: Prompt = TextPrompt(job.prompt)
-        elif job.messages is not None:
-            prompt = ChatPrompt([m.template_dict() for m in job.messages], job.tools, job.chat_template_kwargs)
-        else:
-            prompt = TokenPrompt(job.prompt_token_ids or [])
-        options = RequestOptions(priority, job.tenant, job.tenant or "", arrival_time, job.deadline, job.adapter, traced)
-        return cls(job.job_id, prompt, job.params, options)

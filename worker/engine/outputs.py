@@ -237,10 +237,11 @@ class StepSkipped(Exception):
 # ---- across the engine core's boundary ------------------------------------------------------
 class RequestOptions(msgspec.Struct, frozen=True, array_like=True):
     """What a request asks for beyond its prompt and sampling parameters: the values that
-    pass from the caller (a Kafka job: `RequestInput.from_job`) to the scheduler's
-    `Request.options` unchanged, across the core's boundary inside `EngineCoreRequest`.
-    A new per-request field is added here (and to `RequestInput.from_job` when jobs carry it) and read
-    where it is used; nothing between copies it. Times are Unix seconds (`time.time()`).
+    pass from the caller (a Kafka job: `worker.serve.starter.request_input`) to the
+    scheduler's `Request.options` unchanged, across the core's boundary inside
+    `EngineCoreRequest`. A new per-request field is added here (and to `request_input`
+    when jobs carry it) and read where it is used; nothing between copies it. Times are
+    Unix seconds (`time.time()`).
 
     Attributes:
         priority: a `Priority` or its name (`"high"`, `"normal"`, `"low"`); input

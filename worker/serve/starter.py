@@ -42,7 +42,8 @@ from schemas.codec import recover_tenant
 from schemas.keys import JobRef
 from schemas.wire import ErrorInfo, FinishReason
 from worker.engine import EngineCoreRequest, RequestRejected
-from worker.engine.inputs import RequestInput, TokenPrompt
+from worker.engine.inputs import ChatPrompt, Prompt, RequestInput, TextPrompt, TokenPrompt
+from worker.engine.outputs import RequestOptions
 from worker.obs.tracing import OFF, Tracing
 from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN
@@ -334,7 +335,7 @@ class JobStarter:
         """The job's engine request, or why it cannot have one here (any thread)."""
         t0 = time.time()
         try:
-            inp = RequestInput.from_job(held.job, held.priority, held.enqueue_time, traced=held.trace is not None)
+            inp = request_input(held)
             if self.router is not None:  # the prompt's length decides the pool: count it first
                 ids = self.engine.input.tokenize(inp.request_id, inp.prompt)
                 self.router.check(len(ids))
@@ -430,6 +431,24 @@ class JobStarter:
                 self.host.wake()
                 return
         self.finalizer.release(tp, rec.offset)
+
+
+def request_input(held: LocalJob) -> RequestInput:
+    """The engine's request for a held job: its prompt (exactly one is set: the wire
+    schema checks it), params and options: its tenant (also its cache salt), deadline and
+    adapter, its topic's priority class, the record's timestamp as its arrival (Unix s),
+    and whether its trace is sampled. The one place a job field the engine reads is
+    mapped: the engine itself knows no wire schema."""
+    job = held.job
+    if job.prompt is not None:
+        prompt: Prompt = TextPrompt(job.prompt)
+    elif job.messages is not None:
+        prompt = ChatPrompt([m.template_dict() for m in job.messages], job.tools, job.chat_template_kwargs)
+    else:
+        prompt = TokenPrompt(job.prompt_token_ids or [])
+    options = RequestOptions(held.priority, job.tenant, job.tenant or "", held.enqueue_time, job.deadline,
+                             job.adapter, held.trace is not None)
+    return RequestInput(job.job_id, prompt, job.params, options)
 
 
 def _prompt_too_long():
