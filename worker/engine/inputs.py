@@ -1,8 +1,9 @@
 """What a caller hands the engine for one request: `RequestInput`, with its prompt as one
 tagged value (`TextPrompt`, `ChatPrompt`, `TokenPrompt`). It is built once, from a Kafka
 job (`worker.serve.starter.request_input`: the engine knows no wire schema) or from
-keywords (`RequestInput.of`, tests, tools, the CLI), and taken whole by `InputProcessor.process` and `Engine.add`; input
-processing turns it into the tokenized `EngineCoreRequest`, and the core that into the
+keywords (`RequestInput.of`, tests, tools, the CLI), and taken whole by
+`InputProcessor.process` and `Engine.add`; input processing turns it into the
+tokenized `EngineCoreRequest`, and the core that into the
 scheduler's `Request` (`Request.from_core_request`); its `RequestOptions` ride along
 whole. One object per door, as vLLM's
 prompt value into its input processor and `EngineCoreRequest` →
