@@ -9,6 +9,7 @@ engine's exactly."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -323,3 +324,19 @@ def test_inflight_check_runs_vllms_own_validation(vllm_llama_path, vllm_python):
     refused = checks(max_model_len=10**7)  # beyond the checkpoint's context: vLLM's own check
     assert refused["model"].status == "fail" and refused["model"].setting == "model.vllm_args", refused["model"]
     assert "max_model_len" in refused["model"].detail
+
+
+def test_the_core_process_waits_on_its_forwards_cpus(driver):
+    """vLLM's core process spins while it waits for each step (`share_forward_cpus`):
+    every one of its threads is bound to the CPUs of vLLM's forward process, where
+    vLLM's CPU platform leaves a CPU for the rest (here the test's Kafka, Redis and
+    client), so that spin never takes the rest's CPU."""
+    import psutil
+
+    core = psutil.Process(driver.client._proc.pid)
+    forwards = [p for p in core.children(recursive=True) if os.sched_getaffinity(p.pid) != os.sched_getaffinity(0)]
+    if not forwards:
+        pytest.skip("vLLM bound its forward to every CPU this test may use: nothing to share")
+    wanted = set().union(*(os.sched_getaffinity(p.pid) for p in forwards))
+    for t in core.threads():
+        assert os.sched_getaffinity(t.id) == wanted

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -279,6 +280,38 @@ class VllmCore:
         return KVStats(total, max(0, total - free), free, 0, self._core.vllm_config.cache_config.block_size)
 
 
+def share_forward_cpus(core: Any) -> set[int] | None:
+    """On vLLM's CPU platform, bind every thread of this process to the CPUs its forward
+    processes are bound to (`VLLM_CPU_OMP_THREADS_BIND`; by default all but the CPU vLLM
+    reserves for the rest), and return them; None where there is nothing to bind to (no
+    forward process of vLLM's multiprocess executor, or its CPUs are all this process may
+    use anyway).
+
+    Why: vLLM's CPU platform always runs the forward in a process of its multiprocess
+    executor, and this process then waits for each step's result by spinning
+    (`sched_yield`, for 1 s after every read of vLLM's shared-memory queue). On a CPU of
+    its own that spin takes the CPU vLLM reserves for everything else, here the worker's
+    front, Kafka, Redis and the gateway: at 8 req/s on 2 cores, bursts of requests waited
+    100-560 ms before their first step (TTFT p99 70-474 ms over four runs). Beside the
+    forward, the two processes take turns: while one computes, the other yields to it
+    (45-56 ms, four runs; docs/engines.md). The core's own work runs between forwards,
+    never during one, so the forward loses no time to it."""
+    workers = getattr(core.model_executor, "workers", None) or ()
+    try:
+        cpus = set().union(*(os.sched_getaffinity(w.proc.pid) for w in workers))
+        own = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not vLLM's multiprocess executor, or its worker is gone
+        return None
+    if not cpus or not cpus < own:
+        return None
+    for tid in os.listdir("/proc/self/task"):  # every thread: os.sched_setaffinity(0) binds only the caller
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return cpus
+
+
 def _engine_config(start: VllmStart) -> Any:
     """vLLM's `VllmConfig` for `start` (model config read, arguments validated). Raises
     ConfigError naming `model.vllm_args` when vLLM refuses them."""
@@ -311,6 +344,8 @@ def build(start: VllmStart) -> tuple[VllmCore, Any]:
     forward = (f"vLLM {vllm.__version__} engine (compilation mode {cc.mode!s}, CUDA graphs {cc.cudagraph_mode!s}, "
                f"{'eager' if model_config.enforce_eager else 'not enforce_eager'})")
     vcore = VllmCore(core, InputProcessor(vllm_config, renderer), start.lora_dir)
+    if vllm_config.device_config.device_type == "cpu" and (cpus := share_forward_cpus(core)):
+        log.info("the engine core shares its forward's CPUs %s (it waits for each step by spinning)", sorted(cpus))
     kv = vcore.kv_stats()  # the blocks requests can use, as every step will report them
     ready = Ready(model_config.get_vocab_size(), model_config.max_model_len, kv.total_blocks, kv.block_size,
                   sorted(e for e in eos if e is not None), start.model, vllm_config.device_config.device_type,
