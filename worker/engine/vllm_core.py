@@ -291,11 +291,11 @@ def share_forward_cpus(core: Any) -> set[int] | None:
     executor, and this process then waits for each step's result by spinning
     (`sched_yield`, for 1 s after every read of vLLM's shared-memory queue). On a CPU of
     its own that spin takes the CPU vLLM reserves for everything else, here the worker's
-    front, Kafka, Redis and the gateway: at 8 req/s on 2 cores, bursts of requests waited
-    100-560 ms before their first step (TTFT p99 70-474 ms over four runs). Beside the
+    front, Kafka, Redis and the gateway: at 8 req/s on 2 cores, bursts of requests took
+    100-560 ms to their first token (TTFT p99 70-474 ms over four runs). Beside the
     forward, the two processes take turns: while one computes, the other yields to it
-    (45-56 ms, four runs; docs/engines.md). The core's own work runs between forwards,
-    never during one, so the forward loses no time to it."""
+    (TTFT p99 45-56 ms, four runs; docs/engines.md). vLLM steps one batch at a time here
+    (`EngineCore.step`), so the core's own work runs between forwards, not during one."""
     workers = getattr(core.model_executor, "workers", None) or ()
     try:
         cpus = set().union(*(os.sched_getaffinity(w.proc.pid) for w in workers))
