@@ -49,12 +49,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import numpy as np
-
 from tools.bench.connections import add_connection_args, connection_sections
 from tools.bench.engine import VLLM_PYTHON, vllm_missing
 from tools.bench.gateway import KEY, start_gateway, write_configs
-from tools.bench.harness import DEFAULT_MODEL, default_device, ensure_model, free_port, machine
+from tools.bench.harness import DEFAULT_MODEL, default_device, ensure_model, free_port, machine, percentile
 
 SERVED_NAME = "bench"
 METRICS = ("ttft", "tpot", "itl")
@@ -238,7 +236,7 @@ def measure_in_turn(a, model: Path, device: str, tmp: Path) -> list[dict]:
 
 
 def _median_row(rows: list[dict]) -> dict:
-    return {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+    return {k: percentile([r[k] for r in rows], 50) for k in rows[0]}
 
 
 def _ratios(a, results: dict[str, dict[str, dict]]) -> dict:
@@ -319,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                for name in a.systems}
     by_round = [_ratios(a, {name: {rate: r[name][rate]["row"] for rate in a.rates} for name in a.systems})
                 for r in runs]
-    ratios = {pair: {rate: {k: float(np.median([b[pair][rate][k] for b in by_round])) for k in by_rate[rate]}
+    ratios = {pair: {rate: {k: percentile([b[pair][rate][k] for b in by_round], 50) for k in by_rate[rate]}
                      for rate in a.rates}
               for pair, by_rate in by_round[0].items()}
     raw = [{name: {rate: r[name][rate]["res"] for rate in a.rates} for name in a.systems} for r in runs]
