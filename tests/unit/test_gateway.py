@@ -182,6 +182,14 @@ def test_a_restarted_job_delivers_only_what_the_client_has_not_seen():
     gen._attempt_text, gen._attempt_tokens = "", 0
     with pytest.raises(ApiError, match="different text"):
         gen._take("Help", None, 1)
+    # a replay that agrees at first and differs in a later event, inside what was sent or
+    # running past its end: each event's new text is compared, wherever it falls
+    for events in (["Hel", "lo", " yes"], ["Hello y", "ak"]):
+        gen._attempt_text, gen._attempt_tokens = "", 0
+        for text in events[:-1]:
+            assert gen._take(text, None, 1) is None
+        with pytest.raises(ApiError, match="different text"):
+            gen._take(events[-1], None, 1)
 
 
 def batch_file(lines: list) -> bytes:

@@ -45,11 +45,13 @@ KEY = "sk-bench-gateway-key"
 TENANT = "bench"
 
 
-def write_configs(a, prefix: str, tmp: Path, worker: dict, gateway: dict) -> tuple[int, dict[str, str]]:
+def write_configs(a, prefix: str, tmp: Path, worker: dict, gateway: dict,
+                  gateway_sections: dict | None = None) -> tuple[int, dict[str, str]]:
     """`tmp/worker.yaml` (the `worker` sections plus Kafka and Redis of `prefix`, from
     `a.kafka_cfg` / `a.redis_cfg`) and `tmp/gateway.yaml` (one API key `KEY` of tenant
-    `TENANT`, a free port, the `gateway` fields over the defaults here). Returns the
-    gateway's port and the environment carrying the connections' secrets (never on disk)."""
+    `TENANT`, a free port, the `gateway` fields over the defaults here, and the other
+    `gateway_sections`, e.g. `tracing`). Returns the gateway's port and the environment
+    carrying the connections' secrets (never on disk)."""
     import yaml
 
     kafka, redis, secret_env = worker_sections(a.kafka_cfg, a.redis_cfg)
@@ -63,7 +65,8 @@ def write_configs(a, prefix: str, tmp: Path, worker: dict, gateway: dict) -> tup
     gcfg = {"gateway": {"host": "127.0.0.1", "port": port, "model_name": "bench", "files_dir": str(tmp / "files"),
                         "api_keys": [{"key": KEY, "tenant": TENANT, "max_priority": "high"}],
                         "max_concurrent_requests": 100_000, **gateway},
-            "kafka": {k: v for k, v in kafka.items() if k not in ("group_id",)}, "redis": redis}
+            "kafka": {k: v for k, v in kafka.items() if k not in ("group_id",)}, "redis": redis,
+            **(gateway_sections or {})}
     (tmp / "gateway.yaml").write_text(yaml.safe_dump(gcfg))
     return port, {**os.environ, **secret_env}
 

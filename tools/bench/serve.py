@@ -115,8 +115,10 @@ class Server:
         self.log.close()
 
 
-def start_inflight(a, model: Path, device: str, tmp: Path, engine: str = "inflight") -> Server:
-    """Gateway + one worker on `engine` (`model.engine`)."""
+def start_inflight(a, model: Path, device: str, tmp: Path, engine: str = "inflight",
+                   tracing: dict | None = None) -> Server:
+    """Gateway + one worker on `engine` (`model.engine`); `tracing`: both processes'
+    `tracing` section (None: off)."""
     from worker.cli.topics import create_topics
 
     prefix = f"serve{uuid.uuid4().hex[:8]}"
@@ -128,8 +130,9 @@ def start_inflight(a, model: Path, device: str, tmp: Path, engine: str = "inflig
     if engine == "vllm":  # the dtype `vllm serve` gets below; vLLM's other defaults (compiled) as there
         model_cfg.update(engine="vllm", vllm_python=str(Path(a.vllm_python).absolute()),
                          dtype="float32" if device == "cpu" else "bfloat16")
-    port, env = write_configs(a, prefix, tmp, {"model": model_cfg, "serving_tuning": tuning},
-                              {"model_name": SERVED_NAME, "tokenizer": str(model)})
+    traced = {} if tracing is None else {"tracing": tracing}
+    port, env = write_configs(a, prefix, tmp, {"model": model_cfg, "serving_tuning": tuning, **traced},
+                              {"model_name": SERVED_NAME, "tokenizer": str(model)}, traced)
     name = "inflight" if engine == "inflight" else f"inflight_{engine}"
     log = open(Path(a.out) / f"bench_serve_{name}.log", "w")  # noqa: SIM115 (closed in Server.stop)
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--config", str(tmp / "worker.yaml")],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -78,47 +78,28 @@ async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[G
     its first token chunk, its token chunks as they come (interleaved), its final chunk;
     then the usage chunk (with `include_usage`) and `[DONE]`. An error of any choice (or
     the request's timeout) ends the stream with an error event. Time to first byte: the
-    first chunk that carries a token."""
+    first chunk that carries a token. One choice's chunks are written as its events come;
+    several choices' go through one queue, in the order they come."""
     m = ctx.metrics
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def pump(gen: Generation, renderer: Renderer) -> None:
-        head = renderer.first_chunk() or b""  # the choice's opener rides with its first token
-        try:
-            async for d in gen.deltas():
-                m.tokens.inc(d.num_tokens)
-                if d.text or d.logprobs:  # else held back (a partial character, a stop string's start)
-                    chunk = renderer.token_chunk(d.text, d.logprobs, d.num_tokens)
-                    if chunk:  # (else a parser holds the text back: a tag's start)
-                        await queue.put(head + chunk)
-                        head = b""
-            fin = gen.finished
-            if not fin.finish_reason.is_success:
-                raise error_for_outcome(fin, ctx.cfg.retry_after_s)
-            await queue.put(head + renderer.final_chunks(fin, with_usage=False))
-        except BaseException:
-            if head:
-                queue.put_nowait(head)  # the opener still precedes the error event
-            raise
 
     async with sse_response(ctx, request, gens[0], endpoint) as resp:
         first = True
-        pumps = asyncio.ensure_future(all_or_none([pump(g, r) for g, r in zip(gens, renderers, strict=True)]))
+
+        async def write(chunk: bytes) -> None:
+            nonlocal first
+            await resp.write(chunk)
+            if first:
+                first = False
+                m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
+
         tail = b""
         try:
-            while not (pumps.done() and queue.empty()):
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, pumps}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                chunk = getter.result()
-                if chunk:
-                    await resp.write(chunk)
-                    if first:
-                        first = False
-                        m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
-            pumps.result()  # raises a choice's error
+            if len(gens) == 1:
+                async with contextlib.aclosing(_choice_chunks(ctx, gens[0], renderers[0])) as chunks:
+                    async for chunk in chunks:
+                        await write(chunk)
+            else:
+                await _interleaved(ctx, gens, renderers, write)
             if renderers[0].include_usage:
                 tail = renderers[0].usage_chunk(with_reasoning(merged_usage([g.finished.usage for g in gens]),
                                                                renderers))
@@ -129,11 +110,60 @@ async def stream_choices(ctx: GatewayContext, request: web.Request, gens: list[G
                 gen.cancel_reason = "timeout"
             tail = error_event(ApiError(504, "the request did not finish within gateway.request_timeout_s",
                                         code="timeout"))
-        finally:
-            pumps.cancel()
-            await asyncio.gather(pumps, return_exceptions=True)
         await resp.write(tail + DONE)
         if first:
             m.ttfb.labels(endpoint).observe(time.monotonic() - t0)
         await resp.write_eof()
     return resp
+
+
+async def _choice_chunks(ctx: GatewayContext, gen: Generation, renderer: Renderer) -> AsyncIterator[bytes]:
+    """One choice's SSE chunks: its opener riding with its first token, a chunk per delta
+    that carries text or logprobs, its final chunk. Raises the choice's error (an
+    unsuccessful end as `error_for_outcome`, a timeout) after yielding the opener if no
+    chunk carried it yet (it precedes the error event)."""
+    head = renderer.first_chunk() or b""
+    try:
+        async for d in gen.deltas():
+            ctx.metrics.tokens.inc(d.num_tokens)
+            if d.text or d.logprobs:  # else held back (a partial character, a stop string's start)
+                chunk = renderer.token_chunk(d.text, d.logprobs, d.num_tokens)
+                if chunk:  # (else a parser holds the text back: a tag's start)
+                    yield head + chunk
+                    head = b""
+        fin = gen.finished
+        if not fin.finish_reason.is_success:
+            raise error_for_outcome(fin, ctx.cfg.retry_after_s)
+    except Exception:
+        if head:
+            yield head
+        raise
+    yield head + renderer.final_chunks(fin, with_usage=False)
+
+
+async def _interleaved(ctx: GatewayContext, gens: list[Generation], renderers: list[Renderer],
+                       write: Callable[[bytes], Awaitable[None]]) -> None:
+    """Several choices' chunks written in the order they come (each choice's in its
+    order); the first choice's error cancels the others and propagates after the chunks
+    queued before it are written."""
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def pump(gen: Generation, renderer: Renderer) -> None:
+        async for chunk in _choice_chunks(ctx, gen, renderer):
+            queue.put_nowait(chunk)
+
+    pumps = asyncio.ensure_future(all_or_none([pump(g, r) for g, r in zip(gens, renderers, strict=True)]))
+    try:
+        while not (pumps.done() and queue.empty()):
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({getter, pumps}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                continue
+            chunk = getter.result()
+            if chunk:
+                await write(chunk)
+        pumps.result()  # raises a choice's error
+    finally:
+        pumps.cancel()
+        await asyncio.gather(pumps, return_exceptions=True)

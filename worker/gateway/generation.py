@@ -165,11 +165,12 @@ class Generation:
         """The part of a token event not delivered yet (all of it, except while a
         restarted attempt replays what the client already has)."""
         start_tok = self._attempt_tokens
+        checked = len(self._attempt_text)  # the attempt's text before this event was compared already
         self._attempt_text += text
         self._attempt_tokens += num_tokens
         attempt, sent = self._attempt_text, self._sent_text
         common = min(len(attempt), len(sent))
-        if attempt[:common] != sent[:common]:
+        if checked < common and attempt[checked:common] != sent[checked:common]:
             raise ApiError(500, "the request was restarted on another worker and produced different text",
                            code="restart_diverged")
         new_text = attempt[len(sent):]

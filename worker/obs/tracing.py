@@ -17,7 +17,8 @@ timestamps when the job ends, so no span is opened per step or per token):
           ├─ read_ahead     record read → claim (waiting in the worker's read-ahead)
           ├─ claim          the Redis claim (ended and exported at once: a worker
           │                 killed later still leaves its attempt in the trace)
-          ├─ tokenize       input processing (chat template, tokenizer)
+          ├─ tokenize       input processing (chat template, tokenizer); a small prompt's
+          │                 starts while its claim is in flight (`serve/starter.py`)
           ├─ engine.queue   submitted → first scheduled (the engine's waiting queue)
           ├─ prefill        first scheduled → first token (`prefill_chunk` events)
           ├─ decode         first token → last token

@@ -25,6 +25,15 @@ loop, cheaper than a thread hop; larger ones are tokenized (chat templates rende
 a small thread pool as separate tasks, so a slow input never holds up intake of the
 jobs behind it; a prompt whose UTF-8 size alone proves it cannot fit `max_input_tokens`
 is refused before any tokenizer work (`prompt_byte_limit`).
+
+A batch of at most `EARLY_INPUT_RECORDS` records has its small text and chat prompts
+tokenized while its claim is in flight (the claim's round trip to Redis and the
+tokenizer's work overlap instead of adding up: a first token's time at low load). The
+ids are only data until the claim answers: a record whose claim is refused (done,
+contested) is not opened, one a start rule ends (cancelled, expired, poison) is not
+processed, and their ids are dropped. Larger batches (a partition caught up after a
+rebalance, mostly records already answered) tokenize after their claims, so no work is
+spent on jobs that never run here.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import structlog
 
 from schemas.codec import recover_tenant
 from schemas.keys import JobRef
-from schemas.wire import ErrorInfo, FinishReason
+from schemas.wire import ErrorInfo, FinishReason, Job
 from worker.engine import EngineCoreRequest, RequestRejected
 from worker.engine.inputs import ChatPrompt, Prompt, RequestInput, TextPrompt, TokenPrompt
 from worker.engine.outputs import RequestOptions
@@ -48,7 +57,7 @@ from worker.obs.tracing import OFF, Tracing
 from worker.security.access import is_fatal_redis
 from worker.security.redis import REDIS_DOWN
 from worker.serve.claims import Claimed, ClaimStore, Contested, Done, EpochChanged
-from worker.serve.input_size import INLINE_INPUT_BYTES, prompt_byte_limit
+from worker.serve.input_size import INLINE_INPUT_BYTES, input_bytes, prompt_byte_limit
 from worker.serve.isolation import IsolationGate
 from worker.serve.jobs import JobState, JobTable, LocalJob, Offset
 from worker.serve.pool_router import Misrouted, PoolRouter
@@ -63,6 +72,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+EARLY_INPUT_RECORDS = 4  # batches up to this many records tokenize while their claim is in flight
+
 
 class Ending(NamedTuple):
     """How a start rule ends a job before it runs: its finish reason, error, and the DLQ
@@ -71,6 +82,15 @@ class Ending(NamedTuple):
     reason: FinishReason
     error: ErrorInfo | None = None
     dead_letter: tuple[str, str] | None = None
+
+
+class EarlyIds(NamedTuple):
+    """A prompt tokenized while its job's claim was in flight: its ids, and when the
+    tokenizer started (Unix s; the trace's `tokenize` span starts there)."""
+
+    ids: list[int]
+    start: float
+
 
 class StarterHost(Protocol):
     """What the job starter needs of the worker around it (`worker.serve.worker.Worker`)."""
@@ -189,12 +209,14 @@ class JobStarter:
     async def _claim_and_open(self, fresh: list[JobRecord]) -> list[JobRecord]:
         refs = [JobRef(r.job.job_id, r.job.tenant) for r in fresh]
         claim_start = time.time()
+        claim = asyncio.ensure_future(self._claim(refs))
         try:
-            try:
-                results = await self.claims.take(refs)
-            except EpochChanged as e:
-                await self.host.restore_redis(e.epoch)
-                results = await self.claims.take(refs)
+            early = await self._tokenize_early(fresh, claim)
+        except BaseException:  # cancelled meanwhile: the claim goes with it, as when it was awaited
+            claim.cancel()
+            raise
+        try:
+            results = await claim
         except (EpochChanged, *REDIS_DOWN) as e:
             if is_fatal_redis(e):  # refused (credentials, certificate): not an outage to wait out
                 raise
@@ -226,15 +248,49 @@ class JobStarter:
             log.info("Redis lost its data less than a claim lease ago: claiming nothing until the holders "
                      "re-claim their jobs", records=num_restoring)
         for held in to_run:
+            ids = early.get(held.job_id)
             if not self.gate.must_wait(held) and held.input_bytes <= INLINE_INPUT_BYTES:
                 with self.gate.entering():  # small inputs: on the loop, cheaper than a thread hop
-                    self._settle(held, self._prepare(held))
+                    self._settle(held, self._prepare(held, ids))
             else:
-                task = asyncio.create_task(self._submit(held), name=f"input:{held.job_id}")
+                task = asyncio.create_task(self._submit(held, ids), name=f"input:{held.job_id}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         self.host.wake()
         return contested
+
+    async def _claim(self, refs: list[JobRef]) -> list:
+        """`ClaimStore.take`, once more after Redis lost its data and the held jobs were
+        restored. Raises EpochChanged and the Redis connection errors."""
+        try:
+            return await self.claims.take(refs)
+        except EpochChanged as e:
+            await self.host.restore_redis(e.epoch)
+            return await self.claims.take(refs)
+
+    async def _tokenize_early(self, records: list[JobRecord], claim: asyncio.Future) -> dict[str, EarlyIds]:
+        """The small text and chat prompts of a batch of at most `EARLY_INPUT_RECORDS`,
+        tokenized on the loop while `claim` is in flight (module docstring), by job id.
+        A prompt the tokenizer refuses (or fails on) is left to the processing after the
+        claim, which answers for it as without this; so is every prompt once the claim has
+        answered."""
+        if len(records) > EARLY_INPUT_RECORDS:
+            return {}
+        await asyncio.sleep(0)  # the claim's command goes out first: its round trip runs meanwhile
+        out: dict[str, EarlyIds] = {}
+        for rec in records:
+            job = rec.job
+            if claim.done():
+                break
+            if job.prompt_token_ids is not None or input_bytes(job) > INLINE_INPUT_BYTES:
+                continue
+            start = time.time()
+            try:
+                ids = self.engine.input.tokenize(job.job_id, job_prompt(job))
+            except Exception:  # processed again after the claim, which answers for it
+                continue
+            out[job.job_id] = EarlyIds(ids, start)
+        return out
 
     async def _suspects_wait(self, records: list[JobRecord], results: list) -> list[JobRecord]:
         """Jobs claimed at their failure limit (`max_job_failures`) before
@@ -315,8 +371,9 @@ class JobStarter:
                 f"{bound}"))
         return None
 
-    async def _submit(self, held: LocalJob) -> None:
-        """An input processed in the thread pool, after its turn at the gate."""
+    async def _submit(self, held: LocalJob, early: EarlyIds | None = None) -> None:
+        """An input processed in the thread pool, after its turn at the gate (`early`: as
+        `_prepare`'s)."""
         if self.gate.must_wait(held) and not await self.gate.wait_turn(held):
             return
         if held.isolated:
@@ -328,17 +385,19 @@ class JobStarter:
             if held.state != JobState.CLAIMED:
                 return
         with self.gate.entering():
-            prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, held)
+            prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, held, early)
             self._settle(held, prepared)
 
-    def _prepare(self, held: LocalJob) -> EngineCoreRequest | RequestRejected | Misrouted:
-        """The job's engine request, or why it cannot have one here (any thread)."""
-        t0 = time.time()
+    def _prepare(self, held: LocalJob, early: EarlyIds | None = None) -> EngineCoreRequest | RequestRejected | Misrouted:
+        """The job's engine request, or why it cannot have one here (any thread). `early`:
+        its prompt's ids, tokenized while its claim was in flight (`_tokenize_early`)."""
+        t0 = time.time() if early is None else early.start
         try:
             inp = request_input(held)
-            if self.router is not None:  # the prompt's length decides the pool: count it first
-                ids = self.engine.input.tokenize(inp.request_id, inp.prompt)
-                self.router.check(len(ids))
+            if early is not None or self.router is not None:  # with pools, the prompt's length decides the pool
+                ids = early.ids if early is not None else self.engine.input.tokenize(inp.request_id, inp.prompt)
+                if self.router is not None:
+                    self.router.check(len(ids))
                 inp = dataclasses.replace(inp, prompt=TokenPrompt(ids))
             return self.engine.input.process(inp)
         except (RequestRejected, Misrouted) as e:
@@ -434,21 +493,24 @@ class JobStarter:
 
 
 def request_input(held: LocalJob) -> RequestInput:
-    """The engine's request for a held job: its prompt (exactly one is set: the wire
-    schema checks it), params and options: its tenant (also its cache salt), deadline and
-    adapter, its topic's priority class, the record's timestamp as its arrival (Unix s),
-    and whether its trace is sampled. The one place a job field the engine reads is
+    """The engine's request for a held job: its prompt (`job_prompt`), params and options:
+    its tenant (also its cache salt), deadline and adapter, its topic's priority class,
+    the record's timestamp as its arrival (Unix s), and whether its trace is sampled. The one place a job field the engine reads is
     mapped: the engine itself knows no wire schema."""
     job = held.job
-    if job.prompt is not None:
-        prompt: Prompt = TextPrompt(job.prompt)
-    elif job.messages is not None:
-        prompt = ChatPrompt([m.template_dict() for m in job.messages], job.tools, job.chat_template_kwargs)
-    else:
-        prompt = TokenPrompt(job.prompt_token_ids or [])
     options = RequestOptions(held.priority, job.tenant, job.tenant or "", held.enqueue_time, job.deadline,
                              job.adapter, held.trace is not None)
-    return RequestInput(job.job_id, prompt, job.params, options)
+    return RequestInput(job.job_id, job_prompt(job), job.params, options)
+
+
+def job_prompt(job: Job) -> Prompt:
+    """The job's prompt as the engine takes it: text, chat messages (with their tools and
+    template arguments) or token ids; exactly one is set (the wire schema checks it)."""
+    if job.prompt is not None:
+        return TextPrompt(job.prompt)
+    if job.messages is not None:
+        return ChatPrompt([m.template_dict() for m in job.messages], job.tools, job.chat_template_kwargs)
+    return TokenPrompt(job.prompt_token_ids or [])
 
 
 def _prompt_too_long():
