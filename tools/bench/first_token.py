@@ -14,10 +14,13 @@ claim, input processing (tokenize), the engine's queue, the first token in the e
 subscriber (the first event after it), and at the client (`vllm bench serve`'s TTFT,
 matched to the traces in request order; it also holds the client's own HTTP time to the
 gateway). Tracing costs some CPU: the TTFT here is a little above an untraced run's.
+With `--vllm` (the default when vLLM's venv exists), `vllm serve` on the same checkpoint
+and limits is measured at the same rate in the same run, after Inflight: its TTFT p50 is
+the line the hops are to be read against.
 
     tools/setup_vllm.sh && tools/stack/devstack.sh up
-    python -m tools.bench.first_token                  # 8 req/s, 200 requests (~2 min)
-    python -m tools.bench.first_token --rate 1 --num-prompts 40
+    python -m tools.bench.first_token                  # 8 req/s, 200 requests, then vllm serve (~4 min)
+    python -m tools.bench.first_token --rate 1 --num-prompts 40 --no-vllm
 
 Writes results/bench_first_token.json and prints the table.
 """
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="interpreter of vLLM's venv (tools/setup_vllm.sh)")
+    p.add_argument("--no-vllm", dest="vllm", action="store_false", help="leave out the `vllm serve` baseline")
     p.add_argument("--out", default="results")
     add_connection_args(p)
     a = p.parse_args(argv)
@@ -188,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             sink.terminate()
             sink.wait(10)
         table = breakdown(spans_by_trace(spans), published(pubs), res["ttfts"])
+        base = vllm_ttft(a, model, device, tmp) if a.vllm else None
     report = {"command": "python -m tools.bench.first_token " + " ".join(argv or sys.argv[1:]), "machine": machine(),
               "model": str(model), "device": device, "rate": a.rate, "num_prompts": a.num_prompts,
               "input_len": a.input_len, "output_len": a.output_len, "ttft_p50_ms_vllm_bench": res["p50_ttft_ms"],
-              "marks": table}
+              "vllm_serve": base, "marks": table}
     out = Path(a.out) / "bench_first_token.json"
     out.write_text(json.dumps(report, indent=2))
     print(f"\n{'from the gateway taking the request to':<46}{'p50 ms':>9}{'p90 ms':>9}{'step p50':>10}")
@@ -199,8 +204,24 @@ def main(argv: list[str] | None = None) -> int:
     for label, r in sorted(table.items(), key=lambda kv: kv[1]["p50_ms"]):  # in time order (the ack comes late)
         print(f"{label:<46}{r['p50_ms']:>9.2f}{r['p90_ms']:>9.2f}{r['p50_ms'] - last:>+10.2f}")
         last = r["p50_ms"]
+    if base is not None:
+        print(f"vllm serve, same rate and run: TTFT p50 {base['ttft_p50_ms']:.2f} ms, p90 {base['ttft_p90_ms']:.2f} "
+              f"(Inflight's {res['p50_ttft_ms']:.2f} ms here: {res['p50_ttft_ms'] / base['ttft_p50_ms']:.2f}x, "
+              "tracing on)")
     print(f"wrote {out}")
     return 0
+
+
+def vllm_ttft(a, model: Path, device: str, tmp: Path) -> dict:
+    """`vllm serve` (`tools.bench.serve.start_vllm`) under the same `vllm bench serve` load:
+    its TTFT p50 and p90 (ms), the baseline of the hops."""
+    server = serve.start_vllm(a, model, device)
+    try:
+        server.wait_ready(900)
+        res = serve.bench_one(a, server, model, float(a.rate), tmp, " vllm")
+    finally:
+        server.stop()
+    return {"ttft_p50_ms": res["p50_ttft_ms"], "ttft_p90_ms": percentile([t * 1e3 for t in res["ttfts"]], 90)}
 
 
 def server_prefix(tmp: Path) -> str:
