@@ -3,7 +3,7 @@
 
 Starts Inflight's gateway and one worker as `tools.bench.serve` does (dev stack's Kafka
 and Redis, the CPU bench model), with tracing on at 100% sampling (spans over OTLP/JSON
-to a collector stand-in in its own process that writes them to a file), and a Redis
+to `tools.bench.tracing`'s collector stand-in, recording them to a file), and a Redis
 subscriber in its own process that notes when each job's events reach a client of Redis.
 Then `vllm bench serve` at `--rate` (the load `tools.bench.serve` measures TTFT at).
 
@@ -37,22 +37,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from tools.bench import serve
-from tools.bench.connections import add_connection_args, connection_sections
-from tools.bench.engine import VLLM_PYTHON, vllm_missing
-from tools.bench.harness import DEFAULT_MODEL, default_device, ensure_model, free_port, machine, percentile
-
-SINK = """
-import sys
-from aiohttp import web
-out = open(sys.argv[2], "ab")
-async def accept(request):
-    out.write(await request.read() + b"\\n")
-    out.flush()
-    return web.Response(status=200, content_type="application/json", text="{}")
-app = web.Application(client_max_size=256 * 1024 * 1024)
-app.router.add_post("/v1/traces", accept)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
-"""
+from tools.bench.connections import connection_sections
+from tools.bench.engine import vllm_missing
+from tools.bench.harness import default_device, ensure_model, machine, percentile
+from tools.bench.tracing import discard_sink
 
 LISTENER = """
 import sys, time, redis
@@ -144,23 +132,11 @@ def breakdown(traces: dict[str, list[dict]], pubs: dict[str, list[float]], ttfts
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (the default is made if missing)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    serve.add_load_args(p)
     p.add_argument("--rate", default="8", help="requests/s (Poisson)")
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--budget", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="interpreter of vLLM's venv (tools/setup_vllm.sh)")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="leave out the `vllm serve` baseline")
-    p.add_argument("--out", default="results")
-    add_connection_args(p)
     a = p.parse_args(argv)
     a.kafka_cfg, a.redis_cfg = connection_sections(a)
-    a.worker_log_level = "WARNING"
     if why := vllm_missing(Path(a.vllm_python)):
         print(f"first_token: needs vLLM's `vllm bench serve` as the load generator: {why}", file=sys.stderr)
         return 2
@@ -172,25 +148,20 @@ def main(argv: list[str] | None = None) -> int:
         spans, pubs = tmp / "spans.jsonl", tmp / "published.txt"
         spans.touch()
         pubs.touch()
-        port = free_port()
-        sink = subprocess.Popen([sys.executable, "-c", SINK, str(port), str(spans)])
-        server = None
-        try:
+        with discard_sink(record=spans) as endpoint:
             server = serve.start_inflight(a, model, device, tmp, tracing={
-                "enabled": True, "endpoint": f"http://127.0.0.1:{port}", "protocol": "http/json", "sample_ratio": 1.0})
-            prefix = server_prefix(tmp)
-            listener = subprocess.Popen([sys.executable, "-c", LISTENER, a.redis_cfg.url, str(pubs), prefix])
+                "enabled": True, "endpoint": endpoint, "protocol": "http/json", "sample_ratio": 1.0})
             try:
-                server.wait_ready(600)
-                res = serve.bench_one(a, server, model, float(a.rate), tmp)
+                listener = subprocess.Popen([sys.executable, "-c", LISTENER, a.redis_cfg.url, str(pubs),
+                                             server_prefix(tmp)])
+                try:
+                    server.wait_ready(600)
+                    res = serve.bench_one(a, server, model, float(a.rate), tmp)
+                finally:
+                    listener.terminate()
             finally:
-                listener.terminate()
-        finally:
-            if server is not None:
                 server.stop()  # the worker and gateway export their last spans as they stop
-            time.sleep(1.0)
-            sink.terminate()
-            sink.wait(10)
+                time.sleep(1.0)
         table = breakdown(spans_by_trace(spans), published(pubs), res["ttfts"])
         base = vllm_ttft(a, model, device, tmp) if a.vllm else None
     report = {"command": "python -m tools.bench.first_token " + " ".join(argv or sys.argv[1:]), "machine": machine(),

@@ -285,13 +285,12 @@ def plot(report: dict, png: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """What `start_inflight`, `start_vllm` and `bench_one` read: the checkpoint, the
+    device, the limits both systems get, the `vllm bench serve` workload, vLLM's venv,
+    the output folder, and the Kafka / Redis connection."""
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (the default is made if missing)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--systems", nargs="+", default=["inflight", "inflight_vllm", "vllm"],
-                   choices=["inflight", "inflight_vllm", "vllm"])
-    p.add_argument("--rates", nargs="+", default=["2", "8", "inf"], help="requests/s; inf: all at t=0")
     p.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -299,13 +298,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=2048, help="batched tokens per step (both systems)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="interpreter of vLLM's venv (tools/setup_vllm.sh)")
+    p.add_argument("--out", default="results")
+    add_connection_args(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_load_args(p)
+    p.add_argument("--systems", nargs="+", default=["inflight", "inflight_vllm", "vllm"],
+                   choices=["inflight", "inflight_vllm", "vllm"])
+    p.add_argument("--rates", nargs="+", default=["2", "8", "inf"], help="requests/s; inf: all at t=0")
     p.add_argument("--rounds", type=int, default=1,
                    help="1: each system alone, one after the other; K > 1: all started, measured in turn K times")
     p.add_argument("--worker-log-level", default="WARNING", choices=["WARNING", "INFO"],
                    help="INFO: the worker logs a line per job (its queue time and TTFT as the worker saw them)")
-    p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="interpreter of vLLM's venv (tools/setup_vllm.sh)")
-    p.add_argument("--out", default="results")
-    add_connection_args(p)
     a = p.parse_args(argv)
     a.kafka_cfg, a.redis_cfg = connection_sections(a)
     device = a.device if a.device != "auto" else default_device()

@@ -112,13 +112,20 @@ def plot(report: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
-def sink_main(port: int) -> int:
+def sink_main(port: int, record: str | None = None) -> int:
     """A collector stand-in that reads every OTLP/HTTP export and answers 200 without
-    parsing it: the worker's own cost is measured, not a collector's sharing the box."""
+    parsing it: the worker's own cost is measured, not a collector's sharing the box.
+    `record`: a file each export's body is appended to, one per line (OTLP/JSON bodies:
+    `tools.bench.first_token` reads them)."""
     from aiohttp import web
 
+    out = open(record, "ab") if record else None  # noqa: SIM115 (open while the sink serves)
+
     async def accept(request: web.Request) -> web.Response:
-        await request.read()
+        body = await request.read()
+        if out is not None:
+            out.write(body + b"\n")
+            out.flush()
         return web.Response(status=200, content_type="application/json", text="{}")
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -128,8 +135,9 @@ def sink_main(port: int) -> int:
 
 
 @contextlib.contextmanager
-def discard_sink():
-    """Run `sink_main` in its own process on a free port; yields its base address."""
+def discard_sink(record: Path | None = None):
+    """Run `sink_main` in its own process on a free port; yields its base address.
+    `record`: as `sink_main`'s."""
     import socket
     import subprocess
     import time
@@ -137,7 +145,8 @@ def discard_sink():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tools.bench.tracing", "sink", "--port", str(port)])
+    proc = subprocess.Popen([sys.executable, "-m", "tools.bench.tracing", "sink", "--port", str(port),
+                             *(["--record", str(record)] if record is not None else [])])
     try:
         for _ in range(100):
             with socket.socket() as s:
@@ -153,7 +162,8 @@ def discard_sink():
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sink"]:
-        return sink_main(int(argv[argv.index("--port") + 1]))
+        return sink_main(int(argv[argv.index("--port") + 1]),
+                         argv[argv.index("--record") + 1] if "--record" in argv else None)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_connection_args(p)
     p.add_argument("--device-ms", type=float, default=2.0)
