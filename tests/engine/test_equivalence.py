@@ -9,7 +9,9 @@ built every graph the workload needs: serving it compiles nothing more. And with
 decode steps replayed from graphs (`model.cuda_graphs`, emulated on the CPU), eager and
 compiled, padded to the graph sizes. And with speculative decoding (prompt lookup, eager
 and compiled; suffix decoding; a draft model: a noisy copy of the checkpoint), its
-guesses both kept and rejected.
+guesses both kept and rejected. And with every linear layer held only in oneDNN's packed
+layout (`worker.model.small_batch`; a model this small keeps the plain one too
+otherwise), eager and compiled.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tests.conftest import draft_checkpoint
 from worker.config import EngineConfig, ModelConfig, ServingTuning, SpeculativeConfig, TenantPolicy
 from worker.engine import Engine
 from worker.engine import compile as compile_rules
+from worker.model import small_batch
 
 
 def reference(model, prompt: list[int], max_tokens: int) -> list[int]:
@@ -59,20 +62,25 @@ def staggered_workload(seed: int, n: int = 24, vocab: int = 512):
 
 SEED = 1234
 
-CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs, speculative decoding's method)
-    ("optimistic", False, "off", False, "off"), ("optimistic", True, "off", False, "off"),
-    ("reserve", False, "off", True, "off"), ("reserve", True, "off", False, "off"),
-    ("optimistic", True, "on", True, "off"), ("reserve", False, "on", False, "off"),
-    ("optimistic", False, "off", False, "ngram"), ("reserve", False, "on", False, "ngram"),
-    ("optimistic", False, "off", False, "suffix"), ("optimistic", False, "off", False, "draft"),
+CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs, speculative decoding's method,
+    #          linear weights held packed only)
+    ("optimistic", False, "off", False, "off", False), ("optimistic", True, "off", False, "off", False),
+    ("reserve", False, "off", True, "off", False), ("reserve", True, "off", False, "off", False),
+    ("optimistic", True, "on", True, "off", False), ("reserve", False, "on", False, "off", False),
+    ("optimistic", False, "off", False, "ngram", False), ("reserve", False, "on", False, "ngram", False),
+    ("optimistic", False, "off", False, "suffix", False), ("optimistic", False, "off", False, "draft", False),
+    ("optimistic", True, "off", False, "off", True), ("reserve", False, "on", False, "off", True),
 ]
 
 
-@pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode", "graphs", "speculative"), CASES,
-                         ids=[f"{p}-{'async' if a else 'sequential'}{'-compiled' if c == 'on' else ''}"
-                              f"{'-graphs' if g else ''}{'' if n == 'off' else '-' + n}" for p, a, c, g, n in CASES])
+@pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode", "graphs", "speculative", "packed_only"),
+                         CASES, ids=[f"{p}-{'async' if a else 'sequential'}{'-compiled' if c == 'on' else ''}"
+                                     f"{'-graphs' if g else ''}{'' if n == 'off' else '-' + n}"
+                                     f"{'-packed' if k else ''}" for p, a, c, g, n, k in CASES])
 def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_scheduling, compile_mode, graphs,
-                                             speculative, monkeypatch):
+                                             speculative, packed_only, monkeypatch):
+    if packed_only:
+        monkeypatch.setattr(small_batch, "PLAIN_COPY_BYTES", 0)
     if graphs:  # decode steps replay graphs (emulated here: worker.model.graphs), padded to their sizes
         monkeypatch.setattr(compile_rules, "GRAPH_REPLAY", {"cpu": "emulated"})
     cfg = EngineConfig(
@@ -94,6 +102,9 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
         ),
     )
     engine = Engine.from_pretrained(str(any_arch_path), cfg)
+    placeholders = [m for m in engine.runner.model.modules()
+                    if isinstance(m, small_batch.SmallBatchLinear) and m.weight.shape[-1] == 0]
+    assert bool(placeholders) == (packed_only and small_batch.packed_bytes(engine.runner.model) > 0)
     assert engine.compile_report.compiled == (compile_mode == "on"), engine.compile_report
     assert bool(engine.compile_report.cuda_graph_sizes) == graphs, engine.compile_report
     replayed = []

@@ -113,3 +113,82 @@ def test_a_compiled_function_keeps_the_op():
     for rows in (2, 3, 20):
         x = torch.randn(rows, 32)
         assert close(compiled(x), reference(x, w, None).relu())
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("plain_copy_bytes", [0, 1 << 30])
+def test_packed_layers_equal_f_linear_at_every_row_count(plain_copy_bytes):
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 33, bias=False))
+    want = {rows: model(torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))) for rows in range(1, 41)}
+    weights = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
+    assert small_batch.install(model, plain_copy_bytes=plain_copy_bytes) == 2
+    for layer, w in zip((model[0], model[2]), weights):
+        assert layer.weight.inflight_packed.is_mkldnn
+        if plain_copy_bytes:  # kept: the kernel serves the smallest batches
+            assert torch.equal(layer.weight, w)
+        else:  # held packed only: a placeholder that still says the layer's width
+            assert layer.weight.shape == (w.shape[0], 0) and layer.out_features == w.shape[0]
+    for rows, y in want.items():
+        got = model(torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)))
+        assert got.shape == y.shape and close(got, y.double()), rows
+    assert small_batch.packed_bytes(model) >= (64 * 48 + 48 * 33) * 4
+    assert model(torch.randn(0, 64)).shape == (0, 33)  # an empty batch: no rows, the layer's width
+
+
+@needs_onednn
+def test_a_module_that_reads_its_weight_keeps_it_and_a_placeholder_refuses_other_inputs():
+    torch.manual_seed(6)
+    read, packed_only = torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
+    read.inflight_reads_weight = True
+    model = torch.nn.Sequential(read, packed_only)
+    small_batch.install(model, plain_copy_bytes=0)
+    assert read.weight.shape == (16, 32) and read.weight.inflight_packed is not None
+    assert packed_only.weight.shape == (16, 0)
+    with pytest.raises(RuntimeError, match="packed layout"):
+        packed_only(torch.randn(3, 32, dtype=torch.float64))
+
+
+@needs_onednn
+def test_a_graph_shared_by_two_models_multiplies_each_ones_own_packed_weights():
+    """A compiled forward takes the parameters as inputs: the packed weight rides on its
+    placeholder, so a graph traced for one model serves another of the same shapes with
+    that model's weights (what `compiled._code_of` does for engines of one checkpoint)."""
+    layers = []
+    for seed in (7, 8):
+        torch.manual_seed(seed)
+        layers.append(torch.nn.Linear(64, 40).requires_grad_(False))
+    plain = [(lin.weight.clone(), lin.bias.clone()) for lin in layers]
+    for lin in layers:
+        small_batch.install(torch.nn.Sequential(lin), plain_copy_bytes=0)
+
+    def f(x, w, b):
+        return torch.ops.inflight.float_linear(x, w, b).relu()
+
+    compiled = torch.compile(f, dynamic=True, fullgraph=True)
+    with torch.inference_mode():  # as the engine runs
+        for rows in (3, 20, 33):
+            x = torch.randn(rows, 64)
+            for lin, (w, b) in zip(layers, plain):
+                assert close(compiled(x, lin.weight, lin.bias), reference(x, w, b).relu())
+
+
+@needs_onednn
+def test_a_packed_layer_takes_the_kernel_up_to_2_rows_on_one_thread_and_8_on_more(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48))
+    small_batch.install(model, plain_copy_bytes=1 << 30)
+    used = []
+    real = small_batch.cpu_woq.float_linear
+    monkeypatch.setattr(small_batch.cpu_woq, "float_linear", lambda *args: used.append(args[0].shape[0]) or real(*args))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in range(1, 11):
+                model(torch.randn(rows, 64))
+    finally:
+        torch.set_num_threads(threads)
+    assert used == [1, 2, *range(1, 9)]

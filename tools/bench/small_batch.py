@@ -1,12 +1,15 @@
-"""Float32 linear layers at decode batch sizes (`worker/model/small_batch.py`) vs torch's
-GEMM, measured in one run on one box: one decode step of `--running` requests (contexts
-of 64-192 tokens; `ModelRunner.execute` on the same step: packing, forward, sampling), an
-engine whose linear layers use the CPU small-batch kernel and one whose layers stay
-`nn.Linear` taking turns (`--rounds` of `--iterations` steps each, forward compiled as by
-default); median milliseconds, the median of the per-round ratios, greedy ids compared.
-Writes `bench_small_batch.json` under --out and prints a table.
+"""Float32 linear layers on the CPU (`worker/model/small_batch.py`) vs torch's GEMM,
+measured in one run on one box: one decode step of `--running` requests (contexts of
+64-192 tokens; `ModelRunner.execute` on the same step: packing, forward, sampling) by three
+engines taking turns (`--rounds` of `--iterations` steps each, forward compiled as by
+default): layers as `small_batch.install` makes them (the small-batch kernel, oneDNN's
+packed weights above it), the kernel alone (weights not packed, torch's GEMM above it),
+and plain `nn.Linear` layers (torch's GEMM throughout). Median milliseconds, the medians
+of the per-round ratios, greedy ids compared. `--threads` sets torch's intra-op threads
+(the worker's engine process takes one on a 2-core box, `worker.engine.threads`). Writes
+`bench_small_batch.json` under --out and prints a table.
 
-    python -m tools.bench.small_batch --running 1 2 4 8 16
+    python -m tools.bench.small_batch --running 1 2 4 8 16 32 --threads 1
 """
 
 from __future__ import annotations
@@ -27,42 +30,66 @@ from tools.bench.harness import (
 
 
 @contextlib.contextmanager
-def torch_gemm_only():
-    """Engines built inside keep their `nn.Linear` layers (the baseline)."""
+def patched(name: str, value):
+    """`worker.model.small_batch.<name>` is `value` for the engines built inside."""
     from worker.model import small_batch
 
-    install = small_batch.install
-    small_batch.install = lambda model: 0
+    real = getattr(small_batch, name)
+    setattr(small_batch, name, value)
     try:
         yield
     finally:
-        small_batch.install = install
+        setattr(small_batch, name, real)
+
+
+def torch_gemm_only():
+    """Engines built inside keep their `nn.Linear` layers (the baseline)."""
+    return patched("install", lambda model: 0)
+
+
+def kernel_only():
+    """Engines built inside take the small-batch kernel but keep their weights unpacked."""
+    return patched("_pack", lambda module, plain_copy_bytes: None)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (the CPU benchmark model is made "
                                                                "if missing)")
-    p.add_argument("--running", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--running", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=15, help="turns each step takes")
     p.add_argument("--iterations", type=int, default=10, help="steps timed per turn")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
     path = ensure_model(Path(a.model))
     report: dict = {"machine": machine(), "model": str(path), "rounds": a.rounds, "iterations_per_round": a.iterations,
-                    "by_running": {}}
-    print(f"{'running':>8}{'torch GEMM ms':>15}{'kernel ms':>11}{'speedup':>9}  per round   greedy ids")
+                    "torch_threads": torch.get_num_threads(), "by_running": {}}
+    print(f"torch threads: {torch.get_num_threads()}")
+    print(f"{'running':>8}{'torch GEMM ms':>15}{'kernel ms':>11}{'default ms':>12}{'vs GEMM':>9}{'vs kernel':>11}"
+          f"  vs kernel per round  greedy ids")
     for running in a.running:
         with torch_gemm_only():
             gemm, gemm_ids, _ = decode_step(path, running)
-        kernel, kernel_ids, forward = decode_step(path, running)
-        ms = interleaved_ms({"torch_gemm": gemm, "kernel": kernel}, a.rounds, a.iterations)
-        ratios = [g / k for g, k in zip(ms["torch_gemm"], ms["kernel"])]
-        row = {"decode_step_ms": ms, "speedup_per_round": ratios, "speedup": statistics.median(ratios),
-               "greedy_ids_identical": gemm_ids == kernel_ids, "forward": forward}
+        with kernel_only():
+            kernel, kernel_ids, _ = decode_step(path, running)
+        default, ids, forward = decode_step(path, running)
+        ms = interleaved_ms({"torch_gemm": gemm, "kernel": kernel, "default": default}, a.rounds, a.iterations)
+        vs_gemm = [g / d for g, d in zip(ms["torch_gemm"], ms["default"])]
+        vs_kernel = [k / d for k, d in zip(ms["kernel"], ms["default"])]
+        same = gemm_ids == kernel_ids == ids
+        row = {"decode_step_ms": ms, "speedup_vs_torch_gemm_per_round": vs_gemm,
+               "speedup_vs_torch_gemm": statistics.median(vs_gemm), "speedup_vs_kernel_per_round": vs_kernel,
+               "speedup_vs_kernel": statistics.median(vs_kernel), "greedy_ids_identical": same, "forward": forward}
         report["by_running"][str(running)] = row
         print(f"{running:>8}{statistics.median(ms['torch_gemm']):>15.2f}{statistics.median(ms['kernel']):>11.2f}"
-              f"{row['speedup']:>8.2f}x  {min(ratios):.2f}-{max(ratios):.2f}x  {'identical' if gemm_ids == kernel_ids else 'differ'}")
+              f"{statistics.median(ms['default']):>12.2f}{row['speedup_vs_torch_gemm']:>8.2f}x"
+              f"{row['speedup_vs_kernel']:>10.2f}x  {min(vs_kernel):.2f}-{max(vs_kernel):.2f}x"
+              f"{'':>10}{'identical' if same else 'differ'}")
     write_report(report, a.out, "bench_small_batch.json")
     return 0
 

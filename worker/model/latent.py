@@ -53,6 +53,7 @@ class LatentAttention:
             raise ValueError(f"{type(module).__name__}.kv_b_proj is {type(proj).__name__} "
                              f"({getattr(proj.weight, 'dtype', '?')}); the latent KV cache needs a plain linear layer")
         self.proj = proj
+        proj.inflight_reads_weight = True  # `attend` reads the weight itself: it keeps its plain layout
         self.rank = int(module.kv_lora_rank)
         self.rope_dim = int(module.qk_rope_head_dim)
         self.nope_dim = int(module.qk_nope_head_dim)

@@ -91,6 +91,7 @@ def _install_bloom(model: torch.nn.Module) -> list[str]:
             module.forward = MethodType(_bloom_attention, module)
             module.inflight_config = model.config
             module.inflight_alibi_slopes = modeling._get_alibi_slopes(module.num_heads, next(module.parameters()).device)
+            module.dense.inflight_reads_weight = True  # sliced by `_bloom_attention` (pretraining_tp > 1)
     return ["attention outside the interface (adapter: BloomAttention)"]
 
 

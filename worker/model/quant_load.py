@@ -35,6 +35,7 @@ import torch
 from worker.model import gptq
 from worker.model.capability import UnsupportedModel, decoder_projections
 from worker.model.quant_linear import Fp8Linear, QuantLinear, WeightScheme
+from worker.model.small_batch import packed_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,5 +361,6 @@ def describe_layers(model: torch.nn.Module) -> list[str]:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer (the weights' resident size)."""
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    """Bytes of every parameter and buffer and of the oneDNN-packed weights
+    (`small_batch.packed_bytes`): the weights' resident size."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) + packed_bytes(model)
