@@ -19,8 +19,10 @@ few rows of a small weight, and the kernel's split over threads keeps it ahead u
 rows with two threads. So a packed layer takes the kernel up to `PACKED_KERNEL_ROWS` rows
 when torch has one thread, `MAX_ROWS` with more, while it keeps its plain weight, and
 oneDNN above. A weight larger than `PLAIN_COPY_BYTES` is held packed only: its `weight`
-becomes an `[out_features, 0]` placeholder, so memory stays as before, and at that size
-the packed product of one row is as fast as the kernel's. A module marked
+becomes an `[out_features, 0]` placeholder, so memory stays as before; the price is its
+product of one row, where the kernel streams the plain layout from memory faster (the
+~160M benchmark model's one-request step took 1.15x as long, its 32-request step 0.53x:
+docs/benchmarks.md). A module marked
 `inflight_reads_weight` (a wrapper that reads the weight itself: `latent.py`,
 `legacy.py`) keeps its plain weight whatever its size.
 
@@ -61,11 +63,12 @@ _LIB.define("float_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`torch.ops.inflight.float_linear`: `F.linear(x, weight, bias)`, by the CPU kernel
-    where it serves (module docstring).
+    or the weight's oneDNN-packed copy where they serve (module docstring).
 
     Args:
-        x: `[..., in_features]`; weight: `[out_features, in_features]`; bias: `[out_features]`
-            or None.
+        x: `[..., in_features]`; weight: `[out_features, in_features]`, or a packed-only
+            layer's `[out_features, 0]` placeholder, either with its packed copy as
+            `weight.inflight_packed` where `install` made one; bias: `[out_features]` or None.
 
     Returns:
         `[..., out_features]` in `x`'s dtype.
