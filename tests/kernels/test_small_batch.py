@@ -142,12 +142,13 @@ def test_packed_layers_equal_f_linear_at_every_row_count(plain_copy_bytes):
 @needs_onednn
 def test_a_module_that_reads_its_weight_keeps_it_and_a_placeholder_refuses_other_inputs():
     torch.manual_seed(6)
-    read, packed_only = torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
-    read.inflight_reads_weight = True
-    model = torch.nn.Sequential(read, packed_only)
-    small_batch.install(model, plain_copy_bytes=0)
-    assert read.weight.shape == (16, 32) and read.weight.inflight_packed is not None
+    read, packed_only, small_read = torch.nn.Linear(32, 16), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
+    read.inflight_reads_weight = small_read.inflight_reads_weight = True
+    small_batch.install(torch.nn.Sequential(read, packed_only), plain_copy_bytes=0)
+    assert type(read) is torch.nn.Linear and read.weight.shape == (16, 32)  # too large to copy: left as it is
     assert packed_only.weight.shape == (16, 0)
+    small_batch.install(torch.nn.Sequential(small_read), plain_copy_bytes=4096)
+    assert small_read.weight.shape == (16, 32) and small_read.weight.inflight_packed is not None
     with pytest.raises(RuntimeError, match="packed layout"):
         packed_only(torch.randn(3, 32, dtype=torch.float64))
 

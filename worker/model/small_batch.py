@@ -24,7 +24,9 @@ product of one row, where the kernel streams the plain layout from memory faster
 ~160M benchmark model's one-request step took 1.15x as long, its 32-request step 0.53x:
 docs/benchmarks.md). A module marked
 `inflight_reads_weight` (a wrapper that reads the weight itself: `latent.py`,
-`legacy.py`) keeps its plain weight whatever its size.
+`legacy.py`) keeps its plain weight: beside a packed copy up to `PLAIN_COPY_BYTES`,
+and above that as the `nn.Linear` it is, on torch's GEMM. A large plain weight under
+this op is what crashed a captured forward (docs/limits.md, Performance).
 
 `install` turns a loaded model's `nn.Linear` layers into `SmallBatchLinear` (the same
 module, parameters and hooks, another class) whose forward is the op
@@ -134,16 +136,19 @@ def install(model: torch.nn.Module, plain_copy_bytes: int | None = None) -> int:
     and others are left) whose input width is a whole number of the kernel's vectors a
     `SmallBatchLinear` with its weight packed for oneDNN where torch has oneDNN (module
     docstring; weights over `plain_copy_bytes`, default `PLAIN_COPY_BYTES`, held packed
-    only), in place; how many (0 when the kernel has no vector tiles on this CPU, or could
-    not be built)."""
+    only, or left as they are where the module reads its weight), in place; how many (0
+    when the kernel has no vector tiles on this CPU, or could not be built)."""
     layers = [m for m in model.modules()
               if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     width = _width() if layers else 0  # no CPU float layer (a GPU model): the kernel is not even built
     n = 0
+    limit = PLAIN_COPY_BYTES if plain_copy_bytes is None else plain_copy_bytes
     for m in layers:
+        if getattr(m, "inflight_reads_weight", False) and m.weight.numel() * m.weight.element_size() > limit:
+            continue  # a large weight that must stay plain stays an `nn.Linear` (module docstring)
         if width and m.in_features % width == 0:
             m.__class__ = SmallBatchLinear
-            _pack(m, PLAIN_COPY_BYTES if plain_copy_bytes is None else plain_copy_bytes)
+            _pack(m, limit)
             n += 1
     if n:
         log.debug("%d float32 linear layers multiply up to %d rows by the CPU small-batch kernel", n, MAX_ROWS)
