@@ -21,8 +21,8 @@ when torch has one thread, `MAX_ROWS` with more, while it keeps its plain weight
 oneDNN above. A weight larger than `PLAIN_COPY_BYTES` is held packed only: its `weight`
 becomes an `[out_features, 0]` placeholder, so memory stays as before; the price is its
 product of one row, where the kernel streams the plain layout from memory faster (the
-~160M benchmark model's one-request step took 1.15x as long, its 32-request step 0.53x:
-docs/benchmarks.md). A module marked
+~160M benchmark model's one-request step took 1.15x as long on two threads, 1.27x on
+one, its 32-request step 0.53x: docs/benchmarks.md). A module marked
 `inflight_reads_weight` (a wrapper that reads the weight itself: `latent.py`,
 `legacy.py`) keeps its plain weight: beside a packed copy up to `PLAIN_COPY_BYTES`,
 and above that as the `nn.Linear` it is, on torch's GEMM. A large plain weight under
