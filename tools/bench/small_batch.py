@@ -49,7 +49,7 @@ def torch_gemm_only():
 
 def kernel_only():
     """Engines built inside take the small-batch kernel but keep their weights unpacked."""
-    return patched("_pack", lambda module, plain_copy_bytes: None)
+    return patched("_pack", lambda module, keep_plain: None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,8 +84,8 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rows = x.numel() // k if k else 0
     packed = getattr(weight, "inflight_packed", None)
     width = _width()  # 0: no vector tiles (or no kernel): torch's GEMM
-    if (width and 0 < rows <= _kernel_rows(packed) and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu
-            and weight.is_cpu and weight.is_contiguous() and weight.shape[1] == k
+    if (width and 0 < rows <= _kernel_rows(packed) and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.is_cpu and weight.is_cpu and weight.is_contiguous() and weight.shape[1] == k
             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.is_cpu
                                   and bias.shape == (weight.shape[0],)))
             and k % width == 0):
@@ -144,20 +144,21 @@ def install(model: torch.nn.Module, plain_copy_bytes: int | None = None) -> int:
     n = 0
     limit = PLAIN_COPY_BYTES if plain_copy_bytes is None else plain_copy_bytes
     for m in layers:
-        if getattr(m, "inflight_reads_weight", False) and m.weight.numel() * m.weight.element_size() > limit:
+        large = m.weight.numel() * m.weight.element_size() > limit
+        if large and getattr(m, "inflight_reads_weight", False):
             continue  # a large weight that must stay plain stays an `nn.Linear` (module docstring)
         if width and m.in_features % width == 0:
             m.__class__ = SmallBatchLinear
-            _pack(m, limit)
+            _pack(m, keep_plain=not large)
             n += 1
     if n:
-        log.debug("%d float32 linear layers multiply up to %d rows by the CPU small-batch kernel", n, MAX_ROWS)
+        log.debug("%d float32 linear layers made SmallBatchLinear (the CPU small-batch kernel, oneDNN above it)", n)
     return n
 
 
-def _pack(m: SmallBatchLinear, plain_copy_bytes: int) -> None:
-    """Give `m`'s weight its oneDNN-packed copy (`weight.inflight_packed`), and drop the
-    plain one when it is larger than `plain_copy_bytes` and nothing else reads it (module
+def _pack(m: SmallBatchLinear, keep_plain: bool) -> None:
+    """Give `m`'s weight its oneDNN-packed copy (`weight.inflight_packed`), and unless
+    `keep_plain`, drop the plain one for an `[out_features, 0]` placeholder (module
     docstring). Leaves `m` as it was where torch cannot pack (no oneDNN)."""
     w = m.weight
     if not torch.backends.mkldnn.is_available():
@@ -167,7 +168,7 @@ def _pack(m: SmallBatchLinear, plain_copy_bytes: int) -> None:
     except (RuntimeError, AttributeError) as e:  # a build without the op, or a layout it refuses
         log.debug("linear layer %s not packed for oneDNN: %s", tuple(w.shape), e)
         return
-    if w.numel() * w.element_size() > plain_copy_bytes and not getattr(m, "inflight_reads_weight", False):
+    if not keep_plain:
         m.weight = torch.nn.Parameter(w.new_empty(w.shape[0], 0), requires_grad=False)
     m.weight.inflight_packed = packed
 

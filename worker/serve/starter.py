@@ -39,7 +39,6 @@ spent on jobs that never run here.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -393,13 +392,12 @@ class JobStarter:
         its prompt's ids, tokenized while its claim was in flight (`_tokenize_early`)."""
         t0 = time.time() if early is None else early.start
         try:
-            inp = request_input(held)
-            if early is not None or self.router is not None:  # with pools, the prompt's length decides the pool
-                ids = early.ids if early is not None else self.engine.input.tokenize(inp.request_id, inp.prompt)
-                if self.router is not None:
-                    self.router.check(len(ids))
-                inp = dataclasses.replace(inp, prompt=TokenPrompt(ids))
-            return self.engine.input.process(inp)
+            prompt = None if early is None else TokenPrompt(early.ids)
+            if self.router is not None:  # with pools, the prompt's length decides the pool: count it first
+                if prompt is None:
+                    prompt = TokenPrompt(self.engine.input.tokenize(held.job_id, job_prompt(held.job)))
+                self.router.check(len(prompt.token_ids))
+            return self.engine.input.process(request_input(held, prompt))
         except (RequestRejected, Misrouted) as e:
             return e
         finally:
@@ -492,15 +490,16 @@ class JobStarter:
         self.finalizer.release(tp, rec.offset)
 
 
-def request_input(held: LocalJob) -> RequestInput:
-    """The engine's request for a held job: its prompt (`job_prompt`), params and options:
-    its tenant (also its cache salt), deadline and adapter, its topic's priority class,
-    the record's timestamp as its arrival (Unix s), and whether its trace is sampled. The one place a job field the engine reads is
-    mapped: the engine itself knows no wire schema."""
+def request_input(held: LocalJob, prompt: Prompt | None = None) -> RequestInput:
+    """The engine's request for a held job: its prompt (`job_prompt`, unless given: its
+    ids tokenized already), params and options: its tenant (also its cache salt),
+    deadline and adapter, its topic's priority class, the record's timestamp as its
+    arrival (Unix s), and whether its trace is sampled. The one place a job field the
+    engine reads is mapped: the engine itself knows no wire schema."""
     job = held.job
     options = RequestOptions(held.priority, job.tenant, job.tenant or "", held.enqueue_time, job.deadline,
                              job.adapter, held.trace is not None)
-    return RequestInput(job.job_id, job_prompt(job), job.params, options)
+    return RequestInput(job.job_id, job_prompt(job) if prompt is None else prompt, job.params, options)
 
 
 def job_prompt(job: Job) -> Prompt:
