@@ -9,9 +9,11 @@ built every graph the workload needs: serving it compiles nothing more. And with
 decode steps replayed from graphs (`model.cuda_graphs`, emulated on the CPU), eager and
 compiled, padded to the graph sizes. And with speculative decoding (prompt lookup, eager
 and compiled; suffix decoding; a draft model: a noisy copy of the checkpoint), its
-guesses both kept and rejected. And with every linear layer held only in oneDNN's packed
-layout (`worker.model.small_batch`; a model this small keeps the plain one too
-otherwise), eager and compiled.
+guesses both kept and rejected. And whatever `model.cpu_linear: auto` times as fastest
+on this box, with the fixed rule (`inflight`: the small-batch kernel, oneDNN's packed
+weights above), and with every linear layer held only in oneDNN's packed layout
+(`worker.model.small_batch`; a model this small keeps the plain one too otherwise),
+eager and compiled.
 """
 
 from __future__ import annotations
@@ -63,28 +65,29 @@ def staggered_workload(seed: int, n: int = 24, vocab: int = 512):
 SEED = 1234
 
 CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs, speculative decoding's method,
-    #          linear weights held packed only)
-    ("optimistic", False, "off", False, "off", False), ("optimistic", True, "off", False, "off", False),
-    ("reserve", False, "off", True, "off", False), ("reserve", True, "off", False, "off", False),
-    ("optimistic", True, "on", True, "off", False), ("reserve", False, "on", False, "off", False),
-    ("optimistic", False, "off", False, "ngram", False), ("reserve", False, "on", False, "ngram", False),
-    ("optimistic", False, "off", False, "suffix", False), ("optimistic", False, "off", False, "draft", False),
-    ("optimistic", True, "off", False, "off", True), ("reserve", False, "on", False, "off", True),
+    #          float32 linear layers: `model.cpu_linear` auto or inflight, or packed = inflight held packed only)
+    ("optimistic", False, "off", False, "off", "auto"), ("optimistic", True, "off", False, "off", "auto"),
+    ("reserve", False, "off", True, "off", "auto"), ("reserve", True, "off", False, "off", "inflight"),
+    ("optimistic", True, "on", True, "off", "auto"), ("reserve", False, "on", False, "off", "inflight"),
+    ("optimistic", False, "off", False, "ngram", "auto"), ("reserve", False, "on", False, "ngram", "auto"),
+    ("optimistic", False, "off", False, "suffix", "auto"), ("optimistic", False, "off", False, "draft", "auto"),
+    ("optimistic", True, "off", False, "off", "packed"), ("reserve", False, "on", False, "off", "packed"),
 ]
 
 
-@pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode", "graphs", "speculative", "packed_only"),
+@pytest.mark.parametrize(("kv_policy", "async_scheduling", "compile_mode", "graphs", "speculative", "linear"),
                          CASES, ids=[f"{p}-{'async' if a else 'sequential'}{'-compiled' if c == 'on' else ''}"
                                      f"{'-graphs' if g else ''}{'' if n == 'off' else '-' + n}"
-                                     f"{'-packed' if k else ''}" for p, a, c, g, n, k in CASES])
+                                     f"{'' if k == 'auto' else '-' + k}" for p, a, c, g, n, k in CASES])
 def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_scheduling, compile_mode, graphs,
-                                             speculative, packed_only, monkeypatch):
-    if packed_only:
+                                             speculative, linear, monkeypatch):
+    if linear == "packed":
         monkeypatch.setattr(small_batch, "PLAIN_COPY_BYTES", 0)
     if graphs:  # decode steps replay graphs (emulated here: worker.model.graphs), padded to their sizes
         monkeypatch.setattr(compile_rules, "GRAPH_REPLAY", {"cpu": "emulated"})
     cfg = EngineConfig(
-        model=ModelConfig(dtype="float32", device="cpu", compile=compile_mode),
+        model=ModelConfig(dtype="float32", device="cpu", compile=compile_mode,
+                          cpu_linear="auto" if linear == "auto" else "inflight"),
         serving_tuning=ServingTuning(
             max_total_tokens=1024,  # 64 blocks: far less than 24 x (prompt + output) -> preemption
             max_batched_tokens=64,  # prompts up to 300 tokens -> multi-chunk prefill
@@ -104,7 +107,9 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
     engine = Engine.from_pretrained(str(any_arch_path), cfg)
     placeholders = [m for m in engine.runner.model.modules()
                     if isinstance(m, small_batch.SmallBatchLinear) and m.weight.shape[-1] == 0]
-    assert bool(placeholders) == (packed_only and small_batch.packed_bytes(engine.runner.model) > 0)
+    assert bool(placeholders) == (linear == "packed" and small_batch.packed_bytes(engine.runner.model) > 0)
+    if linear == "inflight" and torch.backends.mkldnn.is_available():  # every layer on the fixed rule's paths
+        assert all(type(m) is not torch.nn.Linear for m in engine.runner.model.modules()), "a layer left as it was"
     assert engine.compile_report.compiled == (compile_mode == "on"), engine.compile_report
     assert bool(engine.compile_report.cuda_graph_sizes) == graphs, engine.compile_report
     replayed = []

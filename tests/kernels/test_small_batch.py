@@ -1,8 +1,10 @@
 """Float32 linear layers at decode batch sizes on the CPU (`worker/model/small_batch.py`, the
-op `inflight::float_linear` over `cpu_woq.c`'s `inflight_float_linear`) against `F.linear`
-in float64: every row count up to `MAX_ROWS` (the kernel's 4-row tiles and their tails),
-widths with a partial block of output channels, a bias, rows past the limit and widths off
-the vector loop (torch's path), the AVX2 tiles, and what `install` does to a model."""
+op `inflight::float_linear` over `cpu_woq.c`'s `inflight_float_linear` and oneDNN's packed
+weights) against `F.linear` in float64: every row count up to `MAX_ROWS` (the kernel's
+4-row tiles and their tails), widths with a partial block of output channels, a bias,
+rows past the limit and layers the kernel does not take (torch's path), the AVX2 tiles,
+what `install` does to a model under each `model.cpu_linear` policy, and how `auto`
+turns timings into a plan."""
 
 from __future__ import annotations
 
@@ -17,6 +19,16 @@ from worker.model.quant_linear import QuantLinear, WeightScheme
 pytestmark = pytest.mark.skipif(not cpu_woq.vectorized(), reason="no C compiler, or no vector tiles on this CPU")
 
 op = torch.ops.inflight.float_linear.default
+KERNEL_PLAN = tuple(small_batch.KERNEL if r <= small_batch.MAX_ROWS else small_batch.TORCH
+                    for r in small_batch.PROBE_ROWS)
+
+
+def planned(w: torch.Tensor, plan=KERNEL_PLAN) -> torch.Tensor:
+    """`w` (another tensor on its storage) with the plan `install` would give a layer the
+    kernel takes: the kernel up to `MAX_ROWS` rows, torch's GEMM above."""
+    w = w.detach()
+    w.inflight_plan = plan
+    return w
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -33,7 +45,7 @@ def test_the_op_equals_f_linear(rows, k, n, bias):
     g = torch.Generator().manual_seed(rows * 1000 + n)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    got = op(x, w, b)
+    got = op(x, planned(w), b)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert close(got, reference(x, w, b)), (got.double() - reference(x, w, b)).abs().max()
 
@@ -42,15 +54,21 @@ def test_leading_dims_strided_rows_and_what_the_kernel_does_not_take():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=g)
     x = torch.randn(1, 3, 64, generator=g)  # [batch, tokens, features], as a model calls it
-    assert close(op(x, w, None), reference(x, w, None))
+    assert close(op(x, planned(w), None), reference(x, w, None))
     wide = torch.randn(3, 128, generator=g)[:, ::2]  # rows with a stride: copied, not read past
-    assert close(op(wide, w, None), reference(wide, w, None))
-    for x2, w2 in [(torch.randn(2, 36, generator=g), torch.randn(8, 36, generator=g)),  # 36: not whole vectors
-                   (torch.randn(2, 64, generator=g).double(), w.double()),  # another dtype
-                   (torch.randn(2, 64, generator=g), torch.randn(64, 40, generator=g).T)]:  # a transposed weight
-        assert close(op(x2, w2, None), reference(x2, w2, None))
+    assert close(op(wide, planned(w), None), reference(wide, w, None))
+    assert close(op(x.double(), w.double(), None), reference(x, w, None))  # no plan: torch's GEMM, any dtype
     with pytest.raises(RuntimeError):  # a bias of another width: torch's own error, never a read past it
-        op(torch.randn(2, 64, generator=g), w, torch.randn(41, generator=g))
+        op(torch.randn(2, 64, generator=g), planned(w), torch.randn(41, generator=g))
+    with pytest.raises(RuntimeError):  # rows of another width: the same
+        op(torch.randn(2, 48, generator=g), planned(w), None)
+    odd = torch.nn.Sequential(torch.nn.Linear(36, 8), torch.nn.Linear(40, 64).double(),  # 36: not whole vectors
+                              torch.nn.Linear(64, 24))
+    odd[2].weight = torch.nn.Parameter(torch.randn(64, 24, generator=g).T)  # a transposed weight
+    small_batch.install(odd, policy="inflight")
+    kernel_planned = [getattr(m.weight, "inflight_plan", ()) for m in odd]
+    assert [small_batch.KERNEL in p for p in kernel_planned] == [False, False, False]
+    assert type(odd[1]) is torch.nn.Linear  # float64: left alone
 
 
 def test_the_avx2_tiles_equal_f_linear():
@@ -88,7 +106,7 @@ def test_install_turns_float_linears_and_keeps_their_hooks_and_outputs():
     model[0].register_forward_hook(lambda m, args, out: seen.append(out.shape))
     x = torch.randn(3, 64)
     want = model(x)
-    assert small_batch.install(model) == 3
+    assert small_batch.install(model, policy="inflight") == 3
     assert [type(m).__name__ for m in model] == ["SmallBatchLinear", "ReLU", "SmallBatchLinear", "QuantLinear",
                                                  "SmallBatchLinear"]
     assert torch.allclose(model(x), want, rtol=1e-5, atol=1e-5)
@@ -96,15 +114,22 @@ def test_install_turns_float_linears_and_keeps_their_hooks_and_outputs():
     assert isinstance(model[0], torch.nn.Linear) and "weight" in dict(model[0].named_parameters())
 
 
-def test_install_leaves_a_model_alone_without_vector_tiles(monkeypatch):
+def test_without_vector_tiles_no_layer_takes_the_kernel_and_without_onednn_none_changes(monkeypatch):
     monkeypatch.setattr(small_batch, "_width", lambda: 0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 8))
-    assert small_batch.install(model) == 0
+    small_batch.install(model, policy="inflight")
+    assert small_batch.KERNEL not in getattr(model[0].weight, "inflight_plan", ())
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8))
+    for policy in ("inflight", "auto", "torch"):
+        assert small_batch.install(model, policy=policy) == 0
     assert type(model[0]) is torch.nn.Linear
+    with pytest.raises(ValueError, match=r"model.cpu_linear must be one of \['auto', 'inflight', 'torch'\]"):
+        small_batch.install(model, policy="mkl")
 
 
 def test_a_compiled_function_keeps_the_op():
-    w = torch.randn(24, 32)
+    w = planned(torch.randn(24, 32))
 
     def f(x):
         return torch.ops.inflight.float_linear(x, w, None).relu()
@@ -125,7 +150,7 @@ def test_packed_layers_equal_f_linear_at_every_row_count(plain_copy_bytes):
     model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 33, bias=False))
     want = {rows: model(torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))) for rows in range(1, 41)}
     weights = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
-    assert small_batch.install(model, plain_copy_bytes=plain_copy_bytes) == 2
+    assert small_batch.install(model, plain_copy_bytes=plain_copy_bytes, policy="inflight") == 2
     for layer, w in zip((model[0], model[2]), weights):
         assert layer.weight.inflight_packed.is_mkldnn
         if plain_copy_bytes:  # kept: the kernel serves the smallest batches
@@ -144,10 +169,10 @@ def test_a_module_that_reads_its_weight_keeps_it_and_a_placeholder_refuses_other
     torch.manual_seed(6)
     read, packed_only, small_read = torch.nn.Linear(32, 16), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
     read.inflight_reads_weight = small_read.inflight_reads_weight = True
-    small_batch.install(torch.nn.Sequential(read, packed_only), plain_copy_bytes=0)
+    small_batch.install(torch.nn.Sequential(read, packed_only), plain_copy_bytes=0, policy="inflight")
     assert type(read) is torch.nn.Linear and read.weight.shape == (16, 32)  # too large to copy: left as it is
     assert packed_only.weight.shape == (16, 0)
-    small_batch.install(torch.nn.Sequential(small_read), plain_copy_bytes=4096)
+    small_batch.install(torch.nn.Sequential(small_read), plain_copy_bytes=4096, policy="inflight")
     assert small_read.weight.shape == (16, 32) and small_read.weight.inflight_packed is not None
     with pytest.raises(RuntimeError, match="packed layout"):
         packed_only(torch.randn(3, 32, dtype=torch.float64))
@@ -164,7 +189,7 @@ def test_a_graph_shared_by_two_models_multiplies_each_ones_own_packed_weights():
         layers.append(torch.nn.Linear(64, 40).requires_grad_(False))
     plain = [(lin.weight.clone(), lin.bias.clone()) for lin in layers]
     for lin in layers:
-        small_batch.install(torch.nn.Sequential(lin), plain_copy_bytes=0)
+        small_batch.install(torch.nn.Sequential(lin), plain_copy_bytes=0, policy="inflight")
 
     def f(x, w, b):
         return torch.ops.inflight.float_linear(x, w, b).relu()
@@ -178,18 +203,81 @@ def test_a_graph_shared_by_two_models_multiplies_each_ones_own_packed_weights():
 
 
 @needs_onednn
-def test_a_packed_layer_takes_the_kernel_up_to_2_rows_on_one_thread_and_8_on_more(monkeypatch):
-    model = torch.nn.Sequential(torch.nn.Linear(64, 48))
-    small_batch.install(model, plain_copy_bytes=1 << 30)
+def test_the_inflight_rule_takes_the_kernel_up_to_2_rows_on_one_thread_and_8_on_more(monkeypatch):
     used = []
     real = small_batch.cpu_woq.float_linear
     monkeypatch.setattr(small_batch.cpu_woq, "float_linear", lambda *args: used.append(args[0].shape[0]) or real(*args))
     threads = torch.get_num_threads()
     try:
-        for t in (1, 2):
+        for t in (1, 2):  # the plan is made with the threads torch has at load
             torch.set_num_threads(t)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 48))
+            small_batch.install(model, plain_copy_bytes=1 << 30, policy="inflight")
             for rows in range(1, 11):
                 model(torch.randn(rows, 64))
     finally:
         torch.set_num_threads(threads)
     assert used == [1, 2, *range(1, 9)]
+
+
+def test_auto_plans_from_timings_the_fastest_path_beating_torch_by_min_gain():
+    T, K, P = small_batch.TORCH, small_batch.KERNEL, small_batch.PACKED
+    n = len(small_batch.PROBE_ROWS)
+
+    def best(torch_s, kernel_s=None, packed_s=None):
+        out = {}
+        for i, r in enumerate(small_batch.PROBE_ROWS):
+            out[T, i] = torch_s[i]
+            if kernel_s is not None and r <= small_batch.MAX_ROWS:
+                out[K, i] = kernel_s[i]
+            if packed_s is not None:
+                out[P, i] = packed_s[i]
+        return out
+
+    same = [1.0] * n
+    choose = small_batch._choose
+    assert choose(best(same, same, same), large=False) is None  # ties stay on torch's GEMM
+    assert choose(best(same, [0.97] * n, [0.97] * n), large=False) is None  # within MIN_GAIN: noise
+    plan = choose(best(same, [0.5, 2, 2, 2, 0, 0, 0], [2, 0.97, 2, 0.5, 0.5, 2, 0.9]), large=False)
+    assert plan == (K, T, T, P, P, T, P)  # the kernel is never timed, nor planned, past MAX_ROWS
+    assert small_batch.describe(plan) == "rows 1: kernel, 2-4: torch, 5-16: oneDNN, 17-32: torch, 33+: oneDNN"
+    assert small_batch.describe(None) == "torch"
+    # a large weight: packed only, or torch's GEMM throughout, by the probes together
+    assert choose(best(same, packed_s=[1.3, 1.2, 0.6, 0.6, 0.5, 0.5, 0.5]), large=True) == (P,) * n
+    assert choose(best(same, packed_s=[0.9, 1.3, 1.3, 1.0, 0.9, 0.9, 1.0]), large=True) is None
+    assert choose(best(same), large=True) is None
+
+
+def test_auto_on_a_real_model_plans_only_what_serves_and_keeps_its_outputs(caplog):
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256, bias=False),
+                                torch.nn.Linear(256, 3000))  # 3 MB: over PLAIN_COPY_BYTES
+    xs = {rows: torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) for rows in (1, 2, 3, 7, 9, 40, 90)}
+    with torch.no_grad():
+        want = {rows: model(x) for rows, x in xs.items()}
+        with caplog.at_level("INFO", logger="worker.model.small_batch"):
+            n = small_batch.install(model)
+        assert "cpu_linear auto" in caplog.text and "512x256" in caplog.text
+        assert n == sum(type(m) is small_batch.SmallBatchLinear for m in model)
+        for m in model:
+            plan = getattr(getattr(m, "weight", None), "inflight_plan", None)
+            if type(m) is small_batch.SmallBatchLinear:
+                assert plan is not None and any(plan)  # a layer changes class only to leave torch's GEMM somewhere
+                assert all(how != small_batch.KERNEL or r <= small_batch.MAX_ROWS
+                           for how, r in zip(plan, small_batch.PROBE_ROWS))
+                if small_batch.PACKED not in plan:
+                    assert getattr(m.weight, "inflight_packed", None) is None  # no copy it never multiplies by
+        large = model[3]
+        assert type(large) is torch.nn.Linear or large.weight.shape == (3000, 0)  # never plain under the op
+        for rows, x in xs.items():
+            assert close(model(x), want[rows].double()), rows
+
+
+def test_the_setting_names_its_field_and_values_and_matches_the_policies():
+    from worker.config import ConfigError, ModelConfig
+    from worker.config.engine import CPU_LINEAR_MODES
+
+    assert CPU_LINEAR_MODES == small_batch.POLICIES
+    with pytest.raises(ConfigError, match=r"model.cpu_linear must be one of \['auto', 'inflight', 'torch'\], got 'mkl'"):
+        ModelConfig(cpu_linear="mkl")
+    assert ModelConfig().cpu_linear == "auto"

@@ -1,13 +1,14 @@
-"""Float32 linear layers on the CPU (`worker/model/small_batch.py`) vs torch's GEMM,
-measured in one run on one box: one decode step of `--running` requests (contexts of
-64-192 tokens; `ModelRunner.execute` on the same step: packing, forward, sampling) by three
-engines taking turns (`--rounds` of `--iterations` steps each, forward compiled as by
-default): layers as `small_batch.install` makes them (the small-batch kernel, oneDNN's
-packed weights above it), the kernel alone (weights not packed, torch's GEMM above it),
-and plain `nn.Linear` layers (torch's GEMM throughout). Median milliseconds, the medians
-of the per-round ratios, greedy ids compared. `--threads` sets torch's intra-op threads
-(the worker's engine process takes one on a 2-core box, `worker.engine.threads`). Writes
-`bench_small_batch.json` under --out and prints a table.
+"""Float32 linear layers on the CPU (`worker/model/small_batch.py`), the three choices of
+`model.cpu_linear` measured in one run on one box: one decode step of `--running` requests
+(contexts of 64-192 tokens; `ModelRunner.execute` on the same step: packing, forward,
+sampling) by three engines taking turns (`--rounds` of `--iterations` steps each, forward
+compiled as by default): `torch` (torch's GEMM throughout), `inflight` (the fixed rule:
+the small-batch kernel for a few rows, oneDNN's packed weights above) and `auto` (the
+default: the fastest of the three per weight shape and row count, timed at load).
+Median milliseconds, the medians of the per-round ratios, greedy ids compared.
+`--threads` sets torch's intra-op threads (the worker's engine process takes one on a
+2-core box, `worker.engine_threads`). Writes `bench_small_batch.json` under --out and
+prints a table.
 
     python -m tools.bench.small_batch --running 1 2 4 8 16 32 --threads 1
 """
@@ -15,7 +16,6 @@ of the per-round ratios, greedy ids compared. `--threads` sets torch's intra-op 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 from pathlib import Path
 
@@ -28,28 +28,7 @@ from tools.bench.harness import (
     write_report,
 )
 
-
-@contextlib.contextmanager
-def patched(name: str, value):
-    """`worker.model.small_batch.<name>` is `value` for the engines built inside."""
-    from worker.model import small_batch
-
-    real = getattr(small_batch, name)
-    setattr(small_batch, name, value)
-    try:
-        yield
-    finally:
-        setattr(small_batch, name, real)
-
-
-def torch_gemm_only():
-    """Engines built inside keep their `nn.Linear` layers (the baseline)."""
-    return patched("install", lambda model: 0)
-
-
-def kernel_only():
-    """Engines built inside take the small-batch kernel but keep their weights unpacked."""
-    return patched("_pack", lambda module, keep_plain: None)
+POLICIES = ("torch", "inflight", "auto")  # `model.cpu_linear`, the engines in turn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,26 +49,25 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"machine": machine(), "model": str(path), "rounds": a.rounds, "iterations_per_round": a.iterations,
                     "torch_threads": torch.get_num_threads(), "by_running": {}}
     print(f"torch threads: {torch.get_num_threads()}")
-    print(f"{'running':>8}{'torch GEMM ms':>15}{'kernel ms':>11}{'default ms':>12}{'vs GEMM':>9}{'vs kernel':>11}"
-          f"  vs kernel per round  greedy ids")
+    print(f"{'running':>8}{'torch ms':>10}{'inflight ms':>13}{'auto ms':>9}{'auto/torch':>12}{'auto/inflight':>15}"
+          f"{'inflight/torch':>16}  greedy ids")
     for running in a.running:
-        with torch_gemm_only():
-            gemm, gemm_ids, _ = decode_step(path, running)
-        with kernel_only():
-            kernel, kernel_ids, _ = decode_step(path, running)
-        default, ids, forward = decode_step(path, running)
-        ms = interleaved_ms({"torch_gemm": gemm, "kernel": kernel, "default": default}, a.rounds, a.iterations)
-        vs_gemm = [g / d for g, d in zip(ms["torch_gemm"], ms["default"])]
-        vs_kernel = [k / d for k, d in zip(ms["kernel"], ms["default"])]
-        same = gemm_ids == kernel_ids == ids
-        row = {"decode_step_ms": ms, "speedup_vs_torch_gemm_per_round": vs_gemm,
-               "speedup_vs_torch_gemm": statistics.median(vs_gemm), "speedup_vs_kernel_per_round": vs_kernel,
-               "speedup_vs_kernel": statistics.median(vs_kernel), "greedy_ids_identical": same, "forward": forward}
+        steps, ids, forward = {}, {}, None
+        for policy in POLICIES:
+            steps[policy], ids[policy], forward = decode_step(path, running, cpu_linear=policy)
+        ms = interleaved_ms(steps, a.rounds, a.iterations)
+        speedup = {f"{x}_vs_{y}": [slow / fast for fast, slow in zip(ms[x], ms[y])]
+                   for x, y in (("auto", "torch"), ("auto", "inflight"), ("inflight", "torch"))}
+        same = ids["torch"] == ids["inflight"] == ids["auto"]
+        row = {"decode_step_ms": ms, "speedup_per_round": speedup,
+               "speedup": {k: statistics.median(v) for k, v in speedup.items()},
+               "greedy_ids_identical": same, "forward": forward}
         report["by_running"][str(running)] = row
-        print(f"{running:>8}{statistics.median(ms['torch_gemm']):>15.2f}{statistics.median(ms['kernel']):>11.2f}"
-              f"{statistics.median(ms['default']):>12.2f}{row['speedup_vs_torch_gemm']:>8.2f}x"
-              f"{row['speedup_vs_kernel']:>10.2f}x  {min(vs_kernel):.2f}-{max(vs_kernel):.2f}x"
-              f"{'':>10}{'identical' if same else 'differ'}")
+        med = {k: statistics.median(v) for k, v in ms.items()}
+        print(f"{running:>8}{med['torch']:>10.2f}{med['inflight']:>13.2f}{med['auto']:>9.2f}"
+              + "".join(f"{row['speedup'][k]:>{w}.2f}x" for k, w in (("auto_vs_torch", 11), ("auto_vs_inflight", 14),
+                                                                    ("inflight_vs_torch", 15)))
+              + f"  {'identical' if same else 'differ'}")
     write_report(report, a.out, "bench_small_batch.json")
     return 0
 

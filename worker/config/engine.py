@@ -17,6 +17,8 @@ OVERLOAD_POLICIES = ("queue_or_reject", "reject")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "on", "off")
+# model.cpu_linear (worker/model/small_batch.py POLICIES)
+CPU_LINEAR_MODES = ("auto", "inflight", "torch")
 # model.quantization (worker/model/quant_load.py AT_LOAD holds the schemes)
 QUANTIZATION_MODES = ("none", "fp8", "w8a8_int8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -331,6 +333,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             same model, code and versions, skipping the trace (`worker.model.compiled`);
             false: `torch.compile` traces the model at every start. A model the capture
             refuses falls back to `torch.compile` with one log line.
+        cpu_linear: how float32 linear layers multiply on the CPU
+            (`worker.model.small_batch`): `auto` = per weight shape and row count, the
+            fastest of torch's GEMM, Inflight's small-batch kernel and oneDNN's packed
+            weights, timed at load on this box (well under a second for the benchmark
+            models); `inflight` = the kernel for a few rows and oneDNN above, a rule
+            measured on an AMD EPYC box; `torch` = torch's GEMM throughout (the same bits
+            as transformers). Workers whose timings chose differently may differ in the
+            last bits of their logits; a fixed choice makes a fleet agree.
         cuda_graphs: replay decode-only steps of up to `max_running_requests` requests
             from CUDA graphs captured at start-up (`worker.model.graphs`): `auto` = on
             for CUDA with the Triton back end and no LoRA adapters (their memory is left
@@ -374,6 +384,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_lora_rank: int = 16
     compile: str = "auto"
     precompile: bool = True
+    cpu_linear: str = "auto"
     cuda_graphs: str = "auto"
     quantization: str = "none"
     engine: str = "inflight"
@@ -390,6 +401,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                               "'vllm'")
         one_of("model", "dtype", self.dtype, DTYPES)
         one_of("model", "compile", self.compile, COMPILE_MODES)
+        one_of("model", "cpu_linear", self.cpu_linear, CPU_LINEAR_MODES)
         one_of("model", "quantization", self.quantization, QUANTIZATION_MODES)
         if self.quantization != "none" and self.engine == "vllm":
             raise ConfigError(f"model.quantization is {self.quantization!r} but model.engine is 'vllm': vLLM "

@@ -170,7 +170,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except ValueError as e:
         raise UnsupportedModel(model_type, "latent attention with a non-linear up-projection", "kv_b_proj", str(e)) from e
     mixers = recurrent.install(model)
-    small_batch.install(model)  # a kernel choice, as the attention back end is: not a feature of the model
+    small_batch.install(model, policy=cfg.cpu_linear)  # a kernel choice, as the attention back end is: not a feature of the model
     layout, call_features, states = _measure(model, text_cfg, model_type, backend)
     features += call_features
     if mixers:
