@@ -81,14 +81,16 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | str:
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> int:
     """`y = x @ weight.T (+ bias)` by the kernel's float tiles (`inflight_float_linear`):
-    x `[M, K]`, weight `[N, K]`, bias `[N]` or None, y `[M, N]`, all float32, contiguous,
-    on the CPU (the caller checks: `worker.model.small_batch.float_linear`). Returns the
-    kernel's status (0), or -1 when the library is unavailable."""
+    x `[..., K]` (M rows in all), weight `[N, K]`, bias `[N]` or None, y `[..., N]` (M rows),
+    all float32, contiguous, on the CPU (the caller checks:
+    `worker.model.small_batch.float_linear`). Returns the kernel's status (0), or -1 when
+    the library is unavailable."""
     lib = _library()
     if isinstance(lib, str):
         return -1
+    k = x.shape[-1]
     return lib.inflight_float_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                     y.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads())
+                                     y.data_ptr(), x.numel() // k, k, weight.shape[0], torch.get_num_threads())
 
 
 def available() -> bool:
