@@ -3,8 +3,8 @@ plain-torch reference on randomized packed batches: decodes of context 1, block
 boundaries and random lengths in shuffled blocks, a prefix shared by two sequences, the
 prefill chunks of the batch (the reference path of the same call), GQA ratios 1/2/4/8,
 head dims 32/80/128, block sizes 16/32, a sliding window, a value cache that is a view
-of the key cache (latent attention); the layers and thread counts it leaves to the
-reference; and the fallback when no C compiler can build it."""
+of the key cache (latent attention); the layers it leaves to the reference; the same bits
+on one thread and several; and the fallback when no C compiler can build it."""
 
 from __future__ import annotations
 
@@ -121,14 +121,31 @@ def test_layers_the_kernel_does_not_cover_take_the_reference_path():
     for params in (AttentionParams(scale=0.2, softcap=5.0), AttentionParams(scale=0.2, sinks=torch.randn(4))):
         expect = torch_ref.paged_attention(q, k, v, *ref.kv_caches[0], md_ref, params)
         assert torch.equal(cpu_attn.paged_attention(q, k, v, *cpu.kv_caches[0], md_cpu, params), expect)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_several(group):
+    """Its (row, KV head) pairs are spread over torch's threads; each pair's sums run in
+    one order, so the thread count changes no bit (an engine's threads change as engines
+    come and go)."""
+    rng = random.Random(10 + group)
+    torch.manual_seed(10 + group)
+    sched = make_batch(rng, 16)
+    _, cpu, _, md = filled_runners(32, 16, sched)
+    nd = sched.num_decodes
+    q = torch.randn(nd, NUM_KV_HEADS * group, 32)
+    outs = []
     before = torch.get_num_threads()
-    torch.set_num_threads(cpu_attn.MAX_THREADS + 1)  # more threads than the kernel is used with
     try:
-        params = AttentionParams(scale=0.2)
-        expect = torch_ref.paged_attention(q, k, v, *ref.kv_caches[0], md_ref, params)
-        assert torch.equal(cpu_attn.paged_attention(q, k, v, *cpu.kv_caches[0], md_cpu, params), expect)
+        for threads in (1, 2, 3):  # 3: more threads than this box may have cores, still exact
+            torch.set_num_threads(threads)
+            out = torch.full((nd, NUM_KV_HEADS * group, 32), float("nan"))
+            assert cpu_attn.paged_decode(q, *cpu.kv_caches[0], md.block_tables, md.seq_lens, 0.2, None, out)
+            outs.append(out)
     finally:
         torch.set_num_threads(before)
+    assert not outs[0].isnan().any()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):

@@ -11,7 +11,8 @@
  *
  * Per row: scores of every position for every head (one pass over K, reading each
  * position's KV heads together), an exact softmax per head (max, exp, sum), then one pass
- * over V. fp32 arithmetic, one thread (cpu_attn.py says when it is used).
+ * over V. fp32 arithmetic; rows (or, with fewer rows than threads, parts of a row's KV
+ * heads) spread over `threads` OpenMP threads (ROWS_OF).
  *
  * Two entry points over one body (ROWS_OF): fp32 caches, and int8 caches (kv_int8.py)
  * whose token p of KV head h has the scales ks / vs [(block * block_size + offset) * KVH
@@ -54,83 +55,119 @@ DEFINE_DOT(dot_i8, int8_t)
 #define KSCALE(w, blk, off, h) ((w)->ks ? (w)->ks[((int64_t)(blk) * (w)->bs + (off)) * (w)->KVH + (h)] : 1.0f)
 #define VSCALE(w, blk, off, h) ((w)->vs ? (w)->vs[((int64_t)(blk) * (w)->bs + (off)) * (w)->KVH + (h)] : 1.0f)
 
-#define ROWS_OF(NAME, KT, DOT) \
-static int NAME(const Work *w) { \
-    const int64_t H = w->H, D = w->D, Dv = w->Dv, group = w->H / w->KVH; \
+/* Row r's query heads of KV heads [h0, h1) against its positions, reading each position's
+ * KV heads of the range together. `sc` [len][heads] and `inv` [heads] (heads = its query
+ * heads): the caller's scratch. */
+#define PART_OF(NAME, KT, DOT) \
+static void NAME(const Work *w, int64_t r, int64_t h0, int64_t h1, float *sc, float *inv) { \
+    const int64_t D = w->D, Dv = w->Dv, group = w->H / w->KVH, heads = (h1 - h0) * group; \
+    const int64_t n = w->seq_lens[r]; \
+    const int64_t start = (w->window > 0 && n > w->window) ? n - w->window : 0; \
+    const int64_t len = n - start; \
+    const int32_t *tbl = w->tables + r * w->tbl_stride; \
+    const float *qr = w->q + (r * w->H + h0 * group) * D; \
+    float *o = w->out + (r * w->H + h0 * group) * Dv; \
+    for (int64_t i = 0; i < heads; i++) inv[i] = -INFINITY; \
+    for (int64_t p = start; p < n; p++) { \
+        const int64_t blk = tbl[p / w->bs], off = p % w->bs; \
+        const KT *kb = (const KT *)w->kc + blk * w->k_sb + off * w->k_st; \
+        float *sp = sc + (p - start) * heads; \
+        for (int64_t h = h0; h < h1; h++) { \
+            const KT *kp = kb + h * w->k_sh; \
+            const float kscale = KSCALE(w, blk, off, h) * w->scale; \
+            for (int64_t g = 0; g < group; g++) { \
+                const int64_t i = (h - h0) * group + g; \
+                const float s = DOT(qr + i * D, kp, D) * kscale; \
+                sp[i] = s; \
+                if (s > inv[i]) inv[i] = s; \
+            } \
+        } \
+    } \
+    for (int64_t i = 0; i < heads; i++) { \
+        const float m = inv[i]; \
+        float l = 0; \
+        for (int64_t t = 0; t < len; t++) { \
+            const float e = expf(sc[t * heads + i] - m); \
+            sc[t * heads + i] = e; \
+            l += e; \
+        } \
+        inv[i] = len > 0 ? 1.0f / l : 0.0f; \
+    } \
+    for (int64_t i = 0; i < heads * Dv; i++) o[i] = 0; \
+    for (int64_t p = start; p < n; p++) { \
+        const int64_t blk = tbl[p / w->bs], off = p % w->bs; \
+        const KT *vb = (const KT *)w->vc + blk * w->v_sb + off * w->v_st; \
+        const float *wp = sc + (p - start) * heads; \
+        for (int64_t h = h0; h < h1; h++) { \
+            const KT *vp = vb + h * w->v_sh; \
+            const float vscale = VSCALE(w, blk, off, h); \
+            for (int64_t g = 0; g < group; g++) { \
+                const int64_t i = (h - h0) * group + g; \
+                const float wt = wp[i] * vscale; \
+                float *oi = o + i * Dv; \
+                for (int64_t d = 0; d < Dv; d++) oi[d] += wt * vp[d]; \
+            } \
+        } \
+    } \
+    for (int64_t i = 0; i < heads; i++) \
+        for (int64_t d = 0; d < Dv; d++) o[i * Dv + d] *= inv[i]; \
+}
+
+/* Every row over `threads` OpenMP threads (the process's runtime, the one torch uses): a
+ * row is one piece of work while there are at least as many rows as threads, else its KV
+ * heads are cut into up to `threads / rows` (rounded up) parts so that few rows still use
+ * every thread; a dynamic schedule spreads rows of different lengths. Each thread has its
+ * own scratch. Every query head's sums run in one order however the work is cut: the same
+ * bits on one thread or many. Returns 0, or 1 if scratch memory could not be had (out is
+ * then incomplete). */
+#define ROWS_OF(NAME, PART) \
+static int NAME(const Work *w, int64_t threads) { \
+    const int64_t group = w->H / w->KVH; \
+    int64_t parts = w->rows >= threads ? 1 : (threads + w->rows - 1) / w->rows; \
+    if (parts > w->KVH) parts = w->KVH; \
+    const int64_t per = (w->KVH + parts - 1) / parts, items = w->rows * parts; \
     int64_t max_len = 0; \
     for (int64_t r = 0; r < w->rows; r++) \
         if (w->seq_lens[r] > max_len) max_len = w->seq_lens[r]; \
-    float *scratch = malloc(sizeof(float) * (size_t)(H + max_len * H)); \
-    if (scratch == NULL) return 1; \
-    float *inv = scratch;     /* [H]: running max, then 1 / sum */ \
-    float *sc = scratch + H;  /* [len][H]: scores, then weights */ \
-    for (int64_t r = 0; r < w->rows; r++) { \
-        const int64_t n = w->seq_lens[r]; \
-        const int64_t start = (w->window > 0 && n > w->window) ? n - w->window : 0; \
-        const int64_t len = n - start; \
-        const int32_t *tbl = w->tables + r * w->tbl_stride; \
-        const float *qr = w->q + r * H * D; \
-        float *o = w->out + r * H * Dv; \
-        for (int64_t i = 0; i < H; i++) inv[i] = -INFINITY; \
-        for (int64_t p = start; p < n; p++) { \
-            const int64_t blk = tbl[p / w->bs], off = p % w->bs; \
-            const KT *kb = (const KT *)w->kc + blk * w->k_sb + off * w->k_st; \
-            float *sp = sc + (p - start) * H; \
-            for (int64_t h = 0; h < w->KVH; h++) { \
-                const KT *kp = kb + h * w->k_sh; \
-                const float kscale = KSCALE(w, blk, off, h) * w->scale; \
-                for (int64_t g = 0; g < group; g++) { \
-                    const int64_t i = h * group + g; \
-                    const float s = DOT(qr + i * D, kp, D) * kscale; \
-                    sp[i] = s; \
-                    if (s > inv[i]) inv[i] = s; \
-                } \
-            } \
-        } \
-        for (int64_t i = 0; i < H; i++) { \
-            const float m = inv[i]; \
-            float l = 0; \
-            for (int64_t t = 0; t < len; t++) { \
-                const float e = expf(sc[t * H + i] - m); \
-                sc[t * H + i] = e; \
-                l += e; \
-            } \
-            inv[i] = len > 0 ? 1.0f / l : 0.0f; \
-        } \
-        for (int64_t i = 0; i < H * Dv; i++) o[i] = 0; \
-        for (int64_t p = start; p < n; p++) { \
-            const int64_t blk = tbl[p / w->bs], off = p % w->bs; \
-            const KT *vb = (const KT *)w->vc + blk * w->v_sb + off * w->v_st; \
-            const float *wp = sc + (p - start) * H; \
-            for (int64_t h = 0; h < w->KVH; h++) { \
-                const KT *vp = vb + h * w->v_sh; \
-                const float vscale = VSCALE(w, blk, off, h); \
-                for (int64_t g = 0; g < group; g++) { \
-                    const int64_t i = h * group + g; \
-                    const float wt = wp[i] * vscale; \
-                    float *oi = o + i * Dv; \
-                    for (int64_t d = 0; d < Dv; d++) oi[d] += wt * vp[d]; \
-                } \
-            } \
-        } \
-        for (int64_t i = 0; i < H; i++) \
-            for (int64_t d = 0; d < Dv; d++) o[i * Dv + d] *= inv[i]; \
+    if (threads <= 1) { /* no parallel region: a decode of a few short rows is a few microseconds */ \
+        float *scratch = malloc(sizeof(float) * (size_t)((1 + max_len) * w->H)); \
+        if (scratch == NULL) return 1; \
+        for (int64_t r = 0; r < w->rows; r++) PART(w, r, 0, w->KVH, scratch + w->H, scratch); \
+        free(scratch); \
+        return 0; \
     } \
-    free(scratch); \
-    return 0; \
+    int failed = 0; \
+    _Pragma("omp parallel num_threads(threads)") \
+    { \
+        float *scratch = malloc(sizeof(float) * (size_t)((1 + max_len) * per * group)); \
+        if (scratch == NULL) { \
+            _Pragma("omp atomic write") \
+            failed = 1; \
+        } \
+        _Pragma("omp for schedule(dynamic, 1)") \
+        for (int64_t j = 0; j < items; j++) { \
+            const int64_t r = j / parts, h0 = (j % parts) * per; \
+            const int64_t h1 = h0 + per < w->KVH ? h0 + per : w->KVH; \
+            if (scratch != NULL && h0 < h1) PART(w, r, h0, h1, scratch + per * group, scratch); \
+        } \
+        free(scratch); \
+    } \
+    return failed; \
 }
 
-ROWS_OF(rows_f32, float, dot)
-ROWS_OF(rows_i8, int8_t, dot_i8)
+PART_OF(part_f32, float, dot)
+PART_OF(part_i8, int8_t, dot_i8)
+ROWS_OF(rows_f32, part_f32)
+ROWS_OF(rows_i8, part_i8)
 
-/* Returns 0, or 1 if its scratch memory could not be had (out is then incomplete). */
+/* Returns 0, or 1 if scratch memory could not be had (out is then incomplete). */
 int inflight_paged_decode(const float *q, const float *kc, const float *vc, const int32_t *tables,
                           const int32_t *seq_lens, float *out, int64_t rows, int64_t tbl_stride, int64_t H,
                           int64_t KVH, int64_t D, int64_t Dv, int64_t bs, int64_t k_sb, int64_t k_st, int64_t k_sh,
-                          int64_t v_sb, int64_t v_st, int64_t v_sh, float scale, int64_t window) {
+                          int64_t v_sb, int64_t v_st, int64_t v_sh, float scale, int64_t window, int64_t threads) {
     const Work w = {q, kc, vc, NULL, NULL, tables, seq_lens, out, rows, tbl_stride, H, KVH, D, Dv, bs,
                     k_sb, k_st, k_sh, v_sb, v_st, v_sh, scale, window};
-    return rows_f32(&w);
+    return rows_f32(&w, threads);
 }
 
 /* The same over int8 caches with their scales (contiguous [num_blocks, block_size, KVH]). */
@@ -138,8 +175,8 @@ int inflight_paged_decode_int8(const float *q, const int8_t *kc, const int8_t *v
                                const int32_t *tables, const int32_t *seq_lens, float *out, int64_t rows,
                                int64_t tbl_stride, int64_t H, int64_t KVH, int64_t D, int64_t Dv, int64_t bs,
                                int64_t k_sb, int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh,
-                               float scale, int64_t window) {
+                               float scale, int64_t window, int64_t threads) {
     const Work w = {q, kc, vc, ks, vs, tables, seq_lens, out, rows, tbl_stride, H, KVH, D, Dv, bs,
                     k_sb, k_st, k_sh, v_sb, v_st, v_sh, scale, window};
-    return rows_i8(&w);
+    return rows_i8(&w, threads);
 }
