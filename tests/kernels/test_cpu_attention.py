@@ -142,6 +142,9 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_several(group):
             out = torch.full((nd, NUM_KV_HEADS * group, 32), float("nan"))
             assert cpu_attn.paged_decode(q, *cpu.kv_caches[0], md.block_tables, md.seq_lens, 0.2, None, out)
             outs.append(out)
+            empty = torch.empty(0, NUM_KV_HEADS * group, 32)  # no rows: nothing to split, nothing written
+            assert cpu_attn.paged_decode(q[:0], *cpu.kv_caches[0], md.block_tables[:0], md.seq_lens[:0], 0.2, None,
+                                         empty)
     finally:
         torch.set_num_threads(before)
     assert not outs[0].isnan().any()

@@ -122,6 +122,7 @@ static void NAME(const Work *w, int64_t r, int64_t h0, int64_t h1, float *sc, fl
  * then incomplete). */
 #define ROWS_OF(NAME, PART) \
 static int NAME(const Work *w, int64_t threads) { \
+    if (w->rows <= 0) return 0; \
     const int64_t group = w->H / w->KVH; \
     int64_t parts = w->rows >= threads ? 1 : (threads + w->rows - 1) / w->rows; \
     if (parts > w->KVH) parts = w->KVH; \
