@@ -123,8 +123,8 @@ def test_layers_the_kernel_does_not_cover_take_the_reference_path():
         assert torch.equal(cpu_attn.paged_attention(q, k, v, *cpu.kv_caches[0], md_cpu, params), expect)
 
 
-@pytest.mark.parametrize("group", [1, 4])
-def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_several(group):
+@pytest.mark.parametrize(("group", "rows"), [(1, 4), (4, 4), (3, 1), (1, 2)])
+def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_several(group, rows):
     """Its (row, KV head) pairs are spread over torch's threads; each pair's sums run in
     one order, so the thread count changes no bit (an engine's threads change as engines
     come and go)."""
@@ -132,15 +132,16 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_several(group):
     torch.manual_seed(10 + group)
     sched = make_batch(rng, 16)
     _, cpu, _, md = filled_runners(32, 16, sched)
-    nd = sched.num_decodes
+    nd = min(rows, sched.num_decodes)  # fewer rows than threads: a row's KV heads are split among them
     q = torch.randn(nd, NUM_KV_HEADS * group, 32)
     outs = []
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2, 3):  # 3: more threads than this box may have cores, still exact
+        for threads in (1, 2, 3, 5):  # more threads than rows, KV heads, and this box's cores: still exact
             torch.set_num_threads(threads)
             out = torch.full((nd, NUM_KV_HEADS * group, 32), float("nan"))
-            assert cpu_attn.paged_decode(q, *cpu.kv_caches[0], md.block_tables, md.seq_lens, 0.2, None, out)
+            assert cpu_attn.paged_decode(q, *cpu.kv_caches[0], md.block_tables[:nd], md.seq_lens[:nd], 0.2, None,
+                                         out)
             outs.append(out)
             empty = torch.empty(0, NUM_KV_HEADS * group, 32)  # no rows: nothing to split, nothing written
             assert cpu_attn.paged_decode(q[:0], *cpu.kv_caches[0], md.block_tables[:0], md.seq_lens[:0], 0.2, None,
@@ -149,6 +150,22 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_several(group):
         torch.set_num_threads(before)
     assert not outs[0].isnan().any()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+    torch.testing.assert_close(outs[0], dense_decode(q, *cpu.kv_caches[0], md.block_tables, md.seq_lens, 0.2),
+                               atol=2e-5, rtol=2e-5)
+
+
+def dense_decode(q, k_cache, v_cache, tables, lens, scale):
+    """Each row's attention over its context gathered through its block table, in float64."""
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = []
+    for r in range(q.shape[0]):
+        n = int(lens[r])
+        blocks = tables[r, : (n + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, k_cache.shape[-1])[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
+        v = v_cache[blocks].reshape(-1, kv_heads, v_cache.shape[-1])[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
+        weights = (torch.einsum("hd,nhd->hn", q[r].double(), k.double()) * scale).softmax(-1)
+        out.append(torch.einsum("hn,nhd->hd", weights, v.double()).float())
+    return torch.stack(out)
 
 
 def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):

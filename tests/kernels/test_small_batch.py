@@ -69,6 +69,7 @@ def test_leading_dims_strided_rows_and_what_the_kernel_does_not_take():
     kernel_planned = [getattr(m.weight, "inflight_plan", ()) for m in odd]
     assert [small_batch.KERNEL in p for p in kernel_planned] == [False, False, False]
     assert type(odd[1]) is torch.nn.Linear  # float64: left alone
+    assert type(odd[0]) is torch.nn.Linear  # 36 inputs are no whole vectors: the fixed rule leaves the layer
 
 
 def test_the_avx2_tiles_equal_f_linear():
@@ -91,7 +92,7 @@ def test_one_thread_and_two_give_the_same_bits():
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            outs.append(op(x, w, None))
+            outs.append(op(x, planned(w), None))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(*outs)
@@ -281,3 +282,21 @@ def test_the_setting_names_its_field_and_values_and_matches_the_policies():
     with pytest.raises(ConfigError, match=r"model.cpu_linear must be one of \['auto', 'inflight', 'torch'\], got 'mkl'"):
         ModelConfig(cpu_linear="mkl")
     assert ModelConfig().cpu_linear == "auto"
+
+
+def test_layers_sharing_a_weight_each_multiply_by_their_own_bias():
+    """A plan rides on the weight, so layers sharing one share it (the last installed
+    decides); the kernel takes a bias only as it can read it, whichever layer planned."""
+    torch.manual_seed(11)
+    strided = torch.nn.Linear(64, 48)
+    strided.bias = torch.nn.Parameter(torch.randn(96)[::2])  # not contiguous: the kernel cannot read it
+    plain = torch.nn.Linear(64, 48, bias=False)
+    plain.weight = strided.weight
+    model = torch.nn.Sequential(strided, plain)
+    x = torch.randn(1, 64)
+    want = [reference(x, strided.weight, strided.bias), reference(x, plain.weight, None)]
+    for policy in ("inflight", "auto"):
+        small_batch.install(model, plain_copy_bytes=1 << 30, policy=policy)
+        plain.weight.inflight_plan = KERNEL_PLAN  # as `plain`'s own plan would be, installed last
+        for layer, y in zip(model, want):
+            assert close(layer(x), y), policy

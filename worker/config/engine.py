@@ -361,7 +361,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (vLLM's V1 `EngineCore` in vLLM's own interpreter, `worker.engine.vllm_core`;
             needs `worker.engine_process`; what each engine offers: docs/engines.md).
             With `vllm`, `device`, `attention_backend`, `load_check`, `compile`,
-            `precompile` and `cuda_graphs` are vLLM's business (`vllm_args`), `dtype: auto` is vLLM's
+            `precompile`, `cpu_linear` and `cuda_graphs` are vLLM's business (`vllm_args`), `dtype: auto` is vLLM's
             `auto`, and `lora_dir` turns on vLLM's LoRA (`max_loras` adapters cached,
             `serving_tuning.max_loras_per_batch` in one batch).
         vllm_python: the interpreter of an environment with vLLM installed (e.g.

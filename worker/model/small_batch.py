@@ -103,7 +103,9 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     plan = getattr(weight, "inflight_plan", None)
     how = plan[min((rows - 1).bit_length(), LAST_BUCKET)] if plan is not None and rows else TORCH
     if (how == KERNEL and x.dtype == torch.float32 and x.is_cpu and weight.shape[1] == k
-            and (bias is None or bias.shape[0] == weight.shape[0])):  # the rest of the weight's side: `install`
+            and (bias is None or (bias.shape[0] == weight.shape[0] and bias.is_contiguous()))):
+        # the weight's side was checked by `install`; a bias is checked here, since layers
+        # sharing one weight share its plan but not their biases
         y = torch.empty(x.shape[:-1] + weight.shape[:1], dtype=torch.float32)  # no views: ~1 us each a call
         status = cpu_woq.float_linear(x if x.is_contiguous() else x.contiguous(), weight, bias, y)
         if status != 0:
@@ -168,6 +170,8 @@ def install(model: torch.nn.Module, plain_copy_bytes: int | None = None, policy:
         large = m.weight.numel() * m.weight.element_size() > limit
         if large and getattr(m, "inflight_reads_weight", False):
             continue  # a large weight that must stay plain stays an `nn.Linear` (module docstring)
+        if policy == "inflight" and not (width and m.in_features % width == 0):
+            continue  # the fixed rule took only layers the kernel's vectors fit (oneDNN above them)
         kernel = not large and bool(width) and _kernel_takes(m, width)
         key = (m.out_features, m.in_features, m.bias is not None, large, kernel)
         if key not in plans:
@@ -206,8 +210,9 @@ def _kernel_takes(m: torch.nn.Linear, width: int) -> bool:
 
 
 def _fixed_plan(large: bool, kernel: bool, packable: bool) -> tuple[int, ...] | None:
-    """The `inflight` rule: the kernel up to `PACKED_KERNEL_ROWS` rows (one torch
-    thread, a packed copy beside) or `MAX_ROWS`, oneDNN above; a large weight oneDNN's."""
+    """The `inflight` rule, for layers whose input width is a whole number of the kernel's
+    vectors: the kernel up to `PACKED_KERNEL_ROWS` rows (one torch thread, a packed copy
+    beside) or `MAX_ROWS`, oneDNN above; a large weight oneDNN's."""
     if large:
         return (PACKED,) * len(PROBE_ROWS) if packable else None
     kernel_rows = PACKED_KERNEL_ROWS if packable and torch.get_num_threads() == 1 else MAX_ROWS

@@ -17,7 +17,7 @@ soft-capping, sinks or ALiBi, caches neither fp32 nor int8 (`kv_int8.py`, read w
 scales) and prefill chunks take the reference path.
 
 The kernel is compiled at first use by `cbuild` (the machine's C compiler, `-O3
--march=native -fopenmp`, cached by a hash of the source, compiler and CPU) and loaded with ctypes
+-march=native -fopenmp`, without `-fopenmp` where the compiler has no OpenMP, cached by a hash of the source, compiler and CPU) and loaded with ctypes
 (the call releases the GIL). `available()` says whether it could be built;
 `get_backend("auto", "cpu")` uses this back end then and the reference otherwise (the
 reason is logged once).
@@ -51,10 +51,14 @@ write_kv = torch_ref.write_kv
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
-    """The loaded kernel library, or why it could not be built (a string)."""
+    """The loaded kernel library, or why it could not be built (a string). A compiler
+    without OpenMP builds it without (its pragmas ignored: one thread whatever torch has)."""
     lib = cbuild.build(SOURCE, ("-fopenmp",))
     if isinstance(lib, str):
-        return lib
+        lib = cbuild.build(SOURCE)
+        if isinstance(lib, str):
+            return lib
+        log.warning("the CPU decode kernel was built without OpenMP: it runs on one thread")
     fn = lib.inflight_paged_decode
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 6 + [i64] * 13 + [ctypes.c_float, i64, i64]
