@@ -183,3 +183,35 @@ def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch, tmp_pa
         finally:
             cpu_attn._library.cache_clear()
     assert get_backend("auto", "cpu") is cpu_attn  # the real compiler's build again
+
+
+def test_a_compiler_without_openmp_builds_the_kernel_for_one_thread(monkeypatch, caplog):
+    real = cpu_attn.cbuild.build
+
+    def no_openmp(source, extra_flags=()):
+        return "cc: unsupported option '-fopenmp'" if "-fopenmp" in extra_flags else real(source, extra_flags)
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_attn.cbuild, "build", no_openmp)
+        cpu_attn._library.cache_clear()
+        try:
+            with caplog.at_level(logging.WARNING):
+                assert cpu_attn.available()
+            assert "built without OpenMP" in caplog.text
+            rng = random.Random(12)
+            sched = make_batch(rng, 16)
+            _, cpu, _, md = filled_runners(32, 16, sched)
+            q = torch.randn(sched.num_decodes, NUM_KV_HEADS * 2, 32)
+            out = torch.empty_like(q)
+            before = torch.get_num_threads()
+            torch.set_num_threads(2)  # the pragmas ignored: one thread, the same answer
+            try:
+                assert cpu_attn.paged_decode(q, *cpu.kv_caches[0], md.block_tables[: len(q)], md.seq_lens[: len(q)],
+                                             0.2, None, out)
+            finally:
+                torch.set_num_threads(before)
+            torch.testing.assert_close(out, dense_decode(q, *cpu.kv_caches[0], md.block_tables, md.seq_lens, 0.2),
+                                       atol=2e-5, rtol=2e-5)
+        finally:
+            cpu_attn._library.cache_clear()
+    assert cpu_attn.available()
