@@ -107,6 +107,32 @@ def write_report(report: dict, out_dir: str | Path, name: str) -> Path:
     return out
 
 
+def step_bench_args(p, running: list[int], rounds: int) -> None:
+    """The flags of a benchmark whose engines take turns on one decode step
+    (`decode_step`, `interleaved_ms`): --model (the CPU benchmark model by default, made if
+    missing), --running (`running` by default), --threads, --rounds (`rounds`),
+    --iterations, --out."""
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (the CPU benchmark model is made "
+                                                               "if missing)")
+    p.add_argument("--running", type=int, nargs="+", default=running)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--rounds", type=int, default=rounds, help="turns each step takes")
+    p.add_argument("--iterations", type=int, default=10, help="steps timed per turn")
+    p.add_argument("--out", default="results")
+
+
+def step_bench_start(a) -> tuple[Path, dict]:
+    """Apply `step_bench_args`' --threads, make the model if missing, print the thread
+    count; the checkpoint and the result file's header (machine, model, rounds, steps per
+    round, torch threads)."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    path = ensure_model(Path(a.model))
+    print(f"torch threads: {torch.get_num_threads()}")
+    return path, {"machine": machine(), "model": str(path), "rounds": a.rounds, "iterations_per_round": a.iterations,
+                  "torch_threads": torch.get_num_threads()}
+
+
 def decode_step(path: Path, running: int, context: int | None = None,
                 **model) -> tuple[Callable[[], object], list[int], str]:
     """An engine's decode step at `running` requests (contexts of 64-192 tokens, or of

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 from tools.bench.harness import (
-    DEFAULT_MODEL,
     decode_step,
-    ensure_model,
     interleaved_ms,
-    machine,
+    step_bench_args,
+    step_bench_start,
     write_report,
 )
 
@@ -33,22 +31,10 @@ POLICIES = ("torch", "inflight", "auto")  # `model.cpu_linear`, the engines in t
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint dir (the CPU benchmark model is made "
-                                                               "if missing)")
-    p.add_argument("--running", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--rounds", type=int, default=15, help="turns each step takes")
-    p.add_argument("--iterations", type=int, default=10, help="steps timed per turn")
-    p.add_argument("--out", default="results")
+    step_bench_args(p, running=[1, 2, 4, 8, 16, 32], rounds=15)
     a = p.parse_args(argv)
-    import torch
-
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    path = ensure_model(Path(a.model))
-    report: dict = {"machine": machine(), "model": str(path), "rounds": a.rounds, "iterations_per_round": a.iterations,
-                    "torch_threads": torch.get_num_threads(), "by_running": {}}
-    print(f"torch threads: {torch.get_num_threads()}")
+    path, report = step_bench_start(a)
+    report["by_running"] = {}
     print(f"{'running':>8}{'torch ms':>10}{'inflight ms':>13}{'auto ms':>9}{'auto/torch':>12}{'auto/inflight':>15}"
           f"{'inflight/torch':>16}  greedy ids")
     for running in a.running:
