@@ -174,10 +174,11 @@ def install(model: torch.nn.Module, plain_copy_bytes: int | None = None, policy:
             continue  # the fixed rule took only layers the kernel's vectors fit (oneDNN above them)
         kernel = not large and bool(width) and _kernel_takes(m, width)
         key = (m.out_features, m.in_features, m.bias is not None, large, kernel)
-        if key not in plans:
-            plans[key] = (_fixed_plan(large, kernel, packable) if policy == "inflight"
-                          else _timed_plan(m, large, kernel, packable))
-        if plans[key] is not None and _apply(m, plans[key], large):
+        packed = None
+        if key not in plans:  # the timed layer's packed copy serves it: its weight is packed once
+            plans[key], packed = ((_fixed_plan(large, kernel, packable), None) if policy == "inflight"
+                                  else _timed_plan(m, large, kernel, packable))
+        if plans[key] is not None and _apply(m, plans[key], large, packed):
             n += 1
     if n or policy == "auto":
         shapes = "; ".join(f"{out}x{k}: {describe(p)}" for (out, k, *_), p in plans.items())
@@ -220,11 +221,13 @@ def _fixed_plan(large: bool, kernel: bool, packable: bool) -> tuple[int, ...] | 
     return plan if any(plan) else None
 
 
-def _timed_plan(m: torch.nn.Linear, large: bool, kernel: bool, packable: bool) -> tuple[int, ...] | None:
+def _timed_plan(m: torch.nn.Linear, large: bool, kernel: bool,
+                packable: bool) -> tuple[tuple[int, ...] | None, torch.Tensor | None]:
     """The `auto` rule: time torch's GEMM, the kernel and oneDNN on `m`'s weight at each
     of `PROBE_ROWS` (rounds in turn, the fastest of each kept) and plan the fastest where
     it beats torch's by `MIN_GAIN`; a large weight goes packed only where oneDNN wins over
-    the probes together. None: torch's GEMM throughout."""
+    the probes together. The plan (None: torch's GEMM throughout) and `m`'s weight as
+    packed for the timing (None where it could not be)."""
     w, b = m.weight.detach(), None if m.bias is None else m.bias.detach()
     packed = _reorder(w) if packable else None
     probes = {TORCH: w}
@@ -234,7 +237,7 @@ def _timed_plan(m: torch.nn.Linear, large: bool, kernel: bool, packable: bool) -
             probes[how].inflight_plan = (how,) * len(PROBE_ROWS)
             probes[how].inflight_packed = packed
     if len(probes) == 1:
-        return None
+        return None, packed
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(r, m.in_features, generator=g) for r in PROBE_ROWS]
     cells = [(how, i) for i, r in enumerate(PROBE_ROWS) for how in probes if how != KERNEL or r <= MAX_ROWS]
@@ -254,7 +257,7 @@ def _timed_plan(m: torch.nn.Linear, large: bool, kernel: bool, packable: bool) -
                     best[how, i] = min(best[how, i], time.perf_counter() - t)
             spent += (time.perf_counter() - t_round) if rounds >= 0 else 0.0
             rounds += 1
-    return _choose(best, large)
+    return _choose(best, large), packed
 
 
 def _choose(best: dict[tuple[int, int], float], large: bool) -> tuple[int, ...] | None:
@@ -285,11 +288,12 @@ def _reorder(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _apply(m: torch.nn.Linear, plan: tuple[int, ...], large: bool) -> bool:
+def _apply(m: torch.nn.Linear, plan: tuple[int, ...], large: bool, packed: torch.Tensor | None = None) -> bool:
     """Make `m` a `SmallBatchLinear` with `plan`, its weight packed where the plan uses
-    oneDNN (held packed only when `large`). False, `m` left alone, where oneDNN refuses a
-    weight the plan cannot do without."""
-    packed = _reorder(m.weight) if PACKED in plan else None
+    oneDNN (`packed` when given: its weight packed already; held packed only when
+    `large`). False, `m` left alone, where oneDNN refuses a weight the plan cannot do
+    without."""
+    packed = (packed if packed is not None else _reorder(m.weight)) if PACKED in plan else None
     if PACKED in plan and packed is None:
         if large:
             return False
