@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from tests.kernels.test_triton_attention import NUM_KV_HEADS, make_batch, runner
+from tests.kernels.test_triton_attention import NUM_KV_HEADS, dense_attention, make_batch, runner
 from worker.model.kernels import cpu_attn, get_backend, torch_ref
 from worker.model.kernels.params import AttentionParams
 
@@ -125,15 +125,16 @@ def test_layers_the_kernel_does_not_cover_take_the_reference_path():
 
 @pytest.mark.parametrize(("group", "rows"), [(1, 4), (4, 4), (3, 1), (1, 2)])
 def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_several(group, rows):
-    """Its (row, KV head) pairs are spread over torch's threads; each pair's sums run in
-    one order, so the thread count changes no bit (an engine's threads change as engines
-    come and go)."""
+    """Its rows (with fewer rows than threads, parts of a row's KV heads) are spread over
+    torch's threads; each head's sums run in one order, so the thread count changes no
+    bit (an engine's threads change as engines come and go)."""
     rng = random.Random(10 + group)
     torch.manual_seed(10 + group)
     sched = make_batch(rng, 16)
     _, cpu, _, md = filled_runners(32, 16, sched)
     nd = min(rows, sched.num_decodes)  # fewer rows than threads: a row's KV heads are split among them
-    q = torch.randn(nd, NUM_KV_HEADS * group, 32)
+    q_all = torch.randn(sched.num_scheduled_tokens, NUM_KV_HEADS * group, 32)
+    q = q_all[:nd]
     outs = []
     before = torch.get_num_threads()
     try:
@@ -150,22 +151,9 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_several(group, rows
         torch.set_num_threads(before)
     assert not outs[0].isnan().any()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    torch.testing.assert_close(outs[0], dense_decode(q, *cpu.kv_caches[0], md.block_tables, md.seq_lens, 0.2),
-                               atol=2e-5, rtol=2e-5)
+    want = dense_attention(q_all, *cpu.kv_caches[0], sched, md, AttentionParams(scale=0.2))[:nd].float()
+    torch.testing.assert_close(outs[0], want, atol=2e-5, rtol=2e-5)
 
-
-def dense_decode(q, k_cache, v_cache, tables, lens, scale):
-    """Each row's attention over its context gathered through its block table, in float64."""
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = []
-    for r in range(q.shape[0]):
-        n = int(lens[r])
-        blocks = tables[r, : (n + block_size - 1) // block_size].long()
-        k = k_cache[blocks].reshape(-1, kv_heads, k_cache.shape[-1])[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
-        v = v_cache[blocks].reshape(-1, kv_heads, v_cache.shape[-1])[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
-        weights = (torch.einsum("hd,nhd->hn", q[r].double(), k.double()) * scale).softmax(-1)
-        out.append(torch.einsum("hn,nhd->hd", weights, v.double()).float())
-    return torch.stack(out)
 
 
 def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):
@@ -201,7 +189,8 @@ def test_a_compiler_without_openmp_builds_the_kernel_for_one_thread(monkeypatch,
             rng = random.Random(12)
             sched = make_batch(rng, 16)
             _, cpu, _, md = filled_runners(32, 16, sched)
-            q = torch.randn(sched.num_decodes, NUM_KV_HEADS * 2, 32)
+            q_all = torch.randn(sched.num_scheduled_tokens, NUM_KV_HEADS * 2, 32)
+            q = q_all[: sched.num_decodes]
             out = torch.empty_like(q)
             before = torch.get_num_threads()
             torch.set_num_threads(2)  # the pragmas ignored: one thread, the same answer
@@ -210,8 +199,8 @@ def test_a_compiler_without_openmp_builds_the_kernel_for_one_thread(monkeypatch,
                                              0.2, None, out)
             finally:
                 torch.set_num_threads(before)
-            torch.testing.assert_close(out, dense_decode(q, *cpu.kv_caches[0], md.block_tables, md.seq_lens, 0.2),
-                                       atol=2e-5, rtol=2e-5)
+            want = dense_attention(q_all, *cpu.kv_caches[0], sched, md, AttentionParams(scale=0.2))[: len(q)]
+            torch.testing.assert_close(out, want.float(), atol=2e-5, rtol=2e-5)
         finally:
             cpu_attn._library.cache_clear()
     assert cpu_attn.available()
