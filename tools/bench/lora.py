@@ -11,6 +11,9 @@ Modes, each its own engine decoding batches of `--batch` requests (`--prompt` to
   lora, none    a LoRA engine, every request on the base model (the hooks' cost alone)
   lora, 1       a LoRA engine, every request on one adapter
   lora, 8 mixed a LoRA engine, the requests spread uniformly over `--adapters` adapters
+  lora, 8 mixed, Python op   (with `--python-op`) the same through the operator
+                written in Python (`inflight::lora_delta`) instead of the C++ one
+                (`kernels.native`): the C++ operator's gain in the same run
 
 The engines take turns, `--chunk` steps each, for `--rounds` rounds: every mode is
 measured within the same second as the others, so a box whose speed drifts (another
@@ -33,6 +36,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from tools.make_lora import make_adapter
     from worker.config import EngineConfig, ModelConfig, ServingTuning
     from worker.engine import Engine
+    from worker.model.kernels import native
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -55,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=40, help="turns of every engine (each --chunk steps)")
     p.add_argument("--chunk", type=int, default=9, help="steps per turn (the first not timed; a number prime to a "
                                                       "batch's steps, so that its prefill falls at any step of a turn)")
+    p.add_argument("--python-op", action="store_true",
+                   help="add a mode: the mixed adapters through the Python operator instead of the C++ one")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
     a.command_line = "python -m tools.bench.lora " + " ".join(argv or [])
@@ -66,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             make_adapter(model, lora_dir / n, a.rank, seed=i + 1, std=0.05)
     dtype = str(torch_dtype(a.device)).removeprefix("torch.")
 
-    def engine(lora: bool) -> Engine:
+    def engine(lora: bool, python_op: bool = False) -> Engine:
+        if python_op:  # the LoRA weights decide their operator when they are made: off for this engine
+            with mock.patch.object(native, "available", lambda: False):
+                return engine(lora)
         return Engine.from_pretrained(str(model), EngineConfig(
             model=ModelConfig(dtype=dtype, device=a.device, lora_dir=str(lora_dir) if lora else None,
                               max_loras=a.adapters, max_lora_rank=a.rank),
@@ -97,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     lora = {"none": engine(True), "1": engine(True), "mixed": engine(True)}
     modes = {"base": (engine(False), [None]), "base, again": (engine(False), [None]), "lora, none": (lora["none"], [None]),
              "lora, 1": (lora["1"], names[:1]), f"lora, {a.adapters} mixed": (lora["mixed"], names)}
+    if a.python_op:
+        modes[f"lora, {a.adapters} mixed, Python op"] = (engine(True, python_op=True), names)
     for eng, ads in modes.values():  # warm-up: every adapter loaded, kernels built, a batch through
         add_batch(eng, ads)
         while eng.has_unfinished():
@@ -119,11 +131,17 @@ def main(argv: list[str] | None = None) -> int:
               "adapter": {"load_s_median": statistics.median(load_s), "load_s": load_s,
                           "params": mixed.scheduler.loras.resident[names[0]].num_params,
                           "slot_bytes": weights.nbytes // weights.max_loras}}
+    if a.python_op:  # the C++ operator against the Python one, paired by round
+        mixed_mode = f"lora, {a.adapters} mixed"
+        report["cxx_vs_python_op"] = statistics.median(tps[mixed_mode][i] / tps[f"{mixed_mode}, Python op"][i]
+                                                       for i in rounds)
     print(f"{len(rounds)} rounds of {a.chunk} steps per engine; tokens/s median of the rounds, vs base median of "
           "the rounds' ratios")
-    print(f"{'mode':<18}{'output tok/s':>14}{'vs base':>10}")
+    print(f"{'mode':<32}{'output tok/s':>14}{'vs base':>10}")
     for m, v in report["tokens_per_s"].items():
-        print(f"{m:<18}{v:>14.1f}{report['vs_base'][m]:>10.2f}")
+        print(f"{m:<32}{v:>14.1f}{report['vs_base'][m]:>10.2f}")
+    if a.python_op:
+        print(f"mixed adapters, C++ operator vs Python operator (paired): {report['cxx_vs_python_op']:.3f}x")
     ad = report["adapter"]
     print(f"adapter load (disk -> host, median of {len(load_s)}): {ad['load_s_median'] * 1e3:.1f} ms; "
           f"{ad['params']} parameters; a slot holds {ad['slot_bytes'] / 2**20:.2f} MiB on the device")

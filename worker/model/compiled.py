@@ -135,7 +135,8 @@ def artifact_key(model: torch.nn.Module) -> str:
     """What a captured forward depends on, hashed (hex): the model's class and config, the
     name, shape, dtype, stride and device type of every parameter and buffer, the class of
     every module (`worker.model.small_batch` changes some), the forward hooks on its
-    modules (LoRA's, `worker.model.lora`: they add ops to the graph), the source of its
+    modules and the operator each adds to the graph where it says (its `graph_key`: LoRA's,
+    `worker.model.lora`, add the C++ operator or the Python one), the source of its
     modeling module and of this package's modules (what the trace runs through), and the
     versions of Python, torch and transformers. Weights' values are inputs of the
     artifact, not part of it: a checkpoint with other weights of the same shapes shares it."""
@@ -153,7 +154,8 @@ def artifact_key(model: torch.nn.Module) -> str:
     for name, m in model.named_modules():
         h.update(f"module:{name}:{type(m).__qualname__}\0".encode())  # e.g. `small_batch.SmallBatchLinear`
         for hook in m._forward_hooks.values():
-            h.update(f"hook:{name}:{getattr(hook, '__qualname__', type(hook).__qualname__)}\0".encode())
+            qualname = getattr(hook, "__qualname__", type(hook).__qualname__)
+            h.update(f"hook:{name}:{qualname}:{getattr(hook, 'graph_key', '')}\0".encode())
     sources = [inspect.getsourcefile(type(model)), *sorted(str(p) for p in Path(__file__).parent.glob("*.py"))]
     for src in sources:
         if src:

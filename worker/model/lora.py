@@ -39,7 +39,7 @@ import torch
 from worker.engine.adapters import WEIGHTS_FILE, AdapterSpec
 from worker.model.attention import traced
 from worker.model.capability import decoder_projections
-from worker.model.kernels import cpu_lora
+from worker.model.kernels import cpu_lora, native
 from worker.model.quant_linear import Fp8Linear, QuantLinear
 from worker.model.small_batch import SmallBatchLinear
 
@@ -143,12 +143,30 @@ def build_step(token_slots: list[int], device: torch.device, max_loras: int | No
 
 @contextlib.contextmanager
 def lora_step(step: LoRAStep | None) -> Iterator[None]:
-    """Make `step` the current forward's adapter grouping (read by the hooks)."""
+    """Make `step` the current forward's adapter grouping (read by the hooks and the
+    operators; in the C++ operator's binding for this thread too, once that is loaded)."""
     token = _STEP.set(step)
+    _bind_native(step)
     try:
         yield
     finally:
         _STEP.reset(token)
+        _bind_native(_STEP.get())
+
+
+def _bind_native(step: LoRAStep | None) -> None:
+    """The C++ operator's binding for this thread made `step`'s (`native.py`): its kernel
+    where its weights take the operator (`LoRAWeights.native`), the torch
+    path where it has no kernel, nothing when there is no step. Nothing else to do while
+    the operators are not loaded: no binding exists."""
+    if step is not None and step.kernel is not None and step.weights is not None and step.weights.native:
+        step.kernel.bind_native()
+    elif not native.LOADED:
+        return
+    elif step is None:
+        torch.ops.inflight_native.lora_unbind()
+    else:
+        torch.ops.inflight_native.lora_bind_torch()
 
 
 def add_lora_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step: LoRAStep,
@@ -239,7 +257,10 @@ def _(x, y, projection):
 class LoRAWeights:
     """The slots' device buffers for every LoRA-capable projection, and which load each
     slot holds. Written only by the runner's forward thread (`fill`), between forwards.
-    The hooks are installed with the buffers and stay (module docstring).
+    The hooks are installed with the buffers and stay (module docstring). `native`: the
+    deltas go through the C++ operator (`kernels.native`: the CPU kernel serves these
+    buffers and the operators are built and loaded), decided here, before any forward is
+    traced, since a compiled graph keeps the operator it was traced with.
 
     Args:
         modules: `lora_modules(model)`.
@@ -257,10 +278,11 @@ class LoRAWeights:
                   for n, m in modules.items()}
         self.load_ids = [0] * max_loras  # the load each slot holds (0: none)
         self.by_index = [(self.a[n], self.b[n]) for n in modules]  # the op's projection index -> (a, b)
-        self._cpu_args: tuple[int, list[tuple[int, int, int, int, int]]] | bool | None = None
+        self._cpu_args: cpu_lora.WeightArgs | bool | None = None
+        self.native = self.cpu_kernel_args() is not None and native.available()
         self._hooks = [m.register_forward_hook(self._hook(i, n)) for i, (n, m) in enumerate(modules.items())]
 
-    def cpu_kernel_args(self) -> tuple[int, list[tuple[int, int, int, int, int]]] | None:
+    def cpu_kernel_args(self) -> cpu_lora.WeightArgs | None:
         """The buffers as the CPU kernel's arguments (`kernels.cpu_lora.weight_args`),
         built at the first call: the buffers never move. None where the kernel does not
         serve them (another device or dtype, a rank over its limit, the library not built)."""
@@ -304,16 +326,20 @@ class LoRAWeights:
         def add_delta(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
             x = args[0]
             if traced():  # the compiled graph's opaque op, whatever the step holds
-                torch.ops.inflight.lora_delta(x.view(-1, x.shape[-1]), out.view(-1, out.shape[-1]), index)
+                op = torch.ops.inflight_native.lora_delta if self.native else torch.ops.inflight.lora_delta
+                op(x.view(-1, x.shape[-1]), out.view(-1, out.shape[-1]), index)
                 return out
             step = _STEP.get()
             if step is None:
                 return None
             x2, y2 = x.view(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-            if step.kernel is None or not step.kernel(x2, y2, index):
+            if step.kernel is not None and self.native:
+                torch.ops.inflight_native.lora_delta(x2, y2, index)
+            elif step.kernel is None or not step.kernel(x2, y2, index):
                 add_lora_delta(x2, y2, a, b, step)
             return out
 
+        add_delta.graph_key = "native" if self.native else "python"  # the operator a trace keeps (artifact_key)
         return add_delta
 
 

@@ -16,10 +16,11 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from worker.model.kernels import cbuild
+from worker.model.kernels import cbuild, native
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,12 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | str:
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on the first call)."""
     return not isinstance(_library(), str)
+
+
+@functools.cache
+def _address() -> int:
+    """The kernel function's address, for the C++ operator (`native.py`) to call it."""
+    return ctypes.cast(_library().inflight_lora_sgmv, ctypes.c_void_p).value
 
 
 def takes(x: torch.Tensor, a: torch.Tensor) -> bool:
@@ -103,9 +110,16 @@ class Segments:
         self.pointers = (order.data_ptr(), seg_start.data_ptr(), seg_slot.data_ptr(), g)
 
 
-def weight_args(weights: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, list[tuple[int, int, int, int, int]]]:
-    """Every projection's weight buffers as the kernel's arguments, checked once: the slots
-    they hold, and per projection (in, out, a's address, b's address, rank).
+class WeightArgs(NamedTuple):
+    """Every projection's weight buffers as the kernel's arguments (`weight_args`)."""
+
+    loras: int  # the slots the buffers hold
+    args: list[tuple[int, int, int, int, int]]  # per projection: in, out, a's address, b's address, rank
+    table: torch.Tensor  # the same `[projections, 5]` int64, as the C++ operator reads them
+
+
+def weight_args(weights: list[tuple[torch.Tensor, torch.Tensor]]) -> WeightArgs:
+    """Every projection's weight buffers as the kernel's arguments, checked once.
 
     Args:
         weights: projection index -> (a `[max_loras, in, r]`, b `[max_loras, r, out]`),
@@ -123,7 +137,7 @@ def weight_args(weights: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, 
                 or not 1 <= r <= MAX_RANK or (args and loras != weights[0][0].shape[0])):
             raise ValueError(f"weight_args: a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}")
         args.append((d_in, b.shape[2], a.data_ptr(), b.data_ptr(), r))
-    return loras, args
+    return WeightArgs(loras, args, torch.tensor(args, dtype=torch.int64).view(-1, 5))
 
 
 class BoundKernel:
@@ -142,18 +156,33 @@ class BoundKernel:
         ValueError: the buffers hold fewer slots than the grouping names.
     """
 
-    def __init__(self, segments: Segments, weights: tuple[int, list[tuple[int, int, int, int, int]]]) -> None:
+    def __init__(self, segments: Segments, weights: WeightArgs) -> None:
         lib = _library()
         if isinstance(lib, str):
             raise RuntimeError(f"inflight_lora_sgmv: the kernel is unavailable ({lib})")
-        loras, self._weights = weights
-        if loras < segments.max_loras:
-            raise ValueError(f"BoundKernel: {loras} slots in the buffers, {segments.max_loras} in the grouping")
+        if weights.loras < segments.max_loras:
+            raise ValueError(f"BoundKernel: {weights.loras} slots in the buffers, {segments.max_loras} in the grouping")
         self._fn = lib.inflight_lora_sgmv
+        self._weights = weights.args
+        self._table = weights.table
         self._segments = segments  # keeps its index tensors alive while the pointers are used
         self._n = segments.num_tokens
         self._tail = segments.pointers
         self._threads = torch.get_num_threads()
+
+    def bind_native(self) -> None:
+        """Bind this step to the calling thread's C++ operator
+        (`torch.ops.inflight_native.lora_delta`, `native.py`): its calls until the next
+        binding compute what `__call__` does, falling back to `inflight::lora_delta`
+        where `__call__` returns False.
+
+        Raises:
+            RuntimeError: the C++ operators are unavailable (`native.available()` False).
+        """
+        if not native.available():
+            raise RuntimeError("BoundKernel.bind_native: the C++ operators are unavailable")
+        order, starts, slots = self._segments.tensors
+        torch.ops.inflight_native.lora_bind(self._table, order, starts, slots, self._n, self._threads, _address())
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, projection: int) -> bool:
         """`lora_sgmv(x, y, *weights[projection], segments)` when the kernel takes `x`

@@ -1,0 +1,61 @@
+"""The torch operators written in C++ (`native_ops.cpp`): the per-call side of the CPU
+kernels without the Python interpreter in the call (module docstring of the C++ source).
+
+Built at first use by `cbuild.build_torch_ops` against the installed torch and loaded
+into the process with `torch.ops.load_library`; without a C++ compiler, or when the build
+or the load fails (logged once), `available()` is False and the callers keep their
+operators implemented in Python, which compute the same.
+
+Operators (namespace `inflight_native`):
+    lora_bind(weights, order, starts, slots, tokens, threads, kernel)
+        bind a step's LoRA grouping and kernel for the calling thread
+        (`worker.model.kernels.cpu_lora.BoundKernel.bind_native`);
+    lora_bind_torch(), lora_unbind()
+        a step the kernel does not serve (every call takes the torch path); no step;
+    lora_delta(x, y, projection)
+        `inflight::lora_delta`'s contract (`worker.model.lora.lora_delta_op`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from worker.model.kernels import cbuild
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_ops.cpp")
+LOADED = False  # the operators are loaded into this process (set by the first `available()` that loads them)
+
+
+@functools.cache
+def _loaded() -> str | None:
+    """None once the operators are loaded into this process, else why they are not (logged
+    once)."""
+    built = cbuild.build_torch_ops(SOURCE)
+    why = built if isinstance(built, str) else None
+    if why is None:
+        try:
+            torch.ops.load_library(str(built))
+        except (OSError, RuntimeError) as e:
+            why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        log.warning("the CPU kernels' C++ operators are unavailable (%s); their calls go through Python", why[:500])
+        return why
+    torch.library.register_fake("inflight_native::lora_delta")(_lora_delta_fake)
+    global LOADED
+    LOADED = True
+    return None
+
+
+def _lora_delta_fake(x: torch.Tensor, y: torch.Tensor, projection: int) -> None:
+    return None
+
+
+def available() -> bool:
+    """Whether the operators are built and loaded (builds and loads them on the first call)."""
+    return _loaded() is None
