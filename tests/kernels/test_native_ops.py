@@ -121,3 +121,74 @@ def test_a_build_without_a_cxx_compiler_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached build to find
     why = cbuild.build_torch_ops(native.SOURCE)
     assert isinstance(why, str) and "no-such-c++" in why
+
+
+# ---- float_linear ---------------------------------------------------------------------------
+
+def _plan(w: torch.Tensor, plan: tuple[int, ...], packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`w` (another tensor on its storage) with `plan` for both operators."""
+    from worker.model import small_batch
+
+    w = w.detach()
+    assert small_batch._set_plan(w, plan, packed)
+    return w
+
+
+@pytest.mark.parametrize(("k", "n", "bias"), [(256, 256, True), (64, 70, False)])
+def test_the_cxx_operator_follows_each_rows_plan_as_the_python_one(k, n, bias):
+    from worker.model import small_batch
+    from worker.model.small_batch import KERNEL, PACKED, TORCH
+
+    g = torch.Generator().manual_seed(k + n)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g) if bias else None
+    packed = small_batch._reorder(w)
+    plan = (KERNEL, TORCH, PACKED if packed is not None else TORCH, KERNEL, TORCH, PACKED if packed is not None
+            else KERNEL, TORCH)
+    pw = _plan(w, plan, packed)
+    kernel_differs = False
+    for rows in range(1, 70):
+        for x in (torch.randn(rows, k, generator=g), torch.randn(1, rows, k, generator=g)):
+            got = torch.ops.inflight_native.float_linear(x, pw, b)
+            want = torch.ops.inflight.float_linear(x, pw, b)
+            assert got.shape == want.shape and torch.equal(got, want), (rows, x.shape)
+            if plan[min((rows - 1).bit_length(), 6)] == KERNEL:
+                kernel_differs |= not torch.equal(got, torch.nn.functional.linear(x, w, b))
+    assert kernel_differs  # the kernel's rows really took the kernel (its sums differ in the last bits)
+    unplanned = w.detach()  # another tensor object: no plan, torch's GEMM, as the Python operator
+    x = torch.randn(1, k, generator=g)
+    assert torch.equal(torch.ops.inflight_native.float_linear(x, unplanned, b), torch.nn.functional.linear(x, w, b))
+    assert torch.ops.inflight_native.float_linear(x[:0], pw, b).shape == (0, n)
+
+
+def test_a_packed_only_placeholder_serves_float_rows_and_refuses_others():
+    from worker.model import small_batch
+
+    w = torch.randn(24, 64)
+    packed = small_batch._reorder(w)
+    if packed is None:
+        pytest.skip("this torch cannot pack for oneDNN")
+    placeholder = _plan(w.new_empty(24, 0), (small_batch.PACKED,) * 7, packed)
+    x = torch.randn(5, 64)
+    assert torch.equal(torch.ops.inflight_native.float_linear(x, placeholder, None),
+                       torch.ops.inflight.float_linear(x, placeholder, None))
+    with pytest.raises(RuntimeError, match="packed layout takes float32 CPU rows"):
+        torch.ops.inflight_native.float_linear(x.double(), placeholder, None)
+
+
+def test_plans_of_weights_that_died_are_dropped_and_bad_plans_refused():
+    from worker.model.small_batch import KERNEL, PACKED, TORCH
+
+    kept = _plan(torch.randn(8, 16), (TORCH,) * 7)
+    held = torch.ops.inflight_native.linear_plan_count()  # just registered: the dead ones dropped
+    for _ in range(3):
+        _plan(torch.randn(8, 16), (TORCH,) * 7)  # dies at once
+    again = _plan(torch.randn(8, 16), (TORCH,) * 7)
+    assert torch.ops.inflight_native.linear_plan_count() == held + 1
+    with pytest.raises(RuntimeError, match="needs the packed weight"):
+        torch.ops.inflight_native.linear_plan(kept, [PACKED] * 7, None, 0)
+    with pytest.raises(RuntimeError, match="needs its address"):
+        torch.ops.inflight_native.linear_plan(kept, [KERNEL] * 7, None, 0)
+    with pytest.raises(RuntimeError, match="is none of"):
+        torch.ops.inflight_native.linear_plan(kept, [3] * 7, None, 0)
+    with pytest.raises(RuntimeError, match="a plan has 7 methods"):
+        torch.ops.inflight_native.linear_plan(again, [TORCH] * 6, None, 0)

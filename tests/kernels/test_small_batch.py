@@ -3,10 +3,12 @@ op `inflight::float_linear` over `cpu_woq.c`'s `inflight_float_linear` and oneDN
 weights) against `F.linear` in float64: every row count up to `MAX_ROWS` (the kernel's
 4-row tiles and their tails), widths with a partial block of output channels, a bias,
 rows past the limit and layers the kernel does not take (torch's path), the AVX2 tiles,
-what `install` does to a model under each `model.cpu_linear` policy, and how `auto`
-turns timings into a plan."""
+what `install` does to a model under each `model.cpu_linear` policy, how `auto`
+turns timings into a plan, and how its plans are kept per box."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -205,6 +207,9 @@ def test_a_graph_shared_by_two_models_multiplies_each_ones_own_packed_weights():
 
 @needs_onednn
 def test_the_inflight_rule_takes_the_kernel_up_to_2_rows_on_one_thread_and_8_on_more(monkeypatch):
+    """(Through the Python operator, whose kernel calls can be counted; the C++ one follows
+    the same plans: `test_the_cxx_operator_follows_each_rows_plan_as_the_python_one`.)"""
+    monkeypatch.setattr(small_batch.native, "available", lambda: False)
     used = []
     real = small_batch.cpu_woq.float_linear
     monkeypatch.setattr(small_batch.cpu_woq, "float_linear", lambda *args: used.append(args[0].shape[0]) or real(*args))
@@ -300,3 +305,56 @@ def test_layers_sharing_a_weight_each_multiply_by_their_own_bias():
         plain.weight.inflight_plan = KERNEL_PLAN  # as `plain`'s own plan would be, installed last
         for layer, y in zip(model, want):
             assert close(layer(x), y), policy
+
+
+def test_auto_keeps_its_plans_per_box_and_a_later_start_reads_them(monkeypatch, tmp_path, caplog):
+    """The plans decide which layers change class (a captured forward's key): timed once,
+    they are read at every later start instead of timed again (`worker.model.linear_plans`),
+    so two starts make the same model; a file that does not parse is timed again."""
+    from worker.model import linear_plans
+
+    monkeypatch.setattr(linear_plans, "plans_dir", lambda: tmp_path / "plans")
+
+    def model():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256, bias=False),
+                                   torch.nn.Linear(256, 512))  # the first shape again: timed once
+
+    timed = []
+    real = small_batch._timed_plan
+    monkeypatch.setattr(small_batch, "_timed_plan", lambda m, *a: timed.append(m.weight.shape) or real(m, *a))
+    first = model()
+    small_batch.install(first)
+    assert timed == [(512, 256), (256, 512)]
+    (kept,) = (tmp_path / "plans").iterdir()
+    assert json.loads(kept.read_text()).keys() == {"512,256,1,0,1", "256,512,0,0,1"}
+
+    def refuse(*a):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(small_batch, "_timed_plan", refuse)
+    monkeypatch.setattr(linear_plans, "_TABLES", {})  # as a new process: the file is read
+    second = model()
+    with caplog.at_level("INFO", logger="worker.model.small_batch"):
+        small_batch.install(second)
+    assert "0 of 2 shapes timed" in caplog.text
+    assert [type(m) for m in second] == [type(m) for m in first]
+    assert [getattr(m.weight, "inflight_plan", None) for m in second] == \
+        [getattr(m.weight, "inflight_plan", None) for m in first]
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        assert torch.equal(second(x), first(x))
+
+    kept.write_text("{not json")
+    monkeypatch.setattr(linear_plans, "_TABLES", {})  # as a new process, which reads the file again
+    monkeypatch.setattr(small_batch, "_timed_plan", real)
+    with caplog.at_level("WARNING", logger="worker.model.linear_plans"):
+        small_batch.install(model())
+    assert "unreadable" in caplog.text and len(json.loads(kept.read_text())) == 2  # timed again, rewritten
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # another thread count: another table
+        small_batch.install(model())
+    finally:
+        torch.set_num_threads(threads)
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 2

@@ -14,8 +14,8 @@ Three ways to multiply a float32 weight by a step's rows:
 Which is fastest depends on the box, not only on the shapes: on the AMD EPYC benchmark
 box (AVX-512, where MKL does not take its AVX-512 paths) the kernel won at 1-8 rows and
 oneDNN above (a decode step of 32 requests 1.1-1.3x, ~160M model 1.88x); on an Intel Xeon
-with AVX-512, MKL's GEMM beat both at 2-32 rows and the op's own Python call (~8 us a
-layer) lost the kernel's lead at 1 row: the same rule made a decode step 0.79-0.94x as
+with AVX-512, MKL's GEMM beat both at 2-32 rows and the op's Python call (~8 us a layer,
+before the C++ operator) lost the kernel's lead at 1 row: the same rule made a decode step 0.79-0.94x as
 fast (docs/benchmarks.md). So `install` times the three on one weight of each shape at
 `PROBE_ROWS`, with torch's threads as the engine runs, each candidate as the layer would
 call it (torch's GEMM direct, the others through the op), and takes another path than
@@ -24,7 +24,9 @@ torch's only for row counts where it is at least `MIN_GAIN` times faster (policy
 `nn.Linear` it was, with no op around it; a packed copy is kept only where oneDNN serves
 some row count. `inflight` is the fixed rule measured on the AMD box (the kernel up to
 `PACKED_KERNEL_ROWS` rows with one torch thread, `MAX_ROWS` with more; oneDNN above),
-`torch` leaves every layer alone.
+`torch` leaves every layer alone. The plans `auto` times are kept per box and read at
+every later start (`worker.model.linear_plans`): a captured forward's key depends on them,
+and timed again they could differ by noise where two paths are close.
 
 The choice rides on the weight tensor as its plan (`weight.inflight_plan`, a method per
 row bucket: rows 1, 2, 3-4, 5-8, 9-16, 17-32, more), beside its packed copy
@@ -42,9 +44,13 @@ as an `nn.Linear`. A module marked `inflight_reads_weight` (a wrapper that reads
 weight itself: `latent.py`, `legacy.py`) keeps its plain weight: a large one stays an
 `nn.Linear`.
 
-The op `torch.ops.inflight.float_linear` is declared with `torch.library.Library` (a
-call costs about 2 us against 4 us for `custom_op`, `worker.model.lora`); a compiled
-forward keeps it as one opaque node, as it keeps torch's GEMM (an extern call). Sums run
+A layer calls the C++ operator `torch.ops.inflight_native.float_linear`
+(`worker.model.kernels.native`: the plan registered per weight tensor, a call about 3 us
+beside the work) where the C++ operators are built, else `torch.ops.inflight.float_linear`,
+declared here with `torch.library.Library` (the dispatcher's trip into Python, the
+checks and a ctypes call: 6-8 us); both compute the same, and the timing at load goes
+through the one the layers will call. A compiled forward keeps either as one opaque
+node, as it keeps torch's GEMM (an extern call). Sums run
 in another order than torch's GEMM: results differ in the last bits, as a compiled
 forward's do from an eager one, and two workers whose timings chose differently may
 differ so too (`cpu_linear: inflight` or `torch` fixes the choice).
@@ -60,7 +66,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.model.kernels import cpu_woq
+from worker.model.kernels import cpu_woq, native
+from worker.model.linear_plans import PlanCache
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +145,16 @@ def _(x, weight, bias):
 
 
 class SmallBatchLinear(torch.nn.Linear):
-    """An `nn.Linear` whose forward is `torch.ops.inflight.float_linear` (module docstring)."""
+    """An `nn.Linear` whose forward is `torch.ops.inflight_native.float_linear` where its
+    weight's plan is registered with the C++ operators (`native`), else
+    `torch.ops.inflight.float_linear` (module docstring)."""
+
+    native = False
+    graph_key = "python"  # the operator a trace keeps (`worker.model.compiled.artifact_key`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.inflight_native.float_linear(x, self.weight, self.bias)
         return torch.ops.inflight.float_linear(x, self.weight, self.bias)
 
 
@@ -150,7 +164,8 @@ def install(model: torch.nn.Module, plain_copy_bytes: int | None = None, policy:
     make the layers that take another path than torch's GEMM somewhere a
     `SmallBatchLinear` with their plan, in place. `plain_copy_bytes` (default
     `PLAIN_COPY_BYTES`): weights above it are held packed only or left alone. `policy`:
-    `auto` (timed on this box), `inflight` (the fixed rule) or `torch` (none). Returns
+    `auto` (timed on this box, at the first start: the plans are kept,
+    `worker.model.linear_plans`), `inflight` (the fixed rule) or `torch` (none). Returns
     how many layers changed class.
 
     Raises:
@@ -165,7 +180,8 @@ def install(model: torch.nn.Module, plain_copy_bytes: int | None = None, policy:
     limit = PLAIN_COPY_BYTES if plain_copy_bytes is None else plain_copy_bytes
     width = _width()  # 0: no vector tiles (or no kernel)
     packable = torch.backends.mkldnn.is_available()
-    start, plans, n = time.perf_counter(), {}, 0
+    start, plans, n, timed = time.perf_counter(), {}, 0, 0
+    cache = PlanCache.for_this_box(native.available(), packable) if policy == "auto" else None
     for m in layers:
         large = m.weight.numel() * m.weight.element_size() > limit
         if large and getattr(m, "inflight_reads_weight", False):
@@ -176,14 +192,25 @@ def install(model: torch.nn.Module, plain_copy_bytes: int | None = None, policy:
         key = (m.out_features, m.in_features, m.bias is not None, large, kernel)
         packed = None
         if key not in plans:  # the timed layer's packed copy serves it: its weight is packed once
-            plans[key], packed = ((_fixed_plan(large, kernel, packable), None) if policy == "inflight"
-                                  else _timed_plan(m, large, kernel, packable))
+            if policy == "inflight":
+                plans[key] = _fixed_plan(large, kernel, packable)
+            else:
+                kept, plans[key] = cache.get(key)
+                if not kept:
+                    plans[key], packed = _timed_plan(m, large, kernel, packable)
+                    cache.put(key, plans[key])
+                    timed += 1
         if plans[key] is not None and _apply(m, plans[key], large, packed):
             n += 1
+    if policy == "auto":
+        cache.save()
     if n or policy == "auto":
         shapes = "; ".join(f"{out}x{k}: {describe(p)}" for (out, k, *_), p in plans.items())
-        log.info("float32 linear layers: %d of %d take the op (cpu_linear %s, %d torch threads, chosen in %.2f s): %s",
-                 n, len(layers), policy, torch.get_num_threads(), time.perf_counter() - start, shapes)
+        how = (f"{timed} of {len(plans)} shapes timed in {time.perf_counter() - start:.2f} s, the rest kept"
+               if policy == "auto" else "the fixed rule")
+        log.info("float32 linear layers: %d of %d take the op (cpu_linear %s, %d torch threads, %s; plans kept in %s): "
+                 "%s", n, len(layers), policy, torch.get_num_threads(), how,
+                 cache.path if policy == "auto" else "-", shapes)
     return n
 
 
@@ -234,14 +261,13 @@ def _timed_plan(m: torch.nn.Linear, large: bool, kernel: bool,
     for how, usable in ((KERNEL, kernel), (PACKED, packed is not None)):
         if usable:
             probes[how] = w.detach()  # another tensor object on the same storage, carrying its plan
-            probes[how].inflight_plan = (how,) * len(PROBE_ROWS)
-            probes[how].inflight_packed = packed
+            _set_plan(probes[how], (how,) * len(PROBE_ROWS), packed)
     if len(probes) == 1:
         return None, packed
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(r, m.in_features, generator=g) for r in PROBE_ROWS]
     cells = [(how, i) for i, r in enumerate(PROBE_ROWS) for how in probes if how != KERNEL or r <= MAX_ROWS]
-    op = torch.ops.inflight.float_linear
+    op = torch.ops.inflight_native.float_linear if native.available() else torch.ops.inflight.float_linear
     best = dict.fromkeys(cells, math.inf)
     rounds, spent = -1, 0.0  # round -1 warms up (oneDNN builds its primitives at a shape's first call)
     with torch.no_grad():
@@ -303,9 +329,20 @@ def _apply(m: torch.nn.Linear, plan: tuple[int, ...], large: bool, packed: torch
     m.__class__ = SmallBatchLinear
     if large:
         m.weight = torch.nn.Parameter(m.weight.new_empty(m.weight.shape[0], 0), requires_grad=False)
-    m.weight.inflight_plan = plan
+    if _set_plan(m.weight, plan, packed):
+        m.native, m.graph_key = True, "native"
+    return True
+
+
+def _set_plan(weight: torch.Tensor, plan: tuple[int, ...], packed: torch.Tensor | None) -> bool:
+    """Give `weight` its plan (and packed copy) for the Python operator, and for the C++
+    one where it is built. Whether the C++ operator has it."""
+    weight.inflight_plan = plan
     if packed is not None:
-        m.weight.inflight_packed = packed
+        weight.inflight_packed = packed
+    if not native.available():
+        return False
+    native.plan_linear(weight, plan, packed, cpu_woq.float_linear_address() if KERNEL in plan else 0)
     return True
 
 

@@ -40,6 +40,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags (`/proc/cpuinfo`'s first), or the platform's
+    processor name where those cannot be read: what a timing made on this CPU holds for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    name = next((ln for ln in lines if ln.startswith("model name")), "")
+    return f"{name}\n{_cpu_flags()}"
+
+
 def build(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | str:
     """The loaded library built from `source` with `CFLAGS + extra_flags`, or why it could
     not be built or loaded (a string: the compiler missing, its error's first 500

@@ -1,0 +1,134 @@
+"""The float32 linear layers' plans (`worker.model.small_batch`, `model.cpu_linear: auto`)
+kept per box: timed at the first start, read at every later one.
+
+A plan decides which layers become `SmallBatchLinear` and which weights are held packed
+only, and both are part of a captured forward's key (`worker.model.compiled.artifact_key`).
+Plans timed anew at every start differ by the timing's noise wherever two paths are
+close, and the next start then traces and captures its forward again instead of loading
+it. Kept, a box's plans are the same at every start, and so are its captured forwards (an
+autotuner's cache, as Triton's and inductor's keep their choices).
+
+File: `<cache>/inflight/linear-plans/<hash>.json` (`<cache>`: `$XDG_CACHE_HOME`, default
+`~/.cache`), the hash of what the timings depend on: the CPU (model name and feature
+flags), the machine, torch's version and intra-op thread count, which operator the layers
+call (C++ or Python, `worker.model.kernels.native`), whether oneDNN can pack weights,
+and the sources of the paths
+(`small_batch.py`, `cpu_woq.c`, `native_ops.cpp`). One entry per weight shape,
+`"out,in,bias,large,kernel"` -> the plan (a list of methods, `small_batch.TORCH` /
+`KERNEL` / `PACKED` per row bucket) or null (torch's GEMM throughout). Delete the file to
+time again at the next start; a file that does not parse is timed again and rewritten; a
+file that cannot be written is logged and the start goes on. A process reads a file once
+and holds its table: engines started one after another in one process all make the same
+model even where another process timed the same shapes meanwhile (processes timing at
+once each keep their own plans; the last to write leaves its table for later starts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from worker.model.kernels import cbuild
+
+log = logging.getLogger(__name__)
+
+ShapeKey = tuple[int, int, bool, bool, bool]  # out_features, in_features, bias, large, kernel
+Plan = tuple[int, ...] | None
+
+
+def _source(*parts: str) -> Path:
+    return Path(__file__).parent.joinpath(*parts)
+
+
+SOURCES = (_source("small_batch.py"), _source("kernels", "cpu_woq.c"), _source("kernels", "native_ops.cpp"))
+
+
+_TABLES: dict[Path, PlanCache] = {}
+_TABLES_LOCK = threading.Lock()
+
+
+def plans_dir() -> Path:
+    """Where the plans of this box are kept (module docstring)."""
+    return cbuild.cache_dir().parent / "linear-plans"
+
+
+class PlanCache:
+    """The plans timed on this box, by weight shape (module docstring).
+
+    Args:
+        path: the file (`for_this_box` names it); read now where it exists.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._plans: dict[str, list[int] | None] = {}
+        self._changed = False
+        try:
+            got = json.loads(path.read_text())
+            if isinstance(got, dict) and all(v is None or (isinstance(v, list) and all(isinstance(h, int) for h in v))
+                                             for v in got.values()):
+                self._plans = got
+            else:
+                log.warning("linear plans at %s are not a table of plans; timing again", path)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            log.warning("linear plans at %s unreadable (%s); timing again", path, e)
+
+    @classmethod
+    def for_this_box(cls, native_op: bool, packable: bool) -> PlanCache:
+        """The cache of this box, torch's thread count now, the operator the layers call
+        (`native_op`: the C++ one) and whether oneDNN can pack weights (`packable`)."""
+        h = hashlib.sha256()
+        for part in (cbuild.cpu_identity(), platform.machine(), torch.__version__, str(torch.get_num_threads()),
+                     "native" if native_op else "python", "packable" if packable else "-"):
+            h.update(part.encode() + b"\0")
+        for src in SOURCES:
+            h.update(src.read_bytes() if src.is_file() else b"")
+        path = plans_dir() / f"{h.hexdigest()[:16]}.json"
+        with _TABLES_LOCK:  # one table per file in a process: its engines all make the same model
+            return _TABLES.setdefault(path, cls(path))
+
+    @staticmethod
+    def _key(shape: ShapeKey) -> str:
+        return ",".join(str(int(v)) for v in shape)
+
+    def get(self, shape: ShapeKey) -> tuple[bool, Plan]:
+        """(found, its plan): the plan kept for this weight shape, if any."""
+        key = self._key(shape)
+        if key not in self._plans:
+            return False, None
+        plan = self._plans[key]
+        return True, None if plan is None else tuple(plan)
+
+    def put(self, shape: ShapeKey, plan: Plan) -> None:
+        """Keep a plan just timed (written by `save`)."""
+        self._plans[self._key(shape)] = None if plan is None else list(plan)
+        self._changed = True
+
+    def save(self) -> None:
+        """Write the table where a plan was added (atomically: starts at once never read
+        half of one; the last writer's table stays, and a shape it lacks is timed again)."""
+        if not self._changed:
+            return
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as f:
+                tmp = f.name
+                f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(self._plans.items()))
+                        + "\n}\n")
+            os.replace(tmp, self.path)
+            self._changed = False
+        except OSError as e:
+            log.warning("linear plans not kept at %s (%s): the next start times them again", self.path, e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
