@@ -207,9 +207,6 @@ def test_a_graph_shared_by_two_models_multiplies_each_ones_own_packed_weights():
 
 @needs_onednn
 def test_the_inflight_rule_takes_the_kernel_up_to_2_rows_on_one_thread_and_8_on_more(monkeypatch):
-    """(Through the Python operator, whose kernel calls can be counted; the C++ one follows
-    the same plans: `test_the_cxx_operator_follows_each_rows_plan_as_the_python_one`.)"""
-    monkeypatch.setattr(small_batch.native, "available", lambda: False)
     used = []
     real = small_batch.cpu_woq.float_linear
     monkeypatch.setattr(small_batch.cpu_woq, "float_linear", lambda *args: used.append(args[0].shape[0]) or real(*args))

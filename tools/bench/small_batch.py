@@ -4,10 +4,8 @@
 sampling) by three engines taking turns (`--rounds` of `--iterations` steps each, forward
 compiled as by default): `torch` (torch's GEMM throughout), `inflight` (the fixed rule:
 the small-batch kernel for a few rows, oneDNN's packed weights above) and `auto` (the
-default: the fastest of the three per weight shape and row count, timed at load); with
-`--python-op` a fourth, `auto` through the operator written in Python
-(`inflight::float_linear`) instead of the C++ one (`kernels.native`), timed and planned
-so. Median milliseconds, the medians of the per-round ratios, greedy ids compared.
+default: the fastest of the three per weight shape and row count, timed at load).
+Median milliseconds, the medians of the per-round ratios, greedy ids compared.
 `--threads` sets torch's intra-op threads (the worker's engine process takes one on a
 2-core box, `worker.engine_threads`). Writes `bench_small_batch.json` under --out and
 prints a table.
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from unittest import mock
 
 from tools.bench.harness import (
     decode_step,
@@ -35,11 +32,7 @@ POLICIES = ("torch", "inflight", "auto")  # `model.cpu_linear`, the engines in t
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     step_bench_args(p, running=[1, 2, 4, 8, 16, 32], rounds=15)
-    p.add_argument("--python-op", action="store_true",
-                   help="a fourth engine: auto through the Python operator instead of the C++ one")
     a = p.parse_args(argv)
-    from worker.model.kernels import native
-
     path, report = step_bench_start(a)
     report["by_running"] = {}
     print(f"{'running':>8}{'torch ms':>10}{'inflight ms':>13}{'auto ms':>9}{'auto/torch':>12}{'auto/inflight':>15}"
@@ -48,14 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         steps, ids, forward = {}, {}, None
         for policy in POLICIES:
             steps[policy], ids[policy], forward = decode_step(path, running, cpu_linear=policy)
-        if a.python_op:  # the layers decide their operator at load: the C++ one unavailable for this engine
-            with mock.patch.object(native, "available", lambda: False):
-                steps["auto_python_op"], ids["auto_python_op"], _ = decode_step(path, running, cpu_linear="auto")
         ms = interleaved_ms(steps, a.rounds, a.iterations)
-        pairs = [("auto", "torch"), ("auto", "inflight"), ("inflight", "torch")]
-        pairs += [("auto", "auto_python_op"), ("auto_python_op", "torch")] if a.python_op else []
-        speedup = {f"{x}_vs_{y}": [slow / fast for fast, slow in zip(ms[x], ms[y])] for x, y in pairs}
-        same = ids["torch"] == ids["inflight"] == ids["auto"] == ids.get("auto_python_op", ids["auto"])
+        speedup = {f"{x}_vs_{y}": [slow / fast for fast, slow in zip(ms[x], ms[y])]
+                   for x, y in (("auto", "torch"), ("auto", "inflight"), ("inflight", "torch"))}
+        same = ids["torch"] == ids["inflight"] == ids["auto"]
         row = {"decode_step_ms": ms, "speedup_per_round": speedup,
                "speedup": {k: statistics.median(v) for k, v in speedup.items()},
                "greedy_ids_identical": same, "forward": forward}
@@ -64,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{running:>8}{med['torch']:>10.2f}{med['inflight']:>13.2f}{med['auto']:>9.2f}"
               + "".join(f"{row['speedup'][k]:>{w}.2f}x" for k, w in (("auto_vs_torch", 11), ("auto_vs_inflight", 14),
                                                                     ("inflight_vs_torch", 15)))
-              + f"  {'identical' if same else 'differ'}"
-              + (f"  auto C++ / Python operator {row['speedup']['auto_vs_auto_python_op']:.2f}x, Python operator / "
-                 f"torch {row['speedup']['auto_python_op_vs_torch']:.2f}x" if a.python_op else ""))
+              + f"  {'identical' if same else 'differ'}")
     write_report(report, a.out, "bench_small_batch.json")
     return 0
 

@@ -134,8 +134,7 @@ def precompile_available(device_type: str) -> bool:
 def artifact_key(model: torch.nn.Module) -> str:
     """What a captured forward depends on, hashed (hex): the model's class and config, the
     name, shape, dtype, stride and device type of every parameter and buffer, the class of
-    every module (`worker.model.small_batch` changes some) and the operator it calls where
-    it says (its `graph_key`: the C++ operator or the Python one), the forward hooks on its
+    every module (`worker.model.small_batch` changes some), the forward hooks on its
     modules and the operator each adds to the graph where it says (its `graph_key`: LoRA's,
     `worker.model.lora`, add the C++ operator or the Python one), the source of its
     modeling module and of this package's modules (what the trace runs through), and the
@@ -153,8 +152,7 @@ def artifact_key(model: torch.nn.Module) -> str:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.stride()}:{t.device.type}\0".encode())
     for name, m in model.named_modules():
-        # e.g. `small_batch.SmallBatchLinear`, and the operator it calls (its `graph_key`)
-        h.update(f"module:{name}:{type(m).__qualname__}:{getattr(m, 'graph_key', '')}\0".encode())
+        h.update(f"module:{name}:{type(m).__qualname__}\0".encode())  # e.g. `small_batch.SmallBatchLinear`
         for hook in m._forward_hooks.values():
             qualname = getattr(hook, "__qualname__", type(hook).__qualname__)
             h.update(f"hook:{name}:{qualname}:{getattr(hook, 'graph_key', '')}\0".encode())

@@ -10,11 +10,9 @@ autotuner's cache, as Triton's and inductor's keep their choices).
 
 File: `<cache>/inflight/linear-plans/<hash>.json` (`<cache>`: `$XDG_CACHE_HOME`, default
 `~/.cache`), the hash of what the timings depend on: the CPU (model name and feature
-flags), the machine, torch's version and intra-op thread count, which operator the layers
-call (C++ or Python, `worker.model.kernels.native`), whether oneDNN can pack weights,
-and the sources of the paths
-(`small_batch.py`, `cpu_woq.c`, `native_ops.cpp`). One entry per weight shape,
-`"out,in,bias,large,kernel"` -> the plan (a list of methods, `small_batch.TORCH` /
+flags), the machine, torch's version and intra-op thread count, whether oneDNN can pack
+weights, and the sources of the paths (`small_batch.py`, `cpu_woq.c`). One entry per
+weight shape, `"out,in,bias,large,kernel"` -> the plan (a list of methods, `small_batch.TORCH` /
 `KERNEL` / `PACKED` per row bucket) or null (torch's GEMM throughout). Delete the file to
 time again at the next start; a file that does not parse is timed again and rewritten; a
 file that cannot be written is logged and the start goes on. A process reads a file once
@@ -48,7 +46,7 @@ def _source(*parts: str) -> Path:
     return Path(__file__).parent.joinpath(*parts)
 
 
-SOURCES = (_source("small_batch.py"), _source("kernels", "cpu_woq.c"), _source("kernels", "native_ops.cpp"))
+SOURCES = (_source("small_batch.py"), _source("kernels", "cpu_woq.c"))
 
 
 _TABLES: dict[Path, PlanCache] = {}
@@ -84,12 +82,12 @@ class PlanCache:
             log.warning("linear plans at %s unreadable (%s); timing again", path, e)
 
     @classmethod
-    def for_this_box(cls, native_op: bool, packable: bool) -> PlanCache:
-        """The cache of this box, torch's thread count now, the operator the layers call
-        (`native_op`: the C++ one) and whether oneDNN can pack weights (`packable`)."""
+    def for_this_box(cls, packable: bool) -> PlanCache:
+        """The cache of this box, torch's thread count now and whether oneDNN can pack
+        weights (`packable`)."""
         h = hashlib.sha256()
         for part in (cbuild.cpu_identity(), platform.machine(), torch.__version__, str(torch.get_num_threads()),
-                     "native" if native_op else "python", "packable" if packable else "-"):
+                     "packable" if packable else "-"):
             h.update(part.encode() + b"\0")
         for src in SOURCES:
             h.update(src.read_bytes() if src.is_file() else b"")

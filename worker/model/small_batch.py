@@ -14,8 +14,8 @@ Three ways to multiply a float32 weight by a step's rows:
 Which is fastest depends on the box, not only on the shapes: on the AMD EPYC benchmark
 box (AVX-512, where MKL does not take its AVX-512 paths) the kernel won at 1-8 rows and
 oneDNN above (a decode step of 32 requests 1.1-1.3x, ~160M model 1.88x); on an Intel Xeon
-with AVX-512, MKL's GEMM beat both at 2-32 rows and the op's Python call (~8 us a layer,
-before the C++ operator) lost the kernel's lead at 1 row: the same rule made a decode step 0.79-0.94x as
+with AVX-512, MKL's GEMM beat both at 2-32 rows and the op's own Python call (~8 us a
+layer) lost the kernel's lead at 1 row: the same rule made a decode step 0.79-0.94x as
 fast (docs/benchmarks.md). So `install` times the three on one weight of each shape at
 `PROBE_ROWS`, with torch's threads as the engine runs, each candidate as the layer would
 call it (torch's GEMM direct, the others through the op), and takes another path than
@@ -44,13 +44,9 @@ as an `nn.Linear`. A module marked `inflight_reads_weight` (a wrapper that reads
 weight itself: `latent.py`, `legacy.py`) keeps its plain weight: a large one stays an
 `nn.Linear`.
 
-A layer calls the C++ operator `torch.ops.inflight_native.float_linear`
-(`worker.model.kernels.native`: the plan registered per weight tensor, a call about 3 us
-beside the work) where the C++ operators are built, else `torch.ops.inflight.float_linear`,
-declared here with `torch.library.Library` (the dispatcher's trip into Python, the
-checks and a ctypes call: 6-8 us); both compute the same, and the timing at load goes
-through the one the layers will call. A compiled forward keeps either as one opaque
-node, as it keeps torch's GEMM (an extern call). Sums run
+The op `torch.ops.inflight.float_linear` is declared with `torch.library.Library` (a
+call costs about 2 us against 4 us for `custom_op`, `worker.model.lora`); a compiled
+forward keeps it as one opaque node, as it keeps torch's GEMM (an extern call). Sums run
 in another order than torch's GEMM: results differ in the last bits, as a compiled
 forward's do from an eager one, and two workers whose timings chose differently may
 differ so too (`cpu_linear: inflight` or `torch` fixes the choice).
@@ -66,7 +62,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.model.kernels import cpu_woq, native
+from worker.model.kernels import cpu_woq
 from worker.model.linear_plans import PlanCache
 
 log = logging.getLogger(__name__)
@@ -145,16 +141,9 @@ def _(x, weight, bias):
 
 
 class SmallBatchLinear(torch.nn.Linear):
-    """An `nn.Linear` whose forward is `torch.ops.inflight_native.float_linear` where its
-    weight's plan is registered with the C++ operators (`native`), else
-    `torch.ops.inflight.float_linear` (module docstring)."""
-
-    native = False
-    graph_key = "python"  # the operator a trace keeps (`worker.model.compiled.artifact_key`)
+    """An `nn.Linear` whose forward is `torch.ops.inflight.float_linear` (module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            return torch.ops.inflight_native.float_linear(x, self.weight, self.bias)
         return torch.ops.inflight.float_linear(x, self.weight, self.bias)
 
 
@@ -181,7 +170,7 @@ def install(model: torch.nn.Module, plain_copy_bytes: int | None = None, policy:
     width = _width()  # 0: no vector tiles (or no kernel)
     packable = torch.backends.mkldnn.is_available()
     start, plans, n, timed = time.perf_counter(), {}, 0, 0
-    cache = PlanCache.for_this_box(native.available(), packable) if policy == "auto" else None
+    cache = PlanCache.for_this_box(packable) if policy == "auto" else None
     for m in layers:
         large = m.weight.numel() * m.weight.element_size() > limit
         if large and getattr(m, "inflight_reads_weight", False):
@@ -261,13 +250,14 @@ def _timed_plan(m: torch.nn.Linear, large: bool, kernel: bool,
     for how, usable in ((KERNEL, kernel), (PACKED, packed is not None)):
         if usable:
             probes[how] = w.detach()  # another tensor object on the same storage, carrying its plan
-            _set_plan(probes[how], (how,) * len(PROBE_ROWS), packed)
+            probes[how].inflight_plan = (how,) * len(PROBE_ROWS)
+            probes[how].inflight_packed = packed
     if len(probes) == 1:
         return None, packed
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(r, m.in_features, generator=g) for r in PROBE_ROWS]
     cells = [(how, i) for i, r in enumerate(PROBE_ROWS) for how in probes if how != KERNEL or r <= MAX_ROWS]
-    op = torch.ops.inflight_native.float_linear if native.available() else torch.ops.inflight.float_linear
+    op = torch.ops.inflight.float_linear
     best = dict.fromkeys(cells, math.inf)
     rounds, spent = -1, 0.0  # round -1 warms up (oneDNN builds its primitives at a shape's first call)
     with torch.no_grad():
@@ -329,20 +319,9 @@ def _apply(m: torch.nn.Linear, plan: tuple[int, ...], large: bool, packed: torch
     m.__class__ = SmallBatchLinear
     if large:
         m.weight = torch.nn.Parameter(m.weight.new_empty(m.weight.shape[0], 0), requires_grad=False)
-    if _set_plan(m.weight, plan, packed):
-        m.native, m.graph_key = True, "native"
-    return True
-
-
-def _set_plan(weight: torch.Tensor, plan: tuple[int, ...], packed: torch.Tensor | None) -> bool:
-    """Give `weight` its plan (and packed copy) for the Python operator, and for the C++
-    one where it is built. Whether the C++ operator has it."""
-    weight.inflight_plan = plan
+    m.weight.inflight_plan = plan
     if packed is not None:
-        weight.inflight_packed = packed
-    if not native.available():
-        return False
-    native.plan_linear(weight, plan, packed, cpu_woq.float_linear_address() if KERNEL in plan else 0)
+        m.weight.inflight_packed = packed
     return True
 
 

@@ -98,13 +98,6 @@ def available() -> bool:
     return not isinstance(_library(), str)
 
 
-def float_linear_address() -> int:
-    """The address of `inflight_float_linear` (for the C++ operator, `native.py`), or 0
-    when the library is unavailable."""
-    lib = _library()
-    return 0 if isinstance(lib, str) else ctypes.cast(lib.inflight_float_linear, ctypes.c_void_p).value
-
-
 def vector_width() -> int:
     """Float lanes of the kernel's vector tiles as built for this CPU: 16 (AVX-512), 8 (AVX2
     with FMA), 0 (neither: only its plain loop, which layers do not use, `fast`; or no

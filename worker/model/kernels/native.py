@@ -13,11 +13,7 @@ Operators (namespace `inflight_native`):
     lora_bind_torch(), lora_unbind()
         a step the kernel does not serve (every call takes the torch path); no step;
     lora_delta(x, y, projection)
-        `inflight::lora_delta`'s contract (`worker.model.lora.lora_delta_op`);
-    linear_plan(weight, how, packed, kernel)
-        register a float32 weight's plan (`plan_linear`);
-    float_linear(x, weight, bias)
-        `inflight::float_linear`'s contract (`worker.model.small_batch.float_linear`).
+        `inflight::lora_delta`'s contract (`worker.model.lora.lora_delta_op`).
 """
 
 from __future__ import annotations
@@ -51,7 +47,6 @@ def _loaded() -> str | None:
         log.warning("the CPU kernels' C++ operators are unavailable (%s); their calls go through Python", why[:500])
         return why
     torch.library.register_fake("inflight_native::lora_delta")(_lora_delta_fake)
-    torch.library.register_fake("inflight_native::float_linear")(_float_linear_fake)
     global LOADED
     LOADED = True
     return None
@@ -59,31 +54,6 @@ def _loaded() -> str | None:
 
 def _lora_delta_fake(x: torch.Tensor, y: torch.Tensor, projection: int) -> None:
     return None
-
-
-def _float_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-def plan_linear(weight: torch.Tensor, plan: tuple[int, ...], packed: torch.Tensor | None, kernel: int) -> None:
-    """Register `weight`'s plan for `inflight_native::float_linear` (held while the tensor
-    lives; registering again replaces it).
-
-    Args:
-        weight: the layer's `[out_features, in_features]` float32 weight (or a packed-only
-            layer's `[out_features, 0]` placeholder): the very tensor the layer passes.
-        plan: one method per row bucket (`small_batch.PROBE_ROWS`: 0 torch, 1 kernel, 2 oneDNN).
-        packed: the weight in oneDNN's layout, needed where the plan uses oneDNN.
-        kernel: the small-batch kernel's address (`cpu_woq.float_linear_address`), needed
-            where the plan uses it; 0 otherwise.
-
-    Raises:
-        RuntimeError: the operators are unavailable, or a plan the operator refuses (a
-            method out of range, one whose kernel or packed weight is missing).
-    """
-    if not available():
-        raise RuntimeError("plan_linear: the C++ operators are unavailable")
-    torch.ops.inflight_native.linear_plan(weight, list(plan), packed, kernel)
 
 
 def available() -> bool:
