@@ -64,6 +64,20 @@ def tiny_checkpoint(arch: str) -> Path:
     return out
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _linear_plans_of_this_session(tmp_path_factory):
+    """`model.cpu_linear: auto` times its plans afresh in each test session and keeps them
+    for it (`worker.model.linear_plans`), instead of reading the box's file of earlier
+    runs (where the suite would time nothing, and a timing change would go untested)."""
+    from worker.model import linear_plans
+
+    path = tmp_path_factory.mktemp("linear-plans")
+    real = linear_plans.plans_dir
+    linear_plans.plans_dir = lambda: path
+    yield
+    linear_plans.plans_dir = real
+
+
 # Files whose one test holds a core for minutes: collected first, so pytest-xdist's
 # `--dist loadfile` (files handed out in collection order) starts them while the rest of
 # the suite runs beside them, instead of last as a tail one worker runs alone (measured

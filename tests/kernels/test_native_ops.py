@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from worker.model.kernels import cbuild, cpu_lora, native
 from worker.model.lora import LoRAWeights, build_step, lora_step
 
-pytestmark = pytest.mark.skipif(not (cpu_lora.available() and native.available()),
-                                reason="no C/C++ compiler, or neither AVX-512 nor AVX2 + FMA")
+needs_native = pytest.mark.skipif(not (cpu_lora.available() and native.available()),
+                                  reason="no C/C++ compiler, or neither AVX-512 nor AVX2 + FMA")
 
 SHAPES = {"q_proj": (48, 40), "o_proj": (40, 24), "up_proj": (24, 48)}  # three projections of different widths
 
@@ -44,6 +44,7 @@ def inputs(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(n, i, generator=g), torch.randn(n, o, generator=g)) for i, o in SHAPES.values()]
 
 
+@needs_native
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(-1, 3), min_size=1, max_size=40), st.integers(0, 2**16))
 def test_in_a_step_the_operator_gives_what_the_bound_kernel_gives(token_slots, seed):
@@ -58,6 +59,7 @@ def test_in_a_step_the_operator_gives_what_the_bound_kernel_gives(token_slots, s
             assert torch.equal(y, want)
 
 
+@needs_native
 def test_tensors_the_kernel_does_not_take_go_to_the_torch_path():
     token_slots = [0, 1, -1, 0, 3, 3, 2]
     w = lora_weights(7)
@@ -75,6 +77,7 @@ def test_tensors_the_kernel_does_not_take_go_to_the_torch_path():
     assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@needs_native
 def test_outside_a_step_in_a_step_without_adapters_and_in_another_thread_it_adds_nothing():
     w = lora_weights(3)
     step = bound_step([0, 1, 2], w)
@@ -104,6 +107,7 @@ def test_outside_a_step_in_a_step_without_adapters_and_in_another_thread_it_adds
     assert torch.equal(y, after)
 
 
+@needs_native
 def test_a_step_whose_grouping_has_no_kernel_takes_the_torch_path():
     w = lora_weights(5)
     step = build_step([0, 1, -1], torch.device("cpu"), w.max_loras)
@@ -121,3 +125,38 @@ def test_a_build_without_a_cxx_compiler_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached build to find
     why = cbuild.build_torch_ops(native.SOURCE)
     assert isinstance(why, str) and "no-such-c++" in why
+
+
+@needs_native
+def test_a_step_that_raises_leaves_its_thread_unbound():
+    w = lora_weights(11)
+    step = bound_step([0, 1], w)
+    (x, y), *_ = inputs(2, 11)
+    before = y.clone()
+    with pytest.raises(ValueError, match="the forward failed"), lora_step(step):
+        raise ValueError("the forward failed")
+    torch.ops.inflight_native.lora_delta(x, y, 0)
+    assert torch.equal(y, before)
+
+
+@needs_native
+def test_the_operator_a_hook_adds_is_part_of_a_captured_forwards_key(monkeypatch):
+    """A forward captured with the C++ operator never loads where the hooks add the Python
+    one (a box without a C++ compiler), nor the other way round."""
+    from worker.model.compiled import artifact_key
+
+    def model(native_op: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        root = torch.nn.Module()
+        root.layers = torch.nn.ModuleList([torch.nn.Linear(i, o) for i, o in SHAPES.values()])
+        modules = {f"model.layers.{k}.proj": m for k, m in enumerate(root.layers)}
+        with monkeypatch.context() as m:
+            if not native_op:
+                m.setattr(native, "available", lambda: False)
+            w = LoRAWeights(modules, 2, 8, torch.device("cpu"), torch.float32)
+        assert w.native == native_op
+        root.lora = w  # kept alive with the model, as the runner keeps it
+        return root
+
+    assert artifact_key(model(True)) == artifact_key(model(True))
+    assert artifact_key(model(True)) != artifact_key(model(False))

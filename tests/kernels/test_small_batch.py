@@ -323,7 +323,7 @@ def test_auto_keeps_its_plans_per_box_and_a_later_start_reads_them(monkeypatch, 
     first = model()
     small_batch.install(first)
     assert timed == [(512, 256), (256, 512)]
-    (kept,) = (tmp_path / "plans").iterdir()
+    (kept,) = (tmp_path / "plans").glob("*.json")
     assert json.loads(kept.read_text()).keys() == {"512,256,1,0,1", "256,512,0,0,1"}
 
     def refuse(*a):
@@ -355,3 +355,29 @@ def test_auto_keeps_its_plans_per_box_and_a_later_start_reads_them(monkeypatch, 
     finally:
         torch.set_num_threads(threads)
     assert len(list((tmp_path / "plans").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("bad", [[9] * 7, [1], [], [0] * 7, [True] * 7, [small_batch.KERNEL] * 7])
+def test_a_kept_plan_that_does_not_fit_its_shape_is_timed_again(bad, monkeypatch, tmp_path):
+    """Out of range, the wrong length, all torch (the layer would change class for
+    nothing), not ints, or the kernel past `MAX_ROWS`: timed again, never applied."""
+    from worker.model import linear_plans
+
+    monkeypatch.setattr(linear_plans, "plans_dir", lambda: tmp_path)
+    monkeypatch.setattr(linear_plans, "_TABLES", {})
+    cache = linear_plans.PlanCache.for_this_box(torch.backends.mkldnn.is_available())
+    cache.put((48, 64, True, False, True), tuple(bad))
+    cache.save()
+    monkeypatch.setattr(linear_plans, "_TABLES", {})  # as a new process
+    timed = []
+    real = small_batch._timed_plan
+    monkeypatch.setattr(small_batch, "_timed_plan", lambda m, *a: timed.append(m.weight.shape) or real(m, *a))
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48))
+    want = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    small_batch.install(model)
+    assert timed == [(48, 64)]
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert close(model(x), reference(x, *want))
+    assert small_batch._plan_fits(getattr(model[0].weight, "inflight_plan", None), False, True)

@@ -146,8 +146,8 @@ def lora_step(step: LoRAStep | None) -> Iterator[None]:
     """Make `step` the current forward's adapter grouping (read by the hooks and the
     operators; in the C++ operator's binding for this thread too, once that is loaded)."""
     token = _STEP.set(step)
-    _bind_native(step)
     try:
+        _bind_native(step)
         yield
     finally:
         _STEP.reset(token)

@@ -185,7 +185,7 @@ def install(model: torch.nn.Module, plain_copy_bytes: int | None = None, policy:
                 plans[key] = _fixed_plan(large, kernel, packable)
             else:
                 kept, plans[key] = cache.get(key)
-                if not kept:
+                if not (kept and _plan_fits(plans[key], large, kernel)):
                     plans[key], packed = _timed_plan(m, large, kernel, packable)
                     cache.put(key, plans[key])
                     timed += 1
@@ -224,6 +224,21 @@ def _kernel_takes(m: torch.nn.Linear, width: int) -> bool:
     b = m.bias
     return (m.in_features % width == 0 and m.weight.is_contiguous()
             and (b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.shape == (m.out_features,))))
+
+
+def _plan_fits(plan: tuple[int, ...] | None, large: bool, kernel: bool) -> bool:
+    """Whether a kept plan (`linear_plans`) is one `_timed_plan` could have made for a
+    weight of this kind: a method per row bucket, each TORCH / KERNEL / PACKED, some not
+    TORCH; the kernel only where it takes the layer and for at most `MAX_ROWS` rows; a
+    large weight oneDNN's at every row count."""
+    if plan is None:
+        return True
+    if (len(plan) != len(PROBE_ROWS) or not all(type(h) is int and h in (TORCH, KERNEL, PACKED) for h in plan)
+            or not any(plan)):
+        return False
+    if large:
+        return all(h == PACKED for h in plan)
+    return all(h != KERNEL or (kernel and r <= MAX_ROWS) for h, r in zip(plan, PROBE_ROWS))
 
 
 def _fixed_plan(large: bool, kernel: bool, packable: bool) -> tuple[int, ...] | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -32,10 +33,21 @@ SOURCE = Path(__file__).with_name("native_ops.cpp")
 LOADED = False  # the operators are loaded into this process (set by the first `available()` that loads them)
 
 
+_LOAD_LOCK = threading.Lock()
+
+
 @functools.cache
 def _loaded() -> str | None:
     """None once the operators are loaded into this process, else why they are not (logged
-    once)."""
+    once). Engines made in two threads at once load them once."""
+    with _LOAD_LOCK:
+        return _load()
+
+
+def _load() -> str | None:
+    global LOADED
+    if LOADED:
+        return None
     built = cbuild.build_torch_ops(SOURCE)
     why = built if isinstance(built, str) else None
     if why is None:
@@ -47,7 +59,6 @@ def _loaded() -> str | None:
         log.warning("the CPU kernels' C++ operators are unavailable (%s); their calls go through Python", why[:500])
         return why
     torch.library.register_fake("inflight_native::lora_delta")(_lora_delta_fake)
-    global LOADED
     LOADED = True
     return None
 

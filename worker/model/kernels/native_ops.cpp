@@ -11,7 +11,11 @@
  *     (`lora_bind`), as `worker.model.lora.lora_step` sets the Python side's step; a call
  *     in a thread with no step bound adds nothing; a call the kernel cannot take (no
  *     kernel bound, or tensors of another shape, dtype, device or layout) goes to
- *     `inflight::lora_delta`, the torch path, which reads the same step.
+ *     `inflight::lora_delta`, the torch path, which reads the same step. The binding holds
+ *     the grouping's index tensors and the weight table, not the weight buffers whose
+ *     addresses the table carries: the caller keeps them for as long as the binding
+ *     stands (`LoRAWeights` lives with its engine, and `lora_step` unbinds when its step
+ *     ends). `lora_bind` calls whatever address it is given: an internal operator.
  */
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
