@@ -2,7 +2,7 @@
 
 transformers' modules (embeddings, norms, projections, RoPE, MLP, the LM head) are traced
 and compiled by Inductor; each attention call is `torch.ops.inflight.attention`
-(`worker.model.attention.attention_op`, a `torch.library.custom_op`), which a trace keeps
+(`worker.model.attention.attention_op`, declared with `torch.library.Library`), which a trace keeps
 as a single node without tracing into it, so the graph has no break at attention and the
 op runs the same back end (`worker.model.kernels`) as the eager forward: the split vLLM
 makes for its piecewise graphs (its `unified_attention` op), here one graph around
