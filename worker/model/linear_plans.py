@@ -11,8 +11,8 @@ autotuner's cache, as Triton's and inductor's keep their choices).
 File: `<cache>/inflight/linear-plans/<hash>.json` (`<cache>`: `$XDG_CACHE_HOME`, default
 `~/.cache`), the hash of what the timings depend on: the CPU (model name and feature
 flags), the machine, torch's version and intra-op thread count, whether oneDNN can pack
-weights, the kernel's build (`cbuild`: source, compiler and flags), and the sources of
-the paths (`small_batch.py`, `cpu_woq.c`). One entry per
+weights, the kernel's build (`cbuild`: `cpu_woq.c`'s source, the compiler and flags),
+and the timing's source (`small_batch.py`). One entry per
 weight shape, `"out,in,bias,large,kernel"` -> the plan (a list of methods, `small_batch.TORCH` /
 `KERNEL` / `PACKED` per row bucket) or null (torch's GEMM throughout). Delete the file to
 time again at the next start; a file that does not parse, or a plan that does not fit its
@@ -45,11 +45,8 @@ ShapeKey = tuple[int, int, bool, bool, bool]  # out_features, in_features, bias,
 Plan = tuple[int, ...] | None
 
 
-def _source(*parts: str) -> Path:
-    return Path(__file__).parent.joinpath(*parts)
-
-
-SOURCES = (_source("small_batch.py"), _source("kernels", "cpu_woq.c"))
+# the timing's own source; the kernel's source, compiler and flags come in by its build's name
+SOURCES = (Path(__file__).with_name("small_batch.py"),)
 
 
 _TABLES: dict[Path, PlanCache] = {}

@@ -30,25 +30,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inflight" / "kernels"
 
 
-def _cpu_flags() -> str:
+def _cpuinfo(*prefixes: str) -> str:
+    """`/proc/cpuinfo`'s first line starting with each prefix group, joined by newlines (a
+    group's absent line is empty); the platform's processor name where it cannot be read."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    return "\n".join(next((ln for ln in lines if ln.startswith(p)), "") for p in prefixes)
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo(("flags", "Features")) or platform.processor()
 
 
 def cpu_identity() -> str:
     """The CPU's model name and feature flags (`/proc/cpuinfo`'s first), or the platform's
     processor name where those cannot be read: what a timing made on this CPU holds for."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    name = next((ln for ln in lines if ln.startswith("model name")), "")
-    return f"{name}\n{_cpu_flags()}"
+    return _cpuinfo("model name", ("flags", "Features"))
 
 
 def build(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | str:
