@@ -119,11 +119,11 @@ def test_a_failing_draft_model_costs_the_guesses_not_the_requests(llama_path, en
     engine = make_engine(llama_path, draft_checkpoint("llama"))
     calls = []
 
-    def broken(sched):
-        calls.append(sched.step)
+    def broken(rows, steps, step):
+        calls.append(step)
         raise RuntimeError("draft device lost")
 
-    engine.core.drafter.runner.execute = broken
+    engine.core.drafter.runner.greedy_steps = broken  # the draft model's forwards
     stats = []
     real_step = engine.core.step
 

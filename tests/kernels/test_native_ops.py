@@ -1,19 +1,29 @@
 """The torch operators written in C++ (`worker/model/kernels/native_ops.cpp` through
 `native.py`): `inflight_native::lora_delta` gives what the bound kernel gives inside a
 step, what the torch path gives for tensors the kernel does not take, and nothing outside
-a step, in another thread or inside a step without adapters; and a build without a C++
-compiler says why instead of raising."""
+a step, in another thread or inside a step without adapters; `inflight_native::attention`
+gives the Python op's bits and caches in a step of decodes, the reference's values for
+short chunks, and hands every call its binding does not cover to the Python op; and a
+build without a C++ compiler says why instead of raising."""
 
 from __future__ import annotations
 
+import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from worker.model.kernels import cbuild, cpu_lora, native
+from schemas.params import SamplingParams
+from tests.kernels.test_triton_attention import NUM_BLOCKS, NUM_KV_HEADS
+from tests.kernels.test_triton_attention import runner as attention_runner
+from worker.engine.outputs import ScheduledRequest, SchedulerOutput
+from worker.model import attention
+from worker.model.attention import NATIVE_MAX_CHUNK, NativeLayers, native_attention_step, step_metadata
+from worker.model.kernels import cbuild, cpu_attn, cpu_lora, native
 from worker.model.lora import LoRAWeights, build_step, lora_step
 
 needs_native = pytest.mark.skipif(not (cpu_lora.available() and native.available()),
@@ -160,3 +170,158 @@ def test_the_operator_a_hook_adds_is_part_of_a_captured_forwards_key(monkeypatch
 
     assert artifact_key(model(True)) == artifact_key(model(True))
     assert artifact_key(model(True)) != artifact_key(model(False))
+
+
+# ---- inflight_native::attention ----------------------------------------------------------------
+needs_native_attention = pytest.mark.skipif(not (cpu_attn.available() and native.available()),
+                                            reason="no C/C++ compiler for the decode kernel or the C++ operators")
+
+
+class Layer(torch.nn.Module):
+    """An attention module as the step's metadata names it (`md.modules`)."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+
+
+def step_of(rng: random.Random, block_size: int, contexts: list[int], chunks: list[tuple[int, int]]) -> SchedulerOutput:
+    """Decodes (each row's context after the step) then chunks (start, tokens), on
+    shuffled blocks."""
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    rows = []
+    for i, (start, n) in enumerate([(c - 1, 1) for c in contexts] + chunks):
+        table = [free.pop() for _ in range(-(-(start + n) // block_size))]
+        ids = [rng.randrange(500) for _ in range(start + n)]
+        rows.append(ScheduledRequest(f"s{i}", ids[start:], start, table, True, SamplingParams(), ids))
+    return SchedulerOutput(step=1, scheduled=rows, num_scheduled_tokens=sum(r.num_tokens for r in rows),
+                           num_decodes=len(contexts))
+
+
+def attention_case(seed: int, head_dim: int, group: int, chunks: list[tuple[int, int]] = (), block_size: int = 16):
+    """A CPU runner with random K/V in its one layer, a step of it (decodes of random
+    contexts, then `chunks`) and its metadata, and the layer's new q, k, v in
+    transformers' layout (`[1, heads, tokens, dim]`, q strided as the model's)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    r = attention_runner(cpu_attn, block_size, head_dim, torch.float32)
+    for c in r.kv_caches[0]:
+        c.copy_(torch.randn_like(c))
+    sched = step_of(rng, block_size, [1, block_size, 2 * block_size + 1, rng.randint(2, 3 * block_size)], list(chunks))
+    md = replace(r.build_metadata(sched)[2], modules={0: Layer(0)})
+    n, heads = sched.num_scheduled_tokens, NUM_KV_HEADS * group
+    q = torch.randn(1, n, heads, head_dim).transpose(1, 2)  # [1, heads, n, dim], strided
+    k, v = torch.randn(1, NUM_KV_HEADS, n, head_dim), torch.randn(1, NUM_KV_HEADS, n, head_dim)
+    return r, md, (q, k, v)
+
+
+def python_op(r, md, qkv, window: int = 0, softcap: float = 0.0):
+    """`inflight::attention` (the Python op) on copies of the runner's caches: (out, caches)."""
+    caches = [tuple(c.clone() for c in r.kv_caches[0])]
+    md = replace(md, kv_caches=caches)
+    with step_metadata(md):
+        out = torch.ops.inflight.attention(*qkv, 0, qkv[0].shape[-1] ** -0.5, window, softcap, None, qkv[2].shape[-1])
+    return out, caches[0]
+
+
+def native_op(r, md, qkv, window: int = 0, softcap: float = 0.0, layers=None):
+    """`inflight_native::attention` inside `native_attention_step` on copies of the caches."""
+    caches = [tuple(c.clone() for c in r.kv_caches[0])]
+    md = replace(md, kv_caches=caches)
+    if layers is None:
+        layers = NativeLayers([caches[0][0]], [caches[0][1]], cpu_attn.kernel_address())
+    with step_metadata(md), native_attention_step(md, layers):
+        out = torch.ops.inflight_native.attention(*qkv, 0, qkv[0].shape[-1] ** -0.5, window, softcap, None,
+                                                  qkv[2].shape[-1])
+    return out, caches[0]
+
+
+@needs_native_attention
+@pytest.mark.parametrize("head_dim,group,window", [(32, 1, 0), (32, 4, 0), (80, 2, 7), (128, 8, 0)])
+def test_a_step_of_decodes_gives_the_python_ops_bits(head_dim, group, window):
+    r, md, qkv = attention_case(head_dim * 10 + group, head_dim, group)
+    want, want_caches = python_op(r, md, qkv, window)
+    got, got_caches = native_op(r, md, qkv, window)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got, want)  # the same kernel on the same values
+    for a, b in zip(got_caches, want_caches):
+        assert torch.equal(a, b)
+
+
+@needs_native_attention
+@pytest.mark.parametrize("chunks", [[(0, 1), (5, 5)], [(16, 3), (0, NATIVE_MAX_CHUNK), (31, 9)]])
+def test_short_chunks_run_token_by_token_as_the_reference_computes_them(chunks):
+    """A speculating decode's verification and a draft model's catch-up: each token of a
+    chunk a row of the decode kernel, causal within the chunk."""
+    r, md, qkv = attention_case(4, 32, 2, chunks)
+    want, want_caches = python_op(r, md, qkv)  # the reference's chunk path
+    got, got_caches = native_op(r, md, qkv)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    calls = []
+    with pytest.MonkeyPatch.context() as m:  # the native op computed it: the Python op was not called
+        m.setattr(attention, "paged_attention_forward", lambda *a, **kw: calls.append(1))
+        native_op(r, md, qkv)
+    assert not calls
+
+
+@needs_native_attention
+def test_calls_the_binding_does_not_cover_go_to_the_python_op():
+    r, md, qkv = attention_case(5, 32, 2, [(3, NATIVE_MAX_CHUNK + 1)])  # a longer chunk: nothing bound
+    want, want_caches = python_op(r, md, qkv)
+    got, got_caches = native_op(r, md, qkv)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    r, md, qkv = attention_case(6, 32, 2)
+    want, _ = python_op(r, md, qkv, softcap=30.0)  # soft-capping: the Python op's
+    got, _ = native_op(r, md, qkv, softcap=30.0)
+    assert torch.equal(got, want)
+    unbound = NativeLayers([torch.empty(0)], [torch.empty(0)], cpu_attn.kernel_address())  # a layer it leaves out
+    want, want_caches = python_op(r, md, qkv)
+    got, got_caches = native_op(r, md, qkv, layers=unbound)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+
+
+@needs_native_attention
+def test_the_binding_is_the_threads_own_and_ends_with_its_step():
+    r, md, qkv = attention_case(8, 32, 1)
+    caches = [tuple(c.clone() for c in r.kv_caches[0])]
+    md = replace(md, kv_caches=caches)
+    layers = NativeLayers([caches[0][0]], [caches[0][1]], cpu_attn.kernel_address())
+    seen = {}
+
+    def other_thread():  # no step here: the call goes to the Python op, which finds no metadata either
+        try:
+            torch.ops.inflight_native.attention(*qkv, 0, 0.1, 0, 0.0, None, 32)
+        except RuntimeError as e:
+            seen["error"] = str(e)
+
+    with native_attention_step(md, layers):
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    assert "no attention module" in seen["error"]
+    with pytest.raises(RuntimeError, match="no attention module"):  # the step ended: unbound
+        torch.ops.inflight_native.attention(*qkv, 0, 0.1, 0, 0.0, None, 32)
+
+
+@needs_native_attention
+def test_negative_slots_are_not_written():
+    """A decode graph's padding rows (slot -1) write nothing, as the Python op's `write_kv`."""
+    r, md, qkv = attention_case(9, 32, 1)
+    slots = md.slot_mapping.clone()
+    slots[1] = -1
+    md = replace(md, slot_mapping=slots)
+    want, want_caches = python_op(r, md, qkv)
+    got, got_caches = native_op(r, md, qkv)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+
+
+@needs_native_attention
+def test_the_attention_operator_is_part_of_a_captured_forwards_key(monkeypatch):
+    from worker.model.compiled import artifact_key
+
+    model = torch.nn.Linear(4, 4)
+    with_native = artifact_key(model)
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert artifact_key(model) != with_native

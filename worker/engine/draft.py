@@ -59,7 +59,8 @@ class Drafter:
 
     Args:
         runner: a `ModelRunner` over the draft model, with the engine's number of blocks
-            and block size (any `Runner`: tests pass a `NullRunner`).
+            and block size: its `greedy_steps` make the guesses (one forward per guess,
+            no sampler).
         vocab_size: the model's vocabulary (logit rows): guesses from here on are cut.
         max_model_len: the draft model's context, tokens.
     """
@@ -165,32 +166,28 @@ class Drafter:
             rows.append(ScheduledRequest(s.request_id, tokens[start:], start, s.block_ids, True, GREEDY, tokens))
         out: dict[str, list[int]] = {rid: [] for rid in wanted}
         states = {s.request_id: req.spec for s, req in pending}
-        while rows:
-            sampled = self.runner.execute(_batch(rows, step)).sampled_token_ids
-            self.num_forwards += 1
-            self.num_tokens_fed += sum(len(r.token_ids) for r in rows)
+        while rows:  # rounds of as many forwards as every row still wants (all of them, when k is the same)
+            steps = min(wanted[r.request_id] - len(out[r.request_id]) for r in rows)
+            guessed = self.runner.greedy_steps(rows, steps, step)
+            self.num_forwards += steps
+            self.num_tokens_fed += sum(len(r.token_ids) for r in rows) + (steps - 1) * len(rows)
             feed = []
             for row in rows:
-                rid = row.request_id
-                guess = sampled[rid][0]
-                if guess >= self.vocab_size:  # the model cannot read it: the draft ends before it
-                    continue
-                out[rid].append(guess)
-                if len(out[rid]) < wanted[rid]:
-                    states[rid].draft_fed.append(guess)
-                    feed.append(ScheduledRequest(rid, [guess], row.start_pos + len(row.token_ids), row.block_ids,
-                                                 True, GREEDY, []))
+                rid, guesses = row.request_id, guessed[row.request_id]
+                kept = 0
+                for guess in guesses:
+                    if guess >= self.vocab_size:  # the model cannot read it: the draft ends before it
+                        break
+                    out[rid].append(guess)
+                    kept += 1
+                    if len(out[rid]) == wanted[rid]:
+                        break
+                    states[rid].draft_fed.append(guess)  # fed to the draft model, in this round or the next
+                if kept == steps and len(out[rid]) < wanted[rid]:
+                    feed.append(ScheduledRequest(rid, [guesses[-1]], row.start_pos + len(row.token_ids) + steps - 1,
+                                                 row.block_ids, True, GREEDY, []))
             rows = feed
         return out
-
-
-def _batch(rows: list[ScheduledRequest], step: int) -> SchedulerOutput:
-    """The draft model's forward over `rows`: one-token rows past position 0 first (the
-    runner's decode rows), then the chunks."""
-    decodes = [r for r in rows if len(r.token_ids) == 1 and r.start_pos > 0]
-    chunks = [r for r in rows if not (len(r.token_ids) == 1 and r.start_pos > 0)]
-    return SchedulerOutput(step=step, scheduled=decodes + chunks,
-                           num_scheduled_tokens=sum(len(r.token_ids) for r in rows), num_decodes=len(decodes))
 
 
 def load_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, loaded: LoadedModel) -> LoadedModel:

@@ -34,7 +34,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from transformers import AttentionInterface
 
 from worker.model.capability import LayerKV
-from worker.model.kernels import kv_int8
+from worker.model.kernels import kv_int8, native
 from worker.model.kernels.params import AttentionParams
 
 ATTN_IMPLEMENTATION = "inflight_paged"
@@ -201,7 +201,11 @@ def paged_attention_forward(
     """
     latent = getattr(module, "inflight_latent", None)
     if traced():  # one opaque op of the compiled graph (worker.model.compiled)
-        out = torch.ops.inflight.attention(
+        # `native.LOADED`, not `native_in_graph`: the key computed it before the trace (and a
+        # cached function would break the graph)
+        native_op = query.device.type == "cpu" and native.LOADED
+        op = torch.ops.inflight_native.attention if native_op else torch.ops.inflight.attention
+        out = op(
             query, key, value, module.layer_idx, float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
             int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux"),
             latent.v_dim if latent is not None else value.shape[-1])
@@ -314,6 +318,88 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
 _LIB.impl("attention", attention_op, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("inflight::attention", lib=_LIB)
-def _(query, key, value, layer, scaling, sliding_window, softcap, sinks, v_head_dim):
-    return query.new_empty(1, query.shape[2], query.shape[1], v_head_dim)
+# ---- the same op in C++ for steps of decodes (kernels/native_ops.cpp) ------------------------
+def native_in_graph(device_type: str) -> bool:
+    """Whether a forward traced for `device_type` calls `inflight_native::attention` (the
+    C++ operators loaded, on the CPU) rather than `inflight::attention`: a captured
+    forward's key says which (`worker.model.compiled.artifact_key`)."""
+    return device_type == "cpu" and native.available()
+
+
+@dataclass(frozen=True)
+class NativeLayers:
+    """A runner's caches as `inflight_native::attention` takes them: per layer its fp32
+    key and value caches, or empty tensors where the layer's calls go to the Python op
+    (no cache, int8 caches, ALiBi, latent attention); and the decode kernel's address."""
+
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    kernel: int
+
+
+def native_layers(kv_caches: list, kv_scales: list | None, modules: dict[int, torch.nn.Module] | None,
+                  backend: ModuleType) -> NativeLayers | None:
+    """The layers a runner's compiled forward hands to the C++ op (`NativeLayers`), or
+    None where no call would take it: the op not loaded, a back end other than the CPU
+    kernels' (`kernels/cpu_attn.py`) or its kernel unbuilt, int8 caches, or no modules
+    known (the forward not compiled)."""
+    if not native.available() or getattr(backend, "kernel_address", None) is None or kv_scales is not None \
+            or modules is None:
+        return None
+    kernel = backend.kernel_address()
+    if kernel is None:
+        return None
+    empty = torch.empty(0)
+    ks, vs = [], []
+    for layer, caches in enumerate(kv_caches):
+        module = modules.get(layer)
+        plain = (caches is not None and module is not None and getattr(module, "inflight_latent", None) is None
+                 and getattr(module, "inflight_alibi_slopes", None) is None
+                 and all(c.dtype == torch.float32 and c.device.type == "cpu" for c in caches))
+        ks.append(caches[0] if plain else empty)
+        vs.append(caches[1] if plain else empty)
+    return NativeLayers(ks, vs, kernel)
+
+
+NATIVE_MAX_CHUNK = 16  # chunks up to this many tokens run as one-token rows of the decode kernel
+
+
+@contextlib.contextmanager
+def native_attention_step(md: AttentionMetadata, layers: NativeLayers | None) -> Iterator[None]:
+    """Bind the step `md` for `inflight_native::attention` in this thread for the duration
+    of one forward: a step of decodes, and chunks of at most `NATIVE_MAX_CHUNK` tokens
+    (a speculating decode's verification, a draft model's catch-up), each of whose tokens
+    is a row of the decode kernel reading its context up to itself (the chunk's K/V are
+    written first). A step with a longer chunk, or the load check's trace, binds nothing:
+    its calls go to the Python op (the reference's matrix products for long prefills)."""
+    bind = (layers is not None and md.trace is None and md.kv_caches is not None
+            and md.slot_mapping.device.type == "cpu"
+            and (md.num_decodes == md.slot_mapping.shape[0] or md.max_query_len <= NATIVE_MAX_CHUNK))
+    if not bind:
+        yield
+        return
+    tables, seq_lens = (md.block_tables, md.seq_lens) if md.num_decodes == md.slot_mapping.shape[0] \
+        else token_rows(md.query_start_loc, md.block_tables, md.seq_lens)
+    torch.ops.inflight_native.attention_bind(layers.k_caches, layers.v_caches, md.slot_mapping, tables, seq_lens,
+                                             torch.get_num_threads(), layers.kernel)
+    try:
+        yield
+    finally:
+        torch.ops.inflight_native.attention_unbind()
+
+
+def token_rows(query_start: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of a packed step as a decode row: its sequence's block table `[tokens,
+    max_blocks]` int32 and its own context length (its position + 1) `[tokens]` int32.
+
+    Args:
+        query_start: `[num_seqs + 1]` each sequence's first token in the step (int32).
+        block_tables: `[num_seqs, max_blocks]` int32; seq_lens: `[num_seqs]` context
+            after the step, int32.
+    """
+    starts = query_start.long()
+    owner = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), starts[1:] - starts[:-1])
+    behind = starts[1:].index_select(0, owner) - 1 - torch.arange(owner.shape[0])  # tokens after it in its chunk
+    lens = seq_lens.long().index_select(0, owner) - behind
+    return block_tables.index_select(0, owner), lens.to(torch.int32)

@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 import worker.model.attention  # noqa: F401  (registers torch.ops.inflight.attention)
+from worker.model.attention import native_in_graph
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,8 @@ def artifact_key(model: torch.nn.Module) -> str:
     name, shape, dtype, stride and device type of every parameter and buffer, the class of
     every module (`worker.model.small_batch` changes some), the forward hooks on its
     modules and the operator each adds to the graph where it says (its `graph_key`: LoRA's,
-    `worker.model.lora`, add the C++ operator or the Python one), the source of its
+    `worker.model.lora`, add the C++ operator or the Python one), which attention operator
+    the trace calls (`worker.model.attention.native_in_graph`), the source of its
     modeling module and of this package's modules (what the trace runs through), and the
     versions of Python, torch and transformers. Weights' values are inputs of the
     artifact, not part of it: a checkpoint with other weights of the same shapes shares it."""
@@ -149,8 +151,12 @@ def artifact_key(model: torch.nn.Module) -> str:
     for part in (sys.version, torch.__version__, transformers.__version__, type(model).__qualname__,
                  config.to_json_string(use_diff=False) if config is not None else ""):
         h.update(part.encode() + b"\0")
+    device_types = set()
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.stride()}:{t.device.type}\0".encode())
+        device_types.add(t.device.type)
+    for device_type in sorted(device_types):  # which attention operator the trace puts in the graph
+        h.update(f"attention:{device_type}:{native_in_graph(device_type)}\0".encode())
     for name, m in model.named_modules():
         h.update(f"module:{name}:{type(m).__qualname__}\0".encode())  # e.g. `small_batch.SmallBatchLinear`
         for hook in m._forward_hooks.values():

@@ -27,8 +27,11 @@ from worker.engine.outputs import (
 from worker.model.attention import (
     AttentionMetadata,
     DecodeGroup,
+    NativeLayers,
     PrefillSpan,
     attention_modules,
+    native_attention_step,
+    native_layers,
     step_metadata,
 )
 from worker.model.capability import KVLayout, LayerKV
@@ -117,6 +120,8 @@ class ModelRunner:
         self.compile_error: Exception | None = None  # what made the compiled forward go eager, if it did
         # the compiled forward's attention modules by layer_idx, handed to its ops in each step's metadata
         self.attention_modules: dict[int, torch.nn.Module] | None = None
+        # the caches the compiled forward's C++ attention op takes in steps of decodes (`compile`)
+        self.native_layers: NativeLayers | None = None
         self.graphs: DecodeGraphs | None = None  # decode-only steps replayed from graphs (`capture_graphs`)
         self.host_kv: HostKVBuffers | None = None  # the host-memory KV tier (`allocate_host_kv`)
 
@@ -141,6 +146,7 @@ class ModelRunner:
         from worker.model import compiled
 
         self.attention_modules = attention_modules(self.model)
+        self.native_layers = native_layers(self.kv_caches, self.kv_scales, self.attention_modules, self.backend)
         if artifacts is not None and compiled.precompile_available(self.device.type):
             self.forward_fn = compiled.PrecompiledForward(self.model, artifacts)
         else:
@@ -152,6 +158,7 @@ class ModelRunner:
         self.forward_fn = self.model
         self.compiled = False
         self.attention_modules = None
+        self.native_layers = None
 
     def capture_graphs(self, max_batch: int, max_model_len: int, replay: str = "cuda") -> DecodeGraphs:
         """Capture the forward (as it is now: compiled or eager) as decode graphs for 1 to
@@ -352,26 +359,68 @@ class ModelRunner:
         if after is not None and after.failed():  # done: launches run in order on this thread
             self._copy_kv(sched)  # registered blocks' content: moved whatever the forward does
             raise StepSkipped(f"step {sched.step} was launched behind a step that failed")
-        return self._timed(sched)
+        return self._timed(self._execute, sched)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the packed batch, then sampling for requests whose chunk ends
         their known tokens (device time accounted for `device_busy_s`)."""
-        return self._timed(sched).output()
+        return self._timed(self._execute, sched).output()
 
-    def _timed(self, sched: SchedulerOutput) -> SampledStep:
+    def greedy_steps(self, rows: list[ScheduledRequest], steps: int, step: int = 0) -> dict[str, list[int]]:
+        """`steps` forwards of `rows`, each row fed its own argmax after the first: a
+        draft model's guesses (`worker.engine.draft`), without the sampler, masks or
+        adapters of `execute` (device time accounted the same way).
+
+        Args:
+            rows: chunks that end their request's known tokens (`samples_token`), one
+                per request; each row's blocks must hold its next `steps - 1` positions.
+            steps: forwards, at least 1.
+            step: the step number of the batches (`SchedulerOutput.step`).
+
+        Returns:
+            per request id, the argmax of each forward (`steps` ids).
+        """
+        return self._timed(self._greedy_steps, rows, steps, step)
+
+    @torch.inference_mode()
+    def _greedy_steps(self, rows: list[ScheduledRequest], steps: int, step: int) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {s.request_id: [] for s in rows}
+        decodes = [s for s in rows if len(s.token_ids) == 1 and s.start_pos > 0]  # the runner's decode rows first
+        rows = decodes + [s for s in rows if not (len(s.token_ids) == 1 and s.start_pos > 0)]
+        nd = len(decodes)
+        for i in range(steps):
+            sched = SchedulerOutput(step=step, scheduled=rows, num_decodes=nd,
+                                    num_scheduled_tokens=sum(len(s.token_ids) for s in rows))
+            input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
+            graphs = self.graphs
+            if graphs is not None and graphs.fits(nd, len(rows), len(sample_idx)):
+                logits = graphs.run(input_ids, position_ids, md)
+            else:
+                keep = torch.tensor(sample_idx, device=self.device)
+                logits = self._forward(input_ids, position_ids, md, keep, None)
+            ids = logits.argmax(dim=-1).tolist()
+            for s, token in zip(packed, ids):
+                out[s.request_id].append(token)
+            if i + 1 < steps:  # from here on every row is a one-token decode of its own argmax
+                rows = [ScheduledRequest(s.request_id, [token], s.start_pos + len(s.token_ids), s.block_ids, True,
+                                         s.params, []) for s, token in zip(packed, ids)]
+                nd = len(rows)
+        return out
+
+    def _timed(self, run, *args):
+        """`run(*args)`, its device time added to `device_busy_s`."""
         if self.device.type == "cuda":
             self.device_busy_s()  # fold the previous step in before its events are replaced
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             try:
-                return self._execute(sched)
+                return run(*args)
             finally:
                 end.record()
                 self._pending_events = (start, end)
         t0 = time.perf_counter()
         try:
-            return self._execute(sched)
+            return run(*args)
         finally:
             self._busy_s += time.perf_counter() - t0
 
@@ -440,7 +489,8 @@ class ModelRunner:
         ids2d, pos2d = input_ids.unsqueeze(0), position_ids.unsqueeze(0)
         if self.compiled:  # sizes without a value Dynamo may specialize on (0 and 1 would be): one graph for all
             mark_token_dims(ids2d, pos2d, keep)
-        with step_metadata(md), lora_step(lora):
+        native = self.native_layers if self.compiled else None  # only a compiled graph calls the C++ op
+        with step_metadata(md), lora_step(lora), native_attention_step(md, native):
             try:
                 out = self.forward_fn(input_ids=ids2d, position_ids=pos2d, use_cache=False, logits_to_keep=keep,
                                       **extra)

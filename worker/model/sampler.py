@@ -147,8 +147,10 @@ def _draw(logits: torch.Tensor, reqs: list[ScheduledRequest], params: list,
     their draw is recorded into it (`sample_on_device`'s `generator_states`)."""
     n, vocab = logits.shape
     device = logits.device
-    token_ids = torch.empty(n, dtype=torch.long, device=device)
     greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    if len(greedy_rows) == n:  # every row greedy: no index to build
+        return logits.argmax(dim=-1)
+    token_ids = torch.empty(n, dtype=torch.long, device=device)
     if greedy_rows:
         rows = torch.tensor(greedy_rows, device=device)
         token_ids[rows] = logits[rows].argmax(dim=-1)

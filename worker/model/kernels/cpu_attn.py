@@ -74,6 +74,13 @@ def available() -> bool:
     return not isinstance(_library(), str)
 
 
+def kernel_address() -> int | None:
+    """The fp32 kernel function's address, for the C++ operator (`native.py`) to call
+    it; None if the kernel is unavailable."""
+    lib = _library()
+    return None if isinstance(lib, str) else ctypes.cast(lib.inflight_paged_decode, ctypes.c_void_p).value
+
+
 def unavailable_reason() -> str | None:
     lib = _library()
     return lib if isinstance(lib, str) else None

@@ -13,7 +13,12 @@ Operators (namespace `inflight_native`):
     lora_bind_torch(), lora_unbind()
         a step the kernel does not serve (every call takes the torch path); no step;
     lora_delta(x, y, projection)
-        `inflight::lora_delta`'s contract (`worker.model.lora.lora_delta_op`).
+        `inflight::lora_delta`'s contract (`worker.model.lora.lora_delta_op`);
+    attention_bind(k_caches, v_caches, slots, tables, seq_lens, threads, kernel)
+        bind a step of decodes for the calling thread
+        (`worker.model.attention.native_attention_step`); attention_unbind(): no step;
+    attention(query, key, value, layer, scaling, sliding_window, softcap, sinks, v_head_dim)
+        `inflight::attention`'s contract (`worker.model.attention.attention_op`).
 """
 
 from __future__ import annotations
@@ -59,12 +64,17 @@ def _load() -> str | None:
         log.warning("the CPU kernels' C++ operators are unavailable (%s); their calls go through Python", why[:500])
         return why
     torch.library.register_fake("inflight_native::lora_delta")(_lora_delta_fake)
+    torch.library.register_fake("inflight_native::attention")(_attention_fake)
     LOADED = True
     return None
 
 
 def _lora_delta_fake(x: torch.Tensor, y: torch.Tensor, projection: int) -> None:
     return None
+
+
+def _attention_fake(query, key, value, layer, scaling, sliding_window, softcap, sinks, v_head_dim):
+    return query.new_empty(1, query.shape[2], query.shape[1], v_head_dim)
 
 
 def available() -> bool:

@@ -16,12 +16,27 @@
  *     addresses the table carries: the caller keeps them for as long as the binding
  *     stands (`LoRAWeights` lives with its engine, and `lora_step` unbinds when its step
  *     ends). `lora_bind` calls whatever address it is given: an internal operator.
+ *
+ * inflight_native::attention(query, key, value, layer, scaling, sliding_window, softcap, sinks, v_head_dim)
+ *     `inflight::attention`'s contract for a step of decodes only: the layer's K/V copied
+ *     into its cache slots, then `cpu_decode.c`'s kernel over the block tables, with no
+ *     Python in the call. The step (its slots, block tables and context lengths, the
+ *     kernel's address, each layer's caches) is bound once per step for the calling thread
+ *     (`attention_bind`, by `worker.model.attention.native_attention_step`). A call the
+ *     binding does not cover goes to `inflight::attention`, which reads the same step from
+ *     Python: no step bound, a layer bound without caches (int8 caches, ALiBi, latent
+ *     attention), soft-capping or sinks, or tensors of another shape, dtype or device.
+ *     The binding holds its tensors; `attention_bind` calls whatever address it is given.
  */
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
 
 namespace {
 
@@ -102,6 +117,127 @@ void lora_delta(const at::Tensor &x, const at::Tensor &y, int64_t projection) {
     torch_path.call(x, y, projection);
 }
 
+
+/* ---- paged decode attention ------------------------------------------------------------ */
+
+using DecodeFn = int (*)(const float *, const float *, const float *, const int32_t *, const int32_t *, float *,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, float, int64_t, int64_t);
+
+struct AttentionStep {
+    DecodeFn fn = nullptr;  // the kernel; none bound: every call takes the Python path
+    std::vector<at::Tensor> k_caches, v_caches;  // per layer; an empty tensor: that layer takes the Python path
+    at::Tensor slots, tables, seq_lens;  // [tokens] int64, [tokens, max_blocks] int32, [tokens] int32
+    int64_t threads = 1;
+};
+
+thread_local AttentionStep attention_step;
+
+bool cache_ok(const at::Tensor &c) {
+    return c.dim() == 4 && c.scalar_type() == at::kFloat && c.device().is_cpu() && c.stride(3) == 1;
+}
+
+void attention_bind(const std::vector<at::Tensor> &k_caches, const std::vector<at::Tensor> &v_caches,
+                    const at::Tensor &slots, const at::Tensor &tables, const at::Tensor &seq_lens, int64_t threads,
+                    int64_t kernel) {
+    TORCH_CHECK(k_caches.size() == v_caches.size(), "attention_bind: one value cache per key cache");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.device().is_cpu() && slots.is_contiguous() && slots.dim() == 1,
+                "attention_bind: slots must be a contiguous 1-d int64 CPU tensor");
+    const int64_t tokens = slots.numel();
+    TORCH_CHECK(tables.scalar_type() == at::kInt && tables.device().is_cpu() && tables.dim() == 2 &&
+                    tables.size(0) == tokens && tables.stride(1) == 1,
+                "attention_bind: tables must be a [tokens, blocks] int32 CPU tensor with contiguous rows");
+    TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.device().is_cpu() && seq_lens.is_contiguous() &&
+                    seq_lens.numel() == tokens,
+                "attention_bind: seq_lens must be a contiguous [tokens] int32 CPU tensor");
+    TORCH_CHECK(kernel != 0 && threads >= 1, "attention_bind: kernel or threads out of range");
+    AttentionStep s;
+    s.fn = reinterpret_cast<DecodeFn>(kernel);
+    for (size_t i = 0; i < k_caches.size(); i++) {
+        const bool ok = k_caches[i].numel() > 0 && cache_ok(k_caches[i]) && cache_ok(v_caches[i]) &&
+                        k_caches[i].sizes().slice(0, 3) == v_caches[i].sizes().slice(0, 3);
+        s.k_caches.push_back(ok ? k_caches[i] : at::Tensor());
+        s.v_caches.push_back(ok ? v_caches[i] : at::Tensor());
+    }
+    s.slots = slots;
+    s.tables = tables;
+    s.seq_lens = seq_lens;
+    s.threads = threads;
+    attention_step = std::move(s);
+}
+
+void attention_unbind() { attention_step = AttentionStep{}; }
+
+/* `src` [1, heads, tokens, dim] (transformers' layout, any strides but a unit last one) ->
+ * `dst` [tokens, heads, dim] contiguous */
+void to_token_major(const at::Tensor &src, float *dst) {
+    const int64_t heads = src.size(1), tokens = src.size(2), dim = src.size(3);
+    const float *base = src.data_ptr<float>();
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++)
+            std::memcpy(dst + (t * heads + h) * dim, base + h * src.stride(1) + t * src.stride(2), sizeof(float) * dim);
+}
+
+/* token t's [heads, dim] of `src` [1, heads, tokens, dim] into slot slots[t] of `cache`
+ * [blocks, block_size, heads, dim]; negative slots (a decode graph's padding rows) skipped */
+void write_cache(const at::Tensor &src, const at::Tensor &cache, const int64_t *slots) {
+    const int64_t heads = src.size(1), tokens = src.size(2), dim = src.size(3), bs = cache.size(1);
+    const int64_t limit = cache.size(0) * bs;
+    const float *base = src.data_ptr<float>();
+    float *out = cache.data_ptr<float>();
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        TORCH_CHECK(slot < limit, "inflight_native::attention: slot ", slot, " outside the cache");
+        float *row = out + (slot / bs) * cache.stride(0) + (slot % bs) * cache.stride(1);
+        for (int64_t h = 0; h < heads; h++)
+            std::memcpy(row + h * cache.stride(2), base + h * src.stride(1) + t * src.stride(2), sizeof(float) * dim);
+    }
+}
+
+bool decode_takes(const AttentionStep &s, int64_t layer, const at::Tensor &q, const at::Tensor &k,
+                  const at::Tensor &v, double softcap, const std::optional<at::Tensor> &sinks, int64_t v_head_dim) {
+    if (s.fn == nullptr || softcap != 0.0 || sinks.has_value() || layer < 0 ||
+        layer >= static_cast<int64_t>(s.k_caches.size()) || !s.k_caches[layer].defined())
+        return false;
+    const at::Tensor &kc = s.k_caches[layer], &vc = s.v_caches[layer];
+    const int64_t tokens = s.slots.numel();
+    for (const at::Tensor *t : {&q, &k, &v})
+        if (t->dim() != 4 || t->size(0) != 1 || t->size(2) != tokens || t->scalar_type() != at::kFloat ||
+            !t->device().is_cpu() || (t->stride(3) != 1 && t->size(3) != 1))
+            return false;
+    return k.size(1) == kc.size(2) && v.size(1) == kc.size(2) && k.size(3) == kc.size(3) && v.size(3) == vc.size(3) &&
+           v_head_dim == vc.size(3) && q.size(1) % kc.size(2) == 0 && q.size(3) == kc.size(3);
+}
+
+at::Tensor attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, int64_t layer,
+                     double scaling, int64_t sliding_window, double softcap, const std::optional<at::Tensor> &sinks,
+                     int64_t v_head_dim) {
+    const AttentionStep &s = attention_step;
+    if (decode_takes(s, layer, query, key, value, softcap, sinks, v_head_dim)) {
+        const at::Tensor &kc = s.k_caches[layer], &vc = s.v_caches[layer];
+        const int64_t tokens = s.slots.numel(), heads = query.size(1), dim = query.size(3);
+        write_cache(key, kc, s.slots.data_ptr<int64_t>());
+        write_cache(value, vc, s.slots.data_ptr<int64_t>());
+        at::Tensor q = at::empty({tokens, heads, dim}, query.options());
+        to_token_major(query, q.data_ptr<float>());
+        at::Tensor out = at::empty({1, tokens, heads, v_head_dim}, query.options());
+        const int status = s.fn(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                                s.tables.data_ptr<int32_t>(), s.seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(),
+                                tokens, s.tables.stride(0), heads, kc.size(2), dim, v_head_dim, kc.size(1),
+                                kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+                                static_cast<float>(scaling), sliding_window, s.threads);
+        TORCH_CHECK(status == 0, "inflight_paged_decode returned ", status, " (1: no scratch memory)");
+        return out;
+    }
+    static const auto python_path =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("inflight::attention", "")
+            .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t, double, int64_t,
+                              double, const std::optional<at::Tensor> &, int64_t)>();
+    return python_path.call(query, key, value, layer, scaling, sliding_window, softcap, sinks, v_head_dim);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(inflight_native, m) {
@@ -111,6 +247,15 @@ TORCH_LIBRARY(inflight_native, m) {
     m.def("lora_bind_torch() -> ()", &lora_bind_torch);
     m.def("lora_unbind() -> ()", &lora_unbind);
     m.def("lora_delta(Tensor x, Tensor(a!) y, int projection) -> ()");
+    m.def("attention_bind(Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor tables, Tensor seq_lens, "
+          "int threads, int kernel) -> ()",
+          &attention_bind);
+    m.def("attention_unbind() -> ()", &attention_unbind);
+    m.def("attention(Tensor query, Tensor key, Tensor value, int layer, float scaling, int sliding_window, "
+          "float softcap, Tensor? sinks, int v_head_dim) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(inflight_native, CPU, m) { m.impl("lora_delta", &lora_delta); }
+TORCH_LIBRARY_IMPL(inflight_native, CPU, m) {
+    m.impl("lora_delta", &lora_delta);
+    m.impl("attention", &attention);
+}
