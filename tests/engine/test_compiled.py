@@ -83,6 +83,21 @@ def test_a_compiled_forward_that_changes_the_tokens_stays_eager(llama_path, monk
     assert report == compile_rules.CompileReport(False, "compiled greedy ids differ from eager ones")
 
 
+def test_without_the_cxx_operators_the_forward_compiles_around_the_python_attention_op(llama_path, monkeypatch):
+    """A box without a C++ compiler (and CUDA) trace `inflight::attention`, whose fake
+    implementation gives the trace its shapes."""
+    from worker.model.kernels import native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "LOADED", False)
+    torch._dynamo.reset()
+    eng = engine(llama_path, "on", precompile=False)
+    assert eng.compile_report.compiled and eng.runner.native_layers is None, eng.compile_report
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in engine(llama_path, "off").generate(PROMPTS, GREEDY)]
+    torch._dynamo.reset()  # the next engines trace with the C++ operator again
+
+
 def test_the_compiled_forward_reports_its_graph_and_goes_eager_if_it_fails_later(llama_path, caplog):
     torch._dynamo.reset()  # the graph of an earlier engine of this model in this process would serve it
     eng = engine(llama_path, "on", precompile=False)

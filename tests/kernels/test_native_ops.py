@@ -2,8 +2,8 @@
 `native.py`): `inflight_native::lora_delta` gives what the bound kernel gives inside a
 step, what the torch path gives for tensors the kernel does not take, and nothing outside
 a step, in another thread or inside a step without adapters; `inflight_native::attention`
-gives the Python op's bits and caches in a step of decodes, the reference's values for
-short chunks, and hands every call its binding does not cover to the Python op; and a
+gives the Python op's bits and caches in a step of decodes and of short chunks (the
+reference's values), and hands every call its binding does not cover to the Python op; and a
 build without a C++ compiler says why instead of raising."""
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from tests.kernels.test_triton_attention import NUM_BLOCKS, NUM_KV_HEADS
 from tests.kernels.test_triton_attention import runner as attention_runner
 from worker.engine.outputs import ScheduledRequest, SchedulerOutput
 from worker.model import attention
-from worker.model.attention import NATIVE_MAX_CHUNK, NativeLayers, native_attention_step, step_metadata
-from worker.model.kernels import cbuild, cpu_attn, cpu_lora, native
+from worker.model.attention import NativeLayers, native_attention_step, step_metadata
+from worker.model.kernels import cbuild, cpu_attn, cpu_lora, native, torch_ref
+from worker.model.kernels.cpu_attn import MAX_CHUNK_ROWS
+from worker.model.kernels.params import AttentionParams
 from worker.model.lora import LoRAWeights, build_step, lora_step
 
 needs_native = pytest.mark.skipif(not (cpu_lora.available() and native.available()),
@@ -250,15 +252,19 @@ def test_a_step_of_decodes_gives_the_python_ops_bits(head_dim, group, window):
 
 
 @needs_native_attention
-@pytest.mark.parametrize("chunks", [[(0, 1), (5, 5)], [(16, 3), (0, NATIVE_MAX_CHUNK), (31, 9)]])
+@pytest.mark.parametrize("chunks", [[(0, 1), (5, 5)], [(16, 3), (0, MAX_CHUNK_ROWS), (31, 9)]])
 def test_short_chunks_run_token_by_token_as_the_reference_computes_them(chunks):
     """A speculating decode's verification and a draft model's catch-up: each token of a
     chunk a row of the decode kernel, causal within the chunk."""
     r, md, qkv = attention_case(4, 32, 2, chunks)
-    want, want_caches = python_op(r, md, qkv)  # the reference's chunk path
+    want, want_caches = python_op(r, md, qkv)  # the CPU back end's rows, as the eager forward computes them
     got, got_caches = native_op(r, md, qkv)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    caches = [tuple(c.clone() for c in r.kv_caches[0])]  # and the reference's values
+    torch_ref.write_kv(qkv[1][0].transpose(0, 1), qkv[2][0].transpose(0, 1), *caches[0], md.slot_mapping)
+    ref = torch_ref.paged_attention(qkv[0][0].transpose(0, 1), qkv[1][0].transpose(0, 1), qkv[2][0].transpose(0, 1),
+                                    *caches[0], md, AttentionParams(scale=32 ** -0.5))
+    torch.testing.assert_close(got[0], ref, atol=2e-5, rtol=2e-5)
     calls = []
     with pytest.MonkeyPatch.context() as m:  # the native op computed it: the Python op was not called
         m.setattr(attention, "paged_attention_forward", lambda *a, **kw: calls.append(1))
@@ -268,7 +274,7 @@ def test_short_chunks_run_token_by_token_as_the_reference_computes_them(chunks):
 
 @needs_native_attention
 def test_calls_the_binding_does_not_cover_go_to_the_python_op():
-    r, md, qkv = attention_case(5, 32, 2, [(3, NATIVE_MAX_CHUNK + 1)])  # a longer chunk: nothing bound
+    r, md, qkv = attention_case(5, 32, 2, [(3, MAX_CHUNK_ROWS + 1)])  # a longer chunk: nothing bound
     want, want_caches = python_op(r, md, qkv)
     got, got_caches = native_op(r, md, qkv)
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
@@ -325,3 +331,22 @@ def test_the_attention_operator_is_part_of_a_captured_forwards_key(monkeypatch):
     with_native = artifact_key(model)
     monkeypatch.setattr(native, "available", lambda: False)
     assert artifact_key(model) != with_native
+
+
+@needs_native_attention
+@pytest.mark.parametrize("what", ["slot", "block", "context"])
+def test_a_step_outside_the_cache_is_refused_at_the_binding(what):
+    """What the kernel and the writes trust is checked once, before any layer writes."""
+    r, md, qkv = attention_case(10, 32, 1)
+    layers = NativeLayers([r.kv_caches[0][0]], [r.kv_caches[0][1]], cpu_attn.kernel_address())
+    num_blocks, block_size = r.kv_caches[0][0].shape[:2]
+    if what == "slot":
+        md = replace(md, slot_mapping=torch.tensor([0, 1, 2, num_blocks * block_size]))
+    elif what == "block":
+        tables = md.block_tables.clone()
+        tables[2, 0] = num_blocks
+        md = replace(md, block_tables=tables)
+    else:
+        md = replace(md, seq_lens=md.seq_lens + md.block_tables.shape[1] * block_size)
+    with pytest.raises(RuntimeError, match="outside"), native_attention_step(md, layers):
+        pass

@@ -318,6 +318,11 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
 _LIB.impl("attention", attention_op, "CompositeExplicitAutograd")
 
 
+@torch.library.register_fake("inflight::attention", lib=_LIB)
+def _(query, key, value, layer, scaling, sliding_window, softcap, sinks, v_head_dim):
+    return query.new_empty(1, query.shape[2], query.shape[1], v_head_dim)
+
+
 # ---- the same op in C++ for steps of decodes (kernels/native_ops.cpp) ------------------------
 def native_in_graph(device_type: str) -> bool:
     """Whether a forward traced for `device_type` calls `inflight_native::attention` (the
@@ -361,45 +366,27 @@ def native_layers(kv_caches: list, kv_scales: list | None, modules: dict[int, to
     return NativeLayers(ks, vs, kernel)
 
 
-NATIVE_MAX_CHUNK = 16  # chunks up to this many tokens run as one-token rows of the decode kernel
-
-
 @contextlib.contextmanager
 def native_attention_step(md: AttentionMetadata, layers: NativeLayers | None) -> Iterator[None]:
     """Bind the step `md` for `inflight_native::attention` in this thread for the duration
-    of one forward: a step of decodes, and chunks of at most `NATIVE_MAX_CHUNK` tokens
-    (a speculating decode's verification, a draft model's catch-up), each of whose tokens
-    is a row of the decode kernel reading its context up to itself (the chunk's K/V are
-    written first). A step with a longer chunk, or the load check's trace, binds nothing:
-    its calls go to the Python op (the reference's matrix products for long prefills)."""
+    of one forward: a step of decodes, and chunks of at most the CPU back end's
+    `MAX_CHUNK_ROWS` tokens (a speculating decode's verification, a draft model's
+    catch-up), each of whose tokens is a row of the decode kernel reading its context up
+    to itself, as that back end computes them (`kernels/cpu_attn.py` `token_rows`; the
+    layers were bound for it: `native_layers`). A step with a longer chunk, or the load
+    check's trace, binds nothing: its calls go to the Python op (the reference's matrix
+    products for long prefills)."""
     bind = (layers is not None and md.trace is None and md.kv_caches is not None
             and md.slot_mapping.device.type == "cpu"
-            and (md.num_decodes == md.slot_mapping.shape[0] or md.max_query_len <= NATIVE_MAX_CHUNK))
+            and (md.num_decodes == md.slot_mapping.shape[0] or md.max_query_len <= md.backend.MAX_CHUNK_ROWS))
     if not bind:
         yield
         return
     tables, seq_lens = (md.block_tables, md.seq_lens) if md.num_decodes == md.slot_mapping.shape[0] \
-        else token_rows(md.query_start_loc, md.block_tables, md.seq_lens)
+        else md.backend.token_rows(md.query_start_loc, md.block_tables, md.seq_lens)
     torch.ops.inflight_native.attention_bind(layers.k_caches, layers.v_caches, md.slot_mapping, tables, seq_lens,
                                              torch.get_num_threads(), layers.kernel)
     try:
         yield
     finally:
         torch.ops.inflight_native.attention_unbind()
-
-
-def token_rows(query_start: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every token of a packed step as a decode row: its sequence's block table `[tokens,
-    max_blocks]` int32 and its own context length (its position + 1) `[tokens]` int32.
-
-    Args:
-        query_start: `[num_seqs + 1]` each sequence's first token in the step (int32).
-        block_tables: `[num_seqs, max_blocks]` int32; seq_lens: `[num_seqs]` context
-            after the step, int32.
-    """
-    starts = query_start.long()
-    owner = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), starts[1:] - starts[:-1])
-    behind = starts[1:].index_select(0, owner) - 1 - torch.arange(owner.shape[0])  # tokens after it in its chunk
-    lens = seq_lens.long().index_select(0, owner) - behind
-    return block_tables.index_select(0, owner), lens.to(torch.int32)

@@ -14,7 +14,10 @@ overhead cost ~5%), each head's sums in one order whatever the thread count: on 
 threads (an Intel Xeon box) 1.35-1.86x its one-thread time, where on one thread it lost
 to the reference's two-threaded gather at 8 rows of 1024 tokens (0.77x). Layers with
 soft-capping, sinks or ALiBi, caches neither fp32 nor int8 (`kv_int8.py`, read with their
-scales) and prefill chunks take the reference path.
+scales) and steps with prefill chunks longer than `MAX_CHUNK_ROWS` take the reference path;
+a step whose chunks are all that short (a speculating decode's verification, a draft
+model's catch-up, a short prompt) runs every token as a row of the kernel, reading its
+context up to itself (`token_rows`): its chunk's K/V are written before attention runs.
 
 The kernel is compiled at first use by `cbuild` (the machine's C compiler, `-O3
 -march=native -fopenmp`, without `-fopenmp` where the compiler has no OpenMP, cached by a hash of the source, compiler and CPU) and loaded with ctypes
@@ -111,10 +114,30 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return status == 0
 
 
+MAX_CHUNK_ROWS = 16  # steps whose chunks are at most this long run every token as a row of the kernel
+
+
+def token_rows(query_start: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of a packed step as a decode row: its sequence's block table `[tokens,
+    max_blocks]` int32 and its own context length (its position + 1) `[tokens]` int32.
+
+    Args:
+        query_start: `[num_seqs + 1]` each sequence's first token in the step (int32).
+        block_tables: `[num_seqs, max_blocks]` int32; seq_lens: `[num_seqs]` context
+            after the step, int32.
+    """
+    starts = query_start.long()
+    owner = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), starts[1:] - starts[:-1])
+    behind = starts[1:].index_select(0, owner) - 1 - torch.arange(owner.shape[0])  # tokens after it in its chunk
+    lens = seq_lens.long().index_select(0, owner) - behind
+    return block_tables.index_select(0, owner), lens.to(torch.int32)
+
+
 def _kernel_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
                  p: AttentionParams, int8: bool = False) -> bool:
     cache = torch.int8 if int8 else torch.float32
-    return (md.num_decodes > 0 and not p.changes_logits
+    return ((md.num_decodes > 0 or md.max_query_len <= MAX_CHUNK_ROWS) and not p.changes_logits
             and query.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == cache
             and not query.is_cuda and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
             and md.block_tables.dtype == md.seq_lens.dtype == torch.int32 and md.block_tables.stride(-1) == 1
@@ -138,6 +161,11 @@ def paged_attention(
         return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p, scales=scales)
     nd = md.num_decodes
     out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
+    if nd < query.shape[0] and md.max_query_len <= MAX_CHUNK_ROWS:  # short chunks: a row per token
+        tables, seq_lens = token_rows(md.query_start_loc, md.block_tables, md.seq_lens)
+        if paged_decode(query, k_cache, v_cache, tables, seq_lens, p.scale, p.sliding_window, out, scales):
+            return out
+        return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p, scales=scales)
     if not paged_decode(query[:nd], k_cache, v_cache, md.block_tables, md.seq_lens, p.scale, p.sliding_window,
                         out[:nd], scales):
         return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p, scales=scales)

@@ -137,6 +137,23 @@ bool cache_ok(const at::Tensor &c) {
     return c.dim() == 4 && c.scalar_type() == at::kFloat && c.device().is_cpu() && c.stride(3) == 1;
 }
 
+/* Every slot inside the cache (or negative: not written), every block id a block of it,
+ * every context within its row's table: what the kernel and the writes trust. */
+void check_geometry(const at::Tensor &slots, const at::Tensor &tables, const at::Tensor &seq_lens, int64_t num_blocks,
+                    int64_t block_size) {
+    const int64_t tokens = slots.numel(), width = tables.size(1);
+    const int64_t *slot = slots.data_ptr<int64_t>();
+    const int32_t *len = seq_lens.data_ptr<int32_t>();
+    for (int64_t t = 0; t < tokens; t++) {
+        TORCH_CHECK(slot[t] < num_blocks * block_size, "attention_bind: slot ", slot[t], " outside the cache");
+        TORCH_CHECK(len[t] >= 0 && len[t] <= width * block_size, "attention_bind: context ", len[t],
+                    " outside its block table");
+        const int32_t *row = tables.data_ptr<int32_t>() + t * tables.stride(0);
+        for (int64_t b = 0; b < width; b++)
+            TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, "attention_bind: block ", row[b], " outside the cache");
+    }
+}
+
 void attention_bind(const std::vector<at::Tensor> &k_caches, const std::vector<at::Tensor> &v_caches,
                     const at::Tensor &slots, const at::Tensor &tables, const at::Tensor &seq_lens, int64_t threads,
                     int64_t kernel) {
@@ -158,6 +175,11 @@ void attention_bind(const std::vector<at::Tensor> &k_caches, const std::vector<a
                         k_caches[i].sizes().slice(0, 3) == v_caches[i].sizes().slice(0, 3);
         s.k_caches.push_back(ok ? k_caches[i] : at::Tensor());
         s.v_caches.push_back(ok ? v_caches[i] : at::Tensor());
+    }
+    for (const at::Tensor &c : s.k_caches) {  // the caches share their geometry: check the step against it once
+        if (!c.defined()) continue;
+        check_geometry(slots, tables, seq_lens, c.size(0), c.size(1));
+        break;
     }
     s.slots = slots;
     s.tables = tables;
@@ -187,8 +209,7 @@ void write_cache(const at::Tensor &src, const at::Tensor &cache, const int64_t *
     float *out = cache.data_ptr<float>();
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t slot = slots[t];
-        if (slot < 0) continue;
-        TORCH_CHECK(slot < limit, "inflight_native::attention: slot ", slot, " outside the cache");
+        if (slot < 0 || slot >= limit) continue;  // checked at the binding: only padding rows are skipped
         float *row = out + (slot / bs) * cache.stride(0) + (slot % bs) * cache.stride(1);
         for (int64_t h = 0; h < heads; h++)
             std::memcpy(row + h * cache.stride(2), base + h * src.stride(1) + t * src.stride(2), sizeof(float) * dim);
