@@ -120,7 +120,7 @@ class ModelRunner:
         self.compile_error: Exception | None = None  # what made the compiled forward go eager, if it did
         # the compiled forward's attention modules by layer_idx, handed to its ops in each step's metadata
         self.attention_modules: dict[int, torch.nn.Module] | None = None
-        # the caches the compiled forward's C++ attention op takes in steps of decodes (`compile`)
+        # the caches the compiled forward's C++ attention op takes in steps of decodes and short chunks (`compile`)
         self.native_layers: NativeLayers | None = None
         self.graphs: DecodeGraphs | None = None  # decode-only steps replayed from graphs (`capture_graphs`)
         self.host_kv: HostKVBuffers | None = None  # the host-memory KV tier (`allocate_host_kv`)

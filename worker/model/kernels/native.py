@@ -15,7 +15,7 @@ Operators (namespace `inflight_native`):
     lora_delta(x, y, projection)
         `inflight::lora_delta`'s contract (`worker.model.lora.lora_delta_op`);
     attention_bind(k_caches, v_caches, slots, tables, seq_lens, threads, kernel)
-        bind a step of decodes for the calling thread
+        bind a step (a row of the decode kernel per token) for the calling thread
         (`worker.model.attention.native_attention_step`); attention_unbind(): no step;
     attention(query, key, value, layer, scaling, sliding_window, softcap, sinks, v_head_dim)
         `inflight::attention`'s contract (`worker.model.attention.attention_op`).

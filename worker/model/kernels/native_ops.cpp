@@ -18,11 +18,14 @@
  *     ends). `lora_bind` calls whatever address it is given: an internal operator.
  *
  * inflight_native::attention(query, key, value, layer, scaling, sliding_window, softcap, sinks, v_head_dim)
- *     `inflight::attention`'s contract for a step of decodes only: the layer's K/V copied
- *     into its cache slots, then `cpu_decode.c`'s kernel over the block tables, with no
- *     Python in the call. The step (its slots, block tables and context lengths, the
- *     kernel's address, each layer's caches) is bound once per step for the calling thread
- *     (`attention_bind`, by `worker.model.attention.native_attention_step`). A call the
+ *     `inflight::attention`'s contract for a step whose every token is a row of the decode
+ *     kernel (decodes, and short chunks whose tokens each read their context up to
+ *     themselves): the layer's K/V copied into its cache slots, then `cpu_decode.c`'s
+ *     kernel over the rows' block tables, with no Python in the call. The step (its slots,
+ *     a block table and a context length per token, the kernel's address, each layer's
+ *     caches) is bound once per step for the calling thread (`attention_bind`, by
+ *     `worker.model.attention.native_attention_step`), checked against the caches'
+ *     geometry there. A call the
  *     binding does not cover goes to `inflight::attention`, which reads the same step from
  *     Python: no step bound, a layer bound without caches (int8 caches, ALiBi, latent
  *     attention), soft-capping or sinks, or tensors of another shape, dtype or device.
