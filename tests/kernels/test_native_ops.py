@@ -286,6 +286,10 @@ def test_calls_the_binding_does_not_cover_go_to_the_python_op():
     want, want_caches = python_op(r, md, qkv)
     got, got_caches = native_op(r, md, qkv, layers=unbound)
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    wide = NativeLayers([c.double() for c in r.kv_caches[0][:1]], [c.double() for c in r.kv_caches[0][1:]],
+                        cpu_attn.kernel_address())  # caches other than fp32: the binding leaves the layer out
+    got, got_caches = native_op(r, md, qkv, layers=wide)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
 
 
 @needs_native_attention

@@ -333,9 +333,10 @@ def native_in_graph(device_type: str) -> bool:
 
 @dataclass(frozen=True)
 class NativeLayers:
-    """A runner's caches as `inflight_native::attention` takes them: per layer its fp32
-    key and value caches, or empty tensors where the layer's calls go to the Python op
-    (no cache, int8 caches, ALiBi, latent attention); and the decode kernel's address."""
+    """A runner's caches as `inflight_native::attention` takes them: per layer its key
+    and value caches, or empty tensors where the layer's calls go to the Python op (no
+    cache, ALiBi, latent attention; the binding leaves out caches other than fp32 ones on
+    the CPU itself); and the decode kernel's address."""
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
@@ -359,8 +360,7 @@ def native_layers(kv_caches: list, kv_scales: list | None, modules: dict[int, to
     for layer, caches in enumerate(kv_caches):
         module = modules.get(layer)
         plain = (caches is not None and module is not None and getattr(module, "inflight_latent", None) is None
-                 and getattr(module, "inflight_alibi_slopes", None) is None
-                 and all(c.dtype == torch.float32 and c.device.type == "cpu" for c in caches))
+                 and getattr(module, "inflight_alibi_slopes", None) is None)
         ks.append(caches[0] if plain else empty)
         vs.append(caches[1] if plain else empty)
     return NativeLayers(ks, vs, kernel)

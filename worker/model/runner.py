@@ -489,8 +489,8 @@ class ModelRunner:
         ids2d, pos2d = input_ids.unsqueeze(0), position_ids.unsqueeze(0)
         if self.compiled:  # sizes without a value Dynamo may specialize on (0 and 1 would be): one graph for all
             mark_token_dims(ids2d, pos2d, keep)
-        native = self.native_layers if self.compiled else None  # only a compiled graph calls the C++ op
-        with step_metadata(md), lora_step(lora), native_attention_step(md, native):
+        # native_layers: set while compiled (only a compiled graph calls the C++ op)
+        with step_metadata(md), lora_step(lora), native_attention_step(md, self.native_layers):
             try:
                 out = self.forward_fn(input_ids=ids2d, position_ids=pos2d, use_cache=False, logits_to_keep=keep,
                                       **extra)
