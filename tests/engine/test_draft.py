@@ -63,6 +63,7 @@ def test_the_model_as_its_own_draft_has_every_guess_kept(llama_path, engines):
     assert stats.num_draft_tokens > 100
     # equal weights, other batch shapes: a near tie may flip an argmax, stale KV would flip many
     assert stats.num_accepted_tokens >= 0.98 * stats.num_draft_tokens, stats
+    assert engine.core.drafter.num_failures == 0  # a failed fill costs guesses only: it would pass unseen
     assert engine.kv_stats().used_blocks == 0
 
 
@@ -217,3 +218,4 @@ def test_the_draft_models_guesses_replay_from_decode_graphs(llama_path, engines,
     stats = engine.scheduler.speculation.stats
     assert replayed and stats.num_draft_tokens > 50
     assert stats.num_accepted_tokens >= 0.98 * stats.num_draft_tokens, stats
+    assert engine.core.drafter.num_failures == 0

@@ -72,6 +72,7 @@ CASES = [  # (kv_policy, async_scheduling, model.compile, decode graphs, specula
     ("optimistic", False, "off", False, "ngram", "auto"), ("reserve", False, "on", False, "ngram", "auto"),
     ("optimistic", False, "off", False, "suffix", "auto"), ("optimistic", False, "off", False, "draft", "auto"),
     ("optimistic", True, "off", False, "off", "packed"), ("reserve", False, "on", False, "off", "packed"),
+    ("optimistic", False, "on", False, "draft", "auto"),
 ]
 
 
@@ -162,6 +163,9 @@ def test_greedy_equals_transformers_generate(any_arch_path, kv_policy, async_sch
     if speculative != "off":  # drafts verified, some guesses kept and some rejected (both paths ran)
         stats = engine.scheduler.speculation.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    if speculative == "draft":  # every fill guessed (a failed one costs its guesses only: it would pass unseen)
+        assert engine.core.drafter.num_failures == 0
+        assert engine.compile_report.draft == ("compiled" if compile_mode == "on" else ""), engine.compile_report
 
     refs = references(str(any_arch_path), SEED)
     mismatches = []

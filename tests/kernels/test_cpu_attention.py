@@ -14,7 +14,15 @@ import random
 import pytest
 import torch
 
-from tests.kernels.test_triton_attention import NUM_KV_HEADS, dense_attention, make_batch, runner
+from tests.kernels.test_triton_attention import (
+    NUM_BLOCKS,
+    NUM_KV_HEADS,
+    PARAMS,
+    dense_attention,
+    make_batch,
+    runner,
+)
+from worker.engine.outputs import ScheduledRequest, SchedulerOutput
 from worker.model.kernels import cpu_attn, get_backend, torch_ref
 from worker.model.kernels.params import AttentionParams
 
@@ -204,3 +212,61 @@ def test_a_compiler_without_openmp_builds_the_kernel_for_one_thread(monkeypatch,
         finally:
             cpu_attn._library.cache_clear()
     assert cpu_attn.available()
+
+
+@pytest.mark.parametrize("backend", [torch_ref, cpu_attn], ids=["reference", "kernel"])
+def test_decode_steps_are_the_steps_build_metadata_packs(backend):
+    """`ModelRunner._decode_steps` (a draft model's guesses after its first forward) gives,
+    for each later step, the slots, contexts, positions and attention that
+    `build_metadata` gives for the same one-token decodes, whatever the first step held
+    (decodes and chunks, not in context order), the reference's one decode group included."""
+    rng = random.Random(23)
+    torch.manual_seed(23)
+    bs, head_dim, steps = 16, 32, 3
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    first = []
+    for i, (start, n) in enumerate([(40, 1), (3, 9), (15, 1), (0, 17), (31, 2), (1, 1)]):
+        table = [free.pop() for _ in range(-(-(start + n + steps) // bs))]  # room for the later steps
+        ids = [rng.randrange(500) for _ in range(start + n)]
+        first.append(ScheduledRequest(f"s{i}", ids[start:], start, table, True, PARAMS, ids))
+    decodes = [s for s in first if len(s.token_ids) == 1 and s.start_pos > 0]
+    first = decodes + [s for s in first if s not in decodes]
+    r = runner(backend, bs, head_dim, torch.float32)
+    for cache in r.kv_caches[0]:
+        cache.copy_(torch.randn_like(cache))
+    sched = SchedulerOutput(step=1, scheduled=first, num_decodes=len(decodes),
+                            num_scheduled_tokens=sum(len(s.token_ids) for s in first))
+    _, _, md, _, packed = r.build_metadata(sched)
+    later = r._decode_steps(md, steps)
+    assert len(later) == steps
+    params = AttentionParams(scale=head_dim**-0.5)
+    for i, (positions, got) in enumerate(later):
+        rows = [ScheduledRequest(s.request_id, [7], s.start_pos + len(s.token_ids) + i, s.block_ids, True, PARAMS, [])
+                for s in packed]
+        _, want_pos, want, _, want_packed = r.build_metadata(
+            SchedulerOutput(step=2 + i, scheduled=rows, num_decodes=len(rows), num_scheduled_tokens=len(rows)))
+        order = [[s.request_id for s in want_packed].index(s.request_id) for s in packed]  # want's row of each
+        assert positions.tolist() == [want_pos.tolist()[j] for j in order]
+        assert got.slot_mapping.tolist() == [want.slot_mapping.tolist()[j] for j in order]
+        assert got.seq_lens.tolist() == [want.seq_lens.tolist()[j] for j in order]
+        assert (got.num_decodes, got.max_query_len, got.max_seq_len) == (len(rows), 1, want.max_seq_len)
+        assert got.query_start_loc.tolist() == want.query_start_loc.tolist()
+        q = torch.randn(len(rows), NUM_KV_HEADS * 2, head_dim)
+        kv = torch.randn(len(rows), NUM_KV_HEADS, head_dim)
+        expect = torch_ref.paged_attention(q[torch.tensor(order).argsort()], kv, kv, *r.kv_caches[0], want, params)
+        torch.testing.assert_close(backend.paged_attention(q, kv, kv, *r.kv_caches[0], got, params), expect[order],
+                                   atol=2e-5, rtol=2e-5)
+
+
+def test_the_reference_gathers_are_built_once_and_only_when_read():
+    """`AttentionMetadata.dense`: the runner defers the reference back end's decode groups
+    and prefill masks; the first read builds them, later reads reuse them."""
+    rng = random.Random(3)
+    sched = make_batch(rng, 16)
+    r = runner(torch_ref, 16, 32, torch.float32)
+    md = r.build_metadata(sched)[2]
+    assert md.build_dense is not None and md.decode_groups == [] and md.prefills == []
+    groups, prefills = md.dense()
+    assert md.build_dense is None and groups and len(prefills) == len(sched.scheduled) - sched.num_decodes
+    assert md.dense()[0] is groups

@@ -354,3 +354,36 @@ def test_a_step_outside_the_cache_is_refused_at_the_binding(what):
         md = replace(md, seq_lens=md.seq_lens + md.block_tables.shape[1] * block_size)
     with pytest.raises(RuntimeError, match="outside"), native_attention_step(md, layers):
         pass
+
+
+@needs_native_attention
+def test_a_draft_models_later_guesses_run_in_the_cxx_op():
+    """`ModelRunner._decode_steps` (the one-token steps of a draft model's guesses after
+    its first forward, several requests): each step binds and runs natively, with the
+    Python op's bits and caches."""
+    rng = random.Random(12)
+    torch.manual_seed(12)
+    r = attention_runner(cpu_attn, 16, 32, torch.float32)
+    for c in r.kv_caches[0]:
+        c.copy_(torch.randn_like(c))
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    rows = []
+    for i, (start, n) in enumerate([(40, 1), (15, 1), (3, 2), (0, 5)]):
+        table = [free.pop() for _ in range(-(-(start + n + 3) // 16))]  # room for 3 more tokens
+        ids = [rng.randrange(500) for _ in range(start + n)]
+        rows.append(ScheduledRequest(f"s{i}", ids[start:], start, table, True, SamplingParams(), ids))
+    sched = SchedulerOutput(step=1, scheduled=rows, num_scheduled_tokens=sum(r.num_tokens for r in rows),
+                            num_decodes=2)
+    md = r.build_metadata(sched)[2]
+    for _, later in r._decode_steps(md, 3):
+        later = replace(later, modules={0: Layer(0)})
+        q = torch.randn(1, len(rows), NUM_KV_HEADS * 2, 32).transpose(1, 2)
+        qkv = (q, torch.randn(1, NUM_KV_HEADS, len(rows), 32), torch.randn(1, NUM_KV_HEADS, len(rows), 32))
+        want, want_caches = python_op(r, later, qkv)
+        calls = []
+        with pytest.MonkeyPatch.context() as m:  # the native op computes it: the Python op is not called
+            m.setattr(attention, "paged_attention_forward", lambda *a, **kw: calls.append(1))
+            got, got_caches = native_op(r, later, qkv)
+        assert not calls
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))

@@ -24,7 +24,7 @@ from schemas.params import SamplingParams
 from schemas.wire import Usage
 from worker.config import ConfigError, EngineConfig, ModelConfig, ServingTuning
 from worker.engine.adapters import LoRAFacts
-from worker.engine.compile import CompileReport, compile_engine, graphs_wanted
+from worker.engine.compile import CompileReport, compile_engine, graphs_wanted, precompiled_dir
 from worker.engine.core import EngineCore
 from worker.engine.draft import Drafter, load_draft
 from worker.engine.input_processor import InputProcessor, ModelFacts
@@ -295,7 +295,8 @@ class Engine:
                                                model_cfg.precompile)
         report = engine.compile_report
         if drafter is not None and (report.compiled or report.cuda_graph_sizes):  # the draft model's forward too
-            how = [drafter.compile(engine.generate)] if report.compiled else ["eager"]
+            artifacts = precompiled_dir() if model_cfg.precompile else None
+            how = [drafter.compile(engine.generate, artifacts)] if report.compiled else ["eager"]
             if report.cuda_graph_sizes:
                 how.append(drafter.capture_graphs(engine.tuning.max_running_requests, engine.max_model_len,
                                                   report.cuda_graph_replay, engine.generate))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -79,7 +79,9 @@ class AttentionMetadata:
         slot_mapping: `[num_tokens]` int64 cache slot of each token of the step.
         num_decodes: the first `num_decodes` tokens are single-token decodes.
         decode_groups: the decodes, split into groups of similar context length.
-        prefills: the prefill chunks after the decodes.
+        prefills: the prefill chunks after the decodes. Both for the reference back end
+            (`kernels/torch_ref.py`): read them through `dense()`, which builds them at
+            the first call where the runner deferred them (`build_dense`).
         block_tables: `[num_seqs, max_blocks]` int32, padded with 0 (for kernel back ends).
         seq_lens: `[num_seqs]` int32 context length after this step, per sequence.
         query_start_loc: `[num_seqs + 1]` int32 prefix sums of query lengths.
@@ -97,6 +99,9 @@ class AttentionMetadata:
             (`worker.model.recurrent.RecurrentStep`); None: the model has none.
         kv_scales: per layer the key and value scale caches `[num_blocks, block_size,
             num_kv_heads]` of an int8 KV cache (`kernels/kv_int8.py`); None: float caches.
+        build_dense: where not None, returns `(decode_groups, prefills)`, built by the
+            first `dense()`: a step whose every layer runs a kernel over the block tables
+            (the C++ op of a compiled forward on the CPU) never gathers them.
     """
 
     slot_mapping: torch.Tensor
@@ -114,6 +119,14 @@ class AttentionMetadata:
     modules: dict[int, torch.nn.Module] | None = field(default=None)
     kv_scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = field(default=None)
     recurrent: Any = field(default=None)  # the recurrent mixers' rows and state slots (`recurrent.RecurrentStep`)
+    build_dense: Callable[[], tuple[list[DecodeGroup], list[PrefillSpan]]] | None = field(default=None)
+
+    def dense(self) -> tuple[list[DecodeGroup], list[PrefillSpan]]:
+        """`(decode_groups, prefills)`, built now if the runner deferred them."""
+        if self.build_dense is not None:
+            self.decode_groups, self.prefills = self.build_dense()
+            self.build_dense = None
+        return self.decode_groups, self.prefills
 
 
 @dataclass(slots=True, frozen=True)

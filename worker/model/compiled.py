@@ -26,10 +26,11 @@ when it runs, so nothing that changes between steps is a graph input; the op nam
 module by `layer_idx`, a constant that is the same in every process.
 
 The token dimension (and the number of logit rows kept) is dynamic and unbacked
-(`mark_unbacked` on every call, `ModelRunner._forward`): the trace may not specialize on
-its value, not even on 0 or 1 as it does for plain dynamic sizes, so one graph serves
-every step, a decode of one request as well as a 2048-token prefill, and a warmed-up
-model never compiles again while it serves (the equivalence tests check it).
+(`mark_unbacked` on every call the forwards trace or guard, `mark_token_dims`): the
+trace may not specialize on its value, not even on 0 or 1 as it does for plain dynamic
+sizes, so one graph serves every step, a decode of one request as well as a 2048-token
+prefill, and a warmed-up model never compiles again while it serves (the equivalence
+tests check it).
 
 LoRA adapters' deltas are opaque ops too (`torch.ops.inflight.lora_delta`,
 `worker.model.lora`). Not compiled (the eager forward is used, with one log line naming
@@ -92,6 +93,8 @@ class CompiledForward:
         self.warm = False
 
     def __call__(self, **kwargs):
+        # sizes without a value Dynamo may specialize on (0 and 1 would be): one graph for all
+        mark_token_dims(kwargs["input_ids"], kwargs["position_ids"], kwargs["logits_to_keep"])
         if not self.warm:  # compiling: floats (eps, scales) as constants, no restart to tensorify them;
             # past Dynamo's recompile limit an error rather than a silently eager forward
             with torch._dynamo.config.patch(specialize_float=True, fail_on_recompile_limit_hit=True):
@@ -118,8 +121,10 @@ def _code_of(fn: types.FunctionType, key: str) -> types.FunctionType:
 
 
 def mark_token_dims(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor) -> None:
-    """Make a step's sizes unbacked for Dynamo (module docstring): the token dimension of
-    `input_ids` and `position_ids` `[1, num_tokens]` and the rows kept, `keep` `[rows]`."""
+    """Make a step's sizes unbacked for Dynamo and for a capture's trace (module
+    docstring): the token dimension of `input_ids` and `position_ids` `[1, num_tokens]`
+    and the rows kept, `keep` `[rows]`. The forwards mark their own calls (a loaded
+    capture needs no marks: 6 us a call saved)."""
     from torch._dynamo.decorators import mark_unbacked
 
     mark_unbacked(input_ids, 1)
@@ -242,7 +247,8 @@ class PrecompiledForward:
         if self.fallback is not None:
             return self.fallback(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache,
                                  logits_to_keep=logits_to_keep)
-        if self._run is None:
+        if self._run is None:  # the capture's token sizes unbacked; the loaded graph reads any
+            mark_token_dims(input_ids, position_ids, logits_to_keep)
             return self._capture(input_ids, position_ids, logits_to_keep)
         return Logits(self._run(input_ids, position_ids, logits_to_keep))
 

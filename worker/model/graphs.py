@@ -44,7 +44,6 @@ from typing import Any, Protocol
 import torch
 
 from worker.model.attention import AttentionMetadata, DecodeGroup, step_metadata
-from worker.model.compiled import mark_token_dims
 
 REPLAYS = ("cuda", "emulated")
 
@@ -125,8 +124,6 @@ class DecodeGraphs:
         runner = self.runner
         extra = {} if runner.compiled else {"inflight_metadata": md}
         ids, pos, keep = self.input_ids[:size].unsqueeze(0), self.positions[:size].unsqueeze(0), self.keep[:size]
-        if runner.compiled:
-            mark_token_dims(ids, pos, keep)
         with step_metadata(md):
             out = runner.forward_fn(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, **extra)
         return out.logits[0]  # [size, vocab]

@@ -7,6 +7,7 @@ the engine thread only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,6 @@ from worker.model.attention import (
     step_metadata,
 )
 from worker.model.capability import KVLayout, LayerKV
-from worker.model.compiled import mark_token_dims
 from worker.model.graphs import DecodeGraphs
 from worker.model.host_kv import HostKVBuffers, cache_tensors
 from worker.model.input_batch import BlockTableBuffer, step_positions
@@ -242,15 +242,15 @@ class ModelRunner:
         # blocks freed behind a sliding window (-1) read as block 0, masked out
         block_tables = torch.from_numpy(self.block_table_buffer.gather(rows, max_blocks)).clamp_(min=0)
         seq_lens_t = torch.from_numpy(seq_lens_np)
+        build_dense = None
         if getattr(self.backend, "USES_DENSE_METADATA", True):  # kernel back ends need only the tables
-            decode_groups, prefills = self._dense_spans(packed, nd, seq_lens_t, query_start, block_tables)
-        else:
-            decode_groups, prefills = [], []
+            # built by the first layer that reads them: none does when the C++ op takes every layer
+            build_dense = functools.partial(self._dense_spans, packed, nd, seq_lens_t, query_start, block_tables)
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(device=dev),
             num_decodes=nd,
-            decode_groups=decode_groups,
-            prefills=prefills,
+            decode_groups=[],
+            prefills=[],
             block_tables=block_tables.to(device=dev, dtype=torch.int32),
             seq_lens=seq_lens_t.to(device=dev, dtype=torch.int32),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
@@ -261,6 +261,7 @@ class ModelRunner:
             modules=self.attention_modules,
             kv_scales=self.kv_scales,
             recurrent=self._recurrent_step(packed, nd, query_start) if self.state_pool is not None else None,
+            build_dense=build_dense,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         if holes:  # decodes fed the previous step's tokens, where they are (on the device)
@@ -384,27 +385,57 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _greedy_steps(self, rows: list[ScheduledRequest], steps: int, step: int) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {s.request_id: [] for s in rows}
         decodes = [s for s in rows if len(s.token_ids) == 1 and s.start_pos > 0]  # the runner's decode rows first
         rows = decodes + [s for s in rows if not (len(s.token_ids) == 1 and s.start_pos > 0)]
         nd = len(decodes)
+        sched = SchedulerOutput(step=step, scheduled=rows, num_decodes=nd,
+                                num_scheduled_tokens=sum(len(s.token_ids) for s in rows))
+        input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
+        keep = torch.tensor(sample_idx, device=self.device)
+        # from the second forward on every row is a one-token decode of its own argmax
+        later = self._decode_steps(md, steps - 1) if steps > 1 else []
+        guesses = []
         for i in range(steps):
-            sched = SchedulerOutput(step=step, scheduled=rows, num_decodes=nd,
-                                    num_scheduled_tokens=sum(len(s.token_ids) for s in rows))
-            input_ids, position_ids, md, sample_idx, packed = self.build_metadata(sched)
+            if i:
+                (position_ids, md), input_ids, nd = later[i - 1], guesses[-1], len(packed)
+                if i == 1:
+                    keep = torch.arange(nd, device=self.device)
             graphs = self.graphs
-            if graphs is not None and graphs.fits(nd, len(rows), len(sample_idx)):
+            if graphs is not None and graphs.fits(nd, len(packed), len(packed)):
                 logits = graphs.run(input_ids, position_ids, md)
             else:
-                keep = torch.tensor(sample_idx, device=self.device)
                 logits = self._forward(input_ids, position_ids, md, keep, None)
-            ids = logits.argmax(dim=-1).tolist()
-            for s, token in zip(packed, ids):
-                out[s.request_id].append(token)
-            if i + 1 < steps:  # from here on every row is a one-token decode of its own argmax
-                rows = [ScheduledRequest(s.request_id, [token], s.start_pos + len(s.token_ids), s.block_ids, True,
-                                         s.params, []) for s, token in zip(packed, ids)]
-                nd = len(rows)
+            guesses.append(logits.argmax(dim=-1))
+        ids = torch.stack(guesses, dim=1).tolist()  # [rows, steps]: one copy to the host for all of them
+        return {s.request_id: row for s, row in zip(packed, ids)}
+
+    def _decode_steps(self, md: AttentionMetadata, steps: int) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+        """The positions `[rows]` and metadata of each of the `steps` steps after `md` in
+        which each of its sequences decodes one token, at its context length and on:
+        computed at once from `md`'s block tables and context lengths, on the device, with
+        no per-request work on the host (whose blocks must hold those positions). The
+        reference back end's gathers (`AttentionMetadata.dense`) are one decode group."""
+        bs, tables = self.block_size, md.block_tables
+        rows, dev = tables.shape[0], tables.device
+        positions = md.seq_lens.long().unsqueeze(0) + torch.arange(steps, device=dev).unsqueeze(1)  # [steps, rows]
+        blocks = tables.gather(1, (positions // bs).t()).t()  # a transposed view: each step's row made contiguous
+        slots = (blocks.long() * bs + positions % bs).contiguous()  # (the C++ op takes contiguous slots only)
+        seq_lens = (positions + 1).to(torch.int32)
+        query_start = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        dense = getattr(self.backend, "USES_DENSE_METADATA", True)
+
+        def one_group(lens: torch.Tensor, longest: int) -> tuple[list[DecodeGroup], list[PrefillSpan]]:
+            nb = -(-longest // bs)
+            mask = torch.arange(nb * bs, device=dev) < lens.unsqueeze(1)
+            return [DecodeGroup(0, rows, tables[:, :nb], mask.view(rows, 1, 1, -1))], []
+
+        out = []
+        for i in range(steps):
+            longest = md.max_seq_len + 1 + i
+            out.append((positions[i], dataclasses.replace(
+                md, slot_mapping=slots[i], num_decodes=rows, decode_groups=[], prefills=[], seq_lens=seq_lens[i],
+                query_start_loc=query_start, max_query_len=1, max_seq_len=longest,
+                build_dense=functools.partial(one_group, seq_lens[i], longest) if dense else None)))
         return out
 
     def _timed(self, run, *args):
@@ -487,8 +518,6 @@ class ModelRunner:
         # the compiled forward reads the metadata in its attention ops (an argument would be a graph input)
         extra = {} if self.compiled else {"inflight_metadata": md}
         ids2d, pos2d = input_ids.unsqueeze(0), position_ids.unsqueeze(0)
-        if self.compiled:  # sizes without a value Dynamo may specialize on (0 and 1 would be): one graph for all
-            mark_token_dims(ids2d, pos2d, keep)
         # native_layers: set while compiled (only a compiled graph calls the C++ op)
         with step_metadata(md), lora_step(lora), native_attention_step(md, self.native_layers):
             try:

@@ -169,7 +169,9 @@ def paged_attention(
     if not paged_decode(query[:nd], k_cache, v_cache, md.block_tables, md.seq_lens, p.scale, p.sliding_window,
                         out[:nd], scales):
         return torch_ref.paged_attention(query, key, value, k_cache, v_cache, md, p, scales=scales)
-    if md.prefills:
-        torch_ref.paged_attention(query, key, value, k_cache, v_cache, replace(md, decode_groups=[]), p, out=out,
+    if nd < query.shape[0]:  # the prefill chunks through the reference
+        prefills = md.dense()[1]
+        torch_ref.paged_attention(query, key, value, k_cache, v_cache,
+                                  replace(md, decode_groups=[], prefills=prefills, build_dense=None), p, out=out,
                                   scales=scales)
     return out

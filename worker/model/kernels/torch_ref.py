@@ -128,9 +128,10 @@ def paged_attention(
     if out is None:
         out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
     ks, vs = scales if scales is not None else (None, None)
-    for g in md.decode_groups:
+    groups, prefills = md.dense()
+    for g in groups:
         out[g.row_start : g.row_end] = _decode_group(query, k_cache, v_cache, md, g, p, ks, vs)
-    for span in md.prefills:
+    for span in prefills:
         out[span.q_start : span.q_end] = _prefill_span(query, key, value, k_cache, v_cache, span, p, ks, vs)
     return out
 
