@@ -376,12 +376,12 @@ def test_a_draft_models_later_guesses_run_in_the_cxx_op():
     sched = SchedulerOutput(step=1, scheduled=rows, num_scheduled_tokens=sum(r.num_tokens for r in rows),
                             num_decodes=2)
     md = r.build_metadata(sched)[2]
+    calls = []
     for _, later in r._decode_steps(md, 3):
         later = replace(later, modules={0: Layer(0)})
         q = torch.randn(1, len(rows), NUM_KV_HEADS * 2, 32).transpose(1, 2)
         qkv = (q, torch.randn(1, NUM_KV_HEADS, len(rows), 32), torch.randn(1, NUM_KV_HEADS, len(rows), 32))
         want, want_caches = python_op(r, later, qkv)
-        calls = []
         with pytest.MonkeyPatch.context() as m:  # the native op computes it: the Python op is not called
             m.setattr(attention, "paged_attention_forward", lambda *a, **kw: calls.append(1))
             got, got_caches = native_op(r, later, qkv)
