@@ -284,10 +284,7 @@ class ModelRunner:
             last = first + 1
             while last < nd and (last - first < 4 or -(-int(seq_lens[last]) // bs) * 2 > nb):
                 last += 1
-            mask = torch.arange(nb * bs).unsqueeze(0) < seq_lens[first:last].unsqueeze(1)
-            decode_groups.append(
-                DecodeGroup(first, last, block_tables[first:last, :nb].to(dev), mask.view(last - first, 1, 1, -1).to(dev))
-            )
+            decode_groups.append(self._decode_group(first, last, nb, block_tables, seq_lens))
             first = last
         prefills = []
         for i in range(nd, len(packed)):
@@ -301,6 +298,16 @@ class ModelRunner:
             mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(s.start_pos, ctx).unsqueeze(1)
             prefills.append(PrefillSpan(q0, q1, ctx_blocks, mask.to(dev)))
         return decode_groups, prefills
+
+    def _decode_group(self, first: int, last: int, num_blocks: int, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor) -> DecodeGroup:
+        """Decode rows `[first, last)` padded to `num_blocks` blocks (`DecodeGroup`): their
+        tables cut there and the `[rows, 1, 1, context]` mask of the positions inside each
+        row's context (`seq_lens` `[num_reqs]`), on the runner's device."""
+        dev = self.device
+        mask = torch.arange(num_blocks * self.block_size, device=seq_lens.device) < seq_lens[first:last].unsqueeze(1)
+        return DecodeGroup(first, last, block_tables[first:last, :num_blocks].to(dev),
+                           mask.view(last - first, 1, 1, -1).to(dev))
 
     def _recurrent_step(self, packed: list[ScheduledRequest], nd: int, query_start: list[int]) -> RecurrentStep:
         """The recurrent mixers' view of the step: each decode's and each prefill chunk's
@@ -394,12 +401,11 @@ class ModelRunner:
         keep = torch.tensor(sample_idx, device=self.device)
         # from the second forward on every row is a one-token decode of its own argmax
         later = self._decode_steps(md, steps - 1) if steps > 1 else []
+        every_row = torch.arange(len(packed), device=self.device) if later else None
         guesses = []
         for i in range(steps):
             if i:
-                (position_ids, md), input_ids, nd = later[i - 1], guesses[-1], len(packed)
-                if i == 1:
-                    keep = torch.arange(nd, device=self.device)
+                (position_ids, md), input_ids, keep, nd = later[i - 1], guesses[-1], every_row, len(packed)
             graphs = self.graphs
             if graphs is not None and graphs.fits(nd, len(packed), len(packed)):
                 logits = graphs.run(input_ids, position_ids, md)
@@ -425,9 +431,7 @@ class ModelRunner:
         dense = getattr(self.backend, "USES_DENSE_METADATA", True)
 
         def one_group(lens: torch.Tensor, longest: int) -> tuple[list[DecodeGroup], list[PrefillSpan]]:
-            nb = -(-longest // bs)
-            mask = torch.arange(nb * bs, device=dev) < lens.unsqueeze(1)
-            return [DecodeGroup(0, rows, tables[:, :nb], mask.view(rows, 1, 1, -1))], []
+            return [self._decode_group(0, rows, -(-longest // bs), tables, lens)], []
 
         out = []
         for i in range(steps):
